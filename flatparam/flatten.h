@@ -1,0 +1,154 @@
+// Moving parameter data in and out of a flat parameter laid out by a
+// FlatParamLayout, on host memory.
+//
+// The flat parameter is a plain array of `layout.dtype()` elements. Every
+// function here takes dtype-tagged views of caller-owned memory and copies;
+// none allocates tensor memory or keeps a pointer after it returns. Each
+// checks that the views have the dtype and element count the layout implies
+// and returns InvalidArgument naming the parameter and both sizes otherwise.
+//
+//   Flatten            params            -> unsharded flat parameter (padding
+//   42) FlattenShard       params            -> one rank's padded shard,
+//   directly CopyShard          unsharded flat    -> one rank's padded shard
+//   (padding 0) ConcatShards       every rank's shard-> padded unsharded flat
+//   parameter Unflatten          unsharded flat    -> params (padding skipped)
+//   UnflattenShard     one rank's shard  -> the pieces of params it holds
+//
+// Views of a flat parameter (PyTorch's `use_orig_params` views) are
+// `ParamView` (into the unsharded buffer) and `ShardView` (into a rank's
+// shard; possibly empty).
+//
+// Thread-safety: the functions are reentrant; concurrent calls must not write
+// the same memory.
+#ifndef FLATPARAM_FLATTEN_H_
+#define FLATPARAM_FLATTEN_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "flatparam/base/dtype.h"
+#include "flatparam/layout.h"
+
+namespace flatparam {
+
+// A read-only view of `numel` elements of `dtype` at `data`.
+struct ConstTensorRef {
+  const void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t numel = 0;
+};
+
+// A writable view of `numel` elements of `dtype` at `data`.
+struct TensorRef {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t numel = 0;
+
+  operator ConstTensorRef() const { return {data, dtype, numel}; }
+};
+
+// A host tensor that owns its (contiguous, row-major) storage.
+// Movable and copyable; not thread-safe for concurrent mutation.
+class HostTensor {
+ public:
+  HostTensor() = default;
+  HostTensor(DType dtype, std::vector<int64_t> shape);
+  // A 1-D tensor of `numel` elements.
+  static HostTensor Flat(DType dtype, int64_t numel);
+
+  DType dtype() const { return dtype_; }
+  const std::vector<int64_t>& shape() const { return shape_; }
+  int64_t numel() const { return numel_; }
+  size_t nbytes() const { return bytes_.size(); }
+  void* data() { return bytes_.data(); }
+  const void* data() const { return bytes_.data(); }
+  template <typename T>
+  T* data_as() {
+    return reinterpret_cast<T*>(bytes_.data());
+  }
+  template <typename T>
+  const T* data_as() const {
+    return reinterpret_cast<const T*>(bytes_.data());
+  }
+
+  TensorRef ref() { return {data(), dtype_, numel_}; }
+  ConstTensorRef ref() const { return {data(), dtype_, numel_}; }
+  ConstTensorRef cref() const { return ref(); }
+
+  // Element i as double / stored from double with PyTorch rounding.
+  double GetDouble(int64_t i) const { return LoadAsDouble(data(), dtype_, i); }
+  void SetDouble(int64_t i, double v) { StoreFromDouble(data(), dtype_, i, v); }
+
+  // Bytewise equality of dtype, shape and contents.
+  friend bool operator==(const HostTensor& a, const HostTensor& b) {
+    return a.dtype_ == b.dtype_ && a.shape_ == b.shape_ && a.bytes_ == b.bytes_;
+  }
+  friend bool operator!=(const HostTensor& a, const HostTensor& b) {
+    return !(a == b);
+  }
+
+ private:
+  DType dtype_ = DType::kFloat32;
+  std::vector<int64_t> shape_;
+  int64_t numel_ = 0;
+  // 16-byte aligned storage (max_align_t) as a byte vector.
+  std::vector<unsigned char> bytes_;
+};
+
+// Writes the unsharded flat parameter: `params[i]` is the data of
+// `layout.params()[i]`; `out` has `layout.unpadded_unsharded_numel()`
+// elements. Alignment and world-size padding are set to 42.
+absl::Status Flatten(const FlatParamLayout& layout,
+                     absl::Span<const ConstTensorRef> params, TensorRef out);
+
+// Writes `rank`'s padded shard (`layout.sharded_numel()` elements) straight
+// from the parameters, without materializing the unsharded flat parameter:
+// the result equals Flatten followed by CopyShard.
+absl::Status FlattenShard(const FlatParamLayout& layout,
+                          absl::Span<const ConstTensorRef> params, int64_t rank,
+                          TensorRef out);
+
+// Copies `rank`'s shard of `flat` (`unpadded_unsharded_numel()` or
+// `padded_unsharded_numel()` elements) into `out` (`sharded_numel()`
+// elements), zero-filling the right padding. PyTorch's `_get_shard`.
+absl::Status CopyShard(const FlatParamLayout& layout, ConstTensorRef flat,
+                       int64_t rank, TensorRef out);
+
+// Concatenates `shards` (one per rank, `sharded_numel()` elements each, in
+// rank order) into `out` (`padded_unsharded_numel()` elements): the
+// all-gather result. For NO_SHARD, `shards` has one element.
+absl::Status ConcatShards(const FlatParamLayout& layout,
+                          absl::Span<const ConstTensorRef> shards,
+                          TensorRef out);
+
+// Copies each parameter out of the unsharded flat parameter `flat`
+// (unpadded or padded size). `params[i]` receives `layout.params()[i]`.
+absl::Status Unflatten(const FlatParamLayout& layout, ConstTensorRef flat,
+                       absl::Span<const TensorRef> params);
+
+// Copies what `rank`'s shard holds of each parameter into `params[i]` at the
+// matching element offsets (intra_param_start_idx..intra_param_end_idx);
+// elements the shard does not hold are left untouched.
+absl::Status UnflattenShard(const FlatParamLayout& layout, ConstTensorRef shard,
+                            int64_t rank, absl::Span<const TensorRef> params);
+
+// The view of parameter `index` inside an unsharded flat parameter.
+// REQUIRES: `flat` has at least unpadded_unsharded_numel() elements.
+ConstTensorRef ParamView(const FlatParamLayout& layout, ConstTensorRef flat,
+                         int index);
+TensorRef ParamView(const FlatParamLayout& layout, TensorRef flat, int index);
+
+// The (flattened, possibly empty) view of parameter `index` inside `rank`'s
+// shard, PyTorch's sharded `use_orig_params` view.
+// REQUIRES: `shard` has sharded_numel() elements.
+ConstTensorRef ShardView(const FlatParamLayout& layout, ConstTensorRef shard,
+                         int64_t rank, int index);
+TensorRef ShardView(const FlatParamLayout& layout, TensorRef shard,
+                    int64_t rank, int index);
+
+}  // namespace flatparam
+
+#endif  // FLATPARAM_FLATTEN_H_

@@ -1,0 +1,262 @@
+"""Repository rules that expose system libraries without downloading anything.
+
+* `pkg_config_library`: a cc_library whose flags come from pkg-config.
+* `cuda_configure`: CUDA runtime and NCCL from a local CUDA installation when
+  there is one; empty targets and `HAVE_CUDA = False` when there is none.
+* `stand_in_repository`: tiny local replacements for the repositories that
+  Bazel 4's built-in WORKSPACE suffix would otherwise fetch.
+"""
+
+def _pkg_config(ctx, args):
+    result = ctx.execute(["pkg-config"] + args)
+    if result.return_code != 0:
+        return None
+    return result.stdout.strip()
+
+def _quote_list(items):
+    return "[" + ", ".join(['"%s"' % i for i in items]) + "]"
+
+def _pkg_config_library_impl(ctx):
+    modules = ctx.attr.modules
+    libs = _pkg_config(ctx, ["--libs"] + modules)
+    inc = _pkg_config(ctx, ["--cflags-only-I"] + modules)
+    other = _pkg_config(ctx, ["--cflags-only-other"] + modules)
+    available = libs != None and inc != None and other != None
+    if not available and not ctx.attr.optional:
+        fail("pkg-config could not find %s; run tools/setup.sh" % " ".join(modules))
+    linkopts = []
+    copts = []
+    includes = []
+    if available:
+        linkopts = libs.split(" ") if libs else []
+        copts = other.split(" ") if other else []
+
+        # Headers outside /usr/include are linked into the repository so Bazel
+        # can track them as inputs.
+        for flag in (inc.split(" ") if inc else []):
+            path = flag[2:]
+            name = "include_%d" % len(includes)
+            ctx.symlink(path, name)
+            includes.append(name)
+    ctx.file("WORKSPACE", 'workspace(name = "%s")\n' % ctx.name)
+    hdrs = " + ".join(['glob(["%s/**/*.h"])' % i for i in includes]) or "[]"
+    ctx.file("BUILD.bazel", """
+package(default_visibility = ["//visibility:public"])
+
+cc_library(
+    name = "lib",
+    hdrs = {hdrs},
+    includes = {includes},
+    copts = {copts},
+    defines = {defines},
+    linkopts = {linkopts},
+)
+""".format(
+        hdrs = hdrs,
+        includes = _quote_list(includes),
+        copts = _quote_list(copts),
+        defines = _quote_list(ctx.attr.defines if available else []),
+        linkopts = _quote_list(linkopts),
+    ))
+    ctx.file("defs.bzl", "AVAILABLE = %s\n" % available)
+
+pkg_config_library = repository_rule(
+    implementation = _pkg_config_library_impl,
+    attrs = {
+        "modules": attr.string_list(mandatory = True),
+        "defines": attr.string_list(),
+        "optional": attr.bool(default = False),
+    },
+    environ = ["PKG_CONFIG_PATH"],
+    local = True,
+)
+
+def _cuda_configure_impl(ctx):
+    root = ctx.os.environ.get("CUDA_PATH", "/usr/local/cuda")
+    have_cuda = ctx.path(root + "/include/cuda_runtime.h").exists
+    have_nccl = have_cuda and ctx.path(root + "/include/nccl.h").exists
+    ctx.file("WORKSPACE", 'workspace(name = "%s")\n' % ctx.name)
+    ctx.file("defs.bzl", """\"\"\"What cuda_configure found on this machine.\"\"\"
+
+HAVE_CUDA = {have_cuda}
+HAVE_NCCL = {have_nccl}
+CUDA_PATH = "{root}"
+
+def if_cuda(if_true, if_false = []):
+    return if_true if HAVE_CUDA else if_false
+
+def if_nccl(if_true, if_false = []):
+    return if_true if HAVE_NCCL else if_false
+""".format(have_cuda = have_cuda, have_nccl = have_nccl, root = root))
+    if not have_cuda:
+        ctx.file("BUILD.bazel", """
+package(default_visibility = ["//visibility:public"])
+
+# No CUDA installation was found at {root}; these targets are empty.
+cc_library(name = "cudart")
+
+cc_library(name = "nccl")
+""".format(root = root))
+        return
+    ctx.symlink(root + "/include", "include")
+    lib = root + "/lib64"
+    if not ctx.path(lib).exists:
+        lib = root + "/lib"
+    ctx.file("BUILD.bazel", """
+package(default_visibility = ["//visibility:public"])
+
+cc_library(
+    name = "cuda_headers",
+    hdrs = glob([
+        "include/*.h",
+        "include/*.hpp",
+        "include/crt/**",
+        "include/nv/**",
+    ]),
+    includes = ["include"],
+)
+
+cc_library(
+    name = "cudart",
+    linkopts = ["-L{lib}", "-Wl,-rpath,{lib}", "-lcudart"],
+    deps = [":cuda_headers"],
+)
+
+cc_library(
+    name = "nccl",
+    linkopts = {nccl_linkopts},
+    deps = [":cudart"],
+)
+""".format(
+        lib = lib,
+        nccl_linkopts = _quote_list(["-L" + lib, "-Wl,-rpath," + lib, "-lnccl"] if have_nccl else []),
+    ))
+
+cuda_configure = repository_rule(
+    implementation = _cuda_configure_impl,
+    environ = ["CUDA_PATH"],
+    local = True,
+)
+
+_RULES_CC_DEFS = """\"\"\"Offline stand-in for rules_cc: forwards to the native rules.\"\"\"
+
+def cc_binary(**attrs):
+    native.cc_binary(**attrs)
+
+def cc_import(**attrs):
+    native.cc_import(**attrs)
+
+def cc_library(**attrs):
+    native.cc_library(**attrs)
+
+def cc_proto_library(**attrs):
+    native.cc_proto_library(**attrs)
+
+def cc_test(**attrs):
+    native.cc_test(**attrs)
+
+def cc_toolchain(**attrs):
+    native.cc_toolchain(**attrs)
+
+def cc_toolchain_suite(**attrs):
+    native.cc_toolchain_suite(**attrs)
+
+def fdo_prefetch_hints(**attrs):
+    native.fdo_prefetch_hints(**attrs)
+
+def fdo_profile(**attrs):
+    native.fdo_profile(**attrs)
+
+def objc_import(**attrs):
+    native.objc_import(**attrs)
+
+def objc_library(**attrs):
+    native.objc_library(**attrs)
+"""
+
+_RULES_JAVA_DEFS = """\"\"\"Offline stand-in for rules_java: forwards to the native rules.\"\"\"
+
+def java_binary(**attrs):
+    native.java_binary(**attrs)
+
+def java_import(**attrs):
+    native.java_import(**attrs)
+
+def java_library(**attrs):
+    native.java_library(**attrs)
+
+def java_lite_proto_library(**attrs):
+    native.java_lite_proto_library(**attrs)
+
+def java_package_configuration(**attrs):
+    native.java_package_configuration(**attrs)
+
+def java_plugin(**attrs):
+    native.java_plugin(**attrs)
+
+def java_proto_library(**attrs):
+    native.java_proto_library(**attrs)
+
+def java_runtime(**attrs):
+    native.java_runtime(**attrs)
+
+def java_test(**attrs):
+    native.java_test(**attrs)
+
+def java_toolchain(**attrs):
+    native.java_toolchain(**attrs)
+"""
+
+_COVERAGE_SCRIPT = """#!/bin/sh
+# Offline stand-in for Bazel's coverage_report_generator: concatenates the
+# per-test lcov files listed in --filelist into --output_file.
+out=""
+list=""
+for arg in "$@"; do
+  case "$arg" in
+    --output_file=*) out="${arg#--output_file=}" ;;
+    --filelist=*) list="${arg#--filelist=}" ;;
+  esac
+done
+[ -n "$out" ] || exit 0
+: > "$out"
+[ -n "$list" ] && [ -f "$list" ] || exit 0
+while IFS= read -r f; do
+  [ -f "$f" ] && cat "$f" >> "$out"
+done < "$list"
+exit 0
+"""
+
+def _stand_in_repository_impl(ctx):
+    ctx.file("WORKSPACE", 'workspace(name = "%s")\n' % ctx.name)
+    kind = ctx.attr.kind
+    if kind == "rules_cc":
+        ctx.file("BUILD.bazel", "")
+        ctx.file("cc/BUILD.bazel", "")
+        ctx.file("cc/defs.bzl", _RULES_CC_DEFS)
+    elif kind == "rules_java":
+        ctx.file("BUILD.bazel", "")
+        ctx.file("java/BUILD.bazel", "")
+        ctx.file("java/defs.bzl", _RULES_JAVA_DEFS)
+    elif kind == "remote_coverage_tools":
+        ctx.file("coverage_report_generator.sh", _COVERAGE_SCRIPT, executable = True)
+        ctx.file("BUILD.bazel", """
+package(default_visibility = ["//visibility:public"])
+
+sh_binary(
+    name = "coverage_report_generator",
+    srcs = ["coverage_report_generator.sh"],
+)
+
+filegroup(
+    name = "lcov_merger",
+    srcs = ["coverage_report_generator.sh"],
+)
+""")
+    else:
+        fail("unknown stand-in kind " + kind)
+
+stand_in_repository = repository_rule(
+    implementation = _stand_in_repository_impl,
+    attrs = {"kind": attr.string(mandatory = True)},
+)
