@@ -15,10 +15,11 @@ def flatparam_cc_library(name, copts = [], **kwargs):
 def flatparam_cc_binary(name, copts = [], **kwargs):
     native.cc_binary(name = name, copts = FLATPARAM_COPTS + copts, **kwargs)
 
-def flatparam_cc_test(name, copts = [], deps = [], **kwargs):
-    """A GoogleTest test; gtest_main is added unless `deps` brings a main."""
+def flatparam_cc_test(name, copts = [], deps = [], size = "small", **kwargs):
+    """A GoogleTest test linked with gtest_main; small unless told otherwise."""
     native.cc_test(
         name = name,
+        size = size,
         copts = FLATPARAM_COPTS + copts,
         deps = deps + ["@flatparam//third_party:gtest_main"],
         **kwargs

@@ -1,0 +1,146 @@
+#include "flatparam/flatten.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "flatparam/base/status_matchers.h"
+
+namespace flatparam {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+std::vector<double> Values(const HostTensor& t) {
+  std::vector<double> v;
+  for (int64_t i = 0; i < t.numel(); ++i) v.push_back(t.GetDouble(i));
+  return v;
+}
+
+class FlattenTest : public ::testing::Test {
+ protected:
+  // a = [1 2 3], b = [10..14], c = 7; aligned float32 over 3 ranks gives
+  // a | 42 | b | 42 42 42 | c | 42 42 (see layout_test.cc).
+  void SetUp() override {
+    std::vector<ParamSpec> specs = {{"a", {3}}, {"b", {5}}, {"c", {}}};
+    LayoutOptions o;
+    o.world_size = 3;
+    o.align_addresses = true;
+    layout_ = *FlatParamLayout::Create("", specs, o);
+    params_ = {HostTensor(DType::kFloat32, {3}),
+               HostTensor(DType::kFloat32, {5}),
+               HostTensor(DType::kFloat32, {})};
+    for (int i = 0; i < 3; ++i) params_[0].SetDouble(i, i + 1);
+    for (int i = 0; i < 5; ++i) params_[1].SetDouble(i, 10 + i);
+    params_[2].SetDouble(0, 7);
+  }
+  std::vector<ConstTensorRef> Refs() const {
+    std::vector<ConstTensorRef> r;
+    for (const HostTensor& t : params_) r.push_back(t.cref());
+    return r;
+  }
+
+  std::optional<FlatParamLayout> layout_;
+  std::vector<HostTensor> params_;
+};
+
+TEST_F(FlattenTest, FlattenWritesPaddingValue42) {
+  HostTensor flat = HostTensor::Flat(DType::kFloat32, 15);
+  FLATPARAM_ASSERT_OK(Flatten(*layout_, Refs(), flat.ref()));
+  EXPECT_THAT(Values(flat), ElementsAre(1, 2, 3, 42, 10, 11, 12, 13, 14, 42, 42,
+                                        42, 7, 42, 42));
+}
+
+TEST_F(FlattenTest, ShardsMatchFlattenAndCopy) {
+  HostTensor flat = HostTensor::Flat(DType::kFloat32, 15);
+  FLATPARAM_ASSERT_OK(Flatten(*layout_, Refs(), flat.ref()));
+  std::vector<HostTensor> shards;
+  for (int r = 0; r < 3; ++r) {
+    HostTensor a = HostTensor::Flat(DType::kFloat32, 5);
+    HostTensor b = HostTensor::Flat(DType::kFloat32, 5);
+    FLATPARAM_ASSERT_OK(CopyShard(*layout_, flat.cref(), r, a.ref()));
+    FLATPARAM_ASSERT_OK(FlattenShard(*layout_, Refs(), r, b.ref()));
+    EXPECT_EQ(a, b) << "rank " << r;
+    shards.push_back(std::move(a));
+  }
+  EXPECT_THAT(Values(shards[1]), ElementsAre(11, 12, 13, 14, 42));
+  std::vector<ConstTensorRef> refs;
+  for (const HostTensor& s : shards) refs.push_back(s.cref());
+  HostTensor gathered = HostTensor::Flat(DType::kFloat32, 15);
+  FLATPARAM_ASSERT_OK(ConcatShards(*layout_, refs, gathered.ref()));
+  EXPECT_EQ(gathered, flat);
+
+  std::vector<HostTensor> out = {HostTensor(DType::kFloat32, {3}),
+                                 HostTensor(DType::kFloat32, {5}),
+                                 HostTensor(DType::kFloat32, {})};
+  std::vector<TensorRef> out_refs;
+  for (HostTensor& t : out) out_refs.push_back(t.ref());
+  FLATPARAM_ASSERT_OK(Unflatten(*layout_, gathered.cref(), out_refs));
+  EXPECT_EQ(out, params_);
+
+  std::vector<HostTensor> pieces = {HostTensor(DType::kFloat32, {3}),
+                                    HostTensor(DType::kFloat32, {5}),
+                                    HostTensor(DType::kFloat32, {})};
+  std::vector<TensorRef> piece_refs;
+  for (HostTensor& t : pieces) piece_refs.push_back(t.ref());
+  for (int r = 0; r < 3; ++r) {
+    FLATPARAM_ASSERT_OK(
+        UnflattenShard(*layout_, shards[r].cref(), r, piece_refs));
+  }
+  EXPECT_EQ(pieces, params_);
+}
+
+TEST_F(FlattenTest, ShardPaddingIsZero) {
+  std::vector<ParamSpec> specs = {{"w", {7}, DType::kBFloat16}};
+  LayoutOptions o;
+  o.world_size = 4;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(FlatParamLayout l,
+                                 FlatParamLayout::Create("", specs, o));
+  HostTensor w(DType::kBFloat16, {7});
+  for (int i = 0; i < 7; ++i) w.SetDouble(i, i + 1);
+  HostTensor shard = HostTensor::Flat(DType::kBFloat16, 2);
+  FLATPARAM_ASSERT_OK(FlattenShard(l, {w.cref()}, 3, shard.ref()));
+  EXPECT_THAT(Values(shard), ElementsAre(7, 0));
+}
+
+TEST_F(FlattenTest, ViewsPointIntoTheBuffers) {
+  HostTensor flat = HostTensor::Flat(DType::kFloat32, 15);
+  FLATPARAM_ASSERT_OK(Flatten(*layout_, Refs(), flat.ref()));
+  const ConstTensorRef b = ParamView(*layout_, flat.cref(), 1);
+  EXPECT_EQ(b.numel, 5);
+  EXPECT_EQ(static_cast<const float*>(b.data)[0], 10.0f);
+  HostTensor shard = HostTensor::Flat(DType::kFloat32, 5);
+  FLATPARAM_ASSERT_OK(FlattenShard(*layout_, Refs(), 1, shard.ref()));
+  const ConstTensorRef b1 = ShardView(*layout_, shard.cref(), 1, 1);
+  EXPECT_EQ(b1.numel, 4);
+  EXPECT_EQ(static_cast<const float*>(b1.data)[0], 11.0f);
+  EXPECT_EQ(ShardView(*layout_, shard.cref(), 1, 0).numel, 0);
+}
+
+TEST_F(FlattenTest, WrongBuffersAreErrors) {
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+  HostTensor flat = HostTensor::Flat(DType::kFloat32, 14);
+  EXPECT_THAT(Flatten(*layout_, Refs(), flat.ref()),
+              StatusIs(kInvalid, HasSubstr("must be 15 elements of float32, "
+                                           "got 14 elements of float32")));
+  std::vector<ConstTensorRef> refs = Refs();
+  refs.pop_back();
+  HostTensor ok = HostTensor::Flat(DType::kFloat32, 15);
+  EXPECT_THAT(Flatten(*layout_, refs, ok.ref()),
+              StatusIs(kInvalid, HasSubstr("expected 3 parameter buffers")));
+  HostTensor wrong_dtype(DType::kFloat64, {5});
+  refs = Refs();
+  refs[1] = wrong_dtype.cref();
+  EXPECT_THAT(Flatten(*layout_, refs, ok.ref()),
+              StatusIs(kInvalid, HasSubstr("parameter \"b\"")));
+  HostTensor shard = HostTensor::Flat(DType::kFloat32, 5);
+  EXPECT_THAT(FlattenShard(*layout_, Refs(), 3, shard.ref()),
+              StatusIs(kInvalid, HasSubstr("rank 3 is out of range")));
+  EXPECT_THAT(ConcatShards(*layout_, {shard.cref()}, ok.ref()),
+              StatusIs(kInvalid, HasSubstr("expected 3 shards, got 1")));
+}
+
+}  // namespace
+}  // namespace flatparam
