@@ -1,0 +1,217 @@
+// The collective-communication interface every flatparam backend implements:
+// the deterministic simulator (//sim), OpenMPI on host buffers
+// (//comm/mpi) and NCCL on CUDA buffers (//comm/nccl).
+//
+// A Communicator is one process group as seen from one rank. Its contract is
+// NCCL's and c10d's: every rank of the group calls the same collectives, in
+// the same order, with matching counts, dtypes and roots. A backend detects
+// what it can of a violation (the simulator detects all of it) and reports it
+// as an error instead of hanging; every collective also has a timeout.
+//
+// Buffers are described by BufferRef: a pointer, an element count, a dtype
+// (the four flatparam floating-point dtypes) and a device. The caller owns
+// every buffer and must keep it alive and untouched until the returned Work
+// has been waited on.
+//
+// Collectives are asynchronous: each call validates its arguments, starts
+// the operation and returns a Work handle whose Wait() blocks until it has
+// finished and returns its status. Argument errors are reported by Wait()
+// too, so a call never throws and the returned Work is never null. Waiting
+// on a Work twice returns the same status.
+//
+// Errors carry the rank, the operation, its sequence number in the group
+// and the sizes involved: InvalidArgument for mismatched arguments,
+// Unimplemented for an unsupported dtype/device on a backend,
+// DeadlineExceeded for a timeout, Aborted when a peer died or the group
+// was aborted, Internal for a desynchronised group or corrupted data.
+//
+// Thread-safety: a Communicator is used by one thread at a time (the rank's
+// own thread), like an NCCL communicator. Work handles may be waited on from
+// that thread only.
+#ifndef FLATPARAM_COMM_COMMUNICATOR_H_
+#define FLATPARAM_COMM_COMMUNICATOR_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "flatparam/base/dtype.h"
+
+namespace flatparam {
+
+// Where a buffer lives.
+enum class DeviceType : uint8_t { kHost, kCuda };
+
+struct Device {
+  DeviceType type = DeviceType::kHost;
+  int index = 0;  // CUDA device ordinal; 0 for host.
+
+  static Device Host() { return {}; }
+  static Device Cuda(int index) { return {DeviceType::kCuda, index}; }
+  friend bool operator==(Device a, Device b) {
+    return a.type == b.type && a.index == b.index;
+  }
+  friend bool operator!=(Device a, Device b) { return !(a == b); }
+};
+
+// "host" or "cuda:N".
+std::string DeviceName(Device device);
+
+// A read-only buffer of `count` elements of `dtype` at `data` on `device`.
+struct ConstBufferRef {
+  const void* data = nullptr;
+  int64_t count = 0;
+  DType dtype = DType::kFloat32;
+  Device device;
+
+  int64_t bytes() const;
+};
+
+// A writable buffer; converts to ConstBufferRef.
+struct BufferRef {
+  void* data = nullptr;
+  int64_t count = 0;
+  DType dtype = DType::kFloat32;
+  Device device;
+
+  int64_t bytes() const;
+  operator ConstBufferRef() const { return {data, count, dtype, device}; }
+  // Elements [offset, offset + count) of this buffer.
+  BufferRef Slice(int64_t offset, int64_t count) const;
+};
+
+enum class ReduceOp : uint8_t {
+  kSum,
+  // Sum divided by the group size (NCCL's ncclAvg).
+  kAvg,
+  kMax,
+  kMin,
+};
+
+absl::string_view ReduceOpName(ReduceOp op);
+
+// The timeout every collective gets unless its options say otherwise.
+inline constexpr absl::Duration kDefaultCollectiveTimeout = absl::Minutes(5);
+
+struct CollectiveOptions {
+  // How long Wait() may block before returning DeadlineExceeded. Backends
+  // abort the group on a timeout, as NCCL's watchdog does, so later
+  // collectives fail fast instead of hanging.
+  absl::Duration timeout = kDefaultCollectiveTimeout;
+};
+
+struct ReduceOptions : CollectiveOptions {
+  ReduceOp op = ReduceOp::kSum;
+  // FSDP's gradient pre- and post-divide: every input element is divided by
+  // `pre_divide_factor` before the reduction and every output element by
+  // `post_divide_factor` after it (kAvg's division by the group size comes
+  // in between). 1.0 disables a factor. Only with kSum and kAvg.
+  double pre_divide_factor = 1.0;
+  double post_divide_factor = 1.0;
+};
+
+struct BroadcastOptions : CollectiveOptions {
+  int root = 0;
+};
+
+// The handle of an issued collective.
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Blocks until the collective has finished (or its timeout passed) and
+  // returns its status. Later calls return the same status at once.
+  virtual absl::Status Wait() = 0;
+};
+
+// A Work that is already finished with `status`.
+std::unique_ptr<Work> CompletedWork(absl::Status status);
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  // This process's rank in the group, in [0, size()).
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // The backend's name: "sim", "mpi" or "nccl".
+  virtual absl::string_view backend() const = 0;
+
+  // All-gather. `input` holds `count` elements on every rank; `output` holds
+  // `size() * count`. Rank i's input lands at output offset `i * count`.
+  // In place when `input.data == output.data + rank() * count` (bytes).
+  virtual std::unique_ptr<Work> AllGather(ConstBufferRef input,
+                                          BufferRef output,
+                                          const CollectiveOptions& options) = 0;
+
+  // Reduce-scatter. `input` holds `size() * count` elements on every rank;
+  // `output` holds `count`. Rank i receives the reduction, over all ranks,
+  // of input elements [i * count, (i + 1) * count). In place when
+  // `output.data == input.data + rank() * count` (bytes).
+  virtual std::unique_ptr<Work> ReduceScatter(ConstBufferRef input,
+                                              BufferRef output,
+                                              const ReduceOptions& options) = 0;
+
+  // All-reduce. `input` and `output` hold `count` elements on every rank;
+  // every rank receives the element-wise reduction. In place when
+  // `input.data == output.data`.
+  virtual std::unique_ptr<Work> AllReduce(ConstBufferRef input,
+                                          BufferRef output,
+                                          const ReduceOptions& options) = 0;
+
+  // Broadcast. `buffer` holds `count` elements on every rank; the root's
+  // contents are copied to every other rank's buffer.
+  virtual std::unique_ptr<Work> Broadcast(BufferRef buffer,
+                                          const BroadcastOptions& options) = 0;
+
+  // All-gather of variable-length byte strings (host only; for metadata,
+  // like torch.distributed.all_gather_object). Returns one string per rank,
+  // in rank order. Blocking.
+  virtual absl::StatusOr<std::vector<std::string>> AllGatherBytes(
+      absl::string_view bytes, const CollectiveOptions& options) = 0;
+
+  // Blocks until every rank of the group has entered the barrier.
+  virtual absl::Status Barrier(const CollectiveOptions& options) = 0;
+
+  // Collective over this group: splits it into subgroups, one per distinct
+  // `color`; ranks within a subgroup are ordered by (`key`, old rank). A
+  // negative color returns nullptr for that rank (it joins no subgroup),
+  // as with MPI_UNDEFINED / NCCL_SPLIT_NOCOLOR.
+  virtual absl::StatusOr<std::unique_ptr<Communicator>> Split(
+      int color, int key, const CollectiveOptions& options) = 0;
+};
+
+// The hybrid-sharding groups of a world of `size()` ranks laid out as nodes
+// of `shard_group_size` consecutive ranks: the shard group (the ranks of
+// this node) and the replicate group (the ranks with this rank's local index
+// on every node). InvalidArgument unless shard_group_size divides size().
+struct HybridGroups {
+  std::unique_ptr<Communicator> shard;
+  std::unique_ptr<Communicator> replicate;
+};
+absl::StatusOr<HybridGroups> MakeHybridGroups(
+    Communicator& world, int shard_group_size,
+    const CollectiveOptions& options = {});
+
+// Checks the arguments of each collective against the contract above, for
+// backends to share. `seq` is the operation's sequence number in the group.
+// The messages name the rank, the op, `seq` and the sizes.
+absl::Status ValidateAllGather(int rank, int size, int64_t seq,
+                               ConstBufferRef input, BufferRef output);
+absl::Status ValidateReduceScatter(int rank, int size, int64_t seq,
+                                   ConstBufferRef input, BufferRef output,
+                                   const ReduceOptions& options);
+absl::Status ValidateAllReduce(int rank, int size, int64_t seq,
+                               ConstBufferRef input, BufferRef output,
+                               const ReduceOptions& options);
+absl::Status ValidateBroadcast(int rank, int size, int64_t seq,
+                               BufferRef buffer,
+                               const BroadcastOptions& options);
+
+}  // namespace flatparam
+
+#endif  // FLATPARAM_COMM_COMMUNICATOR_H_
