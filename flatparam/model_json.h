@@ -1,0 +1,60 @@
+// Reading and writing model descriptions (ModelSpec) as JSON model files.
+//
+// A model file lists the parameters in module traversal order (the order of
+// PyTorch's `model.named_parameters(remove_duplicate=False)`) and the unit
+// prefixes to wrap:
+//
+//   {
+//     "name": "tiny",                                  (optional)
+//     "params": [
+//       {"fqn": "emb.weight", "shape": [11, 3], "dtype": "float32",
+//        "requires_grad": true},
+//       {"fqn": "seq.2.weight", "shape": [7, 5]},
+//       {"fqn": "head.weight", "tied_to": "emb.weight"}
+//     ],
+//     "wrap": ["seq.2"]                                (optional)
+//   }
+//
+// `dtype` defaults to "float32" and accepts every name flatparam::ParseDType
+// does (integer dtypes parse; laying them out fails later, as in PyTorch);
+// `requires_grad` defaults to true; `shape` is required ([] for a scalar)
+// except on a tied entry, which carries only `fqn` and `tied_to` because it
+// shares its primary's tensor. Unknown keys are errors. `name` defaults to
+// the source name.
+//
+// Cross-parameter rules (unique names, ties to earlier parameters, wrap
+// prefixes that match) are ModelLayout::Create's to check.
+//
+// Thread-safety: pure functions, except that LoadModelSpec reads a file.
+#ifndef FLATPARAM_MODEL_JSON_H_
+#define FLATPARAM_MODEL_JSON_H_
+
+#include <nlohmann/json.hpp>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "flatparam/model.h"
+
+namespace flatparam {
+
+// Parses the model file `text`; `source_name` (a path, or e.g. "<stdin>")
+// prefixes every error message. Returns InvalidArgument with
+// "<source>:<line>:<column>: ..." for malformed JSON, and with the JSON path
+// of the offending value (e.g. "params[3].shape[1]: expected a non-negative
+// integer, got -2") for a document that does not fit the schema.
+absl::StatusOr<ModelSpec> ParseModelSpecJson(absl::string_view text,
+                                             absl::string_view source_name);
+
+// A preset name (see presets.h) gives that preset; anything else is read as
+// a model file path. A path that does not exist gives NotFound naming it and
+// listing the presets; other read errors give InvalidArgument with the
+// system's reason; parse errors are ParseModelSpecJson's.
+absl::StatusOr<ModelSpec> LoadModelSpec(absl::string_view preset_or_path);
+
+// The model file for `spec`; ParseModelSpecJson(ModelSpecToJson(s).dump())
+// gives back `s` (tied entries drop their ignored shape and dtype).
+nlohmann::json ModelSpecToJson(const ModelSpec& spec);
+
+}  // namespace flatparam
+
+#endif  // FLATPARAM_MODEL_JSON_H_

@@ -1,0 +1,192 @@
+#include "flatparam/presets.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "flatparam/base/status_matchers.h"
+#include "flatparam/layout.h"
+#include "flatparam/model.h"
+
+namespace flatparam {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsSupersetOf;
+
+// Elements of the distinct (untied) parameters: the figure model cards cite.
+int64_t TotalNumel(const ModelSpec& spec) {
+  int64_t total = 0;
+  for (const ParamSpec& p : spec.params) {
+    if (p.tied_to.empty()) total += NumElements(p.shape);
+  }
+  return total;
+}
+
+const ParamSpec* Find(const ModelSpec& spec, const std::string& fqn) {
+  for (const ParamSpec& p : spec.params) {
+    if (p.fqn == fqn) return &p;
+  }
+  return nullptr;
+}
+
+TEST(PresetsTest, NamesIncludeRequiredPresets) {
+  EXPECT_THAT(PresetNames(),
+              IsSupersetOf({"gpt2", "llama2-7b", "llama3-8b", "llama2-70b"}));
+  EXPECT_TRUE(IsPresetName("gpt2"));
+  EXPECT_FALSE(IsPresetName("GPT2"));
+}
+
+// Published totals (Hugging Face model cards and Meta's papers), each also
+// recomputed by hand from the config in the comments.
+TEST(PresetsTest, TotalsMatchPublishedCounts) {
+  const std::vector<std::pair<std::string, int64_t>> expected = {
+      // 50257*768 + 1024*768 + 12*7,087,872 + 2*768
+      {"gpt2", 124439808},
+      {"gpt2-medium", 354823168},
+      {"gpt2-large", 774030080},
+      {"gpt2-xl", 1557611200},
+      // 2*32000*4096 + 4096 + 32*(4*4096^2 + 3*4096*11008 + 2*4096)
+      {"llama2-7b", 6738415616},
+      {"llama2-13b", 13015864320},
+      // 2*32000*8192 + 8192 + 80*(2*8192^2 + 2*1024*8192 + 3*8192*28672
+      //                           + 2*8192)
+      {"llama2-70b", 68976648192},
+      // 2*128256*4096 + 4096 + 32*(2*4096^2 + 2*1024*4096 + 3*4096*14336
+      //                            + 2*4096)
+      {"llama3-8b", 8030261248},
+      {"llama3-70b", 70553706496},
+  };
+  ASSERT_EQ(expected.size(), PresetNames().size());
+  for (const auto& [name, total] : expected) {
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelSpec spec, PresetModel(name));
+    EXPECT_EQ(spec.name, name);
+    EXPECT_EQ(TotalNumel(spec), total) << name;
+  }
+}
+
+TEST(PresetsTest, Gpt2NamesShapesAndTie) {
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelSpec spec, PresetModel("gpt2"));
+  ASSERT_EQ(spec.params.size(), 2 + 12 * 12 + 2 + 1);
+  EXPECT_EQ(spec.params[0].fqn, "transformer.wte.weight");
+  EXPECT_THAT(spec.params[0].shape, ElementsAre(50257, 768));
+  EXPECT_EQ(spec.params[1].fqn, "transformer.wpe.weight");
+  EXPECT_THAT(spec.params[1].shape, ElementsAre(1024, 768));
+  // Block 0 in module order.
+  std::vector<std::string> block0;
+  for (int i = 2; i < 14; ++i) block0.push_back(spec.params[i].fqn);
+  EXPECT_THAT(
+      block0,
+      ElementsAre(
+          "transformer.h.0.ln_1.weight", "transformer.h.0.ln_1.bias",
+          "transformer.h.0.attn.c_attn.weight",
+          "transformer.h.0.attn.c_attn.bias",
+          "transformer.h.0.attn.c_proj.weight",
+          "transformer.h.0.attn.c_proj.bias", "transformer.h.0.ln_2.weight",
+          "transformer.h.0.ln_2.bias", "transformer.h.0.mlp.c_fc.weight",
+          "transformer.h.0.mlp.c_fc.bias", "transformer.h.0.mlp.c_proj.weight",
+          "transformer.h.0.mlp.c_proj.bias"));
+  // Conv1D weights are [in, out].
+  EXPECT_THAT(Find(spec, "transformer.h.11.attn.c_attn.weight")->shape,
+              ElementsAre(768, 2304));
+  EXPECT_THAT(Find(spec, "transformer.h.5.mlp.c_fc.weight")->shape,
+              ElementsAre(768, 3072));
+  EXPECT_THAT(Find(spec, "transformer.h.5.mlp.c_proj.weight")->shape,
+              ElementsAre(3072, 768));
+  EXPECT_EQ(spec.params.back().fqn, "lm_head.weight");
+  EXPECT_EQ(spec.params.back().tied_to, "transformer.wte.weight");
+  EXPECT_EQ(spec.params[spec.params.size() - 2].fqn, "transformer.ln_f.bias");
+  for (const ParamSpec& p : spec.params) {
+    EXPECT_EQ(p.dtype, DType::kFloat32) << p.fqn;
+  }
+  ASSERT_EQ(spec.wrap.size(), 12);
+  EXPECT_EQ(spec.wrap[0], "transformer.h.0");
+  EXPECT_EQ(spec.wrap[11], "transformer.h.11");
+}
+
+TEST(PresetsTest, LlamaNamesShapesAndOrder) {
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelSpec spec, PresetModel("llama2-7b"));
+  ASSERT_EQ(spec.params.size(), 1 + 32 * 9 + 2);
+  EXPECT_EQ(spec.params[0].fqn, "tok_embeddings.weight");
+  EXPECT_THAT(spec.params[0].shape, ElementsAre(32000, 4096));
+  std::vector<std::string> layer0;
+  for (int i = 1; i < 10; ++i) layer0.push_back(spec.params[i].fqn);
+  EXPECT_THAT(
+      layer0,
+      ElementsAre(
+          "layers.0.attention.wq.weight", "layers.0.attention.wk.weight",
+          "layers.0.attention.wv.weight", "layers.0.attention.wo.weight",
+          "layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight",
+          "layers.0.feed_forward.w3.weight", "layers.0.attention_norm.weight",
+          "layers.0.ffn_norm.weight"));
+  EXPECT_THAT(Find(spec, "layers.31.feed_forward.w2.weight")->shape,
+              ElementsAre(4096, 11008));
+  EXPECT_THAT(Find(spec, "layers.31.attention.wk.weight")->shape,
+              ElementsAre(4096, 4096));
+  EXPECT_EQ(spec.params[spec.params.size() - 2].fqn, "norm.weight");
+  EXPECT_EQ(spec.params.back().fqn, "output.weight");
+  EXPECT_TRUE(spec.params.back().tied_to.empty());
+  EXPECT_THAT(spec.params.back().shape, ElementsAre(32000, 4096));
+  for (const ParamSpec& p : spec.params) {
+    EXPECT_EQ(p.dtype, DType::kBFloat16) << p.fqn;
+  }
+  ASSERT_EQ(spec.wrap.size(), 32);
+  EXPECT_EQ(spec.wrap[31], "layers.31");
+}
+
+TEST(PresetsTest, GroupedQueryAttentionShapes) {
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelSpec l3, PresetModel("llama3-8b"));
+  EXPECT_THAT(Find(l3, "layers.0.attention.wk.weight")->shape,
+              ElementsAre(1024, 4096));
+  EXPECT_THAT(Find(l3, "layers.0.attention.wv.weight")->shape,
+              ElementsAre(1024, 4096));
+  EXPECT_THAT(Find(l3, "layers.0.feed_forward.w1.weight")->shape,
+              ElementsAre(14336, 4096));
+  EXPECT_THAT(Find(l3, "tok_embeddings.weight")->shape,
+              ElementsAre(128256, 4096));
+
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelSpec l70, PresetModel("llama2-70b"));
+  EXPECT_EQ(l70.wrap.size(), 80);
+  EXPECT_THAT(Find(l70, "layers.79.attention.wq.weight")->shape,
+              ElementsAre(8192, 8192));
+  EXPECT_THAT(Find(l70, "layers.79.attention.wk.weight")->shape,
+              ElementsAre(1024, 8192));
+  EXPECT_THAT(Find(l70, "layers.79.feed_forward.w3.weight")->shape,
+              ElementsAre(28672, 8192));
+}
+
+TEST(PresetsTest, FeedForwardDimFollowsMetaFormula) {
+  EXPECT_EQ(LlamaFeedForwardDim(4096, 256, 0), 11008);
+  EXPECT_EQ(LlamaFeedForwardDim(5120, 256, 0), 13824);
+  EXPECT_EQ(LlamaFeedForwardDim(4096, 1024, 1.3), 14336);
+  EXPECT_EQ(LlamaFeedForwardDim(8192, 4096, 1.3), 28672);
+}
+
+// One flat parameter per block plus the root, and the tie stays in the root.
+TEST(PresetsTest, EveryPresetLaysOut) {
+  for (const std::string& name : PresetNames()) {
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelSpec spec, PresetModel(name));
+    LayoutOptions options;
+    options.world_size = 8;
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelLayout layout,
+                                   ModelLayout::Create(spec, options));
+    EXPECT_EQ(layout.flat_params().size(), spec.wrap.size() + 1) << name;
+    EXPECT_EQ(layout.flat_params()[0].unit(), "") << name;
+    EXPECT_EQ(layout.param_numel(), TotalNumel(spec)) << name;
+  }
+}
+
+TEST(PresetsTest, UnknownNameListsPresets) {
+  EXPECT_THAT(PresetModel("gpt3"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("\"gpt3\""), HasSubstr("gpt2"),
+                             HasSubstr("llama2-70b"))));
+}
+
+}  // namespace
+}  // namespace flatparam

@@ -1,0 +1,54 @@
+#include "tools/common_flags.h"
+
+#include "absl/flags/flag.h"
+
+ABSL_FLAG(std::string, model, "",
+          "A model preset (gpt2, llama2-7b, ...) or a model JSON file.");
+ABSL_FLAG(int64_t, world_size, 8, "Number of ranks in the job (W).");
+ABSL_FLAG(std::string, strategy, "FULL_SHARD",
+          "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or "
+          "HYBRID_SHARD_ZERO2.");
+ABSL_FLAG(bool, align_addresses, false,
+          "Pad each parameter to a 16-byte boundary, as PyTorch FSDP does "
+          "with use_orig_params=True.");
+ABSL_FLAG(std::string, compute_dtype, "",
+          "Mixed precision param_dtype used for alignment (default: the "
+          "parameters' dtype).");
+ABSL_FLAG(std::string, dtype, "",
+          "Override every parameter's dtype (default: the model's).");
+ABSL_FLAG(int64_t, shard_group_size, 0,
+          "Ranks per shard group for the HYBRID_* strategies (default: 8 when "
+          "it divides --world-size, else --world-size).");
+ABSL_FLAG(std::string, format, "table", "Output format: table or json.");
+
+namespace flatparam {
+namespace tools {
+
+const char kLayoutFlagsHelp[] =
+    "  --model=NAME|PATH        preset or model JSON file (required)\n"
+    "  --world-size=W           ranks in the job (default 8)\n"
+    "  --strategy=S             FULL_SHARD (default), SHARD_GRAD_OP, "
+    "NO_SHARD,\n"
+    "                           HYBRID_SHARD, HYBRID_SHARD_ZERO2\n"
+    "  --shard-group-size=G     HYBRID_*: ranks per shard group (default 8 "
+    "if it\n"
+    "                           divides W, else W); must divide W\n"
+    "  --align-addresses        16-byte aligned parameters "
+    "(use_orig_params=True)\n"
+    "  --compute-dtype=DTYPE    mixed-precision param dtype for alignment\n"
+    "  --dtype=DTYPE            override the parameters' dtype\n";
+
+LayoutRequest LayoutRequestFromFlags() {
+  LayoutRequest r;
+  r.model = absl::GetFlag(FLAGS_model);
+  r.world_size = absl::GetFlag(FLAGS_world_size);
+  r.strategy = absl::GetFlag(FLAGS_strategy);
+  r.align_addresses = absl::GetFlag(FLAGS_align_addresses);
+  r.compute_dtype = absl::GetFlag(FLAGS_compute_dtype);
+  r.dtype = absl::GetFlag(FLAGS_dtype);
+  r.shard_group_size = absl::GetFlag(FLAGS_shard_group_size);
+  return r;
+}
+
+}  // namespace tools
+}  // namespace flatparam

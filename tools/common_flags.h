@@ -1,0 +1,37 @@
+// Command-line flags shared by the `fsdp` subcommands, defined once so that
+// every subcommand spells and defaults them the same way. Names use
+// underscores (absl's rule); fsdp_main.cc also accepts dashes
+// (`--world-size=8`).
+//
+// Thread-safety: read the flags only after absl::ParseCommandLine.
+#ifndef TOOLS_COMMON_FLAGS_H_
+#define TOOLS_COMMON_FLAGS_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/flags/declare.h"
+#include "tools/layout_request.h"
+
+ABSL_DECLARE_FLAG(std::string, model);
+ABSL_DECLARE_FLAG(int64_t, world_size);
+ABSL_DECLARE_FLAG(std::string, strategy);
+ABSL_DECLARE_FLAG(bool, align_addresses);
+ABSL_DECLARE_FLAG(std::string, compute_dtype);
+ABSL_DECLARE_FLAG(std::string, dtype);
+ABSL_DECLARE_FLAG(int64_t, shard_group_size);
+ABSL_DECLARE_FLAG(std::string, format);
+
+namespace flatparam {
+namespace tools {
+
+// The layout flags as a request (not yet validated).
+LayoutRequest LayoutRequestFromFlags();
+
+// Help text for the layout flags, one per line, for subcommand help.
+extern const char kLayoutFlagsHelp[];
+
+}  // namespace tools
+}  // namespace flatparam
+
+#endif  // TOOLS_COMMON_FLAGS_H_

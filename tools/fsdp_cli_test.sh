@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# End-to-end test of the `fsdp` binary: exit codes, flag spelling, output.
+# Usage: fsdp_cli_test.sh PATH_TO_FSDP
+set -uo pipefail
+
+fsdp=$1
+tmp=${TEST_TMPDIR:-$(mktemp -d)}
+failures=0
+
+fail() {
+  echo "FAIL: $*" >&2
+  failures=$((failures + 1))
+}
+
+# expect_exit CODE ARGS...: runs fsdp with ARGS, checks the exit code, and
+# leaves stdout/stderr in $tmp/out and $tmp/err.
+expect_exit() {
+  local want=$1
+  shift
+  "$fsdp" "$@" >"$tmp/out" 2>"$tmp/err"
+  local got=$?
+  if [ "$got" -ne "$want" ]; then
+    fail "fsdp $* exited $got, want $want; stderr: $(head -c 500 "$tmp/err")"
+  fi
+}
+
+expect_exit 0 inspect --model=gpt2 --world-size=4 --format=json
+grep -q '"world_size": 4' "$tmp/out" || fail "json lacks world_size 4"
+grep -q '"prim_fqn": "transformer.wte.weight"' "$tmp/out" ||
+  fail "json lacks the lm_head tie"
+grep -q '"strategy": "FULL_SHARD"' "$tmp/out" || fail "json lacks strategy"
+[ -s "$tmp/err" ] && fail "unexpected stderr: $(head -c 500 "$tmp/err")"
+
+# Underscored absl spelling works too; table is the default format.
+expect_exit 0 inspect --model=llama2-70b --world_size=8 --align-addresses
+grep -q '^unit layers.79: bfloat16' "$tmp/out" || fail "table lacks layers.79"
+grep -q '^total: 81 flat parameters' "$tmp/out" || fail "table lacks total"
+
+expect_exit 0 inspect --model=gpt2 --world-size=2 --align-addresses \
+  --no-align-addresses --format=json
+grep -q '"align_addresses": false' "$tmp/out" || fail "--no-align-addresses"
+
+expect_exit 0 inspect --model=gpt2 --world-size=16 --strategy=HYBRID_SHARD \
+  --shard-group-size=4 --format=json
+grep -q '"shard_group_size": 4' "$tmp/out" || fail "hybrid json lacks G"
+
+# Usage errors: exit 2, usage on stderr listing the subcommands.
+expect_exit 2
+grep -q 'inspect' "$tmp/err" || fail "usage does not list inspect"
+expect_exit 2 frobnicate
+grep -q 'unknown subcommand "frobnicate"' "$tmp/err" ||
+  fail "unknown subcommand not named"
+expect_exit 2 inspect --model=gpt2 extra-argument
+
+# Help goes to stdout with exit 0.
+expect_exit 0 --help
+grep -q 'inspect' "$tmp/out" || fail "--help does not list inspect"
+expect_exit 0 inspect --help
+grep -q -- '--world-size' "$tmp/out" || fail "inspect --help lacks flags"
+
+# Command errors: exit 1, message on stderr, nothing on stdout.
+expect_exit 1 inspect --model=gpt2 --world-size=0
+grep -q 'world-size' "$tmp/err" || fail "world size error not reported"
+[ -s "$tmp/out" ] && fail "stdout not empty on error"
+expect_exit 1 inspect --model=no-such-model.json
+grep -q 'no-such-model.json' "$tmp/err" || fail "missing file not named"
+expect_exit 1 inspect --model=gpt2 --strategy=ZERO3
+expect_exit 1 inspect --model=gpt2 --no-such-flag
+
+if [ "$failures" -ne 0 ]; then
+  echo "$failures check(s) failed" >&2
+  exit 1
+fi
+echo "PASS"
