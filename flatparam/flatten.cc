@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_format.h"
+#include "flatparam/base/copy.h"
 #include "flatparam/base/status_macros.h"
 
 namespace flatparam {
@@ -58,6 +59,12 @@ absl::Status CheckFlat(const FlatParamLayout& layout, ConstTensorRef flat) {
                   flat.numel, layout.dtype(), want, flat.data);
 }
 
+// Whether an operation moving `numel` elements should stream its copies.
+bool Streaming(const FlatParamLayout& layout, int64_t numel) {
+  return numel * static_cast<int64_t>(DTypeSize(layout.dtype())) >=
+         kStreamingCopyThreshold;
+}
+
 unsigned char* Bytes(void* p) { return static_cast<unsigned char*>(p); }
 const unsigned char* Bytes(const void* p) {
   return static_cast<const unsigned char*>(p);
@@ -78,6 +85,7 @@ void FillPadding(void* dst, DType dtype, int64_t count) {
 void CopyFlatRange(const FlatParamLayout& layout,
                    absl::Span<const ConstTensorRef> params, int64_t begin,
                    int64_t end, void* dst) {
+  const bool streaming = Streaming(layout, end - begin);
   const size_t size = DTypeSize(layout.dtype());
   const std::vector<int64_t>& numels = layout.numels_with_padding();
   const std::vector<bool>& padding = layout.is_padding_mask();
@@ -92,8 +100,8 @@ void CopyFlatRange(const FlatParamLayout& layout,
       if (padding[s]) {
         FillPadding(out, layout.dtype(), hi - lo);
       } else {
-        std::memcpy(out, Bytes(params[param].data) + (lo - seg_start) * size,
-                    (hi - lo) * size);
+        CopyBytes(out, Bytes(params[param].data) + (lo - seg_start) * size,
+                  (hi - lo) * size, streaming);
       }
     }
     if (!padding[s]) ++param;
@@ -152,8 +160,8 @@ absl::Status CopyShard(const FlatParamLayout& layout, ConstTensorRef flat,
   const ShardInterval iv = layout.shard_interval(rank);
   const int64_t data_numel = layout.sharded_numel() - iv.numel_padded;
   if (data_numel > 0) {
-    std::memcpy(out.data, Bytes(flat.data) + iv.start * size,
-                data_numel * size);
+    CopyBytes(out.data, Bytes(flat.data) + iv.start * size, data_numel * size,
+              Streaming(layout, data_numel));
   }
   std::memset(Bytes(out.data) + data_numel * size, 0, iv.numel_padded * size);
   return absl::OkStatus();
@@ -173,12 +181,13 @@ absl::Status ConcatShards(const FlatParamLayout& layout,
       CheckRef(layout, "the unsharded output", out.dtype, out.numel,
                layout.dtype(), layout.padded_unsharded_numel(), out.data));
   const size_t bytes = layout.sharded_numel() * DTypeSize(layout.dtype());
+  const bool streaming = Streaming(layout, layout.padded_unsharded_numel());
   for (int64_t r = 0; r < n; ++r) {
     const std::string what = absl::StrFormat("shard of rank %d", r);
     FLATPARAM_RETURN_IF_ERROR(CheckRef(layout, what.c_str(), shards[r].dtype,
                                        shards[r].numel, layout.dtype(),
                                        layout.sharded_numel(), shards[r].data));
-    std::memcpy(Bytes(out.data) + r * bytes, shards[r].data, bytes);
+    CopyBytes(Bytes(out.data) + r * bytes, shards[r].data, bytes, streaming);
   }
   return absl::OkStatus();
 }
@@ -188,11 +197,12 @@ absl::Status Unflatten(const FlatParamLayout& layout, ConstTensorRef flat,
   FLATPARAM_RETURN_IF_ERROR(CheckFlat(layout, flat));
   FLATPARAM_RETURN_IF_ERROR(CheckParams(layout, params));
   const size_t size = DTypeSize(layout.dtype());
+  const bool streaming = Streaming(layout, layout.param_numel());
   for (size_t i = 0; i < params.size(); ++i) {
     const ParamInfo& p = layout.params()[i];
     if (p.numel == 0) continue;
-    std::memcpy(params[i].data, Bytes(flat.data) + p.offset * size,
-                p.numel * size);
+    CopyBytes(params[i].data, Bytes(flat.data) + p.offset * size,
+              p.numel * size, streaming);
   }
   return absl::OkStatus();
 }
@@ -205,13 +215,14 @@ absl::Status UnflattenShard(const FlatParamLayout& layout, ConstTensorRef shard,
                                      layout.sharded_numel(), shard.data));
   FLATPARAM_RETURN_IF_ERROR(CheckParams(layout, params));
   const size_t size = DTypeSize(layout.dtype());
+  const bool streaming = Streaming(layout, layout.sharded_numel());
   for (size_t i = 0; i < params.size(); ++i) {
     const ShardParamInfo info =
         layout.shard_param_info(rank, static_cast<int>(i));
     if (!info.in_shard || info.numel_in_shard <= 0) continue;
-    std::memcpy(Bytes(params[i].data) + info.intra_param_start_idx * size,
-                Bytes(shard.data) + info.offset_in_shard * size,
-                info.numel_in_shard * size);
+    CopyBytes(Bytes(params[i].data) + info.intra_param_start_idx * size,
+              Bytes(shard.data) + info.offset_in_shard * size,
+              info.numel_in_shard * size, streaming);
   }
   return absl::OkStatus();
 }

@@ -5,6 +5,7 @@
 
 #include <vector>
 
+#include "flatparam/base/copy.h"
 #include "flatparam/base/status_matchers.h"
 
 namespace flatparam {
@@ -117,6 +118,51 @@ TEST_F(FlattenTest, ViewsPointIntoTheBuffers) {
   EXPECT_EQ(b1.numel, 4);
   EXPECT_EQ(static_cast<const float*>(b1.data)[0], 11.0f);
   EXPECT_EQ(ShardView(*layout_, shard.cref(), 1, 0).numel, 0);
+}
+
+// Above kStreamingCopyThreshold the copies take the streaming path; the
+// round trip must still be exact.
+TEST(FlattenLargeTest, StreamingCopiesRoundTripExactly) {
+  std::vector<ParamSpec> specs = {
+      {"a", {4099}}, {"b", {9000001}}, {"c", {3}}, {"d", {8388617}}};
+  LayoutOptions o;
+  o.world_size = 3;
+  o.align_addresses = true;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(FlatParamLayout l,
+                                 FlatParamLayout::Create("", specs, o));
+  ASSERT_GE(l.unpadded_unsharded_numel() * 4, kStreamingCopyThreshold);
+  std::vector<HostTensor> params;
+  std::vector<ConstTensorRef> refs;
+  uint32_t next = 1;
+  for (const ParamInfo& p : l.params()) {
+    params.emplace_back(DType::kFloat32, p.shape);
+    uint32_t* d = params.back().data_as<uint32_t>();
+    for (int64_t i = 0; i < p.numel; ++i) d[i] = next++;
+  }
+  for (const HostTensor& t : params) refs.push_back(t.cref());
+  HostTensor flat =
+      HostTensor::Flat(DType::kFloat32, l.padded_unsharded_numel());
+  FLATPARAM_ASSERT_OK(Flatten(l, refs, flat.ref()));
+  std::vector<HostTensor> shards;
+  std::vector<ConstTensorRef> shard_refs;
+  for (int r = 0; r < 3; ++r) {
+    shards.push_back(HostTensor::Flat(DType::kFloat32, l.sharded_numel()));
+    HostTensor copy = HostTensor::Flat(DType::kFloat32, l.sharded_numel());
+    FLATPARAM_ASSERT_OK(FlattenShard(l, refs, r, shards.back().ref()));
+    FLATPARAM_ASSERT_OK(CopyShard(l, flat.cref(), r, copy.ref()));
+    ASSERT_EQ(copy, shards.back()) << "rank " << r;
+  }
+  for (const HostTensor& t : shards) shard_refs.push_back(t.cref());
+  HostTensor gathered =
+      HostTensor::Flat(DType::kFloat32, l.padded_unsharded_numel());
+  FLATPARAM_ASSERT_OK(ConcatShards(l, shard_refs, gathered.ref()));
+  std::vector<HostTensor> out;
+  std::vector<TensorRef> out_refs;
+  for (const ParamInfo& p : l.params())
+    out.emplace_back(DType::kFloat32, p.shape);
+  for (HostTensor& t : out) out_refs.push_back(t.ref());
+  FLATPARAM_ASSERT_OK(Unflatten(l, gathered.cref(), out_refs));
+  EXPECT_TRUE(out == params);
 }
 
 TEST_F(FlattenTest, WrongBuffersAreErrors) {
