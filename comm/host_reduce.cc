@@ -56,7 +56,9 @@ void Step(void* acc_ptr, const void* x_ptr, int64_t count,
       continue;
     }
     const C a = E::Load(acc[i]);
-    C r;
+    // Every op is assigned below; the initialiser only quiets GCC's
+    // -Wmaybe-uninitialized at -O1 (the asan config).
+    C r = a;
     switch (options.op) {
       case ReduceOp::kSum:
       case ReduceOp::kAvg:

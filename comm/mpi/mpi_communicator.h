@@ -1,0 +1,233 @@
+// The OpenMPI backend of the Communicator interface: host buffers, one rank
+// per process, processes launched by `mpirun` (or Slurm's `srun` with PMIx)
+// on one or many machines. It is also how NCCL ranks are launched and
+// bootstrapped.
+//
+//   int main(int argc, char** argv) {
+//     auto session = flatparam::MpiSession::Start(&argc, &argv);
+//     if (!session.ok()) return 1;
+//     auto world = flatparam::MpiCommunicator::CreateWorld();
+//     if (!world.ok()) return 1;
+//     ... (*world)->AllReduce(...)->Wait() ...
+//     world->reset();  // Communicators go before MPI is finalized.
+//   }                  // ~MpiSession calls MPI_Finalize.
+//
+// Launch with, for example,
+//   mpirun --allow-run-as-root --oversubscribe --bind-to none -np 4 ./trainer
+//
+// Initialisation and finalisation. MpiSession::Start and CreateWorld call
+// MPI_Init_thread (asking for MPI_THREAD_MULTIPLE) unless MPI is already
+// initialised. flatparam finalises MPI only if it initialised it: when the
+// MpiSession that initialised it is destroyed or finished, or, after
+// CreateWorld initialised it, when the caller calls FinalizeMpi(). A program
+// that initialised MPI itself also finalises it itself. Every communicator
+// and Work should be destroyed before MPI is finalised; one that outlives it
+// skips MPI_Comm_free. When flatparam initialises MPI it also sets
+// MPI_COMM_WORLD's error handler to MPI_ERRORS_RETURN, because OpenMPI 4.1
+// reports errors found while testing a nonblocking collective through
+// MPI_COMM_WORLD's handler rather than the collective's communicator's; a
+// program that initialises MPI itself does the same if it wants those
+// errors as a Status rather than a job abort.
+//
+// Algorithms. Reductions never use MPI's reduction operators: MPI has no
+// float16/bfloat16 types, and its summation order depends on the MPI
+// library and the process layout. Data moves as raw elements (MPI_FLOAT,
+// MPI_DOUBLE, or MPI_UINT16_T for 16-bit floats) and every reduction is the
+// left fold in rank order of comm/host_reduce.h, done locally, so results
+// are bitwise identical to HostReduce() and to the simulator:
+//   all_gather        MPI_Iallgather.
+//   reduce_scatter    MPI_Ialltoall of the count-element slices (rank i
+//                     receives slice i of every rank), then a local fold.
+//   all_reduce        the same over size() near-equal chunks
+//                     (MPI_Ialltoallv), then MPI_Iallgatherv of the reduced
+//                     chunks.
+//   broadcast         MPI_Ibcast.
+//   barrier           MPI_Ibarrier.
+//   all_gather_bytes  MPI_Iallgather of the lengths, then MPI_Iallgatherv.
+//   split             a header exchange (below), then MPI_Comm_split.
+// MPI counts are ints: a collective whose per-rank element count (or
+// all_gather_bytes' total length) exceeds INT_MAX fails with Unimplemented.
+//
+// Memory. Each collective stages its data in buffers owned by its Work: the
+// input is copied when the collective is issued and the output is written
+// when Wait() sees it complete. So once Wait() has returned, even with
+// DeadlineExceeded, MPI never reads or writes the caller's buffers again. The
+// price is one extra host copy each way and staging memory of about the
+// input plus the output size while the collective runs.
+//
+// Progress. MPI advances nonblocking collectives only inside MPI calls.
+// Wait() polls MPI_Test, spinning briefly and then sleeping with exponential
+// backoff up to 1 ms. A collective's first MPI step starts when it is
+// issued; later steps (all_reduce's all-gather, the data step of a checked
+// collective) start inside Wait(). Issue collectives and wait on them in the
+// same order on every rank.
+//
+// Timeouts and failures. A collective's deadline is its issue time plus
+// options.timeout. When Wait() passes it, Wait() returns DeadlineExceeded and
+// marks the communicator broken: every later collective on it, and the later
+// steps of collectives already issued, fail at once with Aborted and do not
+// communicate, because which collectives the peers have matched is unknown
+// and anything further could pair mismatched operations. The library never
+// calls MPI_Abort, which would kill every process of the job; a caller that
+// wants that calls MPI_Abort itself. The timed-out MPI request and its
+// staging buffers are kept alive (MPI forbids freeing an active collective
+// request) until MPI completes them: they do if the missing peers call the
+// collective late (PendingAbandonedMpiRequests() counts those still
+// pending), and FinalizeMpi() waits a grace period for them. MPI errors (the
+// communicators use MPI_ERRORS_RETURN) become Internal with MPI_Error_string's
+// text and also mark the communicator broken. When a peer process dies, mpirun
+// by default kills the whole job (OpenMPI 4 has no fault tolerance); when the
+// survivors keep running (a hung peer, a launcher that does not kill them),
+// the loss shows up as DeadlineExceeded.
+//
+// Desynchronisation. MPI checks almost nothing across ranks: ranks that call
+// different collectives, or the same one with different counts, dtypes,
+// roots or reduce ops, get undefined behaviour: a hang (which the timeout
+// catches), an MPI_ERR_TRUNCATE error, or silently wrong data. With
+// MpiOptions::check_collectives, every collective first all-gathers a small
+// header (operation, sequence number, per-rank count, dtype, reduce op,
+// divide factors, root, whether the local arguments were valid), and if the
+// ranks disagree every rank fails, before any data moves, with Internal
+// naming each rank's call; a rank whose own arguments were invalid gets its
+// own InvalidArgument/Unimplemented error and the others get Internal. The
+// group stays usable afterwards. The check costs one small all-gather per
+// collective. Split always performs it. What remains undetectable: ranks
+// waiting on collectives of different communicators (a cross-group
+// deadlock, reported as a timeout) and, without the check, everything above.
+// Without the check, a call with invalid arguments fails on its own rank at
+// once without communicating, and its peers time out.
+//
+// Sequence numbers count every collective call on a communicator, starting
+// at 0, including calls that fail; error messages name them as "op #seq".
+//
+// Thread-safety: as Communicator, one thread at a time per communicator.
+// Different communicators may be used from different threads concurrently
+// when MPI provides MPI_THREAD_MULTIPLE (Debian's OpenMPI 4.1 does);
+// MpiSession and FinalizeMpi are not thread-safe.
+#ifndef FLATPARAM_COMM_MPI_MPI_COMMUNICATOR_H_
+#define FLATPARAM_COMM_MPI_MPI_COMMUNICATOR_H_
+
+#include <mpi.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "comm/communicator.h"
+
+namespace flatparam {
+
+namespace internal_mpi {
+struct CommState;
+}  // namespace internal_mpi
+
+struct MpiOptions {
+  // Exchange and compare a header before every collective (see above).
+  // Inherited by communicators made with Split().
+  bool check_collectives = false;
+  // How long CreateWorld()/Wrap() wait for the collective MPI_Comm_idup.
+  absl::Duration create_timeout = kDefaultCollectiveTimeout;
+};
+
+// Waits up to `grace` for collectives abandoned after a timeout to
+// complete, then finalises MPI if flatparam initialised it (MpiSession::Start
+// or CreateWorld) and it is not finalised yet. Does nothing when MPI is not
+// initialised or already finalised.
+// MPI_Finalize itself waits for every process of the job: it hangs if a
+// peer never gets there. Returns Internal if MPI_Finalize fails.
+absl::Status FinalizeMpi(absl::Duration grace = absl::Seconds(1));
+
+// How many collectives abandoned after a timeout MPI has not completed yet
+// (each is tested once now). They complete when the missing peers join.
+int PendingAbandonedMpiRequests();
+
+// Owns MPI's initialisation for a scope: Start() initialises MPI unless it
+// already is, and the session that initialised it finalises it (FinalizeMpi)
+// when destroyed or on Finish(). Move-only.
+class MpiSession {
+ public:
+  // Calls MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE) unless MPI is
+  // initialised. `argc`/`argv` may be null. FailedPrecondition if MPI was
+  // already finalised (it cannot be initialised twice).
+  static absl::StatusOr<MpiSession> Start(int* argc, char*** argv);
+
+  MpiSession(MpiSession&& other) noexcept;
+  MpiSession& operator=(MpiSession&& other) noexcept;
+  MpiSession(const MpiSession&) = delete;
+  MpiSession& operator=(const MpiSession&) = delete;
+  ~MpiSession();
+
+  // Whether this session initialised MPI (and so will finalise it).
+  bool owns_mpi() const { return owns_mpi_; }
+  // Finalises now if this session owns MPI and returns FinalizeMpi()'s
+  // status; later calls and the destructor do nothing.
+  absl::Status Finish();
+
+ private:
+  explicit MpiSession(bool owns_mpi) : owns_mpi_(owns_mpi) {}
+  bool owns_mpi_ = false;
+};
+
+// A Communicator over an MPI communicator of its own (a duplicate, so that
+// flatparam's traffic and error handler never touch the caller's). See the
+// top of this file for the algorithms, timeouts and desync checks.
+class MpiCommunicator final : public Communicator {
+ public:
+  // A communicator over every process of the job (a duplicate of
+  // MPI_COMM_WORLD). Initialises MPI if needed; the caller must then call
+  // FinalizeMpi() before exiting. Collective over MPI_COMM_WORLD.
+  static absl::StatusOr<std::unique_ptr<MpiCommunicator>> CreateWorld(
+      const MpiOptions& options = {});
+
+  // A communicator over the processes of `comm` (duplicated with
+  // MPI_Comm_idup; `comm` itself is not modified and may be freed after).
+  // Collective over `comm`. InvalidArgument for MPI_COMM_NULL,
+  // FailedPrecondition if MPI is not initialised, DeadlineExceeded after
+  // options.create_timeout. Errors while duplicating are handled by `comm`'s
+  // own error handler (MPI_ERRORS_ARE_FATAL unless the caller changed it).
+  static absl::StatusOr<std::unique_ptr<MpiCommunicator>> Wrap(
+      MPI_Comm comm, const MpiOptions& options = {});
+
+  ~MpiCommunicator() override;
+
+  int rank() const override;
+  int size() const override;
+  absl::string_view backend() const override { return "mpi"; }
+
+  std::unique_ptr<Work> AllGather(ConstBufferRef input, BufferRef output,
+                                  const CollectiveOptions& options) override;
+  std::unique_ptr<Work> ReduceScatter(ConstBufferRef input, BufferRef output,
+                                      const ReduceOptions& options) override;
+  std::unique_ptr<Work> AllReduce(ConstBufferRef input, BufferRef output,
+                                  const ReduceOptions& options) override;
+  std::unique_ptr<Work> Broadcast(BufferRef buffer,
+                                  const BroadcastOptions& options) override;
+  absl::StatusOr<std::vector<std::string>> AllGatherBytes(
+      absl::string_view bytes, const CollectiveOptions& options) override;
+  absl::Status Barrier(const CollectiveOptions& options) override;
+  // Also returns nullptr on ranks with a negative color.
+  absl::StatusOr<std::unique_ptr<Communicator>> Split(
+      int color, int key, const CollectiveOptions& options) override;
+
+  // This communicator's own MPI communicator (for interoperation, such as
+  // bootstrapping NCCL). Owned by this object; do not free it, and do not
+  // change its error handler.
+  MPI_Comm mpi_comm() const;
+  // OK while usable; otherwise the error (a timeout or an MPI error) that
+  // broke it.
+  absl::Status health() const;
+  const MpiOptions& options() const;
+
+ private:
+  explicit MpiCommunicator(std::shared_ptr<internal_mpi::CommState> state);
+
+  std::shared_ptr<internal_mpi::CommState> state_;
+};
+
+}  // namespace flatparam
+
+#endif  // FLATPARAM_COMM_MPI_MPI_COMMUNICATOR_H_

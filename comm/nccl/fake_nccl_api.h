@@ -1,0 +1,250 @@
+// FakeNcclApi: an in-memory NcclApi for testing the NCCL backend without a
+// GPU (test-only).
+//
+// Model:
+// - "Device memory" is host memory handed out by CudaMalloc, tagged with the
+//   calling thread's current device; CudaPointerGetAttributes knows it, and
+//   reports everything else as unregistered host memory.
+// - Collectives run when they are called. The fake holds one rank of each
+//   communicator; the other ranks are modelled as contributing zeros: an
+//   all-gather fills their blocks with zeros, a reduction folds zeros into
+//   this rank's values (sum: x, max: max(x, 0), avg: x / nranks, pre-mul
+//   sum: x * scalar), a broadcast from another root writes zeros. With one
+//   rank this is exactly NCCL's result.
+// - Events complete after a configurable number of cudaEventQuery calls (0
+//   by default, -1 for never), which is how tests make a collective hang.
+// - Non-blocking communicators can be made to report ncclInProgress for a
+//   number of ncclCommGetAsyncError polls after each call.
+// - Faults: FailNext makes the next call of a given name return an error
+//   code; SetAsyncError makes every communicator report an asynchronous
+//   error.
+// - Misuse the real libraries would punish (using a communicator after
+//   ncclCommAbort/ncclCommDestroy, calling into a non-blocking communicator
+//   while it is still in progress, recording an event on another device's
+//   stream, buffers that are not fake device memory, leaked or twice-freed
+//   handles) is recorded in misuse() rather than crashing; tests assert it
+//   stays empty.
+//
+// Thread-safety: thread-safe (one mutex), so that ranks on several threads
+// can share one fake. The current device is per thread, as in CUDA.
+#ifndef FLATPARAM_COMM_NCCL_FAKE_NCCL_API_H_
+#define FLATPARAM_COMM_NCCL_FAKE_NCCL_API_H_
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "comm/nccl/nccl_api.h"
+
+namespace flatparam {
+
+class FakeNcclApi final : public NcclApi {
+ public:
+  // One NCCL collective as called.
+  struct Collective {
+    std::string name;  // "ncclAllGather", "ncclReduceScatter", ...
+    ncclComm_t comm = nullptr;
+    const void* sendbuff = nullptr;
+    void* recvbuff = nullptr;
+    size_t count = 0;  // The count argument as NCCL takes it.
+    ncclDataType_t datatype = ncclFloat32;
+    ncclRedOp_t op = ncclSum;  // Reductions only.
+    int root = -1;             // Broadcast only.
+    cudaStream_t stream = nullptr;
+    int current_device = -1;  // The calling thread's device.
+  };
+
+  // An operator made by ncclRedOpCreatePreMulSum; `scalar` is the value
+  // NCCL read, converted from `datatype`.
+  struct PreMulSum {
+    ncclRedOp_t op = ncclSum;
+    double scalar = 0;
+    ncclDataType_t datatype = ncclFloat32;
+    ncclScalarResidence_t residence = ncclScalarDevice;
+    ncclComm_t comm = nullptr;
+    bool destroyed = false;
+  };
+
+  struct CommInfo {
+    int nranks = 0;
+    int rank = 0;
+    int device = 0;
+    bool blocking = true;
+    std::string unique_id;  // Empty for split communicators.
+    ncclComm_t parent = nullptr;
+    int split_color = 0;
+    int split_key = 0;
+    bool finalized = false;
+    bool destroyed = false;
+    bool aborted = false;
+  };
+
+  struct Stream {
+    int device = 0;
+    unsigned int flags = 0;
+    bool destroyed = false;
+  };
+
+  explicit FakeNcclApi(int device_count = 1);
+  ~FakeNcclApi() override;
+
+  // --- Behaviour.
+  // cudaGetDeviceCount fails with `error` (cudaSuccess restores it).
+  void set_device_count_error(cudaError_t error);
+  // The next call named `name` ("ncclAllReduce", "cudaEventRecord", ...)
+  // returns `code` (an ncclResult_t or cudaError_t value) and does nothing.
+  void FailNext(absl::string_view name, int code);
+  // After each later call on a non-blocking communicator, it stays
+  // ncclInProgress for `polls` ncclCommGetAsyncError calls (-1: forever),
+  // and the call itself returns ncclInProgress.
+  void set_in_progress_polls(int polls);
+  // From now on ncclCommGetAsyncError reports `error` on every
+  // communicator.
+  void SetAsyncError(ncclResult_t error);
+  // Events recorded from now on complete after `queries` cudaEventQuery
+  // calls (-1: never).
+  void set_event_pending_queries(int queries);
+  // The next ncclCommSplit with a color creates a communicator of `nranks`
+  // ranks in which this one has rank `rank` (default: the parent's).
+  void SetNextSplit(int nranks, int rank);
+  // What ncclGetLastError returns.
+  void set_last_error(std::string text);
+
+  // --- Inspection.
+  std::vector<std::string> calls() const;
+  int CallCount(absl::string_view name) const;
+  std::vector<Collective> collectives() const;
+  std::vector<PreMulSum> premul_ops() const;
+  std::vector<CommInfo> comms() const;  // In creation order.
+  CommInfo comm_info(ncclComm_t comm) const;
+  std::vector<Stream> streams() const;
+  std::vector<std::string> misuse() const;
+  int live_events() const;
+  int live_allocations() const;
+
+  // --- NcclApi.
+  ncclResult_t GetVersion(int* version) override;
+  ncclResult_t GetUniqueId(ncclUniqueId* id) override;
+  ncclResult_t CommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId id,
+                                  int rank, ncclConfig_t* config) override;
+  ncclResult_t CommSplit(ncclComm_t comm, int color, int key,
+                         ncclComm_t* newcomm, ncclConfig_t* config) override;
+  ncclResult_t CommFinalize(ncclComm_t comm) override;
+  ncclResult_t CommDestroy(ncclComm_t comm) override;
+  ncclResult_t CommAbort(ncclComm_t comm) override;
+  ncclResult_t CommGetAsyncError(ncclComm_t comm,
+                                 ncclResult_t* async_error) override;
+  ncclResult_t CommCount(ncclComm_t comm, int* count) override;
+  ncclResult_t CommUserRank(ncclComm_t comm, int* rank) override;
+  ncclResult_t CommCuDevice(ncclComm_t comm, int* device) override;
+  ncclResult_t RedOpCreatePreMulSum(ncclRedOp_t* op, void* scalar,
+                                    ncclDataType_t datatype,
+                                    ncclScalarResidence_t residence,
+                                    ncclComm_t comm) override;
+  ncclResult_t RedOpDestroy(ncclRedOp_t op, ncclComm_t comm) override;
+  ncclResult_t AllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
+                         ncclDataType_t datatype, ncclComm_t comm,
+                         cudaStream_t stream) override;
+  ncclResult_t ReduceScatter(const void* sendbuff, void* recvbuff,
+                             size_t recvcount, ncclDataType_t datatype,
+                             ncclRedOp_t op, ncclComm_t comm,
+                             cudaStream_t stream) override;
+  ncclResult_t AllReduce(const void* sendbuff, void* recvbuff, size_t count,
+                         ncclDataType_t datatype, ncclRedOp_t op,
+                         ncclComm_t comm, cudaStream_t stream) override;
+  ncclResult_t Broadcast(const void* sendbuff, void* recvbuff, size_t count,
+                         ncclDataType_t datatype, int root, ncclComm_t comm,
+                         cudaStream_t stream) override;
+  const char* GetErrorString(ncclResult_t result) override;
+  const char* GetLastError(ncclComm_t comm) override;
+
+  cudaError_t CudaGetDeviceCount(int* count) override;
+  cudaError_t CudaGetDevice(int* device) override;
+  cudaError_t CudaSetDevice(int device) override;
+  cudaError_t CudaStreamCreateWithFlags(cudaStream_t* stream,
+                                        unsigned int flags) override;
+  cudaError_t CudaStreamDestroy(cudaStream_t stream) override;
+  cudaError_t CudaEventCreateWithFlags(cudaEvent_t* event,
+                                       unsigned int flags) override;
+  cudaError_t CudaEventRecord(cudaEvent_t event, cudaStream_t stream) override;
+  cudaError_t CudaEventQuery(cudaEvent_t event) override;
+  cudaError_t CudaEventDestroy(cudaEvent_t event) override;
+  cudaError_t CudaPointerGetAttributes(cudaPointerAttributes* attributes,
+                                       const void* ptr) override;
+  cudaError_t CudaMalloc(void** ptr, size_t bytes) override;
+  cudaError_t CudaFree(void* ptr) override;
+  cudaError_t CudaMemcpyAsync(void* dst, const void* src, size_t bytes,
+                              cudaMemcpyKind kind,
+                              cudaStream_t stream) override;
+  const char* CudaGetErrorName(cudaError_t error) override;
+  const char* CudaGetErrorString(cudaError_t error) override;
+
+ private:
+  struct Comm {
+    CommInfo info;
+    int pending_polls = 0;  // ncclInProgress while non-zero; -1 forever.
+  };
+  struct Event {
+    int device = 0;
+    bool recorded = false;
+    int pending_queries = 0;
+    bool destroyed = false;
+  };
+  struct Allocation {
+    std::vector<char> bytes;
+    int device = 0;
+  };
+
+  // Records the call and returns the injected failure for it, if any.
+  bool Begin(absl::string_view name, int* code)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The live communicator behind `comm`, or null (recording misuse).
+  Comm* LiveComm(ncclComm_t comm, absl::string_view call,
+                 bool allow_in_progress = false)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Puts a non-blocking communicator in progress after a call.
+  ncclResult_t Finish(Comm& comm) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether [ptr, ptr + bytes) lies in one fake allocation; records misuse
+  // otherwise.
+  bool CheckDeviceRange(const void* ptr, size_t bytes, absl::string_view what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool CheckStream(cudaStream_t stream, const Comm& comm,
+                   absl::string_view call) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  ncclResult_t Reduce(absl::string_view name, const void* sendbuff,
+                      void* recvbuff, size_t count, size_t send_offset,
+                      ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
+                      cudaStream_t stream);
+  void Misuse(std::string what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const int device_count_;
+  mutable absl::Mutex mu_;
+  cudaError_t device_count_error_ ABSL_GUARDED_BY(mu_) = cudaSuccess;
+  std::map<std::string, int> fail_next_ ABSL_GUARDED_BY(mu_);
+  int in_progress_polls_ ABSL_GUARDED_BY(mu_) = 0;
+  ncclResult_t async_error_ ABSL_GUARDED_BY(mu_) = ncclSuccess;
+  int event_pending_queries_ ABSL_GUARDED_BY(mu_) = 0;
+  bool next_split_set_ ABSL_GUARDED_BY(mu_) = false;
+  int next_split_nranks_ ABSL_GUARDED_BY(mu_) = 0;
+  int next_split_rank_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string last_error_ ABSL_GUARDED_BY(mu_) = "fake last error";
+  int unique_ids_ ABSL_GUARDED_BY(mu_) = 0;
+
+  std::vector<std::string> calls_ ABSL_GUARDED_BY(mu_);
+  std::vector<Collective> collectives_ ABSL_GUARDED_BY(mu_);
+  std::vector<PreMulSum> premul_ops_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> misuse_ ABSL_GUARDED_BY(mu_);
+  // Handles are the addresses of these objects, kept until the fake dies.
+  std::vector<std::unique_ptr<Comm>> comms_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<Stream>> streams_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<Event>> events_ ABSL_GUARDED_BY(mu_);
+  std::map<const char*, Allocation> allocations_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace flatparam
+
+#endif  // FLATPARAM_COMM_NCCL_FAKE_NCCL_API_H_

@@ -1,0 +1,229 @@
+#include "comm/nccl/nccl_api.h"
+
+#include "absl/strings/str_format.h"
+
+namespace flatparam {
+namespace {
+
+class RealApi final : public NcclApi {
+ public:
+  ncclResult_t GetVersion(int* version) override {
+    return ncclGetVersion(version);
+  }
+  ncclResult_t GetUniqueId(ncclUniqueId* id) override {
+    return ncclGetUniqueId(id);
+  }
+  ncclResult_t CommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId id,
+                                  int rank, ncclConfig_t* config) override {
+    return ncclCommInitRankConfig(comm, nranks, id, rank, config);
+  }
+  ncclResult_t CommSplit(ncclComm_t comm, int color, int key,
+                         ncclComm_t* newcomm, ncclConfig_t* config) override {
+    return ncclCommSplit(comm, color, key, newcomm, config);
+  }
+  ncclResult_t CommFinalize(ncclComm_t comm) override {
+    return ncclCommFinalize(comm);
+  }
+  ncclResult_t CommDestroy(ncclComm_t comm) override {
+    return ncclCommDestroy(comm);
+  }
+  ncclResult_t CommAbort(ncclComm_t comm) override {
+    return ncclCommAbort(comm);
+  }
+  ncclResult_t CommGetAsyncError(ncclComm_t comm,
+                                 ncclResult_t* async_error) override {
+    return ncclCommGetAsyncError(comm, async_error);
+  }
+  ncclResult_t CommCount(ncclComm_t comm, int* count) override {
+    return ncclCommCount(comm, count);
+  }
+  ncclResult_t CommUserRank(ncclComm_t comm, int* rank) override {
+    return ncclCommUserRank(comm, rank);
+  }
+  ncclResult_t CommCuDevice(ncclComm_t comm, int* device) override {
+    return ncclCommCuDevice(comm, device);
+  }
+  ncclResult_t RedOpCreatePreMulSum(ncclRedOp_t* op, void* scalar,
+                                    ncclDataType_t datatype,
+                                    ncclScalarResidence_t residence,
+                                    ncclComm_t comm) override {
+    return ncclRedOpCreatePreMulSum(op, scalar, datatype, residence, comm);
+  }
+  ncclResult_t RedOpDestroy(ncclRedOp_t op, ncclComm_t comm) override {
+    return ncclRedOpDestroy(op, comm);
+  }
+  ncclResult_t AllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
+                         ncclDataType_t datatype, ncclComm_t comm,
+                         cudaStream_t stream) override {
+    return ncclAllGather(sendbuff, recvbuff, sendcount, datatype, comm, stream);
+  }
+  ncclResult_t ReduceScatter(const void* sendbuff, void* recvbuff,
+                             size_t recvcount, ncclDataType_t datatype,
+                             ncclRedOp_t op, ncclComm_t comm,
+                             cudaStream_t stream) override {
+    return ncclReduceScatter(sendbuff, recvbuff, recvcount, datatype, op, comm,
+                             stream);
+  }
+  ncclResult_t AllReduce(const void* sendbuff, void* recvbuff, size_t count,
+                         ncclDataType_t datatype, ncclRedOp_t op,
+                         ncclComm_t comm, cudaStream_t stream) override {
+    return ncclAllReduce(sendbuff, recvbuff, count, datatype, op, comm, stream);
+  }
+  ncclResult_t Broadcast(const void* sendbuff, void* recvbuff, size_t count,
+                         ncclDataType_t datatype, int root, ncclComm_t comm,
+                         cudaStream_t stream) override {
+    return ncclBroadcast(sendbuff, recvbuff, count, datatype, root, comm,
+                         stream);
+  }
+  const char* GetErrorString(ncclResult_t result) override {
+    return ncclGetErrorString(result);
+  }
+  const char* GetLastError(ncclComm_t comm) override {
+    return ncclGetLastError(comm);
+  }
+
+  cudaError_t CudaGetDeviceCount(int* count) override {
+    return cudaGetDeviceCount(count);
+  }
+  cudaError_t CudaGetDevice(int* device) override {
+    return cudaGetDevice(device);
+  }
+  cudaError_t CudaSetDevice(int device) override {
+    return cudaSetDevice(device);
+  }
+  cudaError_t CudaStreamCreateWithFlags(cudaStream_t* stream,
+                                        unsigned int flags) override {
+    return cudaStreamCreateWithFlags(stream, flags);
+  }
+  cudaError_t CudaStreamDestroy(cudaStream_t stream) override {
+    return cudaStreamDestroy(stream);
+  }
+  cudaError_t CudaEventCreateWithFlags(cudaEvent_t* event,
+                                       unsigned int flags) override {
+    return cudaEventCreateWithFlags(event, flags);
+  }
+  cudaError_t CudaEventRecord(cudaEvent_t event, cudaStream_t stream) override {
+    return cudaEventRecord(event, stream);
+  }
+  cudaError_t CudaEventQuery(cudaEvent_t event) override {
+    return cudaEventQuery(event);
+  }
+  cudaError_t CudaEventDestroy(cudaEvent_t event) override {
+    return cudaEventDestroy(event);
+  }
+  cudaError_t CudaPointerGetAttributes(cudaPointerAttributes* attributes,
+                                       const void* ptr) override {
+    return cudaPointerGetAttributes(attributes, ptr);
+  }
+  cudaError_t CudaMalloc(void** ptr, size_t bytes) override {
+    return cudaMalloc(ptr, bytes);
+  }
+  cudaError_t CudaFree(void* ptr) override { return cudaFree(ptr); }
+  cudaError_t CudaMemcpyAsync(void* dst, const void* src, size_t bytes,
+                              cudaMemcpyKind kind,
+                              cudaStream_t stream) override {
+    return cudaMemcpyAsync(dst, src, bytes, kind, stream);
+  }
+  const char* CudaGetErrorName(cudaError_t error) override {
+    return cudaGetErrorName(error);
+  }
+  const char* CudaGetErrorString(cudaError_t error) override {
+    return cudaGetErrorString(error);
+  }
+};
+
+const char* NcclResultName(ncclResult_t result) {
+  switch (result) {
+    case ncclSuccess:
+      return "ncclSuccess";
+    case ncclUnhandledCudaError:
+      return "ncclUnhandledCudaError";
+    case ncclSystemError:
+      return "ncclSystemError";
+    case ncclInternalError:
+      return "ncclInternalError";
+    case ncclInvalidArgument:
+      return "ncclInvalidArgument";
+    case ncclInvalidUsage:
+      return "ncclInvalidUsage";
+    case ncclRemoteError:
+      return "ncclRemoteError";
+    case ncclInProgress:
+      return "ncclInProgress";
+    default:
+      return "unknown ncclResult_t";
+  }
+}
+
+absl::StatusCode NcclCode(ncclResult_t result) {
+  switch (result) {
+    case ncclSuccess:
+      return absl::StatusCode::kOk;
+    case ncclInvalidArgument:
+      return absl::StatusCode::kInvalidArgument;
+    case ncclInvalidUsage:
+      return absl::StatusCode::kFailedPrecondition;
+    case ncclRemoteError:
+      return absl::StatusCode::kAborted;
+    case ncclSystemError:
+    case ncclInProgress:
+      return absl::StatusCode::kUnavailable;
+    default:
+      return absl::StatusCode::kInternal;
+  }
+}
+
+absl::StatusCode CudaCode(cudaError_t error) {
+  switch (error) {
+    case cudaSuccess:
+      return absl::StatusCode::kOk;
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+    case cudaErrorDevicesUnavailable:
+    case cudaErrorStubLibrary:
+    case cudaErrorCallRequiresNewerDriver:
+    case cudaErrorSystemDriverMismatch:
+    case cudaErrorSystemNotReady:
+      return absl::StatusCode::kFailedPrecondition;
+    case cudaErrorInvalidValue:
+    case cudaErrorInvalidDevice:
+    case cudaErrorInvalidDevicePointer:
+      return absl::StatusCode::kInvalidArgument;
+    case cudaErrorMemoryAllocation:
+      return absl::StatusCode::kResourceExhausted;
+    default:
+      return absl::StatusCode::kInternal;
+  }
+}
+
+const char* OrEmpty(const char* s) { return s == nullptr ? "" : s; }
+
+}  // namespace
+
+NcclApi& RealNcclApi() {
+  static NcclApi* const api = new RealApi;
+  return *api;
+}
+
+absl::Status NcclStatus(NcclApi& api, ncclResult_t result, ncclComm_t comm,
+                        absl::string_view context) {
+  if (result == ncclSuccess) return absl::OkStatus();
+  return absl::Status(
+      NcclCode(result),
+      absl::StrFormat("%s: NCCL %s (%d): %s; last NCCL error: %s", context,
+                      NcclResultName(result), static_cast<int>(result),
+                      OrEmpty(api.GetErrorString(result)),
+                      OrEmpty(api.GetLastError(comm))));
+}
+
+absl::Status CudaStatus(NcclApi& api, cudaError_t error,
+                        absl::string_view context) {
+  if (error == cudaSuccess) return absl::OkStatus();
+  return absl::Status(CudaCode(error),
+                      absl::StrFormat("%s: CUDA %s (%d): %s", context,
+                                      OrEmpty(api.CudaGetErrorName(error)),
+                                      static_cast<int>(error),
+                                      OrEmpty(api.CudaGetErrorString(error))));
+}
+
+}  // namespace flatparam

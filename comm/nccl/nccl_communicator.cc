@@ -1,0 +1,966 @@
+#include "comm/nccl/nccl_communicator.h"
+
+#include <algorithm>
+#include <cassert>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/functional/function_ref.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "flatparam/base/dtype.h"
+#include "flatparam/base/status_macros.h"
+
+namespace flatparam {
+namespace internal_nccl {
+
+// A CUDA stream shared by a communicator and the communicators split from
+// it, so that their collectives stay in issue order.
+struct StreamHandle {
+  NcclApi* api = nullptr;
+  cudaStream_t stream = nullptr;
+  bool owned = false;
+
+  ~StreamHandle() {
+    if (owned) api->CudaStreamDestroy(stream);
+  }
+};
+
+// Everything a communicator and its outstanding Work share. Invariant: once
+// `aborted`, `comm` is null and `abort_status` holds the first error.
+struct CommState {
+  NcclApi* api = nullptr;
+  ncclComm_t comm = nullptr;
+  bool owns_comm = false;
+  int rank = 0;
+  int size = 0;
+  int device = 0;
+  NcclOptions options;
+  std::shared_ptr<StreamHandle> stream;
+  bool aborted = false;
+  absl::Status abort_status;
+  // One float on `device` for Barrier(); allocated on first use.
+  void* barrier_scratch = nullptr;
+
+  ~CommState();
+};
+
+}  // namespace internal_nccl
+
+namespace {
+
+using internal_nccl::CommState;
+using internal_nccl::StreamHandle;
+
+// Spins briefly (collectives on fast links finish in microseconds), then
+// sleeps with exponential backoff up to 1 ms, never past the deadline.
+class Backoff {
+ public:
+  void Pause(absl::Time deadline) {
+    if (spins_ < 64) {
+      ++spins_;
+      std::this_thread::yield();
+      return;
+    }
+    const absl::Duration left = deadline - absl::Now();
+    const absl::Duration nap = std::min(sleep_, left);
+    if (nap > absl::ZeroDuration()) absl::SleepFor(nap);
+    sleep_ = std::min(sleep_ * 2, absl::Milliseconds(1));
+  }
+
+ private:
+  int spins_ = 0;
+  absl::Duration sleep_ = absl::Microseconds(10);
+};
+
+// Makes `device` current and restores the caller's device when destroyed:
+// events must be created on the device of the stream they are recorded on.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(NcclApi& api) : api_(api) {}
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+  ~DeviceGuard() {
+    if (restore_) api_.CudaSetDevice(previous_);
+  }
+
+  absl::Status Set(int device, absl::string_view context) {
+    int current = -1;
+    FLATPARAM_RETURN_IF_ERROR(
+        CudaStatus(api_, api_.CudaGetDevice(&current),
+                   absl::StrCat(context, ": cudaGetDevice")));
+    if (current == device) return absl::OkStatus();
+    FLATPARAM_RETURN_IF_ERROR(
+        CudaStatus(api_, api_.CudaSetDevice(device),
+                   absl::StrFormat("%s: cudaSetDevice(%d)", context, device)));
+    if (!restore_) {
+      previous_ = current;
+      restore_ = true;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  NcclApi& api_;
+  int previous_ = 0;
+  bool restore_ = false;
+};
+
+// Device memory freed when it goes out of scope.
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(NcclApi& api) : api_(api) {}
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (ptr_ != nullptr) api_.CudaFree(ptr_);
+  }
+
+  absl::Status Allocate(size_t bytes, absl::string_view context) {
+    return CudaStatus(api_, api_.CudaMalloc(&ptr_, bytes),
+                      absl::StrFormat("%s: cudaMalloc(%d)", context, bytes));
+  }
+  char* get() const { return static_cast<char*>(ptr_); }
+
+ private:
+  NcclApi& api_;
+  void* ptr_ = nullptr;
+};
+
+ncclDataType_t NcclDType(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return ncclFloat32;
+    case DType::kFloat64:
+      return ncclFloat64;
+    case DType::kFloat16:
+      return ncclFloat16;
+    case DType::kBFloat16:
+      return ncclBfloat16;
+    default:
+      // The Validate* functions reject every other dtype first.
+      assert(false && "not a collective dtype");
+      return ncclFloat32;
+  }
+}
+
+std::string Describe(ConstBufferRef b) {
+  return absl::StrFormat("%d x %s", b.count, DTypeName(b.dtype));
+}
+
+std::string OpContext(const CommState& s, absl::string_view op, int64_t seq,
+                      ConstBufferRef input, ConstBufferRef output) {
+  return absl::StrFormat("rank %d: %s #%d (input %s, output %s on cuda:%d)",
+                         s.rank, op, seq, Describe(input), Describe(output),
+                         s.device);
+}
+
+absl::Status AbortedError(const CommState& s, absl::string_view context) {
+  return absl::AbortedError(
+      absl::StrFormat("%s: the NCCL communicator was aborted earlier: %s",
+                      context, s.abort_status.message()));
+}
+
+// Aborts the communicator because of `reason` and returns `reason`, noting
+// the abort. NCCL requires an abort after an asynchronous error or a hang.
+absl::Status AbortState(CommState& s, absl::Status reason) {
+  if (s.aborted) return reason;
+  std::string note = "; aborted the NCCL communicator (ncclCommAbort)";
+  if (s.comm != nullptr) {
+    const ncclResult_t r = s.api->CommAbort(s.comm);
+    if (r != ncclSuccess) {
+      absl::StrAppend(
+          &note, ", which failed: ",
+          NcclStatus(*s.api, r, nullptr, "ncclCommAbort").message());
+    }
+    s.comm = nullptr;
+  }
+  s.aborted = true;
+  s.abort_status =
+      absl::Status(reason.code(), absl::StrCat(reason.message(), note));
+  return s.abort_status;
+}
+
+// Waits until `comm` has left ncclInProgress (a non-blocking communicator
+// finishing initialization, a split or the enqueueing of a collective), and
+// returns its asynchronous error state.
+absl::Status PollComm(NcclApi& api, ncclComm_t comm, absl::Time deadline,
+                      absl::Duration timeout, absl::string_view context) {
+  Backoff backoff;
+  while (true) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t r = api.CommGetAsyncError(comm, &state);
+    if (r != ncclSuccess) {
+      return NcclStatus(api, r, comm,
+                        absl::StrCat(context, ": ncclCommGetAsyncError"));
+    }
+    if (state != ncclInProgress) return NcclStatus(api, state, comm, context);
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrFormat("%s: NCCL still in progress after %s", context,
+                          absl::FormatDuration(timeout)));
+    }
+    backoff.Pause(deadline);
+  }
+}
+
+// Blocks until `event` has completed, the communicator reports an
+// asynchronous error, or `deadline`; aborts the communicator on failure.
+absl::Status AwaitEvent(CommState& s, cudaEvent_t event, absl::Time deadline,
+                        absl::Duration timeout, absl::string_view context) {
+  Backoff backoff;
+  while (true) {
+    if (s.aborted) return AbortedError(s, context);
+    ncclResult_t async = ncclSuccess;
+    const ncclResult_t r = s.api->CommGetAsyncError(s.comm, &async);
+    if (r != ncclSuccess) {
+      return AbortState(
+          s, NcclStatus(*s.api, r, s.comm,
+                        absl::StrCat(context, ": ncclCommGetAsyncError")));
+    }
+    if (async != ncclSuccess && async != ncclInProgress) {
+      return AbortState(s, NcclStatus(*s.api, async, s.comm, context));
+    }
+    const cudaError_t e = s.api->CudaEventQuery(event);
+    if (e == cudaSuccess) return absl::OkStatus();
+    if (e != cudaErrorNotReady) {
+      return AbortState(
+          s, CudaStatus(*s.api, e, absl::StrCat(context, ": cudaEventQuery")));
+    }
+    if (absl::Now() >= deadline) {
+      return AbortState(s, absl::DeadlineExceededError(absl::StrFormat(
+                               "%s: did not finish within %s", context,
+                               absl::FormatDuration(timeout))));
+    }
+    backoff.Pause(deadline);
+  }
+}
+
+// The Work of an enqueued collective: waits on the event recorded after it.
+class NcclWork final : public Work {
+ public:
+  NcclWork(std::shared_ptr<CommState> state, cudaEvent_t event,
+           absl::Time deadline, absl::Duration timeout, std::string context,
+           absl::Status after)
+      : state_(std::move(state)),
+        event_(event),
+        deadline_(deadline),
+        timeout_(timeout),
+        context_(std::move(context)),
+        after_(std::move(after)) {}
+  ~NcclWork() override { state_->api->CudaEventDestroy(event_); }
+
+  absl::Status Wait() override {
+    if (!done_) {
+      status_ = AwaitEvent(*state_, event_, deadline_, timeout_, context_);
+      if (status_.ok()) status_ = after_;
+      done_ = true;
+    }
+    return status_;
+  }
+
+ private:
+  std::shared_ptr<CommState> state_;
+  cudaEvent_t event_;
+  absl::Time deadline_;
+  absl::Duration timeout_;
+  std::string context_;
+  // An error found after the collective was enqueued (destroying its
+  // reduction operator), reported once it has finished.
+  absl::Status after_;
+  bool done_ = false;
+  absl::Status status_;
+};
+
+// How a reduction runs in NCCL: a built-in operator, or a pre-multiplied
+// sum with `scalar` (one element of `dtype`) for divide factors.
+struct ResolvedOp {
+  ncclRedOp_t builtin = ncclSum;
+  bool premul = false;
+  ncclDataType_t dtype = ncclFloat32;
+  alignas(8) unsigned char scalar[8] = {};
+};
+
+absl::StatusOr<ResolvedOp> ResolveOp(const CommState& s, absl::string_view op,
+                                     int64_t seq, const ReduceOptions& options,
+                                     DType dtype) {
+  ResolvedOp resolved;
+  resolved.dtype = NcclDType(dtype);
+  const bool divides =
+      options.pre_divide_factor != 1.0 || options.post_divide_factor != 1.0;
+  switch (options.op) {
+    case ReduceOp::kSum:
+      resolved.builtin = ncclSum;
+      break;
+    case ReduceOp::kAvg:
+      resolved.builtin = ncclAvg;
+      break;
+    case ReduceOp::kMax:
+      resolved.builtin = ncclMax;
+      return resolved;
+    case ReduceOp::kMin:
+      resolved.builtin = ncclMin;
+      return resolved;
+  }
+  if (!divides) return resolved;
+  double product = options.pre_divide_factor * options.post_divide_factor;
+  if (options.op == ReduceOp::kAvg) product *= s.size;
+  const double scale = 1.0 / product;
+  StoreFromDouble(resolved.scalar, dtype, 0, scale);
+  const double stored = LoadAsDouble(resolved.scalar, dtype, 0);
+  if (!(stored > 0) || std::isinf(stored)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "rank %d: %s #%d: divide factors %g and %g%s give the scale %g, "
+        "which is %g in %s",
+        s.rank, op, seq, options.pre_divide_factor, options.post_divide_factor,
+        options.op == ReduceOp::kAvg
+            ? absl::StrFormat(" and the group size %d", s.size)
+            : std::string(),
+        scale, stored, DTypeName(dtype)));
+  }
+  resolved.premul = true;
+  return resolved;
+}
+
+bool Overlap(ConstBufferRef a, ConstBufferRef b) {
+  if (a.count == 0 || b.count == 0) return false;
+  const auto a0 = reinterpret_cast<uintptr_t>(a.data);
+  const auto b0 = reinterpret_cast<uintptr_t>(b.data);
+  return a0 < b0 + b.bytes() && b0 < a0 + a.bytes();
+}
+
+// Host buffers are Unimplemented (NCCL reads device memory); a buffer of
+// another device, or one whose memory is not what its label says, is
+// InvalidArgument.
+absl::Status CheckCudaBuffer(const CommState& s, absl::string_view op,
+                             int64_t seq, absl::string_view which,
+                             ConstBufferRef b) {
+  if (b.device.type != DeviceType::kCuda) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "rank %d: %s #%d: the NCCL backend takes CUDA buffers on cuda:%d; "
+        "%s is %s on %s",
+        s.rank, op, seq, s.device, which, Describe(b), DeviceName(b.device)));
+  }
+  if (b.device.index != s.device) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "rank %d: %s #%d: %s (%s) is on %s but this communicator's device is "
+        "cuda:%d",
+        s.rank, op, seq, which, Describe(b), DeviceName(b.device), s.device));
+  }
+  if (!s.options.check_pointers || b.count == 0) return absl::OkStatus();
+  cudaPointerAttributes attributes;
+  std::memset(&attributes, 0, sizeof(attributes));
+  FLATPARAM_RETURN_IF_ERROR(CudaStatus(
+      *s.api, s.api->CudaPointerGetAttributes(&attributes, b.data),
+      absl::StrFormat("rank %d: %s #%d: cudaPointerGetAttributes(%s at %p)",
+                      s.rank, op, seq, which, b.data)));
+  if (attributes.type == cudaMemoryTypeManaged) return absl::OkStatus();
+  if (attributes.type != cudaMemoryTypeDevice) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "rank %d: %s #%d: %s (%s at %p) is labelled cuda:%d but is not device "
+        "memory (cudaMemoryType %d)",
+        s.rank, op, seq, which, Describe(b), b.data, s.device,
+        static_cast<int>(attributes.type)));
+  }
+  if (attributes.device != s.device) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "rank %d: %s #%d: %s (%s at %p) is labelled cuda:%d but was "
+        "allocated on cuda:%d",
+        s.rank, op, seq, which, Describe(b), b.data, s.device,
+        attributes.device));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckCudaPair(const CommState& s, absl::string_view op,
+                           int64_t seq, ConstBufferRef input,
+                           ConstBufferRef output, bool in_place) {
+  FLATPARAM_RETURN_IF_ERROR(CheckCudaBuffer(s, op, seq, "input", input));
+  FLATPARAM_RETURN_IF_ERROR(CheckCudaBuffer(s, op, seq, "output", output));
+  if (!in_place && Overlap(input, output)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "rank %d: %s #%d: input (%s at %p) and output (%s at %p) overlap but "
+        "are not in place",
+        s.rank, op, seq, Describe(input), input.data, Describe(output),
+        output.data));
+  }
+  return absl::OkStatus();
+}
+
+using NcclCall = absl::FunctionRef<ncclResult_t(
+    ncclComm_t comm, cudaStream_t stream, ncclRedOp_t op)>;
+
+// Enqueues `call` on the communicator's stream (creating and destroying a
+// pre-multiplied sum operator around it when `op` asks for one) and returns
+// a Work that waits for it.
+std::unique_ptr<Work> Issue(const std::shared_ptr<CommState>& state,
+                            const std::string& context, absl::Time deadline,
+                            absl::Duration timeout, const ResolvedOp* op,
+                            NcclCall call) {
+  CommState& s = *state;
+  NcclApi& api = *s.api;
+  if (s.aborted) return CompletedWork(AbortedError(s, context));
+  DeviceGuard guard(api);
+  if (absl::Status st = guard.Set(s.device, context); !st.ok()) {
+    return CompletedWork(std::move(st));
+  }
+  // Created before anything is enqueued, so that a failure leaves nothing
+  // in flight.
+  cudaEvent_t event = nullptr;
+  if (absl::Status st = CudaStatus(
+          api, api.CudaEventCreateWithFlags(&event, cudaEventDisableTiming),
+          absl::StrCat(context, ": cudaEventCreateWithFlags"));
+      !st.ok()) {
+    return CompletedWork(std::move(st));
+  }
+  auto fail = [&](absl::Status st) {
+    api.CudaEventDestroy(event);
+    return CompletedWork(std::move(st));
+  };
+
+  ncclRedOp_t redop = op != nullptr ? op->builtin : ncclSum;
+  bool created = false;
+  if (op != nullptr && op->premul) {
+    ResolvedOp scalar = *op;  // NCCL takes a non-const pointer.
+    const ncclResult_t r = api.RedOpCreatePreMulSum(
+        &redop, scalar.scalar, op->dtype, ncclScalarHostImmediate, s.comm);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      return fail(NcclStatus(
+          api, r, s.comm, absl::StrCat(context, ": ncclRedOpCreatePreMulSum")));
+    }
+    if (absl::Status st = PollComm(api, s.comm, deadline, timeout, context);
+        !st.ok()) {
+      return fail(AbortState(s, std::move(st)));
+    }
+    created = true;
+  }
+
+  const ncclResult_t r = call(s.comm, s.stream->stream, redop);
+  if (r != ncclSuccess && r != ncclInProgress) {
+    // Rejected synchronously (bad arguments or usage): nothing was
+    // enqueued and the communicator stays usable.
+    absl::Status st = NcclStatus(api, r, s.comm, context);
+    if (created) api.RedOpDestroy(redop, s.comm);
+    return fail(std::move(st));
+  }
+  if (absl::Status st = PollComm(api, s.comm, deadline, timeout, context);
+      !st.ok()) {
+    return fail(AbortState(s, std::move(st)));
+  }
+  if (absl::Status st =
+          CudaStatus(api, api.CudaEventRecord(event, s.stream->stream),
+                     absl::StrCat(context, ": cudaEventRecord"));
+      !st.ok()) {
+    // The collective is in flight and cannot be tracked: tear it down.
+    return fail(AbortState(s, std::move(st)));
+  }
+  absl::Status after;
+  if (created) {
+    after = NcclStatus(api, api.RedOpDestroy(redop, s.comm), s.comm,
+                       absl::StrCat(context, ": ncclRedOpDestroy"));
+  }
+  return std::make_unique<NcclWork>(state, event, deadline, timeout, context,
+                                    std::move(after));
+}
+
+// Enqueues a host<->device copy on the communicator's stream.
+absl::Status CopyAsync(CommState& s, void* dst, const void* src, size_t bytes,
+                       cudaMemcpyKind kind, absl::string_view context) {
+  if (bytes == 0) return absl::OkStatus();
+  return CudaStatus(
+      *s.api, s.api->CudaMemcpyAsync(dst, src, bytes, kind, s.stream->stream),
+      absl::StrFormat("%s: cudaMemcpyAsync(%d bytes)", context, bytes));
+}
+
+// Blocks until everything enqueued so far on the stream has finished.
+absl::Status AwaitStream(CommState& s, absl::Time deadline,
+                         absl::Duration timeout, absl::string_view context) {
+  NcclApi& api = *s.api;
+  cudaEvent_t event = nullptr;
+  FLATPARAM_RETURN_IF_ERROR(CudaStatus(
+      api, api.CudaEventCreateWithFlags(&event, cudaEventDisableTiming),
+      absl::StrCat(context, ": cudaEventCreateWithFlags")));
+  absl::Status st =
+      CudaStatus(api, api.CudaEventRecord(event, s.stream->stream),
+                 absl::StrCat(context, ": cudaEventRecord"));
+  if (st.ok()) st = AwaitEvent(s, event, deadline, timeout, context);
+  api.CudaEventDestroy(event);
+  return st;
+}
+
+}  // namespace
+
+namespace internal_nccl {
+
+CommState::~CommState() {
+  DeviceGuard guard(*api);
+  guard.Set(device, "").IgnoreError();
+  if (comm != nullptr && owns_comm && !aborted) {
+    // Finalize flushes outstanding operations; a non-blocking communicator
+    // reports completion through its asynchronous state. There is no caller
+    // to report failures to: a communicator that cannot be finalized is
+    // aborted instead.
+    const ncclResult_t r = api->CommFinalize(comm);
+    bool ok = r == ncclSuccess || r == ncclInProgress;
+    if (ok) {
+      ok = PollComm(*api, comm, absl::Now() + options.setup_timeout,
+                    options.setup_timeout, "ncclCommFinalize")
+               .ok();
+    }
+    if (ok) {
+      api->CommDestroy(comm);
+    } else {
+      api->CommAbort(comm);
+    }
+  }
+  comm = nullptr;
+  if (barrier_scratch != nullptr) api->CudaFree(barrier_scratch);
+}
+
+}  // namespace internal_nccl
+
+NcclCommunicator::NcclCommunicator(std::shared_ptr<CommState> state)
+    : state_(std::move(state)) {}
+
+NcclCommunicator::~NcclCommunicator() = default;
+
+absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
+    NcclApi& api, Communicator& bootstrap, int cuda_device,
+    const NcclOptions& options, cudaStream_t stream) {
+  const int rank = bootstrap.rank();
+  const int size = bootstrap.size();
+  const std::string context = absl::StrFormat(
+      "rank %d: creating the NCCL communicator (%d ranks, cuda:%d)", rank, size,
+      cuda_device);
+  const absl::Time deadline = absl::Now() + options.setup_timeout;
+  DeviceGuard guard(api);
+  ncclUniqueId id;
+  std::memset(&id, 0, sizeof(id));
+
+  // Local checks first; their outcome travels with the id so that no rank
+  // waits for one that has already given up.
+  const absl::Status local = [&]() -> absl::Status {
+    int count = 0;
+    const cudaError_t e = api.CudaGetDeviceCount(&count);
+    if (e != cudaSuccess) {
+      const absl::Status st = CudaStatus(api, e, "cudaGetDeviceCount");
+      return absl::Status(st.code(), absl::StrFormat("%s: no usable GPU: %s",
+                                                     context, st.message()));
+    }
+    if (count == 0) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "%s: no usable GPU: cudaGetDeviceCount found no device", context));
+    }
+    if (cuda_device < 0 || cuda_device >= count) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: CUDA device %d is not in [0, %d)", context, cuda_device, count));
+    }
+    FLATPARAM_RETURN_IF_ERROR(guard.Set(cuda_device, context));
+    if (rank == 0) {
+      FLATPARAM_RETURN_IF_ERROR(
+          NcclStatus(api, api.GetUniqueId(&id), nullptr,
+                     absl::StrCat(context, ": ncclGetUniqueId")));
+    }
+    return absl::OkStatus();
+  }();
+
+  std::string payload;
+  if (!local.ok()) {
+    payload = absl::StrCat("E", local.message());
+  } else if (rank == 0) {
+    payload = absl::StrCat("K", absl::string_view(id.internal, sizeof(id)));
+  } else {
+    payload = "K";
+  }
+  CollectiveOptions exchange;
+  exchange.timeout = options.setup_timeout;
+  absl::StatusOr<std::vector<std::string>> all =
+      bootstrap.AllGatherBytes(payload, exchange);
+  if (!all.ok()) {
+    return absl::Status(
+        all.status().code(),
+        absl::StrFormat("%s: sharing the ncclUniqueId over the %s bootstrap "
+                        "failed: %s",
+                        context, bootstrap.backend(), all.status().message()));
+  }
+  if (!local.ok()) return local;
+  if (static_cast<int>(all->size()) != size) {
+    return absl::InternalError(
+        absl::StrFormat("%s: the bootstrap returned %d messages for %d ranks",
+                        context, all->size(), size));
+  }
+  for (int r = 0; r < size; ++r) {
+    const std::string& message = (*all)[r];
+    if (message.empty() || (message[0] != 'K' && message[0] != 'E')) {
+      return absl::InternalError(
+          absl::StrFormat("%s: rank %d sent a malformed message of %d bytes",
+                          context, r, message.size()));
+    }
+    if (message[0] == 'E') {
+      return absl::AbortedError(absl::StrFormat("%s: rank %d failed: %s",
+                                                context, r, message.substr(1)));
+    }
+  }
+  if ((*all)[0].size() != 1 + sizeof(id)) {
+    return absl::InternalError(
+        absl::StrFormat("%s: rank 0 sent a unique id of %d bytes, expected %d",
+                        context, (*all)[0].size() - 1, sizeof(id)));
+  }
+  std::memcpy(id.internal, (*all)[0].data() + 1, sizeof(id));
+
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = options.blocking ? 1 : 0;
+  ncclComm_t comm = nullptr;
+  const ncclResult_t r = api.CommInitRankConfig(&comm, size, id, rank, &config);
+  if (r != ncclSuccess && r != ncclInProgress) {
+    absl::Status st = NcclStatus(
+        api, r, comm, absl::StrCat(context, ": ncclCommInitRankConfig"));
+    if (comm != nullptr) api.CommAbort(comm);
+    return st;
+  }
+  if (absl::Status st =
+          PollComm(api, comm, deadline, options.setup_timeout, context);
+      !st.ok()) {
+    api.CommAbort(comm);
+    return absl::Status(
+        st.code(),
+        absl::StrCat(st.message(),
+                     "; aborted the NCCL communicator (ncclCommAbort)"));
+  }
+  return FromComm(api, comm, /*owned=*/true, options, nullptr, stream);
+}
+
+absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Wrap(
+    NcclApi& api, ncclComm_t comm, Ownership ownership,
+    const NcclOptions& options, cudaStream_t stream) {
+  if (comm == nullptr) {
+    return absl::InvalidArgumentError("cannot wrap a null ncclComm_t");
+  }
+  if (absl::Status st =
+          PollComm(api, comm, absl::Now() + options.setup_timeout,
+                   options.setup_timeout, "wrapping an ncclComm_t");
+      !st.ok()) {
+    return st;
+  }
+  return FromComm(api, comm, ownership == Ownership::kTakeOwnership, options,
+                  nullptr, stream);
+}
+
+absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::FromComm(
+    NcclApi& api, ncclComm_t comm, bool owned, const NcclOptions& options,
+    std::shared_ptr<StreamHandle> stream, cudaStream_t user_stream) {
+  // The state owns `comm` from here on, so every failure below releases it.
+  auto state = std::make_shared<CommState>();
+  state->api = &api;
+  state->comm = comm;
+  state->owns_comm = owned;
+  state->options = options;
+  const absl::string_view context = "wrapping an ncclComm_t";
+  FLATPARAM_RETURN_IF_ERROR(
+      NcclStatus(api, api.CommCuDevice(comm, &state->device), comm,
+                 absl::StrCat(context, ": ncclCommCuDevice")));
+  FLATPARAM_RETURN_IF_ERROR(
+      NcclStatus(api, api.CommCount(comm, &state->size), comm,
+                 absl::StrCat(context, ": ncclCommCount")));
+  FLATPARAM_RETURN_IF_ERROR(
+      NcclStatus(api, api.CommUserRank(comm, &state->rank), comm,
+                 absl::StrCat(context, ": ncclCommUserRank")));
+  if (stream == nullptr) {
+    stream = std::make_shared<StreamHandle>();
+    stream->api = &api;
+    if (user_stream != nullptr) {
+      stream->stream = user_stream;
+    } else {
+      DeviceGuard guard(api);
+      FLATPARAM_RETURN_IF_ERROR(guard.Set(state->device, context));
+      FLATPARAM_RETURN_IF_ERROR(CudaStatus(
+          api,
+          api.CudaStreamCreateWithFlags(&stream->stream, cudaStreamNonBlocking),
+          absl::StrCat(context, ": cudaStreamCreateWithFlags")));
+      stream->owned = true;
+    }
+  }
+  state->stream = std::move(stream);
+  return std::unique_ptr<NcclCommunicator>(
+      new NcclCommunicator(std::move(state)));
+}
+
+int NcclCommunicator::rank() const { return state_->rank; }
+int NcclCommunicator::size() const { return state_->size; }
+int NcclCommunicator::device() const { return state_->device; }
+cudaStream_t NcclCommunicator::stream() const { return state_->stream->stream; }
+ncclComm_t NcclCommunicator::comm() const { return state_->comm; }
+bool NcclCommunicator::aborted() const { return state_->aborted; }
+absl::Status NcclCommunicator::abort_status() const {
+  return state_->abort_status;
+}
+
+void NcclCommunicator::Abort(absl::Status reason) {
+  if (reason.ok()) reason = absl::AbortedError("aborted by the caller");
+  AbortState(*state_, std::move(reason)).IgnoreError();
+}
+
+std::unique_ptr<Work> NcclCommunicator::AllGather(
+    ConstBufferRef input, BufferRef output, const CollectiveOptions& options) {
+  const absl::Time deadline = absl::Now() + options.timeout;
+  CommState& s = *state_;
+  const int64_t seq = seq_++;
+  constexpr absl::string_view kOp = "all_gather";
+  if (absl::Status st = ValidateAllGather(s.rank, s.size, seq, input, output);
+      !st.ok()) {
+    return CompletedWork(std::move(st));
+  }
+  const std::string context = OpContext(s, kOp, seq, input, output);
+  if (s.aborted) return CompletedWork(AbortedError(s, context));
+  const bool in_place =
+      input.data == static_cast<const char*>(output.data) +
+                        static_cast<int64_t>(s.rank) * input.bytes();
+  if (absl::Status st = CheckCudaPair(s, kOp, seq, input, output, in_place);
+      !st.ok()) {
+    return CompletedWork(std::move(st));
+  }
+  if (input.count == 0) return CompletedWork(absl::OkStatus());
+  return Issue(state_, context, deadline, options.timeout, nullptr,
+               [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t) {
+                 return s.api->AllGather(input.data, output.data, input.count,
+                                         NcclDType(input.dtype), comm, stream);
+               });
+}
+
+std::unique_ptr<Work> NcclCommunicator::ReduceScatter(
+    ConstBufferRef input, BufferRef output, const ReduceOptions& options) {
+  const absl::Time deadline = absl::Now() + options.timeout;
+  CommState& s = *state_;
+  const int64_t seq = seq_++;
+  constexpr absl::string_view kOp = "reduce_scatter";
+  if (absl::Status st =
+          ValidateReduceScatter(s.rank, s.size, seq, input, output, options);
+      !st.ok()) {
+    return CompletedWork(std::move(st));
+  }
+  const std::string context = OpContext(s, kOp, seq, input, output);
+  if (s.aborted) return CompletedWork(AbortedError(s, context));
+  const bool in_place =
+      output.data == static_cast<const char*>(input.data) +
+                         static_cast<int64_t>(s.rank) * output.bytes();
+  if (absl::Status st = CheckCudaPair(s, kOp, seq, input, output, in_place);
+      !st.ok()) {
+    return CompletedWork(std::move(st));
+  }
+  absl::StatusOr<ResolvedOp> op = ResolveOp(s, kOp, seq, options, input.dtype);
+  if (!op.ok()) return CompletedWork(op.status());
+  if (output.count == 0) return CompletedWork(absl::OkStatus());
+  return Issue(state_, context, deadline, options.timeout, &*op,
+               [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t redop) {
+                 return s.api->ReduceScatter(
+                     input.data, output.data, output.count,
+                     NcclDType(input.dtype), redop, comm, stream);
+               });
+}
+
+std::unique_ptr<Work> NcclCommunicator::AllReduce(
+    ConstBufferRef input, BufferRef output, const ReduceOptions& options) {
+  const absl::Time deadline = absl::Now() + options.timeout;
+  CommState& s = *state_;
+  const int64_t seq = seq_++;
+  constexpr absl::string_view kOp = "all_reduce";
+  if (absl::Status st =
+          ValidateAllReduce(s.rank, s.size, seq, input, output, options);
+      !st.ok()) {
+    return CompletedWork(std::move(st));
+  }
+  const std::string context = OpContext(s, kOp, seq, input, output);
+  if (s.aborted) return CompletedWork(AbortedError(s, context));
+  const bool in_place = input.data == output.data;
+  if (absl::Status st = CheckCudaPair(s, kOp, seq, input, output, in_place);
+      !st.ok()) {
+    return CompletedWork(std::move(st));
+  }
+  absl::StatusOr<ResolvedOp> op = ResolveOp(s, kOp, seq, options, input.dtype);
+  if (!op.ok()) return CompletedWork(op.status());
+  if (input.count == 0) return CompletedWork(absl::OkStatus());
+  return Issue(state_, context, deadline, options.timeout, &*op,
+               [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t redop) {
+                 return s.api->AllReduce(input.data, output.data, input.count,
+                                         NcclDType(input.dtype), redop, comm,
+                                         stream);
+               });
+}
+
+std::unique_ptr<Work> NcclCommunicator::Broadcast(
+    BufferRef buffer, const BroadcastOptions& options) {
+  const absl::Time deadline = absl::Now() + options.timeout;
+  CommState& s = *state_;
+  const int64_t seq = seq_++;
+  constexpr absl::string_view kOp = "broadcast";
+  if (absl::Status st = ValidateBroadcast(s.rank, s.size, seq, buffer, options);
+      !st.ok()) {
+    return CompletedWork(std::move(st));
+  }
+  const std::string context =
+      absl::StrFormat("rank %d: %s #%d (buffer %s on cuda:%d, root %d)", s.rank,
+                      kOp, seq, Describe(buffer), s.device, options.root);
+  if (s.aborted) return CompletedWork(AbortedError(s, context));
+  if (absl::Status st = CheckCudaBuffer(s, kOp, seq, "buffer", buffer);
+      !st.ok()) {
+    return CompletedWork(std::move(st));
+  }
+  if (buffer.count == 0) return CompletedWork(absl::OkStatus());
+  return Issue(state_, context, deadline, options.timeout, nullptr,
+               [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t) {
+                 return s.api->Broadcast(buffer.data, buffer.data, buffer.count,
+                                         NcclDType(buffer.dtype), options.root,
+                                         comm, stream);
+               });
+}
+
+absl::StatusOr<std::vector<std::string>> NcclCommunicator::AllGatherBytes(
+    absl::string_view bytes, const CollectiveOptions& options) {
+  const absl::Time deadline = absl::Now() + options.timeout;
+  CommState& s = *state_;
+  NcclApi& api = *s.api;
+  const int64_t seq = seq_++;
+  const std::string context =
+      absl::StrFormat("rank %d: all_gather_bytes #%d (%d bytes on cuda:%d)",
+                      s.rank, seq, bytes.size(), s.device);
+  if (s.aborted) return AbortedError(s, context);
+  DeviceGuard guard(api);
+  FLATPARAM_RETURN_IF_ERROR(guard.Set(s.device, context));
+
+  // Round 1: every rank's length.
+  const size_t n = static_cast<size_t>(s.size);
+  DeviceBuffer lengths(api);
+  FLATPARAM_RETURN_IF_ERROR(lengths.Allocate(n * sizeof(int64_t), context));
+  const int64_t my_length = static_cast<int64_t>(bytes.size());
+  char* my_slot = lengths.get() + s.rank * sizeof(int64_t);
+  FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, my_slot, &my_length, sizeof(int64_t),
+                                      cudaMemcpyHostToDevice, context));
+  FLATPARAM_RETURN_IF_ERROR(
+      Issue(state_, context, deadline, options.timeout, nullptr,
+            [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t) {
+              return api.AllGather(my_slot, lengths.get(), 1, ncclInt64, comm,
+                                   stream);
+            })
+          ->Wait());
+  std::vector<int64_t> sizes(n);
+  FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, sizes.data(), lengths.get(),
+                                      n * sizeof(int64_t),
+                                      cudaMemcpyDeviceToHost, context));
+  FLATPARAM_RETURN_IF_ERROR(AwaitStream(s, deadline, options.timeout, context));
+  int64_t longest = 0;
+  for (size_t r = 0; r < n; ++r) {
+    if (sizes[r] < 0 ||
+        (r == static_cast<size_t>(s.rank) && sizes[r] != my_length)) {
+      return absl::InternalError(absl::StrFormat(
+          "%s: rank %d's length arrived as %d; the group is desynchronized",
+          context, r, sizes[r]));
+    }
+    longest = std::max(longest, sizes[r]);
+  }
+
+  // Round 2: the bytes, each rank's padded to the longest.
+  std::vector<std::string> result(n);
+  if (longest == 0) return result;
+  const size_t stride = static_cast<size_t>(longest);
+  DeviceBuffer data(api);
+  FLATPARAM_RETURN_IF_ERROR(data.Allocate(n * stride, context));
+  char* my_bytes = data.get() + s.rank * stride;
+  FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, my_bytes, bytes.data(), bytes.size(),
+                                      cudaMemcpyHostToDevice, context));
+  FLATPARAM_RETURN_IF_ERROR(
+      Issue(state_, context, deadline, options.timeout, nullptr,
+            [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t) {
+              return api.AllGather(my_bytes, data.get(), stride, ncclUint8,
+                                   comm, stream);
+            })
+          ->Wait());
+  std::string gathered(n * stride, '\0');
+  FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, gathered.data(), data.get(),
+                                      n * stride, cudaMemcpyDeviceToHost,
+                                      context));
+  FLATPARAM_RETURN_IF_ERROR(AwaitStream(s, deadline, options.timeout, context));
+  for (size_t r = 0; r < n; ++r) {
+    result[r] = gathered.substr(r * stride, static_cast<size_t>(sizes[r]));
+  }
+  return result;
+}
+
+absl::Status NcclCommunicator::Barrier(const CollectiveOptions& options) {
+  const absl::Time deadline = absl::Now() + options.timeout;
+  CommState& s = *state_;
+  NcclApi& api = *s.api;
+  const int64_t seq = seq_++;
+  const std::string context =
+      absl::StrFormat("rank %d: barrier #%d on cuda:%d", s.rank, seq, s.device);
+  if (s.aborted) return AbortedError(s, context);
+  if (s.barrier_scratch == nullptr) {
+    DeviceGuard guard(api);
+    FLATPARAM_RETURN_IF_ERROR(guard.Set(s.device, context));
+    FLATPARAM_RETURN_IF_ERROR(
+        CudaStatus(api, api.CudaMalloc(&s.barrier_scratch, sizeof(float)),
+                   absl::StrCat(context, ": cudaMalloc")));
+    static const float kZero = 0.0f;
+    FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, s.barrier_scratch, &kZero,
+                                        sizeof(float), cudaMemcpyHostToDevice,
+                                        context));
+  }
+  return Issue(state_, context, deadline, options.timeout, nullptr,
+               [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t) {
+                 return api.AllReduce(s.barrier_scratch, s.barrier_scratch, 1,
+                                      ncclFloat32, ncclSum, comm, stream);
+               })
+      ->Wait();
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> NcclCommunicator::Split(
+    int color, int key, const CollectiveOptions& options) {
+  const absl::Time deadline = absl::Now() + options.timeout;
+  CommState& s = *state_;
+  NcclApi& api = *s.api;
+  const int64_t seq = seq_++;
+  const std::string context = absl::StrFormat(
+      "rank %d: split #%d (color %d, key %d)", s.rank, seq, color, key);
+  if (s.aborted) return AbortedError(s, context);
+  DeviceGuard guard(api);
+  FLATPARAM_RETURN_IF_ERROR(guard.Set(s.device, context));
+  ncclComm_t child = nullptr;
+  // A null config makes the child inherit the parent's (blocking mode
+  // included).
+  const ncclResult_t r = api.CommSplit(
+      s.comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, nullptr);
+  if (r != ncclSuccess && r != ncclInProgress) {
+    absl::Status st =
+        NcclStatus(api, r, s.comm, absl::StrCat(context, ": ncclCommSplit"));
+    if (child != nullptr) api.CommAbort(child);
+    return st;
+  }
+  if (absl::Status st = PollComm(api, s.comm, deadline, options.timeout,
+                                 absl::StrCat(context, ": parent"));
+      !st.ok()) {
+    if (child != nullptr) api.CommAbort(child);
+    return AbortState(s, std::move(st));
+  }
+  if (child == nullptr) return std::unique_ptr<Communicator>();
+  if (absl::Status st = PollComm(api, child, deadline, options.timeout,
+                                 absl::StrCat(context, ": child"));
+      !st.ok()) {
+    api.CommAbort(child);
+    return absl::Status(
+        st.code(),
+        absl::StrCat(st.message(),
+                     "; aborted the new NCCL communicator (ncclCommAbort)"));
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(
+      std::unique_ptr<NcclCommunicator> split,
+      FromComm(api, child, /*owned=*/true, s.options, s.stream, nullptr));
+  return std::unique_ptr<Communicator>(std::move(split));
+}
+
+}  // namespace flatparam
