@@ -39,39 +39,69 @@ struct Elem<DType::kBFloat16> {
   static Storage Store(Compute v) { return FloatToBFloat16Bits(v); }
 };
 
-template <DType D>
-void Step(void* acc_ptr, const void* x_ptr, int64_t count,
-          const ReduceOptions& options, bool first) {
+struct SumOp {
+  template <typename C>
+  static C Apply(C a, C v) {
+    return a + v;
+  }
+};
+struct MaxOp {
+  template <typename C>
+  static C Apply(C a, C v) {
+    return std::max(a, v);
+  }
+};
+struct MinOp {
+  template <typename C>
+  static C Apply(C a, C v) {
+    return std::min(a, v);
+  }
+};
+
+// The element loop, specialised on the op and on whether there is a
+// pre-divide, so that the common case (sum, no divide) is a plain loop the
+// compiler can vectorise.
+template <DType D, typename Op, bool kPre, bool kFirst>
+void StepLoop(typename Elem<D>::Storage* acc,
+              const typename Elem<D>::Storage* x, int64_t count,
+              typename Elem<D>::Compute pre_factor) {
   using E = Elem<D>;
-  using C = typename E::Compute;
+  for (int64_t i = 0; i < count; ++i) {
+    typename E::Compute v = E::Load(x[i]);
+    if (kPre) v = E::Load(E::Store(v / pre_factor));
+    acc[i] = kFirst ? E::Store(v) : E::Store(Op::Apply(E::Load(acc[i]), v));
+  }
+}
+
+template <DType D, typename Op>
+void StepWithOp(void* acc_ptr, const void* x_ptr, int64_t count,
+                const ReduceOptions& options, bool first) {
+  using E = Elem<D>;
   auto* acc = static_cast<typename E::Storage*>(acc_ptr);
   const auto* x = static_cast<const typename E::Storage*>(x_ptr);
+  const auto pre_factor =
+      static_cast<typename E::Compute>(options.pre_divide_factor);
   const bool pre = options.pre_divide_factor != 1.0;
-  const C pre_factor = static_cast<C>(options.pre_divide_factor);
-  for (int64_t i = 0; i < count; ++i) {
-    C v = E::Load(x[i]);
-    if (pre) v = E::Load(E::Store(v / pre_factor));
-    if (first) {
-      acc[i] = E::Store(v);
-      continue;
-    }
-    const C a = E::Load(acc[i]);
-    // Every op is assigned below; the initialiser only quiets GCC's
-    // -Wmaybe-uninitialized at -O1 (the asan config).
-    C r = a;
-    switch (options.op) {
-      case ReduceOp::kSum:
-      case ReduceOp::kAvg:
-        r = a + v;
-        break;
-      case ReduceOp::kMax:
-        r = std::max(a, v);
-        break;
-      case ReduceOp::kMin:
-        r = std::min(a, v);
-        break;
-    }
-    acc[i] = E::Store(r);
+  if (pre) {
+    first ? StepLoop<D, Op, true, true>(acc, x, count, pre_factor)
+          : StepLoop<D, Op, true, false>(acc, x, count, pre_factor);
+  } else {
+    first ? StepLoop<D, Op, false, true>(acc, x, count, pre_factor)
+          : StepLoop<D, Op, false, false>(acc, x, count, pre_factor);
+  }
+}
+
+template <DType D>
+void Step(void* acc, const void* x, int64_t count, const ReduceOptions& options,
+          bool first) {
+  switch (options.op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
+      return StepWithOp<D, SumOp>(acc, x, count, options, first);
+    case ReduceOp::kMax:
+      return StepWithOp<D, MaxOp>(acc, x, count, options, first);
+    case ReduceOp::kMin:
+      return StepWithOp<D, MinOp>(acc, x, count, options, first);
   }
 }
 
