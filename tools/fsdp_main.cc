@@ -22,6 +22,7 @@ namespace {
 
 const Subcommand* const kSubcommands[] = {
     &kInspectSubcommand,
+    &kCollectivesSubcommand,
 };
 
 const Subcommand* FindSubcommand(absl::string_view name) {

@@ -36,6 +36,7 @@ struct Subcommand {
 };
 
 extern const Subcommand kInspectSubcommand;
+extern const Subcommand kCollectivesSubcommand;
 
 }  // namespace tools
 }  // namespace flatparam

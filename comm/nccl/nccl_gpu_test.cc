@@ -1,7 +1,8 @@
 // NcclCommunicator on real GPUs with the real NCCL. Every test skips with
 // "no usable GPU: ..." where cudaGetDeviceCount fails (no driver) or finds
 // no device; the multi-GPU tests run one rank per visible device (up to 4)
-// on threads and skip with fewer than two devices.
+// on threads and skip with fewer than two devices. The conformance suite
+// (comm/conformance) runs on every visible device, up to 4, one or more.
 #include <cuda_runtime_api.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -16,6 +17,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "comm/communicator.h"
+#include "comm/conformance/collective_cases.h"
+#include "comm/conformance/collective_cases_gtest.h"
+#include "comm/conformance/cuda_memory.h"
+#include "comm/conformance/device_memory.h"
 #include "comm/nccl/nccl_api.h"
 #include "comm/nccl/nccl_communicator.h"
 #include "comm/nccl/thread_bootstrap_testutil.h"
@@ -264,6 +269,26 @@ TEST_F(NcclGpuTest, CollectivesAcrossDevices) {
     EXPECT_THAT(parity->AllReduce(a.ref(), a.ref(), {})->Wait(), IsOk());
     EXPECT_EQ(a.Get()[0], parity->size());
     EXPECT_THAT(nccl.Barrier({}), IsOk());
+  });
+}
+
+// The backend-independent suite, with buffers in device memory. NCCL
+// reduces in its own order and applies divide factors and averages as one
+// premultiplication, so only the cases whose results cannot depend on that
+// run (SuiteOptions::exact_only); those must equal the simulator's bits.
+TEST_F(NcclGpuTest, ConformanceSuite) {
+  const int n = std::min(devices_, 4);
+  OnEveryRank(n, absl::Minutes(1), [n](int r, NcclCommunicator& nccl) {
+    SCOPED_TRACE(absl::StrCat("rank ", r, " of ", n));
+    absl::StatusOr<std::unique_ptr<conformance::DeviceMemory>> memory =
+        conformance::CudaMemory(r);
+    ASSERT_THAT(memory, IsOk());
+    conformance::SuiteOptions options;
+    options.exact_only = true;
+    const conformance::SuiteReport report =
+        conformance::RunSuite(nccl, **memory, options);
+    EXPECT_GT(report.cases, 100);
+    conformance::ExpectSuiteOk(report);
   });
 }
 

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# End-to-end test of `fsdp collectives` on the simulator: the table, exit
+# codes, byte-identical traces for equal seeds, and a fault that fails fast
+# naming the rank.
+# Usage: collectives_cli_test.sh PATH_TO_FSDP
+set -uo pipefail
+
+fsdp=$1
+tmp=${TEST_TMPDIR:-$(mktemp -d)}
+failures=0
+
+fail() {
+  echo "FAIL: $*" >&2
+  failures=$((failures + 1))
+}
+
+# expect_exit CODE ARGS...: runs fsdp with ARGS (at most 30 s), checks the
+# exit code, and leaves stdout/stderr in $tmp/out and $tmp/err.
+expect_exit() {
+  local want=$1
+  shift
+  timeout 30 "$fsdp" "$@" >"$tmp/out" 2>"$tmp/err"
+  local got=$?
+  if [ "$got" -ne "$want" ]; then
+    fail "fsdp $* exited $got, want $want; stderr: $(head -c 800 "$tmp/err")"
+  fi
+}
+
+# The whole suite and the default sweep (1 KiB to 16 MiB) on 8 ranks.
+expect_exit 0 collectives --backend=sim --world-size=8 --seed=3
+grep -q '^# fsdp collectives: backend sim, 8 ranks, seed 3, faults none$' \
+  "$tmp/out" || fail "header missing"
+grep -qE '^# conformance: [0-9]+ cases on each of 8 ranks: all correct$' \
+  "$tmp/out" || fail "conformance summary missing"
+grep -q 'time: virtual' "$tmp/out" || fail "the clock is not named"
+for op in all_gather reduce_scatter all_reduce; do
+  for bytes in 1024 16777216; do
+    grep -qE "^  $op +$bytes .* 0  correct$" "$tmp/out" ||
+      fail "no correct $op row of $bytes bytes"
+  done
+done
+grep -q '^# all correct$' "$tmp/out" || fail "verdict missing"
+[ -s "$tmp/err" ] && fail "unexpected stderr: $(head -c 500 "$tmp/err")"
+
+# Equal seeds: byte-identical traces and tables; another seed: another
+# schedule, still a trace.
+quick=(--large-elements=0 --max-bytes=65536)
+for run in a b; do
+  expect_exit 0 collectives --world-size=4 --seed=7 "${quick[@]}" \
+    --trace="$tmp/trace_$run.json"
+  cp "$tmp/out" "$tmp/table_$run"
+done
+cmp -s "$tmp/trace_a.json" "$tmp/trace_b.json" ||
+  fail "equal seeds wrote different traces"
+cmp -s "$tmp/table_a" "$tmp/table_b" || fail "equal seeds printed different tables"
+expect_exit 0 collectives --world-size=4 --seed=8 "${quick[@]}" \
+  --trace="$tmp/trace_c.json"
+cmp -s "$tmp/trace_a.json" "$tmp/trace_c.json" &&
+  fail "another seed wrote the same trace"
+grep -q '"traceEvents"' "$tmp/trace_c.json" || fail "trace lacks traceEvents"
+
+# A killed rank: non-zero within seconds, naming the rank and the op.
+start=$(date +%s)
+expect_exit 1 collectives --backend=sim --world-size=8 --seed=3 \
+  --fault=kill:rank=3:op=5
+elapsed=$(($(date +%s) - start))
+[ "$elapsed" -le 10 ] || fail "the fault took ${elapsed}s to report"
+grep -q 'rank 3' "$tmp/err" || fail "the error does not name rank 3"
+grep -q 'reduce_scatter #5' "$tmp/err" || fail "the error does not name op 5"
+[ -s "$tmp/out" ] && fail "stdout not empty on error"
+
+# Command-line errors.
+expect_exit 1 collectives --backend=gloo
+grep -q -- '--backend=gloo' "$tmp/err" || fail "bad backend not named"
+expect_exit 1 collectives --backend=mpi --fault=kill:rank=1:op=1
+grep -q 'needs --backend=sim' "$tmp/err" || fail "fault without sim"
+expect_exit 1 collectives --fault=kill:rank=9:op=1 --world-size=4
+expect_exit 1 collectives --dtype=int8
+expect_exit 2 collectives extra-argument
+expect_exit 0 collectives --help
+grep -q -- '--fault=SPEC' "$tmp/out" || fail "help lacks --fault"
+expect_exit 0 --help
+grep -q 'collectives' "$tmp/out" || fail "fsdp --help lacks collectives"
+
+if [ "$failures" -ne 0 ]; then
+  echo "$failures check(s) failed" >&2
+  exit 1
+fi
+echo "PASS"

@@ -1,0 +1,75 @@
+// RunCollectivesMpi() in a build with OpenMPI.
+#include <cstdlib>
+#include <memory>
+#include <ostream>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "comm/conformance/cuda_memory.h"
+#include "comm/mpi/mpi_communicator.h"
+#include "comm/nccl/nccl_backend.h"
+#include "flatparam/base/status_macros.h"
+#include "tools/collectives.h"
+
+namespace flatparam {
+namespace tools {
+namespace {
+
+// The node-local rank that picks this rank's GPU: Open MPI's, else 0.
+int LocalRank() {
+  int rank = 0;
+  const char* s = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  if (s == nullptr || !absl::SimpleAtoi(s, &rank)) return 0;
+  return rank;
+}
+
+absl::Status RunOnWorld(MpiCommunicator& world,
+                        const CollectivesOptions& options, std::ostream& out) {
+  if (options.world_size_given && options.world_size != world.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "rank %d: --world-size=%d, but the MPI job has %d ranks (mpirun -np "
+        "decides the world size of --backend=%s)",
+        world.rank(), options.world_size, world.size(), options.backend));
+  }
+  Communicator* comm = &world;
+  conformance::DeviceMemory* memory = &conformance::HostMemory();
+  std::unique_ptr<Communicator> nccl;
+  std::unique_ptr<conformance::DeviceMemory> cuda;
+  if (options.backend == "nccl") {
+    const int device = LocalRank();
+    // Every rank learns of a failure on any rank here, so none hangs.
+    FLATPARAM_ASSIGN_OR_RETURN(nccl, CreateNcclCommunicator(world, device));
+    FLATPARAM_ASSIGN_OR_RETURN(cuda, conformance::CudaMemory(device));
+    comm = nccl.get();
+    memory = cuda.get();
+  }
+  const absl::Time origin = absl::Now();
+  const Clock clock = [origin] { return absl::Now() - origin; };
+  FLATPARAM_ASSIGN_OR_RETURN(
+      CollectivesReport report,
+      RunCollectivesOnRank(*comm, *memory, options, clock));
+  if (world.rank() == 0) PrintCollectivesReport(report, options, out);
+  return CollectivesVerdict(report);
+}
+
+}  // namespace
+
+absl::Status RunCollectivesMpi(const CollectivesOptions& options,
+                               std::ostream& out) {
+  FLATPARAM_ASSIGN_OR_RETURN(MpiSession session,
+                             MpiSession::Start(nullptr, nullptr));
+  absl::Status status;
+  {
+    // Communicators go before MPI is finalised.
+    absl::StatusOr<std::unique_ptr<MpiCommunicator>> world =
+        MpiCommunicator::CreateWorld();
+    status = world.ok() ? RunOnWorld(**world, options, out) : world.status();
+  }
+  const absl::Status finished = session.Finish();
+  return status.ok() ? finished : status;
+}
+
+}  // namespace tools
+}  // namespace flatparam

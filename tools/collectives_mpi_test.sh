@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# `fsdp collectives` under mpirun with 4 ranks, launched by comm/mpi's
+# mpirun_test.sh (which sets up the environment parallel MPI tests need):
+# the MPI backend passes the conformance suite and prints one table from
+# rank 0; the NCCL backend either runs (a machine with 4 GPUs) or fails
+# with a message naming the rank.
+# Usage: collectives_mpi_test.sh PATH_TO_MPIRUN_TEST_SH PATH_TO_FSDP
+set -uo pipefail
+
+mpirun_test=$1
+fsdp=$2
+tmp=${TEST_TMPDIR:-$(mktemp -d)}
+failures=0
+
+fail() {
+  echo "FAIL: $*" >&2
+  failures=$((failures + 1))
+}
+
+MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" collectives --backend=mpi \
+  --max-bytes=1048576 >"$tmp/out" 2>"$tmp/err"
+status=$?
+cat "$tmp/out"
+[ "$status" -eq 0 ] || fail "mpi run exited $status: $(head -c 2000 "$tmp/err")"
+[ "$(grep -c '^# fsdp collectives: backend mpi, 4 ranks$' "$tmp/out")" -eq 1 ] ||
+  fail "not exactly one table header (rank 0 alone prints)"
+grep -qE '^# conformance: [0-9]+ cases on each of 4 ranks: all correct$' \
+  "$tmp/out" || fail "conformance summary missing"
+grep -q 'time: wall clock' "$tmp/out" || fail "the clock is not named"
+for op in all_gather reduce_scatter all_reduce; do
+  grep -qE "^  $op +1048576 .* 0  correct$" "$tmp/out" ||
+    fail "no correct $op row of 1 MiB"
+done
+grep -q '^# all correct$' "$tmp/out" || fail "verdict missing"
+
+MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" collectives --backend=nccl \
+  --large-elements=0 --max-bytes=65536 >"$tmp/out" 2>"$tmp/err"
+status=$?
+if [ "$status" -eq 0 ]; then
+  grep -q 'backend nccl, 4 ranks' "$tmp/out" || fail "nccl run printed no table"
+else
+  grep -qE 'rank [0-9]+.*(GPU|NCCL|cuda)' "$tmp/err" ||
+    fail "nccl failure without a rank and reason: $(head -c 2000 "$tmp/err")"
+fi
+
+if [ "$failures" -ne 0 ]; then
+  echo "$failures check(s) failed" >&2
+  exit 1
+fi
+echo "PASS"

@@ -1,0 +1,18 @@
+// RunCollectivesMpi() in a build without OpenMPI.
+#include "absl/strings/str_format.h"
+#include "tools/collectives.h"
+
+namespace flatparam {
+namespace tools {
+
+absl::Status RunCollectivesMpi(const CollectivesOptions& options,
+                               std::ostream&) {
+  return absl::UnimplementedError(absl::StrFormat(
+      "--backend=%s: this build has no MPI backend (pkg-config found no "
+      "OpenMPI, ompi-c, when the build was configured); install "
+      "libopenmpi-dev or use --backend=sim",
+      options.backend));
+}
+
+}  // namespace tools
+}  // namespace flatparam

@@ -1,0 +1,274 @@
+#include "tools/collectives.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "comm/conformance/bandwidth.h"
+#include "flatparam/base/status_matchers.h"
+#include "nlohmann/json.hpp"
+
+namespace flatparam {
+namespace tools {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+std::string TempPath(const std::string& name) {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return absl::StrCat(dir != nullptr ? dir : "/tmp", "/", name);
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// A quick run: no large cases, sizes 1 KiB to 64 KiB.
+CollectivesOptions Quick(int world_size, uint64_t seed) {
+  CollectivesOptions options;
+  options.world_size = world_size;
+  options.seed = seed;
+  options.large_elements = 0;
+  options.max_bytes = 64 << 10;
+  auto valid = ValidateCollectivesOptions(options);
+  EXPECT_THAT(valid, IsOk());
+  return *valid;
+}
+
+TEST(CollectivesTest, SimTable) {
+  std::ostringstream out;
+  ASSERT_THAT(RunCollectivesSim(Quick(4, 1), out), IsOk());
+  const std::string table = out.str();
+  EXPECT_THAT(table,
+              AllOf(HasSubstr("# fsdp collectives: backend sim, 4 ranks, "
+                              "seed 1, faults none\n"),
+                    HasSubstr(" cases on each of 4 ranks: all correct\n"),
+                    HasSubstr("time: virtual"), HasSubstr("vtime(us)"),
+                    HasSubstr("algbw(GB/s)"), HasSubstr("busbw(GB/s)"),
+                    HasSubstr("#wrong"), HasSubstr("\n# all correct\n")));
+  // Sizes 1, 4, 16 and 64 KiB of each op. The virtual time of one
+  // all_reduce of 1 KiB on 4 ranks: 10 us + 1024 B x 2(n-1)/n / 100 GB/s.
+  int rows = 0;
+  for (const char* op : {"all_gather", "reduce_scatter", "all_reduce"}) {
+    for (int bytes : {1024, 4096, 16384, 65536}) {
+      EXPECT_THAT(table, HasSubstr(absl::StrFormat("  %-14s %12d ", op, bytes)))
+          << op << " " << bytes;
+      ++rows;
+    }
+  }
+  EXPECT_EQ(rows, 12);
+  const double us = 10 + 1024 * 1.5 / 100e9 * 1e6;
+  const double algbw = 1024 / (us * 1e-6) / 1e9;
+  EXPECT_THAT(table, HasSubstr(absl::StrFormat(
+                         "  all_reduce             1024        256 %12.2f "
+                         "%12.2f %12.2f       0  correct\n",
+                         us, algbw, algbw * 1.5)));
+  EXPECT_THAT(table, Not(HasSubstr("WRONG")));
+}
+
+TEST(CollectivesTest, SizesRoundDownToWholeElementsPerRank) {
+  std::ostringstream out;
+  CollectivesOptions options = Quick(3, 2);
+  options.conformance = false;
+  options.max_bytes = 4096;
+  ASSERT_THAT(RunCollectivesSim(options, out), IsOk());
+  EXPECT_THAT(out.str(), HasSubstr("conformance: not run"));
+  // 3 ranks: all_gather of 1 KiB has 85 floats per rank, 1020 bytes.
+  EXPECT_THAT(out.str(), HasSubstr("  all_gather             1020         85"));
+  EXPECT_EQ(conformance::CountForBytes(conformance::CollectiveKind::kAllGather,
+                                       1024, 3, DType::kFloat32),
+            85);
+}
+
+TEST(CollectivesTest, EqualSeedsGiveIdenticalTracesAndTables) {
+  std::string tables[3];
+  std::string traces[3];
+  const uint64_t seeds[3] = {5, 5, 6};
+  for (int i = 0; i < 3; ++i) {
+    CollectivesOptions options = Quick(4, seeds[i]);
+    options.trace_path = TempPath(absl::StrCat("trace", i, ".json"));
+    std::ostringstream out;
+    ASSERT_THAT(RunCollectivesSim(options, out), IsOk());
+    tables[i] = out.str();
+    traces[i] = ReadFile(options.trace_path);
+  }
+  EXPECT_FALSE(traces[0].empty());
+  EXPECT_EQ(traces[0], traces[1]);
+  EXPECT_EQ(tables[0], tables[1]);
+  // Another seed: another schedule, still a valid trace of the same calls.
+  EXPECT_NE(traces[0], traces[2]);
+  for (const std::string& trace : {traces[0], traces[2]}) {
+    const nlohmann::json doc = nlohmann::json::parse(trace, nullptr, false);
+    ASSERT_FALSE(doc.is_discarded());
+    ASSERT_TRUE(doc.contains("traceEvents"));
+    int slices = 0;
+    for (const auto& e : doc["traceEvents"]) {
+      if (e["ph"] == "X") {
+        ++slices;
+        EXPECT_GE(e["dur"].get<double>(), 0);
+      }
+    }
+    EXPECT_GT(slices, 4 * 1000);
+  }
+  EXPECT_EQ(nlohmann::json::parse(traces[2])["otherData"]["seed"], 6);
+}
+
+TEST(CollectivesTest, AKilledRankFailsFastNamingTheRankAndTheOp) {
+  CollectivesOptions options = Quick(8, 3);
+  options.faults = "kill:rank=3:op=5";
+  options.trace_path = TempPath("killed.json");
+  std::ostringstream out;
+  const absl::Time start = absl::Now();
+  const absl::Status status = RunCollectivesSim(options, out);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_THAT(status, StatusIs(absl::StatusCode::kAborted,
+                               AllOf(HasSubstr("rank 3 died"),
+                                     HasSubstr("kill:rank=3:op=5"),
+                                     HasSubstr("reduce_scatter #5"))));
+  EXPECT_EQ(out.str(), "");
+  // The trace is written anyway, with the failed collectives in it.
+  EXPECT_THAT(ReadFile(options.trace_path), HasSubstr("killed by fault"));
+}
+
+TEST(CollectivesTest, AFlippedBitIsCaught) {
+  CollectivesOptions options = Quick(4, 3);
+  options.conformance = false;
+  // Op 0 is the first sweep size's barrier; op 1 its all_gather.
+  options.faults = "flip:rank=2:op=1:bit=3";
+  std::ostringstream out;
+  EXPECT_THAT(RunCollectivesSim(options, out),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("rank 2")));
+}
+
+TEST(CollectivesTest, WithoutChecksumsAFlippedBitIsAWrongElement) {
+  CollectivesOptions options = Quick(4, 3);
+  options.conformance = false;
+  options.checksum = false;
+  options.faults = "flip:rank=2:op=1:bit=3";
+  std::ostringstream out;
+  // Rank 2's block reaches the three other ranks with one bit flipped.
+  EXPECT_THAT(RunCollectivesSim(options, out),
+              StatusIs(absl::StatusCode::kInternal,
+                       HasSubstr("1 sweep row(s) had 3 wrong element(s)")));
+  EXPECT_THAT(
+      out.str(),
+      AllOf(HasSubstr(
+                absl::StrFormat("  %-14s %12d %10d ", "all_gather", 1024, 64)),
+            HasSubstr("      3  WRONG\n"), Not(HasSubstr("# all correct"))));
+  // And the conformance suite catches it too, naming the case: op 60 is
+  // the first with data, an all_gather of one float32 (the 60 before it
+  // have count 0).
+  options.conformance = true;
+  options.sweep = false;
+  options.faults = "flip:rank=2:op=60:bit=3";
+  out.str("");
+  EXPECT_THAT(RunCollectivesSim(options, out),
+              StatusIs(absl::StatusCode::kInternal,
+                       HasSubstr("conformance case(s) failed")));
+  EXPECT_THAT(out.str(),
+              AllOf(HasSubstr("3 FAILED"), HasSubstr("elements differ")));
+}
+
+TEST(CollectivesTest, WrongElementsFailTheVerdict) {
+  CollectivesReport report;
+  report.backend = "sim";
+  report.world_size = 2;
+  EXPECT_THAT(CollectivesVerdict(report), IsOk());
+  SweepRow row;
+  row.bytes = 1024;
+  row.count = 128;
+  row.wrong = 3;
+  report.rows.push_back(row);
+  EXPECT_THAT(CollectivesVerdict(report),
+              StatusIs(absl::StatusCode::kInternal,
+                       HasSubstr("1 sweep row(s) had 3 wrong element(s)")));
+  std::ostringstream out;
+  PrintCollectivesReport(report, Quick(2, 0), out);
+  EXPECT_THAT(out.str(),
+              AllOf(HasSubstr("3  WRONG\n"), Not(HasSubstr("# all correct"))));
+  report.rows.clear();
+  report.failed = 2;
+  EXPECT_THAT(CollectivesVerdict(report),
+              StatusIs(absl::StatusCode::kInternal,
+                       HasSubstr("2 conformance case(s) failed")));
+}
+
+TEST(CollectivesTest, InvalidOptionsNameTheFlag) {
+  CollectivesOptions options;
+  options.backend = "gloo";
+  EXPECT_THAT(ValidateCollectivesOptions(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--backend=gloo")));
+  options.backend = "mpi";
+  options.faults = "kill:rank=1:op=1";
+  EXPECT_THAT(ValidateCollectivesOptions(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--fault=kill:rank=1:op=1 needs "
+                                 "--backend=sim")));
+  options.faults.clear();
+  options.trace_path = "t.json";
+  EXPECT_THAT(ValidateCollectivesOptions(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--trace=t.json needs --backend=sim")));
+  options = CollectivesOptions();
+  options.min_bytes = 4096;
+  options.max_bytes = 1024;
+  EXPECT_THAT(ValidateCollectivesOptions(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--max-bytes=1024")));
+  options = CollectivesOptions();
+  options.world_size = 0;
+  EXPECT_THAT(ValidateCollectivesOptions(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--world-size=0")));
+  options = CollectivesOptions();
+  options.dtype = DType::kInt32;
+  EXPECT_THAT(
+      ValidateCollectivesOptions(options),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--dtype=int32")));
+  options = CollectivesOptions();
+  options.step_factor = 1;
+  EXPECT_THAT(ValidateCollectivesOptions(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--step-factor=1")));
+  // Defaults per backend.
+  options = CollectivesOptions();
+  auto sim = ValidateCollectivesOptions(options);
+  ASSERT_THAT(sim, IsOk());
+  EXPECT_EQ(sim->iterations, 1);
+  EXPECT_EQ(sim->warmup, 0);
+  options.backend = "mpi";
+  auto mpi = ValidateCollectivesOptions(options);
+  ASSERT_THAT(mpi, IsOk());
+  EXPECT_EQ(mpi->iterations, 10);
+  EXPECT_EQ(mpi->warmup, 2);
+}
+
+TEST(CollectivesTest, BadFaultSpecsAreReported) {
+  CollectivesOptions options = Quick(4, 0);
+  options.faults = "kill:rank=9:op=1";
+  std::ostringstream out;
+  EXPECT_THAT(RunCollectivesSim(options, out),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("9")));
+  options.faults = "explode:rank=1";
+  EXPECT_THAT(
+      RunCollectivesSim(options, out),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("explode")));
+}
+
+}  // namespace
+}  // namespace tools
+}  // namespace flatparam
