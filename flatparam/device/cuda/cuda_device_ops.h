@@ -1,0 +1,90 @@
+// CudaDeviceOps: DeviceOps (flatparam/device/device.h) on one CUDA device,
+// for code with CUDA headers. Most code uses CreateCudaDeviceOps()
+// (cuda_device.h) instead.
+//
+// Stream. Every device operation is enqueued on stream(): a non-blocking
+// stream the ops own, or one the caller passes in. Passing the stream of the
+// NcclCommunicator (NcclCommunicator::stream()) orders device operations and
+// collectives without host synchronization; FlatParamHandle still calls
+// Synchronize() before each collective, so any stream is correct.
+//
+// Memory. Device memory comes from the stream-ordered allocator
+// (cudaMallocAsync / cudaFreeAsync on stream()) where the device supports
+// memory pools, else cudaMalloc / cudaFree; a free is thus ordered after the
+// operations already enqueued on stream(). Pinned host memory comes from
+// cudaMallocHost; its free first synchronizes the stream. Unpinned host
+// memory is ordinary 64-byte aligned heap memory.
+//
+// Completion. Copies that touch host memory are synchronous (the stream is
+// synchronized before they return); copies between device buffers and
+// Fill/Cast/Scale/Add on device buffers are asynchronous. Fill/Cast/Scale/Add
+// on host buffers run on the CPU with the host kernels (PyTorch's CPU
+// arithmetic). Kernel arithmetic is PyTorch's CUDA arithmetic: in particular
+// Scale(kDivide, f) multiplies by the reciprocal of f computed in the
+// compute type, as PyTorch's `div_` by a scalar does on CUDA.
+//
+// Errors: CUDA errors become absl::Status naming the call and the CUDA
+// error: ResourceExhausted for out-of-memory, FailedPrecondition for a
+// missing driver or device, Internal otherwise.
+//
+// Thread-safety: one thread at a time. Each call makes the ops' device
+// current for its duration and restores the caller's device.
+#ifndef FLATPARAM_DEVICE_CUDA_CUDA_DEVICE_OPS_H_
+#define FLATPARAM_DEVICE_CUDA_CUDA_DEVICE_OPS_H_
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "flatparam/device/device.h"
+
+namespace flatparam {
+
+class CudaDeviceOps final : public DeviceOps {
+ public:
+  // Ops on device `ordinal`. `stream`: a stream of that device to use (not
+  // owned; it must outlive the ops), or null for a new non-blocking stream.
+  static absl::StatusOr<std::unique_ptr<CudaDeviceOps>> Create(
+      int ordinal, cudaStream_t stream = nullptr);
+
+  // Synchronizes the stream and destroys it if owned. Every DeviceBuffer
+  // allocated by these ops must be gone before.
+  ~CudaDeviceOps() override;
+  CudaDeviceOps(const CudaDeviceOps&) = delete;
+  CudaDeviceOps& operator=(const CudaDeviceOps&) = delete;
+
+  Device device() const override { return Device::Cuda(ordinal_); }
+  absl::string_view name() const override { return "cuda"; }
+  absl::Status Synchronize() override;
+
+  cudaStream_t stream() const { return stream_; }
+
+ protected:
+  absl::StatusOr<void*> DoAllocate(Device device, int64_t bytes,
+                                   bool pinned) override;
+  void DoFree(void* data, Device device, bool pinned) override;
+  absl::Status DoCopy(BufferRef dst, ConstBufferRef src) override;
+  absl::Status DoFill(BufferRef dst, double value) override;
+  absl::Status DoCast(BufferRef dst, ConstBufferRef src) override;
+  absl::Status DoScale(BufferRef buf, ScaleOp op, double factor) override;
+  absl::Status DoAdd(BufferRef acc, ConstBufferRef x) override;
+
+ private:
+  CudaDeviceOps(int ordinal, cudaStream_t stream, bool owns_stream,
+                bool async_alloc)
+      : ordinal_(ordinal),
+        stream_(stream),
+        owns_stream_(owns_stream),
+        async_alloc_(async_alloc) {}
+
+  int ordinal_;
+  cudaStream_t stream_;
+  bool owns_stream_;
+  bool async_alloc_;
+};
+
+}  // namespace flatparam
+
+#endif  // FLATPARAM_DEVICE_CUDA_CUDA_DEVICE_OPS_H_

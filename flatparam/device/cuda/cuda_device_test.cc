@@ -1,0 +1,334 @@
+// CudaDeviceOps on a real GPU, through the entry point every build has.
+// Without CUDA in the build the test checks the Unimplemented error and
+// skips; with CUDA but no driver or device it skips with "no usable GPU:
+// ...". On a GPU it checks every kernel bit for bit against the host kernels
+// (with PyTorch's CUDA reciprocal division), and a FlatParamHandle on the
+// GPU (one rank, NCCL) against the same handle on the host.
+#include "flatparam/device/cuda/cuda_device.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "comm/communicator.h"
+#include "comm/nccl/nccl_backend.h"
+#include "flatparam/base/dtype.h"
+#include "flatparam/base/status_macros.h"
+#include "flatparam/base/status_matchers.h"
+#include "flatparam/device/device.h"
+#include "flatparam/handle.h"
+#include "flatparam/handle_testutil.h"
+#include "flatparam/layout.h"
+#include "sim/sim.h"
+
+namespace flatparam {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr DType kFloatDTypes[] = {DType::kFloat32, DType::kFloat64,
+                                  DType::kFloat16, DType::kBFloat16};
+
+// Values that exercise rounding, ties, overflow, subnormals and specials.
+std::vector<double> TestValues() {
+  std::vector<double> v = {0.0,
+                           -0.0,
+                           1.0,
+                           -1.0,
+                           1.0 / 3,
+                           1 + std::ldexp(1.0, -8),
+                           1 + 3 * std::ldexp(1.0, -8),
+                           1 + std::ldexp(1.0, -11),
+                           65504.0,
+                           65520.0,
+                           1e-8,
+                           std::ldexp(1.0, -130),
+                           3.4e38,
+                           1e300,
+                           -1e-300,
+                           std::numeric_limits<double>::infinity(),
+                           -std::numeric_limits<double>::infinity(),
+                           std::numeric_limits<double>::quiet_NaN()};
+  for (int i = 0; i < 200; ++i) v.push_back(std::sin(i * 1.37) * (i + 1));
+  return v;
+}
+
+// `values` rounded into a host byte vector of `dtype`.
+std::vector<unsigned char> HostBytes(DType dtype,
+                                     const std::vector<double>& values) {
+  std::vector<unsigned char> b(values.size() * DTypeSize(dtype));
+  for (size_t i = 0; i < values.size(); ++i) {
+    StoreFromDouble(b.data(), dtype, i, values[i]);
+  }
+  return b;
+}
+
+BufferRef HostRef(std::vector<unsigned char>& b, DType dtype) {
+  return {b.data(), static_cast<int64_t>(b.size() / DTypeSize(dtype)), dtype,
+          Device::Host()};
+}
+
+// Equal bytes, except that any NaN matches any NaN (payloads differ between
+// c10's CPU and CUDA conversions).
+void ExpectSameValues(const std::vector<unsigned char>& got,
+                      const std::vector<unsigned char>& want, DType dtype,
+                      const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  const size_t n = got.size() / DTypeSize(dtype);
+  for (size_t i = 0; i < n; ++i) {
+    const double g = LoadAsDouble(got.data(), dtype, i);
+    const double w = LoadAsDouble(want.data(), dtype, i);
+    if (std::isnan(w)) {
+      EXPECT_TRUE(std::isnan(g)) << what << " element " << i;
+      continue;
+    }
+    EXPECT_EQ(std::memcmp(got.data() + i * DTypeSize(dtype),
+                          want.data() + i * DTypeSize(dtype), DTypeSize(dtype)),
+              0)
+        << what << " element " << i << ": got " << g << ", want " << w;
+  }
+}
+
+class CudaDeviceOpsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<DeviceOps>> ops = CreateCudaDeviceOps(0);
+    if (!CudaDeviceOpsAvailable()) {
+      EXPECT_THAT(ops, StatusIs(absl::StatusCode::kUnimplemented,
+                                HasSubstr("no CUDA support")));
+      GTEST_SKIP() << ops.status();
+    }
+    if (!ops.ok()) {
+      EXPECT_THAT(ops, StatusIs(absl::StatusCode::kFailedPrecondition,
+                                HasSubstr("no usable GPU")));
+      GTEST_SKIP() << ops.status();
+    }
+    ops_ = *std::move(ops);
+    EXPECT_EQ(ops_->device(), Device::Cuda(0));
+    EXPECT_EQ(ops_->name(), "cuda");
+  }
+
+  // A device buffer holding `host` (synchronously).
+  DeviceBuffer Upload(const std::vector<unsigned char>& host) {
+    absl::StatusOr<DeviceBuffer> buf =
+        ops_->Allocate(ops_->device(), static_cast<int64_t>(host.size()));
+    EXPECT_THAT(buf, IsOk());
+    EXPECT_THAT(ops_->Copy(buf->As(DType::kBFloat16).Slice(0, host.size() / 2),
+                           ConstBufferRef{host.data(),
+                                          static_cast<int64_t>(host.size() / 2),
+                                          DType::kBFloat16, Device::Host()}),
+                IsOk());
+    return *std::move(buf);
+  }
+  std::vector<unsigned char> Download(ConstBufferRef device) {
+    std::vector<unsigned char> host(device.bytes());
+    EXPECT_THAT(ops_->Copy(BufferRef{host.data(), device.count, device.dtype,
+                                     Device::Host()},
+                           device),
+                IsOk());
+    EXPECT_THAT(ops_->Synchronize(), IsOk());
+    return host;
+  }
+
+  std::unique_ptr<DeviceOps> ops_;
+};
+
+TEST_F(CudaDeviceOpsTest, CopiesBetweenHostPinnedHostAndDevice) {
+  std::vector<unsigned char> src = HostBytes(DType::kFloat32, TestValues());
+  const int64_t n = static_cast<int64_t>(src.size() / 4);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer pinned,
+                                 ops_->Allocate(Device::Host(), n * 4, true));
+  EXPECT_TRUE(pinned.pinned());
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer a,
+                                 ops_->Allocate(ops_->device(), n * 4));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer b,
+                                 ops_->Allocate(ops_->device(), n * 4));
+  FLATPARAM_ASSERT_OK(
+      ops_->Copy(pinned.As(DType::kFloat32), HostRef(src, DType::kFloat32)));
+  FLATPARAM_ASSERT_OK(
+      ops_->Copy(a.As(DType::kFloat32), pinned.As(DType::kFloat32)));
+  FLATPARAM_ASSERT_OK(ops_->Copy(b.As(DType::kFloat32), a.As(DType::kFloat32)));
+  EXPECT_EQ(Download(b.As(DType::kFloat32)), src);
+  EXPECT_THAT(ops_->Allocate(Device::Cuda(1234), 4),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST_F(CudaDeviceOpsTest, FillMatchesTheHost) {
+  for (DType dtype : kFloatDTypes) {
+    for (double value : {0.0, -0.0, 1.0 / 3, 65520.0, -7.5}) {
+      FLATPARAM_ASSERT_OK_AND_ASSIGN(
+          DeviceBuffer d,
+          ops_->Allocate(ops_->device(), 1001 * DTypeSize(dtype)));
+      FLATPARAM_ASSERT_OK(ops_->Fill(d.As(dtype), value));
+      std::vector<unsigned char> want(1001 * DTypeSize(dtype));
+      HostFill(want.data(), dtype, 1001, value);
+      EXPECT_EQ(Download(d.As(dtype)), want)
+          << DTypeName(dtype) << " " << value;
+    }
+  }
+}
+
+TEST_F(CudaDeviceOpsTest, CastMatchesTheHostForEveryPair) {
+  const std::vector<double> values = TestValues();
+  for (DType from : kFloatDTypes) {
+    std::vector<unsigned char> src = HostBytes(from, values);
+    DeviceBuffer d_src = Upload(src);
+    for (DType to : kFloatDTypes) {
+      FLATPARAM_ASSERT_OK_AND_ASSIGN(
+          DeviceBuffer d_dst,
+          ops_->Allocate(ops_->device(), values.size() * DTypeSize(to)));
+      FLATPARAM_ASSERT_OK(ops_->Cast(d_dst.As(to), d_src.As(from)));
+      std::vector<unsigned char> want(values.size() * DTypeSize(to));
+      HostCast(want.data(), to, src.data(), from, values.size());
+      ExpectSameValues(Download(d_dst.As(to)), want, to,
+                       absl::StrCat(DTypeName(from), " -> ", DTypeName(to)));
+    }
+  }
+}
+
+TEST_F(CudaDeviceOpsTest, ScaleIsPyTorchCudaArithmetic) {
+  const std::vector<double> values = TestValues();
+  for (DType dtype : kFloatDTypes) {
+    for (double factor : {2.0, 4.0, 1.5, 3.0, 0.7}) {
+      for (ScaleOp op : {ScaleOp::kDivide, ScaleOp::kMultiply}) {
+        std::vector<unsigned char> host = HostBytes(dtype, values);
+        DeviceBuffer d = Upload(host);
+        FLATPARAM_ASSERT_OK(ops_->Scale(d.As(dtype), op, factor));
+        // PyTorch's CUDA division multiplies by the reciprocal computed in
+        // the compute type.
+        double scalar = factor;
+        if (op == ScaleOp::kDivide) {
+          scalar = dtype == DType::kFloat64
+                       ? 1.0 / factor
+                       : static_cast<double>(1.0f / static_cast<float>(factor));
+        }
+        HostScale(host.data(), dtype, values.size(), ScaleOp::kMultiply,
+                  scalar);
+        ExpectSameValues(
+            Download(d.As(dtype)), host, dtype,
+            absl::StrCat(DTypeName(dtype), " ", ScaleOpName(op), " ", factor));
+      }
+    }
+  }
+}
+
+TEST_F(CudaDeviceOpsTest, AddMatchesTheHost) {
+  const std::vector<double> values = TestValues();
+  std::vector<double> other;
+  for (size_t i = 0; i < values.size(); ++i) other.push_back(std::cos(i) * 3);
+  for (DType dtype : kFloatDTypes) {
+    std::vector<unsigned char> acc = HostBytes(dtype, values);
+    std::vector<unsigned char> x = HostBytes(dtype, other);
+    DeviceBuffer d_acc = Upload(acc);
+    DeviceBuffer d_x = Upload(x);
+    FLATPARAM_ASSERT_OK(ops_->Add(d_acc.As(dtype), d_x.As(dtype)));
+    HostAdd(acc.data(), x.data(), dtype, values.size());
+    ExpectSameValues(Download(d_acc.As(dtype)), acc, dtype,
+                     std::string(DTypeName(dtype)));
+  }
+}
+
+TEST_F(CudaDeviceOpsTest, LargeBuffersUseEveryElement) {
+  // More elements than one pass of the grid covers.
+  const int64_t n = (int64_t{1} << 23) + 3;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer d,
+                                 ops_->Allocate(ops_->device(), n * 2));
+  FLATPARAM_ASSERT_OK(ops_->Fill(d.As(DType::kBFloat16), 3.0));
+  FLATPARAM_ASSERT_OK(
+      ops_->Scale(d.As(DType::kBFloat16), ScaleOp::kMultiply, 2.0));
+  FLATPARAM_ASSERT_OK(
+      ops_->Add(d.As(DType::kBFloat16), d.As(DType::kBFloat16)));
+  const std::vector<unsigned char> got = Download(d.As(DType::kBFloat16));
+  EXPECT_EQ(LoadAsDouble(got.data(), DType::kBFloat16, 0), 12.0);
+  EXPECT_EQ(LoadAsDouble(got.data(), DType::kBFloat16, n - 1), 12.0);
+}
+
+// A FlatParamHandle on the GPU (one rank, NCCL) computes what the same
+// handle computes on the host: with one rank there is no division, so every
+// step is a cast, an add or a copy, which agree bit for bit.
+TEST_F(CudaDeviceOpsTest, HandleOnTheGpuMatchesTheHost) {
+  using testing_handle::InitialParams;
+  using testing_handle::MakeLayout;
+  using testing_handle::RankContext;
+  using testing_handle::ReadValues;
+  using testing_handle::RunIteration;
+  using testing_handle::RunWithHandles;
+  using testing_handle::Scenario;
+  if (!NcclBackendAvailable()) GTEST_SKIP() << "no NCCL backend";
+  for (ShardingStrategy strategy :
+       {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+        ShardingStrategy::kNoShard}) {
+    for (bool offload : {false, true}) {
+      Scenario s;
+      s.specs = {{"a.w", {3, 5}}, {"a.b", {3}}, {"c", {}}, {"d.w", {7}}};
+      s.strategy = strategy;
+      s.shard_size = 1;
+      s.align = true;
+      s.rounding_values = true;
+      s.options.param_dtype = DType::kBFloat16;
+      s.options.reduce_dtype = DType::kFloat32;
+      s.options.cpu_offload = offload;
+      // The host run.
+      std::vector<double> want;
+      ASSERT_THAT(RunWithHandles(s,
+                                 [&](RankContext& ctx) -> absl::Status {
+                                   for (int i = 0; i < 3; ++i) {
+                                     FLATPARAM_RETURN_IF_ERROR(
+                                         RunIteration(s, ctx, i, i != 1));
+                                   }
+                                   want =
+                                       ReadValues(*ctx.handle.sharded_grad());
+                                   return absl::OkStatus();
+                                 }),
+                  IsOk());
+      // The GPU run, with a one-rank NCCL communicator bootstrapped by the
+      // simulator.
+      FLATPARAM_ASSERT_OK_AND_ASSIGN(FlatParamLayout layout, MakeLayout(s));
+      const std::vector<HostTensor> params = InitialParams(s, layout);
+      std::vector<ConstTensorRef> refs;
+      for (const HostTensor& t : params) refs.push_back(t.cref());
+      SimOptions sim_options;
+      FLATPARAM_ASSERT_OK_AND_ASSIGN(std::unique_ptr<SimWorld> world,
+                                     SimWorld::Create(sim_options));
+      std::vector<double> got;
+      ASSERT_THAT(world->Run([&](SimCommunicator& comm) -> absl::Status {
+        FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> nccl,
+                                   CreateNcclCommunicator(comm, 0));
+        FLATPARAM_ASSIGN_OR_RETURN(
+            std::unique_ptr<FlatParamHandle> h,
+            FlatParamHandle::Create(layout, refs, nccl.get(), nullptr,
+                                    ops_.get(), s.options));
+        RankContext ctx{comm, 0, *h, layout, *ops_};
+        for (int i = 0; i < 3; ++i) {
+          FLATPARAM_RETURN_IF_ERROR(RunIteration(s, ctx, i, i != 1));
+        }
+        const BufferRef g = *h->sharded_grad();
+        EXPECT_EQ(g.device, offload ? Device::Host() : ops_->device());
+        std::vector<unsigned char> host(g.bytes());
+        FLATPARAM_RETURN_IF_ERROR(ops_->Copy(
+            BufferRef{host.data(), g.count, g.dtype, Device::Host()}, g));
+        got = ReadValues(
+            ConstBufferRef{host.data(), g.count, g.dtype, Device::Host()});
+        // The parameters on the device match too.
+        FLATPARAM_RETURN_IF_ERROR(h->PreForward());
+        FLATPARAM_ASSIGN_OR_RETURN(OrigParamView v, h->Param(0));
+        EXPECT_EQ(v.data.device, ops_->device());
+        EXPECT_EQ(v.data.dtype, DType::kBFloat16);
+        return h->PostForward();
+      }),
+                  IsOk());
+      EXPECT_EQ(got, want) << ShardingStrategyName(strategy) << " offload "
+                           << offload;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace flatparam

@@ -1,0 +1,350 @@
+#include "flatparam/device/device.h"
+
+#include <cassert>
+#include <cmath>
+#include <cstring>
+#include <new>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "flatparam/base/copy.h"
+#include "flatparam/base/status_macros.h"
+
+namespace flatparam {
+namespace {
+
+std::string Describe(ConstBufferRef b) {
+  return absl::StrFormat("%d x %s on %s", b.count, DTypeName(b.dtype),
+                         DeviceName(b.device));
+}
+
+bool Overlap(ConstBufferRef a, ConstBufferRef b) {
+  if (a.count == 0 || b.count == 0 || a.device != b.device) return false;
+  const char* a0 = static_cast<const char*>(a.data);
+  const char* b0 = static_cast<const char*>(b.data);
+  return a0 < b0 + b.bytes() && b0 < a0 + a.bytes();
+}
+
+bool Identical(ConstBufferRef a, ConstBufferRef b) {
+  return a.data == b.data && a.device == b.device && a.bytes() == b.bytes();
+}
+
+absl::Status CheckBuffer(absl::string_view op, absl::string_view which,
+                         ConstBufferRef b) {
+  if (b.count < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: %s has a negative count %d", op, which, b.count));
+  }
+  if (!IsFloatingPoint(b.dtype)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: %s (%s) is not float32, float64, float16 or bfloat16", op, which,
+        Describe(b)));
+  }
+  if (b.count > 0 && b.data == nullptr) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: %s (%s) has a null pointer", op, which, Describe(b)));
+  }
+  return absl::OkStatus();
+}
+
+// Loads and stores one element in its PyTorch compute ("opmath") type.
+template <DType D>
+struct Elem;
+template <>
+struct Elem<DType::kFloat32> {
+  using Storage = float;
+  using Compute = float;
+  static Compute Load(Storage v) { return v; }
+  static Storage Store(Compute v) { return v; }
+};
+template <>
+struct Elem<DType::kFloat64> {
+  using Storage = double;
+  using Compute = double;
+  static Compute Load(Storage v) { return v; }
+  static Storage Store(Compute v) { return v; }
+};
+template <>
+struct Elem<DType::kFloat16> {
+  using Storage = uint16_t;
+  using Compute = float;
+  static Compute Load(Storage v) { return HalfBitsToFloat(v); }
+  static Storage Store(Compute v) { return FloatToHalfBits(v); }
+};
+template <>
+struct Elem<DType::kBFloat16> {
+  using Storage = uint16_t;
+  using Compute = float;
+  static Compute Load(Storage v) { return BFloat16BitsToFloat(v); }
+  static Storage Store(Compute v) { return FloatToBFloat16Bits(v); }
+};
+
+template <DType D>
+void ScaleLoop(void* buf, int64_t count, ScaleOp op, double factor) {
+  using E = Elem<D>;
+  using C = typename E::Compute;
+  auto* p = static_cast<typename E::Storage*>(buf);
+  // PyTorch converts the Python scalar to the compute type first.
+  const C f = static_cast<C>(factor);
+  if (op == ScaleOp::kDivide) {
+    for (int64_t i = 0; i < count; ++i) p[i] = E::Store(E::Load(p[i]) / f);
+  } else {
+    for (int64_t i = 0; i < count; ++i) p[i] = E::Store(E::Load(p[i]) * f);
+  }
+}
+
+template <DType D>
+void AddLoop(void* acc, const void* x, int64_t count) {
+  using E = Elem<D>;
+  auto* a = static_cast<typename E::Storage*>(acc);
+  const auto* b = static_cast<const typename E::Storage*>(x);
+  for (int64_t i = 0; i < count; ++i) {
+    a[i] = E::Store(E::Load(a[i]) + E::Load(b[i]));
+  }
+}
+
+}  // namespace
+
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
+    : ops_(std::exchange(other.ops_, nullptr)),
+      data_(std::exchange(other.data_, nullptr)),
+      bytes_(std::exchange(other.bytes_, 0)),
+      device_(other.device_),
+      pinned_(std::exchange(other.pinned_, false)) {}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    ops_ = std::exchange(other.ops_, nullptr);
+    data_ = std::exchange(other.data_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+    device_ = other.device_;
+    pinned_ = std::exchange(other.pinned_, false);
+  }
+  return *this;
+}
+
+BufferRef DeviceBuffer::As(DType dtype) const {
+  const int64_t size = static_cast<int64_t>(DTypeSize(dtype));
+  assert(bytes_ % size == 0);
+  return {data_, bytes_ / size, dtype, device_};
+}
+
+void DeviceBuffer::Reset() {
+  if (ops_ != nullptr && data_ != nullptr) {
+    ops_->DoFree(data_, device_, pinned_);
+  }
+  ops_ = nullptr;
+  data_ = nullptr;
+  bytes_ = 0;
+  pinned_ = false;
+}
+
+absl::string_view ScaleOpName(ScaleOp op) {
+  return op == ScaleOp::kDivide ? "divide" : "multiply";
+}
+
+absl::Status DeviceOps::CheckPlacement(absl::string_view op,
+                                       ConstBufferRef b) const {
+  if (b.device != Device::Host() && b.device != device()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s (%s ops on %s): buffer %s is neither on the host nor on the "
+        "compute device",
+        op, name(), DeviceName(device()), Describe(b)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DeviceBuffer> DeviceOps::Allocate(Device device, int64_t bytes,
+                                                 bool pinned) {
+  if (bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("Allocate: negative size %d bytes", bytes));
+  }
+  if (device != Device::Host() && device != this->device()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "Allocate (%s ops on %s): cannot allocate on %s", name(),
+        DeviceName(this->device()), DeviceName(device)));
+  }
+  const bool pin = pinned && device == Device::Host();
+  if (bytes == 0) return DeviceBuffer(this, nullptr, 0, device, pin);
+  FLATPARAM_ASSIGN_OR_RETURN(void* data, DoAllocate(device, bytes, pin));
+  return DeviceBuffer(this, data, bytes, device, pin);
+}
+
+absl::Status DeviceOps::Copy(BufferRef dst, ConstBufferRef src) {
+  FLATPARAM_RETURN_IF_ERROR(CheckBuffer("Copy", "dst", dst));
+  FLATPARAM_RETURN_IF_ERROR(CheckBuffer("Copy", "src", src));
+  FLATPARAM_RETURN_IF_ERROR(CheckPlacement("Copy", dst));
+  FLATPARAM_RETURN_IF_ERROR(CheckPlacement("Copy", src));
+  if (dst.dtype != src.dtype || dst.count != src.count) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("Copy: dst (%s) and src (%s) differ in dtype or count",
+                        Describe(dst), Describe(src)));
+  }
+  if (dst.count == 0 || Identical(dst, src)) return absl::OkStatus();
+  if (Overlap(dst, src)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("Copy: dst (%s at %p) and src (%s at %p) overlap",
+                        Describe(dst), dst.data, Describe(src), src.data));
+  }
+  return DoCopy(dst, src);
+}
+
+absl::Status DeviceOps::Fill(BufferRef dst, double value) {
+  FLATPARAM_RETURN_IF_ERROR(CheckBuffer("Fill", "dst", dst));
+  FLATPARAM_RETURN_IF_ERROR(CheckPlacement("Fill", dst));
+  if (dst.count == 0) return absl::OkStatus();
+  return DoFill(dst, value);
+}
+
+absl::Status DeviceOps::Cast(BufferRef dst, ConstBufferRef src) {
+  FLATPARAM_RETURN_IF_ERROR(CheckBuffer("Cast", "dst", dst));
+  FLATPARAM_RETURN_IF_ERROR(CheckBuffer("Cast", "src", src));
+  FLATPARAM_RETURN_IF_ERROR(CheckPlacement("Cast", dst));
+  FLATPARAM_RETURN_IF_ERROR(CheckPlacement("Cast", src));
+  if (dst.count != src.count || dst.device != src.device) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "Cast: dst (%s) and src (%s) differ in count or placement; use Copy "
+        "to move data between devices",
+        Describe(dst), Describe(src)));
+  }
+  if (dst.count == 0) return absl::OkStatus();
+  if (dst.dtype == src.dtype) {
+    if (Identical(dst, src)) return absl::OkStatus();
+    if (Overlap(dst, src)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "Cast: dst (%s) and src (%s) overlap", Describe(dst), Describe(src)));
+    }
+    return DoCopy(dst, src);
+  }
+  if (Overlap(dst, src)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("Cast: dst (%s) and src (%s) overlap and differ in "
+                        "dtype",
+                        Describe(dst), Describe(src)));
+  }
+  return DoCast(dst, src);
+}
+
+absl::Status DeviceOps::Scale(BufferRef buf, ScaleOp op, double factor) {
+  FLATPARAM_RETURN_IF_ERROR(CheckBuffer("Scale", "buf", buf));
+  FLATPARAM_RETURN_IF_ERROR(CheckPlacement("Scale", buf));
+  if (!std::isfinite(factor) || (op == ScaleOp::kDivide && factor == 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("Scale: cannot %s by %g", ScaleOpName(op), factor));
+  }
+  if (buf.count == 0) return absl::OkStatus();
+  return DoScale(buf, op, factor);
+}
+
+absl::Status DeviceOps::Add(BufferRef acc, ConstBufferRef x) {
+  FLATPARAM_RETURN_IF_ERROR(CheckBuffer("Add", "acc", acc));
+  FLATPARAM_RETURN_IF_ERROR(CheckBuffer("Add", "x", x));
+  FLATPARAM_RETURN_IF_ERROR(CheckPlacement("Add", acc));
+  FLATPARAM_RETURN_IF_ERROR(CheckPlacement("Add", x));
+  if (acc.dtype != x.dtype || acc.count != x.count || acc.device != x.device) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "Add: acc (%s) and x (%s) differ in dtype, count or placement",
+        Describe(acc), Describe(x)));
+  }
+  if (acc.count == 0) return absl::OkStatus();
+  if (Overlap(acc, x) && !Identical(acc, x)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("Add: acc (%s) and x (%s) overlap partially",
+                        Describe(acc), Describe(x)));
+  }
+  return DoAdd(acc, x);
+}
+
+void HostFill(void* dst, DType dtype, int64_t count, double value) {
+  const size_t size = DTypeSize(dtype);
+  alignas(8) unsigned char pattern[8];
+  StoreFromDouble(pattern, dtype, 0, value);
+  auto* out = static_cast<unsigned char*>(dst);
+  if (value == 0 && !std::signbit(value)) {
+    std::memset(out, 0, count * size);
+    return;
+  }
+  for (int64_t i = 0; i < count; ++i)
+    std::memcpy(out + i * size, pattern, size);
+}
+
+void HostCast(void* dst, DType dst_dtype, const void* src, DType src_dtype,
+              int64_t count) {
+  ConvertElements(src, src_dtype, dst, dst_dtype, static_cast<size_t>(count));
+}
+
+void HostScale(void* buf, DType dtype, int64_t count, ScaleOp op,
+               double factor) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return ScaleLoop<DType::kFloat32>(buf, count, op, factor);
+    case DType::kFloat64:
+      return ScaleLoop<DType::kFloat64>(buf, count, op, factor);
+    case DType::kFloat16:
+      return ScaleLoop<DType::kFloat16>(buf, count, op, factor);
+    case DType::kBFloat16:
+      return ScaleLoop<DType::kBFloat16>(buf, count, op, factor);
+    default:
+      assert(false && "HostScale on a non-floating dtype");
+  }
+}
+
+void HostAdd(void* acc, const void* x, DType dtype, int64_t count) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return AddLoop<DType::kFloat32>(acc, x, count);
+    case DType::kFloat64:
+      return AddLoop<DType::kFloat64>(acc, x, count);
+    case DType::kFloat16:
+      return AddLoop<DType::kFloat16>(acc, x, count);
+    case DType::kBFloat16:
+      return AddLoop<DType::kBFloat16>(acc, x, count);
+    default:
+      assert(false && "HostAdd on a non-floating dtype");
+  }
+}
+
+absl::StatusOr<void*> HostDeviceOps::DoAllocate(Device device, int64_t bytes,
+                                                bool pinned) {
+  void* p = ::operator new (static_cast<size_t>(bytes), std::align_val_t{64},
+                            std::nothrow);
+  if (p == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("host allocation of %d bytes failed", bytes));
+  }
+  return p;
+}
+
+void HostDeviceOps::DoFree(void* data, Device device, bool pinned) {
+  ::operator delete (data, std::align_val_t{64});
+}
+
+absl::Status HostDeviceOps::DoCopy(BufferRef dst, ConstBufferRef src) {
+  CopyBytes(dst.data, src.data, static_cast<size_t>(dst.bytes()),
+            dst.bytes() >= kStreamingCopyThreshold);
+  return absl::OkStatus();
+}
+
+absl::Status HostDeviceOps::DoFill(BufferRef dst, double value) {
+  HostFill(dst.data, dst.dtype, dst.count, value);
+  return absl::OkStatus();
+}
+
+absl::Status HostDeviceOps::DoCast(BufferRef dst, ConstBufferRef src) {
+  HostCast(dst.data, dst.dtype, src.data, src.dtype, dst.count);
+  return absl::OkStatus();
+}
+
+absl::Status HostDeviceOps::DoScale(BufferRef buf, ScaleOp op, double factor) {
+  HostScale(buf.data, buf.dtype, buf.count, op, factor);
+  return absl::OkStatus();
+}
+
+absl::Status HostDeviceOps::DoAdd(BufferRef acc, ConstBufferRef x) {
+  HostAdd(acc.data, x.data, acc.dtype, acc.count);
+  return absl::OkStatus();
+}
+
+}  // namespace flatparam

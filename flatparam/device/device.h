@@ -1,0 +1,190 @@
+// DeviceOps: the small set of memory operations the flat-parameter runtime
+// (flatparam/handle.h) needs on its compute device, behind an interface so
+// that the same runtime runs on the host (HostDeviceOps, tested everywhere)
+// and on a CUDA GPU (CudaDeviceOps in flatparam/device/cuda/).
+//
+//   HostDeviceOps ops;
+//   FLATPARAM_ASSIGN_OR_RETURN(DeviceBuffer buf,
+//                              ops.Allocate(ops.device(), 16 * 4));
+//   BufferRef x = buf.As(DType::kFloat32);
+//   FLATPARAM_RETURN_IF_ERROR(ops.Fill(x, 1.0));
+//   FLATPARAM_RETURN_IF_ERROR(ops.Scale(x, ScaleOp::kDivide, 4.0));
+//
+// Placement. Every buffer an operation touches lives either on the host or
+// on the implementation's compute device (device()). Copy() moves data
+// between any two of those; Fill, Cast, Scale and Add take buffers that are
+// all on the host or all on the compute device (an implementation runs the
+// host case on the CPU). Anything else is InvalidArgument.
+//
+// Arithmetic follows PyTorch on the implementation's device:
+//   * Cast rounds to nearest, ties to even, as `Tensor.to(dtype)` /
+//     `copy_()` do; float64 -> float16/bfloat16 goes through float32.
+//   * Scale(kDivide, f) is PyTorch's `tensor.div_(f)` with a Python float:
+//     on the CPU each element is divided by f in the dtype's compute type
+//     (float32 for float32/float16/bfloat16, float64 for float64) and
+//     rounded back; PyTorch's CUDA kernel instead multiplies by the
+//     reciprocal computed in the compute type (BinaryDivTrueKernel.cu), so
+//     the two differ in the last bit for factors that are not powers of two.
+//     Scale(kMultiply, f) is `tensor.mul_(f)`.
+//   * Add is `acc += x` (`add_` with alpha 1) in the compute type, rounded
+//     once per element.
+//
+// Ordering. Operations are issued in call order on one stream and may run
+// asynchronously on a device; an operation that touches host memory has
+// completed when it returns (HostDeviceOps completes everything before
+// returning). Synchronize() blocks until every issued operation has
+// completed; call it before another agent (a Communicator, the caller's own
+// code) reads or writes memory these operations wrote.
+//
+// Memory: Allocate() returns an owning DeviceBuffer; its destructor frees the
+// memory through the DeviceOps that allocated it, which must outlive it. The
+// operations themselves never keep pointers to caller memory after
+// completing.
+//
+// Thread-safety: a DeviceOps is used by one thread at a time; HostDeviceOps
+// is stateless and may be shared.
+#ifndef FLATPARAM_DEVICE_DEVICE_H_
+#define FLATPARAM_DEVICE_DEVICE_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "comm/communicator.h"
+#include "flatparam/base/dtype.h"
+
+namespace flatparam {
+
+class DeviceOps;
+
+// An owning, move-only allocation made by a DeviceOps. A default-constructed
+// DeviceBuffer owns nothing. A zero-byte allocation is still "allocated"
+// (allocated() is true) but may have a null data().
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  ~DeviceBuffer() { Reset(); }
+  DeviceBuffer(DeviceBuffer&& other) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  bool allocated() const { return ops_ != nullptr; }
+  void* data() const { return data_; }
+  int64_t bytes() const { return bytes_; }
+  Device device() const { return device_; }
+  // Page-locked host memory (only for host allocations, where supported).
+  bool pinned() const { return pinned_; }
+
+  // The whole buffer as `bytes() / DTypeSize(dtype)` elements of `dtype`.
+  BufferRef As(DType dtype) const;
+
+  // Frees the memory now; the buffer then owns nothing.
+  void Reset();
+
+ private:
+  friend class DeviceOps;
+  DeviceBuffer(DeviceOps* ops, void* data, int64_t bytes, Device device,
+               bool pinned)
+      : ops_(ops),
+        data_(data),
+        bytes_(bytes),
+        device_(device),
+        pinned_(pinned) {}
+
+  DeviceOps* ops_ = nullptr;
+  void* data_ = nullptr;
+  int64_t bytes_ = 0;
+  Device device_;
+  bool pinned_ = false;
+};
+
+enum class ScaleOp : uint8_t { kDivide, kMultiply };
+
+absl::string_view ScaleOpName(ScaleOp op);
+
+class DeviceOps {
+ public:
+  virtual ~DeviceOps() = default;
+
+  // The compute device: Device::Host() for HostDeviceOps.
+  virtual Device device() const = 0;
+  // "host" or "cuda".
+  virtual absl::string_view name() const = 0;
+
+  // Allocates `bytes` (>= 0) on `device`, which must be device() or the
+  // host. `pinned` asks for page-locked host memory, for fast and
+  // asynchronous transfers to the device; implementations without a device
+  // ignore it. The contents are uninitialized. InvalidArgument for a bad
+  // device or size; ResourceExhausted when the allocation fails.
+  absl::StatusOr<DeviceBuffer> Allocate(Device device, int64_t bytes,
+                                        bool pinned = false);
+
+  // dst[i] = src[i]. Same dtype and count; any placement pair. The buffers
+  // must not overlap unless they are identical (then it is a no-op).
+  absl::Status Copy(BufferRef dst, ConstBufferRef src);
+  // dst[i] = value, rounded to dst's dtype.
+  absl::Status Fill(BufferRef dst, double value);
+  // dst[i] = src[i] converted to dst's dtype. Same count and placement;
+  // distinct dtypes must not overlap.
+  absl::Status Cast(BufferRef dst, ConstBufferRef src);
+  // buf[i] = buf[i] / factor (kDivide) or * factor (kMultiply). `factor`
+  // must be finite, and non-zero for kDivide.
+  absl::Status Scale(BufferRef buf, ScaleOp op, double factor);
+  // acc[i] += x[i]. Same dtype, count and placement; `x` may alias `acc`.
+  absl::Status Add(BufferRef acc, ConstBufferRef x);
+  // Blocks until every issued operation has completed; returns the first
+  // asynchronous error, if any.
+  virtual absl::Status Synchronize() = 0;
+
+ protected:
+  // The operations after argument checks (done by the public wrappers
+  // above). Counts are > 0 and pointers non-null when called.
+  virtual absl::StatusOr<void*> DoAllocate(Device device, int64_t bytes,
+                                           bool pinned) = 0;
+  virtual void DoFree(void* data, Device device, bool pinned) = 0;
+  virtual absl::Status DoCopy(BufferRef dst, ConstBufferRef src) = 0;
+  virtual absl::Status DoFill(BufferRef dst, double value) = 0;
+  virtual absl::Status DoCast(BufferRef dst, ConstBufferRef src) = 0;
+  virtual absl::Status DoScale(BufferRef buf, ScaleOp op, double factor) = 0;
+  virtual absl::Status DoAdd(BufferRef acc, ConstBufferRef x) = 0;
+
+ private:
+  friend class DeviceBuffer;
+  absl::Status CheckPlacement(absl::string_view op, ConstBufferRef b) const;
+};
+
+// The host kernels, with PyTorch's CPU arithmetic (see the file comment).
+// HostDeviceOps uses them for everything, CudaDeviceOps for host buffers.
+// REQUIRES: floating dtypes, valid non-overlapping memory of `count`
+// elements (Add: `x` may equal `acc`).
+void HostFill(void* dst, DType dtype, int64_t count, double value);
+void HostCast(void* dst, DType dst_dtype, const void* src, DType src_dtype,
+              int64_t count);
+void HostScale(void* buf, DType dtype, int64_t count, ScaleOp op,
+               double factor);
+void HostAdd(void* acc, const void* x, DType dtype, int64_t count);
+
+// DeviceOps on host memory: the compute device is the host, allocation is
+// plain (64-byte aligned) heap memory, every operation is synchronous.
+class HostDeviceOps final : public DeviceOps {
+ public:
+  Device device() const override { return Device::Host(); }
+  absl::string_view name() const override { return "host"; }
+  absl::Status Synchronize() override { return absl::OkStatus(); }
+
+ protected:
+  absl::StatusOr<void*> DoAllocate(Device device, int64_t bytes,
+                                   bool pinned) override;
+  void DoFree(void* data, Device device, bool pinned) override;
+  absl::Status DoCopy(BufferRef dst, ConstBufferRef src) override;
+  absl::Status DoFill(BufferRef dst, double value) override;
+  absl::Status DoCast(BufferRef dst, ConstBufferRef src) override;
+  absl::Status DoScale(BufferRef buf, ScaleOp op, double factor) override;
+  absl::Status DoAdd(BufferRef acc, ConstBufferRef x) override;
+};
+
+}  // namespace flatparam
+
+#endif  // FLATPARAM_DEVICE_DEVICE_H_

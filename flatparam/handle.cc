@@ -1,0 +1,875 @@
+#include "flatparam/handle.h"
+
+#include <algorithm>
+#include <cassert>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "flatparam/base/status_macros.h"
+
+namespace flatparam {
+namespace {
+
+using internal_handle::TrackedBuffer;
+
+}  // namespace
+
+absl::string_view HandleTrainingStateName(HandleTrainingState state) {
+  switch (state) {
+    case HandleTrainingState::kIdle:
+      return "IDLE";
+    case HandleTrainingState::kForward:
+      return "FORWARD";
+    case HandleTrainingState::kBackwardPre:
+      return "BACKWARD_PRE";
+    case HandleTrainingState::kBackwardPost:
+      return "BACKWARD_POST";
+    case HandleTrainingState::kSummonFullParams:
+      return "SUMMON_FULL_PARAMS";
+  }
+  return "UNKNOWN";
+}
+
+bool ReshardsAfterForward(ShardingStrategy strategy) {
+  return strategy == ShardingStrategy::kFullShard ||
+         strategy == ShardingStrategy::kHybridShard;
+}
+
+double GradientPredivideFactor(int64_t world_size) {
+  assert(world_size >= 1);
+  int64_t factor = 1;
+  while (world_size % factor == 0 && world_size / factor > factor) {
+    factor *= 2;
+  }
+  return static_cast<double>(factor);
+}
+
+FlatParamHandle::FlatParamHandle(const FlatParamLayout& layout,
+                                 Communicator* shard_group,
+                                 Communicator* replicate_group,
+                                 DeviceOps* device,
+                                 const HandleOptions& options)
+    : layout_(layout),
+      shard_group_(shard_group),
+      replicate_group_(replicate_group),
+      device_(device),
+      options_(options),
+      rank_(shard_group->rank()),
+      world_size_(shard_group->size()) {
+  // PyTorch's `_init_param_reduce_dtypes`.
+  const DType orig = layout.dtype();
+  if (options.param_dtype.has_value() && !options.reduce_dtype.has_value()) {
+    param_dtype_ = *options.param_dtype;
+    reduce_dtype_ = param_dtype_;
+  } else {
+    param_dtype_ = options.param_dtype.value_or(orig);
+    reduce_dtype_ = options.reduce_dtype.value_or(orig);
+  }
+  // PyTorch divides by factors of the whole data-parallel world, also for
+  // the hybrid strategies (`_init_process_group_state`).
+  dp_world_size_ = world_size_;
+  if (IsHybridStrategy(layout.options().strategy)) {
+    dp_world_size_ *= replicate_group->size();
+  }
+  predivide_ = GradientPredivideFactor(dp_world_size_);
+  postdivide_ = dp_world_size_ / predivide_;
+}
+
+FlatParamHandle::~FlatParamHandle() = default;
+
+absl::StatusOr<std::unique_ptr<FlatParamHandle>> FlatParamHandle::CreateCommon(
+    const FlatParamLayout& layout, Communicator* shard_group,
+    Communicator* replicate_group, DeviceOps* device,
+    const HandleOptions& options) {
+  const std::string unit = layout.unit().empty() ? "<root>" : layout.unit();
+  if (shard_group == nullptr || device == nullptr) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "FlatParamHandle(unit '%s'): the shard group and the DeviceOps are "
+        "required",
+        unit));
+  }
+  const ShardingStrategy strategy = layout.options().strategy;
+  if (shard_group->size() != layout.world_size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "FlatParamHandle(unit '%s'): the layout is for world size %d but the "
+        "shard group has %d ranks",
+        unit, layout.world_size(), shard_group->size()));
+  }
+  if (IsHybridStrategy(strategy) != (replicate_group != nullptr)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "FlatParamHandle(unit '%s'): %s %s a replicate group", unit,
+        ShardingStrategyName(strategy),
+        IsHybridStrategy(strategy) ? "requires" : "does not take"));
+  }
+  for (const auto& [what, dtype] :
+       {std::make_pair("param_dtype", options.param_dtype),
+        std::make_pair("reduce_dtype", options.reduce_dtype)}) {
+    if (dtype.has_value() && !IsFloatingPoint(*dtype)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "FlatParamHandle(unit '%s'): %s %s is not a floating dtype", unit,
+          what, DTypeName(*dtype)));
+    }
+  }
+  auto handle = std::unique_ptr<FlatParamHandle>(new FlatParamHandle(
+      layout, shard_group, replicate_group, device, options));
+  if (layout.options().align_addresses) {
+    const DType aligned_for =
+        layout.options().compute_dtype.value_or(layout.dtype());
+    if (aligned_for != handle->param_dtype_) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "FlatParamHandle(unit '%s'): the layout aligns addresses for %s but "
+          "the unsharded parameter dtype is %s; set "
+          "LayoutOptions::compute_dtype to param_dtype",
+          unit, DTypeName(aligned_for), DTypeName(handle->param_dtype_)));
+    }
+  }
+  if (options.cpu_offload) {
+    // PyTorch pre-allocates `_cpu_grad` (zeros, pinned) for the whole run.
+    FLATPARAM_ASSIGN_OR_RETURN(
+        handle->cpu_grad_,
+        handle->Alloc(MemoryCategory::kShardedGrads, layout.dtype(),
+                      layout.sharded_numel(), MemoryPlacement::kOffload));
+    FLATPARAM_RETURN_IF_ERROR(device->Fill(handle->cpu_grad_.ref(), 0));
+  }
+  return handle;
+}
+
+absl::StatusOr<std::unique_ptr<FlatParamHandle>> FlatParamHandle::Create(
+    const FlatParamLayout& layout,
+    absl::Span<const ConstTensorRef> initial_params, Communicator* shard_group,
+    Communicator* replicate_group, DeviceOps* device,
+    const HandleOptions& options) {
+  FLATPARAM_ASSIGN_OR_RETURN(
+      std::unique_ptr<FlatParamHandle> handle,
+      CreateCommon(layout, shard_group, replicate_group, device, options));
+  FlatParamHandle& h = *handle;
+  FLATPARAM_ASSIGN_OR_RETURN(
+      h.local_shard_, h.Alloc(MemoryCategory::kShardedParams, layout.dtype(),
+                              layout.sharded_numel(), h.shard_placement()));
+  h.local_shard_ref_ = h.local_shard_.ref();
+  const BufferRef shard = h.local_shard_ref_;
+  if (shard.device == Device::Host()) {
+    FLATPARAM_RETURN_IF_ERROR(
+        FlattenShard(layout, initial_params, h.rank_,
+                     TensorRef{shard.data, shard.dtype, shard.count}));
+  } else {
+    HostTensor staging = HostTensor::Flat(layout.dtype(), shard.count);
+    FLATPARAM_RETURN_IF_ERROR(
+        FlattenShard(layout, initial_params, h.rank_, staging.ref()));
+    FLATPARAM_RETURN_IF_ERROR(
+        device->Copy(shard, ConstBufferRef{staging.data(), staging.numel(),
+                                           staging.dtype(), Device::Host()}));
+    FLATPARAM_RETURN_IF_ERROR(device->Synchronize());
+  }
+  return handle;
+}
+
+absl::StatusOr<std::unique_ptr<FlatParamHandle>>
+FlatParamHandle::CreateWithLocalShard(const FlatParamLayout& layout,
+                                      BufferRef local_shard,
+                                      Communicator* shard_group,
+                                      Communicator* replicate_group,
+                                      DeviceOps* device,
+                                      const HandleOptions& options) {
+  FLATPARAM_ASSIGN_OR_RETURN(
+      std::unique_ptr<FlatParamHandle> handle,
+      CreateCommon(layout, shard_group, replicate_group, device, options));
+  if (local_shard.dtype != layout.dtype() ||
+      local_shard.count != layout.sharded_numel() ||
+      local_shard.device != handle->shard_device() ||
+      (local_shard.count > 0 && local_shard.data == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: the local shard must be %d x %s on %s, got %d x %s on %s%s",
+        handle->Name(), layout.sharded_numel(), DTypeName(layout.dtype()),
+        DeviceName(handle->shard_device()), local_shard.count,
+        DTypeName(local_shard.dtype), DeviceName(local_shard.device),
+        local_shard.data == nullptr ? " (null)" : ""));
+  }
+  handle->local_shard_ref_ = local_shard;
+  return handle;
+}
+
+// ---------------------------------------------------------------------------
+// Helpers
+
+std::string FlatParamHandle::Name() const {
+  return absl::StrFormat("FlatParamHandle(unit '%s', rank %d of %d)",
+                         layout_.unit().empty() ? "<root>" : layout_.unit(),
+                         rank_, world_size_);
+}
+
+absl::Status FlatParamHandle::WrongState(absl::string_view op,
+                                         absl::string_view expected) const {
+  return absl::FailedPreconditionError(
+      absl::StrFormat("%s: %s requires %s, but the handle is in state %s",
+                      Name(), op, expected, HandleTrainingStateName(state_)));
+}
+
+absl::Status FlatParamHandle::CheckIndex(absl::string_view op,
+                                         int index) const {
+  if (index < 0 || index >= static_cast<int>(layout_.params().size())) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: %s: parameter index %d is out of range [0, %d)",
+                        Name(), op, index, layout_.params().size()));
+  }
+  return absl::OkStatus();
+}
+
+bool FlatParamHandle::uses_sharded_strategy() const {
+  return UsesShardedStrategy(strategy());
+}
+
+bool FlatParamHandle::force_full_precision() const {
+  return (uses_param_mixed_precision() || uses_reduce_mixed_precision()) &&
+         state_ == HandleTrainingState::kSummonFullParams;
+}
+
+DType FlatParamHandle::unsharded_dtype() const {
+  return force_full_precision() ? orig_dtype() : param_dtype_;
+}
+
+internal_handle::TrackedBuffer& FlatParamHandle::padded_unsharded() {
+  return force_full_precision() && uses_param_mixed_precision()
+             ? full_prec_full_param_padded_
+             : full_param_padded_;
+}
+
+const internal_handle::TrackedBuffer& FlatParamHandle::padded_unsharded()
+    const {
+  return force_full_precision() && uses_param_mixed_precision()
+             ? full_prec_full_param_padded_
+             : full_param_padded_;
+}
+
+DType FlatParamHandle::grad_accum_dtype() const {
+  // PyTorch casts the reduced gradient back to the parameters' dtype, except
+  // for NO_SHARD with keep_low_precision_grads, which keeps it as reduced.
+  // Offloaded gradients always land in `_cpu_grad`, of the parameters' dtype.
+  if (!uses_sharded_strategy() && options_.keep_low_precision_grads &&
+      !options_.cpu_offload) {
+    return reduce_dtype_;
+  }
+  return orig_dtype();
+}
+
+bool FlatParamHandle::NeedsUnshard() const {
+  return uses_sharded_strategy() && !padded_unsharded().allocated();
+}
+
+absl::StatusOr<TrackedBuffer> FlatParamHandle::Alloc(
+    MemoryCategory category, DType dtype, int64_t count,
+    MemoryPlacement placement) {
+  const bool offload = placement == MemoryPlacement::kOffload;
+  return TrackedBuffer::Allocate(*device_, tracker_, category, placement,
+                                 offload ? Device::Host() : device_->device(),
+                                 dtype, count,
+                                 /*pinned=*/offload);
+}
+
+absl::Status FlatParamHandle::Wait(std::unique_ptr<Work> work,
+                                   absl::string_view what) {
+  absl::Status status = work->Wait();
+  if (status.ok()) return status;
+  return absl::Status(status.code(),
+                      absl::StrCat(Name(), ": ", what, ": ", status.message()));
+}
+
+absl::StatusOr<BufferRef> FlatParamHandle::LocalShardOnCompute(
+    TrackedBuffer* copy) {
+  if (!options_.cpu_offload) return local_shard_ref_;
+  // PyTorch's `flat_param_to(device)`: a compute-device copy of the shard.
+  // It is the unsharded parameter for NO_SHARD, and transient otherwise.
+  const MemoryCategory category = uses_sharded_strategy()
+                                      ? MemoryCategory::kShardedParams
+                                      : MemoryCategory::kUnshardedParams;
+  FLATPARAM_ASSIGN_OR_RETURN(
+      *copy, Alloc(category, orig_dtype(), local_shard_ref_.count));
+  FLATPARAM_RETURN_IF_ERROR(device_->Copy(copy->ref(), local_shard_ref_));
+  return copy->ref();
+}
+
+// ---------------------------------------------------------------------------
+// Unshard / reshard
+
+absl::Status FlatParamHandle::UnshardImpl() {
+  assert(!unsharded_);
+  const int64_t unpadded = layout_.unpadded_unsharded_numel();
+  const bool low_precision =
+      uses_param_mixed_precision() && !force_full_precision();
+  if (uses_sharded_strategy()) {
+    TrackedBuffer& target = padded_unsharded();
+    if (!target.allocated()) {
+      // Pre-unshard: what to all-gather (PyTorch's `pre_unshard`).
+      TrackedBuffer copy;
+      BufferRef source;
+      if (low_precision) {
+        FLATPARAM_ASSIGN_OR_RETURN(BufferRef full, LocalShardOnCompute(&copy));
+        FLATPARAM_ASSIGN_OR_RETURN(
+            mp_shard_, Alloc(MemoryCategory::kLowPrecisionParams, param_dtype_,
+                             full.count));
+        absl::Status cast = device_->Cast(mp_shard_.ref(), full);
+        copy.Reset();
+        if (!cast.ok()) {
+          mp_shard_.Reset();
+          return cast;
+        }
+        source = mp_shard_.ref();
+      } else {
+        FLATPARAM_ASSIGN_OR_RETURN(source, LocalShardOnCompute(&copy));
+      }
+      absl::StatusOr<TrackedBuffer> padded =
+          Alloc(MemoryCategory::kUnshardedParams, unsharded_dtype(),
+                layout_.padded_unsharded_numel());
+      absl::Status status = padded.status();
+      if (status.ok()) status = device_->Synchronize();
+      if (status.ok()) {
+        status = Wait(shard_group_->AllGather(source, padded->ref(),
+                                              options_.collective_options),
+                      "all-gather of the flat parameter");
+      }
+      // Post-unshard: the shard copies are no longer needed.
+      copy.Reset();
+      mp_shard_.Reset();
+      if (!status.ok()) return status;
+      target = *std::move(padded);
+    }
+    unsharded_ref_ = target.ref().Slice(0, unpadded);
+  } else if (low_precision) {
+    // NO_SHARD: the low-precision shard is the unsharded parameter until the
+    // reshard (PyTorch's `post_reshard`).
+    TrackedBuffer copy;
+    FLATPARAM_ASSIGN_OR_RETURN(BufferRef full, LocalShardOnCompute(&copy));
+    FLATPARAM_ASSIGN_OR_RETURN(
+        mp_shard_,
+        Alloc(MemoryCategory::kLowPrecisionParams, param_dtype_, full.count));
+    absl::Status cast = device_->Cast(mp_shard_.ref(), full);
+    if (cast.ok()) cast = device_->Synchronize();
+    if (!cast.ok()) {
+      mp_shard_.Reset();
+      return cast;
+    }
+    unsharded_ref_ = mp_shard_.ref();
+  } else {
+    FLATPARAM_ASSIGN_OR_RETURN(unsharded_ref_,
+                               LocalShardOnCompute(&offload_copy_));
+    FLATPARAM_RETURN_IF_ERROR(device_->Synchronize());
+  }
+  unsharded_ = true;
+  ++view_epoch_;
+  return absl::OkStatus();
+}
+
+absl::Status FlatParamHandle::ReshardImpl(bool free_unsharded) {
+  assert(unsharded_);
+  unsharded_ = false;
+  unsharded_ref_ = BufferRef{};
+  ++view_epoch_;
+  if (uses_sharded_strategy()) {
+    if (free_unsharded) padded_unsharded().Reset();
+  } else {
+    mp_shard_.Reset();
+    offload_copy_.Reset();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FlatParamHandle::Unshard() {
+  if (state_ != HandleTrainingState::kIdle &&
+      state_ != HandleTrainingState::kForward &&
+      state_ != HandleTrainingState::kBackwardPre) {
+    return WrongState("Unshard", "IDLE, FORWARD or BACKWARD_PRE");
+  }
+  if (unsharded_) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: Unshard: the flat parameter is already unsharded (state %s); "
+        "Reshard first",
+        Name(), HandleTrainingStateName(state_)));
+  }
+  return UnshardImpl();
+}
+
+absl::Status FlatParamHandle::Reshard(bool free_unsharded) {
+  if (state_ == HandleTrainingState::kSummonFullParams) {
+    return WrongState("Reshard",
+                      "a state other than SUMMON_FULL_PARAMS (use "
+                      "EndSummonFullParams)");
+  }
+  if (!unsharded_) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: Reshard: the flat parameter is not unsharded (state %s)", Name(),
+        HandleTrainingStateName(state_)));
+  }
+  return ReshardImpl(free_unsharded);
+}
+
+// ---------------------------------------------------------------------------
+// Runtime hooks
+
+absl::Status FlatParamHandle::PreForward() {
+  if (state_ != HandleTrainingState::kIdle) {
+    return WrongState("PreForward", "IDLE");
+  }
+  state_ = HandleTrainingState::kForward;
+  if (!unsharded_) {
+    absl::Status status = UnshardImpl();
+    if (!status.ok()) {
+      state_ = HandleTrainingState::kIdle;
+      return status;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FlatParamHandle::PostForward(bool is_root) {
+  if (state_ != HandleTrainingState::kForward) {
+    return WrongState("PostForward", "FORWARD");
+  }
+  if (unsharded_) {
+    FLATPARAM_RETURN_IF_ERROR(
+        ReshardImpl(!is_root && ReshardsAfterForward(strategy())));
+  }
+  state_ = HandleTrainingState::kIdle;
+  return absl::OkStatus();
+}
+
+absl::Status FlatParamHandle::PreBackward() {
+  if (state_ != HandleTrainingState::kIdle) {
+    return WrongState("PreBackward", "IDLE");
+  }
+  state_ = HandleTrainingState::kBackwardPre;
+  if (!unsharded_) {
+    absl::Status status = UnshardImpl();
+    if (!status.ok()) {
+      state_ = HandleTrainingState::kIdle;
+      return status;
+    }
+  }
+  return PrepareGradientForBackward();
+}
+
+absl::Status FlatParamHandle::PrepareGradientForBackward() {
+  if (!layout_.requires_grad()) return absl::OkStatus();
+  if (has_sharded_grad_ && options_.keep_low_precision_grads) {
+    FLATPARAM_RETURN_IF_ERROR(CastShardedGradTo(grad_accum_dtype()));
+  }
+  if (!unsharded_grad_.allocated()) {
+    const int64_t numel = uses_sharded_strategy()
+                              ? layout_.padded_unsharded_numel()
+                              : layout_.unpadded_unsharded_numel();
+    FLATPARAM_ASSIGN_OR_RETURN(
+        unsharded_grad_,
+        Alloc(MemoryCategory::kUnshardedGrads, param_dtype_, numel));
+    ++grad_epoch_;
+    FLATPARAM_RETURN_IF_ERROR(device_->Fill(unsharded_grad_.ref(), 0));
+  }
+  return device_->Synchronize();
+}
+
+absl::Status FlatParamHandle::PostBackward(bool sync_gradients) {
+  if (state_ != HandleTrainingState::kBackwardPre) {
+    return WrongState("PostBackward", "BACKWARD_PRE");
+  }
+  state_ = HandleTrainingState::kBackwardPost;
+  if (unsharded_) {
+    // PyTorch's `_should_free_in_backward`.
+    const bool free = uses_sharded_strategy() &&
+                      (sync_gradients || ReshardsAfterForward(strategy()));
+    FLATPARAM_RETURN_IF_ERROR(ReshardImpl(free));
+  }
+  if (!sync_gradients || !unsharded_grad_.allocated()) {
+    return absl::OkStatus();
+  }
+  return ReduceGrad();
+}
+
+absl::Status FlatParamHandle::FinalizeBackward(bool sync_gradients) {
+  if (state_ != HandleTrainingState::kBackwardPost) {
+    return WrongState("FinalizeBackward", "BACKWARD_POST");
+  }
+  if (sync_gradients && has_sharded_grad_ &&
+      options_.keep_low_precision_grads) {
+    FLATPARAM_RETURN_IF_ERROR(CastShardedGradTo(param_dtype_));
+  }
+  state_ = HandleTrainingState::kIdle;
+  return device_->Synchronize();
+}
+
+// ---------------------------------------------------------------------------
+// Gradients
+
+absl::Status FlatParamHandle::ZeroUngradedSegments(BufferRef grad) {
+  const auto& numels = layout_.numels_with_padding();
+  const auto& padding = layout_.is_padding_mask();
+  int64_t offset = 0;
+  int param = 0;
+  for (size_t s = 0; s < numels.size(); ++s) {
+    const bool zero = padding[s] || !layout_.params()[param].requires_grad;
+    if (zero && numels[s] > 0) {
+      FLATPARAM_RETURN_IF_ERROR(
+          device_->Fill(grad.Slice(offset, numels[s]), 0));
+    }
+    if (!padding[s]) ++param;
+    offset += numels[s];
+  }
+  if (grad.count > offset) {
+    FLATPARAM_RETURN_IF_ERROR(
+        device_->Fill(grad.Slice(offset, grad.count - offset), 0));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FlatParamHandle::ReduceGrad() {
+  if (state_ != HandleTrainingState::kBackwardPre &&
+      state_ != HandleTrainingState::kBackwardPost) {
+    return WrongState("ReduceGrad", "BACKWARD_PRE or BACKWARD_POST");
+  }
+  if (!unsharded_grad_.allocated()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: ReduceGrad: there is no unsharded gradient to reduce (state %s)",
+        Name(), HandleTrainingStateName(state_)));
+  }
+  TrackedBuffer grad = std::move(unsharded_grad_);
+  ++grad_epoch_;
+  FLATPARAM_RETURN_IF_ERROR(ZeroUngradedSegments(grad.ref()));
+  // 1. To the reduce dtype (PyTorch's post-backward `.to(reduce_dtype)`).
+  if (grad.dtype() != reduce_dtype_) {
+    FLATPARAM_ASSIGN_OR_RETURN(
+        TrackedBuffer reduced,
+        Alloc(MemoryCategory::kUnshardedGrads, reduce_dtype_, grad.count()));
+    FLATPARAM_RETURN_IF_ERROR(device_->Cast(reduced.ref(), grad.ref()));
+    grad = std::move(reduced);
+  }
+  const bool hybrid = IsHybridStrategy(strategy());
+  const bool in_collectives = options_.divide_in_collectives;
+  // 2. Pre-divide (PyTorch's `_div_if_needed`: only factors > 1).
+  if (!in_collectives && predivide_ > 1) {
+    FLATPARAM_RETURN_IF_ERROR(
+        device_->Scale(grad.ref(), ScaleOp::kDivide, predivide_));
+  }
+  ReduceOptions first;
+  static_cast<CollectiveOptions&>(first) = options_.collective_options;
+  first.op = ReduceOp::kSum;
+  ReduceOptions second = first;
+  if (in_collectives) {
+    if (predivide_ > 1) first.pre_divide_factor = predivide_;
+    if (postdivide_ > 1) {
+      (hybrid ? second : first).post_divide_factor = postdivide_;
+    }
+  }
+  FLATPARAM_RETURN_IF_ERROR(device_->Synchronize());
+  TrackedBuffer shard;
+  if (uses_sharded_strategy()) {
+    // 3. Reduce-scatter into a new sharded gradient.
+    FLATPARAM_ASSIGN_OR_RETURN(
+        shard, Alloc(MemoryCategory::kShardedGrads, reduce_dtype_,
+                     layout_.sharded_numel()));
+    FLATPARAM_RETURN_IF_ERROR(
+        Wait(shard_group_->ReduceScatter(grad.ref(), shard.ref(), first),
+             "reduce-scatter of the gradient"));
+    grad.Reset();
+    // 4. Hybrid: sum the shard group's results across replicas.
+    if (hybrid) {
+      FLATPARAM_RETURN_IF_ERROR(
+          Wait(replicate_group_->AllReduce(shard.ref(), shard.ref(), second),
+               "all-reduce of the gradient over the replicate group"));
+    }
+  } else {
+    FLATPARAM_RETURN_IF_ERROR(
+        Wait(shard_group_->AllReduce(grad.ref(), grad.ref(), first),
+             "all-reduce of the gradient"));
+    shard = std::move(grad);
+    shard.Recategorize(MemoryCategory::kShardedGrads);
+  }
+  // 5. Post-divide.
+  if (!in_collectives && postdivide_ > 1) {
+    FLATPARAM_RETURN_IF_ERROR(
+        device_->Scale(shard.ref(), ScaleOp::kDivide, postdivide_));
+  }
+  // 6. To the accumulation dtype (PyTorch's `_cast_grad_to_param_dtype`).
+  const DType accum = grad_accum_dtype();
+  if (shard.dtype() != accum) {
+    FLATPARAM_ASSIGN_OR_RETURN(
+        TrackedBuffer cast,
+        Alloc(MemoryCategory::kShardedGrads, accum, shard.count()));
+    FLATPARAM_RETURN_IF_ERROR(device_->Cast(cast.ref(), shard.ref()));
+    shard = std::move(cast);
+  }
+  // 7. Accumulate.
+  return AccumulateShardedGrad(std::move(shard));
+}
+
+absl::Status FlatParamHandle::AccumulateShardedGrad(TrackedBuffer new_grad) {
+  if (has_sharded_grad_) {
+    FLATPARAM_RETURN_IF_ERROR(CastShardedGradTo(new_grad.dtype()));
+  }
+  if (options_.cpu_offload) {
+    if (!has_sharded_grad_) {
+      FLATPARAM_RETURN_IF_ERROR(device_->Copy(cpu_grad_.ref(), new_grad.ref()));
+    } else if (new_grad.ref().device == Device::Host()) {
+      FLATPARAM_RETURN_IF_ERROR(device_->Add(cpu_grad_.ref(), new_grad.ref()));
+    } else {
+      FLATPARAM_ASSIGN_OR_RETURN(
+          TrackedBuffer staging,
+          Alloc(MemoryCategory::kShardedGrads, new_grad.dtype(),
+                new_grad.count(), MemoryPlacement::kOffload));
+      FLATPARAM_RETURN_IF_ERROR(device_->Copy(staging.ref(), new_grad.ref()));
+      new_grad.Reset();
+      FLATPARAM_RETURN_IF_ERROR(device_->Add(cpu_grad_.ref(), staging.ref()));
+    }
+  } else if (!has_sharded_grad_) {
+    sharded_grad_ = std::move(new_grad);
+  } else {
+    FLATPARAM_RETURN_IF_ERROR(
+        device_->Add(sharded_grad_.ref(), new_grad.ref()));
+  }
+  has_sharded_grad_ = true;
+  return device_->Synchronize();
+}
+
+absl::Status FlatParamHandle::CastShardedGradTo(DType dtype) {
+  if (!has_sharded_grad_) return absl::OkStatus();
+  if (options_.cpu_offload) {
+    // `_cpu_grad` stays in the parameters' dtype; a low-precision copy is
+    // what the optimizer sees under keep_low_precision_grads.
+    if (low_prec_cpu_grad_.allocated()) {
+      if (low_prec_cpu_grad_.dtype() == dtype) return absl::OkStatus();
+      FLATPARAM_RETURN_IF_ERROR(
+          device_->Cast(cpu_grad_.ref(), low_prec_cpu_grad_.ref()));
+      low_prec_cpu_grad_.Reset();
+    }
+    if (dtype == cpu_grad_.dtype()) return absl::OkStatus();
+    FLATPARAM_ASSIGN_OR_RETURN(
+        low_prec_cpu_grad_,
+        Alloc(MemoryCategory::kShardedGrads, dtype, cpu_grad_.count(),
+              MemoryPlacement::kOffload));
+    return device_->Cast(low_prec_cpu_grad_.ref(), cpu_grad_.ref());
+  }
+  if (sharded_grad_.dtype() == dtype) return absl::OkStatus();
+  FLATPARAM_ASSIGN_OR_RETURN(
+      TrackedBuffer cast,
+      Alloc(MemoryCategory::kShardedGrads, dtype, sharded_grad_.count()));
+  FLATPARAM_RETURN_IF_ERROR(device_->Cast(cast.ref(), sharded_grad_.ref()));
+  sharded_grad_ = std::move(cast);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<BufferRef> FlatParamHandle::GradView(int index) const {
+  FLATPARAM_RETURN_IF_ERROR(CheckIndex("GradView", index));
+  if (state_ != HandleTrainingState::kBackwardPre) {
+    return WrongState("GradView", "BACKWARD_PRE");
+  }
+  const ParamInfo& p = layout_.params()[index];
+  if (!p.requires_grad) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: GradView: parameter '%s' does not require a gradient", Name(),
+        p.fqn));
+  }
+  if (!unsharded_grad_.allocated()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: GradView: there is no unsharded gradient (state %s)", Name(),
+        HandleTrainingStateName(state_)));
+  }
+  return unsharded_grad_.ref().Slice(p.offset, p.numel);
+}
+
+absl::Status FlatParamHandle::AccumulateGrad(int index, ConstBufferRef grad) {
+  FLATPARAM_ASSIGN_OR_RETURN(BufferRef view, GradView(index));
+  if (grad.count != view.count) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: AccumulateGrad: parameter '%s' has %d elements, the gradient %d",
+        Name(), layout_.params()[index].fqn, view.count, grad.count));
+  }
+  TrackedBuffer moved;
+  TrackedBuffer cast;
+  if (grad.device != view.device) {
+    FLATPARAM_ASSIGN_OR_RETURN(
+        moved, Alloc(MemoryCategory::kUnshardedGrads, grad.dtype, grad.count));
+    FLATPARAM_RETURN_IF_ERROR(device_->Copy(moved.ref(), grad));
+    grad = moved.ref();
+  }
+  if (grad.dtype != view.dtype) {
+    FLATPARAM_ASSIGN_OR_RETURN(
+        cast, Alloc(MemoryCategory::kUnshardedGrads, view.dtype, grad.count));
+    FLATPARAM_RETURN_IF_ERROR(device_->Cast(cast.ref(), grad));
+    grad = cast.ref();
+  }
+  FLATPARAM_RETURN_IF_ERROR(device_->Add(view, grad));
+  if (moved.allocated() || cast.allocated()) {
+    // The temporaries are freed on return; let the device finish with them.
+    return device_->Synchronize();
+  }
+  return absl::OkStatus();
+}
+
+std::optional<BufferRef> FlatParamHandle::unsharded_grad() const {
+  if (!unsharded_grad_.allocated()) return std::nullopt;
+  return unsharded_grad_.ref();
+}
+
+std::optional<BufferRef> FlatParamHandle::sharded_grad() const {
+  if (!has_sharded_grad_) return std::nullopt;
+  if (options_.cpu_offload) {
+    return low_prec_cpu_grad_.allocated() ? low_prec_cpu_grad_.ref()
+                                          : cpu_grad_.ref();
+  }
+  return sharded_grad_.ref();
+}
+
+absl::StatusOr<std::optional<BufferRef>> FlatParamHandle::ShardedGradView(
+    int index) const {
+  FLATPARAM_RETURN_IF_ERROR(CheckIndex("ShardedGradView", index));
+  const std::optional<BufferRef> grad = sharded_grad();
+  if (!grad.has_value() || !layout_.params()[index].requires_grad) {
+    return std::optional<BufferRef>();
+  }
+  const ShardParamInfo info = layout_.shard_param_info(rank_, index);
+  if (!info.in_shard) return std::optional<BufferRef>();
+  return std::optional<BufferRef>(grad->Slice(
+      info.offset_in_shard, std::max<int64_t>(0, info.numel_in_shard)));
+}
+
+absl::Status FlatParamHandle::ZeroGrad(bool set_to_none) {
+  if (state_ != HandleTrainingState::kIdle) {
+    return WrongState("ZeroGrad", "IDLE");
+  }
+  if (set_to_none) {
+    if (unsharded_grad_.allocated()) {
+      unsharded_grad_.Reset();
+      ++grad_epoch_;
+    }
+    sharded_grad_.Reset();
+    low_prec_cpu_grad_.Reset();
+    has_sharded_grad_ = false;
+    return absl::OkStatus();
+  }
+  if (unsharded_grad_.allocated()) {
+    FLATPARAM_RETURN_IF_ERROR(device_->Fill(unsharded_grad_.ref(), 0));
+  }
+  if (has_sharded_grad_) {
+    if (options_.cpu_offload) {
+      FLATPARAM_RETURN_IF_ERROR(device_->Fill(cpu_grad_.ref(), 0));
+    }
+    FLATPARAM_RETURN_IF_ERROR(device_->Fill(*sharded_grad(), 0));
+  }
+  return device_->Synchronize();
+}
+
+// ---------------------------------------------------------------------------
+// Views
+
+absl::StatusOr<OrigParamView> FlatParamHandle::Param(int index) const {
+  FLATPARAM_RETURN_IF_ERROR(CheckIndex("Param", index));
+  const ParamInfo& p = layout_.params()[index];
+  OrigParamView view;
+  view.epoch = view_epoch_;
+  if (unsharded_) {
+    view.data = unsharded_ref_.Slice(p.offset, p.numel);
+    view.shape = p.shape;
+    view.sharded = false;
+    return view;
+  }
+  view.sharded = true;
+  if (!uses_sharded_strategy()) {
+    // NO_SHARD's sharded views are the unflattened parameters themselves.
+    view.data = local_shard_ref_.Slice(p.offset, p.numel);
+    view.shape = p.shape;
+    return view;
+  }
+  const ShardParamInfo info = layout_.shard_param_info(rank_, index);
+  const int64_t numel =
+      info.in_shard ? std::max<int64_t>(0, info.numel_in_shard) : 0;
+  view.data =
+      local_shard_ref_.Slice(info.in_shard ? info.offset_in_shard : 0, numel);
+  view.shape = {numel};
+  return view;
+}
+
+absl::StatusOr<OrigParamView> FlatParamHandle::UnshardedParam(int index) const {
+  FLATPARAM_RETURN_IF_ERROR(CheckIndex("UnshardedParam", index));
+  if (!unsharded_) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: UnshardedParam: parameter '%s' is not unsharded (state %s); "
+        "unshard first",
+        Name(), layout_.params()[index].fqn, HandleTrainingStateName(state_)));
+  }
+  return Param(index);
+}
+
+absl::Status FlatParamHandle::CheckView(const OrigParamView& view) const {
+  if (view.epoch == view_epoch_) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrFormat(
+      "%s: a %s view from epoch %d is stale: the handle has been %s since "
+      "(epoch %d, state %s)",
+      Name(), view.sharded ? "sharded" : "unsharded", view.epoch,
+      view.sharded ? "unsharded" : "resharded", view_epoch_,
+      HandleTrainingStateName(state_)));
+}
+
+std::optional<BufferRef> FlatParamHandle::unsharded_flat_param() const {
+  if (!unsharded_) return std::nullopt;
+  return unsharded_ref_;
+}
+
+BufferRef FlatParamHandle::sharded_param() const { return local_shard_ref_; }
+
+FlatParamShardMetadata FlatParamHandle::ShardMetadata() const {
+  return layout_.shard_metadata(rank_);
+}
+
+// ---------------------------------------------------------------------------
+// Summon full parameters
+
+absl::Status FlatParamHandle::BeginSummonFullParams(bool writeback) {
+  if (state_ != HandleTrainingState::kIdle) {
+    return WrongState("BeginSummonFullParams", "IDLE");
+  }
+  if (unsharded_) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: BeginSummonFullParams: the flat parameter is unsharded (state "
+        "%s); Reshard first",
+        Name(), HandleTrainingStateName(state_)));
+  }
+  state_ = HandleTrainingState::kSummonFullParams;
+  if (uses_sharded_strategy() && force_full_precision() &&
+      uses_param_mixed_precision()) {
+    // The full-precision parameter may change: a kept low-precision one
+    // would go stale, so PyTorch frees it to force a new all-gather.
+    full_param_padded_.Reset();
+  }
+  summon_free_at_end_ = NeedsUnshard();
+  summon_writeback_ = writeback;
+  absl::Status status = UnshardImpl();
+  if (!status.ok()) state_ = HandleTrainingState::kIdle;
+  return status;
+}
+
+absl::Status FlatParamHandle::EndSummonFullParams() {
+  if (state_ != HandleTrainingState::kSummonFullParams) {
+    return WrongState("EndSummonFullParams", "SUMMON_FULL_PARAMS");
+  }
+  absl::Status status;
+  if (summon_writeback_) {
+    // PyTorch's `_writeback_to_local_shard`: this rank's unpadded chunk.
+    const int64_t unpadded = layout_.unpadded_unsharded_numel();
+    if (uses_sharded_strategy()) {
+      const UnpaddedShard chunk =
+          GetUnpaddedShard(unpadded, rank_, world_size_);
+      const int64_t n = chunk.end - chunk.begin;
+      status = device_->Copy(local_shard_ref_.Slice(0, n),
+                             unsharded_ref_.Slice(chunk.begin, n));
+    } else if (unsharded_ref_.data != local_shard_ref_.data) {
+      status =
+          device_->Copy(local_shard_ref_, unsharded_ref_.Slice(0, unpadded));
+    }
+    if (status.ok()) status = device_->Synchronize();
+  }
+  absl::Status reshard =
+      ReshardImpl(uses_sharded_strategy() && summon_free_at_end_);
+  state_ = HandleTrainingState::kIdle;
+  if (!status.ok()) return status;
+  return reshard;
+}
+
+}  // namespace flatparam

@@ -1,0 +1,484 @@
+// FlatParamHandle: the runtime of one FSDP unit's flat parameter on one rank,
+// PyTorch's `FlatParamHandle` (torch/distributed/fsdp/_flat_param.py) plus
+// the per-handle parts of FSDP's runtime hooks (`_runtime_utils.py`:
+// pre/post-forward, pre/post-backward, gradient reduction, summon full
+// parameters), for a C++ trainer with its own forward and backward.
+//
+// A handle owns this rank's sharded flat parameter (the full-precision
+// "local shard"), all-gathers it into the padded unsharded flat parameter
+// for computation (Unshard), frees that again (Reshard), reduce-scatters the
+// gradient the backward accumulated into an unsharded flat gradient
+// (ReduceGrad), and keeps the resulting sharded gradient for the optimizer.
+//
+// One training iteration, as FSDP drives it (`is_root` and `sync` are the
+// caller's):
+//
+//   FLATPARAM_RETURN_IF_ERROR(h->PreForward());           // IDLE -> FORWARD
+//   ... read h->Param(i) (views into the unsharded flat parameter) ...
+//   FLATPARAM_RETURN_IF_ERROR(h->PostForward(is_root));   // FORWARD -> IDLE
+//   FLATPARAM_RETURN_IF_ERROR(h->PreBackward());          // -> BACKWARD_PRE
+//   ... h->AccumulateGrad(i, grad_i) or add into h->GradView(i) ...
+//   FLATPARAM_RETURN_IF_ERROR(h->PostBackward(sync));     // -> BACKWARD_POST
+//   FLATPARAM_RETURN_IF_ERROR(h->FinalizeBackward(sync)); // -> IDLE
+//   ... optimizer: h->sharded_param(), h->sharded_grad() ...
+//   FLATPARAM_RETURN_IF_ERROR(h->ZeroGrad());
+//
+// Collectives. Every rank of the shard group must make the same sequence of
+// calls that communicate: Unshard (and the hooks and summon that unshard
+// when the parameter is not unsharded yet) all-gathers over the shard group;
+// ReduceGrad (PostBackward with sync) reduce-scatters over the shard group
+// (all-reduces for NO_SHARD) and, for the hybrid strategies, then
+// all-reduces over the replicate group. Nothing else communicates.
+//
+// Strategies (taken from the layout's options):
+//   FULL_SHARD, HYBRID_SHARD       free the unsharded parameter after forward
+//                                  (PyTorch's RESHARD_AFTER_FORWARD
+//                                  strategies) and after backward;
+//   SHARD_GRAD_OP, HYBRID_SHARD_ZERO2  keep it from forward to backward and
+//                                  free it after a synchronizing backward;
+//   NO_SHARD                       every rank holds the whole flat parameter;
+//                                  unshard only switches views (and casts for
+//                                  mixed precision); gradients are
+//                                  all-reduced.
+//   The hybrid strategies shard over `shard_group` (the layout's world size)
+//   and replicate over `replicate_group`.
+//
+// Original-parameter views (PyTorch's `use_orig_params=True` model). While
+// the handle is unsharded, Param(i) is parameter i, unflattened, inside the
+// unsharded flat parameter (in the unsharded dtype: `param_dtype` under
+// mixed precision, full precision while summoning); while sharded, it is the
+// flattened part of parameter i in this rank's local shard, possibly empty.
+// Views are raw memory: each carries the handle's view epoch, which changes
+// on every unshard and reshard, and CheckView() reports a stale one. Views
+// of the unsharded parameter must not be used after the reshard (or the
+// handle's destruction) that ended their epoch.
+//
+// Gradients. PreBackward() provides the unsharded flat gradient (padded,
+// zero-initialized, in the unsharded parameter dtype), or the one
+// accumulated under no_sync; the backward adds each parameter's gradient
+// into GradView(i) (or calls AccumulateGrad). Frozen parameters
+// (`requires_grad = false`) and padding get no gradient: their segments are
+// zeroed before the reduction. See ReduceGrad() for the exact arithmetic.
+//
+// Training states (PyTorch's HandleTrainingState) and what each call needs:
+//   PreForward              IDLE -> FORWARD (unshards unless unsharded)
+//   PostForward             FORWARD -> IDLE (reshards)
+//   PreBackward             IDLE -> BACKWARD_PRE (unshards unless unsharded)
+//   PostBackward            BACKWARD_PRE -> BACKWARD_POST (reshards, reduces)
+//   FinalizeBackward        BACKWARD_POST -> IDLE
+//   BeginSummonFullParams   IDLE (sharded) -> SUMMON_FULL_PARAMS
+//   EndSummonFullParams     SUMMON_FULL_PARAMS -> IDLE
+//   Unshard                 IDLE, FORWARD or BACKWARD_PRE, while sharded
+//   Reshard                 any state but SUMMON_FULL_PARAMS, while unsharded
+//   ReduceGrad              BACKWARD_PRE or BACKWARD_POST, with an unsharded
+//                           gradient
+//   GradView/AccumulateGrad BACKWARD_PRE, with an unsharded gradient
+//   ZeroGrad                IDLE
+// Any other use returns FailedPrecondition naming the operation and the
+// current state, and changes nothing: the handle stays usable. A collective
+// that fails leaves the handle in a consistent state (see each method).
+//
+// Mixed precision follows PyTorch's `_init_param_reduce_dtypes`: with
+// `param_dtype` set and `reduce_dtype` unset, gradients are reduced in
+// `param_dtype`; otherwise each defaults to the parameters' dtype. Summoning
+// full parameters forces full precision.
+//
+// CPU offload: the local shard and the sharded gradient live on the host
+// (pinned where the DeviceOps supports it); each unshard copies the shard to
+// the compute device first, and each reduction copies the new sharded
+// gradient back. Unlike PyTorch 2.x (which overwrites `_cpu_grad`), gradients
+// accumulate across synchronized iterations with offload too.
+//
+// Where this differs from PyTorch 2.x, on purpose:
+//   * Frozen parameters inside a flat parameter get a zero gradient (PyTorch
+//     computes and reduces one and only hides it from the optimizer).
+//   * NO_SHARD reduces each backward's fresh gradient and adds it to the
+//     sharded gradient (PyTorch lets autograd add into the reduced gradient
+//     and all-reduces the sum again; equal in exact arithmetic).
+//   * The unsharded gradient is allocated padded, so the reduce-scatter
+//     needs no padded copy (PyTorch's `F.pad`).
+//   * Between PostForward and PreBackward, SHARD_GRAD_OP and
+//     HYBRID_SHARD_ZERO2 expose sharded views (PyTorch keeps exposing the
+//     unsharded ones); the unsharded parameter is kept and reused all the
+//     same.
+//   * Not modeled: FSDP_USE_FULL_PREC_IN_EVAL, summoning with gradients
+//     (`unshard_grad`), rank0_only, communication hooks, storage changes of
+//     original parameters (`_writeback_orig_params`: here views are the
+//     storage, so in-place writes need no writeback).
+//
+// Memory: the handle owns every buffer it allocates, through `device`, and
+// counts them in memory(); a caller-provided local shard
+// (CreateWithLocalShard) stays the caller's and is not counted. The handle
+// keeps a copy of the layout; the communicators and the DeviceOps must
+// outlive it.
+//
+// Device work: the handle runs copies, casts, fills, scales and adds through
+// the DeviceOps and synchronizes it before each collective; every method
+// returns after the device work it issued has completed, so the caller may
+// use the buffers it exposes from any stream.
+//
+// Thread-safety: a handle is used by one thread at a time (the rank's
+// thread, which also owns its communicators).
+#ifndef FLATPARAM_HANDLE_H_
+#define FLATPARAM_HANDLE_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "comm/communicator.h"
+#include "flatparam/base/dtype.h"
+#include "flatparam/device/device.h"
+#include "flatparam/flatten.h"
+#include "flatparam/internal/tracked_buffer.h"
+#include "flatparam/layout.h"
+#include "flatparam/memory_stats.h"
+
+namespace flatparam {
+
+// PyTorch's HandleTrainingState.
+enum class HandleTrainingState : uint8_t {
+  kIdle,
+  kForward,
+  kBackwardPre,
+  kBackwardPost,
+  kSummonFullParams,
+};
+
+// "IDLE", "FORWARD", "BACKWARD_PRE", "BACKWARD_POST", "SUMMON_FULL_PARAMS".
+absl::string_view HandleTrainingStateName(HandleTrainingState state);
+
+// True for FULL_SHARD and HYBRID_SHARD (PyTorch's
+// RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES).
+bool ReshardsAfterForward(ShardingStrategy strategy);
+
+// PyTorch's `DefaultState._get_gradient_predivide_factor`: the largest power
+// of two f with world_size % f == 0 reached while world_size / f > f, found
+// by doubling from 1 (for world_size 6 it is 4: doubling stops at the first
+// f that fails either test). REQUIRES: world_size >= 1.
+double GradientPredivideFactor(int64_t world_size);
+
+struct HandleOptions {
+  // Mixed precision (PyTorch's MixedPrecision.param_dtype / reduce_dtype).
+  std::optional<DType> param_dtype;
+  std::optional<DType> reduce_dtype;
+  // Leave the sharded gradient in `param_dtype` after the backward instead
+  // of the parameters' dtype.
+  bool keep_low_precision_grads = false;
+  // Keep the local shard and the sharded gradient on the host.
+  bool cpu_offload = false;
+  // Divide gradients inside the collectives (ReduceOptions' divide factors)
+  // instead of with DeviceOps::Scale before and after them. Off by default:
+  // the NCCL backend folds both factors into one pre-multiplied sum, which
+  // rounds differently from PyTorch's two `div_` calls.
+  bool divide_in_collectives = false;
+  // Timeout etc. of every collective the handle issues.
+  CollectiveOptions collective_options;
+};
+
+// A view of one original parameter (see the file comment).
+struct OrigParamView {
+  // Elements in the unsharded dtype (unsharded) or the parameters' dtype
+  // (sharded), on the compute device (or the host for a sharded view under
+  // CPU offload). count may be 0.
+  BufferRef data;
+  // The parameter's shape when unsharded; {numel in this shard} when sharded.
+  std::vector<int64_t> shape;
+  bool sharded = true;
+  int64_t epoch = 0;
+};
+
+class FlatParamHandle {
+ public:
+  // Creates the handle of `layout` for this rank (`shard_group->rank()`),
+  // filling the local shard from `initial_params` (host memory, one entry per
+  // layout.params() element, in the layout's dtype, as for FlattenShard).
+  //
+  // `shard_group->size()` must equal layout.world_size(). For the hybrid
+  // strategies `replicate_group` is required (its size times the shard
+  // group's is the data-parallel world size); otherwise it must be null.
+  // With `align_addresses`, the layout's alignment must have been computed
+  // for the unsharded dtype (LayoutOptions::compute_dtype == param_dtype).
+  // InvalidArgument naming the offending values otherwise.
+  static absl::StatusOr<std::unique_ptr<FlatParamHandle>> Create(
+      const FlatParamLayout& layout,
+      absl::Span<const ConstTensorRef> initial_params,
+      Communicator* shard_group, Communicator* replicate_group,
+      DeviceOps* device, const HandleOptions& options = {});
+
+  // The same, using `local_shard` (caller-owned, layout.sharded_numel()
+  // elements of layout.dtype(); on the host with cpu_offload, else on the
+  // compute device) as the local shard in place. It must outlive the handle.
+  static absl::StatusOr<std::unique_ptr<FlatParamHandle>> CreateWithLocalShard(
+      const FlatParamLayout& layout, BufferRef local_shard,
+      Communicator* shard_group, Communicator* replicate_group,
+      DeviceOps* device, const HandleOptions& options = {});
+
+  ~FlatParamHandle();
+  FlatParamHandle(const FlatParamHandle&) = delete;
+  FlatParamHandle& operator=(const FlatParamHandle&) = delete;
+
+  // ---- Configuration ----
+  const FlatParamLayout& layout() const { return layout_; }
+  ShardingStrategy strategy() const { return layout_.options().strategy; }
+  bool uses_sharded_strategy() const;
+  // This rank and the size of the shard group.
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  // Shard group size times replicate group size (hybrid), else world_size().
+  int data_parallel_world_size() const { return dp_world_size_; }
+  DType orig_dtype() const { return layout_.dtype(); }
+  // PyTorch's `_fwd_bwd_param_dtype` and `_reduce_dtype`.
+  DType param_dtype() const { return param_dtype_; }
+  DType reduce_dtype() const { return reduce_dtype_; }
+  bool uses_param_mixed_precision() const {
+    return param_dtype_ != orig_dtype();
+  }
+  bool uses_reduce_mixed_precision() const {
+    return reduce_dtype_ != orig_dtype();
+  }
+  const HandleOptions& options() const { return options_; }
+  // The factors ReduceGrad divides by: GradientPredivideFactor(
+  // data_parallel_world_size()) and data_parallel_world_size() / that.
+  double gradient_predivide_factor() const { return predivide_; }
+  double gradient_postdivide_factor() const { return postdivide_; }
+
+  // ---- State ----
+  HandleTrainingState training_state() const { return state_; }
+  // True while views point into the unsharded flat parameter.
+  bool is_unsharded() const { return unsharded_; }
+  // PyTorch's `needs_unshard()`: a sharded strategy whose padded unsharded
+  // flat parameter (for the current precision) is not allocated, so an
+  // unshard must all-gather. False for NO_SHARD.
+  bool NeedsUnshard() const;
+  // Changes on every unshard and reshard.
+  int64_t view_epoch() const { return view_epoch_; }
+  // Changes whenever the unsharded gradient is allocated or freed.
+  int64_t grad_epoch() const { return grad_epoch_; }
+
+  // ---- Runtime hooks (see the file comment) ----
+  // PyTorch's pre-forward unshard. On a collective failure the handle is
+  // back in IDLE, sharded.
+  absl::Status PreForward();
+  // Reshards, freeing the unsharded parameter when the strategy reshards
+  // after forward and this is not the root unit (PyTorch keeps the root's
+  // parameters for the backward that immediately follows).
+  absl::Status PostForward(bool is_root = false);
+  // Unshards (reusing a parameter kept since forward) and prepares the
+  // unsharded gradient: the one accumulated under no_sync, or a new zeroed
+  // one. A kept sharded gradient in low precision
+  // (keep_low_precision_grads) goes back to full precision to accumulate.
+  absl::Status PreBackward();
+  // Reshards (freeing the unsharded parameter for sharded strategies when
+  // `sync_gradients` or the strategy reshards after forward: PyTorch's
+  // `_should_free_in_backward`), then, when `sync_gradients`, ReduceGrad();
+  // without it (no_sync) the unsharded gradient is kept and accumulates over
+  // the following backwards.
+  absl::Status PostBackward(bool sync_gradients = true);
+  // Ends the backward. With `sync_gradients` and keep_low_precision_grads,
+  // casts the sharded gradient to param_dtype (PyTorch's
+  // `prepare_gradient_for_optim`).
+  absl::Status FinalizeBackward(bool sync_gradients = true);
+
+  // ---- Primitives ----
+  // All-gathers the local shard (cast to param_dtype under mixed precision,
+  // copied to the compute device under CPU offload) into the padded
+  // unsharded flat parameter, or reuses it when it is still allocated, and
+  // switches views to it. FailedPrecondition when already unsharded ("unshard
+  // twice"). On a collective failure the buffers it allocated are freed and
+  // the handle stays sharded.
+  absl::Status Unshard();
+  // Switches views to the local shard; with `free_unsharded` (sharded
+  // strategies) frees the padded unsharded flat parameter. A kept unsharded
+  // parameter is reused by the next Unshard without communication.
+  absl::Status Reshard(bool free_unsharded);
+  // Reduces the unsharded gradient and accumulates it into the sharded
+  // gradient, then frees the unsharded gradient. Step by step, where g is
+  // the unsharded flat gradient (padded; frozen and padding segments zeroed)
+  // and all arithmetic is the DeviceOps' (PyTorch's on that device):
+  //   1. g is cast to reduce_dtype if it differs (new buffer);
+  //   2. g /= predivide            (DeviceOps::Scale; skipped when 1);
+  //   3. s = reduce-scatter-sum(g) over the shard group (NO_SHARD:
+  //      all-reduce-sum in place over it);
+  //   4. hybrid only: s = all-reduce-sum(s) over the replicate group;
+  //   5. s /= postdivide           (DeviceOps::Scale; skipped when 1);
+  //   6. s is cast to the gradient dtype (the parameters' dtype; reduce_dtype
+  //      for NO_SHARD with keep_low_precision_grads) if it differs;
+  //   7. sharded_grad = s, or sharded_grad += s when a gradient exists
+  //      (under CPU offload: copied to the host and added there).
+  // With divide_in_collectives, step 2's factor goes to the reduce-scatter's
+  // ReduceOptions::pre_divide_factor and step 5's to the post_divide_factor
+  // of the last collective (the replicate all-reduce for hybrid). On a
+  // collective failure the unsharded gradient is dropped and the sharded
+  // gradient is left as it was.
+  absl::Status ReduceGrad();
+
+  // ---- Views ----
+  // The current view of parameter `index` (see the file comment).
+  // InvalidArgument for a bad index.
+  absl::StatusOr<OrigParamView> Param(int index) const;
+  // The unsharded view; FailedPrecondition naming the state when sharded.
+  absl::StatusOr<OrigParamView> UnshardedParam(int index) const;
+  // OK when `view` is still valid (its epoch is the current one);
+  // FailedPrecondition naming the parameter, both epochs and the state
+  // otherwise.
+  absl::Status CheckView(const OrigParamView& view) const;
+
+  // While unsharded: the unsharded flat parameter (unpadded numel, alignment
+  // padding included; in the unsharded dtype); nullopt while sharded.
+  std::optional<BufferRef> unsharded_flat_param() const;
+
+  // The local shard: layout.sharded_numel() elements of the parameters'
+  // dtype (right padding included), on the host under CPU offload, else on
+  // the compute device. The optimizer updates it in place, in IDLE.
+  BufferRef sharded_param() const;
+  // This rank's shard metadata (PyTorch's `shard_metadata()`).
+  FlatParamShardMetadata ShardMetadata() const;
+
+  // ---- Gradients ----
+  // The unsharded gradient of parameter `index` (its numel elements in
+  // param_dtype on the compute device), to add the backward's gradient into.
+  // FailedPrecondition outside BACKWARD_PRE, without an unsharded gradient,
+  // or for a frozen parameter.
+  absl::StatusOr<BufferRef> GradView(int index) const;
+  // GradView(index) += grad (cast to param_dtype first if it differs),
+  // with DeviceOps::Add. `grad` is on the host or the compute device.
+  absl::Status AccumulateGrad(int index, ConstBufferRef grad);
+  // The whole unsharded flat gradient (padded for sharded strategies) when
+  // it exists, in any state; nullopt otherwise.
+  std::optional<BufferRef> unsharded_grad() const;
+  // The sharded gradient (layout.sharded_numel() elements, on the host under
+  // CPU offload); nullopt when it is None (never computed, or ZeroGrad with
+  // set_to_none).
+  std::optional<BufferRef> sharded_grad() const;
+  // The flattened part of parameter `index` in the sharded gradient; nullopt
+  // when the gradient is None, the parameter is frozen, or it is not in this
+  // rank's shard (PyTorch's `_use_sharded_grad_views`).
+  absl::StatusOr<std::optional<BufferRef>> ShardedGradView(int index) const;
+  // In IDLE: with `set_to_none` frees the sharded gradient (under CPU
+  // offload the host buffer stays allocated but is None) and any unsharded
+  // gradient kept by no_sync; otherwise zeroes them.
+  absl::Status ZeroGrad(bool set_to_none = true);
+
+  // ---- Summon full parameters ----
+  // From IDLE, while sharded: unshards in full precision (mixed precision
+  // is forced off; a kept low-precision unsharded parameter is freed, as
+  // PyTorch does) and enters SUMMON_FULL_PARAMS. With `writeback`,
+  // EndSummonFullParams copies each rank's part of the (possibly modified)
+  // full parameter back into its local shard.
+  absl::Status BeginSummonFullParams(bool writeback);
+  // Writes back if requested, reshards (freeing the unsharded parameter
+  // unless it was allocated before the summon) and returns to IDLE. For
+  // NO_SHARD without offload the full parameter is the local shard itself,
+  // so changes persist even without writeback (as in PyTorch).
+  absl::Status EndSummonFullParams();
+
+  // ---- Memory ----
+  const MemoryStats& memory() const { return tracker_.stats(); }
+  void ResetPeakMemory() { tracker_.ResetPeaks(); }
+
+ private:
+  using TrackedBuffer = internal_handle::TrackedBuffer;
+
+  FlatParamHandle(const FlatParamLayout& layout, Communicator* shard_group,
+                  Communicator* replicate_group, DeviceOps* device,
+                  const HandleOptions& options);
+
+  static absl::StatusOr<std::unique_ptr<FlatParamHandle>> CreateCommon(
+      const FlatParamLayout& layout, Communicator* shard_group,
+      Communicator* replicate_group, DeviceOps* device,
+      const HandleOptions& options);
+
+  absl::Status WrongState(absl::string_view op,
+                          absl::string_view expected) const;
+  absl::Status CheckIndex(absl::string_view op, int index) const;
+  std::string Name() const;
+
+  bool force_full_precision() const;
+  // The unsharded dtype in the current context.
+  DType unsharded_dtype() const;
+  // The padded unsharded buffer for the current context (PyTorch's
+  // `_get_padded_unsharded_flat_param`).
+  TrackedBuffer& padded_unsharded();
+  const TrackedBuffer& padded_unsharded() const;
+  // Dtype the sharded gradient accumulates in.
+  DType grad_accum_dtype() const;
+  MemoryPlacement shard_placement() const {
+    return options_.cpu_offload ? MemoryPlacement::kOffload
+                                : MemoryPlacement::kCompute;
+  }
+  Device shard_device() const {
+    return options_.cpu_offload ? Device::Host() : device_->device();
+  }
+
+  absl::StatusOr<TrackedBuffer> Alloc(
+      MemoryCategory category, DType dtype, int64_t count,
+      MemoryPlacement placement = MemoryPlacement::kCompute);
+  // The full-precision local shard on the compute device: the local shard
+  // itself, or (CPU offload) a new copy in `*copy`.
+  absl::StatusOr<BufferRef> LocalShardOnCompute(TrackedBuffer* copy);
+  absl::Status UnshardImpl();
+  absl::Status ReshardImpl(bool free_unsharded);
+  absl::Status PrepareGradientForBackward();
+  absl::Status ZeroUngradedSegments(BufferRef grad);
+  absl::Status AccumulateShardedGrad(TrackedBuffer new_grad);
+  absl::Status CastShardedGradTo(DType dtype);
+  absl::Status Wait(std::unique_ptr<Work> work, absl::string_view what);
+
+  const FlatParamLayout layout_;
+  Communicator* const shard_group_;
+  Communicator* const replicate_group_;
+  DeviceOps* const device_;
+  const HandleOptions options_;
+  const int rank_;
+  const int world_size_;
+  int dp_world_size_ = 1;
+  DType param_dtype_;
+  DType reduce_dtype_;
+  double predivide_ = 1;
+  double postdivide_ = 1;
+
+  MemoryTracker tracker_;
+  HandleTrainingState state_ = HandleTrainingState::kIdle;
+  bool unsharded_ = false;
+  int64_t view_epoch_ = 0;
+  int64_t grad_epoch_ = 0;
+  // The current unsharded flat parameter (unpadded numel) while unsharded_.
+  BufferRef unsharded_ref_;
+
+  // PyTorch's `_local_shard` (owned, or the caller's in local_shard_ref_).
+  TrackedBuffer local_shard_;
+  BufferRef local_shard_ref_;
+  // `_mp_shard`: param_dtype shard on the compute device.
+  TrackedBuffer mp_shard_;
+  // CPU offload: the compute-device copy of the local shard, alive during an
+  // unshard (and for NO_SHARD until the reshard, as the unsharded parameter).
+  TrackedBuffer offload_copy_;
+  // `_full_param_padded` (unsharded dtype) and
+  // `_full_prec_full_param_padded` (parameters' dtype, summon under mixed
+  // precision).
+  TrackedBuffer full_param_padded_;
+  TrackedBuffer full_prec_full_param_padded_;
+  // The unsharded gradient (param_dtype; padded for sharded strategies).
+  TrackedBuffer unsharded_grad_;
+  // The sharded gradient without offload; `_cpu_grad` with offload, plus the
+  // low-precision host copy exposed under keep_low_precision_grads.
+  TrackedBuffer sharded_grad_;
+  TrackedBuffer cpu_grad_;
+  TrackedBuffer low_prec_cpu_grad_;
+  bool has_sharded_grad_ = false;
+
+  // Summon bookkeeping.
+  bool summon_writeback_ = false;
+  bool summon_free_at_end_ = false;
+};
+
+}  // namespace flatparam
+
+#endif  // FLATPARAM_HANDLE_H_
