@@ -6,6 +6,7 @@
 #include <climits>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <utility>
 
@@ -286,13 +287,73 @@ absl::Status CompareHeaders(const OpInfo& info,
                       info.Describe(), absl::StrJoin(groups, "; ")));
 }
 
+// A process-wide cache of staging buffers. A large buffer allocated afresh
+// for every collective page-faults on every call (measured: a 256 MiB
+// all-gather ran at 0.12x of raw MPI), so buffers return here when their
+// collective is done and are reused by the next one of a similar size. At
+// most kMaxCachedBytes stay cached; the rest go back to the allocator.
+class StagingPool {
+ public:
+  static constexpr int64_t kMaxCachedBytes = int64_t{1} << 30;
+  static constexpr size_t kMaxCachedBuffers = 16;
+
+  static StagingPool& Get() {
+    static StagingPool* pool = new StagingPool;  // Never destroyed: buffers
+    return *pool;  // of abandoned collectives may be released at exit.
+  }
+
+  // A buffer of at least `bytes` (at least 1, so MPI always gets a valid
+  // pointer); `*capacity` receives its real size.
+  char* Acquire(int64_t bytes, int64_t* capacity) {
+    bytes = std::max<int64_t>(bytes, 1);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // The smallest cached buffer that fits, unless it is much larger.
+      auto it = free_.lower_bound(bytes);
+      if (it != free_.end() && it->first <= 2 * bytes + 4096) {
+        *capacity = it->first;
+        char* p = it->second;
+        cached_bytes_ -= it->first;
+        free_.erase(it);
+        return p;
+      }
+    }
+    *capacity = bytes;
+    return new char[bytes];
+  }
+
+  void Release(char* p, int64_t capacity) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (cached_bytes_ + capacity <= kMaxCachedBytes &&
+          free_.size() < kMaxCachedBuffers) {
+        free_.emplace(capacity, p);
+        cached_bytes_ += capacity;
+        return;
+      }
+    }
+    delete[] p;
+  }
+
+ private:
+  std::mutex mu_;
+  std::multimap<int64_t, char*> free_;
+  int64_t cached_bytes_ = 0;
+};
+
+struct StagingDeleter {
+  int64_t capacity = 0;
+  void operator()(char* p) const { StagingPool::Get().Release(p, capacity); }
+};
+using StagingBuffer = std::unique_ptr<char[], StagingDeleter>;
+
 // Memory a collective owns while MPI uses it.
 struct Staging {
   Header header;
   std::vector<Header> headers;
-  std::unique_ptr<char[]> send;
-  std::unique_ptr<char[]> recv;
-  std::unique_ptr<char[]> acc;
+  StagingBuffer send;
+  StagingBuffer recv;
+  StagingBuffer acc;
   std::vector<int> counts;
   std::vector<int> displs;
   std::vector<int> recv_counts;
@@ -302,8 +363,10 @@ struct Staging {
 };
 
 // Uninitialised; never null, so MPI gets a valid pointer for 0 bytes too.
-std::unique_ptr<char[]> Alloc(int64_t bytes) {
-  return std::unique_ptr<char[]>(new char[std::max<int64_t>(bytes, 1)]);
+StagingBuffer Alloc(int64_t bytes) {
+  int64_t capacity = 0;
+  char* p = StagingPool::Get().Acquire(bytes, &capacity);
+  return StagingBuffer(p, StagingDeleter{capacity});
 }
 
 void CopyBytes(void* dst, const void* src, int64_t bytes) {
