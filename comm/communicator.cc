@@ -102,6 +102,26 @@ BufferRef BufferRef::Slice(int64_t offset, int64_t n) const {
           device};
 }
 
+absl::string_view CollectiveOpName(CollectiveOp op) {
+  switch (op) {
+    case CollectiveOp::kAllGather:
+      return "all_gather";
+    case CollectiveOp::kReduceScatter:
+      return "reduce_scatter";
+    case CollectiveOp::kAllReduce:
+      return "all_reduce";
+    case CollectiveOp::kBroadcast:
+      return "broadcast";
+    case CollectiveOp::kAllGatherBytes:
+      return "all_gather_bytes";
+    case CollectiveOp::kBarrier:
+      return "barrier";
+    case CollectiveOp::kSplit:
+      return "split";
+  }
+  return "unknown_op";
+}
+
 absl::string_view ReduceOpName(ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:

@@ -85,6 +85,22 @@ struct BufferRef {
   BufferRef Slice(int64_t offset, int64_t count) const;
 };
 
+// The collectives of this interface, for backends' bookkeeping, traces and
+// messages. The values are stable (the MPI backend sends them on the wire).
+enum class CollectiveOp : uint8_t {
+  kAllGather = 1,
+  kReduceScatter,
+  kAllReduce,
+  kBroadcast,
+  kAllGatherBytes,
+  kBarrier,
+  kSplit,
+};
+
+// "all_gather", "reduce_scatter", "all_reduce", "broadcast",
+// "all_gather_bytes", "barrier", "split".
+absl::string_view CollectiveOpName(CollectiveOp op);
+
 enum class ReduceOp : uint8_t {
   kSum,
   // Sum divided by the group size (NCCL's ncclAvg).

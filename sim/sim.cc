@@ -28,16 +28,6 @@
 namespace flatparam {
 namespace internal_sim {
 
-enum class OpKind : uint8_t {
-  kAllGather,
-  kReduceScatter,
-  kAllReduce,
-  kBroadcast,
-  kAllGatherBytes,
-  kBarrier,
-  kSplit,
-};
-
 // One collective call as a rank issued it.
 struct Call {
   OpKind kind = OpKind::kBarrier;
@@ -62,25 +52,7 @@ namespace {
 
 using internal_sim::OpKind;
 
-absl::string_view KindName(OpKind kind) {
-  switch (kind) {
-    case OpKind::kAllGather:
-      return "all_gather";
-    case OpKind::kReduceScatter:
-      return "reduce_scatter";
-    case OpKind::kAllReduce:
-      return "all_reduce";
-    case OpKind::kBroadcast:
-      return "broadcast";
-    case OpKind::kAllGatherBytes:
-      return "all_gather_bytes";
-    case OpKind::kBarrier:
-      return "barrier";
-    case OpKind::kSplit:
-      return "split";
-  }
-  return "unknown";
-}
+absl::string_view KindName(OpKind kind) { return CollectiveOpName(kind); }
 
 bool IsReduction(OpKind kind) {
   return kind == OpKind::kReduceScatter || kind == OpKind::kAllReduce;

@@ -184,7 +184,7 @@ struct TraceEvent {
 class SimWorld;
 
 namespace internal_sim {
-enum class OpKind : uint8_t;
+using OpKind = ::flatparam::CollectiveOp;
 struct Call;
 }  // namespace internal_sim
 

@@ -48,34 +48,15 @@ using internal_mpi::CommState;
 // Whether flatparam called MPI_Init_thread (and so owns MPI_Finalize).
 bool g_flatparam_initialized_mpi = false;
 
-enum class OpCode : int32_t {
-  kAllGather = 1,
-  kReduceScatter,
-  kAllReduce,
-  kBroadcast,
-  kAllGatherBytes,
-  kBarrier,
-  kSplit,
-};
+using OpCode = CollectiveOp;
 
-const char* OpName(int32_t code) {
-  switch (static_cast<OpCode>(code)) {
-    case OpCode::kAllGather:
-      return "all_gather";
-    case OpCode::kReduceScatter:
-      return "reduce_scatter";
-    case OpCode::kAllReduce:
-      return "all_reduce";
-    case OpCode::kBroadcast:
-      return "broadcast";
-    case OpCode::kAllGatherBytes:
-      return "all_gather_bytes";
-    case OpCode::kBarrier:
-      return "barrier";
-    case OpCode::kSplit:
-      return "split";
+// The name of an op code that may have come off the wire.
+absl::string_view OpName(int32_t code) {
+  if (code < static_cast<int32_t>(OpCode::kAllGather) ||
+      code > static_cast<int32_t>(OpCode::kSplit)) {
+    return "unknown_op";
   }
-  return "unknown_op";
+  return CollectiveOpName(static_cast<OpCode>(code));
 }
 
 // One collective call, for error messages.
