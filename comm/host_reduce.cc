@@ -4,40 +4,13 @@
 #include <cassert>
 #include <cstring>
 
+#include "flatparam/base/element_traits.h"
+
 namespace flatparam {
 namespace {
 
-// Loads and stores an element in its compute type.
 template <DType D>
-struct Elem;
-template <>
-struct Elem<DType::kFloat32> {
-  using Storage = float;
-  using Compute = float;
-  static Compute Load(Storage v) { return v; }
-  static Storage Store(Compute v) { return v; }
-};
-template <>
-struct Elem<DType::kFloat64> {
-  using Storage = double;
-  using Compute = double;
-  static Compute Load(Storage v) { return v; }
-  static Storage Store(Compute v) { return v; }
-};
-template <>
-struct Elem<DType::kFloat16> {
-  using Storage = uint16_t;
-  using Compute = float;
-  static Compute Load(Storage v) { return HalfBitsToFloat(v); }
-  static Storage Store(Compute v) { return FloatToHalfBits(v); }
-};
-template <>
-struct Elem<DType::kBFloat16> {
-  using Storage = uint16_t;
-  using Compute = float;
-  static Compute Load(Storage v) { return BFloat16BitsToFloat(v); }
-  static Storage Store(Compute v) { return FloatToBFloat16Bits(v); }
-};
+using Elem = ElementTraits<D>;
 
 struct SumOp {
   template <typename C>

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_format.h"
 #include "flatparam/base/copy.h"
+#include "flatparam/base/element_traits.h"
 #include "flatparam/base/status_macros.h"
 
 namespace flatparam {
@@ -47,37 +48,8 @@ absl::Status CheckBuffer(absl::string_view op, absl::string_view which,
   return absl::OkStatus();
 }
 
-// Loads and stores one element in its PyTorch compute ("opmath") type.
 template <DType D>
-struct Elem;
-template <>
-struct Elem<DType::kFloat32> {
-  using Storage = float;
-  using Compute = float;
-  static Compute Load(Storage v) { return v; }
-  static Storage Store(Compute v) { return v; }
-};
-template <>
-struct Elem<DType::kFloat64> {
-  using Storage = double;
-  using Compute = double;
-  static Compute Load(Storage v) { return v; }
-  static Storage Store(Compute v) { return v; }
-};
-template <>
-struct Elem<DType::kFloat16> {
-  using Storage = uint16_t;
-  using Compute = float;
-  static Compute Load(Storage v) { return HalfBitsToFloat(v); }
-  static Storage Store(Compute v) { return FloatToHalfBits(v); }
-};
-template <>
-struct Elem<DType::kBFloat16> {
-  using Storage = uint16_t;
-  using Compute = float;
-  static Compute Load(Storage v) { return BFloat16BitsToFloat(v); }
-  static Storage Store(Compute v) { return FloatToBFloat16Bits(v); }
-};
+using Elem = ElementTraits<D>;
 
 template <DType D>
 void ScaleLoop(void* buf, int64_t count, ScaleOp op, double factor) {
