@@ -17,9 +17,6 @@
 #include "tools/common_flags.h"
 #include "tools/subcommand.h"
 
-ABSL_FLAG(std::string, backend, "",
-          "sim, mpi or nccl (default: mpi under mpirun, else sim).");
-ABSL_FLAG(uint64_t, seed, 0, "The simulator's seed.");
 ABSL_FLAG(std::string, fault, "",
           "Simulator faults, e.g. kill:rank=3:op=5 (see sim/fault.h).");
 ABSL_FLAG(std::string, trace, "",

@@ -17,9 +17,15 @@ ABSL_FLAG(std::string, compute_dtype, "",
 ABSL_FLAG(std::string, dtype, "",
           "Override every parameter's dtype (default: the model's).");
 ABSL_FLAG(int64_t, shard_group_size, 0,
-          "Ranks per shard group for the HYBRID_* strategies (default: 8 when "
-          "it divides --world-size, else --world-size).");
+          "Ranks per shard group for the HYBRID_* strategies (default: inspect "
+          "8 when it divides --world-size, else --world-size; train 2 when "
+          "--world-size is even, else --world-size).");
 ABSL_FLAG(std::string, format, "table", "Output format: table or json.");
+ABSL_FLAG(std::string, backend, "",
+          "sim, mpi or nccl (default: mpi under mpirun, else sim).");
+ABSL_FLAG(uint64_t, seed, 0,
+          "The simulator's seed (train: also the model's initialisation and "
+          "the data).");
 
 namespace flatparam {
 namespace tools {

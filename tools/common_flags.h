@@ -21,6 +21,9 @@ ABSL_DECLARE_FLAG(std::string, compute_dtype);
 ABSL_DECLARE_FLAG(std::string, dtype);
 ABSL_DECLARE_FLAG(int64_t, shard_group_size);
 ABSL_DECLARE_FLAG(std::string, format);
+// The backend of the subcommands that communicate (collectives, train).
+ABSL_DECLARE_FLAG(std::string, backend);
+ABSL_DECLARE_FLAG(uint64_t, seed);
 
 namespace flatparam {
 namespace tools {

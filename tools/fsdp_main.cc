@@ -23,6 +23,7 @@ namespace {
 const Subcommand* const kSubcommands[] = {
     &kInspectSubcommand,
     &kCollectivesSubcommand,
+    &kTrainSubcommand,
 };
 
 const Subcommand* FindSubcommand(absl::string_view name) {

@@ -37,6 +37,7 @@ struct Subcommand {
 
 extern const Subcommand kInspectSubcommand;
 extern const Subcommand kCollectivesSubcommand;
+extern const Subcommand kTrainSubcommand;
 
 }  // namespace tools
 }  // namespace flatparam

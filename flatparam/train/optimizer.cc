@@ -240,5 +240,32 @@ absl::StatusOr<std::unique_ptr<Optimizer>> MakeOptimizer(
   return MakeAdamW(std::get<AdamWOptions>(options));
 }
 
+double AdamWUpdateBound(const AdamWOptions& o, int64_t step) {
+  const double t = static_cast<double>(step);
+  const double ratio = o.beta1 * o.beta1 / o.beta2;
+  double series = 0;
+  double term = 1;
+  for (int64_t k = 0; k < step; ++k) {
+    series += term;
+    term *= ratio;
+  }
+  return (1 - o.beta1) * std::sqrt(1 - std::pow(o.beta2, t)) /
+         ((1 - std::pow(o.beta1, t)) * std::sqrt(1 - o.beta2)) *
+         std::sqrt(series);
+}
+
+double AdamWDivergenceBound(const AdamWOptions& o, int64_t steps,
+                            double max_abs_param) {
+  constexpr double kU = 1.0 / (1 << 24);  // float32's unit roundoff
+  double moves = 0;
+  for (int64_t t = 1; t <= steps; ++t) moves += o.lr * AdamWUpdateBound(o, t);
+  const double p = max_abs_param + moves;
+  double bound = 0;
+  for (int64_t t = 1; t <= steps; ++t) {
+    bound += 2 * o.lr * AdamWUpdateBound(o, t) * (1 + 16 * t * kU) + 4 * kU * p;
+  }
+  return bound;
+}
+
 }  // namespace train
 }  // namespace flatparam

@@ -141,6 +141,32 @@ absl::StatusOr<std::unique_ptr<Optimizer>> MakeAdamW(
 absl::StatusOr<std::unique_ptr<Optimizer>> MakeOptimizer(
     const OptimizerOptions& options);
 
+// The largest |change| AdamW's step t (1-based) makes to an element apart
+// from weight decay, for any gradients, in exact arithmetic: lr * B_t with
+//
+//   B_t = (1 - beta1) sqrt(1 - beta2^t) / ((1 - beta1^t) sqrt(1 - beta2))
+//         * sqrt(sum_{k=0}^{t-1} (beta1^2 / beta2)^k)
+//
+// by Cauchy-Schwarz on exp_avg = (1-beta1) sum_j beta1^(t-j) g_j against
+// exp_avg_sq = (1-beta2) sum_j beta2^(t-j) g_j^2 (eps only shrinks the
+// update). B_1 = 1; with the default betas B_t grows slowly (B_10 = 1.04,
+// B_100 = 2.2) towards (1 - beta1) / sqrt((1 - beta2)(1 - beta1^2/beta2)) =
+// 7.3.
+// REQUIRES: step >= 1, 0 <= beta1 < 1, 0 < beta2 < 1.
+double AdamWUpdateBound(const AdamWOptions& options, int64_t step);
+
+// A bound on max |p - p'| over the elements of two AdamW runs of `steps`
+// steps from the same parameters (max |p_0| <= max_abs_param) whatever
+// gradients each run sees: sum over t of 2 lr B_t (the decoupled weight
+// decay multiplies both runs by the same factor in (0, 1], which does not
+// widen their difference), widened for float32 rounding by a relative
+// 16 t 2^-24 on each update and 4 * 2^-24 * P per step, P bounding
+// |p| (max_abs_param + sum_t lr B_t). It bounds, for example, how far
+// mixed-precision training can drift from float32 training, whatever the
+// model.
+double AdamWDivergenceBound(const AdamWOptions& options, int64_t steps,
+                            double max_abs_param);
+
 }  // namespace train
 }  // namespace flatparam
 

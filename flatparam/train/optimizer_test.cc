@@ -3,8 +3,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -390,6 +392,63 @@ TEST(OptimizerTest, RejectsBadOptionsLikePyTorch) {
   eps.eps = -1;
   EXPECT_THAT(MakeAdamW(eps), StatusIs(absl::StatusCode::kInvalidArgument,
                                        HasSubstr("Invalid epsilon value")));
+}
+
+// AdamW's per-step bound is Cauchy-Schwarz's: no gradient sequence moves
+// an element further, and gradients proportional to (beta1/beta2)^(t-j)
+// (the equality case) reach it at step t.
+TEST(AdamWBoundTest, BoundsEveryUpdateAndIsReached) {
+  AdamWOptions o;
+  o.lr = 1.0;
+  o.eps = 0.0;
+  o.weight_decay = 0.0;
+  EXPECT_DOUBLE_EQ(AdamWUpdateBound(o, 1), 1.0);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Optimizer> adamw,
+                                 MakeAdamW(o));
+  auto run = [&](const std::vector<float>& grads) {
+    std::vector<double> moves;
+    float p = 0.0f;
+    OptimizerState state;
+    for (float g : grads) {
+      const float before = p;
+      EXPECT_THAT(adamw->Step(TensorRef{&p, DType::kFloat32, 1},
+                              ConstTensorRef{&g, DType::kFloat32, 1}, state),
+                  IsOk());
+      moves.push_back(std::abs(static_cast<double>(p) - before));
+    }
+    return moves;
+  };
+  constexpr int kSteps = 10;
+  std::vector<float> worst;
+  for (int j = 1; j <= kSteps; ++j) {
+    worst.push_back(
+        static_cast<float>(std::pow(o.beta1 / o.beta2, kSteps - j)));
+  }
+  const std::vector<double> moves = run(worst);
+  EXPECT_NEAR(moves.back(), AdamWUpdateBound(o, kSteps),
+              1e-5 * AdamWUpdateBound(o, kSteps));
+  EXPECT_GT(AdamWUpdateBound(o, kSteps), 1.0);
+  EXPECT_GT(AdamWUpdateBound(o, 100000), 7.2);
+  uint64_t state = 7;
+  for (int trial = 0; trial < 50; ++trial) {
+    std::vector<float> grads;
+    for (int t = 0; t < 30; ++t) {
+      state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+      grads.push_back(std::ldexp(static_cast<float>(state >> 40), -20) - 8.0f);
+    }
+    const std::vector<double> m = run(grads);
+    for (int t = 0; t < 30; ++t) {
+      ASSERT_LE(m[t], AdamWUpdateBound(o, t + 1) * (1 + 1e-5))
+          << "trial " << trial << " step " << t + 1;
+    }
+  }
+  // Two runs from the same start: twice the sum, plus rounding slack.
+  o.lr = 0.01;
+  double sum = 0;
+  for (int t = 1; t <= 5; ++t) sum += 2 * o.lr * AdamWUpdateBound(o, t);
+  const double bound = AdamWDivergenceBound(o, 5, 3.0);
+  EXPECT_GE(bound, sum);
+  EXPECT_LE(bound, sum * (1 + 1e-5) + 1e-5);
 }
 
 }  // namespace

@@ -4,11 +4,13 @@
 #include <cstring>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_format.h"
 #include "comm/communicator.h"
 #include "comm/host_reduce.h"
 #include "flatparam/base/status_macros.h"
+#include "flatparam/device/device.h"
 
 namespace flatparam {
 namespace train {
@@ -34,6 +36,12 @@ absl::Status CheckOptions(const TrainOptions& o) {
           r.pre_divide_factor, r.post_divide_factor));
     }
   }
+  if (r.shard_group_size < 0 ||
+      (r.shard_group_size > 0 && r.world_size % r.shard_group_size != 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("shard_group_size %d must be 0 or divide world_size %d",
+                        r.shard_group_size, r.world_size));
+  }
   if (o.global_batch < 1 || o.global_batch % r.world_size != 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "global_batch %d must be >= 1 and a multiple of world_size %d",
@@ -43,16 +51,58 @@ absl::Status CheckOptions(const TrainOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrFormat("micro_batches must be >= 1, got %d", o.micro_batches));
   }
+  for (const auto& [what, dtype] :
+       {std::make_pair("param_dtype", o.param_dtype),
+        std::make_pair("reduce_dtype", o.reduce_dtype)}) {
+    if (dtype.has_value() && !IsFloatingPoint(*dtype)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s %s is not a floating dtype", what, DTypeName(*dtype)));
+    }
+  }
   return absl::OkStatus();
 }
 
-// Zero gradients for every parameter in `params`.
-TensorMap ZerosLike(const TensorMap& params) {
+// The dtypes of the mixed-precision emulation, resolved as
+// FlatParamHandle resolves them.
+struct Precision {
+  DType param = DType::kFloat32;
+  DType reduce = DType::kFloat32;
+};
+
+Precision ResolvePrecision(const TrainOptions& o) {
+  Precision p;
+  if (o.param_dtype.has_value() && !o.reduce_dtype.has_value()) {
+    p.param = p.reduce = *o.param_dtype;
+  } else {
+    p.param = o.param_dtype.value_or(DType::kFloat32);
+    p.reduce = o.reduce_dtype.value_or(DType::kFloat32);
+  }
+  return p;
+}
+
+// Zero tensors of `dtype` shaped like every parameter in `params`.
+TensorMap ZerosLike(const TensorMap& params, DType dtype = DType::kFloat32) {
   TensorMap zeros;
   for (const auto& [name, p] : params) {
-    zeros.emplace(name, HostTensor(p.dtype(), p.shape()));
+    zeros.emplace(name, HostTensor(dtype, p.shape()));
   }
   return zeros;
+}
+
+HostTensor CastTo(const HostTensor& t, DType dtype) {
+  HostTensor out(dtype, t.shape());
+  HostCast(out.data(), dtype, t.data(), t.dtype(), t.numel());
+  return out;
+}
+
+// Every parameter rounded to `dtype`, held in float32 again: what the model
+// computes with under mixed precision.
+TensorMap RoundedTo(const TensorMap& params, DType dtype) {
+  TensorMap out;
+  for (const auto& [name, p] : params) {
+    out.emplace(name, CastTo(CastTo(p, dtype), DType::kFloat32));
+  }
+  return out;
 }
 
 ReduceOptions ToReduceOptions(const GradientReduction& r) {
@@ -63,20 +113,63 @@ ReduceOptions ToReduceOptions(const GradientReduction& r) {
   return options;
 }
 
-// One rank's contribution to the fold: acc = pre(x) or acc + pre(x).
-void FoldRank(const TensorMap& local, const ReduceOptions& options, bool first,
-              TensorMap& acc) {
-  for (const auto& [name, g] : local) {
-    HostTensor& a = acc.at(name);
-    HostReduceStep(a.data(), g.data(), g.numel(), DType::kFloat32, options,
-                   first);
+// Step 1 for one micro-batch: runs `batch` at `model_params` and adds its
+// gradient into `local` (tensors of `param_dtype`); returns the loss.
+absl::StatusOr<float> AccumulateLocal(const ReferenceModel& model,
+                                      const TensorMap& model_params,
+                                      const Batch& batch, DType param_dtype,
+                                      TensorMap& local) {
+  if (param_dtype == DType::kFloat32) {
+    MapParamAccess access(&model_params, &local);
+    return model.ForwardBackward(batch, access);
   }
+  TensorMap fresh = ZerosLike(model_params);
+  MapParamAccess access(&model_params, &fresh);
+  FLATPARAM_ASSIGN_OR_RETURN(const float loss,
+                             model.ForwardBackward(batch, access));
+  for (auto& [name, acc] : local) {
+    const HostTensor low = CastTo(fresh.at(name), param_dtype);
+    HostAdd(acc.data(), low.data(), param_dtype, acc.numel());
+  }
+  return loss;
 }
 
-void FinishFold(const ReduceOptions& options, int world_size, TensorMap& acc) {
-  for (auto& [name, a] : acc) {
-    HostReduceFinish(a.data(), a.numel(), DType::kFloat32, options, world_size);
+// Step 2: folds the ranks' local gradients (`locals[r]`, in the param dtype)
+// into float32 gradients.
+TensorMap FoldRanks(const std::vector<TensorMap>& locals,
+                    const GradientReduction& r, Precision precision) {
+  const ReduceOptions reduce = ToReduceOptions(r);
+  ReduceOptions plain;
+  plain.op = ReduceOp::kSum;
+  const int world = static_cast<int>(locals.size());
+  const int node_size = r.shard_group_size == 0 ? world : r.shard_group_size;
+  const DType dtype = precision.reduce;
+  TensorMap out;
+  for (const auto& [name, first] : locals[0]) {
+    const int64_t n = first.numel();
+    std::vector<HostTensor> cast;
+    if (precision.param != dtype) {
+      for (const TensorMap& local : locals) {
+        cast.push_back(CastTo(local.at(name), dtype));
+      }
+    }
+    auto input = [&](int rank) -> const void* {
+      return cast.empty() ? locals[rank].at(name).data() : cast[rank].data();
+    };
+    HostTensor acc(dtype, first.shape());
+    HostTensor node(dtype, first.shape());
+    for (int q = 0; q < world / node_size; ++q) {
+      for (int k = 0; k < node_size; ++k) {
+        HostReduceStep(node.data(), input(q * node_size + k), n, dtype, reduce,
+                       k == 0);
+      }
+      HostReduceStep(acc.data(), node.data(), n, dtype, plain, q == 0);
+    }
+    HostReduceFinish(acc.data(), n, dtype, reduce, world);
+    out.emplace(name, dtype == DType::kFloat32 ? std::move(acc)
+                                               : CastTo(acc, DType::kFloat32));
   }
+  return out;
 }
 
 // A copy of `t` with `shape` (same numel).
@@ -117,6 +210,13 @@ GradientReduction GradientReduction::Fsdp(int world_size) {
   return r;
 }
 
+GradientReduction GradientReduction::Hybrid(int world_size,
+                                            int shard_group_size) {
+  GradientReduction r = Fsdp(world_size);
+  r.shard_group_size = shard_group_size;
+  return r;
+}
+
 absl::StatusOr<StepGradients> ComputeStepGradients(const ReferenceModel& model,
                                                    const TensorMap& params,
                                                    const TrainOptions& options,
@@ -127,7 +227,13 @@ absl::StatusOr<StepGradients> ComputeStepGradients(const ReferenceModel& model,
   const int64_t micro_batches = options.micro_batches;
   const int64_t local_batch = options.global_batch / world;
   const int64_t vocab = model.config().vocab;
-  const ReduceOptions reduce = ToReduceOptions(options.reduction);
+  const Precision precision = ResolvePrecision(options);
+  TensorMap rounded;
+  if (precision.param != DType::kFloat32) {
+    rounded = RoundedTo(params, precision.param);
+  }
+  const TensorMap& model_params =
+      precision.param == DType::kFloat32 ? params : rounded;
 
   auto local_batch_of = [&](int64_t m, int r) {
     return MakeBatch(options.data_seed, vocab, step, m, r * local_batch,
@@ -135,18 +241,18 @@ absl::StatusOr<StepGradients> ComputeStepGradients(const ReferenceModel& model,
   };
   std::vector<std::vector<float>> losses(micro_batches,
                                          std::vector<float>(world));
-  TensorMap grads = ZerosLike(params);
+  TensorMap grads;
   if (options.accumulation == AccumulationMode::kShardedAccumulation) {
     for (int64_t m = 0; m < micro_batches; ++m) {
-      TensorMap reduced = ZerosLike(params);
+      std::vector<TensorMap> locals;
       for (int r = 0; r < world; ++r) {
-        TensorMap local = ZerosLike(params);
-        MapParamAccess access(&params, &local);
+        locals.push_back(ZerosLike(params, precision.param));
         FLATPARAM_ASSIGN_OR_RETURN(
-            losses[m][r], model.ForwardBackward(local_batch_of(m, r), access));
-        FoldRank(local, reduce, r == 0, reduced);
+            losses[m][r],
+            AccumulateLocal(model, model_params, local_batch_of(m, r),
+                            precision.param, locals.back()));
       }
-      FinishFold(reduce, world, reduced);
+      TensorMap reduced = FoldRanks(locals, options.reduction, precision);
       if (m == 0) {
         grads = std::move(reduced);
         continue;
@@ -158,16 +264,17 @@ absl::StatusOr<StepGradients> ComputeStepGradients(const ReferenceModel& model,
       }
     }
   } else {
+    std::vector<TensorMap> locals;
     for (int r = 0; r < world; ++r) {
-      TensorMap local = ZerosLike(params);
-      MapParamAccess access(&params, &local);
+      locals.push_back(ZerosLike(params, precision.param));
       for (int64_t m = 0; m < micro_batches; ++m) {
         FLATPARAM_ASSIGN_OR_RETURN(
-            losses[m][r], model.ForwardBackward(local_batch_of(m, r), access));
+            losses[m][r],
+            AccumulateLocal(model, model_params, local_batch_of(m, r),
+                            precision.param, locals.back()));
       }
-      FoldRank(local, reduce, r == 0, grads);
     }
-    FinishFold(reduce, world, grads);
+    grads = FoldRanks(locals, options.reduction, precision);
   }
   StepGradients result;
   result.loss = StepLoss(losses);

@@ -163,6 +163,129 @@ TEST(ComputeStepGradientsTest, ModesCoincideWithOneMicroBatch) {
   EXPECT_EQ(a.loss, b.loss);
 }
 
+// Hybrid's two-level fold, written out: ((g0/2 + g1/2) + (g2/2 + g3/2)) / 2
+// on 2 nodes of 2 ranks, against the one-level fold over 4.
+TEST(ComputeStepGradientsTest, HybridFoldsEachNodeThenAcrossNodes) {
+  const ReferenceModel model = MakeModel(Config{});
+  const TensorMap params = model.InitParams();
+  TrainOptions o;
+  o.global_batch = 4;
+  o.reduction = GradientReduction::Hybrid(4, 2);
+  EXPECT_EQ(o.reduction.pre_divide_factor, 2.0);
+  EXPECT_EQ(o.reduction.post_divide_factor, 2.0);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(StepGradients hybrid,
+                                 ComputeStepGradients(model, params, o, 1));
+  o.reduction = GradientReduction::Fsdp(4);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(StepGradients flat,
+                                 ComputeStepGradients(model, params, o, 1));
+  std::vector<TensorMap> local(4);
+  for (int r = 0; r < 4; ++r) {
+    MapParamAccess access(&params, &local[r]);
+    FLATPARAM_ASSERT_OK(
+        model.ForwardBackward(MakeBatch(0, 17, 1, 0, r, 1), access).status());
+  }
+  int64_t differing = 0;
+  for (const auto& [name, g] : hybrid.grads) {
+    SCOPED_TRACE(name);
+    for (int64_t i = 0; i < g.numel(); ++i) {
+      auto x = [&](int r) { return local[r].at(name).data_as<float>()[i]; };
+      const float node0 = x(0) / 2.0f + x(1) / 2.0f;
+      const float node1 = x(2) / 2.0f + x(3) / 2.0f;
+      ASSERT_EQ(g.data_as<float>()[i], (node0 + node1) / 2.0f) << i;
+      const float left =
+          ((x(0) / 2.0f + x(1) / 2.0f) + x(2) / 2.0f) + x(3) / 2.0f;
+      ASSERT_EQ(flat.grads.at(name).data_as<float>()[i], left / 2.0f) << i;
+      differing += g.data_as<float>()[i] != left / 2.0f;
+    }
+  }
+  EXPECT_GT(differing, 0);
+  EXPECT_EQ(hybrid.loss, flat.loss);
+  // One node, or nodes of one rank, are the one-level fold.
+  for (int group : {1, 4}) {
+    o.reduction = GradientReduction::Hybrid(4, group);
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(StepGradients same,
+                                   ComputeStepGradients(model, params, o, 1));
+    EXPECT_EQ(same.grads, flat.grads) << group;
+  }
+}
+
+// Mixed precision, written out for bf16 on two ranks with two no_sync
+// micro-batches: parameters rounded for the model, gradients rounded and
+// accumulated in bf16, folded in bf16, widened to float32.
+TEST(ComputeStepGradientsTest, EmulatesMixedPrecision) {
+  Config config;
+  config.dims = {6, 5};
+  config.vocab = 9;
+  const ReferenceModel model = MakeModel(config);
+  const TensorMap params = model.InitParams();
+  TrainOptions o;
+  o.global_batch = 2;
+  o.micro_batches = 2;
+  o.accumulation = AccumulationMode::kNoSync;
+  o.reduction = GradientReduction::Fsdp(2);  // pre 2, post 1
+  o.param_dtype = DType::kBFloat16;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(StepGradients got,
+                                 ComputeStepGradients(model, params, o, 0));
+
+  auto bf16 = [](float v) {
+    HostTensor t = HostTensor::Flat(DType::kBFloat16, 1);
+    t.SetDouble(0, v);
+    return static_cast<float>(t.GetDouble(0));
+  };
+  TensorMap rounded = params;
+  for (auto& [name, p] : rounded) {
+    for (int64_t i = 0; i < p.numel(); ++i) {
+      p.data_as<float>()[i] = bf16(p.data_as<float>()[i]);
+    }
+  }
+  TensorMap local[2][2];  // [rank][micro-batch], float32
+  float loss[2][2];
+  for (int r = 0; r < 2; ++r) {
+    for (int m = 0; m < 2; ++m) {
+      MapParamAccess access(&rounded, &local[r][m]);
+      FLATPARAM_ASSERT_OK_AND_ASSIGN(
+          loss[r][m],
+          model.ForwardBackward(MakeBatch(0, 9, 0, m, r, 1), access));
+    }
+  }
+  int64_t inexact = 0;
+  for (const auto& [name, g] : got.grads) {
+    SCOPED_TRACE(name);
+    for (int64_t i = 0; i < g.numel(); ++i) {
+      auto acc = [&](int r) {
+        const float a = bf16(local[r][0].at(name).data_as<float>()[i]);
+        return bf16(a + bf16(local[r][1].at(name).data_as<float>()[i]));
+      };
+      const float want = bf16(bf16(acc(0) / 2.0f) + bf16(acc(1) / 2.0f));
+      ASSERT_EQ(g.data_as<float>()[i], want) << i;
+      const float exact = (local[0][0].at(name).data_as<float>()[i] +
+                           local[0][1].at(name).data_as<float>()[i] +
+                           local[1][0].at(name).data_as<float>()[i] +
+                           local[1][1].at(name).data_as<float>()[i]) /
+                          2.0f;
+      inexact += want != exact;
+    }
+  }
+  EXPECT_GT(inexact, 0);
+  EXPECT_EQ(got.loss, ((loss[0][0] + loss[1][0]) / 2.0f +
+                       (loss[0][1] + loss[1][1]) / 2.0f) /
+                          2.0f);
+  // reduce_dtype float32: the same local bf16 gradients, a float32 fold.
+  o.reduce_dtype = DType::kFloat32;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(StepGradients wide,
+                                 ComputeStepGradients(model, params, o, 0));
+  for (const auto& [name, g] : wide.grads) {
+    for (int64_t i = 0; i < g.numel(); ++i) {
+      auto acc = [&](int r) {
+        const float a = bf16(local[r][0].at(name).data_as<float>()[i]);
+        return bf16(a + bf16(local[r][1].at(name).data_as<float>()[i]));
+      };
+      ASSERT_EQ(g.data_as<float>()[i], acc(0) / 2.0f + acc(1) / 2.0f)
+          << name << " " << i;
+    }
+  }
+}
+
 TrainOptions AdamWOptionsFor(int world) {
   TrainOptions o;
   o.steps = 5;
@@ -298,6 +421,18 @@ TEST(TrainReferenceTest, RejectsBadOptions) {
   EXPECT_THAT(TrainReference(Config{}, o),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("optimizer step 0 of \"head.bias\"")));
+  o = TrainOptions{};
+  o.reduction.world_size = 4;
+  o.reduction.shard_group_size = 3;
+  EXPECT_THAT(TrainReference(Config{}, o),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("shard_group_size 3 must be 0 or divide "
+                                 "world_size 4")));
+  o = TrainOptions{};
+  o.param_dtype = DType::kInt32;
+  EXPECT_THAT(TrainReference(Config{}, o),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("param_dtype int32")));
   Config bad;
   bad.dims = {};
   EXPECT_THAT(TrainReference(bad, TrainOptions{}),

@@ -1,0 +1,838 @@
+#include "flatparam/train/fsdp_trainer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "comm/communicator.h"
+#include "flatparam/base/status_macros.h"
+#include "flatparam/handle.h"
+
+namespace flatparam {
+namespace train {
+namespace {
+
+using TensorMap = std::map<std::string, HostTensor>;
+
+absl::Status WithContext(const absl::Status& status, absl::string_view what) {
+  if (status.ok()) return status;
+  return absl::Status(status.code(),
+                      absl::StrFormat("%s: %s", what, status.message()));
+}
+
+// ---------------------------------------------------------------------------
+// Counting the handles' traffic.
+
+// Forwards every call to `inner` and counts the buffer collectives in
+// `stats`. Neither is owned.
+class CountingCommunicator final : public Communicator {
+ public:
+  CountingCommunicator(Communicator* inner, CommStats* stats)
+      : inner_(inner), stats_(stats) {}
+
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  absl::string_view backend() const override { return inner_->backend(); }
+
+  std::unique_ptr<Work> AllGather(ConstBufferRef input, BufferRef output,
+                                  const CollectiveOptions& options) override {
+    Count(stats_->all_gather, output.bytes(), 1);
+    return inner_->AllGather(input, output, options);
+  }
+  std::unique_ptr<Work> ReduceScatter(ConstBufferRef input, BufferRef output,
+                                      const ReduceOptions& options) override {
+    Count(stats_->reduce_scatter, input.bytes(), 1);
+    return inner_->ReduceScatter(input, output, options);
+  }
+  std::unique_ptr<Work> AllReduce(ConstBufferRef input, BufferRef output,
+                                  const ReduceOptions& options) override {
+    Count(stats_->all_reduce, input.bytes(), 2);
+    return inner_->AllReduce(input, output, options);
+  }
+  std::unique_ptr<Work> Broadcast(BufferRef buffer,
+                                  const BroadcastOptions& options) override {
+    return inner_->Broadcast(buffer, options);
+  }
+  absl::StatusOr<std::vector<std::string>> AllGatherBytes(
+      absl::string_view bytes, const CollectiveOptions& options) override {
+    return inner_->AllGatherBytes(bytes, options);
+  }
+  absl::Status Barrier(const CollectiveOptions& options) override {
+    return inner_->Barrier(options);
+  }
+  absl::StatusOr<std::unique_ptr<Communicator>> Split(
+      int color, int key, const CollectiveOptions& options) override {
+    return inner_->Split(color, key, options);
+  }
+
+ private:
+  // nccl-tests' bus factor: `factor` * (n - 1) / n.
+  void Count(CollectiveTraffic& t, int64_t bytes, int factor) const {
+    const int n = inner_->size();
+    ++t.calls;
+    t.bytes += bytes;
+    t.sent_bytes += bytes * factor * (n - 1) / n;
+  }
+
+  Communicator* inner_;
+  CommStats* stats_;
+};
+
+// ---------------------------------------------------------------------------
+// The rank's memory over all handles.
+
+// Only the handle being called allocates or frees, so during a call the
+// rank's bytes of a category are the other handles' (constant) current
+// bytes plus the called handle's, whose peak during the call its own
+// tracker records once its peaks are reset before the call.
+class RankMemory {
+ public:
+  void Add(const FlatParamHandle* handle) {
+    handles_.push_back(handle);
+    Observe(nullptr);
+  }
+
+  template <typename F>
+  absl::Status Track(FlatParamHandle& handle, F&& call) {
+    handle.ResetPeakMemory();
+    absl::Status status = call();
+    Observe(&handle);
+    return status;
+  }
+
+  const MemoryStats& stats() const { return stats_; }
+
+ private:
+  void Observe(const FlatParamHandle* called) {
+    MemoryStats others;
+    for (const FlatParamHandle* h : handles_) {
+      if (h == called) continue;
+      const MemoryStats& m = h->memory();
+      for (int c = 0; c < kNumMemoryCategories; ++c) {
+        others.current[c] += m.current[c];
+      }
+      others.compute_current += m.compute_current;
+      others.offload_current += m.offload_current;
+    }
+    const MemoryStats mine =
+        called != nullptr ? called->memory() : MemoryStats{};
+    for (int c = 0; c < kNumMemoryCategories; ++c) {
+      stats_.current[c] = others.current[c] + mine.current[c];
+      stats_.peak[c] =
+          std::max(stats_.peak[c], others.current[c] + mine.peak[c]);
+    }
+    stats_.compute_current = others.compute_current + mine.compute_current;
+    stats_.offload_current = others.offload_current + mine.offload_current;
+    stats_.compute_peak = std::max(stats_.compute_peak,
+                                   others.compute_current + mine.compute_peak);
+    stats_.offload_peak = std::max(stats_.offload_peak,
+                                   others.offload_current + mine.offload_peak);
+  }
+
+  std::vector<const FlatParamHandle*> handles_;
+  MemoryStats stats_;
+};
+
+// ---------------------------------------------------------------------------
+// Host staging.
+
+// `src` (host or compute device, any floating dtype) as float32 in `out`.
+absl::Status ToHostFloat(DeviceOps& device, ConstBufferRef src,
+                         std::vector<float>& out) {
+  out.resize(src.count);
+  if (src.count == 0) return absl::OkStatus();
+  std::vector<unsigned char> staging;
+  const void* host = src.data;
+  if (src.device != Device::Host()) {
+    staging.resize(src.bytes());
+    FLATPARAM_RETURN_IF_ERROR(device.Copy(
+        BufferRef{staging.data(), src.count, src.dtype, Device::Host()}, src));
+    host = staging.data();
+  }
+  HostCast(out.data(), DType::kFloat32, host, src.dtype, src.count);
+  return absl::OkStatus();
+}
+
+// Copies host `src` into `dst` (host or compute device; same count and
+// dtype).
+absl::Status FromHost(DeviceOps& device, ConstBufferRef src, BufferRef dst) {
+  if (dst.device == Device::Host()) {
+    if (src.count > 0) std::memcpy(dst.data, src.data, src.bytes());
+    return absl::OkStatus();
+  }
+  FLATPARAM_RETURN_IF_ERROR(device.Copy(dst, src));
+  return device.Synchronize();
+}
+
+// All-gathers the host buffer `in` over `comm` into the host buffer `out`,
+// through compute-device staging when the compute device is not the host
+// (NCCL takes device buffers only).
+absl::Status AllGatherHost(Communicator& comm, DeviceOps& device,
+                           ConstBufferRef in, BufferRef out,
+                           absl::string_view what) {
+  if (device.device() == Device::Host()) {
+    return WithContext(comm.AllGather(in, out, {})->Wait(), what);
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(DeviceBuffer din,
+                             device.Allocate(device.device(), in.bytes()));
+  FLATPARAM_ASSIGN_OR_RETURN(DeviceBuffer dout,
+                             device.Allocate(device.device(), out.bytes()));
+  const BufferRef din_ref = din.As(in.dtype).Slice(0, in.count);
+  const BufferRef dout_ref = dout.As(out.dtype).Slice(0, out.count);
+  FLATPARAM_RETURN_IF_ERROR(device.Copy(din_ref, in));
+  FLATPARAM_RETURN_IF_ERROR(device.Synchronize());
+  FLATPARAM_RETURN_IF_ERROR(
+      WithContext(comm.AllGather(din_ref, dout_ref, {})->Wait(), what));
+  return device.Copy(out, dout_ref);
+}
+
+// A host copy of `buf` (host or compute device).
+absl::StatusOr<HostTensor> ToHostTensor(DeviceOps& device, ConstBufferRef buf) {
+  HostTensor t = HostTensor::Flat(buf.dtype, buf.count);
+  if (buf.count == 0) return t;
+  if (buf.device == Device::Host()) {
+    std::memcpy(t.data(), buf.data, buf.bytes());
+  } else {
+    FLATPARAM_RETURN_IF_ERROR(device.Copy(
+        BufferRef{t.data(), buf.count, buf.dtype, Device::Host()}, buf));
+  }
+  return t;
+}
+
+// ---------------------------------------------------------------------------
+// Layout helpers.
+
+// [begin, end) ranges of `rank`'s shard that hold padding: alignment and
+// world-size padding segments, and the right padding past the flat
+// parameter.
+std::vector<std::pair<int64_t, int64_t>> PaddingRanges(
+    const FlatParamLayout& layout, int rank) {
+  const bool sharded = UsesShardedStrategy(layout.options().strategy);
+  const int64_t chunk = layout.sharded_numel();
+  const int64_t begin = sharded ? rank * chunk : 0;
+  const int64_t end = begin + chunk;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  auto add = [&](int64_t lo, int64_t hi) {
+    lo = std::max(lo, begin);
+    hi = std::min(hi, end);
+    if (lo < hi) ranges.emplace_back(lo - begin, hi - begin);
+  };
+  int64_t offset = 0;
+  for (size_t s = 0; s < layout.numels_with_padding().size(); ++s) {
+    const int64_t n = layout.numels_with_padding()[s];
+    if (layout.is_padding_mask()[s]) add(offset, offset + n);
+    offset += n;
+  }
+  add(layout.unpadded_unsharded_numel(), end);
+  return ranges;
+}
+
+// Unflattens a gathered flat tensor into one tensor per parameter, shaped
+// like it, into `out` by fqn.
+absl::Status UnflattenInto(const FlatParamLayout& layout,
+                           const HostTensor& flat, TensorMap& out) {
+  std::vector<HostTensor> tensors;
+  for (const ParamInfo& p : layout.params()) {
+    tensors.emplace_back(flat.dtype(), p.shape);
+  }
+  std::vector<TensorRef> refs;
+  for (HostTensor& t : tensors) refs.push_back(t.ref());
+  FLATPARAM_RETURN_IF_ERROR(Unflatten(layout, flat.cref(), refs));
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    out[layout.params()[i].fqn] = std::move(tensors[i]);
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// The ParamAccess over the handles.
+
+struct ParamSlot {
+  int unit = 0;
+  int index = 0;
+};
+
+class HandleParamAccess final : public ParamAccess {
+ public:
+  HandleParamAccess(
+      const std::vector<std::unique_ptr<FlatParamHandle>>& handles,
+      const std::map<std::string, int>& units,
+      const std::map<std::string, ParamSlot>& slots, DeviceOps& device,
+      RankMemory& memory, bool sync)
+      : handles_(handles),
+        units_(units),
+        slots_(slots),
+        device_(device),
+        memory_(memory),
+        sync_(sync) {}
+
+  absl::StatusOr<const float*> Param(absl::string_view fqn) override {
+    FLATPARAM_ASSIGN_OR_RETURN(const ParamSlot slot, Slot(fqn));
+    FlatParamHandle& h = *handles_[slot.unit];
+    FLATPARAM_ASSIGN_OR_RETURN(OrigParamView view, h.Param(slot.index));
+    if (view.sharded) {
+      return absl::FailedPreconditionError(
+          absl::StrFormat("parameter \"%s\" is not unsharded (handle state %s)",
+                          fqn, HandleTrainingStateName(h.training_state())));
+    }
+    if (IsHostFloat(view.data)) {
+      return static_cast<const float*>(view.data.data);
+    }
+    Staged& staged = params_[std::string(fqn)];
+    staged.unit = slot.unit;
+    FLATPARAM_RETURN_IF_ERROR(ToHostFloat(device_, view.data, staged.data));
+    return staged.data.data();
+  }
+
+  absl::StatusOr<float*> Grad(absl::string_view fqn) override {
+    FLATPARAM_ASSIGN_OR_RETURN(const ParamSlot slot, Slot(fqn));
+    FLATPARAM_ASSIGN_OR_RETURN(BufferRef view,
+                               handles_[slot.unit]->GradView(slot.index));
+    if (IsHostFloat(view)) return static_cast<float*>(view.data);
+    auto [it, fresh] = grads_.try_emplace(std::string(fqn));
+    if (fresh) {
+      it->second.unit = slot.unit;
+      it->second.data.assign(view.count, 0.0f);
+    }
+    return it->second.data.data();
+  }
+
+  absl::Status BeginUnit(absl::string_view unit, Phase phase) override {
+    FLATPARAM_ASSIGN_OR_RETURN(const int u, Unit(unit));
+    FlatParamHandle& h = *handles_[u];
+    return memory_.Track(h, [&] {
+      return phase == Phase::kForward ? h.PreForward() : h.PreBackward();
+    });
+  }
+
+  absl::Status EndUnit(absl::string_view unit, Phase phase) override {
+    FLATPARAM_ASSIGN_OR_RETURN(const int u, Unit(unit));
+    FlatParamHandle& h = *handles_[u];
+    Drop(params_, u);
+    if (phase == Phase::kForward) {
+      return memory_.Track(h, [&] { return h.PostForward(unit.empty()); });
+    }
+    FLATPARAM_RETURN_IF_ERROR(FlushGrads(u));
+    return memory_.Track(h, [&] { return h.PostBackward(sync_); });
+  }
+
+ private:
+  struct Staged {
+    int unit = 0;
+    std::vector<float> data;
+  };
+
+  static bool IsHostFloat(ConstBufferRef b) {
+    return b.device == Device::Host() && b.dtype == DType::kFloat32;
+  }
+
+  absl::StatusOr<ParamSlot> Slot(absl::string_view fqn) const {
+    auto it = slots_.find(std::string(fqn));
+    if (it == slots_.end()) {
+      return absl::NotFoundError(
+          absl::StrFormat("no flat parameter holds \"%s\"", fqn));
+    }
+    return it->second;
+  }
+
+  absl::StatusOr<int> Unit(absl::string_view unit) const {
+    auto it = units_.find(std::string(unit));
+    if (it == units_.end()) {
+      return absl::NotFoundError(
+          absl::StrFormat("no flat parameter for unit \"%s\"", unit));
+    }
+    return it->second;
+  }
+
+  static void Drop(std::map<std::string, Staged>& staged, int unit) {
+    for (auto it = staged.begin(); it != staged.end();) {
+      it = it->second.unit == unit ? staged.erase(it) : std::next(it);
+    }
+  }
+
+  // Adds the staged float32 gradients of `unit` into its handle: cast to the
+  // gradient's dtype on the host, moved to its device, then AccumulateGrad
+  // (which then needs no temporary of its own).
+  absl::Status FlushGrads(int unit) {
+    FlatParamHandle& h = *handles_[unit];
+    for (auto& [fqn, staged] : grads_) {
+      if (staged.unit != unit) continue;
+      const ParamSlot slot = slots_.at(fqn);
+      FLATPARAM_ASSIGN_OR_RETURN(BufferRef view, h.GradView(slot.index));
+      std::vector<unsigned char> host(view.bytes());
+      HostCast(host.data(), view.dtype, staged.data.data(), DType::kFloat32,
+               view.count);
+      ConstBufferRef grad{host.data(), view.count, view.dtype, Device::Host()};
+      DeviceBuffer on_device;
+      if (view.device != Device::Host()) {
+        FLATPARAM_ASSIGN_OR_RETURN(on_device,
+                                   device_.Allocate(view.device, view.bytes()));
+        const BufferRef d = on_device.As(view.dtype).Slice(0, view.count);
+        FLATPARAM_RETURN_IF_ERROR(device_.Copy(d, grad));
+        grad = d;
+      }
+      FLATPARAM_RETURN_IF_ERROR(
+          memory_.Track(h, [&] { return h.AccumulateGrad(slot.index, grad); }));
+    }
+    Drop(grads_, unit);
+    return absl::OkStatus();
+  }
+
+  const std::vector<std::unique_ptr<FlatParamHandle>>& handles_;
+  const std::map<std::string, int>& units_;
+  const std::map<std::string, ParamSlot>& slots_;
+  DeviceOps& device_;
+  RankMemory& memory_;
+  const bool sync_;
+  std::map<std::string, Staged> params_;
+  std::map<std::string, Staged> grads_;
+};
+
+int ShardGroupSize(const FsdpTrainOptions& o, int world_size) {
+  return IsHybridStrategy(o.strategy) ? o.shard_group_size : world_size;
+}
+
+// The step's loss from losses[r * M + m], as TrainReference defines it.
+float FoldLosses(const std::vector<float>& losses, int world, int64_t m_count) {
+  float total = 0.0f;
+  for (int64_t m = 0; m < m_count; ++m) {
+    float acc = losses[m];
+    for (int r = 1; r < world; ++r) acc = acc + losses[r * m_count + m];
+    const float mean = acc / static_cast<float>(world);
+    total = m == 0 ? mean : total + mean;
+  }
+  return total / static_cast<float>(m_count);
+}
+
+// One rank's training, with its groups and handles.
+class RankTrainer {
+ public:
+  RankTrainer(Communicator& world, DeviceOps& device,
+              const FsdpTrainOptions& options, const ReferenceModel& model,
+              ModelLayout layout)
+      : world_(world),
+        device_(device),
+        options_(options),
+        model_(model),
+        layout_(std::move(layout)) {}
+
+  absl::StatusOr<FsdpRankResult> Run() {
+    FLATPARAM_RETURN_IF_ERROR(Setup());
+    FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<Optimizer> optimizer,
+                               MakeOptimizer(options_.optimizer));
+    result_.rank = world_.rank();
+    states_.resize(handles_.size());
+    for (int64_t k = 0; k < options_.steps; ++k) {
+      FLATPARAM_RETURN_IF_ERROR(
+          WithContext(Step(k, *optimizer), absl::StrFormat("step %d", k)));
+    }
+    FLATPARAM_RETURN_IF_ERROR(GatherResults());
+    result_.memory = memory_.stats();
+    for (const OptimizerState& state : states_) {
+      for (const auto& [name, t] : state.tensors) {
+        result_.optimizer_state_bytes += static_cast<int64_t>(t.nbytes());
+      }
+    }
+    return std::move(result_);
+  }
+
+ private:
+  absl::Status Setup() {
+    Communicator* shard = &world_;
+    Communicator* replicate = nullptr;
+    if (IsHybridStrategy(options_.strategy)) {
+      FLATPARAM_ASSIGN_OR_RETURN(
+          groups_, MakeHybridGroups(world_, options_.shard_group_size));
+      shard = groups_.shard.get();
+      replicate = groups_.replicate.get();
+    }
+    shard_ = shard;
+    counted_shard_ =
+        std::make_unique<CountingCommunicator>(shard, &result_.comm);
+    if (replicate != nullptr) {
+      counted_replicate_ =
+          std::make_unique<CountingCommunicator>(replicate, &result_.comm);
+    }
+    HandleOptions handle_options;
+    handle_options.param_dtype = options_.param_dtype;
+    handle_options.reduce_dtype = options_.reduce_dtype;
+    handle_options.cpu_offload = options_.cpu_offload;
+
+    const TensorMap params = options_.initial_params.has_value()
+                                 ? *options_.initial_params
+                                 : model_.InitParams();
+    FLATPARAM_RETURN_IF_ERROR(model_.CheckParams(params));
+    for (const FlatParamLayout& layout : layout_.flat_params()) {
+      const int u = static_cast<int>(handles_.size());
+      units_[layout.unit()] = u;
+      std::vector<ConstTensorRef> refs;
+      for (size_t i = 0; i < layout.params().size(); ++i) {
+        const std::string& fqn = layout.params()[i].fqn;
+        slots_[fqn] = ParamSlot{u, static_cast<int>(i)};
+        refs.push_back(params.at(fqn).cref());
+      }
+      FLATPARAM_ASSIGN_OR_RETURN(
+          std::unique_ptr<FlatParamHandle> handle,
+          FlatParamHandle::Create(layout, refs, counted_shard_.get(),
+                                  counted_replicate_.get(), &device_,
+                                  handle_options));
+      handles_.push_back(std::move(handle));
+      memory_.Add(handles_.back().get());
+      if (options_.padding_fill.has_value()) {
+        const BufferRef shard_param = handles_.back()->sharded_param();
+        for (const auto& [lo, hi] : PaddingRanges(layout, shard->rank())) {
+          FLATPARAM_RETURN_IF_ERROR(device_.Fill(shard_param.Slice(lo, hi - lo),
+                                                 *options_.padding_fill));
+        }
+        FLATPARAM_RETURN_IF_ERROR(device_.Synchronize());
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Step(int64_t step, const Optimizer& optimizer) {
+    const int world = world_.size();
+    const int64_t m_count = options_.micro_batches;
+    const int64_t local_batch = options_.global_batch / world;
+    std::vector<float> local_losses(m_count);
+    for (int64_t m = 0; m < m_count; ++m) {
+      const bool sync =
+          options_.accumulation == AccumulationMode::kShardedAccumulation ||
+          m == m_count - 1;
+      const Batch batch =
+          MakeBatch(options_.data_seed, options_.model.vocab, step, m,
+                    world_.rank() * local_batch, local_batch);
+      HandleParamAccess access(handles_, units_, slots_, device_, memory_,
+                               sync);
+      absl::StatusOr<float> loss = model_.ForwardBackward(batch, access);
+      absl::Status status = loss.status();
+      for (size_t u = 0; status.ok() && u < handles_.size(); ++u) {
+        FlatParamHandle& h = *handles_[u];
+        status = memory_.Track(h, [&] { return h.FinalizeBackward(sync); });
+      }
+      FLATPARAM_RETURN_IF_ERROR(
+          WithContext(status, absl::StrFormat("micro-batch %d", m)));
+      local_losses[m] = *loss;
+    }
+
+    const bool last = step == options_.steps - 1;
+    for (size_t u = 0; u < handles_.size(); ++u) {
+      FlatParamHandle& h = *handles_[u];
+      const FlatParamLayout& layout = layout_.flat_params()[u];
+      const std::optional<BufferRef> grad = h.sharded_grad();
+      std::optional<HostTensor> host_grad;
+      if (grad.has_value()) {
+        FLATPARAM_ASSIGN_OR_RETURN(host_grad, ToHostTensor(device_, *grad));
+        const float* g = host_grad->data_as<float>();
+        for (const auto& [lo, hi] : PaddingRanges(layout, shard_->rank())) {
+          for (int64_t i = lo; i < hi; ++i) {
+            result_.nonzero_padding_grads += g[i] != 0.0f;
+          }
+        }
+        if (last && options_.gather_grads) {
+          FLATPARAM_ASSIGN_OR_RETURN(HostTensor flat,
+                                     GatherFlat(layout, host_grad->cref()));
+          FLATPARAM_RETURN_IF_ERROR(UnflattenInto(layout, flat, result_.grads));
+        }
+      }
+      FLATPARAM_RETURN_IF_ERROR(WithContext(
+          StepOptimizer(h, host_grad, optimizer, states_[u]),
+          absl::StrFormat("optimizer step of unit \"%s\"", layout.unit())));
+    }
+    for (auto& handle : handles_) {
+      FlatParamHandle& h = *handle;
+      FLATPARAM_RETURN_IF_ERROR(
+          memory_.Track(h, [&] { return h.ZeroGrad(/*set_to_none=*/true); }));
+    }
+
+    std::vector<float> all(static_cast<size_t>(world) * m_count);
+    FLATPARAM_RETURN_IF_ERROR(
+        AllGatherHost(world_, device_,
+                      ConstBufferRef{local_losses.data(), m_count,
+                                     DType::kFloat32, Device::Host()},
+                      BufferRef{all.data(), static_cast<int64_t>(all.size()),
+                                DType::kFloat32, Device::Host()},
+                      "all-gather of the losses"));
+    result_.losses.push_back(FoldLosses(all, world, m_count));
+    return absl::OkStatus();
+  }
+
+  // Steps the optimizer on the handle's sharded parameter in place (through
+  // a host copy when it lives on a device).
+  absl::Status StepOptimizer(FlatParamHandle& h,
+                             const std::optional<HostTensor>& grad,
+                             const Optimizer& optimizer,
+                             OptimizerState& state) {
+    const BufferRef param = h.sharded_param();
+    std::optional<ConstTensorRef> g;
+    if (grad.has_value()) g = grad->cref();
+    if (param.device == Device::Host()) {
+      return optimizer.Step(TensorRef{param.data, param.dtype, param.count}, g,
+                            state);
+    }
+    FLATPARAM_ASSIGN_OR_RETURN(HostTensor host, ToHostTensor(device_, param));
+    FLATPARAM_RETURN_IF_ERROR(optimizer.Step(host.ref(), g, state));
+    return FromHost(
+        device_,
+        ConstBufferRef{host.data(), host.numel(), host.dtype(), Device::Host()},
+        param);
+  }
+
+  // All-gathers a shard-sized host tensor over the shard group into the
+  // padded unsharded flat tensor (NO_SHARD: the shard is the whole).
+  absl::StatusOr<HostTensor> GatherFlat(const FlatParamLayout& layout,
+                                        ConstTensorRef shard) {
+    if (!UsesShardedStrategy(layout.options().strategy)) {
+      HostTensor flat = HostTensor::Flat(shard.dtype, shard.numel);
+      if (shard.numel > 0) std::memcpy(flat.data(), shard.data, flat.nbytes());
+      return flat;
+    }
+    HostTensor flat =
+        HostTensor::Flat(shard.dtype, layout.padded_unsharded_numel());
+    FLATPARAM_RETURN_IF_ERROR(AllGatherHost(
+        *shard_, device_,
+        ConstBufferRef{shard.data, shard.numel, shard.dtype, Device::Host()},
+        BufferRef{flat.data(), flat.numel(), flat.dtype(), Device::Host()},
+        absl::StrFormat("gathering unit \"%s\"", layout.unit())));
+    return flat;
+  }
+
+  absl::Status GatherResults() {
+    for (size_t u = 0; u < handles_.size(); ++u) {
+      const FlatParamLayout& layout = layout_.flat_params()[u];
+      FLATPARAM_ASSIGN_OR_RETURN(
+          HostTensor shard,
+          ToHostTensor(device_, handles_[u]->sharded_param()));
+      FLATPARAM_ASSIGN_OR_RETURN(HostTensor flat,
+                                 GatherFlat(layout, shard.cref()));
+      FLATPARAM_RETURN_IF_ERROR(UnflattenInto(layout, flat, result_.params));
+      for (const ParamInfo& p : layout.params()) {
+        result_.optimizer_state[p.fqn];  // Every parameter has an entry.
+      }
+      for (const auto& [name, t] : states_[u].tensors) {
+        if (name == kStepState) {
+          for (const ParamInfo& p : layout.params()) {
+            result_.optimizer_state[p.fqn].tensors[name] = t;
+          }
+          continue;
+        }
+        FLATPARAM_ASSIGN_OR_RETURN(HostTensor flat_state,
+                                   GatherFlat(layout, t.cref()));
+        TensorMap per_param;
+        FLATPARAM_RETURN_IF_ERROR(UnflattenInto(layout, flat_state, per_param));
+        for (auto& [fqn, tensor] : per_param) {
+          result_.optimizer_state[fqn].tensors[name] = std::move(tensor);
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  Communicator& world_;
+  DeviceOps& device_;
+  const FsdpTrainOptions& options_;
+  const ReferenceModel& model_;
+  const ModelLayout layout_;
+
+  HybridGroups groups_;
+  Communicator* shard_ = nullptr;
+  std::unique_ptr<CountingCommunicator> counted_shard_;
+  std::unique_ptr<CountingCommunicator> counted_replicate_;
+  std::vector<std::unique_ptr<FlatParamHandle>> handles_;
+  std::map<std::string, int> units_;
+  std::map<std::string, ParamSlot> slots_;
+  std::vector<OptimizerState> states_;
+  RankMemory memory_;
+  FsdpRankResult result_;
+};
+
+}  // namespace
+
+absl::Status ValidateFsdpTrainOptions(const FsdpTrainOptions& o,
+                                      int world_size) {
+  if (world_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("world size must be >= 1, got %d", world_size));
+  }
+  if (o.steps < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("steps must be >= 0, got %d", o.steps));
+  }
+  if (o.global_batch < 1 || o.global_batch % world_size != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "global batch %d must be >= 1 and a multiple of the world size %d",
+        o.global_batch, world_size));
+  }
+  if (o.micro_batches < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("micro-batches must be >= 1, got %d", o.micro_batches));
+  }
+  if (IsHybridStrategy(o.strategy)) {
+    if (o.shard_group_size < 1 || world_size % o.shard_group_size != 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: the shard group size %d must be >= 1 and divide the world "
+          "size %d",
+          ShardingStrategyName(o.strategy), o.shard_group_size, world_size));
+    }
+  } else if (o.shard_group_size != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "a shard group size (%d) is only meaningful for HYBRID_SHARD and "
+        "HYBRID_SHARD_ZERO2, not %s",
+        o.shard_group_size, ShardingStrategyName(o.strategy)));
+  }
+  for (const auto& [what, dtype] :
+       {std::make_pair("param dtype", o.param_dtype),
+        std::make_pair("reduce dtype", o.reduce_dtype)}) {
+    if (dtype.has_value() && !IsFloatingPoint(*dtype)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "the %s %s is not a floating dtype", what, DTypeName(*dtype)));
+    }
+  }
+  return ReferenceModel::Create(o.model).status();
+}
+
+absl::StatusOr<ModelLayout> FsdpModelLayout(const FsdpTrainOptions& options,
+                                            int world_size) {
+  FLATPARAM_RETURN_IF_ERROR(ValidateFsdpTrainOptions(options, world_size));
+  FLATPARAM_ASSIGN_OR_RETURN(ModelSpec spec, Spec(options.model));
+  LayoutOptions layout_options;
+  layout_options.world_size = ShardGroupSize(options, world_size);
+  layout_options.strategy = options.strategy;
+  layout_options.align_addresses = options.align_addresses;
+  layout_options.compute_dtype = options.param_dtype;
+  return ModelLayout::Create(spec, layout_options);
+}
+
+absl::StatusOr<TrainOptions> ReferenceOptionsFor(
+    const FsdpTrainOptions& options, int world_size) {
+  FLATPARAM_RETURN_IF_ERROR(ValidateFsdpTrainOptions(options, world_size));
+  TrainOptions r;
+  r.steps = options.steps;
+  r.global_batch = options.global_batch;
+  r.micro_batches = options.micro_batches;
+  r.accumulation = options.accumulation;
+  r.reduction =
+      IsHybridStrategy(options.strategy)
+          ? GradientReduction::Hybrid(world_size, options.shard_group_size)
+          : GradientReduction::Fsdp(world_size);
+  r.optimizer = options.optimizer;
+  r.data_seed = options.data_seed;
+  r.initial_params = options.initial_params;
+  r.param_dtype = options.param_dtype;
+  r.reduce_dtype = options.reduce_dtype;
+  return r;
+}
+
+absl::StatusOr<FsdpRankResult> TrainFsdpOnRank(
+    Communicator& world, DeviceOps& device, const FsdpTrainOptions& options) {
+  FLATPARAM_ASSIGN_OR_RETURN(ModelLayout layout,
+                             FsdpModelLayout(options, world.size()));
+  FLATPARAM_ASSIGN_OR_RETURN(ReferenceModel model,
+                             ReferenceModel::Create(options.model));
+  RankTrainer trainer(world, device, options, model, std::move(layout));
+  return trainer.Run();
+}
+
+absl::StatusOr<std::array<int64_t, kNumMemoryCategories>> ExpectedPeakMemory(
+    const FsdpTrainOptions& options, int world_size) {
+  FLATPARAM_ASSIGN_OR_RETURN(ModelLayout layout,
+                             FsdpModelLayout(options, world_size));
+  // Dtypes as FlatParamHandle resolves them.
+  const DType orig = DType::kFloat32;
+  DType param = options.param_dtype.value_or(orig);
+  DType reduce = options.reduce_dtype.value_or(orig);
+  if (options.param_dtype.has_value() && !options.reduce_dtype.has_value()) {
+    reduce = param;
+  }
+  const int64_t b_o = DTypeSize(orig);
+  const int64_t b_p = DTypeSize(param);
+  const int64_t b_r = DTypeSize(reduce);
+  const bool mp = param != orig;
+  const bool sharded = UsesShardedStrategy(options.strategy);
+  const bool raf = ReshardsAfterForward(options.strategy);
+  const bool offload = options.cpu_offload;
+  const bool once = options.micro_batches == 1 ||
+                    options.accumulation == AccumulationMode::kNoSync;
+
+  // Units in layout order: the root first, then layers 0..L-1.
+  std::vector<int64_t> ns, np;
+  for (const FlatParamLayout& l : layout.flat_params()) {
+    ns.push_back(l.sharded_numel());
+    np.push_back(l.padded_unsharded_numel());
+  }
+  const size_t units = ns.size();
+  auto sum = [](const std::vector<int64_t>& v, int64_t scale) {
+    int64_t s = 0;
+    for (int64_t x : v) s += x * scale;
+    return s;
+  };
+  auto max_from = [](const std::vector<int64_t>& v, size_t first,
+                     int64_t scale) {
+    int64_t m = 0;
+    for (size_t u = first; u < v.size(); ++u) m = std::max(m, v[u] * scale);
+    return m;
+  };
+  // The backward's reduction order: the last layer first, the root last.
+  std::vector<size_t> order;
+  for (size_t u = units; u-- > 1;) order.push_back(u);
+  order.push_back(0);
+
+  std::array<int64_t, kNumMemoryCategories> peak{};
+  auto at = [&peak](MemoryCategory c) -> int64_t& {
+    return peak[static_cast<int>(c)];
+  };
+
+  at(MemoryCategory::kShardedParams) =
+      sum(ns, b_o) + (offload && sharded ? max_from(ns, 0, b_o) : 0);
+
+  if (sharded) {
+    at(MemoryCategory::kUnshardedParams) =
+        raf ? np[0] * b_p + max_from(np, 1, b_p) : sum(np, b_p);
+  } else if (offload) {
+    at(MemoryCategory::kUnshardedParams) =
+        mp ? max_from(np, 0, b_o) : np[0] * b_o + max_from(np, 1, b_o);
+  }
+
+  if (mp) {
+    at(MemoryCategory::kLowPrecisionParams) =
+        sharded ? max_from(ns, 0, b_p) : np[0] * b_p + max_from(np, 1, b_p);
+  }
+
+  auto G = [&](size_t u) { return np[u] * b_p; };
+  auto X = [&](size_t u) { return reduce != param ? np[u] * b_r : 0; };
+  int64_t& unsharded_grads = at(MemoryCategory::kUnshardedGrads);
+  if (options.micro_batches >= 2 &&
+      options.accumulation == AccumulationMode::kNoSync) {
+    for (size_t k = 0; k < order.size(); ++k) {
+      int64_t held = 0;
+      for (size_t j = k; j < order.size(); ++j) held += G(order[j]);
+      unsharded_grads = std::max(unsharded_grads, held + X(order[k]));
+    }
+  } else {
+    int64_t layers = 0;
+    for (size_t u = 1; u < units; ++u) layers = std::max(layers, G(u) + X(u));
+    unsharded_grads = std::max(G(0) + layers, G(0) + X(0));
+  }
+
+  auto c = [&](size_t u) {
+    return ns[u] * b_r + (reduce != orig ? ns[u] * b_o : 0);
+  };
+  int64_t max_c = 0;
+  for (size_t u = 0; u < units; ++u) max_c = std::max(max_c, c(u));
+  int64_t& sharded_grads = at(MemoryCategory::kShardedGrads);
+  if (offload || !once) {
+    sharded_grads = sum(ns, b_o) + max_c;
+  } else {
+    int64_t held = 0;
+    for (size_t u : order) {
+      sharded_grads = std::max(sharded_grads, held + c(u));
+      held += ns[u] * b_o;
+    }
+  }
+  return peak;
+}
+
+}  // namespace train
+}  // namespace flatparam

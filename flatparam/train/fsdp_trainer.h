@@ -1,0 +1,271 @@
+// Sharded (FSDP) training of the reference model (flatparam/train/model.h)
+// with one FlatParamHandle per unit, on any Communicator backend: the
+// system under test of the proof that sharded training equals unsharded
+// training (TrainReference, flatparam/train/reference_trainer.h).
+//
+//   // On every rank of `world` (the simulator, MPI, NCCL, ...):
+//   FsdpTrainOptions options;
+//   options.strategy = ShardingStrategy::kFullShard;
+//   options.steps = 3;
+//   HostDeviceOps device;
+//   FLATPARAM_ASSIGN_OR_RETURN(FsdpRankResult r,
+//                              TrainFsdpOnRank(world, device, options));
+//   // Bitwise equal on the simulator and MPI:
+//   FLATPARAM_ASSIGN_OR_RETURN(TrainOptions ref,
+//                              ReferenceOptionsFor(options, world.size()));
+//   FLATPARAM_ASSIGN_OR_RETURN(TrainResult want,
+//                              TrainReference(options.model, ref));
+//   assert(r.params == want.params && r.losses == want.losses);
+//
+// What one rank does, as PyTorch FSDP does it:
+//   * Layout: ModelLayout of the model's spec (units "" and "layers.i") for
+//     the shard group's size (the hybrid strategies: `shard_group_size`,
+//     groups from MakeHybridGroups; otherwise the world), the strategy,
+//     `align_addresses`, and alignment for param_dtype.
+//   * One FlatParamHandle per unit, created from the model's InitParams()
+//     (every rank computes the same full parameters and keeps its shard).
+//   * Each micro-batch m of step k: the rank's local batch is
+//     MakeBatch(data_seed, vocab, k, m, rank * B, B) with B = global_batch /
+//     W, and ReferenceModel::ForwardBackward runs through a ParamAccess that
+//     maps the model's units onto the handles' hooks:
+//         BeginUnit(u, forward)   PreForward
+//         EndUnit(u, forward)     PostForward(is_root = (u == ""))
+//         BeginUnit(u, backward)  PreBackward
+//         EndUnit(u, backward)    PostBackward(sync)
+//     so the root stays unsharded from its forward through its backward,
+//     and then FinalizeBackward(sync) on every handle (FSDP's final
+//     callback). `sync` is true for every micro-batch with
+//     kShardedAccumulation and only for the last with kNoSync (no_sync).
+//     Param() is a view of the unsharded flat parameter (float32 on the host:
+//     in place; otherwise a float32 host copy); Grad() is the handle's
+//     GradView (float32 on the host: in place), or a zeroed float32 host
+//     buffer whose contents EndUnit casts to param_dtype and adds with
+//     AccumulateGrad, as autograd accumulates a low-precision gradient.
+//   * After the micro-batches: the optimizer steps each handle's sharded
+//     parameter with its sharded gradient and its own state (1-D tensors of
+//     the shard's size, "step" 0-d), then ZeroGrad(set_to_none).
+//   * The step's loss: the ranks' per-micro-batch losses are all-gathered
+//     over the world and folded in rank order as TrainReference defines it.
+//   * At the end, every sharded parameter and state tensor is all-gathered
+//     over the shard group and unflattened per original parameter
+//     (alignment and right padding dropped), in TrainResult's format.
+//
+// Memory: per-rank peak memory by category, over all handles at once. The
+// handles account their own buffers (MemoryStats); this trainer wraps every
+// handle call and adds, at each call, the other handles' current bytes to
+// the called handle's peak during the call, which is the rank's exact
+// peak since only the called handle allocates or frees. ExpectedPeakMemory()
+// is the closed form of that peak; see there.
+//
+// Accuracy (proven by verify/training_equivalence_test.cc, which states the
+// bounds in full): on the simulator and MPI, float32 runs equal
+// ReferenceOptionsFor()'s TrainReference bit for bit, and so do bf16/fp16
+// runs, whose reference emulates the same mixed precision. Against float32
+// training a mixed-precision run's one-step gradient stays within
+// (gamma_K(u_low) + gamma_K(2^-24)) * sum |local gradients| / W per element
+// (K = 2M + W + 2 roundings), and its AdamW parameters within
+// AdamWDivergenceBound (flatparam/train/optimizer.h).
+//
+// Thread-safety: TrainFsdpOnRank runs on its rank's thread and shares
+// nothing with other ranks; ranks may run concurrently (threads, processes).
+#ifndef FLATPARAM_TRAIN_FSDP_TRAINER_H_
+#define FLATPARAM_TRAIN_FSDP_TRAINER_H_
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "comm/communicator.h"
+#include "flatparam/base/dtype.h"
+#include "flatparam/device/device.h"
+#include "flatparam/flatten.h"
+#include "flatparam/layout.h"
+#include "flatparam/memory_stats.h"
+#include "flatparam/model.h"
+#include "flatparam/train/model.h"
+#include "flatparam/train/optimizer.h"
+#include "flatparam/train/reference_trainer.h"
+
+namespace flatparam {
+namespace train {
+
+struct FsdpTrainOptions {
+  Config model;
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  // The hybrid strategies: ranks per shard group (a node); must divide the
+  // world size. Must be 0 for the other strategies.
+  int shard_group_size = 0;
+  // PyTorch's use_orig_params=True padding (LayoutOptions).
+  bool align_addresses = false;
+  // Mixed precision (HandleOptions): unset is float32.
+  std::optional<DType> param_dtype;
+  std::optional<DType> reduce_dtype;
+  bool cpu_offload = false;
+
+  int64_t steps = 1;
+  // Samples per micro-batch over all ranks; a multiple of the world size.
+  int64_t global_batch = 8;
+  int64_t micro_batches = 1;
+  AccumulationMode accumulation = AccumulationMode::kShardedAccumulation;
+  OptimizerOptions optimizer = SgdOptions{};
+  uint64_t data_seed = 0;
+  // Start from these parameters instead of the model's InitParams()
+  // (ReferenceModel::CheckParams must accept them).
+  std::optional<std::map<std::string, HostTensor>> initial_params;
+
+  // Verification: after creating the handles, write this value into every
+  // padding element (alignment, world-size and right padding) of every
+  // local shard. With NaN, bitwise equality with TrainReference shows that
+  // padding never reaches a parameter, a gradient or the loss.
+  std::optional<float> padding_fill;
+  // Also all-gather the last step's reduced gradients
+  // (FsdpRankResult::grads).
+  bool gather_grads = false;
+};
+
+// InvalidArgument, naming the values, for options that cannot run on
+// `world_size` ranks: world_size < 1; steps < 0; global_batch < 1 or not a
+// multiple of world_size; micro_batches < 1; a shard_group_size that is
+// not >= 1 and a divisor of world_size for a hybrid strategy, or not 0 for
+// another; a non-floating param/reduce dtype; a bad model config.
+absl::Status ValidateFsdpTrainOptions(const FsdpTrainOptions& options,
+                                      int world_size);
+
+// The layout the trainer uses on `world_size` ranks (see the file comment).
+absl::StatusOr<ModelLayout> FsdpModelLayout(const FsdpTrainOptions& options,
+                                            int world_size);
+
+// The single-process run that `options` on `world_size` ranks computes: the
+// same steps, data, batch, micro-batches, accumulation and optimizer;
+// GradientReduction::Fsdp(W), or Hybrid(W, shard_group_size) for the hybrid
+// strategies; the same mixed precision. On backends that reduce with
+// comm/host_reduce.h's left fold in rank order on the host (the simulator
+// and MPI) with a host compute device, TrainFsdpOnRank's losses, parameters
+// and optimizer state equal TrainReference's for these options bit for bit.
+// NCCL sums in its own order and CUDA divides by multiplying with the
+// reciprocal, so there the results only agree closely.
+absl::StatusOr<TrainOptions> ReferenceOptionsFor(
+    const FsdpTrainOptions& options, int world_size);
+
+// Collective traffic of one rank's handles (not the loss and final
+// gathers). `bytes` is nccl-tests' size (all-gather output, reduce-scatter
+// input, all-reduce buffer); `sent_bytes` what a ring algorithm sends per
+// rank: bytes * (n-1)/n for all-gather and reduce-scatter, 2(n-1)/n for
+// all-reduce.
+struct CollectiveTraffic {
+  int64_t calls = 0;
+  int64_t bytes = 0;
+  int64_t sent_bytes = 0;
+};
+
+struct CommStats {
+  CollectiveTraffic all_gather;
+  CollectiveTraffic reduce_scatter;
+  CollectiveTraffic all_reduce;
+
+  int64_t total_bytes() const {
+    return all_gather.bytes + reduce_scatter.bytes + all_reduce.bytes;
+  }
+  int64_t total_sent_bytes() const {
+    return all_gather.sent_bytes + reduce_scatter.sent_bytes +
+           all_reduce.sent_bytes;
+  }
+};
+
+// What one rank computed. The losses and the gathered tensors are the same
+// on every rank.
+struct FsdpRankResult {
+  int rank = 0;
+  // One per step (TrainReference's definition).
+  std::vector<float> losses;
+  // This rank's handles together: peak[c] is the rank's peak of category
+  // c, compute_peak/offload_peak the peaks of the sums per placement,
+  // current[c] what is allocated at the end.
+  MemoryStats memory;
+  // This rank's optimizer state (host memory, not in `memory`).
+  int64_t optimizer_state_bytes = 0;
+  CommStats comm;
+  // Gathered after the last step, in TrainResult's format: the non-tied
+  // parameters by fqn with their shapes; the optimizer state by fqn
+  // (buffers shaped like the parameter, "step" 0-d).
+  std::map<std::string, HostTensor> params;
+  std::map<std::string, OptimizerState> optimizer_state;
+  // With gather_grads: the last step's reduced gradients by fqn (what the
+  // optimizer stepped with).
+  std::map<std::string, HostTensor> grads;
+  // Padding elements of this rank's sharded gradients that were not zero
+  // when the optimizer stepped, over all steps (must be 0: padding gets no
+  // gradient).
+  int64_t nonzero_padding_grads = 0;
+};
+
+// Trains on this rank; collective over `world` (every rank calls it with
+// the same options). `device` holds the handles' buffers (HostDeviceOps, or
+// CUDA DeviceOps with an NCCL `world`). Errors: ValidateFsdpTrainOptions'
+// for world.size(), and any error of the handles and collectives, with the
+// step and unit.
+absl::StatusOr<FsdpRankResult> TrainFsdpOnRank(Communicator& world,
+                                               DeviceOps& device,
+                                               const FsdpTrainOptions& options);
+
+// The per-rank peak bytes of each MemoryCategory (indexed by it) that
+// TrainFsdpOnRank measures, in closed form, for steps >= 1 on a host
+// compute device (HostDeviceOps: with CPU offload, a device adds staging
+// copies). Every rank gets the same value. With units u = 0 (the root) and
+// 1..L (the layers), reduced in the backward in the order L, ..., 1, 0:
+//
+//   n_s(u) = layout.sharded_numel()  (the whole flat parameter for
+//            NO_SHARD), n_p(u) = layout.padded_unsharded_numel();
+//   b_o = 4 (float32), b_p = sizeof(param_dtype), b_r = sizeof(reduce_dtype);
+//   mp = param_dtype != float32; sharded = strategy != NO_SHARD;
+//   raf = the strategy reshards after forward (FULL_SHARD, HYBRID_SHARD);
+//   once = gradients are reduced once per step (micro_batches == 1 or
+//          kNoSync), else once per micro-batch.
+//
+//   sharded_params   = sum_u n_s(u) b_o
+//                      + (offload && sharded ? max_u n_s(u) b_o : 0)
+//       the local shards, plus the transient compute copy an offloaded
+//       shard needs to be all-gathered.
+//   unsharded_params = sharded && raf:  n_p(0) b_p + max_{u>=1} n_p(u) b_p
+//                      sharded && !raf: sum_u n_p(u) b_p
+//                      NO_SHARD: offload ? (mp ? max_u n_p(u) b_o
+//                                              : n_p(0) b_o + max_{u>=1} ..)
+//                                        : 0
+//       FULL_SHARD frees each layer after its forward and backward, so the
+//       root (kept from its forward to its backward) and one layer are
+//       unsharded at once; SHARD_GRAD_OP keeps every unit from forward to
+//       backward. NO_SHARD needs memory only for the offloaded shard's
+//       compute copy (transient before a cast under mixed precision).
+//   low_precision_params (mp only)
+//                    = sharded ? max_u n_s(u) b_p (the cast shard, freed
+//                                                  after the all-gather)
+//                              : n_p(0) b_p + max_{u>=1} n_p(u) b_p
+//                                (the cast parameter, freed at reshard)
+//   unsharded_grads, with G(u) = n_p(u) b_p and X(u) = n_p(u) b_r when
+//       reduce_dtype != param_dtype (the reduce-dtype copy), else 0:
+//         M >= 2 with kNoSync: max_k (sum_{j>=k} G(u_j) + X(u_k)) over the
+//           reduction order u_1..u_{L+1}: every unit keeps its gradient
+//           until the last micro-batch reduces it;
+//         otherwise: max(G(0) + max_{u>=1} (G(u) + X(u)), G(0) + X(0)): the
+//           root's gradient lives through the whole backward, a layer's
+//           until its reduction.
+//   sharded_grads, with c(u) = n_s(u) b_r + (reduce_dtype != float32 ?
+//       n_s(u) b_o : 0) (a reduction's new shard and its float32 cast):
+//         offload:  sum_u n_s(u) b_o + max_u c(u)  (`_cpu_grad` is
+//                   allocated at creation);
+//         once:     max_k (sum_{j<k} n_s(u_j) b_o + c(u_k)): the units
+//                   reduced before u_k hold their gradients;
+//         else:     sum_u n_s(u) b_o + max_u c(u).
+// InvalidArgument as ValidateFsdpTrainOptions.
+absl::StatusOr<std::array<int64_t, kNumMemoryCategories>> ExpectedPeakMemory(
+    const FsdpTrainOptions& options, int world_size);
+
+}  // namespace train
+}  // namespace flatparam
+
+#endif  // FLATPARAM_TRAIN_FSDP_TRAINER_H_

@@ -1,0 +1,559 @@
+#include "tools/train.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <utility>
+#include <variant>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "flatparam/base/status_macros.h"
+#include "flatparam/layout.h"
+#include "flatparam/train/model.h"
+#include "flatparam/train/optimizer.h"
+#include "flatparam/train/reference_trainer.h"
+#include "sim/sim.h"
+
+namespace flatparam {
+namespace tools {
+namespace {
+
+using TensorMap = std::map<std::string, HostTensor>;
+
+absl::Status Bad(absl::string_view message) {
+  return absl::InvalidArgumentError(message);
+}
+
+// Largest |a - b| over equal-keyed maps; NaN when one side is NaN and the
+// other is not.
+double MaxAbsDiff(const TensorMap& a, const TensorMap& b) {
+  double worst = 0;
+  for (const auto& [name, t] : a) {
+    auto it = b.find(name);
+    if (it == b.end() || it->second.numel() != t.numel()) return std::nan("");
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      const double x = t.GetDouble(i);
+      const double y = it->second.GetDouble(i);
+      if (std::isnan(x) != std::isnan(y)) return std::nan("");
+      if (!std::isnan(x)) worst = std::max(worst, std::abs(x - y));
+    }
+  }
+  return a.size() == b.size() ? worst : std::nan("");
+}
+
+double MaxAbsDiff(const std::map<std::string, train::OptimizerState>& a,
+                  const std::map<std::string, train::OptimizerState>& b) {
+  double worst = 0;
+  for (const auto& [name, state] : a) {
+    auto it = b.find(name);
+    if (it == b.end()) return std::nan("");
+    const double d = MaxAbsDiff(state.tensors, it->second.tensors);
+    if (std::isnan(d)) return d;
+    worst = std::max(worst, d);
+  }
+  return a.size() == b.size() ? worst : std::nan("");
+}
+
+double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return std::nan("");
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::isnan(a[i]) != std::isnan(b[i])) return std::nan("");
+    if (!std::isnan(a[i])) {
+      worst = std::max(worst, std::abs(static_cast<double>(a[i]) - b[i]));
+    }
+  }
+  return worst;
+}
+
+// Maximum of differences, NaN-propagating.
+double Worst(std::initializer_list<double> diffs) {
+  double worst = 0;
+  for (double d : diffs) {
+    if (std::isnan(d)) return d;
+    worst = std::max(worst, d);
+  }
+  return worst;
+}
+
+double MaxAbs(const TensorMap& params) {
+  double m = 0;
+  for (const auto& [name, t] : params) {
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      m = std::max(m, std::abs(t.GetDouble(i)));
+    }
+  }
+  return m;
+}
+
+// RankSummary <-> bytes, for AllGatherBytes.
+std::string Serialize(const RankSummary& s) {
+  std::vector<int64_t> v = {s.rank, s.optimizer_state_bytes,
+                            s.nonzero_padding_grads, s.memory.compute_peak,
+                            s.memory.offload_peak};
+  for (int c = 0; c < kNumMemoryCategories; ++c) {
+    v.push_back(s.memory.peak[c]);
+    v.push_back(s.memory.current[c]);
+  }
+  for (const train::CollectiveTraffic* t :
+       {&s.comm.all_gather, &s.comm.reduce_scatter, &s.comm.all_reduce}) {
+    v.insert(v.end(), {t->calls, t->bytes, t->sent_bytes});
+  }
+  return std::string(reinterpret_cast<const char*>(v.data()),
+                     v.size() * sizeof(int64_t));
+}
+
+absl::StatusOr<RankSummary> Deserialize(const std::string& bytes) {
+  constexpr size_t kFields = 5 + 2 * kNumMemoryCategories + 9;
+  if (bytes.size() != kFields * sizeof(int64_t)) {
+    return absl::InternalError(
+        absl::StrFormat("a rank sent a summary of %d bytes, want %d",
+                        bytes.size(), kFields * sizeof(int64_t)));
+  }
+  std::vector<int64_t> v(kFields);
+  std::memcpy(v.data(), bytes.data(), bytes.size());
+  RankSummary s;
+  size_t i = 0;
+  s.rank = static_cast<int>(v[i++]);
+  s.optimizer_state_bytes = v[i++];
+  s.nonzero_padding_grads = v[i++];
+  s.memory.compute_peak = v[i++];
+  s.memory.offload_peak = v[i++];
+  for (int c = 0; c < kNumMemoryCategories; ++c) {
+    s.memory.peak[c] = v[i++];
+    s.memory.current[c] = v[i++];
+  }
+  for (train::CollectiveTraffic* t :
+       {&s.comm.all_gather, &s.comm.reduce_scatter, &s.comm.all_reduce}) {
+    t->calls = v[i++];
+    t->bytes = v[i++];
+    t->sent_bytes = v[i++];
+  }
+  return s;
+}
+
+std::string DescribeOptimizer(const train::OptimizerOptions& o) {
+  if (const auto* sgd = std::get_if<train::SgdOptions>(&o)) {
+    return absl::StrFormat("sgd (lr %g, momentum %g)", sgd->lr, sgd->momentum);
+  }
+  const auto& adamw = std::get<train::AdamWOptions>(o);
+  return absl::StrFormat("adamw (lr %g, betas %g/%g, weight decay %g)",
+                         adamw.lr, adamw.beta1, adamw.beta2,
+                         adamw.weight_decay);
+}
+
+std::string Precision(const train::FsdpTrainOptions& o) {
+  return o.param_dtype.has_value()
+             ? absl::StrFormat("%s parameters and gradients",
+                               DTypeName(*o.param_dtype))
+             : std::string("none (float32)");
+}
+
+}  // namespace
+
+absl::Status ValidateTrainCommandOptions(const TrainCommandOptions& o) {
+  if (o.backend != "sim" && o.backend != "mpi" && o.backend != "nccl") {
+    return Bad(
+        absl::StrFormat("--backend=%s: expected sim, mpi or nccl", o.backend));
+  }
+  if (o.world_size < 1) {
+    return Bad(absl::StrFormat("--world-size=%d: must be >= 1", o.world_size));
+  }
+  if (!ParseShardingStrategy(o.strategy).ok()) {
+    return Bad(absl::StrFormat(
+        "--strategy=%s: expected FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, "
+        "HYBRID_SHARD or HYBRID_SHARD_ZERO2",
+        o.strategy));
+  }
+  if (o.shard_group_size < 0) {
+    return Bad(absl::StrFormat("--shard-group-size=%d: must be >= 1",
+                               o.shard_group_size));
+  }
+  if (o.steps < 1) {
+    return Bad(absl::StrFormat("--steps=%d: must be >= 1", o.steps));
+  }
+  if (o.micro_batches < 1) {
+    return Bad(
+        absl::StrFormat("--micro-batches=%d: must be >= 1", o.micro_batches));
+  }
+  if (o.mixed_precision != "none" && o.mixed_precision != "bf16" &&
+      o.mixed_precision != "fp16") {
+    return Bad(
+        absl::StrFormat("--mixed-precision=%s: expected bf16, fp16 or none",
+                        o.mixed_precision));
+  }
+  if (o.optimizer != "adamw" && o.optimizer != "sgd") {
+    return Bad(
+        absl::StrFormat("--optimizer=%s: expected adamw or sgd", o.optimizer));
+  }
+  if (!(std::isfinite(o.lr) && o.lr > 0)) {
+    return Bad(absl::StrFormat("--lr=%g: must be finite and > 0", o.lr));
+  }
+  if (o.global_batch < 0) {
+    return Bad(
+        absl::StrFormat("--global-batch=%d: must be >= 1 (0: 2 per "
+                        "rank)",
+                        o.global_batch));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<train::FsdpTrainOptions> MakeFsdpTrainOptions(
+    const TrainCommandOptions& c, int world_size) {
+  FLATPARAM_RETURN_IF_ERROR(ValidateTrainCommandOptions(c));
+  train::FsdpTrainOptions o;
+  FLATPARAM_ASSIGN_OR_RETURN(o.strategy, ParseShardingStrategy(c.strategy));
+  if (IsHybridStrategy(o.strategy)) {
+    const int64_t group = c.shard_group_size != 0 ? c.shard_group_size
+                          : world_size % 2 == 0   ? 2
+                                                  : world_size;
+    if (world_size % group != 0) {
+      return Bad(absl::StrFormat(
+          "--shard-group-size=%d must divide the world size %d (%s shards "
+          "over groups of that many ranks)",
+          group, world_size, c.strategy));
+    }
+    o.shard_group_size = static_cast<int>(group);
+  } else if (c.shard_group_size != 0) {
+    return Bad(
+        absl::StrFormat("--shard-group-size=%d is only for HYBRID_SHARD and "
+                        "HYBRID_SHARD_ZERO2, not %s",
+                        c.shard_group_size, ShardingStrategyName(o.strategy)));
+  }
+  o.align_addresses = c.align_addresses;
+  o.cpu_offload = c.cpu_offload;
+  if (c.mixed_precision == "bf16") o.param_dtype = DType::kBFloat16;
+  if (c.mixed_precision == "fp16") o.param_dtype = DType::kFloat16;
+  o.steps = c.steps;
+  o.micro_batches = c.micro_batches;
+  o.accumulation = c.no_sync ? train::AccumulationMode::kNoSync
+                             : train::AccumulationMode::kShardedAccumulation;
+  if (c.optimizer == "adamw") {
+    train::AdamWOptions adamw;
+    adamw.lr = c.lr;
+    o.optimizer = adamw;
+  } else {
+    o.optimizer = train::SgdOptions{c.lr, 0.9};
+  }
+  o.global_batch = c.global_batch != 0 ? c.global_batch : 2 * world_size;
+  if (o.global_batch % world_size != 0) {
+    return Bad(absl::StrFormat(
+        "--global-batch=%d must be a multiple of the world size %d",
+        o.global_batch, world_size));
+  }
+  o.model.seed = c.seed;
+  o.data_seed = c.seed;
+  FLATPARAM_RETURN_IF_ERROR(train::ValidateFsdpTrainOptions(o, world_size));
+  return o;
+}
+
+absl::StatusOr<ReferenceCheck> CheckAgainstReference(
+    const train::FsdpTrainOptions& options, int world_size, bool exact,
+    const train::FsdpRankResult& result,
+    const std::optional<std::array<int64_t, kNumMemoryCategories>>&
+        expected_memory,
+    const std::vector<RankSummary>& ranks) {
+  FLATPARAM_ASSIGN_OR_RETURN(train::TrainOptions reference,
+                             train::ReferenceOptionsFor(options, world_size));
+  FLATPARAM_ASSIGN_OR_RETURN(train::TrainResult want,
+                             train::TrainReference(options.model, reference));
+  ReferenceCheck check;
+  check.max_abs_diff =
+      Worst({MaxAbsDiff(result.losses, want.losses),
+             MaxAbsDiff(result.params, want.params),
+             MaxAbsDiff(result.optimizer_state, want.optimizer_state)});
+  check.bitwise_equal = result.losses.size() == want.losses.size() &&
+                        std::memcmp(result.losses.data(), want.losses.data(),
+                                    want.losses.size() * sizeof(float)) == 0 &&
+                        result.params == want.params &&
+                        result.optimizer_state == want.optimizer_state;
+  check.exact = exact;
+  check.param_max_abs_diff = MaxAbsDiff(result.params, want.params);
+  FLATPARAM_ASSIGN_OR_RETURN(train::ReferenceModel model,
+                             train::ReferenceModel::Create(options.model));
+  const double max_abs_param =
+      MaxAbs(options.initial_params.has_value() ? *options.initial_params
+                                                : model.InitParams());
+  const auto* adamw = std::get_if<train::AdamWOptions>(&options.optimizer);
+  bool matches = check.bitwise_equal;
+  if (!exact && adamw != nullptr) {
+    check.inexact_bound =
+        train::AdamWDivergenceBound(*adamw, options.steps, max_abs_param);
+    matches = matches || check.param_max_abs_diff <= *check.inexact_bound;
+  }
+  bool within_bound = true;
+  if (options.param_dtype.has_value() || options.reduce_dtype.has_value()) {
+    check.mixed_precision = true;
+    train::TrainOptions fp32 = reference;
+    fp32.param_dtype.reset();
+    fp32.reduce_dtype.reset();
+    FLATPARAM_ASSIGN_OR_RETURN(train::TrainResult full,
+                               train::TrainReference(options.model, fp32));
+    check.fp32_max_abs_diff = MaxAbsDiff(result.params, full.params);
+    if (adamw != nullptr) {
+      check.fp32_bound =
+          train::AdamWDivergenceBound(*adamw, options.steps, max_abs_param);
+      within_bound = check.fp32_max_abs_diff <= *check.fp32_bound;
+    }
+  }
+  for (const RankSummary& r : ranks) {
+    check.nonzero_padding_grads += r.nonzero_padding_grads;
+  }
+  if (expected_memory.has_value()) {
+    bool holds = true;
+    for (const RankSummary& r : ranks) {
+      for (int c = 0; c < kNumMemoryCategories; ++c) {
+        holds = holds && r.memory.peak[c] == (*expected_memory)[c];
+      }
+    }
+    check.memory_formula_holds = holds;
+  }
+  check.passed = matches && within_bound && check.nonzero_padding_grads == 0 &&
+                 check.memory_formula_holds.value_or(true);
+  return check;
+}
+
+absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
+                                           DeviceOps& device,
+                                           const TrainCommandOptions& options,
+                                           bool host_device) {
+  const int world_size = world.size();
+  TrainReport report;
+  report.backend = options.backend;
+  report.world_size = world_size;
+  report.optimizer = options.optimizer;
+  FLATPARAM_ASSIGN_OR_RETURN(report.options,
+                             MakeFsdpTrainOptions(options, world_size));
+  FLATPARAM_ASSIGN_OR_RETURN(
+      train::FsdpRankResult result,
+      train::TrainFsdpOnRank(world, device, report.options));
+  report.losses = result.losses;
+  RankSummary mine;
+  mine.rank = world.rank();
+  mine.memory = result.memory;
+  mine.optimizer_state_bytes = result.optimizer_state_bytes;
+  mine.comm = result.comm;
+  mine.nonzero_padding_grads = result.nonzero_padding_grads;
+  FLATPARAM_ASSIGN_OR_RETURN(std::vector<std::string> all,
+                             world.AllGatherBytes(Serialize(mine), {}));
+  for (const std::string& bytes : all) {
+    FLATPARAM_ASSIGN_OR_RETURN(RankSummary s, Deserialize(bytes));
+    report.ranks.push_back(s);
+  }
+  if (host_device) {
+    FLATPARAM_ASSIGN_OR_RETURN(
+        report.expected_memory,
+        train::ExpectedPeakMemory(report.options, world_size));
+  }
+  if (options.check_reference) {
+    FLATPARAM_ASSIGN_OR_RETURN(
+        report.check,
+        CheckAgainstReference(report.options, world_size,
+                              /*exact=*/host_device, result,
+                              report.expected_memory, report.ranks));
+  }
+  return report;
+}
+
+void PrintTrainReport(const TrainReport& report, std::ostream& out) {
+  const train::FsdpTrainOptions& o = report.options;
+  out << absl::StrFormat(
+      "# fsdp train: backend %s, %d ranks, %s%s, seed %d\n", report.backend,
+      report.world_size, ShardingStrategyName(o.strategy),
+      IsHybridStrategy(o.strategy)
+          ? absl::StrFormat(" (shard groups of %d ranks, %d replicas)",
+                            o.shard_group_size,
+                            report.world_size / o.shard_group_size)
+          : "",
+      o.data_seed);
+  out << absl::StrFormat(
+      "# model: vocab %d, dims [%s]; %d steps, global batch %d (%d per "
+      "rank), %d micro-batch%s (%s), %s\n",
+      o.model.vocab, absl::StrJoin(o.model.dims, ", "), o.steps, o.global_batch,
+      o.global_batch / report.world_size, o.micro_batches,
+      o.micro_batches == 1 ? "" : "es",
+      o.accumulation == train::AccumulationMode::kNoSync
+          ? "accumulated under no_sync"
+          : "each reduced",
+      DescribeOptimizer(o.optimizer));
+  out << absl::StrFormat(
+      "# mixed precision: %s; cpu offload %s; align addresses %s\n",
+      Precision(o), o.cpu_offload ? "on" : "off",
+      o.align_addresses ? "on" : "off");
+  out << "step  loss\n";
+  for (size_t k = 0; k < report.losses.size(); ++k) {
+    out << absl::StrFormat("%4d  %.9g\n", k, report.losses[k]);
+  }
+
+  out << "# peak memory per rank in bytes (FlatParamHandle accounting; the "
+         "optimizer state is host memory)\n";
+  std::string header = "rank   ";
+  for (int c = 0; c < kNumMemoryCategories; ++c) {
+    header += absl::StrFormat(" %20s", MemoryCategoryName(MemoryCategory(c)));
+  }
+  header += absl::StrFormat(" %12s %12s %15s", "compute", "offload",
+                            "optimizer_state");
+  out << header << "\n";
+  for (const RankSummary& r : report.ranks) {
+    std::string row = absl::StrFormat("%-7d", r.rank);
+    for (int c = 0; c < kNumMemoryCategories; ++c) {
+      row += absl::StrFormat(" %20d", r.memory.peak[c]);
+    }
+    row += absl::StrFormat(" %12d %12d %15d", r.memory.compute_peak,
+                           r.memory.offload_peak, r.optimizer_state_bytes);
+    out << row << "\n";
+  }
+  if (report.expected_memory.has_value()) {
+    std::string row = "formula";
+    bool holds = true;
+    for (int c = 0; c < kNumMemoryCategories; ++c) {
+      row += absl::StrFormat(" %20d", (*report.expected_memory)[c]);
+      for (const RankSummary& r : report.ranks) {
+        holds = holds && r.memory.peak[c] == (*report.expected_memory)[c];
+      }
+    }
+    out << row << "\n";
+    out << "# formula: ExpectedPeakMemory (flatparam/train/fsdp_trainer.h); "
+        << (holds ? "every rank matches it" : "SOME RANKS DIFFER") << "\n";
+  }
+
+  out << "# communication of the handles per rank (nccl-tests sizes; sent = "
+         "what a ring sends per rank)\n";
+  out << "rank      all_gather (calls/bytes)  reduce_scatter (calls/bytes)  "
+         "all_reduce (calls/bytes)        sent\n";
+  for (const RankSummary& r : report.ranks) {
+    out << absl::StrFormat("%-7d %6d %16d    %6d %19d    %6d %15d %11d\n",
+                           r.rank, r.comm.all_gather.calls,
+                           r.comm.all_gather.bytes, r.comm.reduce_scatter.calls,
+                           r.comm.reduce_scatter.bytes, r.comm.all_reduce.calls,
+                           r.comm.all_reduce.bytes, r.comm.total_sent_bytes());
+  }
+
+  if (!report.check.has_value()) return;
+  const ReferenceCheck& c = *report.check;
+  const std::string against =
+      c.mixed_precision ? absl::StrFormat(
+                              "single-process training with the same mixed "
+                              "precision (%s emulated)",
+                              DTypeName(*o.param_dtype))
+                        : std::string("single-process training");
+  out << absl::StrFormat(
+      "# check: max |difference| against %s: %g (losses, parameters, "
+      "optimizer state); %s\n",
+      against, c.max_abs_diff,
+      c.bitwise_equal ? "bitwise equal"
+      : c.exact       ? "NOT bitwise equal"
+                      : "not bitwise equal");
+  if (!c.exact && !c.bitwise_equal) {
+    if (c.inexact_bound.has_value()) {
+      out << absl::StrFormat(
+          "# check: %s reduces in its own order, so bitwise equality is not "
+          "expected; parameters differ by %g, %s the bound %g "
+          "(AdamWDivergenceBound)\n",
+          report.backend, c.param_max_abs_diff,
+          c.param_max_abs_diff <= *c.inexact_bound ? "within" : "OUTSIDE",
+          *c.inexact_bound);
+    } else {
+      out << absl::StrFormat(
+          "# check: %s reduces in its own order and SGD has no "
+          "model-independent bound: the difference cannot be checked (use "
+          "--optimizer=adamw)\n",
+          report.backend);
+    }
+  }
+  if (c.mixed_precision) {
+    if (c.fp32_bound.has_value()) {
+      out << absl::StrFormat(
+          "# check: max |difference| of the parameters against float32 "
+          "single-process training: %g, %s the bound %g "
+          "(AdamWDivergenceBound, flatparam/train/optimizer.h)\n",
+          c.fp32_max_abs_diff,
+          c.fp32_max_abs_diff <= *c.fp32_bound ? "within" : "OUTSIDE",
+          *c.fp32_bound);
+    } else {
+      out << absl::StrFormat(
+          "# check: max |difference| of the parameters against float32 "
+          "single-process training: %g (SGD has no model-independent "
+          "bound; not checked)\n",
+          c.fp32_max_abs_diff);
+    }
+  }
+  if (c.nonzero_padding_grads != 0) {
+    out << absl::StrFormat(
+        "# check: %d padding elements of sharded gradients were not zero\n",
+        c.nonzero_padding_grads);
+  }
+  if (c.memory_formula_holds.has_value() && !*c.memory_formula_holds) {
+    out << "# check: the measured peak memory differs from the formula\n";
+  }
+  out << "# check: " << (c.passed ? "passed" : "FAILED") << "\n";
+}
+
+absl::Status TrainVerdict(const TrainReport& report) {
+  if (!report.check.has_value() || report.check->passed) {
+    return absl::OkStatus();
+  }
+  const ReferenceCheck& c = *report.check;
+  std::vector<std::string> why;
+  if (!c.bitwise_equal && c.exact) {
+    why.push_back(absl::StrFormat(
+        "not bitwise equal to single-process training (max |difference| %g)",
+        c.max_abs_diff));
+  }
+  if (!c.bitwise_equal && !c.exact) {
+    why.push_back(
+        c.inexact_bound.has_value()
+            ? absl::StrFormat("parameters differ from single-process "
+                              "training by %g, more than the bound %g",
+                              c.param_max_abs_diff, *c.inexact_bound)
+            : std::string("not bitwise equal to single-process training, "
+                          "and SGD has no bound to check against"));
+  }
+  if (c.fp32_bound.has_value() && !(c.fp32_max_abs_diff <= *c.fp32_bound)) {
+    why.push_back(
+        absl::StrFormat("%g from float32 training, outside the bound %g",
+                        c.fp32_max_abs_diff, *c.fp32_bound));
+  }
+  if (c.nonzero_padding_grads != 0) {
+    why.push_back(absl::StrFormat("%d non-zero padding gradients",
+                                  c.nonzero_padding_grads));
+  }
+  if (c.memory_formula_holds.has_value() && !*c.memory_formula_holds) {
+    why.push_back("peak memory differs from ExpectedPeakMemory");
+  }
+  return absl::FailedPreconditionError(
+      absl::StrCat("the check against single-process training failed: ",
+                   absl::StrJoin(why, "; ")));
+}
+
+absl::Status RunTrainSim(const TrainCommandOptions& options,
+                         std::ostream& out) {
+  FLATPARAM_RETURN_IF_ERROR(ValidateTrainCommandOptions(options));
+  // Inconsistent options fail before any rank starts.
+  FLATPARAM_RETURN_IF_ERROR(
+      MakeFsdpTrainOptions(options, static_cast<int>(options.world_size))
+          .status());
+  SimOptions sim;
+  sim.world_size = static_cast<int>(options.world_size);
+  sim.seed = options.seed;
+  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<SimWorld> world,
+                             SimWorld::Create(sim));
+  TrainReport report;
+  FLATPARAM_RETURN_IF_ERROR(
+      world->Run([&](SimCommunicator& comm) -> absl::Status {
+        HostDeviceOps device;
+        FLATPARAM_ASSIGN_OR_RETURN(
+            TrainReport mine,
+            RunTrainOnRank(comm, device, options, /*host_device=*/true));
+        if (comm.rank() == 0) report = std::move(mine);
+        return absl::OkStatus();
+      }));
+  PrintTrainReport(report, out);
+  return TrainVerdict(report);
+}
+
+}  // namespace tools
+}  // namespace flatparam

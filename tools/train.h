@@ -1,0 +1,179 @@
+// `fsdp train`: trains the reference model (flatparam/train/model.h) with
+// one FlatParamHandle per unit (flatparam/train/fsdp_trainer.h) on the
+// simulator, MPI or NCCL, and prints the per-step loss, every rank's peak
+// memory by category next to the closed-form formula, the handles'
+// communication, and, when asked, the comparison with single-process
+// training (TrainReference).
+//
+//   fsdp train --world-size=8 --strategy=FULL_SHARD --steps=3 --check-reference
+//   fsdp train --strategy=HYBRID_SHARD --shard-group-size=4
+//       --mixed-precision=bf16 --check-reference   (one command line)
+//   mpirun -np 4 fsdp train --backend=mpi --check-reference
+//
+// The check. In float32 the sharded run must equal single-process training
+// bit for bit (the simulator and MPI fold reductions on the host in rank
+// order; hybrid strategies against the two-level fold). With bf16/fp16 mixed
+// precision it must equal single-process training with the same mixed
+// precision emulated, bit for bit, and its distance to float32
+// single-process training is reported; with AdamW it must be within
+// AdamWDivergenceBound (flatparam/train/optimizer.h), a bound that holds for
+// any two AdamW runs from the same start (SGD has no model-independent
+// bound, so only the distance is shown). On the host backends the measured
+// peak memory must also equal ExpectedPeakMemory. On NCCL (reductions in
+// NCCL's order, CUDA's reciprocal division) several GPUs are not bitwise
+// equal to the host's arithmetic: there the check passes when the run is
+// bitwise equal or, with AdamW, within AdamWDivergenceBound of the
+// reference; with SGD it cannot be decided and fails, saying so.
+//
+// Thread-safety: RunTrain* are called once, from main; RunTrainOnRank once
+// per rank thread.
+#ifndef TOOLS_TRAIN_H_
+#define TOOLS_TRAIN_H_
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "comm/communicator.h"
+#include "flatparam/device/device.h"
+#include "flatparam/memory_stats.h"
+#include "flatparam/train/fsdp_trainer.h"
+
+namespace flatparam {
+namespace tools {
+
+struct TrainCommandOptions {
+  // "sim", "mpi" or "nccl".
+  std::string backend = "sim";
+  // sim: the number of ranks. mpi/nccl: must equal the job's size when
+  // world_size_given (mpirun's -np decides).
+  int64_t world_size = 8;
+  bool world_size_given = false;
+  std::string strategy = "FULL_SHARD";
+  // The hybrid strategies' ranks per shard group; 0: 2 when the world size
+  // is even, else the world size. Must be 0 for other strategies.
+  int64_t shard_group_size = 0;
+  int64_t steps = 3;
+  int64_t micro_batches = 1;
+  // Accumulate micro-batches under no_sync instead of reducing each.
+  bool no_sync = false;
+  // "none", "bf16" or "fp16": param_dtype (gradients reduced in it).
+  std::string mixed_precision = "none";
+  bool cpu_offload = false;
+  bool align_addresses = false;
+  // Seeds the model's initialisation, the data and the simulator.
+  uint64_t seed = 0;
+  // "adamw" or "sgd" (momentum 0.9), with this learning rate.
+  std::string optimizer = "adamw";
+  double lr = 1e-2;
+  // Samples per micro-batch over all ranks; 0: 2 per rank.
+  int64_t global_batch = 0;
+  bool check_reference = false;
+};
+
+// InvalidArgument naming the flag for options that make no sense before
+// the world size is known (an unknown backend, strategy, precision or
+// optimizer; steps or micro-batches < 1; ...).
+absl::Status ValidateTrainCommandOptions(const TrainCommandOptions& options);
+
+// The trainer's options for `world_size` ranks (defaults resolved);
+// InvalidArgument naming the flag for inconsistent ones, such as a shard
+// group size that does not divide the world size.
+absl::StatusOr<train::FsdpTrainOptions> MakeFsdpTrainOptions(
+    const TrainCommandOptions& options, int world_size);
+
+// One rank's figures.
+struct RankSummary {
+  int rank = 0;
+  MemoryStats memory;
+  int64_t optimizer_state_bytes = 0;
+  train::CommStats comm;
+  int64_t nonzero_padding_grads = 0;
+};
+
+// The comparison with single-process training.
+struct ReferenceCheck {
+  // Against TrainReference on ReferenceOptionsFor() (mixed precision
+  // emulated): the largest |difference| over the losses, parameters and
+  // optimizer state, and whether all of them are bitwise equal.
+  double max_abs_diff = 0;
+  bool bitwise_equal = false;
+  // Whether bitwise equality is required (the backend reduces as the
+  // reference does); otherwise, with AdamW, the parameters' largest
+  // |difference| must be within `inexact_bound` (AdamWDivergenceBound).
+  bool exact = true;
+  double param_max_abs_diff = 0;
+  std::optional<double> inexact_bound;
+  // Mixed precision: against float32 single-process training (parameters),
+  // and AdamWDivergenceBound for AdamW.
+  bool mixed_precision = false;
+  double fp32_max_abs_diff = 0;
+  std::optional<double> fp32_bound;
+  // Padding elements of sharded gradients that were not zero (must be 0).
+  int64_t nonzero_padding_grads = 0;
+  // Measured peaks against ExpectedPeakMemory (host compute devices only).
+  std::optional<bool> memory_formula_holds;
+  bool passed = false;
+};
+
+// What a run found; the same on every rank.
+struct TrainReport {
+  std::string backend;
+  int world_size = 0;
+  train::FsdpTrainOptions options;
+  std::string optimizer;  // as given: "adamw" or "sgd"
+  std::vector<float> losses;
+  std::vector<RankSummary> ranks;
+  // The formula, on a host compute device.
+  std::optional<std::array<int64_t, kNumMemoryCategories>> expected_memory;
+  std::optional<ReferenceCheck> check;
+};
+
+// Compares one rank's result of `options` on `world_size` ranks with
+// single-process training (see ReferenceCheck); `exact` says whether the
+// backend must match bit for bit. `expected_memory` and `ranks`, when
+// given, add the memory formula to the check.
+absl::StatusOr<ReferenceCheck> CheckAgainstReference(
+    const train::FsdpTrainOptions& options, int world_size, bool exact,
+    const train::FsdpRankResult& result,
+    const std::optional<std::array<int64_t, kNumMemoryCategories>>&
+        expected_memory,
+    const std::vector<RankSummary>& ranks);
+
+// The whole command on one rank of `world` (every rank calls it alike),
+// with the handles' buffers from `device`; `host_device` says whether the
+// compute device is the host (then the memory formula applies and results
+// must be bitwise equal: the simulator and MPI). Gathers every rank's
+// summary over `world`.
+absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
+                                           DeviceOps& device,
+                                           const TrainCommandOptions& options,
+                                           bool host_device);
+
+// The output: a header, the loss per step, the per-rank memory table with
+// the formula's row, communication, and the check.
+void PrintTrainReport(const TrainReport& report, std::ostream& out);
+
+// OK without a check or when it passed; FailedPrecondition saying what
+// failed otherwise.
+absl::Status TrainVerdict(const TrainReport& report);
+
+// --backend=sim: options.world_size ranks on a SimWorld (seed
+// options.seed); prints the report to `out` and returns the verdict.
+absl::Status RunTrainSim(const TrainCommandOptions& options, std::ostream& out);
+
+// --backend=mpi or nccl, on this process's rank of an MPI job: initialises
+// and finalises MPI; nccl trains on the GPU numbered by the node-local rank
+// with an NCCL communicator bootstrapped over MPI. Rank 0 prints. Every
+// rank returns the verdict. Unimplemented without OpenMPI in the build.
+absl::Status RunTrainMpi(const TrainCommandOptions& options, std::ostream& out);
+
+}  // namespace tools
+}  // namespace flatparam
+
+#endif  // TOOLS_TRAIN_H_

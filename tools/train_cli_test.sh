@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# `fsdp train` end to end on the simulator: bitwise equality with
+# single-process training, the mixed-precision check, and non-zero exit
+# codes for inconsistent options.
+# Usage: train_cli_test.sh PATH_TO_FSDP
+set -uo pipefail
+
+fsdp=$1
+tmp=${TEST_TMPDIR:-$(mktemp -d)}
+failures=0
+
+fail() {
+  echo "FAIL: $*" >&2
+  failures=$((failures + 1))
+}
+
+# expect_exit CODE ARGS...: runs fsdp with ARGS, checks the exit code, and
+# leaves stdout/stderr in $tmp/out and $tmp/err.
+expect_exit() {
+  local want=$1
+  shift
+  "$fsdp" "$@" >"$tmp/out" 2>"$tmp/err"
+  local got=$?
+  if [ "$got" -ne "$want" ]; then
+    fail "fsdp $* exited $got, want $want; stderr: $(head -c 500 "$tmp/err")"
+  fi
+}
+
+expect_exit 0 train --world-size=8 --strategy=FULL_SHARD --steps=3 \
+  --check-reference
+cat "$tmp/out"
+grep -q '^# fsdp train: backend sim, 8 ranks, FULL_SHARD' "$tmp/out" ||
+  fail "no header"
+[ "$(grep -cE '^ +[0-2]  [0-9.]+$' "$tmp/out")" -eq 3 ] ||
+  fail "not one loss per step"
+grep -q 'bitwise equal' "$tmp/out" || fail "no \"bitwise equal\""
+grep -q '^# check: passed$' "$tmp/out" || fail "check not passed"
+[ "$(grep -cE '^[0-7] +[0-9]+ ' "$tmp/out")" -eq 16 ] ||
+  fail "not one memory and one communication row per rank"
+grep -q 'every rank matches it' "$tmp/out" || fail "memory formula"
+
+# Hybrid with bf16: bitwise against the emulation, within the bound.
+expect_exit 0 train --world-size=8 --strategy=HYBRID_SHARD \
+  --shard-group-size=4 --mixed-precision=bf16 --micro-batches=2 --no-sync \
+  --align-addresses --cpu-offload --check-reference
+grep -q '(bfloat16 emulated): 0 .*; bitwise equal' "$tmp/out" ||
+  fail "bf16 not bitwise equal to its emulation"
+grep -q 'within the bound' "$tmp/out" || fail "bf16 bound not reported"
+
+# Equal seeds, equal output.
+expect_exit 0 train --world-size=4 --strategy=SHARD_GRAD_OP --seed=7
+cp "$tmp/out" "$tmp/first"
+expect_exit 0 train --world-size=4 --strategy=SHARD_GRAD_OP --seed=7
+cmp -s "$tmp/out" "$tmp/first" || fail "same seed, different output"
+
+# Inconsistent options exit 1 with the flag named.
+expect_exit 1 train --world-size=8 --strategy=HYBRID_SHARD \
+  --shard-group-size=3 --check-reference
+grep -q -- '--shard-group-size=3 must divide the world size 8' "$tmp/err" ||
+  fail "inconsistent shard group size not named"
+[ -s "$tmp/out" ] && fail "output despite the error"
+expect_exit 1 train --strategy=NO_SHARD --shard-group-size=2
+expect_exit 1 train --mixed-precision=fp8
+grep -q -- '--mixed-precision=fp8' "$tmp/err" || fail "bad precision not named"
+expect_exit 1 train --no-such-flag
+expect_exit 2 train extra-argument
+
+if [ "$failures" -ne 0 ]; then
+  echo "$failures check(s) failed" >&2
+  exit 1
+fi
+echo "PASS"

@@ -1,0 +1,77 @@
+// RunTrainMpi() in a build with OpenMPI.
+#include <cstdlib>
+#include <memory>
+#include <ostream>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "comm/mpi/mpi_communicator.h"
+#include "comm/nccl/nccl_backend.h"
+#include "flatparam/base/status_macros.h"
+#include "flatparam/device/cuda/cuda_device.h"
+#include "flatparam/device/device.h"
+#include "tools/train.h"
+
+namespace flatparam {
+namespace tools {
+namespace {
+
+// The node-local rank that picks this rank's GPU: Open MPI's, else 0.
+int LocalRank() {
+  int rank = 0;
+  const char* s = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  if (s == nullptr || !absl::SimpleAtoi(s, &rank)) return 0;
+  return rank;
+}
+
+absl::Status RunOnWorld(MpiCommunicator& world,
+                        const TrainCommandOptions& options, std::ostream& out) {
+  if (options.world_size_given && options.world_size != world.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "rank %d: --world-size=%d, but the MPI job has %d ranks (mpirun -np "
+        "decides the world size of --backend=%s)",
+        world.rank(), options.world_size, world.size(), options.backend));
+  }
+  // Inconsistent options fail on every rank alike, before communicating.
+  FLATPARAM_RETURN_IF_ERROR(
+      MakeFsdpTrainOptions(options, world.size()).status());
+  TrainReport report;
+  if (options.backend == "nccl") {
+    const int gpu = LocalRank();
+    // Every rank learns of a failure on any rank here, so none hangs.
+    FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> nccl,
+                               CreateNcclCommunicator(world, gpu));
+    FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<DeviceOps> device,
+                               CreateCudaDeviceOps(gpu));
+    FLATPARAM_ASSIGN_OR_RETURN(
+        report, RunTrainOnRank(*nccl, *device, options, /*host_device=*/false));
+  } else {
+    HostDeviceOps device;
+    FLATPARAM_ASSIGN_OR_RETURN(
+        report, RunTrainOnRank(world, device, options, /*host_device=*/true));
+  }
+  if (world.rank() == 0) PrintTrainReport(report, out);
+  return TrainVerdict(report);
+}
+
+}  // namespace
+
+absl::Status RunTrainMpi(const TrainCommandOptions& options,
+                         std::ostream& out) {
+  FLATPARAM_RETURN_IF_ERROR(ValidateTrainCommandOptions(options));
+  FLATPARAM_ASSIGN_OR_RETURN(MpiSession session,
+                             MpiSession::Start(nullptr, nullptr));
+  absl::Status status;
+  {
+    // Communicators go before MPI is finalised.
+    absl::StatusOr<std::unique_ptr<MpiCommunicator>> world =
+        MpiCommunicator::CreateWorld();
+    status = world.ok() ? RunOnWorld(**world, options, out) : world.status();
+  }
+  const absl::Status finished = session.Finish();
+  return status.ok() ? finished : status;
+}
+
+}  // namespace tools
+}  // namespace flatparam

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# `fsdp train` under mpirun with 4 ranks, launched by comm/mpi's
+# mpirun_test.sh: MPI ranks train bitwise equal to single-process training
+# and rank 0 alone prints; the NCCL backend either runs (4 GPUs) or fails
+# naming the rank and the missing GPU.
+# Usage: train_mpi_test.sh PATH_TO_MPIRUN_TEST_SH PATH_TO_FSDP
+set -uo pipefail
+
+mpirun_test=$1
+fsdp=$2
+tmp=${TEST_TMPDIR:-$(mktemp -d)}
+failures=0
+
+fail() {
+  echo "FAIL: $*" >&2
+  failures=$((failures + 1))
+}
+
+MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" train --backend=mpi \
+  --strategy=HYBRID_SHARD --micro-batches=2 --check-reference \
+  >"$tmp/out" 2>"$tmp/err"
+status=$?
+cat "$tmp/out"
+[ "$status" -eq 0 ] || fail "mpi run exited $status: $(head -c 2000 "$tmp/err")"
+[ "$(grep -c '^# fsdp train: backend mpi, 4 ranks, HYBRID_SHARD' "$tmp/out")" \
+  -eq 1 ] || fail "not exactly one header (rank 0 alone prints)"
+grep -q 'bitwise equal' "$tmp/out" || fail "no \"bitwise equal\""
+grep -q '^# check: passed$' "$tmp/out" || fail "check not passed"
+
+# --world-size must agree with mpirun's.
+MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" train --backend=mpi \
+  --world-size=2 >"$tmp/out" 2>"$tmp/err"
+[ $? -ne 0 ] || fail "--world-size=2 under 4 ranks succeeded"
+grep -q 'but the MPI job has 4 ranks' "$tmp/err" ||
+  fail "world size mismatch not explained: $(head -c 2000 "$tmp/err")"
+
+MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" train --backend=nccl \
+  --check-reference >"$tmp/out" 2>"$tmp/err"
+status=$?
+if [ "$status" -eq 0 ]; then
+  grep -q 'backend nccl, 4 ranks' "$tmp/out" || fail "nccl run printed nothing"
+else
+  grep -qE 'rank [0-9]+.*(GPU|NCCL|cuda)' "$tmp/err" ||
+    fail "nccl failure without a rank and reason: $(head -c 2000 "$tmp/err")"
+fi
+
+if [ "$failures" -ne 0 ]; then
+  echo "$failures check(s) failed" >&2
+  exit 1
+fi
+echo "PASS"

@@ -1,0 +1,213 @@
+#include "tools/train.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <array>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "flatparam/base/status_matchers.h"
+#include "flatparam/memory_stats.h"
+#include "flatparam/train/fsdp_trainer.h"
+#include "flatparam/train/reference_trainer.h"
+
+namespace flatparam {
+namespace tools {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+TrainCommandOptions Options(const std::string& strategy, int world = 8) {
+  TrainCommandOptions o;
+  o.strategy = strategy;
+  o.world_size = world;
+  o.steps = 2;
+  o.check_reference = true;
+  return o;
+}
+
+// The command core on the simulator: bitwise equal in float32 for every
+// strategy, with the memory formula.
+TEST(RunTrainSimTest, EveryStrategyIsBitwiseEqual) {
+  for (const char* strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD",
+                               "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"}) {
+    SCOPED_TRACE(strategy);
+    TrainCommandOptions o = Options(strategy);
+    o.micro_batches = 2;
+    o.align_addresses = true;
+    std::ostringstream out;
+    EXPECT_THAT(RunTrainSim(o, out), IsOk());
+    const std::string text = out.str();
+    EXPECT_THAT(text,
+                HasSubstr(absl::StrCat("backend sim, 8 ranks, ", strategy)));
+    EXPECT_THAT(text, HasSubstr("against single-process training: 0 "));
+    EXPECT_THAT(text, HasSubstr("; bitwise equal\n"));
+    EXPECT_THAT(text, HasSubstr("every rank matches it"));
+    EXPECT_THAT(text, HasSubstr("# check: passed\n"));
+    EXPECT_THAT(text, HasSubstr("\n   1  "));  // The second step's loss.
+  }
+}
+
+TEST(RunTrainSimTest, MixedPrecisionIsBitwiseToItsEmulationAndWithinBound) {
+  TrainCommandOptions o = Options("HYBRID_SHARD", 6);
+  o.shard_group_size = 3;
+  o.mixed_precision = "bf16";
+  o.cpu_offload = true;
+  o.micro_batches = 2;
+  o.no_sync = true;
+  std::ostringstream out;
+  EXPECT_THAT(RunTrainSim(o, out), IsOk());
+  EXPECT_THAT(out.str(), HasSubstr("(bfloat16 emulated): 0 "));
+  EXPECT_THAT(out.str(), HasSubstr("bitwise equal"));
+  EXPECT_THAT(out.str(), HasSubstr("float32 single-process training: "));
+  EXPECT_THAT(out.str(), HasSubstr(", within the bound "));
+  EXPECT_THAT(out.str(), HasSubstr("shard groups of 3 ranks, 2 replicas"));
+}
+
+TEST(RunTrainSimTest, WithoutCheckPrintsNoVerdict) {
+  TrainCommandOptions o = Options("SHARD_GRAD_OP", 2);
+  o.check_reference = false;
+  std::ostringstream out;
+  EXPECT_THAT(RunTrainSim(o, out), IsOk());
+  EXPECT_THAT(out.str(), Not(HasSubstr("# check")));
+  EXPECT_THAT(out.str(), HasSubstr("formula "));
+}
+
+// A result that is off by one bit fails the check, and the verdict says so.
+TEST(CheckAgainstReferenceTest, FailsOnAnyDifference) {
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      train::FsdpTrainOptions options,
+      MakeFsdpTrainOptions(Options("FULL_SHARD"), 8));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(train::TrainOptions ref,
+                                 train::ReferenceOptionsFor(options, 8));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(train::TrainResult want,
+                                 train::TrainReference(options.model, ref));
+  train::FsdpRankResult result;
+  result.losses = want.losses;
+  result.params = want.params;
+  result.optimizer_state = want.optimizer_state;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ReferenceCheck same, CheckAgainstReference(options, 8, /*exact=*/true,
+                                                 result, std::nullopt, {}));
+  EXPECT_TRUE(same.passed);
+  EXPECT_TRUE(same.bitwise_equal);
+  EXPECT_EQ(same.max_abs_diff, 0);
+
+  result.params.at("head.bias").data_as<uint32_t>()[3] ^= 1;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ReferenceCheck off, CheckAgainstReference(options, 8, /*exact=*/true,
+                                                result, std::nullopt, {}));
+  EXPECT_FALSE(off.passed);
+  EXPECT_FALSE(off.bitwise_equal);
+  EXPECT_GT(off.max_abs_diff, 0);
+  TrainReport report;
+  report.check = off;
+  EXPECT_THAT(TrainVerdict(report),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("not bitwise equal to single-process "
+                                 "training")));
+  std::ostringstream out;
+  report.options = options;
+  report.world_size = 8;
+  PrintTrainReport(report, out);
+  EXPECT_THAT(out.str(), HasSubstr("NOT bitwise equal"));
+  EXPECT_THAT(out.str(), HasSubstr("# check: FAILED"));
+
+  // A backend that reduces in its own order (NCCL) passes within the AdamW
+  // bound, and fails outside it.
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ReferenceCheck inexact, CheckAgainstReference(options, 8, /*exact=*/false,
+                                                    result, std::nullopt, {}));
+  EXPECT_TRUE(inexact.passed);
+  EXPECT_FALSE(inexact.bitwise_equal);
+  ASSERT_TRUE(inexact.inexact_bound.has_value());
+  result.params.at("head.bias").data_as<float>()[3] += 1.0f;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      inexact, CheckAgainstReference(options, 8, /*exact=*/false, result,
+                                     std::nullopt, {}));
+  EXPECT_FALSE(inexact.passed);
+  report.check = inexact;
+  EXPECT_THAT(TrainVerdict(report),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("more than the bound")));
+
+  // A peak that differs from the formula fails too.
+  result.params = want.params;
+  std::array<int64_t, kNumMemoryCategories> formula{};
+  RankSummary rank;
+  rank.memory.peak[0] = 1;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ReferenceCheck memory, CheckAgainstReference(options, 8, /*exact=*/true,
+                                                   result, formula, {rank}));
+  EXPECT_FALSE(memory.passed);
+  EXPECT_EQ(memory.memory_formula_holds, false);
+}
+
+TEST(MakeFsdpTrainOptionsTest, ResolvesDefaults) {
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      train::FsdpTrainOptions o,
+      MakeFsdpTrainOptions(Options("HYBRID_SHARD"), 8));
+  EXPECT_EQ(o.shard_group_size, 2);
+  EXPECT_EQ(o.global_batch, 16);
+  EXPECT_EQ(o.steps, 2);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      o, MakeFsdpTrainOptions(Options("HYBRID_SHARD_ZERO2", 3), 3));
+  EXPECT_EQ(o.shard_group_size, 3);
+  TrainCommandOptions c = Options("FULL_SHARD");
+  c.mixed_precision = "fp16";
+  c.optimizer = "sgd";
+  c.lr = 0.5;
+  c.no_sync = true;
+  c.seed = 9;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(o, MakeFsdpTrainOptions(c, 8));
+  EXPECT_EQ(o.param_dtype, DType::kFloat16);
+  EXPECT_EQ(std::get<train::SgdOptions>(o.optimizer).lr, 0.5);
+  EXPECT_EQ(o.accumulation, train::AccumulationMode::kNoSync);
+  EXPECT_EQ(o.model.seed, 9u);
+  EXPECT_EQ(o.data_seed, 9u);
+}
+
+TEST(MakeFsdpTrainOptionsTest, NamesTheInconsistentFlag) {
+  TrainCommandOptions c = Options("HYBRID_SHARD");
+  c.shard_group_size = 3;
+  EXPECT_THAT(MakeFsdpTrainOptions(c, 8),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--shard-group-size=3 must divide the world "
+                                 "size 8")));
+  c.strategy = "NO_SHARD";
+  EXPECT_THAT(MakeFsdpTrainOptions(c, 8),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("only for HYBRID_SHARD")));
+  c = Options("FULL_SHARD");
+  c.global_batch = 12;
+  EXPECT_THAT(MakeFsdpTrainOptions(c, 8),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--global-batch=12 must be a multiple")));
+  for (auto [field, value] :
+       {std::pair<std::string, std::string>{"strategy", "ZERO3"},
+        {"mixed_precision", "fp8"},
+        {"optimizer", "adam"},
+        {"backend", "gloo"}}) {
+    c = Options("FULL_SHARD");
+    if (field == "strategy") c.strategy = value;
+    if (field == "mixed_precision") c.mixed_precision = value;
+    if (field == "optimizer") c.optimizer = value;
+    if (field == "backend") c.backend = value;
+    EXPECT_THAT(ValidateTrainCommandOptions(c),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(value)))
+        << field;
+  }
+  c = Options("FULL_SHARD");
+  c.steps = 0;
+  EXPECT_THAT(
+      ValidateTrainCommandOptions(c),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--steps=0")));
+}
+
+}  // namespace
+}  // namespace tools
+}  // namespace flatparam

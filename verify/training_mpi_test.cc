@@ -1,0 +1,223 @@
+// Sharded training over MPI equals single-process training, bit for bit:
+// the MPI backend folds reductions on the host in rank order, as the
+// simulator does (comm/mpi/mpi_communicator.h), so the property proven on
+// the simulator (training_equivalence_test.cc) holds across processes too.
+//
+// A multi-process test: run under mpirun (training_mpi_test launches it
+// through comm/mpi/mpirun_test.sh with 4 ranks; any size >= 1 works). Every
+// rank trains its shard with TrainFsdpOnRank on the MPI world and compares
+// the gathered results with TrainReference computed on that rank. The cases
+// are a fixed table (every strategy, alignment, offload, micro-batches in
+// both modes, bf16 and fp16 mixed precision), so every rank runs the same
+// collectives. main() combines every rank's verdict; rank 0 prints gtest's
+// output, the others only their failures, prefixed with "[rank N]".
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "comm/communicator.h"
+#include "comm/mpi/mpi_communicator.h"
+#include "flatparam/device/device.h"
+#include "flatparam/layout.h"
+#include "flatparam/memory_stats.h"
+#include "flatparam/train/fsdp_trainer.h"
+#include "flatparam/train/reference_trainer.h"
+#include "verify/training_testutil.h"
+
+namespace flatparam {
+namespace verify {
+namespace {
+
+MpiCommunicator* g_world = nullptr;  // Set up by main().
+
+struct Case {
+  std::string name;
+  train::FsdpTrainOptions options;
+};
+
+std::vector<Case> Cases(int world) {
+  std::vector<Case> cases;
+  auto add = [&](std::string name, ShardingStrategy strategy, auto tweak) {
+    Case c;
+    c.name = std::move(name);
+    c.options.strategy = strategy;
+    c.options.steps = 3;
+    c.options.global_batch = 2 * world;
+    c.options.micro_batches = 2;
+    c.options.optimizer = train::AdamWOptions{1e-2};
+    c.options.data_seed = 3;
+    c.options.model.seed = 17;
+    tweak(c.options);
+    cases.push_back(std::move(c));
+  };
+  const int half = world % 2 == 0 ? world / 2 : world;
+  auto none = [](train::FsdpTrainOptions&) {};
+  add("full_shard", ShardingStrategy::kFullShard, none);
+  add("full_shard_aligned_nan_padding", ShardingStrategy::kFullShard,
+      [](train::FsdpTrainOptions& o) {
+        o.align_addresses = true;
+        o.padding_fill = std::numeric_limits<float>::quiet_NaN();
+      });
+  add("shard_grad_op_no_sync", ShardingStrategy::kShardGradOp,
+      [](train::FsdpTrainOptions& o) {
+        o.accumulation = train::AccumulationMode::kNoSync;
+        o.micro_batches = 3;
+      });
+  add("no_shard_offload_sgd", ShardingStrategy::kNoShard,
+      [](train::FsdpTrainOptions& o) {
+        o.cpu_offload = true;
+        o.optimizer = train::SgdOptions{0.1, 0.9};
+      });
+  add("hybrid_shard", ShardingStrategy::kHybridShard,
+      [half](train::FsdpTrainOptions& o) { o.shard_group_size = half; });
+  add("hybrid_shard_zero2_aligned_offload", ShardingStrategy::kHybridShardZero2,
+      [half](train::FsdpTrainOptions& o) {
+        o.shard_group_size = half;
+        o.align_addresses = true;
+        o.cpu_offload = true;
+      });
+  add("full_shard_bf16", ShardingStrategy::kFullShard,
+      [](train::FsdpTrainOptions& o) {
+        o.param_dtype = DType::kBFloat16;
+        o.align_addresses = true;
+      });
+  add("shard_grad_op_fp16_reduce_fp32", ShardingStrategy::kShardGradOp,
+      [](train::FsdpTrainOptions& o) {
+        o.param_dtype = DType::kFloat16;
+        o.reduce_dtype = DType::kFloat32;
+      });
+  return cases;
+}
+
+class TrainingMpiTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(TrainingMpiTest, EqualsTheReferenceBitwise) {
+  const Case c = Cases(g_world->size())[GetParam()];
+  SCOPED_TRACE(c.name);
+  HostDeviceOps device;
+  absl::StatusOr<train::FsdpRankResult> got =
+      train::TrainFsdpOnRank(*g_world, device, c.options);
+  ASSERT_TRUE(got.ok()) << got.status();
+  absl::StatusOr<train::TrainOptions> ref_options =
+      train::ReferenceOptionsFor(c.options, g_world->size());
+  ASSERT_TRUE(ref_options.ok()) << ref_options.status();
+  absl::StatusOr<train::TrainResult> want =
+      train::TrainReference(c.options.model, *ref_options);
+  ASSERT_TRUE(want.ok()) << want.status();
+
+  std::string why;
+  EXPECT_EQ(got->losses, want->losses);
+  EXPECT_TRUE(SameTensors(got->params, want->params, &why)) << why;
+  EXPECT_TRUE(SameStates(got->optimizer_state, want->optimizer_state, &why))
+      << why;
+  EXPECT_EQ(got->nonzero_padding_grads, 0);
+  absl::StatusOr<std::array<int64_t, kNumMemoryCategories>> memory =
+      train::ExpectedPeakMemory(c.options, g_world->size());
+  ASSERT_TRUE(memory.ok()) << memory.status();
+  for (int k = 0; k < kNumMemoryCategories; ++k) {
+    EXPECT_EQ(got->memory.peak[k], (*memory)[k])
+        << MemoryCategoryName(MemoryCategory(k));
+  }
+  EXPECT_GT(got->comm.total_bytes(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, TrainingMpiTest, ::testing::Range(0, 8),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           // The names do not depend on the world size.
+                           return Cases(2)[info.param].name;
+                         });
+
+// On ranks other than 0: only failures, prefixed with the rank.
+class RankFailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit RankFailurePrinter(int rank) : rank_(rank) {}
+
+  void OnTestPartResult(const ::testing::TestPartResult& result) override {
+    if (!result.failed()) return;
+    std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_,
+                 result.file_name() ? result.file_name() : "?",
+                 result.line_number(), result.message());
+  }
+  void OnTestEnd(const ::testing::TestInfo& info) override {
+    if (info.result()->Failed()) {
+      std::fprintf(stderr, "[rank %d] FAILED %s.%s\n", rank_,
+                   info.test_suite_name(), info.name());
+    }
+  }
+
+ private:
+  int rank_;
+};
+
+}  // namespace
+}  // namespace verify
+}  // namespace flatparam
+
+int main(int argc, char** argv) {
+  absl::StatusOr<flatparam::MpiSession> session =
+      flatparam::MpiSession::Start(&argc, &argv);
+  if (!session.ok()) {
+    std::fprintf(stderr, "%s\n", session.status().ToString().c_str());
+    return 1;
+  }
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (rank != 0) {
+    // Bazel's per-test files belong to rank 0 alone.
+    unsetenv("XML_OUTPUT_FILE");
+    unsetenv("TEST_PREMATURE_EXIT_FILE");
+    unsetenv("GTEST_OUTPUT");
+  }
+  ::testing::InitGoogleTest(&argc, argv);
+  if (rank != 0) {
+    ::testing::TestEventListeners& listeners =
+        ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new flatparam::verify::RankFailurePrinter(rank));
+  }
+  bool failed = false;
+  {
+    auto world = flatparam::MpiCommunicator::CreateWorld();
+    if (!world.ok()) {
+      std::fprintf(stderr, "[rank %d] %s\n", rank,
+                   world.status().ToString().c_str());
+      return 1;
+    }
+    flatparam::verify::g_world = world->get();
+    failed = RUN_ALL_TESTS() != 0;
+    // Every rank's verdict, so that the exit codes agree with the failures
+    // the other ranks printed.
+    float mine = failed ? 1.0f : 0.0f;
+    float any = 1.0f;
+    flatparam::ReduceOptions max;
+    max.op = flatparam::ReduceOp::kMax;
+    max.timeout = absl::Seconds(60);
+    const absl::Status verdict =
+        (*world)
+            ->AllReduce({&mine, 1, flatparam::DType::kFloat32},
+                        {&any, 1, flatparam::DType::kFloat32}, max)
+            ->Wait();
+    if (!verdict.ok()) {
+      std::fprintf(stderr, "[rank %d] combining results: %s\n", rank,
+                   verdict.ToString().c_str());
+    }
+    if (rank == 0 && verdict.ok() && any != 0 && !failed) {
+      std::fprintf(stderr, "FAILED on another rank (see [rank N] lines)\n");
+    }
+    failed = !verdict.ok() || any != 0;
+    flatparam::verify::g_world = nullptr;
+  }
+  const absl::Status finished = session->Finish();
+  if (!finished.ok()) {
+    std::fprintf(stderr, "[rank %d] %s\n", rank, finished.ToString().c_str());
+    failed = true;
+  }
+  return failed ? 1 : 0;
+}

@@ -1,0 +1,200 @@
+// Sharded training on GPUs: FlatParamHandles on CUDA DeviceOps with an NCCL
+// communicator (bootstrapped by an in-process thread group), one rank per
+// visible GPU (up to 4), against TrainReference.
+//
+// On one GPU there is no reduction arithmetic (one rank: the gradient
+// factors are 1, the collectives copy), and the CUDA kernels cast and add
+// exactly as the host does, so the results are bitwise identical, mixed
+// precision included. On several GPUs NCCL sums in its own order and CUDA
+// divides by multiplying with the reciprocal, so one step's gradients are
+// checked against 2 gamma_K(u) T (verify/training_equivalence_test.cc
+// explains the bound) with two more roundings per term for the reciprocal.
+//
+// Skips, saying why, without CUDA or NCCL in the build or without a usable
+// GPU ("no usable GPU: ..."), as on CPU-only CI machines.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "comm/communicator.h"
+#include "comm/nccl/nccl_backend.h"
+#include "comm/nccl/thread_bootstrap_testutil.h"
+#include "flatparam/device/cuda/cuda_device.h"
+#include "flatparam/device/device.h"
+#include "flatparam/layout.h"
+#include "flatparam/memory_stats.h"
+#include "flatparam/train/fsdp_trainer.h"
+#include "flatparam/train/model.h"
+#include "flatparam/train/reference_trainer.h"
+#include "verify/training_testutil.h"
+
+namespace flatparam {
+namespace verify {
+namespace {
+
+using train::FsdpRankResult;
+using train::FsdpTrainOptions;
+
+// The number of usable GPUs (at most 4); skips the test when there is none.
+int UsableGpus(std::string* why) {
+  if (!CudaDeviceOpsAvailable() || !NcclBackendAvailable()) {
+    *why = "no CUDA/NCCL in this build";
+    return 0;
+  }
+  int n = 0;
+  for (; n < 4; ++n) {
+    absl::StatusOr<std::unique_ptr<DeviceOps>> ops = CreateCudaDeviceOps(n);
+    if (!ops.ok()) {
+      if (n == 0) *why = std::string(ops.status().message());
+      break;
+    }
+  }
+  return n;
+}
+
+// Trains on `world` GPUs, one thread per rank.
+std::vector<absl::StatusOr<FsdpRankResult>> TrainOnGpus(
+    const FsdpTrainOptions& options, int world) {
+  std::vector<std::unique_ptr<Communicator>> bootstrap = MakeThreadGroup(world);
+  std::vector<absl::StatusOr<FsdpRankResult>> results(
+      world, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      absl::StatusOr<std::unique_ptr<DeviceOps>> ops = CreateCudaDeviceOps(r);
+      if (!ops.ok()) {
+        results[r] = ops.status();
+        return;
+      }
+      absl::StatusOr<std::unique_ptr<Communicator>> nccl =
+          CreateNcclCommunicator(*bootstrap[r], r);
+      if (!nccl.ok()) {
+        results[r] = nccl.status();
+        return;
+      }
+      results[r] = train::TrainFsdpOnRank(**nccl, **ops, options);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return results;
+}
+
+FsdpTrainOptions Options(ShardingStrategy strategy, int world) {
+  FsdpTrainOptions o;
+  o.strategy = strategy;
+  o.steps = 3;
+  o.global_batch = 2 * world;
+  o.micro_batches = 2;
+  o.optimizer = train::AdamWOptions{1e-2};
+  o.data_seed = 3;
+  return o;
+}
+
+TEST(TrainingNcclTest, OneGpuEqualsTheReferenceBitwise) {
+  std::string why;
+  if (UsableGpus(&why) < 1) GTEST_SKIP() << why;
+  struct Case {
+    ShardingStrategy strategy;
+    bool bf16, offload;
+  };
+  for (const Case& c : {Case{ShardingStrategy::kFullShard, false, false},
+                        Case{ShardingStrategy::kShardGradOp, true, false},
+                        Case{ShardingStrategy::kNoShard, false, true},
+                        Case{ShardingStrategy::kFullShard, true, true}}) {
+    FsdpTrainOptions o = Options(c.strategy, 1);
+    o.align_addresses = true;
+    o.cpu_offload = c.offload;
+    if (c.bf16) o.param_dtype = DType::kBFloat16;
+    SCOPED_TRACE(Describe({o, 1}));
+    std::vector<absl::StatusOr<FsdpRankResult>> got = TrainOnGpus(o, 1);
+    ASSERT_TRUE(got[0].ok()) << got[0].status();
+    absl::StatusOr<train::TrainOptions> ref = train::ReferenceOptionsFor(o, 1);
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    absl::StatusOr<train::TrainResult> want =
+        train::TrainReference(o.model, *ref);
+    ASSERT_TRUE(want.ok()) << want.status();
+    EXPECT_EQ(got[0]->losses, want->losses);
+    EXPECT_TRUE(SameTensors(got[0]->params, want->params, &why)) << why;
+    EXPECT_TRUE(
+        SameStates(got[0]->optimizer_state, want->optimizer_state, &why))
+        << why;
+    if (!c.offload) {
+      // Without offload a device needs no staging: the formula holds.
+      absl::StatusOr<std::array<int64_t, kNumMemoryCategories>> memory =
+          train::ExpectedPeakMemory(o, 1);
+      ASSERT_TRUE(memory.ok());
+      for (int k = 0; k < kNumMemoryCategories; ++k) {
+        EXPECT_EQ(got[0]->memory.peak[k], (*memory)[k])
+            << MemoryCategoryName(MemoryCategory(k));
+      }
+    }
+  }
+}
+
+TEST(TrainingNcclTest, SeveralGpusAgreeWithinTheReassociationBound) {
+  std::string why;
+  const int gpus = UsableGpus(&why);
+  if (gpus < 2) GTEST_SKIP() << (gpus == 0 ? why : "needs two GPUs");
+  for (ShardingStrategy s :
+       {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+        ShardingStrategy::kNoShard}) {
+    FsdpTrainOptions o = Options(s, gpus);
+    o.steps = 1;
+    o.micro_batches = 1;
+    o.gather_grads = true;
+    SCOPED_TRACE(Describe({o, gpus}));
+    std::vector<absl::StatusOr<FsdpRankResult>> got = TrainOnGpus(o, gpus);
+    for (const auto& r : got) ASSERT_TRUE(r.ok()) << r.status();
+    absl::StatusOr<train::TrainOptions> ref =
+        train::ReferenceOptionsFor(o, gpus);
+    ASSERT_TRUE(ref.ok());
+    absl::StatusOr<train::ReferenceModel> model =
+        train::ReferenceModel::Create(o.model);
+    ASSERT_TRUE(model.ok());
+    const std::map<std::string, HostTensor> params = model->InitParams();
+    absl::StatusOr<train::StepGradients> want =
+        train::ComputeStepGradients(*model, params, *ref, 0);
+    ASSERT_TRUE(want.ok());
+    // T: the sum of |local gradient| / (pre * post) per element.
+    const int64_t local = o.global_batch / gpus;
+    const double scale =
+        ref->reduction.pre_divide_factor * ref->reduction.post_divide_factor;
+    std::map<std::string, std::vector<double>> t;
+    for (int r = 0; r < gpus; ++r) {
+      std::map<std::string, HostTensor> g;
+      train::MapParamAccess access(&params, &g);
+      ASSERT_TRUE(
+          model
+              ->ForwardBackward(train::MakeBatch(o.data_seed, o.model.vocab, 0,
+                                                 0, r * local, local),
+                                access)
+              .ok());
+      for (const auto& [name, x] : g) {
+        std::vector<double>& s = t[name];
+        s.resize(x.numel());
+        for (int64_t i = 0; i < x.numel(); ++i) {
+          s[i] += std::abs(x.GetDouble(i)) / scale;
+        }
+      }
+    }
+    const int k = 2 + gpus + 1 + 2;
+    const double u = std::ldexp(1.0, -24);
+    const double gamma = 2 * k * u / (1 - k * u);
+    for (const auto& [name, g] : got[0]->grads) {
+      for (int64_t i = 0; i < g.numel(); ++i) {
+        EXPECT_LE(std::abs(g.GetDouble(i) - want->grads.at(name).GetDouble(i)),
+                  gamma * t[name][i])
+            << name << "[" << i << "]";
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace verify
+}  // namespace flatparam

@@ -1,0 +1,73 @@
+// Helpers for the training-equivalence suites (test-only): sharded training
+// (flatparam/train/fsdp_trainer.h) on the simulator, named RapidCheck
+// generators for training configurations, and bitwise / bounded
+// comparisons of TrainResult-shaped maps.
+//
+// Thread-safety: functions of their arguments; TrainFsdpOnSim runs the
+// simulator's rank threads one at a time.
+#ifndef FLATPARAM_VERIFY_TRAINING_TESTUTIL_H_
+#define FLATPARAM_VERIFY_TRAINING_TESTUTIL_H_
+
+#include <rapidcheck.h>
+
+#include <cstdint>
+#include <map>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "flatparam/flatten.h"
+#include "flatparam/train/fsdp_trainer.h"
+#include "flatparam/train/optimizer.h"
+#include "flatparam/train/reference_trainer.h"
+
+namespace flatparam {
+namespace verify {
+
+// TrainFsdpOnRank on a SimWorld of `world_size` ranks (scheduler seed
+// `sim_seed`), each with its own HostDeviceOps; the results by rank.
+absl::StatusOr<std::vector<train::FsdpRankResult>> TrainFsdpOnSim(
+    const train::FsdpTrainOptions& options, int world_size,
+    uint64_t sim_seed = 0);
+
+// A training run to check: options plus the world size.
+struct TrainingCase {
+  train::FsdpTrainOptions options;
+  int world_size = 1;
+};
+
+void showValue(const TrainingCase& c, std::ostream& os);
+std::string Describe(const TrainingCase& c);
+
+// Model shapes: vocab 1..12, 1..3 layers of widths 1..12.
+rc::Gen<train::Config> GenModelConfig();
+// SGD (with or without momentum, weight decay, nesterov) or AdamW with
+// learning rates that keep a few steps finite.
+rc::Gen<train::OptimizerOptions> GenOptimizerOptions();
+// float32 training: world sizes 1..8, every strategy (hybrid with a shard
+// group size dividing the world), alignment on and off, CPU offload on and
+// off, 1..3 micro-batches in either accumulation mode, 1..3 steps, 1..2
+// samples per rank and micro-batch.
+rc::Gen<TrainingCase> GenTrainingCase();
+
+// Bitwise equality of two maps (dtype, shape, bytes); on a mismatch,
+// `*why` names the first differing tensor and element.
+bool SameTensors(const std::map<std::string, HostTensor>& a,
+                 const std::map<std::string, HostTensor>& b, std::string* why);
+bool SameStates(const std::map<std::string, train::OptimizerState>& a,
+                const std::map<std::string, train::OptimizerState>& b,
+                std::string* why);
+
+// Largest |a - b| over the tensors of two maps with equal keys and numels
+// (NaN if any element is NaN in one and not the other).
+double MaxAbsDiff(const std::map<std::string, HostTensor>& a,
+                  const std::map<std::string, HostTensor>& b);
+// The same over every tensor state of two optimizer-state maps.
+double MaxAbsDiff(const std::map<std::string, train::OptimizerState>& a,
+                  const std::map<std::string, train::OptimizerState>& b);
+
+}  // namespace verify
+}  // namespace flatparam
+
+#endif  // FLATPARAM_VERIFY_TRAINING_TESTUTIL_H_
