@@ -1,0 +1,748 @@
+// Examples and error cases of fsdp_optim.h, on the simulator: exact shard
+// contents on both paths (alignment padding 42, right padding 0), every
+// error PyTorch reports (with the state and parameters named, and the same
+// error on every rank), rank0_only, warnings, hybrid sharding, and the
+// memory bound of streaming consolidation against gathering everything.
+#include "flatparam/optim/fsdp_optim.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "comm/communicator.h"
+#include "flatparam/base/dtype.h"
+#include "flatparam/base/status_matchers.h"
+#include "flatparam/flatten.h"
+#include "flatparam/layout.h"
+#include "flatparam/model.h"
+#include "flatparam/optim/optim_state.h"
+#include "sim/sim.h"
+
+namespace flatparam {
+namespace optim {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::SizeIs;
+
+HostTensor F32(std::vector<int64_t> shape, std::vector<float> values) {
+  HostTensor t(DType::kFloat32, std::move(shape));
+  EXPECT_EQ(t.numel(), static_cast<int64_t>(values.size()));
+  for (size_t i = 0; i < values.size(); ++i) t.data_as<float>()[i] = values[i];
+  return t;
+}
+
+HostTensor Iota(DType dtype, std::vector<int64_t> shape, double start) {
+  HostTensor t(dtype, std::move(shape));
+  for (int64_t i = 0; i < t.numel(); ++i) t.SetDouble(i, start + i);
+  return t;
+}
+
+std::vector<float> Values(const OptimStateValue& v) {
+  const HostTensor& t = std::get<HostTensor>(v);
+  EXPECT_EQ(t.dtype(), DType::kFloat32);
+  return std::vector<float>(t.data_as<float>(), t.data_as<float>() + t.numel());
+}
+
+absl::StatusOr<ModelLayout> Layout(std::vector<ParamSpec> params,
+                                   std::vector<std::string> wrap,
+                                   LayoutOptions options) {
+  ModelSpec spec;
+  spec.name = "m";
+  spec.params = std::move(params);
+  spec.wrap = std::move(wrap);
+  return ModelLayout::Create(spec, options);
+}
+
+// Runs `fn` on every rank of a simulated world; returns each rank's status.
+std::vector<absl::Status> RunRanks(
+    int world_size, const std::function<absl::Status(SimCommunicator&)>& fn) {
+  SimOptions options;
+  options.world_size = world_size;
+  auto world = SimWorld::Create(options);
+  EXPECT_TRUE(world.ok()) << world.status();
+  (void)(*world)->Run(fn);
+  return (*world)->rank_statuses();
+}
+
+OptimStateOptions Quiet(bool orig = false) {
+  OptimStateOptions o;
+  o.use_orig_params = orig;
+  o.on_warning = [](absl::string_view) {};
+  return o;
+}
+
+// Consolidates `shards[r]` on every rank r; returns each rank's result.
+std::vector<absl::StatusOr<OptimStateDict>> Consolidate(
+    const ModelLayout& layout, const std::vector<OptimStateDict>& shards,
+    const OptimStateOptions& options) {
+  std::vector<absl::StatusOr<OptimStateDict>> out(shards.size(),
+                                                  OptimStateDict());
+  RunRanks(static_cast<int>(shards.size()), [&](SimCommunicator& comm) {
+    out[comm.rank()] =
+        ConsolidateOptimState(layout, shards[comm.rank()], comm, options);
+    return out[comm.rank()].status();
+  });
+  return out;
+}
+
+std::vector<OptimStateDict> ShardAll(const ModelLayout& layout,
+                                     const OptimStateDict& full,
+                                     const OptimStateOptions& options) {
+  std::vector<OptimStateDict> shards;
+  for (int64_t r = 0; r < layout.options().world_size; ++r) {
+    auto s = ShardFullOptimState(layout, full, r, options);
+    EXPECT_TRUE(s.ok()) << s.status();
+    shards.push_back(s.ok() ? *s : OptimStateDict());
+  }
+  return shards;
+}
+
+// Every rank failed with the same status.
+void ExpectSameErrorOnAllRanks(
+    const std::vector<absl::StatusOr<OptimStateDict>>& results) {
+  for (size_t r = 1; r < results.size(); ++r) {
+    EXPECT_EQ(results[r].status(), results[0].status()) << "rank " << r;
+  }
+}
+
+// Two parameters, w1 [3] and w2 [2], AdamW-like state.
+OptimStateDict TwoParamAdam() {
+  OptimStateDict full;
+  full.state["w1"]["exp_avg"] = F32({3}, {1, 2, 3});
+  full.state["w1"]["step"] = ScalarTensor(DType::kFloat32, 3);
+  full.state["w2"]["exp_avg"] = F32({2}, {4, 5});
+  full.state["w2"]["step"] = ScalarTensor(DType::kFloat32, 3);
+  full.param_groups.push_back(
+      {{{"lr", 0.5}}, {ParamKey("w1"), ParamKey("w2")}});
+  return full;
+}
+
+std::vector<ParamSpec> TwoParams(DType dtype) {
+  return {{"w1", {3}, dtype}, {"w2", {2}, dtype}};
+}
+
+TEST(ShardFullOptimStateTest, FlatPathShardsLikeTheFlatParameter) {
+  // Unaligned over 3 ranks: chunk 2 of 5 elements, right padding 0.
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ModelLayout layout,
+      Layout(TwoParams(DType::kFloat32), {}, {.world_size = 3}));
+  const OptimStateDict full = TwoParamAdam();
+  const std::vector<OptimStateDict> shards = ShardAll(layout, full, Quiet());
+  const std::vector<std::vector<float>> want = {{1, 2}, {3, 4}, {5, 0}};
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_THAT(shards[r].state, SizeIs(1));
+    const ParamState& st = shards[r].state.at(ParamKey(int64_t{0}));
+    EXPECT_EQ(Values(st.at("exp_avg")), want[r]) << "rank " << r;
+    EXPECT_TRUE(BitwiseEqual(st.at("step"), ScalarTensor(DType::kFloat32, 3)));
+    // Groups list flat-parameter indices.
+    ASSERT_THAT(shards[r].param_groups, SizeIs(1));
+    EXPECT_THAT(shards[r].param_groups[0].params,
+                ElementsAre(ParamKey(int64_t{0})));
+  }
+  std::vector<absl::StatusOr<OptimStateDict>> got =
+      Consolidate(layout, shards, Quiet());
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_THAT(got[r], IsOk());
+    EXPECT_EQ(FirstDifference(*got[r], full), std::nullopt);
+  }
+}
+
+TEST(ShardFullOptimStateTest, FlatPathAlignmentPaddingHolds42) {
+  // bfloat16 parameters align to 8 elements: w1 at 0..2, padding 3..7, w2
+  // at 8..9, world-size padding 10..11; chunk 4. The float32 state keeps
+  // the parameters' layout.
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ModelLayout layout, Layout(TwoParams(DType::kBFloat16), {},
+                                 {.world_size = 3, .align_addresses = true}));
+  const std::vector<OptimStateDict> shards =
+      ShardAll(layout, TwoParamAdam(), Quiet());
+  const std::vector<std::vector<float>> want = {
+      {1, 2, 3, 42}, {42, 42, 42, 42}, {4, 5, 42, 42}};
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(Values(shards[r].state.at(ParamKey(int64_t{0})).at("exp_avg")),
+              want[r])
+        << "rank " << r;
+  }
+  auto got = Consolidate(layout, shards, Quiet());
+  ASSERT_THAT(got[1], IsOk());
+  EXPECT_EQ(FirstDifference(*got[1], TwoParamAdam()), std::nullopt);
+}
+
+TEST(ShardFullOptimStateTest, OrigParamsPathKeepsEachRanksPieces) {
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ModelLayout layout,
+      Layout(TwoParams(DType::kFloat32), {}, {.world_size = 3}));
+  const std::vector<OptimStateDict> shards =
+      ShardAll(layout, TwoParamAdam(), Quiet(/*orig=*/true));
+  // Rank 0 holds w1[0:2], rank 1 w1[2:3] and w2[0:1], rank 2 w2[1:2].
+  ASSERT_THAT(shards[0].state, SizeIs(1));
+  EXPECT_THAT(Values(shards[0].state.at("w1").at("exp_avg")),
+              ElementsAre(1, 2));
+  ASSERT_THAT(shards[1].state, SizeIs(2));
+  EXPECT_THAT(Values(shards[1].state.at("w1").at("exp_avg")), ElementsAre(3));
+  EXPECT_THAT(Values(shards[1].state.at("w2").at("exp_avg")), ElementsAre(4));
+  EXPECT_TRUE(BitwiseEqual(shards[1].state.at("w2").at("step"),
+                           ScalarTensor(DType::kFloat32, 3)));
+  ASSERT_THAT(shards[2].state, SizeIs(1));
+  EXPECT_THAT(Values(shards[2].state.at("w2").at("exp_avg")), ElementsAre(5));
+  // Groups keep names.
+  EXPECT_THAT(shards[2].param_groups[0].params,
+              ElementsAre(ParamKey("w1"), ParamKey("w2")));
+  auto got = Consolidate(layout, shards, Quiet(true));
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_THAT(got[r], IsOk());
+    EXPECT_EQ(FirstDifference(*got[r], TwoParamAdam()), std::nullopt);
+  }
+}
+
+TEST(ShardFullOptimStateTest, OrigParamsZeroNumelParameterAtABoundary) {
+  // z (0 elements) sits at offset 2, where rank 1's shard starts: no shard
+  // holds it (PyTorch would drop its state); rank 0 keeps it.
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ModelLayout layout,
+      Layout({{"w1", {2}}, {"z", {3, 0}}, {"w2", {2}}}, {}, {.world_size = 2}));
+  OptimStateDict full;
+  full.state["w1"]["exp_avg"] = F32({2}, {1, 2});
+  full.state["z"]["exp_avg"] = HostTensor(DType::kFloat32, {3, 0});
+  full.state["z"]["step"] = ScalarTensor(DType::kFloat32, 9);
+  full.state["w2"]["exp_avg"] = F32({2}, {3, 4});
+  const std::vector<OptimStateDict> shards =
+      ShardAll(layout, full, Quiet(true));
+  ASSERT_TRUE(shards[0].state.count("z"));
+  EXPECT_FALSE(shards[1].state.count("z"));
+  auto got = Consolidate(layout, shards, Quiet(true));
+  ASSERT_THAT(got[1], IsOk());
+  EXPECT_EQ(FirstDifference(*got[1], full), std::nullopt);
+}
+
+TEST(ShardFullOptimStateTest, FlatPathGivesZerosToParametersWithoutState) {
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ModelLayout layout,
+      Layout(TwoParams(DType::kFloat32), {}, {.world_size = 2}));
+  OptimStateDict full;
+  full.state["w2"]["momentum_buffer"] = F32({2}, {4, 5});
+  auto got = Consolidate(layout, ShardAll(layout, full, Quiet()), Quiet());
+  ASSERT_THAT(got[0], IsOk());
+  EXPECT_EQ(Values(got[0]->state.at("w1").at("momentum_buffer")),
+            std::vector<float>({0, 0, 0}));
+  EXPECT_EQ(Values(got[0]->state.at("w2").at("momentum_buffer")),
+            std::vector<float>({4, 5}));
+}
+
+TEST(ShardFullOptimStateTest, NoShardAndOneRankHoldEverything) {
+  for (const LayoutOptions& options :
+       {LayoutOptions{.world_size = 3, .strategy = ShardingStrategy::kNoShard},
+        LayoutOptions{.world_size = 1}}) {
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(
+        ModelLayout layout, Layout(TwoParams(DType::kFloat32), {}, options));
+    for (bool orig : {false, true}) {
+      const std::vector<OptimStateDict> shards =
+          ShardAll(layout, TwoParamAdam(), Quiet(orig));
+      for (const OptimStateDict& s : shards) {
+        if (orig) {
+          // Whole, in the parameter's shape.
+          EXPECT_EQ(FirstDifference(s, TwoParamAdam()), std::nullopt);
+        } else {
+          EXPECT_EQ(Values(s.state.at(ParamKey(int64_t{0})).at("exp_avg")),
+                    std::vector<float>({1, 2, 3, 4, 5}));
+        }
+      }
+      auto got = Consolidate(layout, shards, Quiet(orig));
+      ASSERT_THAT(got.back(), IsOk());
+      EXPECT_EQ(FirstDifference(*got.back(), TwoParamAdam()), std::nullopt);
+    }
+  }
+}
+
+TEST(ShardFullOptimStateTest, AcceptsParameterIds) {
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ModelLayout layout,
+      Layout(TwoParams(DType::kFloat32), {}, {.world_size = 2}));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      OptimStateDict by_id,
+      RekeyOptimStateDict(TwoParamAdam(), OptimStateKeyType::kParamId, layout));
+  ASSERT_TRUE(by_id.state.count(ParamKey(int64_t{1})));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(OptimStateDict a,
+                                 ShardFullOptimState(layout, by_id, 1));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      OptimStateDict b, ShardFullOptimState(layout, TwoParamAdam(), 1));
+  EXPECT_EQ(a, b);
+}
+
+// ---------------------------------------------------------------------------
+// Flattening errors (PyTorch's `_flatten_optim_state` and friends).
+// ---------------------------------------------------------------------------
+
+class FlattenErrorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto layout = Layout({{"m.a", {2, 2}}, {"m.b", {3}}, {"s", {}}}, {"m"},
+                         {.world_size = 2});
+    ASSERT_THAT(layout, IsOk());
+    layout_ = std::make_unique<ModelLayout>(*std::move(layout));
+  }
+
+  // Shards on rank 0, and scatters from rank 0 over two ranks, which must
+  // fail the same way on both ranks.
+  absl::Status Shard(const OptimStateDict& full, bool orig = false) {
+    absl::Status local =
+        ShardFullOptimState(*layout_, full, 0, Quiet(orig)).status();
+    std::vector<absl::StatusOr<OptimStateDict>> scattered(2, OptimStateDict());
+    RunRanks(2, [&](SimCommunicator& comm) {
+      OptimStateOptions o = Quiet(orig);
+      o.rank0_only = true;
+      scattered[comm.rank()] = OptimStateDictToLoad(
+          *layout_, comm.rank() == 0 ? full : OptimStateDict(), comm, o);
+      return scattered[comm.rank()].status();
+    });
+    EXPECT_EQ(scattered[0].status().code(), local.code());
+    EXPECT_EQ(scattered[1].status().code(), local.code());
+    EXPECT_THAT(std::string(scattered[1].status().message()),
+                HasSubstr(std::string(local.message())));
+    return local;
+  }
+
+  std::unique_ptr<ModelLayout> layout_;
+};
+
+TEST_F(FlattenErrorTest, DifferingStateNames) {
+  OptimStateDict full;
+  full.state["m.a"]["exp_avg"] = HostTensor(DType::kFloat32, {2, 2});
+  full.state["m.b"]["exp_avg_sq"] = HostTensor(DType::kFloat32, {3});
+  EXPECT_THAT(Shard(full),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("Differing optimizer state names for "
+                                       "the unflattened parameters: "
+                                       "['m.a', 'm.b']"),
+                             HasSubstr("'m.b' has ['exp_avg_sq']"))));
+}
+
+TEST_F(FlattenErrorTest, DifferingTypes) {
+  OptimStateDict full;
+  full.state["m.a"]["exp_avg"] = HostTensor(DType::kFloat32, {2, 2});
+  full.state["m.b"]["exp_avg"] = 1.5;
+  EXPECT_THAT(
+      Shard(full),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               AllOf(HasSubstr("Differing optimizer state types for state "
+                               "exp_avg"),
+                     HasSubstr("tensor(float32, [2, 2]), 1.5"),
+                     HasSubstr("['m.a', 'm.b']"))));
+}
+
+TEST_F(FlattenErrorTest, DifferingDtypes) {
+  OptimStateDict full;
+  full.state["m.a"]["exp_avg"] = HostTensor(DType::kFloat32, {2, 2});
+  full.state["m.b"]["exp_avg"] = HostTensor(DType::kBFloat16, {3});
+  EXPECT_THAT(Shard(full),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("same dtype but got dtypes {float32, "
+                                       "bfloat16} for state exp_avg"),
+                             HasSubstr("['m.a', 'm.b']"))));
+}
+
+TEST_F(FlattenErrorTest, ShapeDiffersFromParameter) {
+  OptimStateDict full;
+  full.state["m.a"]["exp_avg"] = HostTensor(DType::kFloat32, {4});
+  full.state["m.b"]["exp_avg"] = HostTensor(DType::kFloat32, {3});
+  EXPECT_THAT(Shard(full),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("Tensor optimizer state does not have same "
+                                 "shape as its parameter: [4] [2, 2] (state "
+                                 "exp_avg of parameter 'm.a')")));
+  // The original-parameter path checks shapes too.
+  EXPECT_THAT(Shard(full, /*orig=*/true),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("(state exp_avg of parameter 'm.a')")));
+}
+
+TEST_F(FlattenErrorTest, DifferingScalarValues) {
+  OptimStateDict full;
+  full.state["m.a"]["step"] = ScalarTensor(DType::kFloat32, 3);
+  full.state["m.b"]["step"] = ScalarTensor(DType::kFloat32, 4);
+  EXPECT_THAT(Shard(full),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("must have scalar state with the same value "
+                                 "and dtype but got values {tensor(3.0, "
+                                 "dtype=float32), tensor(4.0, dtype=float32)} "
+                                 "and dtypes {float32} for state step and "
+                                 "unflattened parameter names ['m.a', "
+                                 "'m.b']")));
+  full.state["m.b"]["step"] = ScalarTensor(DType::kFloat64, 3);
+  EXPECT_THAT(Shard(full), StatusIs(absl::StatusCode::kInvalidArgument,
+                                    HasSubstr("dtypes {float32, float64}")));
+  OptimStateDict nt;
+  nt.state["m.a"]["lr_scale"] = 1.0;
+  nt.state["m.b"]["lr_scale"] = 2.0;
+  EXPECT_THAT(Shard(nt),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("got values {1.0, 2.0} for state lr_scale")));
+}
+
+TEST_F(FlattenErrorTest, ScalarStateMissingForAParameter) {
+  // Imposing a step on a parameter without one would change its update.
+  OptimStateDict full;
+  full.state["m.a"]["step"] = ScalarTensor(DType::kFloat32, 3);
+  EXPECT_THAT(Shard(full),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("values {tensor(3.0, dtype=float32), None}")));
+}
+
+TEST_F(FlattenErrorTest, ZeroDimensionParameterWithoutTensorState) {
+  OptimStateDict full;
+  full.state["m.a"]["exp_avg"] = HostTensor(DType::kFloat32, {2, 2});
+  full.state["m.b"]["exp_avg"] = HostTensor(DType::kFloat32, {3});
+  // "s" is the root unit's only parameter, 0-d, and its state is 0-d: fine.
+  full.state["s"]["exp_avg"] = ScalarTensor(DType::kFloat32, 1);
+  EXPECT_THAT(Shard(full), IsOk());
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ModelLayout one_unit,
+      Layout({{"a", {2}}, {"s", {}}}, {}, {.world_size = 2}));
+  OptimStateDict bad;
+  bad.state["a"]["exp_avg"] = HostTensor(DType::kFloat32, {2});
+  EXPECT_THAT(ShardFullOptimState(one_unit, bad, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("Flattening a zero-dimension parameter is "
+                                 "not supported: parameter 's' has no state "
+                                 "exp_avg")));
+}
+
+TEST_F(FlattenErrorTest, IntegerTensorState) {
+  OptimStateDict full;
+  full.state["m.a"]["count"] = HostTensor(DType::kInt64, {2, 2});
+  EXPECT_THAT(Shard(full),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("Cannot flatten integer dtype tensors: state "
+                                 "count has dtype int64")));
+}
+
+TEST_F(FlattenErrorTest, EmptyState) {
+  OptimStateDict full;
+  full.state["m.a"];
+  EXPECT_THAT(Shard(full), StatusIs(absl::StatusCode::kInvalidArgument,
+                                    HasSubstr("The state of ('m.a', 'm.b') "
+                                              "is empty")));
+  // The original-parameter path shards nothing for it.
+  EXPECT_THAT(Shard(full, /*orig=*/true), IsOk());
+}
+
+TEST_F(FlattenErrorTest, OrigParamsOneDtypePerStateWithinAFlatParameter) {
+  OptimStateDict full;
+  full.state["m.a"]["exp_avg"] = HostTensor(DType::kFloat32, {2, 2});
+  full.state["m.b"]["exp_avg"] = HostTensor(DType::kFloat64, {3});
+  EXPECT_THAT(Shard(full, /*orig=*/true),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("state exp_avg is float32 for 'm.a' and "
+                                 "float64 for 'm.b'")));
+}
+
+TEST_F(FlattenErrorTest, UnknownGroupParameterAndBadIds) {
+  OptimStateDict full;
+  full.param_groups.push_back({{}, {ParamKey("m.a"), ParamKey("nope")}});
+  EXPECT_THAT(Shard(full), StatusIs(absl::StatusCode::kInvalidArgument,
+                                    HasSubstr("param_groups[0] lists 'nope'")));
+  OptimStateDict ids;
+  ids.state[ParamKey(int64_t{7})]["step"] = 1.0;
+  EXPECT_THAT(Shard(ids), StatusIs(absl::StatusCode::kInvalidArgument,
+                                   HasSubstr("parameter ID 7")));
+  EXPECT_THAT(ShardFullOptimState(*layout_, OptimStateDict(), 2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("rank 2 is outside")));
+}
+
+// ---------------------------------------------------------------------------
+// Pass-through: unmanaged parameters, user-defined keys, shared parameters.
+// ---------------------------------------------------------------------------
+
+TEST(PassThroughTest, UserKeysWarnAndUnmanagedParamsDoNot) {
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ModelLayout layout,
+      Layout({{"w", {4}}, {"v", {}, DType::kFloat32, true, "w"}}, {},
+             {.world_size = 2}));
+  for (bool orig : {false, true}) {
+    OptimStateDict full;
+    full.state["w"]["exp_avg"] = F32({4}, {1, 2, 3, 4});
+    full.state["ignored.bias"]["momentum_buffer"] = F32({2}, {7, 8});
+    full.state["__user__"]["counter"] = int64_t{5};
+    // A shared parameter's alias: keyed once, under the first name.
+    full.state["v"]["exp_avg"] = F32({4}, {9, 9, 9, 9});
+    full.param_groups.push_back(
+        {{}, {ParamKey("w"), ParamKey("ignored.bias")}});
+    std::vector<std::string> warnings;
+    OptimStateOptions options;
+    options.use_orig_params = orig;
+    options.unmanaged_params = {"ignored.bias"};
+    options.on_warning = [&](absl::string_view w) { warnings.emplace_back(w); };
+    const std::vector<OptimStateDict> shards = ShardAll(layout, full, options);
+    ASSERT_THAT(warnings, SizeIs(4));  // two keys, two ranks
+    EXPECT_THAT(warnings[0], HasSubstr("'__user__'"));
+    EXPECT_THAT(warnings[1],
+                AllOf(HasSubstr("'v'"), HasSubstr("by its first name 'w'")));
+    for (const OptimStateDict& s : shards) {
+      EXPECT_TRUE(
+          BitwiseEqual(s.state.at("ignored.bias").at("momentum_buffer"),
+                       full.state.at("ignored.bias").at("momentum_buffer")));
+      EXPECT_TRUE(s.state.count("__user__"));
+    }
+    if (!orig) {
+      EXPECT_THAT(shards[0].param_groups[0].params,
+                  ElementsAre(ParamKey(int64_t{0}), ParamKey("ignored.bias")));
+    }
+    warnings.clear();
+    auto got = Consolidate(layout, shards, options);
+    ASSERT_THAT(got[0], IsOk());
+    EXPECT_EQ(FirstDifference(*got[0], full), std::nullopt);
+    EXPECT_THAT(warnings, SizeIs(4));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Consolidation errors: the same on every rank, before any tensor moves.
+// ---------------------------------------------------------------------------
+
+class ConsolidateErrorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto layout = Layout({{"a.w", {3}}, {"a.b", {2}}, {"c", {4}}}, {"a"},
+                         {.world_size = 3});
+    ASSERT_THAT(layout, IsOk());
+    layout_ = std::make_unique<ModelLayout>(*std::move(layout));
+    full_.state["a.w"]["exp_avg"] = Iota(DType::kFloat32, {3}, 1);
+    full_.state["a.b"]["exp_avg"] = Iota(DType::kFloat32, {2}, 4);
+    full_.state["c"]["exp_avg"] = Iota(DType::kFloat32, {4}, 6);
+    for (auto& [k, st] : full_.state)
+      st["step"] = ScalarTensor(DType::kFloat32, 2);
+  }
+
+  std::unique_ptr<ModelLayout> layout_;
+  OptimStateDict full_;
+};
+
+TEST_F(ConsolidateErrorTest, RankMissingStatesRankZeroHas) {
+  std::vector<OptimStateDict> shards = ShardAll(*layout_, full_, Quiet());
+  shards[2].state.erase(ParamKey(int64_t{1}));
+  shards[1].state.erase(ParamKey(int64_t{0}));
+  auto got = Consolidate(*layout_, shards, Quiet());
+  EXPECT_THAT(got[0],
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("FSDP currently requires each rank to "
+                                       "have at least the optimizer states "
+                                       "needed by rank 0's optimizer"),
+                             HasSubstr("\nRank 1 is missing states for the "
+                                       "parameters: [('c',)]"),
+                             HasSubstr("\nRank 2 is missing states for the "
+                                       "parameters: [('a.w', 'a.b')]"))));
+  ExpectSameErrorOnAllRanks(got);
+}
+
+TEST_F(ConsolidateErrorTest, RanksDisagreeOnNamesOrShapes) {
+  std::vector<OptimStateDict> shards = ShardAll(*layout_, full_, Quiet());
+  shards[1].state.at(ParamKey(int64_t{0})).erase("step");
+  auto got = Consolidate(*layout_, shards, Quiet());
+  EXPECT_THAT(got[0], StatusIs(absl::StatusCode::kInvalidArgument,
+                               AllOf(HasSubstr("rank 1 has ['exp_avg']"),
+                                     HasSubstr("flat parameter 0 (unit "
+                                               "<root>, parameters ['c'])"))));
+  ExpectSameErrorOnAllRanks(got);
+
+  shards = ShardAll(*layout_, full_, Quiet());
+  shards[2].state.at(ParamKey(int64_t{1}))["exp_avg"] =
+      HostTensor(DType::kFloat32, {5});
+  got = Consolidate(*layout_, shards, Quiet());
+  EXPECT_THAT(got[0],
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("Tensor optimizer state exp_avg of flat "
+                                 "parameter 1 (unit 'a', parameters ['a.w', "
+                                 "'a.b']) on rank 2 is tensor(float32, [5]), "
+                                 "but a flat parameter's sharded state has "
+                                 "shape [2]")));
+  ExpectSameErrorOnAllRanks(got);
+}
+
+TEST_F(ConsolidateErrorTest, OrigParamsRankMissingItsPiece) {
+  std::vector<OptimStateDict> shards = ShardAll(*layout_, full_, Quiet(true));
+  // Rank 1 holds a.w[2:3] and a.b[0:1]; drop a.b's exp_avg.
+  shards[1].state.at("a.b").erase("exp_avg");
+  auto got = Consolidate(*layout_, shards, Quiet(true));
+  EXPECT_THAT(got[0], StatusIs(absl::StatusCode::kFailedPrecondition,
+                               HasSubstr("\nRank 1 is missing states for the "
+                                         "parameters: ['a.b' (exp_avg)]")));
+  ExpectSameErrorOnAllRanks(got);
+}
+
+TEST_F(ConsolidateErrorTest, OrigParamsTrainableParameterWithoutState) {
+  OptimStateDict full = full_;
+  full.state.erase("a.b");
+  auto got =
+      Consolidate(*layout_, ShardAll(*layout_, full, Quiet(true)), Quiet(true));
+  EXPECT_THAT(got[0],
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("a.b is not in the optimizer state. The "
+                                 "FSDPParamInfo has the param keys ['a.b', "
+                                 "'a.w'] while the optimizer has the param "
+                                 "keys ['a.w'].")));
+  ExpectSameErrorOnAllRanks(got);
+}
+
+TEST_F(ConsolidateErrorTest, OrigParamsRanksDisagreeOnAScalar) {
+  std::vector<OptimStateDict> shards = ShardAll(*layout_, full_, Quiet(true));
+  shards[1].state.at("a.w")["step"] = ScalarTensor(DType::kFloat32, 5);
+  auto got = Consolidate(*layout_, shards, Quiet(true));
+  EXPECT_THAT(got[0],
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("Different ranks have different values for "
+                                 "step of parameter 'a.w': rank 0 has "
+                                 "tensor(2.0, dtype=float32), rank 1 has "
+                                 "tensor(5.0, dtype=float32)")));
+  ExpectSameErrorOnAllRanks(got);
+}
+
+TEST_F(ConsolidateErrorTest, CommunicatorOfTheWrongSize) {
+  auto got = Consolidate(*layout_, std::vector<OptimStateDict>(2), Quiet());
+  EXPECT_THAT(got[0], StatusIs(absl::StatusCode::kInvalidArgument,
+                               HasSubstr("the communicator has 2 ranks but "
+                                         "the layout is sharded over 3")));
+}
+
+TEST_F(ConsolidateErrorTest, Rank0OnlyReturnsEmptyElsewhere) {
+  OptimStateOptions options = Quiet();
+  options.rank0_only = true;
+  auto got = Consolidate(*layout_, ShardAll(*layout_, full_, options), options);
+  ASSERT_THAT(got[0], IsOk());
+  EXPECT_EQ(FirstDifference(*got[0], full_), std::nullopt);
+  for (int r = 1; r < 3; ++r) {
+    ASSERT_THAT(got[r], IsOk());
+    EXPECT_TRUE(got[r]->empty());
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Hybrid sharding: each shard group consolidates the whole state.
+// ---------------------------------------------------------------------------
+
+TEST(HybridTest, EveryShardGroupConsolidatesTheSameState) {
+  // 4 ranks as 2 nodes of 2: the layout is the shard group's.
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ModelLayout layout,
+      Layout(TwoParams(DType::kFloat32), {},
+             {.world_size = 2, .strategy = ShardingStrategy::kHybridShard}));
+  const OptimStateDict full = TwoParamAdam();
+  std::vector<absl::StatusOr<OptimStateDict>> got(4, OptimStateDict());
+  std::vector<absl::Status> statuses = RunRanks(4, [&](SimCommunicator& world) {
+    auto groups = MakeHybridGroups(world, 2);
+    if (!groups.ok()) return groups.status();
+    Communicator& shard = *groups->shard;
+    auto mine = ShardFullOptimState(layout, full, shard.rank());
+    if (!mine.ok()) return mine.status();
+    got[world.rank()] = ConsolidateOptimState(layout, *mine, shard);
+    return got[world.rank()].status();
+  });
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_THAT(statuses[r], IsOk());
+    EXPECT_EQ(FirstDifference(*got[r], full), std::nullopt) << "rank " << r;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Memory: consolidation streams one flat parameter and state at a time.
+// ---------------------------------------------------------------------------
+
+TEST(MemoryTest, ConsolidationHoldsOneFlatParameterStateAtATime) {
+  // Four units of different sizes; AdamW state in float32.
+  std::vector<ParamSpec> params;
+  std::vector<std::string> wrap;
+  const std::vector<int64_t> sizes = {300, 1000, 200, 700};
+  for (size_t u = 0; u < sizes.size(); ++u) {
+    const std::string unit = "layers." + std::to_string(u);
+    wrap.push_back(unit);
+    params.push_back({unit + ".w", {sizes[u] / 10, 10}, DType::kBFloat16});
+    params.push_back({unit + ".b", {7}, DType::kBFloat16});
+  }
+  for (bool orig : {false, true}) {
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(
+        ModelLayout layout,
+        Layout(params, wrap, {.world_size = 4, .align_addresses = orig}));
+    OptimStateDict full;
+    for (const ParamSpec& p : params) {
+      full.state[p.fqn]["exp_avg"] = Iota(DType::kFloat32, p.shape, 1);
+      full.state[p.fqn]["exp_avg_sq"] = Iota(DType::kFloat32, p.shape, 2);
+      full.state[p.fqn]["step"] = ScalarTensor(DType::kFloat32, 10);
+    }
+    int64_t largest = 0, everything = 0;
+    for (const FlatParamLayout& unit : layout.flat_params()) {
+      const int64_t bytes = unit.padded_unsharded_numel() * 4;
+      largest = std::max(largest, bytes);
+      everything += 2 * bytes;  // exp_avg and exp_avg_sq
+    }
+    const std::vector<OptimStateDict> shards =
+        ShardAll(layout, full, Quiet(orig));
+    for (int64_t budget : {int64_t{0}, int64_t{256}}) {
+      std::vector<AllocationTracker> trackers(4);
+      std::vector<absl::StatusOr<OptimStateDict>> got(4, OptimStateDict());
+      RunRanks(4, [&](SimCommunicator& comm) {
+        OptimStateOptions o = Quiet(orig);
+        o.max_temp_bytes = budget;
+        o.tracker = &trackers[comm.rank()];
+        got[comm.rank()] =
+            ConsolidateOptimState(layout, shards[comm.rank()], comm, o);
+        return got[comm.rank()].status();
+      });
+      OptimStateOptions o = Quiet(orig);
+      o.max_temp_bytes = budget;
+      for (int r = 0; r < 4; ++r) {
+        ASSERT_THAT(got[r], IsOk());
+        EXPECT_EQ(FirstDifference(*got[r], full), std::nullopt);
+        EXPECT_EQ(trackers[r].current_bytes(), 0);
+        if (budget == 0) {
+          // Exactly the largest unit's padded state, once.
+          EXPECT_EQ(trackers[r].peak_bytes(), largest);
+          EXPECT_EQ(MaxTempBytes(layout, DType::kFloat32, o), largest);
+          // Gathering everything would need all of it at once.
+          EXPECT_LT(trackers[r].peak_bytes(), everything / 2);
+          // One buffer per unit and tensor state.
+          EXPECT_EQ(trackers[r].allocations(), 2 * 4);
+        } else {
+          EXPECT_LE(trackers[r].peak_bytes(), budget);
+          EXPECT_LT(trackers[r].peak_bytes(), largest);
+        }
+      }
+    }
+  }
+}
+
+TEST(MemoryTest, ScatterStreamsToo) {
+  std::vector<ParamSpec> params = {{"a.w", {40, 10}}, {"b.w", {30, 10}}};
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelLayout layout,
+                                 Layout(params, {"a", "b"}, {.world_size = 2}));
+  OptimStateDict full;
+  for (const ParamSpec& p : params) {
+    full.state[p.fqn]["exp_avg"] = Iota(DType::kFloat32, p.shape, 0);
+  }
+  std::vector<AllocationTracker> trackers(2);
+  RunRanks(2, [&](SimCommunicator& comm) {
+    OptimStateOptions o;
+    o.tracker = &trackers[comm.rank()];
+    o.rank0_only = true;
+    return OptimStateDictToLoad(
+               layout, comm.rank() == 0 ? full : OptimStateDict(), comm, o)
+        .status();
+  });
+  for (const AllocationTracker& t : trackers) {
+    EXPECT_EQ(t.peak_bytes(), 400 * 4);  // the larger unit, unpadded
+  }
+}
+
+}  // namespace
+}  // namespace optim
+}  // namespace flatparam
