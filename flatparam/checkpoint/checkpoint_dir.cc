@@ -1,0 +1,922 @@
+#include "flatparam/checkpoint/checkpoint_dir.h"
+
+#include <algorithm>
+#include <cassert>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <utility>
+
+#include "absl/random/random.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "flatparam/base/dtype.h"
+#include "flatparam/base/status_macros.h"
+#include "flatparam/layout.h"
+#include "flatparam/layout_json.h"
+#include "flatparam/model_json.h"
+
+namespace flatparam {
+namespace checkpoint {
+namespace {
+
+using json = nlohmann::json;
+
+constexpr char kTmpInfix[] = ".tmp-";
+constexpr char kBackupSuffix[] = ".previous";
+constexpr char kOptimStatePrefix[] = "state.";
+constexpr char kFlatParamPrefix[] = "flat_params.";
+constexpr char kOptimShardPrefix[] = "optim.";
+// Metadata keys of rank files.
+constexpr char kRankKey[] = "rank";
+constexpr char kShardGroupSizeKey[] = "shard_group_size";
+constexpr char kModelSpecKey[] = "model_spec";
+// Longest JSON value quoted in an error message.
+constexpr size_t kMaxQuotedJson = 120;
+
+absl::Status Annotate(const absl::Status& status, absl::string_view context) {
+  if (status.ok()) return status;
+  return absl::Status(status.code(),
+                      absl::StrCat(context, ": ", status.message()));
+}
+
+std::string ShapeString(absl::Span<const int64_t> shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+std::string Quote(const json& value) {
+  std::string s = value.dump(-1, ' ', false, json::error_handler_t::replace);
+  if (s.size() > kMaxQuotedJson) s = s.substr(0, kMaxQuotedJson) + "...";
+  return s;
+}
+
+// "/flat_params/1/sharded_numel" -> "flat_params[1].sharded_numel".
+std::string ReadablePointer(const std::string& pointer) {
+  std::string out;
+  size_t pos = 1;
+  while (pos <= pointer.size() && !pointer.empty()) {
+    size_t next = pointer.find('/', pos);
+    if (next == std::string::npos) next = pointer.size();
+    std::string token = pointer.substr(pos, next - pos);
+    size_t t;
+    while ((t = token.find("~1")) != std::string::npos)
+      token.replace(t, 2, "/");
+    while ((t = token.find("~0")) != std::string::npos)
+      token.replace(t, 2, "~");
+    const bool index =
+        !token.empty() && std::all_of(token.begin(), token.end(), [](char c) {
+          return absl::ascii_isdigit(c);
+        });
+    if (index) {
+      absl::StrAppend(&out, "[", token, "]");
+    } else {
+      absl::StrAppend(&out, out.empty() ? "" : ".", token);
+    }
+    pos = next + 1;
+  }
+  return out.empty() ? "(document)" : out;
+}
+
+// The first place where `a` and `b` differ: its readable path and both
+// values ("(absent)" where a side lacks it). Empty path when equal.
+struct JsonDifference {
+  std::string path;
+  std::string a;
+  std::string b;
+};
+std::optional<JsonDifference> FirstDifference(const json& a, const json& b) {
+  if (a == b) return std::nullopt;
+  const json patch = json::diff(a, b);
+  assert(!patch.empty());
+  std::string pointer = patch[0]["path"].get<std::string>();
+  if (absl::EndsWith(pointer, "/-")) pointer.resize(pointer.size() - 2);
+  auto at = [&pointer](const json& doc) -> std::string {
+    try {
+      const json::json_pointer p(pointer);
+      if (doc.contains(p)) return Quote(doc.at(p));
+    } catch (const json::exception&) {
+    }
+    return "(absent)";
+  };
+  return JsonDifference{ReadablePointer(pointer), at(a), at(b)};
+}
+
+absl::StatusOr<std::string> DumpJson(const json& doc, absl::string_view what) {
+  try {
+    return doc.dump(2) + "\n";
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", e.what()));
+  }
+}
+
+absl::StatusOr<json> ReadJsonObject(FileSystem& fs, const std::string& path) {
+  absl::StatusOr<std::string> text =
+      ReadFileToString(fs, path, kMaxJsonFileBytes);
+  if (!text.ok()) {
+    return absl::DataLossError(std::string(text.status().message()));
+  }
+  json doc;
+  try {
+    doc = json::parse(*text);
+  } catch (const json::exception& e) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": not valid JSON: ", e.what()));
+  }
+  if (!doc.is_object()) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": a JSON ", doc.type_name(), ", not an object"));
+  }
+  return doc;
+}
+
+std::string NormalizeDir(absl::string_view dir) {
+  while (dir.size() > 1 && dir.back() == '/') dir.remove_suffix(1);
+  return std::string(dir);
+}
+
+absl::Status CheckDirName(const std::string& dir) {
+  const std::string base = Basename(dir);
+  if (dir.empty() || base == "." || base == ".." || base == "/") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", dir, "' cannot be a checkpoint directory: it needs a name"));
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// Writing
+
+// Counts and checksums what goes through it, and reports progress.
+class TrackedFile : public WritableFile {
+ public:
+  TrackedFile(std::unique_ptr<WritableFile> base,
+              std::function<void(uint64_t)> on_bytes)
+      : base_(std::move(base)), on_bytes_(std::move(on_bytes)) {}
+
+  absl::Status Append(absl::string_view data) override {
+    FLATPARAM_RETURN_IF_ERROR(base_->Append(data));
+    hasher_.Update(data);
+    size_ += data.size();
+    on_bytes_(data.size());
+    return absl::OkStatus();
+  }
+  absl::Status Sync() override { return base_->Sync(); }
+  absl::Status Close() override { return base_->Close(); }
+
+  uint64_t size() const { return size_; }
+  uint64_t digest() const { return hasher_.Digest(); }
+
+ private:
+  std::unique_ptr<WritableFile> base_;
+  std::function<void(uint64_t)> on_bytes_;
+  Xxh3Hasher hasher_;
+  uint64_t size_ = 0;
+};
+
+// A file of a checkpoint, ready to be written.
+struct PendingFile {
+  std::string name;
+  uint64_t size = 0;
+  std::function<absl::Status(WritableFile&)> write;
+};
+
+PendingFile JsonFile(std::string name, std::string text) {
+  const uint64_t size = text.size();
+  return {std::move(name), size,
+          [text = std::move(text)](WritableFile& f) { return f.Append(text); }};
+}
+
+absl::StatusOr<PendingFile> SafetensorsFile(
+    std::string name, const std::vector<TensorSource>& tensors,
+    std::map<std::string, std::string> metadata, uint64_t chunk_bytes) {
+  absl::StatusOr<uint64_t> size = SafetensorsFileSize(tensors, metadata);
+  if (!size.ok()) return Annotate(size.status(), name);
+  PendingFile file;
+  file.name = name;
+  file.size = *size;
+  file.write = [name, &tensors, metadata = std::move(metadata),
+                chunk_bytes](WritableFile& f) {
+    return WriteSafetensors(f, name, tensors, metadata, chunk_bytes);
+  };
+  return file;
+}
+
+std::string RandomSuffix() {
+  absl::BitGen gen;
+  return absl::StrFormat("%016x", absl::Uniform<uint64_t>(gen));
+}
+
+// Steps 1-5 of the file comment of checkpoint_dir.h.
+absl::Status WriteFilesAndSwap(FileSystem& fs, const std::string& dir,
+                               const std::string& tmp, CheckpointKind kind,
+                               const std::vector<PendingFile>& files,
+                               const CheckpointWriteOptions& options) {
+  const std::string parent = Dirname(dir);
+  uint64_t total = 0;
+  for (const PendingFile& f : files) total += f.size;
+  uint64_t done = 0;
+  const auto on_bytes = [&](uint64_t n) {
+    done += n;
+    if (options.progress) options.progress(done, total);
+  };
+
+  // 1. The files, each durable.
+  FLATPARAM_RETURN_IF_ERROR(fs.CreateDir(tmp));
+  Manifest manifest;
+  manifest.kind = kind;
+  for (const PendingFile& f : files) {
+    FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> base,
+                               fs.NewWritableFile(JoinPath(tmp, f.name)));
+    TrackedFile file(std::move(base), on_bytes);
+    FLATPARAM_RETURN_IF_ERROR(f.write(file));
+    FLATPARAM_RETURN_IF_ERROR(file.Sync());
+    FLATPARAM_RETURN_IF_ERROR(file.Close());
+    assert(file.size() == f.size);
+    manifest.files.push_back({f.name, file.size(), file.digest()});
+  }
+  if (options.progress && total == 0) options.progress(0, 0);
+  std::sort(manifest.files.begin(), manifest.files.end(),
+            [](const ManifestEntry& a, const ManifestEntry& b) {
+              return a.path < b.path;
+            });
+  // 2. Their names, then the manifest.
+  FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(tmp));
+  FLATPARAM_RETURN_IF_ERROR(WriteManifest(fs, tmp, manifest));
+  // 3. The previous checkpoint out of the way.
+  const std::string backup = BackupDirFor(dir);
+  FLATPARAM_ASSIGN_OR_RETURN(const bool replacing, fs.Exists(dir));
+  if (replacing) {
+    FLATPARAM_RETURN_IF_ERROR(fs.Rename(dir, backup));
+    FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(parent));
+  }
+  // 4. The new one in.
+  FLATPARAM_RETURN_IF_ERROR(fs.Rename(tmp, dir));
+  FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(parent));
+  // 5. The previous one gone.
+  if (replacing) {
+    FLATPARAM_RETURN_IF_ERROR(RemoveRecursively(fs, backup));
+    FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(parent));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WriteCheckpointFiles(FileSystem& fs, const std::string& dir_arg,
+                                  CheckpointKind kind,
+                                  const std::vector<PendingFile>& files,
+                                  const CheckpointWriteOptions& options) {
+  const std::string dir = NormalizeDir(dir_arg);
+  FLATPARAM_RETURN_IF_ERROR(CheckDirName(dir));
+  if (options.chunk_bytes == 0) {
+    return absl::InvalidArgumentError("chunk_bytes must be at least 1");
+  }
+  const std::string parent = Dirname(dir);
+  absl::StatusOr<bool> parent_is_dir = fs.IsDirectory(parent);
+  if (!parent_is_dir.ok() || !*parent_is_dir) {
+    return absl::NotFoundError(absl::StrCat(dir, ": the parent directory ",
+                                            parent, " does not exist"));
+  }
+  FLATPARAM_RETURN_IF_ERROR(RecoverCheckpointDir(fs, dir));
+  const std::string tmp = absl::StrCat(dir, kTmpInfix, RandomSuffix());
+  absl::Status status = WriteFilesAndSwap(fs, dir, tmp, kind, files, options);
+  if (!status.ok()) {
+    // Best effort: put a moved-away checkpoint back and drop the temporary
+    // directory. Whatever happens here, `dir` resolves to the old or the new
+    // checkpoint.
+    RecoverCheckpointDir(fs, dir).IgnoreError();
+  }
+  return status;
+}
+
+// The tensors of a rank file must be exactly what `layout` implies.
+// `code` is InvalidArgument when writing, DataLoss when reading.
+absl::Status CheckRankTensors(const ModelLayout& layout,
+                              absl::Span<const TensorDecl> tensors,
+                              const std::string& file, absl::StatusCode code) {
+  const std::vector<FlatParamLayout>& flat = layout.flat_params();
+  auto error = [&](const std::string& tensor, absl::string_view what) {
+    return absl::Status(code,
+                        absl::StrCat(file, ": tensor '", tensor, "': ", what));
+  };
+  // Parses a canonical flat parameter index at the start of `s`, up to the
+  // end or a '.'.
+  auto parse_index = [&](absl::string_view s, int64_t* index,
+                         absl::string_view* rest) {
+    const size_t dot = s.find('.');
+    const absl::string_view digits = s.substr(0, dot);
+    *rest = dot == absl::string_view::npos ? absl::string_view()
+                                           : s.substr(dot + 1);
+    return absl::SimpleAtoi(digits, index) && absl::StrCat(*index) == digits &&
+           *index >= 0 && *index < static_cast<int64_t>(flat.size());
+  };
+  std::vector<bool> have(flat.size(), false);
+  for (const TensorDecl& t : tensors) {
+    absl::string_view name = t.name;
+    int64_t i = 0;
+    absl::string_view rest;
+    if (absl::ConsumePrefix(&name, kFlatParamPrefix)) {
+      if (!parse_index(name, &i, &rest) ||
+          name.find('.') != absl::string_view::npos) {
+        return error(t.name,
+                     absl::StrFormat("not flat_params.{i} for a flat parameter "
+                                     "index i in [0, %d)",
+                                     flat.size()));
+      }
+      const FlatParamLayout& f = flat[i];
+      if (t.dtype != f.dtype()) {
+        return error(t.name, absl::StrCat("dtype is ", DTypeName(t.dtype),
+                                          ", the layout's flat parameter is ",
+                                          DTypeName(f.dtype())));
+      }
+      if (t.shape != std::vector<int64_t>{f.sharded_numel()}) {
+        return error(t.name, absl::StrCat("shape is ", ShapeString(t.shape),
+                                          ", the layout's shard is [",
+                                          f.sharded_numel(), "]"));
+      }
+      have[i] = true;
+    } else if (absl::ConsumePrefix(&name, kOptimShardPrefix)) {
+      if (!parse_index(name, &i, &rest) || rest.empty()) {
+        return error(
+            t.name,
+            absl::StrFormat("not optim.{i}.{state} for a flat parameter index "
+                            "i in [0, %d) and a state name",
+                            flat.size()));
+      }
+      const int64_t numel = flat[i].sharded_numel();
+      if (!t.shape.empty() && t.shape != std::vector<int64_t>{numel}) {
+        return error(
+            t.name, absl::StrCat("shape is ", ShapeString(t.shape),
+                                 ", expected [] or the shard's [", numel, "]"));
+      }
+    } else {
+      return error(t.name,
+                   "unexpected: rank files hold only flat_params.{i} and "
+                   "optim.{i}.{state}");
+    }
+  }
+  for (size_t i = 0; i < have.size(); ++i) {
+    if (!have[i]) {
+      return absl::Status(
+          code,
+          absl::StrCat(file, ": no tensor '", FlatParamTensorName(i),
+                       "' (flat parameter of unit '", flat[i].unit(), "')"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<TensorDecl> DeclsOf(absl::Span<const TensorSource> sources) {
+  std::vector<TensorDecl> decls;
+  for (const TensorSource& s : sources) {
+    decls.push_back({s.name, s.dtype, s.shape});
+  }
+  return decls;
+}
+
+std::vector<TensorDecl> DeclsOf(absl::Span<const SafetensorsEntry> entries) {
+  std::vector<TensorDecl> decls;
+  for (const SafetensorsEntry& e : entries) {
+    decls.push_back({e.name, e.dtype, e.shape});
+  }
+  return decls;
+}
+
+// The layout document of a sharded checkpoint.
+json LayoutDocument(const ModelLayout& layout, int64_t world_size) {
+  LayoutJsonOptions options;
+  options.world_size = world_size;
+  json doc = ModelLayoutToJson(layout, options);
+  doc[kModelSpecKey] = ModelSpecToJson(layout.spec());
+  return doc;
+}
+
+// Rebuilds the layout a layout.json document describes; DataLoss naming
+// `file` and the offending key when the document is malformed or is not
+// the layout its own model spec and options give.
+absl::StatusOr<std::pair<ModelLayout, int64_t>> LayoutFromDocument(
+    const json& doc, const std::string& file) {
+  auto error = [&](absl::string_view what) {
+    return absl::DataLossError(absl::StrCat(file, ": ", what));
+  };
+  auto get = [&](const char* key, json::value_t type) -> const json* {
+    auto it = doc.find(key);
+    if (it == doc.end()) return nullptr;
+    if (type == json::value_t::number_unsigned) {
+      return it->is_number_unsigned() ? &*it : nullptr;
+    }
+    return it->type() == type ? &*it : nullptr;
+  };
+  const json* version = get("version", json::value_t::number_unsigned);
+  if (version == nullptr || *version != kLayoutJsonVersion) {
+    return error(absl::StrCat(
+        "\"version\" is ",
+        doc.contains("version") ? Quote(doc["version"]) : "missing",
+        ", expected ", kLayoutJsonVersion));
+  }
+  const json* spec_doc = get(kModelSpecKey, json::value_t::object);
+  if (spec_doc == nullptr) {
+    return error(
+        absl::StrCat("\"", kModelSpecKey, "\" is missing or not an object"));
+  }
+  absl::StatusOr<ModelSpec> spec = ParseModelSpecJson(
+      spec_doc->dump(), absl::StrCat(file, " ", kModelSpecKey));
+  if (!spec.ok()) return absl::DataLossError(spec.status().message());
+
+  const json* strategy = get("strategy", json::value_t::string);
+  const json* group = get("shard_group_size", json::value_t::number_unsigned);
+  const json* world = get("world_size", json::value_t::number_unsigned);
+  const json* align = get("align_addresses", json::value_t::boolean);
+  if (strategy == nullptr || group == nullptr || world == nullptr ||
+      align == nullptr || !doc.contains("compute_dtype")) {
+    return error(
+        "\"strategy\", \"shard_group_size\", \"world_size\", "
+        "\"align_addresses\" and \"compute_dtype\" are required, with a "
+        "string, two non-negative integers, a boolean and a dtype or null");
+  }
+  LayoutOptions options;
+  absl::StatusOr<ShardingStrategy> parsed_strategy =
+      ParseShardingStrategy(strategy->get<std::string>());
+  if (!parsed_strategy.ok()) {
+    return error(
+        absl::StrCat("\"strategy\": ", parsed_strategy.status().message()));
+  }
+  options.strategy = *parsed_strategy;
+  options.align_addresses = align->get<bool>();
+  const json& compute = doc["compute_dtype"];
+  if (compute.is_string()) {
+    absl::StatusOr<DType> dtype = ParseDType(compute.get<std::string>());
+    if (!dtype.ok()) {
+      return error(
+          absl::StrCat("\"compute_dtype\": ", dtype.status().message()));
+    }
+    options.compute_dtype = *dtype;
+  } else if (!compute.is_null()) {
+    return error("\"compute_dtype\" is neither a dtype name nor null");
+  }
+  const uint64_t g = group->get<uint64_t>();
+  const uint64_t w = world->get<uint64_t>();
+  if (g < 1 || w < 1 || w % g != 0 || g > (uint64_t{1} << 40)) {
+    return error(absl::StrFormat(
+        "world_size %d is not a positive multiple of shard_group_size %d", w,
+        g));
+  }
+  if (!IsHybridStrategy(options.strategy) && w != g) {
+    return error(absl::StrFormat(
+        "world_size %d differs from shard_group_size %d under %s", w, g,
+        ShardingStrategyName(options.strategy)));
+  }
+  options.world_size = static_cast<int64_t>(g);
+  absl::StatusOr<ModelLayout> layout = ModelLayout::Create(*spec, options);
+  if (!layout.ok()) {
+    return error(absl::StrCat("the model spec and options do not lay out: ",
+                              layout.status().message()));
+  }
+  json stored = doc;
+  stored.erase(kModelSpecKey);
+  LayoutJsonOptions json_options;
+  json_options.world_size = static_cast<int64_t>(w);
+  const json recomputed = ModelLayoutToJson(*layout, json_options);
+  if (std::optional<JsonDifference> d = FirstDifference(stored, recomputed)) {
+    return error(absl::StrCat(d->path, " is ", d->a,
+                              ", but the layout recomputed from ",
+                              kModelSpecKey, " has ", d->b));
+  }
+  return std::make_pair(*std::move(layout), static_cast<int64_t>(w));
+}
+
+// The fqn a "state.{fqn}.{name}" tensor belongs to: the longest known fqn
+// followed by a non-empty state name.
+const ParamSpec* OptimStateOwner(
+    absl::string_view tensor,
+    const std::map<std::string, const ParamSpec*, std::less<>>& params) {
+  if (!absl::ConsumePrefix(&tensor, kOptimStatePrefix)) return nullptr;
+  const ParamSpec* owner = nullptr;
+  for (size_t dot = tensor.find('.'); dot != absl::string_view::npos;
+       dot = tensor.find('.', dot + 1)) {
+    if (dot + 1 >= tensor.size()) break;
+    auto it = params.find(tensor.substr(0, dot));
+    if (it != params.end()) owner = it->second;
+  }
+  return owner;
+}
+
+}  // namespace
+
+std::string RankTensorFileName(int64_t rank) {
+  return absl::StrFormat("rank%05d.safetensors", rank);
+}
+std::string RankJsonFileName(int64_t rank) {
+  return absl::StrFormat("rank%05d.json", rank);
+}
+std::string FlatParamTensorName(int64_t flat_param_index) {
+  return absl::StrCat(kFlatParamPrefix, flat_param_index);
+}
+std::string OptimShardTensorName(int64_t flat_param_index,
+                                 absl::string_view state_name) {
+  return absl::StrCat(kOptimShardPrefix, flat_param_index, ".", state_name);
+}
+std::string OptimStateTensorName(absl::string_view fqn,
+                                 absl::string_view state_name) {
+  return absl::StrCat(kOptimStatePrefix, fqn, ".", state_name);
+}
+
+std::string BackupDirFor(absl::string_view dir) {
+  return absl::StrCat(NormalizeDir(dir), kBackupSuffix);
+}
+
+absl::StatusOr<std::string> ResolveCheckpointDir(FileSystem& fs,
+                                                 const std::string& dir_arg) {
+  const std::string dir = NormalizeDir(dir_arg);
+  FLATPARAM_ASSIGN_OR_RETURN(const bool exists, fs.Exists(dir));
+  if (exists) return dir;
+  const std::string backup = BackupDirFor(dir);
+  FLATPARAM_ASSIGN_OR_RETURN(const bool backup_exists, fs.Exists(backup));
+  if (backup_exists) return backup;
+  return absl::NotFoundError(absl::StrCat("no checkpoint at ", dir));
+}
+
+absl::Status RecoverCheckpointDir(FileSystem& fs, const std::string& dir_arg) {
+  const std::string dir = NormalizeDir(dir_arg);
+  FLATPARAM_RETURN_IF_ERROR(CheckDirName(dir));
+  const std::string parent = Dirname(dir);
+  const std::string backup = BackupDirFor(dir);
+  FLATPARAM_ASSIGN_OR_RETURN(const bool backup_exists, fs.Exists(backup));
+  if (backup_exists) {
+    FLATPARAM_ASSIGN_OR_RETURN(const bool exists, fs.Exists(dir));
+    if (exists) {
+      FLATPARAM_RETURN_IF_ERROR(RemoveRecursively(fs, backup));
+    } else {
+      FLATPARAM_RETURN_IF_ERROR(fs.Rename(backup, dir));
+    }
+    FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(parent));
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(std::vector<std::string> siblings,
+                             fs.GetChildren(parent));
+  const std::string tmp_prefix = absl::StrCat(Basename(dir), kTmpInfix);
+  bool removed = false;
+  for (const std::string& sibling : siblings) {
+    if (!absl::StartsWith(sibling, tmp_prefix)) continue;
+    FLATPARAM_RETURN_IF_ERROR(RemoveRecursively(fs, JoinPath(parent, sibling)));
+    removed = true;
+  }
+  if (removed) FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(parent));
+  return absl::OkStatus();
+}
+
+absl::Status WriteFullCheckpoint(FileSystem& fs, const std::string& dir,
+                                 const FullCheckpointContent& content,
+                                 const CheckpointWriteOptions& options) {
+  for (const TensorSource& t : content.optim) {
+    if (!absl::StartsWith(t.name, kOptimStatePrefix) ||
+        t.name.size() == strlen(kOptimStatePrefix)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(kOptimFileName, ": tensor '", t.name,
+                       "' is not named state.{fqn}.{state_name}"));
+    }
+  }
+  if (!content.optim_json.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kOptimJsonFileName, ": must be a JSON object, not a ",
+                     content.optim_json.type_name()));
+  }
+  std::vector<PendingFile> files;
+  FLATPARAM_ASSIGN_OR_RETURN(
+      PendingFile model,
+      SafetensorsFile(kModelFileName, content.model, {}, options.chunk_bytes));
+  files.push_back(std::move(model));
+  FLATPARAM_ASSIGN_OR_RETURN(
+      PendingFile optim,
+      SafetensorsFile(kOptimFileName, content.optim, {}, options.chunk_bytes));
+  files.push_back(std::move(optim));
+  FLATPARAM_ASSIGN_OR_RETURN(std::string optim_json,
+                             DumpJson(content.optim_json, kOptimJsonFileName));
+  files.push_back(JsonFile(kOptimJsonFileName, std::move(optim_json)));
+  return WriteCheckpointFiles(fs, dir, CheckpointKind::kFull, files, options);
+}
+
+absl::Status WriteShardedCheckpoint(FileSystem& fs, const std::string& dir,
+                                    const ShardedCheckpointContent& content,
+                                    const CheckpointWriteOptions& options) {
+  if (content.layout == nullptr) {
+    return absl::InvalidArgumentError("sharded checkpoint without a layout");
+  }
+  const ModelLayout& layout = *content.layout;
+  const int64_t g = layout.options().world_size;
+  const int64_t w = content.world_size == 0 ? g : content.world_size;
+  if (w < 1 || w % g != 0 ||
+      (!IsHybridStrategy(layout.options().strategy) && w != g)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("world size %d does not fit a %s layout over %d ranks",
+                        w, ShardingStrategyName(layout.options().strategy), g));
+  }
+  if (static_cast<int64_t>(content.ranks.size()) != g) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%d ranks of content for a layout over %d ranks",
+                        content.ranks.size(), g));
+  }
+  std::vector<PendingFile> files;
+  FLATPARAM_ASSIGN_OR_RETURN(
+      std::string layout_text,
+      DumpJson(LayoutDocument(layout, w), kLayoutFileName));
+  files.push_back(JsonFile(kLayoutFileName, std::move(layout_text)));
+  for (int64_t r = 0; r < g; ++r) {
+    const RankContent& rank = content.ranks[r];
+    const std::string tensor_file = RankTensorFileName(r);
+    FLATPARAM_RETURN_IF_ERROR(
+        CheckRankTensors(layout, DeclsOf(rank.tensors), tensor_file,
+                         absl::StatusCode::kInvalidArgument));
+    if (!rank.sidecar.is_object()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(RankJsonFileName(r), ": must be a JSON object, not a ",
+                       rank.sidecar.type_name()));
+    }
+    std::map<std::string, std::string> metadata = {
+        {kRankKey, absl::StrCat(r)}, {kShardGroupSizeKey, absl::StrCat(g)}};
+    FLATPARAM_ASSIGN_OR_RETURN(
+        PendingFile tensors,
+        SafetensorsFile(tensor_file, rank.tensors, std::move(metadata),
+                        options.chunk_bytes));
+    files.push_back(std::move(tensors));
+    const std::string json_file = RankJsonFileName(r);
+    FLATPARAM_ASSIGN_OR_RETURN(std::string sidecar,
+                               DumpJson(rank.sidecar, json_file));
+    files.push_back(JsonFile(json_file, std::move(sidecar)));
+  }
+  return WriteCheckpointFiles(fs, dir, CheckpointKind::kSharded, files,
+                              options);
+}
+
+// ---------------------------------------------------------------------------
+// Reading
+
+namespace {
+
+absl::StatusOr<std::pair<std::string, Manifest>> OpenVerified(
+    FileSystem& fs, const std::string& dir, CheckpointKind kind,
+    const CheckpointOpenOptions& options) {
+  FLATPARAM_ASSIGN_OR_RETURN(std::string path, ResolveCheckpointDir(fs, dir));
+  VerifyOptions verify;
+  verify.verify_checksums = options.verify_checksums;
+  verify.expected_kind = kind;
+  verify.progress = options.progress;
+  FLATPARAM_ASSIGN_OR_RETURN(Manifest manifest,
+                             VerifyManifest(fs, path, verify));
+  return std::make_pair(std::move(path), std::move(manifest));
+}
+
+// The manifest must list exactly `expected`.
+absl::Status CheckFileSet(const std::string& dir, const Manifest& manifest,
+                          const std::set<std::string>& expected,
+                          CheckpointKind kind) {
+  std::set<std::string> listed;
+  for (const ManifestEntry& e : manifest.files) listed.insert(e.path);
+  for (const std::string& name : expected) {
+    if (listed.count(name) == 0) {
+      return absl::DataLossError(
+          absl::StrCat(dir, ": a ", CheckpointKindName(kind),
+                       " checkpoint needs ", name, ", which is missing"));
+    }
+  }
+  for (const std::string& name : listed) {
+    if (expected.count(name) == 0) {
+      return absl::DataLossError(
+          absl::StrCat(JoinPath(dir, name), ": not part of a ",
+                       CheckpointKindName(kind), " checkpoint"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+FullCheckpointReader::FullCheckpointReader(std::string path, Manifest manifest,
+                                           SafetensorsReader model,
+                                           SafetensorsReader optim,
+                                           nlohmann::json optim_json)
+    : path_(std::move(path)),
+      manifest_(std::move(manifest)),
+      model_(std::move(model)),
+      optim_(std::move(optim)),
+      optim_json_(std::move(optim_json)) {}
+
+absl::StatusOr<FullCheckpointReader> FullCheckpointReader::Open(
+    FileSystem& fs, const std::string& dir,
+    const CheckpointOpenOptions& options) {
+  FLATPARAM_ASSIGN_OR_RETURN(
+      auto verified, OpenVerified(fs, dir, CheckpointKind::kFull, options));
+  const std::string& path = verified.first;
+  FLATPARAM_RETURN_IF_ERROR(
+      CheckFileSet(path, verified.second,
+                   {kModelFileName, kOptimFileName, kOptimJsonFileName},
+                   CheckpointKind::kFull));
+  FLATPARAM_ASSIGN_OR_RETURN(
+      SafetensorsReader model,
+      SafetensorsReader::Open(fs, JoinPath(path, kModelFileName)));
+  FLATPARAM_ASSIGN_OR_RETURN(
+      SafetensorsReader optim,
+      SafetensorsReader::Open(fs, JoinPath(path, kOptimFileName)));
+  for (const SafetensorsEntry& e : optim.tensors()) {
+    if (!absl::StartsWith(e.name, kOptimStatePrefix)) {
+      return absl::DataLossError(
+          absl::StrCat(optim.name(), ": tensor '", e.name,
+                       "' is not named state.{fqn}.{state_name}"));
+    }
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(
+      json optim_json, ReadJsonObject(fs, JoinPath(path, kOptimJsonFileName)));
+  return FullCheckpointReader(path, std::move(verified.second),
+                              std::move(model), std::move(optim),
+                              std::move(optim_json));
+}
+
+absl::Status FullCheckpointReader::CheckFitsModel(const ModelSpec& spec) const {
+  // fqn -> the parameter whose tensor it is (the primary for a tied one).
+  std::map<std::string, const ParamSpec*, std::less<>> params;
+  for (const ParamSpec& p : spec.params) {
+    if (p.tied_to.empty()) {
+      params[p.fqn] = &p;
+    } else {
+      auto it = params.find(p.tied_to);
+      if (it != params.end()) params[p.fqn] = it->second;
+    }
+  }
+  auto error = [](const std::string& file, absl::string_view what) {
+    return absl::FailedPreconditionError(absl::StrCat(file, ": ", what));
+  };
+  for (const SafetensorsEntry& e : model_.tensors()) {
+    auto it = params.find(e.name);
+    if (it == params.end()) {
+      return error(
+          model_.name(),
+          absl::StrCat("tensor '", e.name, "' is not a parameter of model '",
+                       spec.name, "'"));
+    }
+    const ParamSpec& p = *it->second;
+    if (e.dtype != p.dtype || e.shape != p.shape) {
+      return error(
+          model_.name(),
+          absl::StrCat("tensor '", e.name, "' is ", DTypeName(e.dtype), " ",
+                       ShapeString(e.shape), ", the model's parameter is ",
+                       DTypeName(p.dtype), " ", ShapeString(p.shape)));
+    }
+  }
+  for (const ParamSpec& p : spec.params) {
+    if (p.tied_to.empty() && !model_.Contains(p.fqn)) {
+      return error(model_.name(),
+                   absl::StrCat("parameter '", p.fqn, "' of model '", spec.name,
+                                "' is missing"));
+    }
+  }
+  for (const SafetensorsEntry& e : optim_.tensors()) {
+    const ParamSpec* p = OptimStateOwner(e.name, params);
+    if (p == nullptr) {
+      return error(optim_.name(),
+                   absl::StrCat("tensor '", e.name,
+                                "' is not state.{fqn}.{state_name} for a "
+                                "parameter of model '",
+                                spec.name, "'"));
+    }
+    if (!e.shape.empty() && e.shape != p->shape) {
+      return error(
+          optim_.name(),
+          absl::StrCat("tensor '", e.name, "' has shape ", ShapeString(e.shape),
+                       ", expected [] or ", ShapeString(p->shape),
+                       " of parameter '", p->fqn, "'"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+ShardedCheckpointReader::ShardedCheckpointReader(
+    FileSystem* fs, std::string path, Manifest manifest, ModelLayout layout,
+    int64_t world_size, nlohmann::json layout_json)
+    : fs_(fs),
+      path_(std::move(path)),
+      manifest_(std::move(manifest)),
+      layout_(std::move(layout)),
+      world_size_(world_size),
+      layout_json_(std::move(layout_json)) {}
+
+absl::StatusOr<ShardedCheckpointReader> ShardedCheckpointReader::Open(
+    FileSystem& fs, const std::string& dir,
+    const CheckpointOpenOptions& options) {
+  FLATPARAM_ASSIGN_OR_RETURN(
+      auto verified, OpenVerified(fs, dir, CheckpointKind::kSharded, options));
+  const std::string& path = verified.first;
+  const std::string layout_path = JoinPath(path, kLayoutFileName);
+  {
+    bool listed = false;
+    for (const ManifestEntry& e : verified.second.files) {
+      listed = listed || e.path == kLayoutFileName;
+    }
+    if (!listed) {
+      return absl::DataLossError(
+          absl::StrCat(path, ": a sharded checkpoint needs ", kLayoutFileName,
+                       ", which is missing"));
+    }
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(json doc, ReadJsonObject(fs, layout_path));
+  FLATPARAM_ASSIGN_OR_RETURN(auto layout, LayoutFromDocument(doc, layout_path));
+  const int64_t g = layout.first.options().world_size;
+  std::set<std::string> expected = {kLayoutFileName};
+  for (int64_t r = 0; r < g; ++r) {
+    expected.insert(RankTensorFileName(r));
+    expected.insert(RankJsonFileName(r));
+  }
+  FLATPARAM_RETURN_IF_ERROR(
+      CheckFileSet(path, verified.second, expected, CheckpointKind::kSharded));
+  ShardedCheckpointReader reader(&fs, path, std::move(verified.second),
+                                 std::move(layout.first), layout.second,
+                                 std::move(doc));
+  for (int64_t r = 0; r < g; ++r) {
+    FLATPARAM_RETURN_IF_ERROR(reader.OpenRank(r).status());
+    FLATPARAM_RETURN_IF_ERROR(reader.ReadRankJson(r).status());
+  }
+  return reader;
+}
+
+absl::StatusOr<SafetensorsReader> ShardedCheckpointReader::OpenRank(
+    int64_t rank) const {
+  if (rank < 0 || rank >= num_ranks()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("rank %d is not in [0, %d) of checkpoint %s", rank,
+                        num_ranks(), path_));
+  }
+  const std::string file = JoinPath(path_, RankTensorFileName(rank));
+  FLATPARAM_ASSIGN_OR_RETURN(SafetensorsReader reader,
+                             SafetensorsReader::Open(*fs_, file));
+  const auto& metadata = reader.metadata();
+  auto rank_it = metadata.find(kRankKey);
+  auto group_it = metadata.find(kShardGroupSizeKey);
+  if (rank_it == metadata.end() || rank_it->second != absl::StrCat(rank) ||
+      group_it == metadata.end() ||
+      group_it->second != absl::StrCat(num_ranks())) {
+    return absl::DataLossError(absl::StrFormat(
+        "%s: __metadata__ says rank %s of %s, expected rank %d of %d", file,
+        rank_it == metadata.end() ? "(none)" : rank_it->second,
+        group_it == metadata.end() ? "(none)" : group_it->second, rank,
+        num_ranks()));
+  }
+  FLATPARAM_RETURN_IF_ERROR(CheckRankTensors(
+      layout_, DeclsOf(reader.tensors()), file, absl::StatusCode::kDataLoss));
+  return reader;
+}
+
+absl::StatusOr<nlohmann::json> ShardedCheckpointReader::ReadRankJson(
+    int64_t rank) const {
+  if (rank < 0 || rank >= num_ranks()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("rank %d is not in [0, %d) of checkpoint %s", rank,
+                        num_ranks(), path_));
+  }
+  return ReadJsonObject(*fs_, JoinPath(path_, RankJsonFileName(rank)));
+}
+
+absl::Status ShardedCheckpointReader::CheckFits(const ModelLayout& layout,
+                                                int64_t world_size) const {
+  auto error = [](absl::string_view what) {
+    return absl::FailedPreconditionError(what);
+  };
+  if (world_size != world_size_) {
+    return error(absl::StrFormat(
+        "world size: checkpoint %d, job %d (reshard the checkpoint offline)",
+        world_size_, world_size));
+  }
+  if (layout.options().strategy != layout_.options().strategy) {
+    return error(absl::StrFormat(
+        "strategy: checkpoint %s, job %s (reshard the checkpoint offline)",
+        ShardingStrategyName(layout_.options().strategy),
+        ShardingStrategyName(layout.options().strategy)));
+  }
+  if (layout.flat_params().size() != layout_.flat_params().size()) {
+    return error(absl::StrFormat(
+        "flat parameters: checkpoint has %d, job has %d",
+        layout_.flat_params().size(), layout.flat_params().size()));
+  }
+  if (layout.options().world_size < 1 ||
+      world_size % layout.options().world_size != 0) {
+    return error(absl::StrFormat("shard_group_size: checkpoint %d, job %d",
+                                 num_ranks(), layout.options().world_size));
+  }
+  LayoutJsonOptions options;
+  options.world_size = world_size;
+  json ours = ModelLayoutToJson(layout_, options);
+  json theirs = ModelLayoutToJson(layout, options);
+  // The model's name is a label, not part of the layout.
+  ours.erase("model");
+  theirs.erase("model");
+  if (std::optional<JsonDifference> d = FirstDifference(ours, theirs)) {
+    return error(absl::StrCat(d->path, ": checkpoint ", d->a, ", job ", d->b));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace checkpoint
+}  // namespace flatparam

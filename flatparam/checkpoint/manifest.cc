@@ -1,0 +1,301 @@
+#include "flatparam/checkpoint/manifest.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cassert>
+#include <set>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "flatparam/base/status_macros.h"
+
+namespace flatparam {
+namespace checkpoint {
+namespace {
+
+using json = nlohmann::json;
+
+// Read size for checksumming.
+constexpr uint64_t kHashChunkBytes = uint64_t{1} << 20;
+
+absl::Status CheckFileName(absl::string_view name) {
+  if (name.empty() || name == "." || name == ".." ||
+      name.find('/') != absl::string_view::npos ||
+      name.find('\0') != absl::string_view::npos || name == kManifestFileName) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", name, "' is not a plain file name that a manifest may list"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Annotate(const absl::Status& status, absl::string_view context) {
+  if (status.ok()) return status;
+  return absl::Status(status.code(),
+                      absl::StrCat(context, ": ", status.message()));
+}
+
+}  // namespace
+
+absl::string_view CheckpointKindName(CheckpointKind kind) {
+  switch (kind) {
+    case CheckpointKind::kFull:
+      return "full";
+    case CheckpointKind::kSharded:
+      return "sharded";
+  }
+  assert(false);
+  return "";
+}
+
+struct Xxh3Hasher::State {
+  XXH3_state_t* state = nullptr;
+};
+
+Xxh3Hasher::Xxh3Hasher() : state_(std::make_unique<State>()) {
+  state_->state = XXH3_createState();
+  assert(state_->state != nullptr);
+  XXH3_64bits_reset(state_->state);
+}
+
+Xxh3Hasher::~Xxh3Hasher() { XXH3_freeState(state_->state); }
+
+void Xxh3Hasher::Update(absl::string_view bytes) {
+  XXH3_64bits_update(state_->state, bytes.data(), bytes.size());
+}
+
+uint64_t Xxh3Hasher::Digest() const {
+  return XXH3_64bits_digest(state_->state);
+}
+
+uint64_t Xxh3(absl::string_view bytes) {
+  return XXH3_64bits(bytes.data(), bytes.size());
+}
+
+std::string ChecksumHex(uint64_t checksum) {
+  return absl::StrFormat("%016x", checksum);
+}
+
+absl::StatusOr<ManifestEntry> DescribeFile(FileSystem& fs,
+                                           const std::string& dir,
+                                           const std::string& name,
+                                           const ProgressCallback& progress) {
+  const std::string path = JoinPath(dir, name);
+  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file,
+                             fs.NewRandomAccessFile(path));
+  FLATPARAM_ASSIGN_OR_RETURN(const uint64_t size, file->Size());
+  Xxh3Hasher hasher;
+  std::vector<char> buffer(std::min(size, kHashChunkBytes));
+  for (uint64_t done = 0; done < size;) {
+    const uint64_t n = std::min<uint64_t>(buffer.size(), size - done);
+    FLATPARAM_RETURN_IF_ERROR(
+        file->ReadAt(done, absl::MakeSpan(buffer.data(), n)));
+    hasher.Update(absl::string_view(buffer.data(), n));
+    done += n;
+    if (progress) progress(done, size);
+  }
+  return ManifestEntry{name, size, hasher.Digest()};
+}
+
+json ManifestToJson(const Manifest& manifest) {
+  json files = json::array();
+  for (const ManifestEntry& e : manifest.files) {
+    files.push_back({{"path", e.path},
+                     {"size", e.size},
+                     {"xxh3_64", ChecksumHex(e.xxh3_64)}});
+  }
+  return {{"format", kManifestFormat},
+          {"kind", std::string(CheckpointKindName(manifest.kind))},
+          {"files", std::move(files)}};
+}
+
+absl::StatusOr<Manifest> ParseManifestJson(absl::string_view text,
+                                           absl::string_view source) {
+  auto error = [&](absl::string_view where, absl::string_view what) {
+    return absl::DataLossError(
+        absl::StrCat(source, ": ", where, where.empty() ? "" : ": ", what));
+  };
+  json doc;
+  try {
+    doc = json::parse(text.begin(), text.end());
+  } catch (const json::exception& e) {
+    return error("", absl::StrCat("not valid JSON: ", e.what()));
+  }
+  if (!doc.is_object()) return error("", "not a JSON object");
+  for (const auto& kv : doc.items()) {
+    if (kv.key() != "format" && kv.key() != "kind" && kv.key() != "files") {
+      return error(kv.key(), "unknown key");
+    }
+  }
+  if (!doc.contains("format") || !doc["format"].is_string()) {
+    return error("format", "missing or not a string");
+  }
+  if (doc["format"] != kManifestFormat) {
+    return error("format",
+                 absl::StrCat("is ", doc["format"].dump(), ", expected \"",
+                              kManifestFormat, "\""));
+  }
+  Manifest manifest;
+  if (doc.contains("kind") && doc["kind"] == "full") {
+    manifest.kind = CheckpointKind::kFull;
+  } else if (doc.contains("kind") && doc["kind"] == "sharded") {
+    manifest.kind = CheckpointKind::kSharded;
+  } else {
+    return error("kind", absl::StrCat("is ",
+                                      doc.contains("kind") ? doc["kind"].dump()
+                                                           : "missing",
+                                      ", expected \"full\" or \"sharded\""));
+  }
+  if (!doc.contains("files") || !doc["files"].is_array()) {
+    return error("files", "missing or not an array");
+  }
+  std::set<std::string> seen;
+  const json& files = doc["files"];
+  for (size_t i = 0; i < files.size(); ++i) {
+    const std::string where = absl::StrCat("files[", i, "]");
+    const json& f = files[i];
+    if (!f.is_object()) return error(where, "not an object");
+    for (const auto& kv : f.items()) {
+      if (kv.key() != "path" && kv.key() != "size" && kv.key() != "xxh3_64") {
+        return error(absl::StrCat(where, ".", kv.key()), "unknown key");
+      }
+    }
+    ManifestEntry entry;
+    if (!f.contains("path") || !f["path"].is_string()) {
+      return error(where + ".path", "missing or not a string");
+    }
+    entry.path = f["path"].get<std::string>();
+    if (absl::Status s = CheckFileName(entry.path); !s.ok()) {
+      return error(where + ".path", s.message());
+    }
+    if (!seen.insert(entry.path).second) {
+      return error(where + ".path",
+                   absl::StrCat("'", entry.path, "' is listed twice"));
+    }
+    if (!f.contains("size") || !f["size"].is_number_unsigned()) {
+      return error(where + ".size", "missing or not a non-negative integer");
+    }
+    entry.size = f["size"].get<uint64_t>();
+    const std::string hex = f.contains("xxh3_64") && f["xxh3_64"].is_string()
+                                ? f["xxh3_64"].get<std::string>()
+                                : std::string();
+    const bool lower_hex =
+        hex.size() == 16 && std::all_of(hex.begin(), hex.end(), [](char c) {
+          return absl::ascii_isdigit(c) || (c >= 'a' && c <= 'f');
+        });
+    if (!lower_hex || !absl::SimpleHexAtoi(hex, &entry.xxh3_64)) {
+      return error(where + ".xxh3_64",
+                   absl::StrCat("expected 16 lowercase hex digits, got ",
+                                f.contains("xxh3_64") ? f["xxh3_64"].dump()
+                                                      : "nothing"));
+    }
+    manifest.files.push_back(std::move(entry));
+  }
+  return manifest;
+}
+
+absl::Status WriteManifest(FileSystem& fs, const std::string& dir,
+                           const Manifest& manifest) {
+  for (const ManifestEntry& e : manifest.files) {
+    FLATPARAM_RETURN_IF_ERROR(CheckFileName(e.path));
+  }
+  const std::string tmp =
+      JoinPath(dir, absl::StrCat(kManifestFileName, ".tmp"));
+  FLATPARAM_RETURN_IF_ERROR(
+      WriteFileDurably(fs, tmp, ManifestToJson(manifest).dump(2) + "\n"));
+  FLATPARAM_RETURN_IF_ERROR(fs.Rename(tmp, JoinPath(dir, kManifestFileName)));
+  return fs.SyncDir(dir);
+}
+
+absl::StatusOr<Manifest> VerifyManifest(FileSystem& fs, const std::string& dir,
+                                        const VerifyOptions& options) {
+  FLATPARAM_ASSIGN_OR_RETURN(const bool dir_exists, fs.Exists(dir));
+  if (!dir_exists) {
+    return absl::NotFoundError(
+        absl::StrCat(dir, ": checkpoint directory does not exist"));
+  }
+  const std::string manifest_path = JoinPath(dir, kManifestFileName);
+  FLATPARAM_ASSIGN_OR_RETURN(const bool has_manifest, fs.Exists(manifest_path));
+  if (!has_manifest) {
+    return absl::DataLossError(
+        absl::StrCat(dir, ": no ", kManifestFileName,
+                     " (the checkpoint was not completely written)"));
+  }
+  absl::StatusOr<std::string> text =
+      ReadFileToString(fs, manifest_path, kMaxManifestBytes);
+  if (!text.ok()) {
+    return absl::DataLossError(std::string(text.status().message()));
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(Manifest manifest,
+                             ParseManifestJson(*text, manifest_path));
+  if (options.expected_kind.has_value() &&
+      manifest.kind != *options.expected_kind) {
+    return absl::DataLossError(
+        absl::StrCat(manifest_path, ": a ", CheckpointKindName(manifest.kind),
+                     " checkpoint, expected a ",
+                     CheckpointKindName(*options.expected_kind), " one"));
+  }
+
+  FLATPARAM_ASSIGN_OR_RETURN(std::vector<std::string> children,
+                             fs.GetChildren(dir));
+  std::set<std::string> listed;
+  uint64_t total = 0;
+  for (const ManifestEntry& e : manifest.files) {
+    listed.insert(e.path);
+    total += e.size;
+  }
+  for (const std::string& child : children) {
+    if (child != kManifestFileName && listed.count(child) == 0) {
+      return absl::DataLossError(
+          absl::StrCat(JoinPath(dir, child), ": not listed in ",
+                       kManifestFileName, " (an unexpected file)"));
+    }
+  }
+  const std::set<std::string> present(children.begin(), children.end());
+  uint64_t done = 0;
+  for (const ManifestEntry& e : manifest.files) {
+    const std::string path = JoinPath(dir, e.path);
+    if (present.count(e.path) == 0) {
+      return absl::DataLossError(absl::StrCat(
+          path, ": listed in ", kManifestFileName, " but missing"));
+    }
+    FLATPARAM_ASSIGN_OR_RETURN(const bool is_dir, fs.IsDirectory(path));
+    if (is_dir) {
+      return absl::DataLossError(
+          absl::StrCat(path, ": a directory, the manifest lists a file"));
+    }
+    FLATPARAM_ASSIGN_OR_RETURN(const uint64_t size, fs.GetFileSize(path));
+    if (size != e.size) {
+      return absl::DataLossError(
+          absl::StrFormat("%s: size is %d bytes, %s says %d", path, size,
+                          kManifestFileName, e.size));
+    }
+    if (!options.verify_checksums) continue;
+    const uint64_t before = done;
+    ProgressCallback file_progress;
+    if (options.progress) {
+      file_progress = [&](uint64_t file_done, uint64_t) {
+        options.progress(before + file_done, total);
+      };
+    }
+    absl::StatusOr<ManifestEntry> actual =
+        DescribeFile(fs, dir, e.path, file_progress);
+    if (!actual.ok()) return Annotate(actual.status(), "verifying checksum");
+    if (actual->size != e.size || actual->xxh3_64 != e.xxh3_64) {
+      return absl::DataLossError(absl::StrFormat(
+          "%s: xxh3_64 checksum is %s, %s says %s (the file is corrupt)", path,
+          ChecksumHex(actual->xxh3_64), kManifestFileName,
+          ChecksumHex(e.xxh3_64)));
+    }
+    done += e.size;
+  }
+  if (options.progress && total == 0) options.progress(0, 0);
+  return manifest;
+}
+
+}  // namespace checkpoint
+}  // namespace flatparam

@@ -1,0 +1,139 @@
+// The manifest of a checkpoint directory: manifest.json, written last,
+// listing every other file of the directory with its size and checksum, so
+// that a reader can tell a complete, intact checkpoint from a partial or
+// damaged one.
+//
+//   {
+//     "format": "flatparam.checkpoint.v1",
+//     "kind": "full" | "sharded",
+//     "files": [
+//       {"path": "model.safetensors", "size": 1234,
+//        "xxh3_64": "0123456789abcdef"},           16 lowercase hex digits
+//       ...                                        sorted by path
+//     ]
+//   }
+//
+// Checksums are XXH3_64bits (seed 0) of the whole file, from the xxHash
+// library, computed in a streaming fashion so that a file is never held in
+// memory. `path` is a plain file name inside the directory: no '/', not "."
+// or "..", not "manifest.json".
+//
+// Thread-safety: pure functions, except that Write/Verify use the file
+// system; Xxh3Hasher is not thread-safe.
+#ifndef FLATPARAM_CHECKPOINT_MANIFEST_H_
+#define FLATPARAM_CHECKPOINT_MANIFEST_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "flatparam/checkpoint/file_system.h"
+
+namespace flatparam {
+namespace checkpoint {
+
+inline constexpr char kManifestFileName[] = "manifest.json";
+inline constexpr char kManifestFormat[] = "flatparam.checkpoint.v1";
+// manifest.json files larger than this are rejected unread.
+inline constexpr uint64_t kMaxManifestBytes = uint64_t{64} << 20;
+
+enum class CheckpointKind { kFull, kSharded };
+
+// "full" / "sharded".
+absl::string_view CheckpointKindName(CheckpointKind kind);
+
+// Reports progress of a long operation: `done` of `total` bytes.
+// Called from the thread doing the work, with `done` non-decreasing.
+using ProgressCallback = std::function<void(uint64_t done, uint64_t total)>;
+
+struct ManifestEntry {
+  std::string path;
+  uint64_t size = 0;
+  uint64_t xxh3_64 = 0;
+
+  friend bool operator==(const ManifestEntry& a, const ManifestEntry& b) {
+    return a.path == b.path && a.size == b.size && a.xxh3_64 == b.xxh3_64;
+  }
+};
+
+struct Manifest {
+  CheckpointKind kind = CheckpointKind::kFull;
+  // Sorted by path when produced by this library.
+  std::vector<ManifestEntry> files;
+};
+
+// Incremental XXH3_64bits (seed 0) over a stream of bytes.
+class Xxh3Hasher {
+ public:
+  Xxh3Hasher();
+  ~Xxh3Hasher();
+  Xxh3Hasher(const Xxh3Hasher&) = delete;
+  Xxh3Hasher& operator=(const Xxh3Hasher&) = delete;
+
+  void Update(absl::string_view bytes);
+  // The hash of everything passed to Update so far; Update may continue.
+  uint64_t Digest() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+// XXH3_64bits of `bytes`, in one call.
+uint64_t Xxh3(absl::string_view bytes);
+// "0123456789abcdef": 16 lowercase hex digits.
+std::string ChecksumHex(uint64_t checksum);
+
+// Reads file `name` in directory `dir` in chunks and returns its entry.
+// `progress`, if set, is called with bytes read so far (of the file size).
+absl::StatusOr<ManifestEntry> DescribeFile(
+    FileSystem& fs, const std::string& dir, const std::string& name,
+    const ProgressCallback& progress = {});
+
+// The document above. Entries are written in the order given.
+nlohmann::json ManifestToJson(const Manifest& manifest);
+// Parses and validates a manifest document; `source` (a path) prefixes
+// errors, which are DataLoss and name the offending JSON path, e.g.
+// "files[2].xxh3_64: expected 16 hex digits, got \"12\"". Duplicate paths
+// and unsafe names are errors.
+absl::StatusOr<Manifest> ParseManifestJson(absl::string_view text,
+                                           absl::string_view source);
+
+// Writes `dir`/manifest.json atomically: to manifest.json.tmp, synced, then
+// renamed over manifest.json, then `dir` synced. InvalidArgument for
+// entries with unsafe names.
+absl::Status WriteManifest(FileSystem& fs, const std::string& dir,
+                           const Manifest& manifest);
+
+struct VerifyOptions {
+  // When false only sizes are checked (a cheap check for huge checkpoints
+  // whose bytes will be read anyway).
+  bool verify_checksums = true;
+  // If set, the manifest must be of this kind.
+  std::optional<CheckpointKind> expected_kind;
+  // Bytes checksummed so far, of the sum of the listed sizes.
+  ProgressCallback progress;
+};
+
+// Reads `dir`/manifest.json and checks the directory against it: the
+// manifest parses and has the expected kind; every listed file exists with
+// the listed size and (if asked) checksum; the directory holds nothing
+// else. Returns the manifest. Errors name the directory, the file and what
+// differs ("rank00001.safetensors: size is 1000 bytes, manifest says 1024");
+// DataLoss for anything wrong with the checkpoint (including a missing
+// manifest.json: the write did not finish), NotFound when `dir` itself
+// does not exist.
+absl::StatusOr<Manifest> VerifyManifest(FileSystem& fs, const std::string& dir,
+                                        const VerifyOptions& options = {});
+
+}  // namespace checkpoint
+}  // namespace flatparam
+
+#endif  // FLATPARAM_CHECKPOINT_MANIFEST_H_
