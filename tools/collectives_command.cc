@@ -41,11 +41,6 @@ namespace flatparam {
 namespace tools {
 namespace {
 
-bool FlagChanged(absl::string_view name) {
-  const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
-  return flag != nullptr && flag->CurrentValue() != flag->DefaultValue();
-}
-
 int CollectivesMain(const std::vector<char*>& args) {
   if (!args.empty()) {
     std::cerr << "fsdp collectives: unexpected argument \"" << args[0]

@@ -17,14 +17,6 @@ namespace flatparam {
 namespace tools {
 namespace {
 
-// The node-local rank that picks this rank's GPU: Open MPI's, else 0.
-int LocalRank() {
-  int rank = 0;
-  const char* s = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
-  if (s == nullptr || !absl::SimpleAtoi(s, &rank)) return 0;
-  return rank;
-}
-
 absl::Status RunOnWorld(MpiCommunicator& world,
                         const CollectivesOptions& options, std::ostream& out) {
   if (options.world_size_given && options.world_size != world.size()) {
@@ -38,7 +30,7 @@ absl::Status RunOnWorld(MpiCommunicator& world,
   std::unique_ptr<Communicator> nccl;
   std::unique_ptr<conformance::DeviceMemory> cuda;
   if (options.backend == "nccl") {
-    const int device = LocalRank();
+    const int device = NodeLocalRank();
     // Every rank learns of a failure on any rank here, so none hangs.
     FLATPARAM_ASSIGN_OR_RETURN(nccl, CreateNcclCommunicator(world, device));
     FLATPARAM_ASSIGN_OR_RETURN(cuda, conformance::CudaMemory(device));

@@ -1,6 +1,8 @@
 #include "tools/common_flags.h"
 
+#include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
 
 ABSL_FLAG(std::string, model, "",
           "A model preset (gpt2, llama2-7b, ...) or a model JSON file.");
@@ -29,6 +31,11 @@ ABSL_FLAG(uint64_t, seed, 0,
 
 namespace flatparam {
 namespace tools {
+
+bool FlagChanged(absl::string_view name) {
+  const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+  return flag != nullptr && flag->CurrentValue() != flag->DefaultValue();
+}
 
 const char kLayoutFlagsHelp[] =
     "  --model=NAME|PATH        preset or model JSON file (required)\n"

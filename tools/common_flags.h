@@ -11,6 +11,7 @@
 #include <string>
 
 #include "absl/flags/declare.h"
+#include "absl/strings/string_view.h"
 #include "tools/layout_request.h"
 
 ABSL_DECLARE_FLAG(std::string, model);
@@ -27,6 +28,9 @@ ABSL_DECLARE_FLAG(uint64_t, seed);
 
 namespace flatparam {
 namespace tools {
+
+// True when flag `name` (underscored) was given a non-default value.
+bool FlagChanged(absl::string_view name);
 
 // The layout flags as a request (not yet validated).
 LayoutRequest LayoutRequestFromFlags();

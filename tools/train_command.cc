@@ -35,11 +35,6 @@ namespace flatparam {
 namespace tools {
 namespace {
 
-bool FlagChanged(absl::string_view name) {
-  const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
-  return flag != nullptr && flag->CurrentValue() != flag->DefaultValue();
-}
-
 int TrainMain(const std::vector<char*>& args) {
   if (!args.empty()) {
     std::cerr << "fsdp train: unexpected argument \"" << args[0]

@@ -4,12 +4,14 @@
 #include <atomic>
 #include <cassert>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <map>
 #include <mutex>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -1003,6 +1005,17 @@ absl::StatusOr<std::unique_ptr<Communicator>> MpiCommunicator::Split(
   FLATPARAM_ASSIGN_OR_RETURN(std::shared_ptr<CommState> state,
                              Adopt(comm, st.options));
   return std::unique_ptr<Communicator>(new MpiCommunicator(state));
+}
+
+int NodeLocalRank() {
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"}) {
+    const char* value = std::getenv(name);
+    int rank = 0;
+    if (value != nullptr && absl::SimpleAtoi(value, &rank) && rank >= 0) {
+      return rank;
+    }
+  }
+  return 0;
 }
 
 }  // namespace flatparam

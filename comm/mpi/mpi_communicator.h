@@ -172,6 +172,11 @@ class MpiSession {
   bool owns_mpi_ = false;
 };
 
+// This process's rank among the ranks on its node, from the launcher's
+// environment (Open MPI's OMPI_COMM_WORLD_LOCAL_RANK; Slurm's SLURM_LOCALID),
+// for choosing a GPU; 0 when neither is set.
+int NodeLocalRank();
+
 // A Communicator over an MPI communicator of its own (a duplicate, so that
 // flatparam's traffic and error handler never touch the caller's). See the
 // top of this file for the algorithms, timeouts and desync checks.
