@@ -24,6 +24,7 @@
 #include "absl/strings/str_format.h"
 #include "comm/communicator.h"
 #include "comm/mpi/mpi_communicator.h"
+#include "comm/mpi/mpi_gtest.h"
 #include "flatparam/device/device.h"
 #include "flatparam/layout.h"
 #include "flatparam/memory_stats.h"
@@ -134,28 +135,6 @@ INSTANTIATE_TEST_SUITE_P(Cases, TrainingMpiTest, ::testing::Range(0, 8),
                            return Cases(2)[info.param].name;
                          });
 
-// On ranks other than 0: only failures, prefixed with the rank.
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit RankFailurePrinter(int rank) : rank_(rank) {}
-
-  void OnTestPartResult(const ::testing::TestPartResult& result) override {
-    if (!result.failed()) return;
-    std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_,
-                 result.file_name() ? result.file_name() : "?",
-                 result.line_number(), result.message());
-  }
-  void OnTestEnd(const ::testing::TestInfo& info) override {
-    if (info.result()->Failed()) {
-      std::fprintf(stderr, "[rank %d] FAILED %s.%s\n", rank_,
-                   info.test_suite_name(), info.name());
-    }
-  }
-
- private:
-  int rank_;
-};
-
 }  // namespace
 }  // namespace verify
 }  // namespace flatparam
@@ -169,19 +148,7 @@ int main(int argc, char** argv) {
   }
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  if (rank != 0) {
-    // Bazel's per-test files belong to rank 0 alone.
-    unsetenv("XML_OUTPUT_FILE");
-    unsetenv("TEST_PREMATURE_EXIT_FILE");
-    unsetenv("GTEST_OUTPUT");
-  }
-  ::testing::InitGoogleTest(&argc, argv);
-  if (rank != 0) {
-    ::testing::TestEventListeners& listeners =
-        ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new flatparam::verify::RankFailurePrinter(rank));
-  }
+  flatparam::InitGoogleTestOnMpiRank(rank, &argc, argv);
   bool failed = false;
   {
     auto world = flatparam::MpiCommunicator::CreateWorld();
@@ -191,27 +158,7 @@ int main(int argc, char** argv) {
       return 1;
     }
     flatparam::verify::g_world = world->get();
-    failed = RUN_ALL_TESTS() != 0;
-    // Every rank's verdict, so that the exit codes agree with the failures
-    // the other ranks printed.
-    float mine = failed ? 1.0f : 0.0f;
-    float any = 1.0f;
-    flatparam::ReduceOptions max;
-    max.op = flatparam::ReduceOp::kMax;
-    max.timeout = absl::Seconds(60);
-    const absl::Status verdict =
-        (*world)
-            ->AllReduce({&mine, 1, flatparam::DType::kFloat32},
-                        {&any, 1, flatparam::DType::kFloat32}, max)
-            ->Wait();
-    if (!verdict.ok()) {
-      std::fprintf(stderr, "[rank %d] combining results: %s\n", rank,
-                   verdict.ToString().c_str());
-    }
-    if (rank == 0 && verdict.ok() && any != 0 && !failed) {
-      std::fprintf(stderr, "FAILED on another rank (see [rank N] lines)\n");
-    }
-    failed = !verdict.ok() || any != 0;
+    failed = flatparam::RunAllTestsOnAllRanks(**world);
     flatparam::verify::g_world = nullptr;
   }
   const absl::Status finished = session->Finish();

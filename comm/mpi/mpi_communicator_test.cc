@@ -26,6 +26,7 @@
 #include "comm/conformance/collective_cases.h"
 #include "comm/conformance/collective_cases_gtest.h"
 #include "comm/conformance/device_memory.h"
+#include "comm/mpi/mpi_gtest.h"
 #include "flatparam/base/status_matchers.h"
 
 namespace flatparam {
@@ -384,28 +385,6 @@ TEST(MpiCommunicatorTest, TimeoutBreaksTheCommunicatorWithoutHanging) {
   EXPECT_THAT(g_world->Barrier(Timed()), IsOk());
 }
 
-// On ranks other than 0: only failures, prefixed with the rank.
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit RankFailurePrinter(int rank) : rank_(rank) {}
-
-  void OnTestPartResult(const ::testing::TestPartResult& result) override {
-    if (!result.failed()) return;
-    std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_,
-                 result.file_name() ? result.file_name() : "?",
-                 result.line_number(), result.message());
-  }
-  void OnTestEnd(const ::testing::TestInfo& info) override {
-    if (info.result()->Failed()) {
-      std::fprintf(stderr, "[rank %d] FAILED %s.%s\n", rank_,
-                   info.test_suite_name(), info.name());
-    }
-  }
-
- private:
-  int rank_;
-};
-
 }  // namespace
 }  // namespace flatparam
 
@@ -418,19 +397,7 @@ int main(int argc, char** argv) {
   }
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  if (rank != 0) {
-    // Bazel's per-test files belong to rank 0 alone.
-    unsetenv("XML_OUTPUT_FILE");
-    unsetenv("TEST_PREMATURE_EXIT_FILE");
-    unsetenv("GTEST_OUTPUT");
-  }
-  ::testing::InitGoogleTest(&argc, argv);
-  if (rank != 0) {
-    ::testing::TestEventListeners& listeners =
-        ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new flatparam::RankFailurePrinter(rank));
-  }
+  flatparam::InitGoogleTestOnMpiRank(rank, &argc, argv);
 
   bool failed = false;
   {
@@ -446,31 +413,7 @@ int main(int argc, char** argv) {
     }
     flatparam::g_world = world->get();
     flatparam::g_checked_world = checked_world->get();
-    failed = RUN_ALL_TESTS() != 0;
-
-    // Every rank's verdict, so that the exit codes and rank 0's summary
-    // agree with the failures the other ranks printed.
-    int mine = failed ? 1 : 0;
-    int any = 1;
-    flatparam::ReduceOptions max;
-    max.op = flatparam::ReduceOp::kMax;
-    max.timeout = absl::Seconds(60);
-    float mine_f = static_cast<float>(mine);
-    float any_f = 1.0f;
-    const absl::Status verdict =
-        (*world)
-            ->AllReduce({&mine_f, 1, flatparam::DType::kFloat32},
-                        {&any_f, 1, flatparam::DType::kFloat32}, max)
-            ->Wait();
-    any = verdict.ok() ? static_cast<int>(any_f) : 1;
-    if (!verdict.ok()) {
-      std::fprintf(stderr, "[rank %d] combining results: %s\n", rank,
-                   verdict.ToString().c_str());
-    }
-    if (rank == 0 && any && !failed) {
-      std::fprintf(stderr, "FAILED on another rank (see [rank N] lines)\n");
-    }
-    failed = any != 0;
+    failed = flatparam::RunAllTestsOnAllRanks(**world);
     flatparam::g_world = nullptr;
     flatparam::g_checked_world = nullptr;
   }

@@ -1,0 +1,35 @@
+// Running one GoogleTest binary on every rank of an mpirun job (test-only).
+//
+//   int main(int argc, char** argv) {
+//     auto session = MpiSession::Start(&argc, &argv);
+//     int rank = 0;
+//     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+//     InitGoogleTestOnMpiRank(rank, &argc, argv);
+//     auto world = MpiCommunicator::CreateWorld();
+//     const bool failed = RunAllTestsOnAllRanks(**world);
+//     ...
+//   }
+//
+// Rank 0 keeps gtest's printer and Bazel's result files; the other ranks print
+// only their failures, prefixed "[rank N]", so a failure on any rank is
+// visible in the one test log.
+//
+// Thread-safety: call from the main thread, once.
+#ifndef FLATPARAM_COMM_MPI_MPI_GTEST_H_
+#define FLATPARAM_COMM_MPI_MPI_GTEST_H_
+
+#include "comm/communicator.h"
+
+namespace flatparam {
+
+// InitGoogleTest for rank `rank` of an mpirun job (see the file comment).
+void InitGoogleTestOnMpiRank(int rank, int* argc, char** argv);
+
+// Runs every test on this rank, then combines every rank's verdict over
+// `world` (a max all-reduce), so that all ranks exit alike. Returns true
+// when any rank failed (or the verdicts could not be combined).
+bool RunAllTestsOnAllRanks(Communicator& world);
+
+}  // namespace flatparam
+
+#endif  // FLATPARAM_COMM_MPI_MPI_GTEST_H_
