@@ -50,17 +50,8 @@ absl::Status RunOnWorld(MpiCommunicator& world,
 
 absl::Status RunCollectivesMpi(const CollectivesOptions& options,
                                std::ostream& out) {
-  FLATPARAM_ASSIGN_OR_RETURN(MpiSession session,
-                             MpiSession::Start(nullptr, nullptr));
-  absl::Status status;
-  {
-    // Communicators go before MPI is finalised.
-    absl::StatusOr<std::unique_ptr<MpiCommunicator>> world =
-        MpiCommunicator::CreateWorld();
-    status = world.ok() ? RunOnWorld(**world, options, out) : world.status();
-  }
-  const absl::Status finished = session.Finish();
-  return status.ok() ? finished : status;
+  return RunOnMpiWorld(
+      [&](MpiCommunicator& world) { return RunOnWorld(world, options, out); });
 }
 
 }  // namespace tools

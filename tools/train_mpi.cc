@@ -52,17 +52,8 @@ absl::Status RunOnWorld(MpiCommunicator& world,
 absl::Status RunTrainMpi(const TrainCommandOptions& options,
                          std::ostream& out) {
   FLATPARAM_RETURN_IF_ERROR(ValidateTrainCommandOptions(options));
-  FLATPARAM_ASSIGN_OR_RETURN(MpiSession session,
-                             MpiSession::Start(nullptr, nullptr));
-  absl::Status status;
-  {
-    // Communicators go before MPI is finalised.
-    absl::StatusOr<std::unique_ptr<MpiCommunicator>> world =
-        MpiCommunicator::CreateWorld();
-    status = world.ok() ? RunOnWorld(**world, options, out) : world.status();
-  }
-  const absl::Status finished = session.Finish();
-  return status.ok() ? finished : status;
+  return RunOnMpiWorld(
+      [&](MpiCommunicator& world) { return RunOnWorld(world, options, out); });
 }
 
 }  // namespace tools

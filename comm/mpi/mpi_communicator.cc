@@ -1018,4 +1018,20 @@ int NodeLocalRank() {
   return 0;
 }
 
+absl::Status RunOnMpiWorld(
+    const std::function<absl::Status(MpiCommunicator&)>& fn,
+    const MpiOptions& options) {
+  FLATPARAM_ASSIGN_OR_RETURN(MpiSession session,
+                             MpiSession::Start(nullptr, nullptr));
+  absl::Status status;
+  {
+    // Communicators go before MPI is finalised.
+    absl::StatusOr<std::unique_ptr<MpiCommunicator>> world =
+        MpiCommunicator::CreateWorld(options);
+    status = world.ok() ? fn(**world) : world.status();
+  }
+  const absl::Status finished = session.Finish();
+  return status.ok() ? finished : status;
+}
+
 }  // namespace flatparam

@@ -109,6 +109,7 @@
 
 #include <mpi.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -232,6 +233,13 @@ class MpiCommunicator final : public Communicator {
 
   std::shared_ptr<internal_mpi::CommState> state_;
 };
+
+// Starts MPI (if this process has not), runs `fn` on a world communicator,
+// destroys the communicator and finalises what it started: the whole life
+// of an MPI program's main(). Returns fn's error, else finalisation's.
+absl::Status RunOnMpiWorld(
+    const std::function<absl::Status(MpiCommunicator&)>& fn,
+    const MpiOptions& options = {});
 
 }  // namespace flatparam
 
