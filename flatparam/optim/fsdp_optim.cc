@@ -536,6 +536,18 @@ absl::StatusOr<std::optional<OrigUnitPlan>> PlanOrigUnit(
   return std::optional<OrigUnitPlan>(std::move(plan));
 }
 
+// The position of unmanaged parameter `key` in options.unmanaged_params
+// (the caller checked that it is one).
+size_t UnmanagedPosition(const OptimStateOptions& options,
+                         const ParamKey& key) {
+  const std::string* name = std::get_if<std::string>(&key);
+  assert(name != nullptr);
+  const auto it = std::find(options.unmanaged_params.begin(),
+                            options.unmanaged_params.end(), *name);
+  assert(it != options.unmanaged_params.end());
+  return static_cast<size_t>(it - options.unmanaged_params.begin());
+}
+
 absl::StatusOr<std::vector<ParamGroup>> PlanGroups(
     const ModelIndex& index, const std::vector<ParamGroup>& groups,
     const OptimStateOptions& options) {
@@ -543,7 +555,11 @@ absl::StatusOr<std::vector<ParamGroup>> PlanGroups(
   for (size_t g = 0; g < groups.size(); ++g) {
     ParamGroup group;
     group.hyperparams = groups[g].hyperparams;
-    std::set<ParamKey> flat_keys;
+    // The flat path lists a group's flat parameters (sorted) and then its
+    // unmanaged parameters in unmanaged_params order: PyTorch sorts
+    // optimizer IDs, and unmanaged_params is in the optimizer's order.
+    std::set<int64_t> flat_keys;
+    std::set<size_t> unmanaged_positions;
     for (const ParamKey& key : groups[g].params) {
       const ModelIndex::Pos* pos = index.Managed(key);
       if (pos == nullptr && !index.Unmanaged(key)) {
@@ -556,13 +572,16 @@ absl::StatusOr<std::vector<ParamGroup>> PlanGroups(
       if (options.use_orig_params) {
         group.params.push_back(key);
       } else if (pos != nullptr) {
-        flat_keys.insert(ParamKey(int64_t{pos->unit}));
+        flat_keys.insert(int64_t{pos->unit});
       } else {
-        flat_keys.insert(key);
+        unmanaged_positions.insert(UnmanagedPosition(options, key));
       }
     }
     if (!options.use_orig_params) {
-      group.params.assign(flat_keys.begin(), flat_keys.end());
+      for (int64_t unit : flat_keys) group.params.push_back(ParamKey(unit));
+      for (size_t i : unmanaged_positions) {
+        group.params.push_back(ParamKey(options.unmanaged_params[i]));
+      }
     }
     out.push_back(std::move(group));
   }

@@ -28,7 +28,10 @@
 //     parameter's shard (alignment and world-size padding hold 42, the
 //     right padding 0). Zero-dimension and non-tensor states are replicated
 //     (one value for the whole flat parameter, equal on every rank). Groups
-//     list flat-parameter indices (sorted) and unmanaged FQNs.
+//     list flat-parameter indices (sorted), then unmanaged FQNs in
+//     `unmanaged_params` order: PyTorch sorts optimizer IDs, so with
+//     unmanaged_params in the optimizer's order (and ignored modules after
+//     the wrapped ones, whose IDs come first) the order is PyTorch's.
 //   * Original-parameter path (use_orig_params = true): state keyed by
 //     original-parameter FQN, present on a rank only for the parameters
 //     its shard holds (ShardParamInfo::in_shard). A positive-dimension
@@ -136,7 +139,8 @@ struct OptimStateOptions {
   // the layout's `align_addresses` (PyTorch always pairs them; both
   // combinations work here).
   bool use_orig_params = false;
-  // FQNs of parameters the optimizer holds that no flat parameter manages.
+  // FQNs of parameters the optimizer holds that no flat parameter manages,
+  // in the optimizer's parameter order (sharded groups list them so).
   std::vector<std::string> unmanaged_params;
   // ConsolidateOptimState: only rank 0 returns the dict (others return an
   // empty one). OptimStateDictToLoad: only rank 0 holds the full dict, so
