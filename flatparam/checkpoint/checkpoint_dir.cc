@@ -20,6 +20,7 @@
 #include "absl/strings/strip.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_macros.h"
+#include "flatparam/checkpoint/internal/checkpoint_write.h"
 #include "flatparam/layout.h"
 #include "flatparam/layout_json.h"
 #include "flatparam/model_json.h"
@@ -109,14 +110,6 @@ std::optional<JsonDifference> FirstDifference(const json& a, const json& b) {
   return JsonDifference{ReadablePointer(pointer), at(a), at(b)};
 }
 
-absl::StatusOr<std::string> DumpJson(const json& doc, absl::string_view what) {
-  try {
-    return doc.dump(2) + "\n";
-  } catch (const json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": ", e.what()));
-  }
-}
-
 absl::StatusOr<json> ReadJsonObject(FileSystem& fs, const std::string& path) {
   absl::StatusOr<std::string> text =
       ReadFileToString(fs, path, kMaxJsonFileBytes);
@@ -181,12 +174,17 @@ class TrackedFile : public WritableFile {
   uint64_t size_ = 0;
 };
 
-// A file of a checkpoint, ready to be written.
-struct PendingFile {
-  std::string name;
-  uint64_t size = 0;
-  std::function<absl::Status(WritableFile&)> write;
-};
+}  // namespace
+
+namespace internal_checkpoint {
+
+absl::StatusOr<std::string> DumpJson(const json& doc, absl::string_view what) {
+  try {
+    return doc.dump(2) + "\n";
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", e.what()));
+  }
+}
 
 PendingFile JsonFile(std::string name, std::string text) {
   const uint64_t size = text.size();
@@ -194,60 +192,51 @@ PendingFile JsonFile(std::string name, std::string text) {
           [text = std::move(text)](WritableFile& f) { return f.Append(text); }};
 }
 
-absl::StatusOr<PendingFile> SafetensorsFile(
-    std::string name, const std::vector<TensorSource>& tensors,
-    std::map<std::string, std::string> metadata, uint64_t chunk_bytes) {
-  absl::StatusOr<uint64_t> size = SafetensorsFileSize(tensors, metadata);
-  if (!size.ok()) return Annotate(size.status(), name);
-  PendingFile file;
-  file.name = name;
-  file.size = *size;
-  file.write = [name, &tensors, metadata = std::move(metadata),
-                chunk_bytes](WritableFile& f) {
-    return WriteSafetensors(f, name, tensors, metadata, chunk_bytes);
-  };
-  return file;
-}
-
-std::string RandomSuffix() {
-  absl::BitGen gen;
-  return absl::StrFormat("%016x", absl::Uniform<uint64_t>(gen));
-}
-
-// Steps 1-5 of the file comment of checkpoint_dir.h.
-absl::Status WriteFilesAndSwap(FileSystem& fs, const std::string& dir,
-                               const std::string& tmp, CheckpointKind kind,
-                               const std::vector<PendingFile>& files,
-                               const CheckpointWriteOptions& options) {
-  const std::string parent = Dirname(dir);
-  uint64_t total = 0;
-  for (const PendingFile& f : files) total += f.size;
-  uint64_t done = 0;
-  const auto on_bytes = [&](uint64_t n) {
-    done += n;
-    if (options.progress) options.progress(done, total);
-  };
-
-  // 1. The files, each durable.
-  FLATPARAM_RETURN_IF_ERROR(fs.CreateDir(tmp));
-  Manifest manifest;
-  manifest.kind = kind;
-  for (const PendingFile& f : files) {
-    FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> base,
-                               fs.NewWritableFile(JoinPath(tmp, f.name)));
-    TrackedFile file(std::move(base), on_bytes);
-    FLATPARAM_RETURN_IF_ERROR(f.write(file));
-    FLATPARAM_RETURN_IF_ERROR(file.Sync());
-    FLATPARAM_RETURN_IF_ERROR(file.Close());
-    assert(file.size() == f.size);
-    manifest.files.push_back({f.name, file.size(), file.digest()});
+absl::StatusOr<std::string> PrepareCheckpointWrite(
+    FileSystem& fs, const std::string& dir_arg,
+    const CheckpointWriteOptions& options) {
+  const std::string dir = NormalizeDir(dir_arg);
+  FLATPARAM_RETURN_IF_ERROR(CheckDirName(dir));
+  if (options.chunk_bytes == 0) {
+    return absl::InvalidArgumentError("chunk_bytes must be at least 1");
   }
-  if (options.progress && total == 0) options.progress(0, 0);
+  const std::string parent = Dirname(dir);
+  absl::StatusOr<bool> parent_is_dir = fs.IsDirectory(parent);
+  if (!parent_is_dir.ok() || !*parent_is_dir) {
+    return absl::NotFoundError(absl::StrCat(dir, ": the parent directory ",
+                                            parent, " does not exist"));
+  }
+  FLATPARAM_RETURN_IF_ERROR(RecoverCheckpointDir(fs, dir));
+  return dir;
+}
+
+std::string NewTempDirFor(const std::string& dir) {
+  absl::BitGen gen;
+  return absl::StrCat(dir, kTmpInfix,
+                      absl::StrFormat("%016x", absl::Uniform<uint64_t>(gen)));
+}
+
+absl::StatusOr<ManifestEntry> WritePendingFile(
+    FileSystem& fs, const std::string& tmp, const PendingFile& f,
+    const std::function<void(uint64_t)>& on_bytes) {
+  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> base,
+                             fs.NewWritableFile(JoinPath(tmp, f.name)));
+  TrackedFile file(std::move(base), on_bytes);
+  FLATPARAM_RETURN_IF_ERROR(f.write(file));
+  FLATPARAM_RETURN_IF_ERROR(file.Sync());
+  FLATPARAM_RETURN_IF_ERROR(file.Close());
+  assert(file.size() == f.size);
+  return ManifestEntry{f.name, file.size(), file.digest()};
+}
+
+absl::Status PublishCheckpoint(FileSystem& fs, const std::string& dir,
+                               const std::string& tmp, Manifest manifest) {
+  const std::string parent = Dirname(dir);
   std::sort(manifest.files.begin(), manifest.files.end(),
             [](const ManifestEntry& a, const ManifestEntry& b) {
               return a.path < b.path;
             });
-  // 2. Their names, then the manifest.
+  // 2. The files' names, then the manifest.
   FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(tmp));
   FLATPARAM_RETURN_IF_ERROR(WriteManifest(fs, tmp, manifest));
   // 3. The previous checkpoint out of the way.
@@ -268,23 +257,66 @@ absl::Status WriteFilesAndSwap(FileSystem& fs, const std::string& dir,
   return absl::OkStatus();
 }
 
+}  // namespace internal_checkpoint
+
+namespace {
+
+using internal_checkpoint::DumpJson;
+using internal_checkpoint::JsonFile;
+using internal_checkpoint::PendingFile;
+
+absl::StatusOr<PendingFile> SafetensorsFile(
+    std::string name, const std::vector<TensorSource>& tensors,
+    std::map<std::string, std::string> metadata, uint64_t chunk_bytes) {
+  absl::StatusOr<uint64_t> size = SafetensorsFileSize(tensors, metadata);
+  if (!size.ok()) return Annotate(size.status(), name);
+  PendingFile file;
+  file.name = name;
+  file.size = *size;
+  file.write = [name, &tensors, metadata = std::move(metadata),
+                chunk_bytes](WritableFile& f) {
+    return WriteSafetensors(f, name, tensors, metadata, chunk_bytes);
+  };
+  return file;
+}
+
+// Steps 1-5 of the file comment of checkpoint_dir.h.
+absl::Status WriteFilesAndSwap(FileSystem& fs, const std::string& dir,
+                               const std::string& tmp, CheckpointKind kind,
+                               const std::vector<PendingFile>& files,
+                               const CheckpointWriteOptions& options) {
+  uint64_t total = 0;
+  for (const PendingFile& f : files) total += f.size;
+  uint64_t done = 0;
+  const auto on_bytes = [&](uint64_t n) {
+    done += n;
+    if (options.progress) options.progress(done, total);
+  };
+
+  // 1. The files, each durable.
+  FLATPARAM_RETURN_IF_ERROR(fs.CreateDir(tmp));
+  Manifest manifest;
+  manifest.kind = kind;
+  for (const PendingFile& f : files) {
+    FLATPARAM_ASSIGN_OR_RETURN(
+        ManifestEntry entry,
+        internal_checkpoint::WritePendingFile(fs, tmp, f, on_bytes));
+    manifest.files.push_back(std::move(entry));
+  }
+  if (options.progress && total == 0) options.progress(0, 0);
+  // 2-5.
+  return internal_checkpoint::PublishCheckpoint(fs, dir, tmp,
+                                                std::move(manifest));
+}
+
 absl::Status WriteCheckpointFiles(FileSystem& fs, const std::string& dir_arg,
                                   CheckpointKind kind,
                                   const std::vector<PendingFile>& files,
                                   const CheckpointWriteOptions& options) {
-  const std::string dir = NormalizeDir(dir_arg);
-  FLATPARAM_RETURN_IF_ERROR(CheckDirName(dir));
-  if (options.chunk_bytes == 0) {
-    return absl::InvalidArgumentError("chunk_bytes must be at least 1");
-  }
-  const std::string parent = Dirname(dir);
-  absl::StatusOr<bool> parent_is_dir = fs.IsDirectory(parent);
-  if (!parent_is_dir.ok() || !*parent_is_dir) {
-    return absl::NotFoundError(absl::StrCat(dir, ": the parent directory ",
-                                            parent, " does not exist"));
-  }
-  FLATPARAM_RETURN_IF_ERROR(RecoverCheckpointDir(fs, dir));
-  const std::string tmp = absl::StrCat(dir, kTmpInfix, RandomSuffix());
+  FLATPARAM_ASSIGN_OR_RETURN(
+      const std::string dir,
+      internal_checkpoint::PrepareCheckpointWrite(fs, dir_arg, options));
+  const std::string tmp = internal_checkpoint::NewTempDirFor(dir);
   absl::Status status = WriteFilesAndSwap(fs, dir, tmp, kind, files, options);
   if (!status.ok()) {
     // Best effort: put a moved-away checkpoint back and drop the temporary
@@ -509,6 +541,59 @@ const ParamSpec* OptimStateOwner(
 
 }  // namespace
 
+namespace internal_checkpoint {
+
+absl::StatusOr<int64_t> ShardedWorldSize(const ModelLayout& layout,
+                                         int64_t world_size) {
+  const int64_t g = layout.options().world_size;
+  const int64_t w = world_size == 0 ? g : world_size;
+  if (w < 1 || w % g != 0 ||
+      (!IsHybridStrategy(layout.options().strategy) && w != g)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("world size %d does not fit a %s layout over %d ranks",
+                        w, ShardingStrategyName(layout.options().strategy), g));
+  }
+  return w;
+}
+
+absl::StatusOr<PendingFile> LayoutFile(const ModelLayout& layout,
+                                       int64_t world_size) {
+  FLATPARAM_ASSIGN_OR_RETURN(
+      std::string text,
+      DumpJson(LayoutDocument(layout, world_size), kLayoutFileName));
+  return JsonFile(kLayoutFileName, std::move(text));
+}
+
+absl::StatusOr<std::vector<PendingFile>> RankFiles(const ModelLayout& layout,
+                                                   int64_t r,
+                                                   const RankContent& rank,
+                                                   uint64_t chunk_bytes) {
+  const int64_t g = layout.options().world_size;
+  const std::string tensor_file = RankTensorFileName(r);
+  FLATPARAM_RETURN_IF_ERROR(
+      CheckRankTensors(layout, DeclsOf(rank.tensors), tensor_file,
+                       absl::StatusCode::kInvalidArgument));
+  const std::string json_file = RankJsonFileName(r);
+  if (!rank.sidecar.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(json_file, ": must be a JSON object, not a ",
+                     rank.sidecar.type_name()));
+  }
+  std::vector<PendingFile> files;
+  std::map<std::string, std::string> metadata = {
+      {kRankKey, absl::StrCat(r)}, {kShardGroupSizeKey, absl::StrCat(g)}};
+  FLATPARAM_ASSIGN_OR_RETURN(PendingFile tensors,
+                             SafetensorsFile(tensor_file, rank.tensors,
+                                             std::move(metadata), chunk_bytes));
+  files.push_back(std::move(tensors));
+  FLATPARAM_ASSIGN_OR_RETURN(std::string sidecar,
+                             DumpJson(rank.sidecar, json_file));
+  files.push_back(JsonFile(json_file, std::move(sidecar)));
+  return files;
+}
+
+}  // namespace internal_checkpoint
+
 std::string RankTensorFileName(int64_t rank) {
   return absl::StrFormat("rank%05d.safetensors", rank);
 }
@@ -609,45 +694,24 @@ absl::Status WriteShardedCheckpoint(FileSystem& fs, const std::string& dir,
   }
   const ModelLayout& layout = *content.layout;
   const int64_t g = layout.options().world_size;
-  const int64_t w = content.world_size == 0 ? g : content.world_size;
-  if (w < 1 || w % g != 0 ||
-      (!IsHybridStrategy(layout.options().strategy) && w != g)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("world size %d does not fit a %s layout over %d ranks",
-                        w, ShardingStrategyName(layout.options().strategy), g));
-  }
+  FLATPARAM_ASSIGN_OR_RETURN(
+      const int64_t w,
+      internal_checkpoint::ShardedWorldSize(layout, content.world_size));
   if (static_cast<int64_t>(content.ranks.size()) != g) {
     return absl::InvalidArgumentError(
         absl::StrFormat("%d ranks of content for a layout over %d ranks",
                         content.ranks.size(), g));
   }
   std::vector<PendingFile> files;
-  FLATPARAM_ASSIGN_OR_RETURN(
-      std::string layout_text,
-      DumpJson(LayoutDocument(layout, w), kLayoutFileName));
-  files.push_back(JsonFile(kLayoutFileName, std::move(layout_text)));
+  FLATPARAM_ASSIGN_OR_RETURN(PendingFile layout_file,
+                             internal_checkpoint::LayoutFile(layout, w));
+  files.push_back(std::move(layout_file));
   for (int64_t r = 0; r < g; ++r) {
-    const RankContent& rank = content.ranks[r];
-    const std::string tensor_file = RankTensorFileName(r);
-    FLATPARAM_RETURN_IF_ERROR(
-        CheckRankTensors(layout, DeclsOf(rank.tensors), tensor_file,
-                         absl::StatusCode::kInvalidArgument));
-    if (!rank.sidecar.is_object()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(RankJsonFileName(r), ": must be a JSON object, not a ",
-                       rank.sidecar.type_name()));
-    }
-    std::map<std::string, std::string> metadata = {
-        {kRankKey, absl::StrCat(r)}, {kShardGroupSizeKey, absl::StrCat(g)}};
     FLATPARAM_ASSIGN_OR_RETURN(
-        PendingFile tensors,
-        SafetensorsFile(tensor_file, rank.tensors, std::move(metadata),
-                        options.chunk_bytes));
-    files.push_back(std::move(tensors));
-    const std::string json_file = RankJsonFileName(r);
-    FLATPARAM_ASSIGN_OR_RETURN(std::string sidecar,
-                               DumpJson(rank.sidecar, json_file));
-    files.push_back(JsonFile(json_file, std::move(sidecar)));
+        std::vector<PendingFile> rank_files,
+        internal_checkpoint::RankFiles(layout, r, content.ranks[r],
+                                       options.chunk_bytes));
+    for (PendingFile& f : rank_files) files.push_back(std::move(f));
   }
   return WriteCheckpointFiles(fs, dir, CheckpointKind::kSharded, files,
                               options);

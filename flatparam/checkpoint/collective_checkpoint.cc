@@ -1,0 +1,251 @@
+#include "flatparam/checkpoint/collective_checkpoint.h"
+
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "flatparam/base/status_macros.h"
+#include "flatparam/checkpoint/internal/checkpoint_write.h"
+#include "flatparam/checkpoint/manifest.h"
+#include "flatparam/layout_json.h"
+#include "flatparam/model_json.h"
+
+namespace flatparam {
+namespace checkpoint {
+namespace {
+
+using json = nlohmann::json;
+using internal_checkpoint::PendingFile;
+
+// What a rank reports at an exchange: its status so far and a payload.
+struct Report {
+  absl::Status status;
+  json payload;
+};
+
+std::string Encode(const absl::Status& status, const json& payload) {
+  const json doc = {{"code", static_cast<int>(status.code())},
+                    {"message", std::string(status.message())},
+                    {"payload", payload}};
+  return doc.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+// Every rank's report, in rank order; the communicator's error when the
+// exchange fails (a peer died or timed out).
+absl::StatusOr<std::vector<Report>> Exchange(Communicator& world,
+                                             const absl::Status& status,
+                                             const json& payload,
+                                             const CollectiveOptions& options,
+                                             absl::string_view phase) {
+  absl::StatusOr<std::vector<std::string>> all =
+      world.AllGatherBytes(Encode(status, payload), options);
+  if (!all.ok()) {
+    return absl::Status(
+        all.status().code(),
+        absl::StrCat("collective checkpoint write, ", phase,
+                     ": exchanging the ranks' statuses failed: ",
+                     all.status().message()));
+  }
+  std::vector<Report> reports;
+  for (size_t r = 0; r < all->size(); ++r) {
+    try {
+      const json doc = json::parse((*all)[r]);
+      reports.push_back({absl::Status(static_cast<absl::StatusCode>(
+                                          doc.at("code").get<int>()),
+                                      doc.at("message").get<std::string>()),
+                         doc.at("payload")});
+    } catch (const json::exception& e) {
+      return absl::InternalError(absl::StrFormat(
+          "collective checkpoint write, %s: rank %d sent a malformed report: "
+          "%s",
+          phase, r, e.what()));
+    }
+  }
+  return reports;
+}
+
+// OK, or the error of the lowest failing rank, named; the same on every rank.
+absl::Status Agreed(const std::vector<Report>& reports) {
+  for (size_t r = 0; r < reports.size(); ++r) {
+    const absl::Status& s = reports[r].status;
+    if (!s.ok()) {
+      return absl::Status(s.code(),
+                          absl::StrFormat("rank %d: %s", r, s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// What every rank must agree on: the layout document and the world size.
+std::string LayoutDigest(const ModelLayout& layout, int64_t world_size) {
+  LayoutJsonOptions options;
+  options.world_size = world_size;
+  const std::string text =
+      absl::StrCat(world_size, "\n", ModelLayoutToJson(layout, options).dump(),
+                   "\n", ModelSpecToJson(layout.spec()).dump());
+  return ChecksumHex(Xxh3(text));
+}
+
+// Phase b: this rank's files (rank 0: and layout.json) into `tmp`.
+absl::Status WriteMyFiles(FileSystem& fs, const std::string& tmp,
+                          const ModelLayout& layout, int64_t world_size,
+                          int64_t rank, const RankContent& mine,
+                          const CheckpointWriteOptions& options,
+                          json& entries) {
+  std::vector<PendingFile> files;
+  if (rank == 0) {
+    FLATPARAM_ASSIGN_OR_RETURN(
+        PendingFile layout_file,
+        internal_checkpoint::LayoutFile(layout, world_size));
+    files.push_back(std::move(layout_file));
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(
+      std::vector<PendingFile> rank_files,
+      internal_checkpoint::RankFiles(layout, rank, mine, options.chunk_bytes));
+  for (PendingFile& f : rank_files) files.push_back(std::move(f));
+  uint64_t total = 0;
+  for (const PendingFile& f : files) total += f.size;
+  uint64_t done = 0;
+  const std::function<void(uint64_t)> on_bytes = [&](uint64_t n) {
+    done += n;
+    if (options.progress) options.progress(done, total);
+  };
+  for (const PendingFile& f : files) {
+    FLATPARAM_ASSIGN_OR_RETURN(
+        ManifestEntry entry,
+        internal_checkpoint::WritePendingFile(fs, tmp, f, on_bytes));
+    entries.push_back({{"path", entry.path},
+                       {"size", entry.size},
+                       {"xxh3_64", ChecksumHex(entry.xxh3_64)}});
+  }
+  if (options.progress && total == 0) options.progress(0, 0);
+  return absl::OkStatus();
+}
+
+// Phase c on rank 0: the manifest from every rank's entries.
+absl::StatusOr<Manifest> CollectManifest(const std::vector<Report>& reports) {
+  Manifest manifest;
+  manifest.kind = CheckpointKind::kSharded;
+  for (size_t r = 0; r < reports.size(); ++r) {
+    try {
+      for (const json& e : reports[r].payload.at("files")) {
+        ManifestEntry entry;
+        entry.path = e.at("path").get<std::string>();
+        entry.size = e.at("size").get<uint64_t>();
+        const std::string hex = e.at("xxh3_64").get<std::string>();
+        if (!absl::SimpleHexAtoi(hex, &entry.xxh3_64)) {
+          return absl::InternalError(absl::StrFormat(
+              "rank %d reported checksum \"%s\" for %s", r, hex, entry.path));
+        }
+        manifest.files.push_back(std::move(entry));
+      }
+    } catch (const json::exception& e) {
+      return absl::InternalError(absl::StrFormat(
+          "rank %d reported a malformed file list: %s", r, e.what()));
+    }
+  }
+  return manifest;
+}
+
+}  // namespace
+
+absl::Status WriteShardedCheckpointCollective(
+    FileSystem& fs, const std::string& dir, const ModelLayout& layout,
+    int64_t world_size, const RankContent& mine, Communicator& world,
+    const CollectiveWriteOptions& options) {
+  const int rank = world.rank();
+  const int64_t g = layout.options().world_size;
+  const CollectiveOptions& comm = options.collective;
+
+  // a. Rank 0 prepares the temporary directory; everyone checks that they
+  // save the same thing.
+  absl::Status status =
+      internal_checkpoint::ShardedWorldSize(layout, world_size).status();
+  if (status.ok() && world_size != world.size()) {
+    status = absl::InvalidArgumentError(absl::StrFormat(
+        "saving for world size %d on a communicator of %d ranks", world_size,
+        world.size()));
+  }
+  std::string target;  // the normalised `dir`, on rank 0
+  std::string tmp;
+  if (rank == 0 && status.ok()) {
+    absl::StatusOr<std::string> prepared =
+        internal_checkpoint::PrepareCheckpointWrite(fs, dir, options.write);
+    status = prepared.status();
+    if (status.ok()) {
+      target = *prepared;
+      tmp = internal_checkpoint::NewTempDirFor(target);
+      status = fs.CreateDir(tmp);
+    }
+  }
+  // Any failure from here on leaves rank 0 to remove the temporary
+  // directory (and to put back a checkpoint moved away by a failed swap).
+  const auto cleanup = [&] {
+    if (rank == 0 && !target.empty()) {
+      RecoverCheckpointDir(fs, target).IgnoreError();
+    }
+  };
+  const std::string digest = LayoutDigest(layout, world_size);
+  absl::StatusOr<std::vector<Report>> prepared =
+      Exchange(world, status, {{"layout", digest}, {"tmp", tmp}}, comm,
+               "preparing the directory");
+  if (!prepared.ok()) {
+    cleanup();
+    return prepared.status();
+  }
+  std::vector<Report> reports = *std::move(prepared);
+  absl::Status agreed = Agreed(reports);
+  for (size_t r = 1; agreed.ok() && r < reports.size(); ++r) {
+    if (reports[r].payload.value("layout", "") !=
+        reports[0].payload.value("layout", "")) {
+      agreed = absl::InvalidArgumentError(absl::StrFormat(
+          "rank %d saves a different layout or world size than rank 0", r));
+    }
+  }
+  if (!agreed.ok()) {
+    cleanup();
+    return agreed;
+  }
+  tmp = reports[0].payload.value("tmp", "");
+
+  // b. The first shard group writes its rank files.
+  json entries = json::array();
+  status = absl::OkStatus();
+  if (rank < g) {
+    status = WriteMyFiles(fs, tmp, layout, world_size, rank, mine,
+                          options.write, entries);
+  }
+  absl::StatusOr<std::vector<Report>> written =
+      Exchange(world, status, {{"files", entries}}, comm, "writing the ranks");
+  if (!written.ok()) {
+    cleanup();
+    return written.status();
+  }
+  agreed = Agreed(*written);
+  if (!agreed.ok()) {
+    cleanup();
+    return agreed;
+  }
+
+  // c. Rank 0 publishes.
+  status = absl::OkStatus();
+  if (rank == 0) {
+    absl::StatusOr<Manifest> manifest = CollectManifest(*written);
+    status = manifest.status();
+    if (status.ok()) {
+      status = internal_checkpoint::PublishCheckpoint(fs, target, tmp,
+                                                      *std::move(manifest));
+    }
+    if (!status.ok()) cleanup();
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(
+      reports, Exchange(world, status, json::object(), comm, "publishing"));
+  return Agreed(reports);
+}
+
+}  // namespace checkpoint
+}  // namespace flatparam

@@ -1,0 +1,83 @@
+// A sharded checkpoint (checkpoint_dir.h) written collectively by the ranks
+// of a job, each writing its own files into a shared directory, with the
+// same crash safety and the same bytes as the single-process
+// WriteShardedCheckpoint.
+//
+//   // On every rank of `world`, with this rank's shard-group content:
+//   FLATPARAM_ASSIGN_OR_RETURN(RankContent mine,
+//                              MakeRankContent(layout, shard_rank, state));
+//   FLATPARAM_RETURN_IF_ERROR(WriteShardedCheckpointCollective(
+//       PosixFileSystem(), "/ckpt/step100", layout, world.size(), mine,
+//       world));
+//
+// The protocol (checkpoint_dir.h's steps, spread over the ranks):
+//   a. Rank 0 settles an interrupted earlier write (RecoverCheckpointDir),
+//      creates the temporary directory DIR.tmp-<random> and sends its name
+//      to every rank. Every rank sends a digest of its layout and world
+//      size, so ranks that disagree on what they save fail here.
+//   b. Each rank r of the first shard group (world ranks 0..G-1, G the
+//      layout's world size) writes its own rank{r}.safetensors and
+//      rank{r}.json into it, each fsynced, and sends rank 0 their sizes and
+//      XXH3 checksums. The hybrid strategies' other replicas hold identical
+//      shards and write nothing.
+//   c. Rank 0 writes layout.json, fsyncs the directory, writes manifest.json
+//      from every rank's entries and swaps the directory in (steps 2-5).
+// Between the phases the ranks exchange their statuses (AllGatherBytes), so
+// every rank returns the same result: OK, or the error of the lowest rank
+// that failed, prefixed "rank R: ", with that rank's status code. When any
+// rank fails, rank 0 removes the temporary directory and DIR keeps the
+// previous checkpoint. A rank that dies or stalls makes the exchanges fail
+// with the communicator's error (its timeout: options.collective), not hang;
+// then each rank returns its own communicator error.
+//
+// The file system must be one that every rank sees (a shared or parallel
+// file system for MPI jobs; one FileSystem for the simulator's ranks), with
+// renames and fsyncs of one rank visible to the others once the exchange
+// after them has completed. Crash safety is checkpoint_dir.h's: at any
+// crash DIR resolves to the previous or the new complete checkpoint.
+//
+// Ownership: `layout` and `mine` are borrowed for the call. Thread-safety:
+// collective over `world` (every rank calls it, from its own thread, with
+// the same dir, layout and world size).
+#ifndef FLATPARAM_CHECKPOINT_COLLECTIVE_CHECKPOINT_H_
+#define FLATPARAM_CHECKPOINT_COLLECTIVE_CHECKPOINT_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "comm/communicator.h"
+#include "flatparam/checkpoint/checkpoint_dir.h"
+#include "flatparam/checkpoint/file_system.h"
+#include "flatparam/layout.h"
+
+namespace flatparam {
+namespace checkpoint {
+
+struct CollectiveWriteOptions {
+  // Chunk size of the tensor writes; `progress` reports this rank's own
+  // bytes (its rank files; rank 0 also layout.json).
+  CheckpointWriteOptions write;
+  // Timeout of each status exchange (the ranks wait there for the slowest
+  // writer, so it must cover a rank's whole write).
+  CollectiveOptions collective;
+};
+
+// Writes a sharded checkpoint of `layout` saved on `world_size` ranks to
+// `dir`, collectively over `world` (see the file comment). `world_size`
+// must equal world.size() (W; for the hybrid strategies a multiple of the
+// layout's shard group size G, otherwise G). `mine` is this rank's content
+// as shard-group rank `world.rank() % G` (ignored on ranks >= G).
+// Errors, agreed by every rank: InvalidArgument for a world size that does
+// not fit, ranks whose layouts or world sizes differ, or content that does
+// not fit the layout (naming the rank and tensor); the file system's errors
+// otherwise; the communicator's when the exchange itself fails.
+absl::Status WriteShardedCheckpointCollective(
+    FileSystem& fs, const std::string& dir, const ModelLayout& layout,
+    int64_t world_size, const RankContent& mine, Communicator& world,
+    const CollectiveWriteOptions& options = {});
+
+}  // namespace checkpoint
+}  // namespace flatparam
+
+#endif  // FLATPARAM_CHECKPOINT_COLLECTIVE_CHECKPOINT_H_

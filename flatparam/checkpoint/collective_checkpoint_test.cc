@@ -1,0 +1,425 @@
+#include "flatparam/checkpoint/collective_checkpoint.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <deque>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "flatparam/base/dtype.h"
+#include "flatparam/base/status_matchers.h"
+#include "flatparam/checkpoint/checkpoint_dir.h"
+#include "flatparam/checkpoint/file_system.h"
+#include "flatparam/checkpoint/safetensors.h"
+#include "flatparam/flatten.h"
+#include "flatparam/layout.h"
+#include "flatparam/model.h"
+#include "sim/fault.h"
+#include "sim/sim.h"
+
+namespace flatparam {
+namespace checkpoint {
+namespace {
+
+using ::testing::HasSubstr;
+using json = nlohmann::json;
+
+MATCHER_P(IsOkAndHolds, matcher, "is OK and holds a matching value") {
+  if (!arg.ok()) {
+    *result_listener << "status is " << arg.status();
+    return false;
+  }
+  return ::testing::ExplainMatchResult(matcher, *arg, result_listener);
+}
+
+ModelSpec TinySpec() {
+  ModelSpec m;
+  m.name = "tiny";
+  m.params = {{"emb.weight", {11, 3}},
+              {"seq.0.weight", {5, 3}},
+              {"seq.0.bias", {5}},
+              {"seq.2.weight", {7, 5}},
+              {"seq.2.bias", {7}},
+              {"head.weight", {}, DType::kFloat32, true, "emb.weight"}};
+  m.wrap = {"seq.2"};
+  return m;
+}
+
+ModelLayout MakeLayout(ShardingStrategy strategy, int64_t group) {
+  LayoutOptions options;
+  options.strategy = strategy;
+  options.world_size = group;
+  absl::StatusOr<ModelLayout> layout = ModelLayout::Create(TinySpec(), options);
+  EXPECT_TRUE(layout.ok()) << layout.status();
+  return *std::move(layout);
+}
+
+// Every shard-group rank's content of version `version`; the sources point
+// into `storage`, whose elements never move.
+struct Fixture {
+  std::deque<HostTensor> storage;
+  ShardedCheckpointContent content;
+};
+
+Fixture MakeContent(const ModelLayout& layout, int64_t world_size,
+                    int version) {
+  Fixture f;
+  f.content.layout = &layout;
+  f.content.world_size = world_size;
+  for (int64_t r = 0; r < layout.options().world_size; ++r) {
+    RankContent rank;
+    for (size_t i = 0; i < layout.flat_params().size(); ++i) {
+      const FlatParamLayout& fp = layout.flat_params()[i];
+      HostTensor& shard = f.storage.emplace_back(
+          HostTensor::Flat(fp.dtype(), fp.sharded_numel()));
+      HostTensor& avg = f.storage.emplace_back(
+          HostTensor::Flat(DType::kFloat32, fp.sharded_numel()));
+      for (int64_t j = 0; j < shard.numel(); ++j) {
+        shard.SetDouble(j, version * 1000 + r * 100 + i * 10 + j);
+        avg.SetDouble(j, -version * 1000 - r * 100 - i * 10 - j);
+      }
+      HostTensor& step =
+          f.storage.emplace_back(DType::kFloat32, std::vector<int64_t>{});
+      step.SetDouble(0, version);
+      rank.tensors.push_back(
+          TensorSourceFromHostTensor(FlatParamTensorName(i), shard));
+      rank.tensors.push_back(
+          TensorSourceFromHostTensor(OptimShardTensorName(i, "exp_avg"), avg));
+      rank.tensors.push_back(
+          TensorSourceFromHostTensor(OptimShardTensorName(i, "step"), step));
+    }
+    rank.sidecar = {{"rank", r}, {"version", version}};
+    f.content.ranks.push_back(std::move(rank));
+  }
+  return f;
+}
+
+// Runs the collective write on a simulated world of `world_size` ranks;
+// rank r saves content.ranks[r % G] through fs_of(r). Returns every rank's
+// status.
+std::vector<absl::Status> WriteOnSim(
+    const std::function<FileSystem&(int)>& fs_of, const std::string& dir,
+    const ModelLayout& layout, int world_size,
+    const std::function<const RankContent&(int)>& content_of,
+    std::vector<FaultSpec> faults = {}) {
+  SimOptions sim;
+  sim.world_size = world_size;
+  sim.faults = std::move(faults);
+  absl::StatusOr<std::unique_ptr<SimWorld>> world = SimWorld::Create(sim);
+  EXPECT_TRUE(world.ok()) << world.status();
+  std::vector<absl::Status> statuses(world_size);
+  (*world)
+      ->Run([&](Communicator& comm) -> absl::Status {
+        statuses[comm.rank()] = WriteShardedCheckpointCollective(
+            fs_of(comm.rank()), dir, layout, world_size,
+            content_of(comm.rank()), comm);
+        return absl::OkStatus();
+      })
+      .IgnoreError();
+  return statuses;
+}
+
+std::vector<absl::Status> WriteOnSim(FileSystem& fs, const std::string& dir,
+                                     const ModelLayout& layout, int world_size,
+                                     const ShardedCheckpointContent& content,
+                                     std::vector<FaultSpec> faults = {}) {
+  const int64_t g = layout.options().world_size;
+  return WriteOnSim(
+      [&](int) -> FileSystem& { return fs; }, dir, layout, world_size,
+      [&](int r) -> const RankContent& { return content.ranks[r % g]; },
+      std::move(faults));
+}
+
+std::string ReadAll(FileSystem& fs, const std::string& path) {
+  absl::StatusOr<std::string> s = ReadFileToString(fs, path, 1 << 30);
+  EXPECT_TRUE(s.ok()) << s.status();
+  return s.ok() ? *s : "";
+}
+
+// The two directories hold the same file names with the same bytes.
+void ExpectSameDirectory(FileSystem& fs, const std::string& a,
+                         const std::string& b) {
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::vector<std::string> names_a,
+                                 fs.GetChildren(a));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::vector<std::string> names_b,
+                                 fs.GetChildren(b));
+  ASSERT_EQ(names_a, names_b);
+  for (const std::string& name : names_a) {
+    EXPECT_EQ(ReadAll(fs, JoinPath(a, name)), ReadAll(fs, JoinPath(b, name)))
+        << name << " differs";
+  }
+}
+
+// The "version" recorded in rank 0's sidecar of the checkpoint at `dir`.
+int VersionAt(FileSystem& fs, const std::string& dir) {
+  absl::StatusOr<ShardedCheckpointReader> reader =
+      ShardedCheckpointReader::Open(fs, dir);
+  EXPECT_TRUE(reader.ok()) << reader.status();
+  if (!reader.ok()) return -1;
+  absl::StatusOr<json> sidecar = reader->ReadRankJson(0);
+  EXPECT_TRUE(sidecar.ok()) << sidecar.status();
+  return sidecar.ok() ? sidecar->value("version", -1) : -1;
+}
+
+void ExpectAllEqual(const std::vector<absl::Status>& statuses) {
+  for (size_t r = 1; r < statuses.size(); ++r) {
+    EXPECT_EQ(statuses[r], statuses[0]) << "rank " << r;
+  }
+}
+
+class CollectiveCheckpointTest
+    : public ::testing::TestWithParam<
+          std::tuple<ShardingStrategy, int64_t, int>> {};
+
+TEST_P(CollectiveCheckpointTest, EqualsTheSingleProcessWriteByteForByte) {
+  const auto [strategy, group, world_size] = GetParam();
+  const ModelLayout layout = MakeLayout(strategy, group);
+  FaultInjectionFileSystem fs;
+  FLATPARAM_ASSERT_OK(fs.CreateDir("/one"));
+  FLATPARAM_ASSERT_OK(fs.CreateDir("/all"));
+  FLATPARAM_ASSERT_OK(fs.SyncDir("/"));
+  for (int version : {1, 2}) {  // 2 replaces 1
+    SCOPED_TRACE(version);
+    Fixture f = MakeContent(layout, world_size, version);
+    FLATPARAM_ASSERT_OK(WriteShardedCheckpoint(fs, "/one/ckpt", f.content));
+    const std::vector<absl::Status> statuses =
+        WriteOnSim(fs, "/all/ckpt", layout, world_size, f.content);
+    for (const absl::Status& s : statuses) FLATPARAM_ASSERT_OK(s);
+    ExpectSameDirectory(fs, "/one/ckpt", "/all/ckpt");
+    EXPECT_EQ(VersionAt(fs, "/all/ckpt"), version);
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(std::vector<std::string> left,
+                                   fs.GetChildren("/all"));
+    EXPECT_EQ(left, std::vector<std::string>{"ckpt"});
+  }
+  // What the ranks wrote is durable: a crash now keeps it.
+  fs.Crash();
+  EXPECT_EQ(VersionAt(fs, "/all/ckpt"), 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Strategies, CollectiveCheckpointTest,
+    ::testing::Values(std::make_tuple(ShardingStrategy::kFullShard, 1, 1),
+                      std::make_tuple(ShardingStrategy::kFullShard, 4, 4),
+                      std::make_tuple(ShardingStrategy::kShardGradOp, 3, 3),
+                      std::make_tuple(ShardingStrategy::kNoShard, 2, 2),
+                      std::make_tuple(ShardingStrategy::kHybridShard, 2, 4),
+                      std::make_tuple(ShardingStrategy::kHybridShardZero2, 3,
+                                      6)));
+
+// Forwards to `base`, failing the creation of files whose path contains
+// `fail_on` (one rank's view of a full disk or a lost mount).
+class FailingFileSystem : public FileSystem {
+ public:
+  FailingFileSystem(FileSystem* base, std::string fail_on)
+      : base_(base), fail_on_(std::move(fail_on)) {}
+
+  absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(
+      const std::string& path) override {
+    if (!fail_on_.empty() && absl::StrContains(path, fail_on_)) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(path, ": no space left on device"));
+    }
+    return base_->NewWritableFile(path);
+  }
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> NewRandomAccessFile(
+      const std::string& path) override {
+    return base_->NewRandomAccessFile(path);
+  }
+  absl::StatusOr<uint64_t> GetFileSize(const std::string& path) override {
+    return base_->GetFileSize(path);
+  }
+  absl::StatusOr<bool> Exists(const std::string& path) override {
+    return base_->Exists(path);
+  }
+  absl::StatusOr<bool> IsDirectory(const std::string& path) override {
+    return base_->IsDirectory(path);
+  }
+  absl::StatusOr<std::vector<std::string>> GetChildren(
+      const std::string& path) override {
+    return base_->GetChildren(path);
+  }
+  absl::Status CreateDir(const std::string& path) override {
+    return base_->CreateDir(path);
+  }
+  absl::Status RemoveFile(const std::string& path) override {
+    return base_->RemoveFile(path);
+  }
+  absl::Status RemoveDir(const std::string& path) override {
+    return base_->RemoveDir(path);
+  }
+  absl::Status Rename(const std::string& from, const std::string& to) override {
+    return base_->Rename(from, to);
+  }
+  absl::Status SyncDir(const std::string& path) override {
+    return base_->SyncDir(path);
+  }
+
+ private:
+  FileSystem* base_;
+  std::string fail_on_;
+};
+
+TEST(CollectiveCheckpointFaultTest, OneRanksFailedWriteFailsEveryRank) {
+  for (int failing : {0, 2, 3}) {
+    SCOPED_TRACE(failing);
+    const ModelLayout layout = MakeLayout(ShardingStrategy::kFullShard, 4);
+    FaultInjectionFileSystem disk;
+    FLATPARAM_ASSERT_OK(disk.CreateDir("/ckpts"));
+    Fixture v1 = MakeContent(layout, 4, 1);
+    FLATPARAM_ASSERT_OK(WriteShardedCheckpoint(disk, "/ckpts/a", v1.content));
+    Fixture v2 = MakeContent(layout, 4, 2);
+    FailingFileSystem broken(&disk, RankTensorFileName(failing));
+    const std::vector<absl::Status> statuses = WriteOnSim(
+        [&](int r) -> FileSystem& {
+          if (r == failing) return broken;
+          return disk;
+        },
+        "/ckpts/a", layout, 4,
+        [&](int r) -> const RankContent& { return v2.content.ranks[r]; });
+    ExpectAllEqual(statuses);
+    EXPECT_THAT(statuses[0],
+                StatusIs(absl::StatusCode::kResourceExhausted,
+                         HasSubstr(absl::StrCat("rank ", failing, ": "))));
+    EXPECT_THAT(statuses[0], StatusIs(absl::StatusCode::kResourceExhausted,
+                                      HasSubstr("no space left")));
+    EXPECT_EQ(VersionAt(disk, "/ckpts/a"), 1);
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(std::vector<std::string> left,
+                                   disk.GetChildren("/ckpts"));
+    EXPECT_EQ(left, std::vector<std::string>{"a"}) << "temporary dir left";
+  }
+}
+
+TEST(CollectiveCheckpointFaultTest, BadContentOnOneRankFailsEveryRank) {
+  const ModelLayout layout = MakeLayout(ShardingStrategy::kFullShard, 4);
+  FaultInjectionFileSystem fs;
+  Fixture f = MakeContent(layout, 4, 1);
+  f.content.ranks[1].tensors.erase(f.content.ranks[1].tensors.begin());
+  const std::vector<absl::Status> statuses =
+      WriteOnSim(fs, "/ckpt", layout, 4, f.content);
+  ExpectAllEqual(statuses);
+  EXPECT_THAT(statuses[0],
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("rank 1: rank00001.safetensors: no tensor "
+                                 "'flat_params.0'")));
+  EXPECT_THAT(fs.Exists("/ckpt"), IsOkAndHolds(false));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::vector<std::string> left,
+                                 fs.GetChildren("/"));
+  EXPECT_TRUE(left.empty());
+}
+
+TEST(CollectiveCheckpointFaultTest, RanksMustAgreeOnWhatTheySave) {
+  const ModelLayout layout = MakeLayout(ShardingStrategy::kHybridShard, 2);
+  FaultInjectionFileSystem fs;
+  Fixture f = MakeContent(layout, 4, 1);
+  // Hybrid replicas agree.
+  std::vector<absl::Status> statuses = WriteOnSim(
+      [&](int) -> FileSystem& { return fs; }, "/ckpt", layout, 4,
+      [&](int r) -> const RankContent& { return f.content.ranks[r % 2]; });
+  for (const absl::Status& s : statuses) FLATPARAM_ASSERT_OK(s);
+  SimOptions sim;
+  sim.world_size = 2;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::unique_ptr<SimWorld> world,
+                                 SimWorld::Create(sim));
+  statuses.assign(2, absl::OkStatus());
+  const ModelLayout other = MakeLayout(ShardingStrategy::kFullShard, 2);
+  Fixture g = MakeContent(other, 2, 1);
+  FLATPARAM_ASSERT_OK(world->Run([&](Communicator& comm) -> absl::Status {
+    const int r = comm.rank();
+    // Rank 1 saves another strategy's layout.
+    statuses[r] = WriteShardedCheckpointCollective(
+        fs, "/ckpt2", r == 0 ? layout : other, 2,
+        r == 0 ? f.content.ranks[0] : g.content.ranks[1], comm);
+    return absl::OkStatus();
+  }));
+  ExpectAllEqual(statuses);
+  EXPECT_THAT(statuses[0],
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("rank 1 saves a different layout or world "
+                                 "size than rank 0")));
+  // Saving for 8 ranks from 4.
+  SimOptions sim4;
+  sim4.world_size = 4;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(world, SimWorld::Create(sim4));
+  statuses.assign(4, absl::OkStatus());
+  FLATPARAM_ASSERT_OK(world->Run([&](Communicator& comm) -> absl::Status {
+    statuses[comm.rank()] = WriteShardedCheckpointCollective(
+        fs, "/ckpt4", layout, 8, f.content.ranks[comm.rank() % 2], comm);
+    return absl::OkStatus();
+  }));
+  ExpectAllEqual(statuses);
+  EXPECT_THAT(statuses[0],
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("rank 0: saving for world size 8 on a "
+                                 "communicator of 4 ranks")));
+  EXPECT_THAT(fs.Exists("/ckpt4"), IsOkAndHolds(false));
+}
+
+TEST(CollectiveCheckpointFaultTest, ADeadRankFailsEveryRankWithoutHanging) {
+  const ModelLayout layout = MakeLayout(ShardingStrategy::kFullShard, 4);
+  for (int64_t op : {0, 1, 2}) {  // the three exchanges
+    SCOPED_TRACE(op);
+    FaultInjectionFileSystem fs;
+    Fixture v1 = MakeContent(layout, 4, 1);
+    FLATPARAM_ASSERT_OK(WriteShardedCheckpoint(fs, "/a", v1.content));
+    Fixture v2 = MakeContent(layout, 4, 2);
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(
+        FaultSpec kill, ParseFaultSpec(absl::StrCat("kill:rank=2:op=", op)));
+    const std::vector<absl::Status> statuses =
+        WriteOnSim(fs, "/a", layout, 4, v2.content, {kill});
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_THAT(statuses[r], StatusIs(absl::StatusCode::kAborted))
+          << "rank " << r;
+    }
+    // Dying in the first two exchanges stops the write; in the last one,
+    // rank 0 has published already (the ranks still report the failure).
+    EXPECT_EQ(VersionAt(fs, "/a"), op < 2 ? 1 : 2);
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(std::vector<std::string> left,
+                                   fs.GetChildren("/"));
+    EXPECT_EQ(left, std::vector<std::string>{"a"});
+  }
+}
+
+// A crash at any file-system operation of a collective write leaves the
+// previous or the new checkpoint, whole; every rank reports the same.
+TEST(CollectiveCheckpointFaultTest, CrashAtEveryOperation) {
+  const ModelLayout layout = MakeLayout(ShardingStrategy::kHybridShard, 2);
+  Fixture v1 = MakeContent(layout, 4, 1);
+  Fixture v2 = MakeContent(layout, 4, 2);
+  bool finished = false;
+  int64_t n = 0;
+  for (; !finished && n < 500; ++n) {
+    SCOPED_TRACE(n);
+    FaultInjectionFileSystem fs;
+    FLATPARAM_ASSERT_OK(fs.CreateDir("/d"));
+    FLATPARAM_ASSERT_OK(fs.SyncDir("/"));
+    FLATPARAM_ASSERT_OK(WriteShardedCheckpoint(fs, "/d/c", v1.content));
+    fs.FailOperationsFrom(n);
+    const std::vector<absl::Status> statuses =
+        WriteOnSim(fs, "/d/c", layout, 4, v2.content);
+    ExpectAllEqual(statuses);
+    finished = !fs.failed();
+    if (finished) FLATPARAM_ASSERT_OK(statuses[0]);
+    fs.Crash();
+    const int version = VersionAt(fs, "/d/c");
+    if (statuses[0].ok()) {
+      EXPECT_EQ(version, 2);
+    } else {
+      EXPECT_THAT(statuses[0],
+                  StatusIs(absl::StatusCode::kUnavailable, HasSubstr("rank ")));
+      EXPECT_TRUE(version == 1 || version == 2) << version;
+    }
+  }
+  EXPECT_TRUE(finished);
+  EXPECT_GT(n, 20);
+}
+
+}  // namespace
+}  // namespace checkpoint
+}  // namespace flatparam

@@ -1,0 +1,1192 @@
+#include "flatparam/checkpoint/convert.h"
+
+#include <algorithm>
+#include <cassert>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <list>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "flatparam/base/dtype.h"
+#include "flatparam/base/status_macros.h"
+#include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/optim/optim_state.h"
+
+namespace flatparam {
+namespace checkpoint {
+namespace {
+
+using json = nlohmann::json;
+using optim::HyperValue;
+using optim::OptimStateValue;
+using optim::ParamGroup;
+using optim::ParamKey;
+using optim::ParamState;
+
+// ---------------------------------------------------------------------------
+// Small helpers.
+
+uint64_t ChunkBytes(uint64_t requested) {
+  return std::max<uint64_t>(8, requested / 8 * 8);
+}
+
+CheckpointWriteOptions WriteOptions(const ConvertOptions& options) {
+  CheckpointWriteOptions w;
+  w.chunk_bytes = ChunkBytes(options.chunk_bytes);
+  w.progress = options.progress;
+  return w;
+}
+
+CheckpointOpenOptions OpenOptions(const ConvertOptions& options) {
+  CheckpointOpenOptions o;
+  o.verify_checksums = options.verify_checksums;
+  return o;
+}
+
+std::string StripSlashes(std::string dir) {
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  return dir;
+}
+
+absl::Status CheckDistinct(const std::string& in, const std::string& out) {
+  if (StripSlashes(in) == StripSlashes(out)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "the output directory %s is the input directory; write elsewhere",
+        out));
+  }
+  return absl::OkStatus();
+}
+
+std::string UnitLabel(const FlatParamLayout& layout) {
+  return layout.unit().empty() ? "<root>"
+                               : absl::StrCat("'", layout.unit(), "'");
+}
+
+std::string PyList(const std::vector<std::string>& names) {
+  std::vector<std::string> quoted;
+  for (const std::string& n : names)
+    quoted.push_back(absl::StrCat("'", n, "'"));
+  return absl::StrCat("[", absl::StrJoin(quoted, ", "), "]");
+}
+
+std::string PyTuple(const std::vector<std::string>& names) {
+  std::vector<std::string> quoted;
+  for (const std::string& n : names)
+    quoted.push_back(absl::StrCat("'", n, "'"));
+  if (quoted.size() == 1) return absl::StrCat("(", quoted[0], ",)");
+  return absl::StrCat("(", absl::StrJoin(quoted, ", "), ")");
+}
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+template <typename Map>
+std::string NameSet(const Map& values) {
+  std::vector<std::string> v;
+  for (const auto& [name, unused] : values) v.push_back(name);
+  return PyList(v);  // std::map keys are sorted already.
+}
+
+std::string DescribeSet(const std::vector<std::string>& items) {
+  std::vector<std::string> distinct;
+  for (const std::string& s : items) {
+    if (std::find(distinct.begin(), distinct.end(), s) == distinct.end()) {
+      distinct.push_back(s);
+    }
+  }
+  return absl::StrCat("{", absl::StrJoin(distinct, ", "), "}");
+}
+
+std::vector<std::string> UnitFqns(const FlatParamLayout& layout) {
+  std::vector<std::string> out;
+  for (const ParamInfo& p : layout.params()) out.push_back(p.fqn);
+  return out;
+}
+
+// Python value equality of two values of one type (fsdp_optim.cc's rule).
+bool PyEqual(const OptimStateValue& a, const OptimStateValue& b) {
+  if (a.index() != b.index()) return false;
+  const auto* ta = std::get_if<HostTensor>(&a);
+  if (ta == nullptr) return a == b;
+  const HostTensor& tb = std::get<HostTensor>(b);
+  if (ta->dtype() != tb.dtype() || ta->numel() != 1 || tb.numel() != 1) {
+    return false;
+  }
+  if (IsFloatingPoint(ta->dtype())) {
+    return LoadAsDouble(ta->data(), ta->dtype(), 0) ==
+           LoadAsDouble(tb.data(), tb.dtype(), 0);
+  }
+  if (ta->dtype() == DType::kBool) {
+    return (*ta->data_as<uint8_t>() != 0) == (*tb.data_as<uint8_t>() != 0);
+  }
+  return std::memcmp(ta->data(), tb.data(), ta->nbytes()) == 0;
+}
+
+// A state value known by its metadata: positive-dimension tensors by name,
+// dtype and shape; everything else (0-d tensors included) in full.
+struct ValueInfo {
+  bool pos_dim = false;
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  // The safetensors tensor holding a positive-dimension value.
+  std::string tensor;
+  OptimStateValue value;
+
+  std::string Describe() const {
+    if (!pos_dim) return optim::DescribeValue(value);
+    return absl::StrFormat("tensor(%s, %s)", DTypeName(dtype),
+                           ShapeString(shape));
+  }
+  std::string Kind() const {
+    if (pos_dim) return absl::StrCat("tensor(", DTypeName(dtype), ")");
+    if (const auto* t = std::get_if<HostTensor>(&value)) {
+      return absl::StrCat("0-d tensor(", DTypeName(t->dtype()), ")");
+    }
+    return optim::ValueTypeName(value);
+  }
+};
+using StateInfo = std::map<std::string, ValueInfo>;
+using StateInfos = std::map<ParamKey, StateInfo>;
+
+// Resolves a parsed sidecar against its safetensors file: positive-dim
+// tensors by their entries, 0-d tensors read. `expected_name(key, state)`
+// is the tensor name the format requires. Every tensor of `file` starting
+// with `prefix` must be listed exactly once (DataLoss otherwise).
+template <typename ExpectedName>
+absl::StatusOr<StateInfos> ResolveSidecar(const OptimSidecar& sidecar,
+                                          const SafetensorsReader& file,
+                                          const std::string& sidecar_name,
+                                          absl::string_view prefix,
+                                          ExpectedName expected_name) {
+  StateInfos out;
+  std::set<std::string> listed;
+  for (const auto& [key, values] : sidecar.state) {
+    StateInfo& info = out[key];
+    for (const auto& [name, v] : values) {
+      ValueInfo& vi = info[name];
+      if (!v.tensor.has_value()) {
+        vi.value = v.value;
+        continue;
+      }
+      const std::string where = absl::StrCat(
+          sidecar_name, ": state ", optim::DescribeKey(key), " '", name, "'");
+      absl::StatusOr<std::string> want = expected_name(key, name);
+      if (!want.ok()) {
+        return absl::DataLossError(
+            absl::StrCat(where, ": ", want.status().message()));
+      }
+      if (*v.tensor != *want) {
+        return absl::DataLossError(absl::StrCat(
+            where, " names tensor '", *v.tensor, "', expected '", *want, "'"));
+      }
+      absl::StatusOr<const SafetensorsEntry*> entry = file.Find(*v.tensor);
+      if (!entry.ok()) {
+        return absl::DataLossError(absl::StrCat(where, ": tensor '", *v.tensor,
+                                                "' is not in ", file.name()));
+      }
+      listed.insert(*v.tensor);
+      if ((*entry)->shape.empty()) {
+        FLATPARAM_ASSIGN_OR_RETURN(HostTensor t,
+                                   file.ReadHostTensor(*v.tensor));
+        vi.value = std::move(t);
+      } else {
+        vi.pos_dim = true;
+        vi.dtype = (*entry)->dtype;
+        vi.shape = (*entry)->shape;
+        vi.tensor = *v.tensor;
+      }
+    }
+  }
+  for (const SafetensorsEntry& e : file.tensors()) {
+    if (absl::StartsWith(e.name, prefix) && listed.count(e.name) == 0) {
+      return absl::DataLossError(absl::StrCat(file.name(), ": tensor '", e.name,
+                                              "' is not listed in ",
+                                              sidecar_name));
+    }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// Streaming flat tensors.
+
+// Reads elements [elem_begin, elem_begin + n) of parameter `param` (an
+// index into FlatParamLayout::params()) into `out`.
+using ParamRead = std::function<absl::Status(int param, int64_t elem_begin,
+                                             int64_t n, char* out)>;
+
+void FillValue(DType dtype, double value, char* out, int64_t n) {
+  const size_t size = DTypeSize(dtype);
+  if (value == 0) {
+    std::memset(out, 0, n * size);
+    return;
+  }
+  char elem[16];
+  StoreFromDouble(elem, dtype, 0, value);
+  for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * size, elem, size);
+}
+
+// Writes positions [begin, begin + n) of the flattened (padded) form of a
+// tensor laid out by `layout`, elements of `dtype`: parameter elements
+// from `read`, 42 in alignment and world-size padding, 0 past the
+// unpadded numel (sharding's right padding) -- as flatten.h does.
+absl::Status FillFlatRange(const FlatParamLayout& layout, DType dtype,
+                           int64_t begin, int64_t n, const ParamRead& read,
+                           char* out) {
+  const size_t size = DTypeSize(dtype);
+  const int64_t end = begin + n;
+  const int64_t unpadded = layout.unpadded_unsharded_numel();
+  int64_t cur = begin;
+  const auto pad_to = [&](int64_t to) {
+    if (to <= cur) return;
+    const int64_t pad42_end = std::min(to, std::max(cur, unpadded));
+    FillValue(dtype, kFlatParamPaddingValue, out + (cur - begin) * size,
+              pad42_end - cur);
+    FillValue(dtype, 0, out + (pad42_end - begin) * size, to - pad42_end);
+    cur = to;
+  };
+  const std::vector<ParamInfo>& params = layout.params();
+  for (int i = 0; i < static_cast<int>(params.size()) && cur < end; ++i) {
+    const int64_t lo = params[i].offset;
+    const int64_t hi = lo + params[i].numel;
+    if (params[i].numel == 0 || hi <= cur) continue;
+    if (lo >= end) break;
+    pad_to(lo);
+    const int64_t k = std::min(hi, end) - cur;
+    FLATPARAM_RETURN_IF_ERROR(read(i, cur - lo, k, out + (cur - begin) * size));
+    cur += k;
+  }
+  pad_to(end);
+  return absl::OkStatus();
+}
+
+// Rank `rank`'s padded shard of a flat tensor of `layout`, streamed.
+// `layout` must outlive the write.
+TensorSource FlatShardSource(std::string name, const FlatParamLayout* layout,
+                             DType dtype, int64_t rank, ParamRead read) {
+  TensorSource src;
+  src.name = std::move(name);
+  src.dtype = dtype;
+  src.shape = {layout->sharded_numel()};
+  const int64_t start = layout->shard_interval(rank).start;
+  src.fill = [layout, dtype, start, read = std::move(read)](
+                 uint64_t offset, absl::Span<char> out) -> absl::Status {
+    const size_t size = DTypeSize(dtype);
+    if (offset % size != 0 || out.size() % size != 0) {
+      return absl::InternalError(absl::StrFormat(
+          "chunk [%d, +%d) is not element-aligned", offset, out.size()));
+    }
+    return FillFlatRange(
+        *layout, dtype, start + static_cast<int64_t>(offset / size),
+        static_cast<int64_t>(out.size() / size), read, out.data());
+  };
+  return src;
+}
+
+// A sharded checkpoint's rank files, opened on first use and kept open.
+class RankFiles {
+ public:
+  explicit RankFiles(const ShardedCheckpointReader& reader)
+      : reader_(reader), files_(reader.num_ranks()) {}
+
+  absl::StatusOr<const SafetensorsReader*> Get(int64_t rank) {
+    if (!files_[rank].has_value()) {
+      FLATPARAM_ASSIGN_OR_RETURN(SafetensorsReader f, reader_.OpenRank(rank));
+      files_[rank].emplace(std::move(f));
+    }
+    return &*files_[rank];
+  }
+
+  // Reads bytes [byte_begin, byte_begin + out.size()) of the padded
+  // unsharded form of flat tensor `name` (of flat parameter `unit`,
+  // elements of `size` bytes) from the rank files holding them.
+  absl::Status ReadFlatBytes(int unit, const std::string& name, size_t size,
+                             uint64_t byte_begin, absl::Span<char> out) {
+    const FlatParamLayout& layout = reader_.layout().flat_params()[unit];
+    if (!UsesShardedStrategy(layout.options().strategy)) {
+      FLATPARAM_ASSIGN_OR_RETURN(const SafetensorsReader* f, Get(0));
+      return f->ReadRange(name, byte_begin, out);
+    }
+    const uint64_t rank_bytes = layout.sharded_numel() * size;
+    size_t done = 0;
+    while (done < out.size()) {
+      const uint64_t pos = byte_begin + done;
+      const int64_t rank = static_cast<int64_t>(pos / rank_bytes);
+      const uint64_t off = pos % rank_bytes;
+      const size_t k = static_cast<size_t>(
+          std::min<uint64_t>(out.size() - done, rank_bytes - off));
+      FLATPARAM_ASSIGN_OR_RETURN(const SafetensorsReader* f, Get(rank));
+      FLATPARAM_RETURN_IF_ERROR(f->ReadRange(name, off, out.subspan(done, k)));
+      done += k;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  const ShardedCheckpointReader& reader_;
+  std::vector<std::optional<SafetensorsReader>> files_;
+};
+
+// ---------------------------------------------------------------------------
+// The optimizer state of a sharded checkpoint, validated across ranks.
+
+struct ShardedOptim {
+  // Rank 0's flat-parameter states (int keys), validated against every rank.
+  std::map<int64_t, StateInfo> units;
+  // Rank 0's other keys (non-tensor values only).
+  std::map<std::string, ParamState> passthrough;
+  std::vector<ParamGroup> groups;
+  json extra = json::object();
+};
+
+absl::StatusOr<ShardedOptim> LoadShardedOptim(
+    const ShardedCheckpointReader& reader, RankFiles& files) {
+  const ModelLayout& layout = reader.layout();
+  const int64_t num_flat = static_cast<int64_t>(layout.flat_params().size());
+  std::vector<StateInfos> ranks;
+  ShardedOptim out;
+  for (int64_t r = 0; r < reader.num_ranks(); ++r) {
+    FLATPARAM_ASSIGN_OR_RETURN(json doc, reader.ReadRankJson(r));
+    const std::string sidecar_name =
+        JoinPath(reader.path(), RankJsonFileName(r));
+    FLATPARAM_ASSIGN_OR_RETURN(OptimSidecar sidecar,
+                               ParseOptimSidecar(doc, sidecar_name));
+    FLATPARAM_ASSIGN_OR_RETURN(const SafetensorsReader* file, files.Get(r));
+    FLATPARAM_ASSIGN_OR_RETURN(
+        StateInfos infos,
+        ResolveSidecar(
+            sidecar, *file, sidecar_name, "optim.",
+            [num_flat](const ParamKey& key,
+                       const std::string& name) -> absl::StatusOr<std::string> {
+              const auto* id = std::get_if<int64_t>(&key);
+              if (id == nullptr || *id < 0 || *id >= num_flat) {
+                return absl::InvalidArgumentError(absl::StrFormat(
+                    "a tensor state needs a flat-parameter index key in "
+                    "[0, %d)",
+                    num_flat));
+              }
+              return OptimShardTensorName(*id, name);
+            }));
+    for (const auto& [key, info] : infos) {
+      const auto* id = std::get_if<int64_t>(&key);
+      if (id != nullptr && (*id < 0 || *id >= num_flat)) {
+        return absl::DataLossError(absl::StrFormat(
+            "%s: key %d is not a flat-parameter index in [0, %d)", sidecar_name,
+            *id, num_flat));
+      }
+    }
+    if (r == 0) {
+      out.groups = std::move(sidecar.param_groups);
+      out.extra = std::move(sidecar.extra);
+    }
+    ranks.push_back(std::move(infos));
+  }
+  const StateInfos& r0 = ranks[0];
+  // Rank 0's keys decide, as in PyTorch; every rank must have them.
+  std::vector<std::string> missing_lines;
+  for (size_t r = 1; r < ranks.size(); ++r) {
+    std::vector<std::string> missing;
+    for (const auto& [key, unused] : r0) {
+      if (ranks[r].count(key) > 0) continue;
+      const auto* id = std::get_if<int64_t>(&key);
+      missing.push_back(id != nullptr
+                            ? PyTuple(UnitFqns(layout.flat_params()[*id]))
+                            : PyTuple({std::get<std::string>(key)}));
+    }
+    if (!missing.empty()) {
+      missing_lines.push_back(absl::StrFormat(
+          "\nRank %d is missing states for the parameters: [%s]", r,
+          absl::StrJoin(missing, ", ")));
+    }
+  }
+  if (!missing_lines.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "FSDP currently requires each rank to have at least the optimizer "
+        "states needed by rank 0's optimizer but some ranks are missing some "
+        "of those states",
+        absl::StrJoin(missing_lines, "")));
+  }
+  for (const auto& [key, state0] : r0) {
+    const auto* id = std::get_if<int64_t>(&key);
+    if (id == nullptr) {
+      ParamState& p = out.passthrough[std::get<std::string>(key)];
+      for (const auto& [name, v] : state0) p[name] = v.value;
+      continue;
+    }
+    const FlatParamLayout& unit = layout.flat_params()[*id];
+    const std::string where =
+        absl::StrFormat("flat parameter %d (unit %s, parameters %s)", *id,
+                        UnitLabel(unit), PyList(UnitFqns(unit)));
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      const StateInfo& st = ranks[r].at(key);
+      if (NameSet(st) != NameSet(state0)) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "Differing optimizer state names across ranks for %s: rank 0 has "
+            "%s, rank %d has %s",
+            where, NameSet(state0), r, NameSet(st)));
+      }
+      for (const auto& [name, v] : st) {
+        const ValueInfo& v0 = state0.at(name);
+        if (v.Kind() != v0.Kind()) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "Differing optimizer state types across ranks for state %s of "
+              "%s: rank 0 has %s, rank %d has %s",
+              name, where, v0.Describe(), r, v.Describe()));
+        }
+        if (v.pos_dim) {
+          if (!IsFloatingPoint(v.dtype)) {
+            return absl::InvalidArgumentError(absl::StrFormat(
+                "Cannot gather integer dtype tensors: state %s of %s on rank "
+                "%d is %s",
+                name, where, r, v.Describe()));
+          }
+          continue;
+        }
+        if (!PyEqual(v.value, v0.value)) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "Differing replicated optimizer state values across ranks for "
+              "state %s of %s: rank 0 has %s, rank %d has %s",
+              name, where, v0.Describe(), r, v.Describe()));
+        }
+      }
+    }
+    out.units[*id] = state0;
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// Planning the flattening of a full checkpoint's state (fsdp_optim.cc's
+// PlanFlatUnit on metadata, with its messages).
+
+struct UnitPlan {
+  // Positive-dimension states: dtype, and per parameter the tensor in
+  // optim.safetensors (empty: zeros).
+  std::map<std::string, std::pair<DType, std::vector<std::string>>> tensors;
+  // Replicated states.
+  ParamState scalars;
+};
+
+absl::StatusOr<std::optional<UnitPlan>> PlanUnit(
+    const FlatParamLayout& layout,
+    const std::vector<const StateInfo*>& states) {
+  const std::vector<std::string> names = UnitFqns(layout);
+  if (std::none_of(states.begin(), states.end(),
+                   [](const StateInfo* s) { return s != nullptr; })) {
+    return std::optional<UnitPlan>();
+  }
+  UnitPlan plan;
+  const StateInfo* first = nullptr;
+  int first_index = -1;
+  for (size_t i = 0; i < states.size(); ++i) {
+    if (states[i] == nullptr) continue;
+    if (first == nullptr) {
+      first = states[i];
+      first_index = static_cast<int>(i);
+      continue;
+    }
+    if (NameSet(*first) != NameSet(*states[i])) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "Differing optimizer state names for the unflattened parameters: "
+          "%s ('%s' has %s, '%s' has %s)",
+          PyList(names), names[first_index], NameSet(*first), names[i],
+          NameSet(*states[i])));
+    }
+  }
+  if (first->empty()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "The state of %s is empty: the parameters of the flat parameter of "
+        "unit %s have optimizer state entries without any state",
+        PyTuple(names), UnitLabel(layout)));
+  }
+  for (const auto& [state_name, unused] : *first) {
+    std::vector<const ValueInfo*> values(states.size(), nullptr);
+    std::vector<const ValueInfo*> non_none;
+    for (size_t i = 0; i < states.size(); ++i) {
+      if (states[i] == nullptr) continue;
+      const ValueInfo& v = states[i]->at(state_name);
+      if (!v.pos_dim && std::holds_alternative<std::monostate>(v.value)) {
+        continue;
+      }
+      values[i] = &v;
+      non_none.push_back(&v);
+    }
+    if (non_none.empty()) {
+      plan.scalars[state_name] = std::monostate();
+      continue;
+    }
+    bool pos_dim = true, zero_dim = true, non_tensor = true, one_type = true;
+    for (const ValueInfo* v : non_none) {
+      const bool tensor = v->pos_dim || optim::IsTensor(v->value);
+      pos_dim &= v->pos_dim;
+      zero_dim &= tensor && !v->pos_dim;
+      non_tensor &= !tensor;
+      const size_t type_a = v->pos_dim ? 1 : v->value.index();
+      const size_t type_b =
+          non_none[0]->pos_dim ? 1 : non_none[0]->value.index();
+      one_type &= type_a == type_b;
+    }
+    std::vector<std::string> described;
+    for (const ValueInfo* v : non_none) described.push_back(v->Describe());
+    if (!one_type || !(pos_dim || zero_dim || non_tensor)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "Differing optimizer state types for state %s, values [%s], and "
+          "unflattened parameter names %s",
+          state_name, absl::StrJoin(described, ", "), PyList(names)));
+    }
+    if (pos_dim) {
+      std::vector<std::string> dtypes;
+      for (const ValueInfo* v : non_none) {
+        dtypes.push_back(std::string(DTypeName(v->dtype)));
+      }
+      const DType dtype = non_none[0]->dtype;
+      for (const ValueInfo* v : non_none) {
+        if (v->dtype != dtype) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "All unflattened parameters comprising a single flat "
+              "parameter must have positive-dimension tensor state with the "
+              "same dtype but got dtypes %s for state %s and unflattened "
+              "parameter names %s",
+              DescribeSet(dtypes), state_name, PyList(names)));
+        }
+      }
+      if (!IsFloatingPoint(dtype)) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "Cannot flatten integer dtype tensors: state %s has dtype %s "
+            "(unflattened parameter names %s)",
+            state_name, DTypeName(dtype), PyList(names)));
+      }
+      std::vector<std::string> sources(states.size());
+      for (size_t i = 0; i < states.size(); ++i) {
+        const ParamInfo& p = layout.params()[i];
+        if (values[i] == nullptr && p.shape.empty()) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "Flattening a zero-dimension parameter is not supported: "
+              "parameter '%s' has no state %s to flatten with the other "
+              "parameters' (unflattened parameter names %s)",
+              p.fqn, state_name, PyList(names)));
+        }
+        if (values[i] != nullptr && values[i]->shape != p.shape) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "Tensor optimizer state does not have same shape as its "
+              "parameter: %s %s (state %s of parameter '%s')",
+              ShapeString(values[i]->shape), ShapeString(p.shape), state_name,
+              p.fqn));
+        }
+        if (values[i] != nullptr) sources[i] = values[i]->tensor;
+      }
+      plan.tensors[state_name] = {dtype, std::move(sources)};
+      continue;
+    }
+    std::vector<std::string> all_described, dtypes;
+    bool same = non_none.size() == states.size();
+    for (size_t i = 0; i < states.size(); ++i) {
+      if (values[i] == nullptr) {
+        all_described.push_back("None");
+        dtypes.push_back("None");
+        continue;
+      }
+      all_described.push_back(values[i]->Describe());
+      if (zero_dim) {
+        const HostTensor& t = std::get<HostTensor>(values[i]->value);
+        dtypes.push_back(std::string(DTypeName(t.dtype())));
+      }
+      same &= PyEqual(values[i]->value, non_none[0]->value);
+    }
+    if (!same) {
+      if (zero_dim) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "All unflattened parameters comprising a single flat parameter "
+            "must have scalar state with the same value and dtype but got "
+            "values %s and dtypes %s for state %s and unflattened parameter "
+            "names %s",
+            DescribeSet(all_described), DescribeSet(dtypes), state_name,
+            PyList(names)));
+      }
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "All unflattened parameters comprising a single flat parameter "
+          "must have scalar state with the same value and dtype but got "
+          "values %s for state %s and unflattened parameter names %s",
+          DescribeSet(all_described), state_name, PyList(names)));
+    }
+    plan.scalars[state_name] = non_none[0]->value;
+  }
+  return std::optional<UnitPlan>(std::move(plan));
+}
+
+// Param groups of the flat path: model parameters become their flat
+// parameter's index (each once, sorted, as fsdp_optim.cc's PlanGroups);
+// any other key is kept as an unmanaged key.
+std::vector<ParamGroup> FlatGroups(
+    const std::vector<ParamGroup>& groups,
+    const std::map<std::string, int64_t>& unit_of) {
+  std::vector<ParamGroup> out;
+  for (const ParamGroup& g : groups) {
+    ParamGroup group;
+    group.hyperparams = g.hyperparams;
+    std::set<ParamKey> keys;
+    for (const ParamKey& key : g.params) {
+      const auto* name = std::get_if<std::string>(&key);
+      auto it = name == nullptr ? unit_of.end() : unit_of.find(*name);
+      keys.insert(it == unit_of.end() ? key : ParamKey(it->second));
+    }
+    group.params.assign(keys.begin(), keys.end());
+    out.push_back(std::move(group));
+  }
+  return out;
+}
+
+// A place for the 0-d tensors the written sources point into.
+using Keep = std::list<HostTensor>;
+
+// The sidecar and 0-d tensor sources of a flat parameter's replicated
+// states, plus references to its positive-dimension tensors.
+void AddUnitState(int64_t u, const std::vector<std::string>& tensor_states,
+                  const ParamState& scalars, OptimSidecar& sidecar, Keep& keep,
+                  std::vector<TensorSource>& zero_dim) {
+  auto& out = sidecar.state[ParamKey(u)];
+  for (const std::string& name : tensor_states) {
+    out[name] = SidecarValue{OptimShardTensorName(u, name), std::monostate()};
+  }
+  for (const auto& [name, value] : scalars) {
+    if (const auto* t = std::get_if<HostTensor>(&value)) {
+      keep.push_back(*t);
+      std::string tensor = OptimShardTensorName(u, name);
+      zero_dim.push_back(TensorSourceFromHostTensor(tensor, keep.back()));
+      out[name] = SidecarValue{std::move(tensor), std::monostate()};
+    } else {
+      out[name] = SidecarValue{std::nullopt, value};
+    }
+  }
+}
+
+absl::Status ZeroRead(DType dtype, int64_t n, char* out) {
+  std::memset(out, 0, n * DTypeSize(dtype));
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// Pseudo-random initial values.
+
+uint64_t Mix(uint64_t x) {
+  // splitmix64's finaliser.
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+uint64_t HashString(absl::string_view s) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (char c : s) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ULL;
+  return h;
+}
+
+TensorSource RandomSource(std::string name, DType dtype,
+                          std::vector<int64_t> shape, uint64_t stream,
+                          bool non_negative) {
+  TensorSource src;
+  src.name = std::move(name);
+  src.dtype = dtype;
+  src.shape = std::move(shape);
+  src.fill = [dtype, stream, non_negative](uint64_t offset,
+                                           absl::Span<char> out) {
+    const size_t size = DTypeSize(dtype);
+    if (offset % size != 0 || out.size() % size != 0) {
+      return absl::InternalError("chunk is not element-aligned");
+    }
+    const uint64_t first = offset / size;
+    for (size_t i = 0; i < out.size() / size; ++i) {
+      const uint64_t bits = Mix(stream ^ Mix(first + i));
+      double v = static_cast<double>(bits >> 11) * 0x1.0p-53 - 0.5;
+      if (non_negative) v = std::fabs(v) * 1e-3;
+      StoreFromDouble(out.data(), dtype, i, v);
+    }
+    return absl::OkStatus();
+  };
+  return src;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+
+absl::Status ConsolidateCheckpoint(FileSystem& fs, const std::string& in_dir,
+                                   const std::string& out_dir,
+                                   const ConvertOptions& options) {
+  FLATPARAM_RETURN_IF_ERROR(CheckDistinct(in_dir, out_dir));
+  FLATPARAM_ASSIGN_OR_RETURN(
+      ShardedCheckpointReader reader,
+      ShardedCheckpointReader::Open(fs, in_dir, OpenOptions(options)));
+  RankFiles files(reader);
+  FLATPARAM_ASSIGN_OR_RETURN(ShardedOptim so, LoadShardedOptim(reader, files));
+  const ModelLayout& layout = reader.layout();
+  const auto& flat = layout.flat_params();
+
+  FullCheckpointContent content;
+  Keep keep;
+  OptimSidecar sidecar;
+  // Parameters in the model's order (as InitCheckpoint writes them), so
+  // that a consolidated file is byte-identical to the original.
+  std::vector<std::pair<int, const ParamInfo*>> order;
+  {
+    std::map<std::string, std::pair<int, const ParamInfo*>> by_fqn;
+    for (int u = 0; u < static_cast<int>(flat.size()); ++u) {
+      for (const ParamInfo& p : flat[u].params()) by_fqn[p.fqn] = {u, &p};
+    }
+    for (const ParamSpec& p : layout.spec().params) {
+      auto it = by_fqn.find(p.fqn);
+      if (it != by_fqn.end()) order.push_back(it->second);
+    }
+  }
+  for (const auto& [u, param] : order) {
+    const std::string name = FlatParamTensorName(u);
+    const size_t size = DTypeSize(flat[u].dtype());
+    {
+      const ParamInfo& p = *param;
+      TensorSource src;
+      src.name = p.fqn;
+      src.dtype = flat[u].dtype();
+      src.shape = p.shape;
+      src.fill = [&files, u, name, size, base = p.offset * size](
+                     uint64_t offset, absl::Span<char> out) {
+        return files.ReadFlatBytes(u, name, size, base + offset, out);
+      };
+      content.model.push_back(std::move(src));
+    }
+  }
+  for (const auto& [unit_index, param] : order) {
+    auto unit_states = so.units.find(unit_index);
+    if (unit_states == so.units.end()) continue;
+    const int64_t u = unit_index;
+    const auto& states = unit_states->second;
+    {
+      const ParamInfo& p = *param;
+      auto& out = sidecar.state[ParamKey(p.fqn)];
+      for (const auto& [name, v] : states) {
+        if (!v.pos_dim) {
+          if (const auto* t = std::get_if<HostTensor>(&v.value)) {
+            keep.push_back(*t);
+            std::string tensor = OptimStateTensorName(p.fqn, name);
+            content.optim.push_back(
+                TensorSourceFromHostTensor(tensor, keep.back()));
+            out[name] = SidecarValue{std::move(tensor), std::monostate()};
+          } else {
+            out[name] = SidecarValue{std::nullopt, v.value};
+          }
+          continue;
+        }
+        const size_t size = DTypeSize(v.dtype);
+        TensorSource src;
+        src.name = OptimStateTensorName(p.fqn, name);
+        src.dtype = v.dtype;
+        src.shape = p.shape;
+        src.fill = [&files, u = static_cast<int>(u),
+                    shard = OptimShardTensorName(u, name), size,
+                    base = p.offset * size](uint64_t offset,
+                                            absl::Span<char> out) {
+          return files.ReadFlatBytes(u, shard, size, base + offset, out);
+        };
+        out[name] = SidecarValue{src.name, std::monostate()};
+        content.optim.push_back(std::move(src));
+      }
+    }
+  }
+  for (const auto& [key, state] : so.passthrough) {
+    // A consolidated parameter's key wins, as in ConsolidateOptimState.
+    if (sidecar.state.count(ParamKey(key)) > 0) continue;
+    auto& out = sidecar.state[ParamKey(key)];
+    for (const auto& [name, value] : state) {
+      out[name] = SidecarValue{std::nullopt, value};
+    }
+  }
+  for (size_t g = 0; g < so.groups.size(); ++g) {
+    ParamGroup group;
+    group.hyperparams = so.groups[g].hyperparams;
+    for (const ParamKey& key : so.groups[g].params) {
+      const auto* id = std::get_if<int64_t>(&key);
+      if (id == nullptr) {
+        group.params.push_back(key);
+        continue;
+      }
+      if (*id < 0 || *id >= static_cast<int64_t>(flat.size())) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "param_groups[%d] lists flat parameter %d, but the model has %d "
+            "flat parameters",
+            g, *id, flat.size()));
+      }
+      for (const ParamInfo& p : flat[*id].params()) {
+        group.params.push_back(p.fqn);
+      }
+    }
+    sidecar.param_groups.push_back(std::move(group));
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(content.optim_json,
+                             OptimSidecarToJson(sidecar, /*with_extra=*/false));
+  return WriteFullCheckpoint(fs, out_dir, content, WriteOptions(options));
+}
+
+absl::Status ShardCheckpoint(FileSystem& fs, const std::string& in_dir,
+                             const ModelSpec& spec,
+                             const LayoutOptions& layout_options,
+                             int64_t world_size, const std::string& out_dir,
+                             const ConvertOptions& options) {
+  FLATPARAM_RETURN_IF_ERROR(CheckDistinct(in_dir, out_dir));
+  FLATPARAM_ASSIGN_OR_RETURN(ModelLayout layout,
+                             ModelLayout::Create(spec, layout_options));
+  FLATPARAM_ASSIGN_OR_RETURN(
+      FullCheckpointReader reader,
+      FullCheckpointReader::Open(fs, in_dir, OpenOptions(options)));
+  FLATPARAM_RETURN_IF_ERROR(reader.CheckFitsModel(spec));
+  const std::string sidecar_name = JoinPath(reader.path(), kOptimJsonFileName);
+  FLATPARAM_ASSIGN_OR_RETURN(
+      OptimSidecar full, ParseOptimSidecar(reader.optim_json(), sidecar_name));
+  FLATPARAM_ASSIGN_OR_RETURN(
+      StateInfos infos,
+      ResolveSidecar(full, reader.optim(), sidecar_name, "state.",
+                     [](const ParamKey& key, const std::string& name)
+                         -> absl::StatusOr<std::string> {
+                       const auto* fqn = std::get_if<std::string>(&key);
+                       if (fqn == nullptr) {
+                         return absl::InvalidArgumentError(
+                             "a full checkpoint's keys are names, not IDs");
+                       }
+                       return OptimStateTensorName(*fqn, name);
+                     }));
+
+  const auto& flat = layout.flat_params();
+  std::map<std::string, std::pair<int64_t, int>> managed;
+  std::map<std::string, int64_t> unit_of;
+  for (int64_t u = 0; u < static_cast<int64_t>(flat.size()); ++u) {
+    for (int i = 0; i < static_cast<int>(flat[u].params().size()); ++i) {
+      managed[flat[u].params()[i].fqn] = {u, i};
+      unit_of[flat[u].params()[i].fqn] = u;
+    }
+  }
+  std::vector<std::vector<const StateInfo*>> unit_states(flat.size());
+  for (size_t u = 0; u < flat.size(); ++u) {
+    unit_states[u].assign(flat[u].params().size(), nullptr);
+  }
+  OptimSidecar sidecar;
+  for (const auto& [key, state] : infos) {
+    const auto* fqn = std::get_if<std::string>(&key);
+    if (fqn == nullptr) {
+      return absl::DataLossError(
+          absl::StrCat(sidecar_name, ": key ", optim::DescribeKey(key),
+                       " is an ID; a full checkpoint is keyed by name"));
+    }
+    auto it = managed.find(*fqn);
+    if (it != managed.end()) {
+      unit_states[it->second.first][it->second.second] = &state;
+      continue;
+    }
+    auto& out = sidecar.state[key];
+    for (const auto& [name, v] : state) {
+      if (v.pos_dim || optim::IsTensor(v.value)) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "state '%s' '%s' is a tensor, but '%s' is not a parameter managed "
+            "by a flat parameter, and a sharded checkpoint holds only the "
+            "tensors of flat parameters",
+            *fqn, name, *fqn));
+      }
+      out[name] = SidecarValue{std::nullopt, v.value};
+    }
+  }
+  // Per flat parameter: its plan, if it has state.
+  std::vector<std::optional<UnitPlan>> plans(flat.size());
+  Keep keep;
+  std::vector<TensorSource> zero_dim;
+  for (size_t u = 0; u < flat.size(); ++u) {
+    FLATPARAM_ASSIGN_OR_RETURN(plans[u], PlanUnit(flat[u], unit_states[u]));
+    if (!plans[u].has_value()) continue;
+    std::vector<std::string> tensor_states;
+    for (const auto& [name, unused] : plans[u]->tensors) {
+      tensor_states.push_back(name);
+    }
+    AddUnitState(static_cast<int64_t>(u), tensor_states, plans[u]->scalars,
+                 sidecar, keep, zero_dim);
+  }
+  sidecar.param_groups = FlatGroups(full.param_groups, unit_of);
+  FLATPARAM_ASSIGN_OR_RETURN(json sidecar_json,
+                             OptimSidecarToJson(sidecar, /*with_extra=*/true));
+
+  const SafetensorsReader& model = reader.model();
+  const SafetensorsReader& optim_file = reader.optim();
+  ShardedCheckpointContent content;
+  content.layout = &layout;
+  content.world_size = world_size;
+  for (int64_t r = 0; r < layout.options().world_size; ++r) {
+    RankContent rank;
+    for (size_t u = 0; u < flat.size(); ++u) {
+      const FlatParamLayout* unit = &flat[u];
+      const DType dtype = unit->dtype();
+      rank.tensors.push_back(FlatShardSource(
+          FlatParamTensorName(u), unit, dtype, r,
+          [&model, unit, dtype](int i, int64_t begin, int64_t n, char* out) {
+            const size_t size = DTypeSize(dtype);
+            return model.ReadRange(unit->params()[i].fqn, begin * size,
+                                   absl::MakeSpan(out, n * size));
+          }));
+      if (!plans[u].has_value()) continue;
+      for (const auto& [name, entry] : plans[u]->tensors) {
+        const DType state_dtype = entry.first;
+        const std::vector<std::string>* sources = &entry.second;
+        rank.tensors.push_back(FlatShardSource(
+            OptimShardTensorName(u, name), unit, state_dtype, r,
+            [&optim_file, sources, state_dtype](int i, int64_t begin, int64_t n,
+                                                char* out) {
+              const std::string& src = (*sources)[i];
+              if (src.empty()) return ZeroRead(state_dtype, n, out);
+              const size_t size = DTypeSize(state_dtype);
+              return optim_file.ReadRange(src, begin * size,
+                                          absl::MakeSpan(out, n * size));
+            }));
+      }
+    }
+    for (const TensorSource& s : zero_dim) rank.tensors.push_back(s);
+    rank.sidecar = sidecar_json;
+    content.ranks.push_back(std::move(rank));
+  }
+  return WriteShardedCheckpoint(fs, out_dir, content, WriteOptions(options));
+}
+
+absl::Status ReshardCheckpoint(FileSystem& fs, const std::string& in_dir,
+                               const LayoutOptions& layout_options,
+                               int64_t world_size, const std::string& out_dir,
+                               const ConvertOptions& options) {
+  FLATPARAM_RETURN_IF_ERROR(CheckDistinct(in_dir, out_dir));
+  FLATPARAM_ASSIGN_OR_RETURN(
+      ShardedCheckpointReader reader,
+      ShardedCheckpointReader::Open(fs, in_dir, OpenOptions(options)));
+  FLATPARAM_ASSIGN_OR_RETURN(
+      ModelLayout layout, ModelLayout::Create(reader.spec(), layout_options));
+  RankFiles files(reader);
+  FLATPARAM_ASSIGN_OR_RETURN(ShardedOptim so, LoadShardedOptim(reader, files));
+  const auto& flat = layout.flat_params();
+  const auto& old_flat = reader.layout().flat_params();
+  // The same spec gives the same flat parameters and parameters; only the
+  // offsets and shards differ.
+  assert(flat.size() == old_flat.size());
+
+  OptimSidecar sidecar;
+  Keep keep;
+  std::vector<TensorSource> zero_dim;
+  for (const auto& [u, states] : so.units) {
+    std::vector<std::string> tensor_states;
+    ParamState scalars;
+    for (const auto& [name, v] : states) {
+      if (v.pos_dim) {
+        tensor_states.push_back(name);
+      } else {
+        scalars[name] = v.value;
+      }
+    }
+    AddUnitState(u, tensor_states, scalars, sidecar, keep, zero_dim);
+  }
+  for (const auto& [key, state] : so.passthrough) {
+    auto& out = sidecar.state[ParamKey(key)];
+    for (const auto& [name, value] : state) {
+      out[name] = SidecarValue{std::nullopt, value};
+    }
+  }
+  sidecar.param_groups = so.groups;
+  sidecar.extra = so.extra;
+  FLATPARAM_ASSIGN_OR_RETURN(json sidecar_json,
+                             OptimSidecarToJson(sidecar, /*with_extra=*/true));
+
+  // Reads parameter elements of flat tensor `name` of unit u from the old
+  // ranks' shards.
+  const auto old_read = [&files, &old_flat](int u, std::string name,
+                                            DType dtype) -> ParamRead {
+    const FlatParamLayout* old_unit = &old_flat[u];
+    return [&files, old_unit, u, name = std::move(name), dtype](
+               int i, int64_t begin, int64_t n, char* out) {
+      const size_t size = DTypeSize(dtype);
+      return files.ReadFlatBytes(u, name, size,
+                                 (old_unit->params()[i].offset + begin) * size,
+                                 absl::MakeSpan(out, n * size));
+    };
+  };
+  ShardedCheckpointContent content;
+  content.layout = &layout;
+  content.world_size = world_size;
+  for (int64_t r = 0; r < layout.options().world_size; ++r) {
+    RankContent rank;
+    for (int u = 0; u < static_cast<int>(flat.size()); ++u) {
+      const DType dtype = flat[u].dtype();
+      rank.tensors.push_back(
+          FlatShardSource(FlatParamTensorName(u), &flat[u], dtype, r,
+                          old_read(u, FlatParamTensorName(u), dtype)));
+      auto it = so.units.find(u);
+      if (it == so.units.end()) continue;
+      for (const auto& [name, v] : it->second) {
+        if (!v.pos_dim) continue;
+        rank.tensors.push_back(FlatShardSource(
+            OptimShardTensorName(u, name), &flat[u], v.dtype, r,
+            old_read(u, OptimShardTensorName(u, name), v.dtype)));
+      }
+    }
+    for (const TensorSource& s : zero_dim) rank.tensors.push_back(s);
+    rank.sidecar = sidecar_json;
+    content.ranks.push_back(std::move(rank));
+  }
+  return WriteShardedCheckpoint(fs, out_dir, content, WriteOptions(options));
+}
+
+absl::StatusOr<CheckpointReport> VerifyCheckpoint(
+    FileSystem& fs, const std::string& dir, const ProgressCallback& progress) {
+  FLATPARAM_ASSIGN_OR_RETURN(std::string path, ResolveCheckpointDir(fs, dir));
+  absl::StatusOr<std::string> text = ReadFileToString(
+      fs, JoinPath(path, kManifestFileName), kMaxManifestBytes);
+  if (!text.ok()) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": no readable ", kManifestFileName,
+                     " (not a checkpoint, or its write did not finish): ",
+                     text.status().message()));
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(
+      Manifest manifest,
+      ParseManifestJson(*text, JoinPath(path, kManifestFileName)));
+  CheckpointOpenOptions open;
+  open.verify_checksums = true;
+  open.progress = progress;
+  CheckpointReport report;
+  report.path = path;
+  report.kind = manifest.kind;
+  if (manifest.kind == CheckpointKind::kFull) {
+    FLATPARAM_ASSIGN_OR_RETURN(FullCheckpointReader reader,
+                               FullCheckpointReader::Open(fs, path, open));
+    const std::string sidecar_name = JoinPath(path, kOptimJsonFileName);
+    FLATPARAM_ASSIGN_OR_RETURN(
+        OptimSidecar sidecar,
+        ParseOptimSidecar(reader.optim_json(), sidecar_name));
+    FLATPARAM_RETURN_IF_ERROR(
+        ResolveSidecar(sidecar, reader.optim(), sidecar_name, "state.",
+                       [](const ParamKey& key, const std::string& name)
+                           -> absl::StatusOr<std::string> {
+                         const auto* fqn = std::get_if<std::string>(&key);
+                         if (fqn == nullptr) {
+                           return absl::InvalidArgumentError(
+                               "a full checkpoint's keys are names, not IDs");
+                         }
+                         return OptimStateTensorName(*fqn, name);
+                       })
+            .status());
+    report.tensors = static_cast<int64_t>(reader.model().tensors().size() +
+                                          reader.optim().tensors().size());
+    manifest = reader.manifest();
+  } else {
+    FLATPARAM_ASSIGN_OR_RETURN(ShardedCheckpointReader reader,
+                               ShardedCheckpointReader::Open(fs, path, open));
+    RankFiles files(reader);
+    // Parses and cross-checks every rank's sidecar (and opens every rank
+    // file, validated against the layout).
+    FLATPARAM_RETURN_IF_ERROR(LoadShardedOptim(reader, files).status());
+    for (int64_t r = 0; r < reader.num_ranks(); ++r) {
+      FLATPARAM_ASSIGN_OR_RETURN(const SafetensorsReader* f, files.Get(r));
+      report.tensors += static_cast<int64_t>(f->tensors().size());
+    }
+    report.model = reader.spec().name;
+    report.world_size = reader.world_size();
+    report.shard_group_size = reader.num_ranks();
+    report.strategy = reader.layout().options().strategy;
+    report.align_addresses = reader.layout().options().align_addresses;
+    report.flat_params =
+        static_cast<int64_t>(reader.layout().flat_params().size());
+    manifest = reader.manifest();
+  }
+  report.files = static_cast<int64_t>(manifest.files.size());
+  for (const ManifestEntry& e : manifest.files) report.bytes += e.size;
+  return report;
+}
+
+absl::Status InitCheckpoint(FileSystem& fs, const ModelSpec& spec,
+                            const std::string& out_dir,
+                            const InitOptions& options) {
+  // Validates the spec (names, ties, dtypes).
+  FLATPARAM_RETURN_IF_ERROR(
+      ModelLayout::Create(spec, LayoutOptions()).status());
+  FullCheckpointContent content;
+  OptimSidecar sidecar;
+  ParamGroup group;
+  Keep keep;
+  const uint64_t seed = Mix(options.seed);
+  for (const ParamSpec& p : spec.params) {
+    if (!p.tied_to.empty()) continue;
+    const uint64_t stream = seed ^ HashString(p.fqn);
+    content.model.push_back(
+        RandomSource(p.fqn, p.dtype, p.shape, stream, false));
+    group.params.push_back(p.fqn);
+    auto& st = sidecar.state[ParamKey(p.fqn)];
+    auto add = [&](const std::string& name, uint64_t salt, bool non_negative) {
+      std::string tensor = OptimStateTensorName(p.fqn, name);
+      content.optim.push_back(RandomSource(tensor, p.dtype, p.shape,
+                                           Mix(stream ^ salt), non_negative));
+      st[name] = SidecarValue{std::move(tensor), std::monostate()};
+    };
+    switch (options.optimizer) {
+      case InitOptimizer::kNone:
+        sidecar.state.erase(ParamKey(p.fqn));
+        break;
+      case InitOptimizer::kSgd:
+        add("momentum_buffer", 1, false);
+        break;
+      case InitOptimizer::kAdamW: {
+        add("exp_avg", 2, false);
+        add("exp_avg_sq", 3, true);
+        keep.push_back(optim::ScalarTensor(
+            DType::kFloat32,
+            1000.0 + static_cast<double>(options.seed % 1000)));
+        std::string tensor = OptimStateTensorName(p.fqn, "step");
+        content.optim.push_back(
+            TensorSourceFromHostTensor(tensor, keep.back()));
+        st["step"] = SidecarValue{std::move(tensor), std::monostate()};
+        break;
+      }
+    }
+  }
+  switch (options.optimizer) {
+    case InitOptimizer::kNone:
+      break;
+    case InitOptimizer::kSgd:
+      group.hyperparams = {{"lr", 0.01},
+                           {"momentum", 0.9},
+                           {"dampening", 0.0},
+                           {"weight_decay", 0.0},
+                           {"nesterov", false},
+                           {"maximize", false},
+                           {"foreach", std::monostate()}};
+      sidecar.param_groups.push_back(std::move(group));
+      break;
+    case InitOptimizer::kAdamW:
+      group.hyperparams = {{"lr", 0.001},
+                           {"betas", std::vector<double>{0.9, 0.999}},
+                           {"eps", 1e-8},
+                           {"weight_decay", 0.01},
+                           {"amsgrad", false},
+                           {"maximize", false},
+                           {"foreach", std::monostate()},
+                           {"capturable", false}};
+      sidecar.param_groups.push_back(std::move(group));
+      break;
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(content.optim_json,
+                             OptimSidecarToJson(sidecar, /*with_extra=*/false));
+  return WriteFullCheckpoint(fs, out_dir, content,
+                             WriteOptions(options.convert));
+}
+
+}  // namespace checkpoint
+}  // namespace flatparam

@@ -1,0 +1,207 @@
+// Error paths and reports of the offline conversions (the round trips are
+// convert_property_test's, memory convert_memory_test's).
+#include "flatparam/checkpoint/convert.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "flatparam/base/dtype.h"
+#include "flatparam/base/status_matchers.h"
+#include "flatparam/checkpoint/checkpoint_dir.h"
+#include "flatparam/checkpoint/file_system.h"
+#include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/flatten.h"
+#include "flatparam/layout.h"
+#include "flatparam/model.h"
+#include "flatparam/optim/optim_state.h"
+
+namespace flatparam {
+namespace checkpoint {
+namespace {
+
+using optim::ParamKey;
+using ::testing::HasSubstr;
+
+constexpr auto kInvalid = absl::StatusCode::kInvalidArgument;
+constexpr auto kMismatch = absl::StatusCode::kFailedPrecondition;
+constexpr auto kDataLoss = absl::StatusCode::kDataLoss;
+
+ModelSpec Spec() {
+  ModelSpec m;
+  m.name = "tiny";
+  m.params = {{"a.w", {4, 3}}, {"a.b", {4}}, {"c.w", {5}}};
+  m.wrap = {"a"};
+  return m;
+}
+
+ModelLayout Layout(int64_t world) {
+  LayoutOptions o;
+  o.world_size = world;
+  return *ModelLayout::Create(Spec(), o);
+}
+
+// Rank states for `layout` with AdamW-like state on flat parameter 1 (unit
+// "a").
+std::vector<RankState> Ranks(const ModelLayout& layout) {
+  std::vector<RankState> ranks(layout.options().world_size);
+  for (RankState& r : ranks) {
+    for (const FlatParamLayout& f : layout.flat_params()) {
+      r.flat_params.push_back(HostTensor::Flat(f.dtype(), f.sharded_numel()));
+    }
+    const int64_t n = layout.flat_params()[1].sharded_numel();
+    r.optim.state[ParamKey(int64_t{1})]["exp_avg"] =
+        HostTensor::Flat(DType::kFloat32, n);
+    r.optim.state[ParamKey(int64_t{1})]["step"] =
+        optim::ScalarTensor(DType::kFloat32, 3);
+    r.optim.state[ParamKey(int64_t{1})]["beta"] = 0.5;
+  }
+  return ranks;
+}
+
+absl::Status Write(FileSystem& fs, const std::string& dir,
+                   const ModelLayout& layout,
+                   const std::vector<RankState>& ranks) {
+  ShardedCheckpointContent content;
+  content.layout = &layout;
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    absl::StatusOr<RankContent> c = MakeRankContent(layout, r, ranks[r]);
+    if (!c.ok()) return c.status();
+    content.ranks.push_back(*std::move(c));
+  }
+  return WriteShardedCheckpoint(fs, dir, content);
+}
+
+TEST(ConvertTest, ConsolidateChecksTheRanksAgainstRankZero) {
+  const ModelLayout layout = Layout(2);
+  FaultInjectionFileSystem fs;
+  std::vector<RankState> ranks = Ranks(layout);
+  FLATPARAM_ASSERT_OK(Write(fs, "/ok", layout, ranks));
+  FLATPARAM_ASSERT_OK(ConsolidateCheckpoint(fs, "/ok", "/full"));
+
+  std::vector<RankState> missing = ranks;
+  missing[1].optim.state.erase(ParamKey(int64_t{1}));
+  FLATPARAM_ASSERT_OK(Write(fs, "/missing", layout, missing));
+  EXPECT_THAT(ConsolidateCheckpoint(fs, "/missing", "/x"),
+              StatusIs(kMismatch,
+                       HasSubstr("Rank 1 is missing states for the parameters: "
+                                 "[('a.w', 'a.b')]")));
+
+  std::vector<RankState> scalar = ranks;
+  scalar[1].optim.state[ParamKey(int64_t{1})]["beta"] = 0.25;
+  FLATPARAM_ASSERT_OK(Write(fs, "/scalar", layout, scalar));
+  EXPECT_THAT(ConsolidateCheckpoint(fs, "/scalar", "/x"),
+              StatusIs(kInvalid, HasSubstr("Differing replicated optimizer "
+                                           "state values across ranks for "
+                                           "state beta")));
+  LayoutOptions four;
+  four.world_size = 4;
+  EXPECT_THAT(ReshardCheckpoint(fs, "/scalar", four, 0, "/x"),
+              StatusIs(kInvalid, HasSubstr("state beta")));
+
+  std::vector<RankState> names = ranks;
+  names[1].optim.state[ParamKey(int64_t{1})]["extra"] = int64_t{1};
+  FLATPARAM_ASSERT_OK(Write(fs, "/names", layout, names));
+  EXPECT_THAT(ConsolidateCheckpoint(fs, "/names", "/x"),
+              StatusIs(kInvalid, HasSubstr("Differing optimizer state names "
+                                           "across ranks")));
+  EXPECT_FALSE(*fs.Exists("/x"));
+}
+
+TEST(ConvertTest, ShardAppliesTheFlatteningRules) {
+  FaultInjectionFileSystem fs;
+  const auto write_full = [&](optim::OptimStateDict optim) {
+    FullState state;
+    for (const ParamSpec& p : Spec().params) {
+      state.params[p.fqn] = HostTensor(p.dtype, p.shape);
+    }
+    state.optim = std::move(optim);
+    absl::StatusOr<FullCheckpointContent> c = MakeFullContent(state);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return WriteFullCheckpoint(fs, "/full", *c);
+  };
+  LayoutOptions two;
+  two.world_size = 2;
+  optim::OptimStateDict d;
+  d.state[ParamKey(std::string("a.w"))]["exp_avg"] =
+      HostTensor(DType::kFloat32, {4, 3});
+  d.state[ParamKey(std::string("a.b"))]["exp_avg_sq"] =
+      HostTensor(DType::kFloat32, {4});
+  FLATPARAM_ASSERT_OK(write_full(d));
+  EXPECT_THAT(ShardCheckpoint(fs, "/full", Spec(), two, 0, "/s"),
+              StatusIs(kInvalid, HasSubstr("Differing optimizer state names "
+                                           "for the unflattened parameters: "
+                                           "['a.w', 'a.b']")));
+  d.state.clear();
+  d.state[ParamKey(std::string("a.w"))]["lr"] = 0.1;
+  d.state[ParamKey(std::string("a.b"))]["lr"] = 0.2;
+  FLATPARAM_ASSERT_OK(write_full(d));
+  EXPECT_THAT(ShardCheckpoint(fs, "/full", Spec(), two, 0, "/s"),
+              StatusIs(kInvalid, HasSubstr("must have scalar state with the "
+                                           "same value")));
+  d.state.clear();
+  d.state[ParamKey(std::string("a.w"))]["exp_avg"] =
+      HostTensor(DType::kFloat32, {3, 4});
+  FLATPARAM_ASSERT_OK(write_full(d));
+  // The checkpoint itself does not fit the model.
+  EXPECT_THAT(ShardCheckpoint(fs, "/full", Spec(), two, 0, "/s"),
+              StatusIs(kMismatch, HasSubstr("expected [] or [4, 3]")));
+  d.state.clear();
+  d.state[ParamKey(std::string("a.w"))]["m"] =
+      HostTensor(DType::kInt32, {4, 3});
+  FLATPARAM_ASSERT_OK(write_full(d));
+  EXPECT_THAT(ShardCheckpoint(fs, "/full", Spec(), two, 0, "/s"),
+              StatusIs(kInvalid, HasSubstr("Cannot flatten integer dtype")));
+  // Non-tensor state of other keys passes through.
+  d.state.clear();
+  d.state[ParamKey(std::string("__user__"))]["count"] = int64_t{3};
+  FLATPARAM_ASSERT_OK(write_full(d));
+  FLATPARAM_ASSERT_OK(ShardCheckpoint(fs, "/full", Spec(), two, 0, "/s"));
+  EXPECT_THAT(ShardCheckpoint(fs, "/full", Spec(), two, 0, "/full/"),
+              StatusIs(kInvalid, HasSubstr("is the input directory")));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(auto reader,
+                                 ShardedCheckpointReader::Open(fs, "/s"));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(RankState r1, ReadRankState(reader, 1));
+  EXPECT_EQ(
+      std::get<int64_t>(
+          r1.optim.state.at(ParamKey(std::string("__user__"))).at("count")),
+      3);
+}
+
+TEST(ConvertTest, VerifyReportsAndCatchesDamage) {
+  const ModelLayout layout = Layout(2);
+  FaultInjectionFileSystem fs;
+  FLATPARAM_ASSERT_OK(Write(fs, "/s", layout, Ranks(layout)));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(CheckpointReport sharded,
+                                 VerifyCheckpoint(fs, "/s"));
+  EXPECT_EQ(sharded.kind, CheckpointKind::kSharded);
+  EXPECT_EQ(sharded.files, 5);
+  EXPECT_EQ(sharded.world_size, 2);
+  EXPECT_EQ(sharded.shard_group_size, 2);
+  EXPECT_EQ(sharded.flat_params, 2);
+  EXPECT_EQ(sharded.model, "tiny");
+  EXPECT_GT(sharded.bytes, 0u);
+  FLATPARAM_ASSERT_OK(ConsolidateCheckpoint(fs, "/s", "/f"));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(CheckpointReport full,
+                                 VerifyCheckpoint(fs, "/f"));
+  EXPECT_EQ(full.kind, CheckpointKind::kFull);
+  EXPECT_EQ(full.files, 3);
+
+  // Flip one byte of a rank file.
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      std::string bytes,
+      ReadFileToString(fs, "/s/rank00001.safetensors", 1 << 20));
+  bytes[bytes.size() - 1] ^= 1;
+  FLATPARAM_ASSERT_OK(WriteFileDurably(fs, "/s/rank00001.safetensors", bytes));
+  EXPECT_THAT(VerifyCheckpoint(fs, "/s"),
+              StatusIs(kDataLoss, HasSubstr("rank00001.safetensors")));
+  EXPECT_THAT(VerifyCheckpoint(fs, "/nothing"),
+              StatusIs(absl::StatusCode::kNotFound));
+}
+
+}  // namespace
+}  // namespace checkpoint
+}  // namespace flatparam

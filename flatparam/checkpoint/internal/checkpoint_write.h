@@ -1,0 +1,97 @@
+// Private to //flatparam/checkpoint: the steps of checkpoint_dir.h's
+// crash-safe write, taken apart so that a write spread over the ranks of a
+// job (collective_checkpoint.h) runs exactly the same steps and produces
+// exactly the same bytes as the single-process writers.
+//
+// The steps, as checkpoint_dir.h numbers them:
+//   0. PrepareCheckpointWrite: validate the directory and options, settle an
+//      interrupted earlier write (RecoverCheckpointDir).
+//   1. CreateDir(NewTempDirFor(dir)); WritePendingFile for every file (by
+//      any process that shares the file system).
+//   2-5. PublishCheckpoint: the names, the manifest, the swap.
+// On an error after step 0 the writer calls RecoverCheckpointDir (best
+// effort), which removes the temporary directory and puts back a moved-away
+// checkpoint.
+//
+// Thread-safety: pure functions apart from the file system they are given.
+#ifndef FLATPARAM_CHECKPOINT_INTERNAL_CHECKPOINT_WRITE_H_
+#define FLATPARAM_CHECKPOINT_INTERNAL_CHECKPOINT_WRITE_H_
+
+#include <cstdint>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "flatparam/checkpoint/checkpoint_dir.h"
+#include "flatparam/checkpoint/file_system.h"
+#include "flatparam/checkpoint/manifest.h"
+#include "flatparam/layout.h"
+
+namespace flatparam {
+namespace checkpoint {
+namespace internal_checkpoint {
+
+// A file of a checkpoint, ready to be written. `write` may borrow the
+// content it was made from (a RankContent's TensorSources), which must
+// outlive it.
+struct PendingFile {
+  std::string name;
+  uint64_t size = 0;
+  std::function<absl::Status(WritableFile&)> write;
+};
+
+// The canonical JSON text of a document (2-space indent, trailing newline);
+// InvalidArgument naming `what` for what JSON cannot hold (invalid UTF-8).
+absl::StatusOr<std::string> DumpJson(const nlohmann::json& doc,
+                                     absl::string_view what);
+PendingFile JsonFile(std::string name, std::string text);
+
+// Step 0. Returns the normalised directory name. InvalidArgument for a
+// nameless directory or chunk_bytes 0, NotFound for a missing parent, the
+// file system's errors from the recovery.
+absl::StatusOr<std::string> PrepareCheckpointWrite(
+    FileSystem& fs, const std::string& dir,
+    const CheckpointWriteOptions& options);
+
+// "DIR.tmp-<16 random hex digits>" for a normalised `dir`.
+std::string NewTempDirFor(const std::string& dir);
+
+// Writes `file` into directory `tmp`: create, append, fsync, close.
+// `on_bytes` (may be empty) is told of every appended piece. Returns the
+// file's manifest entry (size and XXH3 of what was written).
+absl::StatusOr<ManifestEntry> WritePendingFile(
+    FileSystem& fs, const std::string& tmp, const PendingFile& file,
+    const std::function<void(uint64_t)>& on_bytes);
+
+// Steps 2-5: syncs `tmp`, writes its manifest (`manifest.files` are sorted
+// by path here), and swaps `tmp` in as `dir` (normalised), removing the
+// previous checkpoint.
+absl::Status PublishCheckpoint(FileSystem& fs, const std::string& dir,
+                               const std::string& tmp, Manifest manifest);
+
+// W for a sharded checkpoint of `layout` on `world_size` ranks (0: the
+// layout's own); InvalidArgument when it does not fit the strategy.
+absl::StatusOr<int64_t> ShardedWorldSize(const ModelLayout& layout,
+                                         int64_t world_size);
+
+// layout.json for `layout` saved on `world_size` (W) ranks.
+absl::StatusOr<PendingFile> LayoutFile(const ModelLayout& layout,
+                                       int64_t world_size);
+
+// Shard-group rank `rank`'s two files, rank{r}.safetensors and rank{r}.json,
+// after checking the content against the layout (InvalidArgument naming the
+// rank, file and tensor). The safetensors file borrows `content`.
+absl::StatusOr<std::vector<PendingFile>> RankFiles(const ModelLayout& layout,
+                                                   int64_t rank,
+                                                   const RankContent& content,
+                                                   uint64_t chunk_bytes);
+
+}  // namespace internal_checkpoint
+}  // namespace checkpoint
+}  // namespace flatparam
+
+#endif  // FLATPARAM_CHECKPOINT_INTERNAL_CHECKPOINT_WRITE_H_
