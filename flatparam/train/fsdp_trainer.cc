@@ -423,12 +423,24 @@ class RankTrainer {
     FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<Optimizer> optimizer,
                                MakeOptimizer(options_.optimizer));
     result_.rank = world_.rank();
+    if (options_.initial_state.has_value()) {
+      states_ = options_.initial_state->optimizer;
+    }
     states_.resize(handles_.size());
     for (int64_t k = 0; k < options_.steps; ++k) {
-      FLATPARAM_RETURN_IF_ERROR(
-          WithContext(Step(k, *optimizer), absl::StrFormat("step %d", k)));
+      const int64_t step = options_.first_step + k;
+      FLATPARAM_RETURN_IF_ERROR(WithContext(Step(k, step, *optimizer),
+                                            absl::StrFormat("step %d", step)));
     }
-    FLATPARAM_RETURN_IF_ERROR(GatherResults());
+    for (auto& handle : handles_) {
+      FLATPARAM_ASSIGN_OR_RETURN(
+          HostTensor shard, ToHostTensor(device_, handle->sharded_param()));
+      result_.state.flat_params.push_back(std::move(shard));
+    }
+    result_.state.optimizer = states_;
+    if (options_.gather_results) {
+      FLATPARAM_RETURN_IF_ERROR(GatherResults());
+    }
     result_.memory = memory_.stats();
     for (const OptimizerState& state : states_) {
       for (const auto& [name, t] : state.tensors) {
@@ -439,6 +451,31 @@ class RankTrainer {
   }
 
  private:
+  // The state must be this layout's: one float32 shard of the right size
+  // per flat parameter, and at most one optimizer state each.
+  absl::Status CheckInitialState(const FsdpRankState& state) const {
+    const std::vector<FlatParamLayout>& flat = layout_.flat_params();
+    if (state.flat_params.size() != flat.size() ||
+        state.optimizer.size() > flat.size()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "initial state: %d flat parameter shards and %d optimizer states "
+          "for a layout of %d flat parameters",
+          state.flat_params.size(), state.optimizer.size(), flat.size()));
+    }
+    for (size_t u = 0; u < flat.size(); ++u) {
+      const HostTensor& t = state.flat_params[u];
+      if (t.dtype() != DType::kFloat32 || t.shape().size() != 1 ||
+          t.numel() != flat[u].sharded_numel()) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "initial state: the shard of flat parameter %d (unit \"%s\") is "
+            "%s with %d elements, expected 1-D float32 with %d",
+            u, flat[u].unit(), DTypeName(t.dtype()), t.numel(),
+            flat[u].sharded_numel()));
+      }
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status Setup() {
     Communicator* shard = &world_;
     Communicator* replicate = nullptr;
@@ -464,6 +501,9 @@ class RankTrainer {
                                  ? *options_.initial_params
                                  : model_.InitParams();
     FLATPARAM_RETURN_IF_ERROR(model_.CheckParams(params));
+    if (options_.initial_state.has_value()) {
+      FLATPARAM_RETURN_IF_ERROR(CheckInitialState(*options_.initial_state));
+    }
     for (const FlatParamLayout& layout : layout_.flat_params()) {
       const int u = static_cast<int>(handles_.size());
       units_[layout.unit()] = u;
@@ -478,6 +518,14 @@ class RankTrainer {
           FlatParamHandle::Create(layout, refs, counted_shard_.get(),
                                   counted_replicate_.get(), &device_,
                                   handle_options));
+      if (options_.initial_state.has_value()) {
+        const HostTensor& mine = options_.initial_state->flat_params[u];
+        FLATPARAM_RETURN_IF_ERROR(
+            FromHost(device_,
+                     ConstBufferRef{mine.data(), mine.numel(), mine.dtype(),
+                                    Device::Host()},
+                     handle->sharded_param()));
+      }
       handles_.push_back(std::move(handle));
       memory_.Add(handles_.back().get());
       if (options_.padding_fill.has_value()) {
@@ -492,7 +540,8 @@ class RankTrainer {
     return absl::OkStatus();
   }
 
-  absl::Status Step(int64_t step, const Optimizer& optimizer) {
+  // Step k of this run, on data step `step`.
+  absl::Status Step(int64_t k, int64_t step, const Optimizer& optimizer) {
     const int world = world_.size();
     const int64_t m_count = options_.micro_batches;
     const int64_t local_batch = options_.global_batch / world;
@@ -517,7 +566,7 @@ class RankTrainer {
       local_losses[m] = *loss;
     }
 
-    const bool last = step == options_.steps - 1;
+    const bool last = k == options_.steps - 1;
     for (size_t u = 0; u < handles_.size(); ++u) {
       FlatParamHandle& h = *handles_[u];
       const FlatParamLayout& layout = layout_.flat_params()[u];
@@ -665,6 +714,10 @@ absl::Status ValidateFsdpTrainOptions(const FsdpTrainOptions& o,
         "global batch %d must be >= 1 and a multiple of the world size %d",
         o.global_batch, world_size));
   }
+  if (o.first_step < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("first step must be >= 0, got %d", o.first_step));
+  }
   if (o.micro_batches < 1) {
     return absl::InvalidArgumentError(
         absl::StrFormat("micro-batches must be >= 1, got %d", o.micro_batches));
@@ -719,6 +772,7 @@ absl::StatusOr<TrainOptions> ReferenceOptionsFor(
           : GradientReduction::Fsdp(world_size);
   r.optimizer = options.optimizer;
   r.data_seed = options.data_seed;
+  r.first_step = options.first_step;
   r.initial_params = options.initial_params;
   r.param_dtype = options.param_dtype;
   r.reduce_dtype = options.reduce_dtype;

@@ -94,6 +94,20 @@
 namespace flatparam {
 namespace train {
 
+// One rank's sharded training state: what it needs to go on training, and
+// what a sharded checkpoint stores for it (flatparam/checkpoint/optim_io.h's
+// RankState). Indexed like FsdpModelLayout()'s flat parameters (the units
+// in model order: the root, then the layers).
+struct FsdpRankState {
+  // This rank's padded shard of each float32 flat parameter:
+  // layout.sharded_numel() elements (the whole padded flat parameter for
+  // NO_SHARD), padding included, as FlatParamHandle::sharded_param() holds it.
+  std::vector<HostTensor> flat_params;
+  // Each flat parameter's optimizer state as the sharded optimizer steps it:
+  // buffers 1-D of the shard's numel, AdamW's "step" 0-d.
+  std::vector<OptimizerState> optimizer;
+};
+
 struct FsdpTrainOptions {
   Config model;
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
@@ -118,6 +132,22 @@ struct FsdpTrainOptions {
   // (ReferenceModel::CheckParams must accept them).
   std::optional<std::map<std::string, HostTensor>> initial_params;
 
+  // Resuming. Step k of this run trains on data step first_step + k
+  // (MakeBatch(data_seed, vocab, first_step + k, ...)), so a run of K steps
+  // resumed at first_step = K from the state of K earlier steps sees the
+  // data an unbroken run of 2K steps sees.
+  int64_t first_step = 0;
+  // This rank's own sharded state to start from (FsdpRankResult::state of
+  // an earlier run with the same layout and world size, or a checkpoint's
+  // rank file for this rank's shard-group rank), instead of
+  // initial_params/InitParams() and empty optimizer state. Unlike the other
+  // options it differs per rank. No collective is needed to load it.
+  std::optional<FsdpRankState> initial_state;
+  // Whether to all-gather the final parameters and optimizer state into
+  // FsdpRankResult::params/optimizer_state (collective over the shard
+  // group). FsdpRankResult::state is filled either way.
+  bool gather_results = true;
+
   // Verification: after creating the handles, write this value into every
   // padding element (alignment, world-size and right padding) of every
   // local shard. With NaN, bitwise equality with TrainReference shows that
@@ -132,7 +162,9 @@ struct FsdpTrainOptions {
 // `world_size` ranks: world_size < 1; steps < 0; global_batch < 1 or not a
 // multiple of world_size; micro_batches < 1; a shard_group_size that is
 // not >= 1 and a divisor of world_size for a hybrid strategy, or not 0 for
-// another; a non-floating param/reduce dtype; a bad model config.
+// another; a non-floating param/reduce dtype; a bad model config;
+// first_step < 0. (initial_state is checked against the layout when
+// training starts.)
 absl::Status ValidateFsdpTrainOptions(const FsdpTrainOptions& options,
                                       int world_size);
 
@@ -148,7 +180,11 @@ absl::StatusOr<ModelLayout> FsdpModelLayout(const FsdpTrainOptions& options,
 // and MPI) with a host compute device, TrainFsdpOnRank's losses, parameters
 // and optimizer state equal TrainReference's for these options bit for bit.
 // NCCL sums in its own order and CUDA divides by multiplying with the
-// reciprocal, so there the results only agree closely.
+// reciprocal, so there the results only agree closely. first_step carries
+// over; initial_state does not (it is sharded): a resumed run's reference
+// starts from the gathered state it resumed from (initial_params and
+// TrainOptions::initial_optimizer_state), or chains TrainReference over the
+// whole history.
 absl::StatusOr<TrainOptions> ReferenceOptionsFor(
     const FsdpTrainOptions& options, int world_size);
 
@@ -202,6 +238,9 @@ struct FsdpRankResult {
   // when the optimizer stepped, over all steps (must be 0: padding gets no
   // gradient).
   int64_t nonzero_padding_grads = 0;
+  // This rank's state after the last step, ungathered: to resume from
+  // (FsdpTrainOptions::initial_state) or to save in a sharded checkpoint.
+  FsdpRankState state;
 };
 
 // Trains on this rank; collective over `world` (every rank calls it with
