@@ -21,9 +21,13 @@ namespace tools {
 namespace {
 
 const Subcommand* const kSubcommands[] = {
-    &kInspectSubcommand,
+    // In `fsdp` usage order: the one to try first, then by topic.
+    &kDemoSubcommand,        //
+    &kInspectSubcommand,     //
+    &kPlanSubcommand,        //
+    &kTrainSubcommand,       //
+    &kCheckpointSubcommand,  //
     &kCollectivesSubcommand,
-    &kTrainSubcommand,
 };
 
 const Subcommand* FindSubcommand(absl::string_view name) {

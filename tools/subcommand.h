@@ -38,6 +38,9 @@ struct Subcommand {
 extern const Subcommand kInspectSubcommand;
 extern const Subcommand kCollectivesSubcommand;
 extern const Subcommand kTrainSubcommand;
+extern const Subcommand kCheckpointSubcommand;
+extern const Subcommand kPlanSubcommand;
+extern const Subcommand kDemoSubcommand;
 
 }  // namespace tools
 }  // namespace flatparam

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <utility>
 #include <variant>
 
@@ -11,7 +12,12 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "flatparam/base/status_macros.h"
+#include "flatparam/checkpoint/checkpoint_dir.h"
+#include "flatparam/checkpoint/collective_checkpoint.h"
+#include "flatparam/checkpoint/file_system.h"
+#include "flatparam/checkpoint/optim_io.h"
 #include "flatparam/layout.h"
+#include "flatparam/optim/train_state.h"
 #include "flatparam/train/model.h"
 #include "flatparam/train/optimizer.h"
 #include "flatparam/train/reference_trainer.h"
@@ -22,6 +28,7 @@ namespace tools {
 namespace {
 
 using TensorMap = std::map<std::string, HostTensor>;
+using json = nlohmann::json;
 
 absl::Status Bad(absl::string_view message) {
   return absl::InvalidArgumentError(message);
@@ -152,7 +159,218 @@ std::string Precision(const train::FsdpTrainOptions& o) {
              : std::string("none (float32)");
 }
 
+json OptimizerJson(const train::OptimizerOptions& o) {
+  if (const auto* sgd = std::get_if<train::SgdOptions>(&o)) {
+    return {{"kind", "sgd"},
+            {"lr", sgd->lr},
+            {"momentum", sgd->momentum},
+            {"dampening", sgd->dampening},
+            {"weight_decay", sgd->weight_decay},
+            {"nesterov", sgd->nesterov},
+            {"maximize", sgd->maximize}};
+  }
+  const auto& a = std::get<train::AdamWOptions>(o);
+  return {{"kind", "adamw"},       {"lr", a.lr},
+          {"beta1", a.beta1},      {"beta2", a.beta2},
+          {"eps", a.eps},          {"weight_decay", a.weight_decay},
+          {"maximize", a.maximize}};
+}
+
+// PyTorch's param_groups entry for the optimizer over flat parameters
+// 0..n-1 (the flat-parameter path's keys).
+optim::ParamGroup ParamGroupFor(const train::OptimizerOptions& o, int64_t n) {
+  optim::ParamGroup group;
+  if (const auto* sgd = std::get_if<train::SgdOptions>(&o)) {
+    group.hyperparams = {{"lr", sgd->lr},
+                         {"momentum", sgd->momentum},
+                         {"dampening", sgd->dampening},
+                         {"weight_decay", sgd->weight_decay},
+                         {"nesterov", sgd->nesterov},
+                         {"maximize", sgd->maximize}};
+  } else {
+    const auto& a = std::get<train::AdamWOptions>(o);
+    group.hyperparams = {
+        {"lr", a.lr},       {"betas", std::vector<double>{a.beta1, a.beta2}},
+        {"eps", a.eps},     {"weight_decay", a.weight_decay},
+        {"amsgrad", false}, {"maximize", a.maximize}};
+  }
+  for (int64_t i = 0; i < n; ++i) group.params.push_back(optim::ParamKey(i));
+  return group;
+}
+
+json SegmentJson(const TrainSegment& s) {
+  return {{"first_step", s.first_step},
+          {"steps", s.steps},
+          {"world_size", s.world_size},
+          {"strategy", std::string(ShardingStrategyName(s.strategy))},
+          {"shard_group_size", s.shard_group_size}};
+}
+
+TrainSegment SegmentOf(const train::FsdpTrainOptions& o, int world_size) {
+  return {o.first_step, o.steps, world_size, o.strategy, o.shard_group_size};
+}
+
+std::string DescribeSegments(const std::vector<TrainSegment>& segments) {
+  std::vector<std::string> parts;
+  for (const TrainSegment& s : segments) {
+    parts.push_back(absl::StrFormat(
+        "steps %d-%d on %d ranks %s%s", s.first_step,
+        s.first_step + s.steps - 1, s.world_size,
+        ShardingStrategyName(s.strategy),
+        IsHybridStrategy(s.strategy)
+            ? absl::StrFormat(" (groups of %d)", s.shard_group_size)
+            : ""));
+  }
+  return absl::StrJoin(parts, "; ");
+}
+
+// Single-process training of every segment of `history` and then of
+// `options` (see train.h), chained; `fp32` drops mixed precision.
+absl::StatusOr<train::TrainResult> ChainedReference(
+    const train::FsdpTrainOptions& options, int world_size,
+    const std::vector<TrainSegment>& history, bool fp32) {
+  FLATPARAM_ASSIGN_OR_RETURN(train::TrainOptions base,
+                             train::ReferenceOptionsFor(options, world_size));
+  if (fp32) {
+    base.param_dtype.reset();
+    base.reduce_dtype.reset();
+  }
+  std::optional<train::TrainResult> previous;
+  auto run = [&](train::TrainOptions o) -> absl::Status {
+    if (previous.has_value()) {
+      o.initial_params = previous->params;
+      o.initial_optimizer_state = previous->optimizer_state;
+    }
+    FLATPARAM_ASSIGN_OR_RETURN(previous,
+                               train::TrainReference(options.model, o));
+    return absl::OkStatus();
+  };
+  for (const TrainSegment& s : history) {
+    train::TrainOptions o = base;
+    o.first_step = s.first_step;
+    o.steps = s.steps;
+    o.reduction =
+        IsHybridStrategy(s.strategy)
+            ? train::GradientReduction::Hybrid(s.world_size, s.shard_group_size)
+            : train::GradientReduction::Fsdp(s.world_size);
+    FLATPARAM_RETURN_IF_ERROR(run(o));
+  }
+  FLATPARAM_RETURN_IF_ERROR(run(base));
+  return *std::move(previous);
+}
+
 }  // namespace
+
+json TrainExtra(const TrainCommandOptions& command,
+                const train::FsdpTrainOptions& options, int world_size,
+                const std::vector<TrainSegment>& history) {
+  json segments = json::array();
+  for (const TrainSegment& s : history) segments.push_back(SegmentJson(s));
+  segments.push_back(SegmentJson(SegmentOf(options, world_size)));
+  return {
+      {"step", options.first_step + options.steps},
+      {"segments", segments},
+      // The flags a resumed run takes over (ResumeFromExtra).
+      {"settings",
+       {{"seed", command.seed},
+        {"optimizer", command.optimizer},
+        {"lr", command.lr},
+        {"global_batch", options.global_batch},
+        {"micro_batches", command.micro_batches},
+        {"no_sync", command.no_sync},
+        {"mixed_precision", command.mixed_precision}}},
+      // What they mean, for readers other than fsdp train.
+      {"model",
+       {{"vocab", options.model.vocab},
+        {"dims", options.model.dims},
+        {"seed", options.model.seed}}},
+      {"data_seed", options.data_seed},
+      {"optimizer", OptimizerJson(options.optimizer)},
+  };
+}
+
+absl::StatusOr<ResumePoint> ResumeFromExtra(const TrainCommandOptions& command,
+                                            const json& extra) {
+  ResumePoint point;
+  point.command = command;
+  TrainCommandOptions& c = point.command;
+  auto text = [](const auto& v) -> std::string {
+    using T = std::decay_t<decltype(v)>;
+    if constexpr (std::is_same_v<T, std::string>) {
+      return v;
+    } else if constexpr (std::is_floating_point_v<T>) {
+      return absl::StrFormat("%g", v);
+    } else {
+      return absl::StrCat(v);
+    }
+  };
+  auto conflict = [&](const std::string& flag, const auto& given,
+                      const auto& saved) -> absl::Status {
+    std::string name = flag;
+    std::replace(name.begin(), name.end(), '_', '-');
+    return Bad(absl::StrCat(
+        "--", name, "=", text(given), " differs from the checkpoint's ",
+        text(saved),
+        ": a resumed run continues with the saved settings (leave out --", name,
+        ")"));
+  };
+  try {
+    if (!extra.is_object())
+      throw json::type_error::create(302, "not an object", nullptr);
+    point.first_step = extra.at("step").get<int64_t>();
+    for (const json& s : extra.at("segments")) {
+      TrainSegment segment;
+      segment.first_step = s.at("first_step").get<int64_t>();
+      segment.steps = s.at("steps").get<int64_t>();
+      segment.world_size = s.at("world_size").get<int>();
+      absl::StatusOr<ShardingStrategy> strategy =
+          ParseShardingStrategy(s.at("strategy").get<std::string>());
+      if (!strategy.ok()) {
+        return absl::DataLossError(
+            absl::StrCat("the checkpoint's training history: ",
+                         strategy.status().message()));
+      }
+      segment.strategy = *strategy;
+      segment.shard_group_size = s.at("shard_group_size").get<int>();
+      point.history.push_back(segment);
+    }
+    const json& settings = extra.at("settings");
+    const auto take = [&](const std::string& flag, const char* key,
+                          auto& field) -> absl::Status {
+      using T = std::decay_t<decltype(field)>;
+      const T saved = settings.at(key).get<T>();
+      if (command.given_flags.count(flag) != 0 && field != saved) {
+        return conflict(flag, field, saved);
+      }
+      field = saved;
+      return absl::OkStatus();
+    };
+    FLATPARAM_RETURN_IF_ERROR(take("seed", "seed", c.seed));
+    FLATPARAM_RETURN_IF_ERROR(take("optimizer", "optimizer", c.optimizer));
+    FLATPARAM_RETURN_IF_ERROR(take("lr", "lr", c.lr));
+    FLATPARAM_RETURN_IF_ERROR(
+        take("global_batch", "global_batch", c.global_batch));
+    FLATPARAM_RETURN_IF_ERROR(
+        take("micro_batches", "micro_batches", c.micro_batches));
+    FLATPARAM_RETURN_IF_ERROR(
+        take("mixed_precision", "mixed_precision", c.mixed_precision));
+    const bool saved_no_sync = settings.at("no_sync").get<bool>();
+    if (command.given_flags.count("sync") != 0 && c.no_sync != saved_no_sync) {
+      return Bad(absl::StrCat("--", c.no_sync ? "no-sync" : "sync",
+                              " differs from the checkpoint, which was "
+                              "trained with --",
+                              saved_no_sync ? "no-sync" : "sync",
+                              ": a resumed run continues with the saved "
+                              "settings"));
+    }
+    c.no_sync = saved_no_sync;
+  } catch (const json::exception& e) {
+    return absl::DataLossError(
+        absl::StrCat("the checkpoint's \"extra\".", kTrainExtraKey,
+                     " is not what fsdp train writes: ", e.what()));
+  }
+  return point;
+}
 
 absl::Status ValidateTrainCommandOptions(const TrainCommandOptions& o) {
   if (o.backend != "sim" && o.backend != "mpi" && o.backend != "nccl") {
@@ -255,11 +473,13 @@ absl::StatusOr<ReferenceCheck> CheckAgainstReference(
     const train::FsdpRankResult& result,
     const std::optional<std::array<int64_t, kNumMemoryCategories>>&
         expected_memory,
-    const std::vector<RankSummary>& ranks) {
-  FLATPARAM_ASSIGN_OR_RETURN(train::TrainOptions reference,
-                             train::ReferenceOptionsFor(options, world_size));
-  FLATPARAM_ASSIGN_OR_RETURN(train::TrainResult want,
-                             train::TrainReference(options.model, reference));
+    const std::vector<RankSummary>& ranks,
+    const std::vector<TrainSegment>& history) {
+  FLATPARAM_ASSIGN_OR_RETURN(
+      train::TrainResult want,
+      ChainedReference(options, world_size, history, /*fp32=*/false));
+  int64_t total_steps = options.steps;
+  for (const TrainSegment& s : history) total_steps += s.steps;
   ReferenceCheck check;
   check.max_abs_diff =
       Worst({MaxAbsDiff(result.losses, want.losses),
@@ -281,21 +501,19 @@ absl::StatusOr<ReferenceCheck> CheckAgainstReference(
   bool matches = check.bitwise_equal;
   if (!exact && adamw != nullptr) {
     check.inexact_bound =
-        train::AdamWDivergenceBound(*adamw, options.steps, max_abs_param);
+        train::AdamWDivergenceBound(*adamw, total_steps, max_abs_param);
     matches = matches || check.param_max_abs_diff <= *check.inexact_bound;
   }
   bool within_bound = true;
   if (options.param_dtype.has_value() || options.reduce_dtype.has_value()) {
     check.mixed_precision = true;
-    train::TrainOptions fp32 = reference;
-    fp32.param_dtype.reset();
-    fp32.reduce_dtype.reset();
-    FLATPARAM_ASSIGN_OR_RETURN(train::TrainResult full,
-                               train::TrainReference(options.model, fp32));
+    FLATPARAM_ASSIGN_OR_RETURN(
+        train::TrainResult full,
+        ChainedReference(options, world_size, history, /*fp32=*/true));
     check.fp32_max_abs_diff = MaxAbsDiff(result.params, full.params);
     if (adamw != nullptr) {
       check.fp32_bound =
-          train::AdamWDivergenceBound(*adamw, options.steps, max_abs_param);
+          train::AdamWDivergenceBound(*adamw, total_steps, max_abs_param);
       within_bound = check.fp32_max_abs_diff <= *check.fp32_bound;
     }
   }
@@ -324,12 +542,103 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
   TrainReport report;
   report.backend = options.backend;
   report.world_size = world_size;
-  report.optimizer = options.optimizer;
+  checkpoint::FileSystem& fs = checkpoint::PosixFileSystem();
+  TrainCommandOptions command = options;
+  std::optional<checkpoint::ShardedCheckpointReader> reader;
+  int64_t first_step = 0;
+  const auto in_load = [&](const absl::Status& s) {
+    return absl::Status(
+        s.code(), absl::StrCat("--load=", options.load_dir, ": ", s.message()));
+  };
+  if (!options.load_dir.empty()) {
+    // Every rank reads the checkpoint itself, so they all fail alike.
+    absl::StatusOr<checkpoint::ShardedCheckpointReader> opened =
+        checkpoint::ShardedCheckpointReader::Open(fs, options.load_dir);
+    if (!opened.ok()) return in_load(opened.status());
+    reader.emplace(*std::move(opened));
+    absl::StatusOr<json> sidecar = reader->ReadRankJson(0);
+    if (!sidecar.ok()) return in_load(sidecar.status());
+    const json extra = sidecar->value("extra", json::object());
+    if (!extra.contains(kTrainExtraKey)) {
+      return in_load(absl::FailedPreconditionError(
+          absl::StrCat("rank00000.json has no \"extra\".", kTrainExtraKey,
+                       ": not a checkpoint of fsdp train")));
+    }
+    absl::StatusOr<ResumePoint> point =
+        ResumeFromExtra(options, extra[kTrainExtraKey]);
+    if (!point.ok()) return in_load(point.status());
+    command = point->command;
+    first_step = point->first_step;
+    report.history = point->history;
+    report.loaded_from = reader->path();
+  }
+  report.optimizer = command.optimizer;
   FLATPARAM_ASSIGN_OR_RETURN(report.options,
-                             MakeFsdpTrainOptions(options, world_size));
+                             MakeFsdpTrainOptions(command, world_size));
+  report.options.first_step = first_step;
+  std::optional<ModelLayout> layout;
+  int64_t shard_rank = 0;
+  if (reader.has_value() || !options.save_dir.empty()) {
+    FLATPARAM_ASSIGN_OR_RETURN(
+        layout, train::FsdpModelLayout(report.options, world_size));
+    shard_rank = world.rank() % layout->options().world_size;
+  }
+  if (reader.has_value()) {
+    absl::Status fits = reader->CheckFits(*layout, world_size);
+    if (!fits.ok()) {
+      return in_load(absl::Status(
+          fits.code(),
+          absl::StrFormat(
+              "the checkpoint does not fit this job: %s; reshard it for %d "
+              "ranks with `fsdp checkpoint reshard --in=%s --out=DIR2 "
+              "--world-size=%d%s` and load DIR2",
+              fits.message(), world_size, options.load_dir, world_size,
+              IsHybridStrategy(report.options.strategy)
+                  ? absl::StrFormat(
+                        " --strategy=%s --shard-group-size=%d",
+                        ShardingStrategyName(report.options.strategy),
+                        report.options.shard_group_size)
+                  : absl::StrFormat(
+                        " --strategy=%s",
+                        ShardingStrategyName(report.options.strategy)))));
+    }
+    absl::StatusOr<checkpoint::RankState> state =
+        checkpoint::ReadRankState(*reader, shard_rank);
+    if (!state.ok()) return in_load(state.status());
+    train::FsdpRankState initial;
+    initial.flat_params = std::move(state->flat_params);
+    absl::StatusOr<std::vector<train::OptimizerState>> optimizer =
+        optim::TrainStatesFromSharded(*layout, state->optim);
+    if (!optimizer.ok()) return in_load(optimizer.status());
+    initial.optimizer = *std::move(optimizer);
+    report.options.initial_state = std::move(initial);
+  }
   FLATPARAM_ASSIGN_OR_RETURN(
       train::FsdpRankResult result,
       train::TrainFsdpOnRank(world, device, report.options));
+  // The loaded state is not part of the report.
+  report.options.initial_state.reset();
+  if (!options.save_dir.empty()) {
+    checkpoint::RankState mine;
+    mine.flat_params = result.state.flat_params;
+    mine.optim = optim::ShardedFromTrainStates(result.state.optimizer);
+    mine.optim.param_groups.push_back(
+        ParamGroupFor(report.options.optimizer,
+                      static_cast<int64_t>(layout->flat_params().size())));
+    mine.extra = {{kTrainExtraKey, TrainExtra(command, report.options,
+                                              world_size, report.history)}};
+    FLATPARAM_ASSIGN_OR_RETURN(
+        checkpoint::RankContent content,
+        checkpoint::MakeRankContent(*layout, shard_rank, mine));
+    absl::Status saved = checkpoint::WriteShardedCheckpointCollective(
+        fs, options.save_dir, *layout, world_size, content, world);
+    if (!saved.ok()) {
+      return absl::Status(
+          saved.code(),
+          absl::StrCat("--save=", options.save_dir, ": ", saved.message()));
+    }
+    report.saved_to = options.save_dir;
+  }
   report.losses = result.losses;
   RankSummary mine;
   mine.rank = world.rank();
@@ -350,10 +659,10 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
   }
   if (options.check_reference) {
     FLATPARAM_ASSIGN_OR_RETURN(
-        report.check,
-        CheckAgainstReference(report.options, world_size,
-                              /*exact=*/host_device, result,
-                              report.expected_memory, report.ranks));
+        report.check, CheckAgainstReference(report.options, world_size,
+                                            /*exact=*/host_device, result,
+                                            report.expected_memory,
+                                            report.ranks, report.history));
   }
   return report;
 }
@@ -383,9 +692,16 @@ void PrintTrainReport(const TrainReport& report, std::ostream& out) {
       "# mixed precision: %s; cpu offload %s; align addresses %s\n",
       Precision(o), o.cpu_offload ? "on" : "off",
       o.align_addresses ? "on" : "off");
+  if (!report.loaded_from.empty()) {
+    out << absl::StrFormat(
+        "# resumed from %s at step %d (trained before: %s)\n",
+        report.loaded_from, o.first_step, DescribeSegments(report.history));
+  }
   out << "step  loss\n";
   for (size_t k = 0; k < report.losses.size(); ++k) {
-    out << absl::StrFormat("%4d  %.9g\n", k, report.losses[k]);
+    out << absl::StrFormat("%4d  %.9g\n",
+                           o.first_step + static_cast<int64_t>(k),
+                           report.losses[k]);
   }
 
   out << "# peak memory per rank in bytes (FlatParamHandle accounting; the "
@@ -432,14 +748,27 @@ void PrintTrainReport(const TrainReport& report, std::ostream& out) {
                            r.comm.all_reduce.bytes, r.comm.total_sent_bytes());
   }
 
+  if (!report.saved_to.empty()) {
+    out << absl::StrFormat(
+        "# saved a sharded checkpoint of step %d to %s (written by the "
+        "ranks collectively)\n",
+        o.first_step + o.steps, report.saved_to);
+  }
   if (!report.check.has_value()) return;
   const ReferenceCheck& c = *report.check;
+  const std::string history =
+      report.history.empty()
+          ? std::string()
+          : absl::StrFormat(" of all %d steps (chained: %s; then this run)",
+                            o.first_step + o.steps,
+                            DescribeSegments(report.history));
   const std::string against =
-      c.mixed_precision ? absl::StrFormat(
-                              "single-process training with the same mixed "
-                              "precision (%s emulated)",
-                              DTypeName(*o.param_dtype))
-                        : std::string("single-process training");
+      (c.mixed_precision
+           ? absl::StrFormat("single-process training with the same mixed "
+                             "precision (%s emulated)",
+                             DTypeName(*o.param_dtype))
+           : std::string("single-process training")) +
+      history;
   out << absl::StrFormat(
       "# check: max |difference| against %s: %g (losses, parameters, "
       "optimizer state); %s\n",
@@ -529,8 +858,8 @@ absl::Status TrainVerdict(const TrainReport& report) {
                    absl::StrJoin(why, "; ")));
 }
 
-absl::Status RunTrainSim(const TrainCommandOptions& options,
-                         std::ostream& out) {
+absl::StatusOr<TrainReport> TrainOnSim(const TrainCommandOptions& options,
+                                       const std::string& trace_path) {
   FLATPARAM_RETURN_IF_ERROR(ValidateTrainCommandOptions(options));
   // Inconsistent options fail before any rank starts.
   FLATPARAM_RETURN_IF_ERROR(
@@ -551,6 +880,15 @@ absl::Status RunTrainSim(const TrainCommandOptions& options,
         if (comm.rank() == 0) report = std::move(mine);
         return absl::OkStatus();
       }));
+  if (!trace_path.empty()) {
+    FLATPARAM_RETURN_IF_ERROR(world->WriteChromeTrace(trace_path));
+  }
+  return report;
+}
+
+absl::Status RunTrainSim(const TrainCommandOptions& options,
+                         std::ostream& out) {
+  FLATPARAM_ASSIGN_OR_RETURN(TrainReport report, TrainOnSim(options));
   PrintTrainReport(report, out);
   return TrainVerdict(report);
 }

@@ -25,6 +25,39 @@
 // bitwise equal or, with AdamW, within AdamWDivergenceBound of the
 // reference; with SGD it cannot be decided and fails, saying so.
 //
+// Checkpoints. --save=DIR writes, after the last step, a sharded checkpoint
+// (flatparam/checkpoint/checkpoint_dir.h) collectively: every rank of the
+// first shard group writes its own rank files into DIR's temporary
+// directory and rank 0 publishes it (collective_checkpoint.h); with MPI, DIR
+// must be on a file system every rank sees. layout.json's model spec is the
+// trainer's model; each rank sidecar's "extra" (optim_io.h) holds what a
+// resumed run needs (kTrainExtraKey below): the next data step, the
+// model's config and seed, the data seed, the optimizer and its
+// hyperparameters, the global batch, micro-batches, accumulation and mixed
+// precision, and the history of the segments trained so far.
+//
+// --load=DIR resumes from such a checkpoint: every rank reads its own
+// shard-group rank's files (no communication), and training continues at
+// the saved step with the saved settings. Flags for those settings may be
+// given only with the saved values (a flag at its default counts as not
+// given). The job's layout (world size,
+// strategy, shard group, alignment, mixed precision) must fit the
+// checkpoint exactly (ShardedCheckpointReader::CheckFits); otherwise the
+// error says to reshard it first (`fsdp checkpoint reshard --world-size=W`),
+// which keeps "extra".
+//
+// --check-reference after --load compares with single-process training of
+// ALL steps so far, not just this run's: TrainReference segments are
+// chained, each from the previous one's parameters and optimizer state,
+// each with the gradient fold of the run that trained it (the saved
+// history's world size and strategy: GradientReduction::Fsdp(W) or
+// Hybrid(W, S)), then this run's. Splitting training at a step boundary
+// changes nothing in single-process training (TrainReference resumed with
+// first_step equals the unbroken run bit for bit), so in float32 the
+// resumed sharded run must equal this chain bit for bit, whatever world
+// sizes and strategies the segments ran on. The AdamW bounds use the total
+// number of steps.
+//
 // Thread-safety: RunTrain* are called once, from main; RunTrainOnRank once
 // per rank thread.
 #ifndef TOOLS_TRAIN_H_
@@ -32,8 +65,10 @@
 
 #include <array>
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <ostream>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -74,7 +109,49 @@ struct TrainCommandOptions {
   // Samples per micro-batch over all ranks; 0: 2 per rank.
   int64_t global_batch = 0;
   bool check_reference = false;
+  // --save=DIR / --load=DIR (empty: none); see the file comment.
+  std::string save_dir;
+  std::string load_dir;
+  // Names of the flags given on the command line with a non-default value
+  // (FlagChanged: "lr", "seed", ...): with --load, these must agree with
+  // the checkpoint; the others take its values.
+  std::set<std::string> given_flags;
 };
+
+// The key of the trainer's object in a rank sidecar's "extra".
+inline constexpr char kTrainExtraKey[] = "fsdp_train";
+
+// A stretch of training done by one run: the data steps [first_step,
+// first_step + steps) on `world_size` ranks with `strategy` (and
+// `shard_group_size` for the hybrid strategies), which fixes its gradient
+// fold.
+struct TrainSegment {
+  int64_t first_step = 0;
+  int64_t steps = 0;
+  int world_size = 1;
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  int shard_group_size = 0;
+};
+
+// The checkpoint's "extra"[kTrainExtraKey] for a run with `command`
+// options (resolved: global_batch set) of `options` on `world_size` ranks,
+// after `history` and this run.
+nlohmann::json TrainExtra(const TrainCommandOptions& command,
+                          const train::FsdpTrainOptions& options,
+                          int world_size,
+                          const std::vector<TrainSegment>& history);
+
+// What --load takes from a checkpoint: `command` with the saved settings
+// filled in, the step to start at, and the history. InvalidArgument naming
+// the flag and both values when a given flag differs from the checkpoint;
+// DataLoss when the extra object is missing or malformed.
+struct ResumePoint {
+  TrainCommandOptions command;
+  int64_t first_step = 0;
+  std::vector<TrainSegment> history;
+};
+absl::StatusOr<ResumePoint> ResumeFromExtra(const TrainCommandOptions& command,
+                                            const nlohmann::json& extra);
 
 // InvalidArgument naming the flag for options that make no sense before
 // the world size is known (an unknown backend, strategy, precision or
@@ -132,18 +209,26 @@ struct TrainReport {
   // The formula, on a host compute device.
   std::optional<std::array<int64_t, kNumMemoryCategories>> expected_memory;
   std::optional<ReferenceCheck> check;
+  // Segments before this run (from --load) and the directories involved.
+  std::vector<TrainSegment> history;
+  std::string loaded_from;
+  std::string saved_to;
 };
 
 // Compares one rank's result of `options` on `world_size` ranks with
 // single-process training (see ReferenceCheck); `exact` says whether the
 // backend must match bit for bit. `expected_memory` and `ranks`, when
 // given, add the memory formula to the check.
+// With a non-empty `history` (a resumed run, options.first_step > 0) the
+// reference is the chain of TrainReference segments described in the file
+// comment.
 absl::StatusOr<ReferenceCheck> CheckAgainstReference(
     const train::FsdpTrainOptions& options, int world_size, bool exact,
     const train::FsdpRankResult& result,
     const std::optional<std::array<int64_t, kNumMemoryCategories>>&
         expected_memory,
-    const std::vector<RankSummary>& ranks);
+    const std::vector<RankSummary>& ranks,
+    const std::vector<TrainSegment>& history = {});
 
 // The whole command on one rank of `world` (every rank calls it alike),
 // with the handles' buffers from `device`; `host_device` says whether the
@@ -166,6 +251,12 @@ absl::Status TrainVerdict(const TrainReport& report);
 // --backend=sim: options.world_size ranks on a SimWorld (seed
 // options.seed); prints the report to `out` and returns the verdict.
 absl::Status RunTrainSim(const TrainCommandOptions& options, std::ostream& out);
+
+// RunTrainSim's run without printing or judging it: rank 0's report. With a
+// non-empty `trace_path`, also writes the simulator's Chrome trace of the
+// run's collectives there (SimWorld::WriteChromeTrace).
+absl::StatusOr<TrainReport> TrainOnSim(const TrainCommandOptions& options,
+                                       const std::string& trace_path = "");
 
 // --backend=mpi or nccl, on this process's rank of an MPI job: initialises
 // and finalises MPI; nccl trains on the GPU numbered by the node-local rank

@@ -30,6 +30,11 @@ ABSL_FLAG(std::string, optimizer, "adamw", "adamw or sgd (momentum 0.9).");
 ABSL_FLAG(double, lr, 1e-2, "The learning rate.");
 ABSL_FLAG(int64_t, global_batch, 0,
           "Samples per micro-batch over all ranks (default: 2 per rank).");
+ABSL_FLAG(std::string, save, "",
+          "After the last step, write a sharded checkpoint to this directory "
+          "(collectively; on a file system every rank sees).");
+ABSL_FLAG(std::string, load, "",
+          "Resume from the sharded checkpoint in this directory.");
 
 namespace flatparam {
 namespace tools {
@@ -59,6 +64,12 @@ int TrainMain(const std::vector<char*>& args) {
   options.lr = absl::GetFlag(FLAGS_lr);
   options.global_batch = absl::GetFlag(FLAGS_global_batch);
   options.check_reference = absl::GetFlag(FLAGS_check_reference);
+  options.save_dir = absl::GetFlag(FLAGS_save);
+  options.load_dir = absl::GetFlag(FLAGS_load);
+  for (const char* flag : {"seed", "optimizer", "lr", "global_batch",
+                           "micro_batches", "mixed_precision", "sync"}) {
+    if (FlagChanged(flag)) options.given_flags.insert(flag);
+  }
   const absl::Status status = options.backend == "sim"
                                   ? RunTrainSim(options, std::cout)
                                   : RunTrainMpi(options, std::cout);
@@ -79,6 +90,7 @@ constexpr char kHelp[] =
     "                  [--align-addresses] [--seed=S] [--optimizer=adamw|sgd]"
     " [--lr=LR]\n"
     "                  [--global-batch=B] [--check-reference]\n"
+    "                  [--save=DIR] [--load=DIR]\n"
     "       mpirun -np 4 fsdp train [--backend=mpi|nccl] ...\n"
     "\n"
     "Trains the reference model (a per-token MLP language model: vocab 17,\n"
@@ -123,7 +135,20 @@ constexpr char kHelp[] =
     "  --optimizer=adamw|sgd    default adamw (sgd: momentum 0.9)\n"
     "  --lr=LR                  learning rate (default 0.01)\n"
     "  --global-batch=B         samples per micro-batch (default 2 per rank)\n"
-    "  --check-reference        compare with single-process training\n";
+    "  --check-reference        compare with single-process training\n"
+    "  --save=DIR               after the last step, write a sharded "
+    "checkpoint\n"
+    "                           (each rank its own files; with mpi, DIR on a\n"
+    "                           file system every rank sees)\n"
+    "  --load=DIR               resume from a sharded checkpoint of fsdp "
+    "train:\n"
+    "                           its step, seed, optimizer, lr, batch, micro-\n"
+    "                           batches and precision carry over; the job "
+    "must\n"
+    "                           fit it (else: fsdp checkpoint reshard). With\n"
+    "                           --check-reference, compares with single-"
+    "process\n"
+    "                           training of all steps so far\n";
 
 void PrintHelp(std::ostream& out) { out << kHelp; }
 

@@ -1,0 +1,262 @@
+#include "tools/checkpoint.h"
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <optional>
+#include <string>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
+#include "flatparam/base/dtype.h"
+#include "flatparam/base/status_macros.h"
+#include "flatparam/checkpoint/convert.h"
+#include "flatparam/checkpoint/file_system.h"
+#include "flatparam/checkpoint/manifest.h"
+
+namespace flatparam {
+namespace tools {
+namespace {
+
+using checkpoint::ConvertOptions;
+using checkpoint::FileSystem;
+using checkpoint::PosixFileSystem;
+using Clock = std::chrono::steady_clock;
+
+bool Needs(const std::string& action, absl::string_view what) {
+  if (what == "in") return action != "init";
+  if (what == "out") return action != "verify";
+  if (what == "model") return action == "shard" || action == "init";
+  return false;
+}
+
+// The target layout options of shard/reshard from the flags alone.
+absl::StatusOr<std::pair<LayoutOptions, int64_t>> TargetLayout(
+    const LayoutRequest& request) {
+  if (request.world_size < 1 || request.world_size > kMaxWorldSize) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--world-size must be in [1, %d], got %d",
+                        kMaxWorldSize, request.world_size));
+  }
+  LayoutOptions options;
+  absl::StatusOr<ShardingStrategy> strategy =
+      ParseShardingStrategy(request.strategy);
+  if (!strategy.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--strategy: ", strategy.status().message()));
+  }
+  options.strategy = *strategy;
+  options.align_addresses = request.align_addresses;
+  if (!request.compute_dtype.empty()) {
+    absl::StatusOr<DType> dtype = ParseDType(request.compute_dtype);
+    if (!dtype.ok() || !IsFloatingPoint(*dtype)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--compute-dtype must be a floating-point dtype, got '%s'",
+          request.compute_dtype));
+    }
+    options.compute_dtype = *dtype;
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(
+      options.world_size,
+      ShardGroupSize(*strategy, request.world_size, request.shard_group_size));
+  return std::make_pair(options, request.world_size);
+}
+
+// Draws progress on a terminal: one line, redrawn at most ten times a
+// second.
+class ProgressBar {
+ public:
+  ProgressBar(std::ostream& out, bool enabled, std::string label)
+      : out_(out), enabled_(enabled), label_(std::move(label)) {}
+
+  void Update(uint64_t done, uint64_t total) {
+    done_ = done;
+    if (!enabled_) return;
+    const Clock::time_point now = Clock::now();
+    if (done < total && now - last_ < std::chrono::milliseconds(100)) return;
+    last_ = now;
+    const double fraction =
+        total == 0 ? 1.0
+                   : static_cast<double>(done) / static_cast<double>(total);
+    constexpr int kWidth = 30;
+    const int filled = static_cast<int>(fraction * kWidth);
+    out_ << "\r" << label_ << " [" << std::string(filled, '#')
+         << std::string(kWidth - filled, ' ') << "] "
+         << absl::StrFormat("%5.1f%% %.1f/%.1f MB", fraction * 100, done / 1e6,
+                            total / 1e6)
+         << std::flush;
+    drawn_ = true;
+  }
+  void Finish() {
+    if (drawn_) out_ << "\n" << std::flush;
+  }
+  uint64_t done() const { return done_; }
+
+ private:
+  std::ostream& out_;
+  bool enabled_;
+  std::string label_;
+  Clock::time_point last_;
+  uint64_t done_ = 0;
+  bool drawn_ = false;
+};
+
+absl::StatusOr<checkpoint::InitOptimizer> ParseOptimizer(
+    const std::string& name) {
+  if (name == "adamw") return checkpoint::InitOptimizer::kAdamW;
+  if (name == "sgd") return checkpoint::InitOptimizer::kSgd;
+  if (name == "none") return checkpoint::InitOptimizer::kNone;
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "--optimizer must be adamw, sgd or none for checkpoint init, got '%s'",
+      name));
+}
+
+}  // namespace
+
+int64_t PeakResidentBytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (!absl::StartsWith(line, "VmHWM:")) continue;
+    std::vector<std::string> parts =
+        absl::StrSplit(line, ' ', absl::SkipWhitespace());
+    int64_t kib = 0;
+    if (parts.size() >= 2 && absl::SimpleAtoi(parts[1], &kib)) {
+      return kib * 1024;
+    }
+  }
+  return 0;
+}
+
+absl::Status ValidateCheckpointCommand(const CheckpointCommand& c) {
+  const std::string& a = c.action;
+  if (a != "init" && a != "shard" && a != "reshard" && a != "consolidate" &&
+      a != "verify") {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "unknown action '%s'; expected init, shard, reshard, consolidate or "
+        "verify",
+        a));
+  }
+  const auto check = [&](absl::string_view flag, bool given) -> absl::Status {
+    const std::string dashed = absl::StrReplaceAll(flag, {{"_", "-"}});
+    if (Needs(a, flag) && !given) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("checkpoint %s needs --%s", a, dashed));
+    }
+    if (!Needs(a, flag) && given) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("checkpoint %s does not take --%s", a, dashed));
+    }
+    return absl::OkStatus();
+  };
+  FLATPARAM_RETURN_IF_ERROR(check("in", !c.in.empty()));
+  FLATPARAM_RETURN_IF_ERROR(check("out", !c.out.empty()));
+  FLATPARAM_RETURN_IF_ERROR(check("model", !c.layout.model.empty()));
+  // --world-size defaults to 8, as for every layout subcommand.
+  if (c.world_size_set && a != "shard" && a != "reshard") {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("checkpoint %s does not take --world-size", a));
+  }
+  const bool layout_flags = c.layout.strategy != LayoutRequest().strategy ||
+                            c.layout.align_addresses ||
+                            !c.layout.compute_dtype.empty() ||
+                            c.layout.shard_group_size != 0;
+  if (layout_flags && a != "shard" && a != "reshard") {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "checkpoint %s does not take layout flags (--strategy, "
+        "--shard-group-size, --align-addresses, --compute-dtype)",
+        a));
+  }
+  if (!c.layout.dtype.empty() && a != "init") {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "checkpoint %s does not take --dtype (a checkpoint's dtypes are its "
+        "model's)",
+        a));
+  }
+  if (a == "shard" || a == "reshard") {
+    FLATPARAM_RETURN_IF_ERROR(TargetLayout(c.layout).status());
+  }
+  if (a == "init")
+    FLATPARAM_RETURN_IF_ERROR(ParseOptimizer(c.optimizer).status());
+  if (!c.in.empty() && !c.out.empty() && c.in == c.out) {
+    return absl::InvalidArgumentError("--in and --out must differ");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RunCheckpoint(const CheckpointCommand& c, std::ostream& out,
+                           std::ostream& progress, bool progress_is_terminal) {
+  FileSystem& fs = PosixFileSystem();
+  ProgressBar bar(progress, progress_is_terminal, c.action);
+  ConvertOptions options;
+  options.chunk_bytes = c.chunk_bytes;
+  options.progress = [&bar](uint64_t done, uint64_t total) {
+    bar.Update(done, total);
+  };
+  const Clock::time_point start = Clock::now();
+  absl::Status status;
+  std::optional<checkpoint::CheckpointReport> report;
+  if (c.action == "init") {
+    absl::StatusOr<ResolvedLayout> resolved = ResolveLayout(c.layout);
+    if (!resolved.ok()) return resolved.status();
+    checkpoint::InitOptions init;
+    init.seed = c.seed;
+    FLATPARAM_ASSIGN_OR_RETURN(init.optimizer, ParseOptimizer(c.optimizer));
+    init.convert = options;
+    status =
+        checkpoint::InitCheckpoint(fs, resolved->layout.spec(), c.out, init);
+  } else if (c.action == "shard") {
+    FLATPARAM_ASSIGN_OR_RETURN(ResolvedLayout resolved,
+                               ResolveLayout(c.layout));
+    status = checkpoint::ShardCheckpoint(fs, c.in, resolved.layout.spec(),
+                                         resolved.layout.options(),
+                                         resolved.world_size, c.out, options);
+  } else if (c.action == "reshard") {
+    FLATPARAM_ASSIGN_OR_RETURN(auto target, TargetLayout(c.layout));
+    status = checkpoint::ReshardCheckpoint(fs, c.in, target.first,
+                                           target.second, c.out, options);
+  } else if (c.action == "consolidate") {
+    status = checkpoint::ConsolidateCheckpoint(fs, c.in, c.out, options);
+  } else {
+    absl::StatusOr<checkpoint::CheckpointReport> r =
+        checkpoint::VerifyCheckpoint(fs, c.in, options.progress);
+    if (r.ok()) report = *std::move(r);
+    status = r.status();
+  }
+  bar.Finish();
+  if (!status.ok()) return status;
+  const double seconds =
+      std::chrono::duration<double>(Clock::now() - start).count();
+  uint64_t bytes = bar.done();
+  if (report.has_value()) {
+    bytes = report->bytes;
+    out << absl::StrFormat("%s: ok: %s checkpoint, %d files, %d tensors",
+                           report->path,
+                           checkpoint::CheckpointKindName(report->kind),
+                           report->files, report->tensors);
+    if (report->kind == checkpoint::CheckpointKind::kSharded) {
+      out << absl::StrFormat(
+          ", model %s, world size %d, %s, shard group %d, %s, %d flat "
+          "parameters",
+          report->model, report->world_size,
+          ShardingStrategyName(report->strategy), report->shard_group_size,
+          report->align_addresses ? "aligned" : "unaligned",
+          report->flat_params);
+    }
+    out << "\n";
+  }
+  const std::string what = c.action == "verify" ? "verified" : "wrote";
+  out << absl::StrFormat(
+      "checkpoint %s: %s %d bytes in %.2f s (%.1f MB/s), peak RSS %.1f MiB\n",
+      c.action, what, bytes, seconds,
+      seconds > 0 ? static_cast<double>(bytes) / 1e6 / seconds : 0.0,
+      static_cast<double>(PeakResidentBytes()) / (1 << 20));
+  return absl::OkStatus();
+}
+
+}  // namespace tools
+}  // namespace flatparam

@@ -1,0 +1,69 @@
+// The testable core of `fsdp checkpoint ACTION`: offline checkpoint tools
+// over flatparam/checkpoint/convert.h, on the POSIX file system.
+//
+//   fsdp checkpoint init        --model=M --out=FULL [--seed=N]
+//                               [--optimizer=adamw|sgd|none]
+//   fsdp checkpoint shard       --in=FULL --model=M --world-size=W
+//                               [--strategy=S] [--shard-group-size=G]
+//                               [--align-addresses] [--compute-dtype=D]
+//                               --out=SHARDED
+//   fsdp checkpoint reshard     --in=SHARDED --world-size=W [layout flags]
+//                               --out=SHARDED2
+//   fsdp checkpoint consolidate --in=SHARDED --out=FULL
+//   fsdp checkpoint verify      --in=DIR
+//
+// Every action streams (memory bounded by one chunk, not the model) and
+// prints one summary line on stdout: bytes written (or verified), seconds,
+// MB/s (10^6 bytes per second) and the process's peak resident memory.
+// Progress goes to `progress` (stderr): a redrawn bar when it is a
+// terminal, nothing otherwise.
+//
+// Thread-safety: runs on the calling thread; the functions are reentrant.
+#ifndef TOOLS_CHECKPOINT_H_
+#define TOOLS_CHECKPOINT_H_
+
+#include <cstdint>
+#include <ostream>
+#include <string>
+
+#include "absl/status/status.h"
+#include "tools/layout_request.h"
+
+namespace flatparam {
+namespace tools {
+
+struct CheckpointCommand {
+  // "init", "shard", "reshard", "consolidate" or "verify".
+  std::string action;
+  std::string in;
+  std::string out;
+  // shard and init: the model; shard and reshard: the target layout and
+  // world size (default 8, as for every layout subcommand).
+  // `world_size_set`: --world-size was given a non-default value.
+  LayoutRequest layout;
+  bool world_size_set = false;
+  // init only.
+  uint64_t seed = 0;
+  std::string optimizer = "adamw";
+  uint64_t chunk_bytes = uint64_t{4} << 20;
+};
+
+// Checks the command line's shape: a known action and the flags it
+// needs, and no flag it would ignore. InvalidArgument naming the flag
+// (the caller exits 2).
+absl::Status ValidateCheckpointCommand(const CheckpointCommand& command);
+
+// Runs a validated command: summary (and verify's report) to `out`,
+// progress to `progress` (a bar when `progress_is_terminal`). Errors are
+// the conversion's (the caller exits 1).
+absl::Status RunCheckpoint(const CheckpointCommand& command, std::ostream& out,
+                           std::ostream& progress, bool progress_is_terminal);
+
+// The process's peak resident set size in bytes (VmHWM), or 0 when the
+// system does not say.
+int64_t PeakResidentBytes();
+
+}  // namespace tools
+}  // namespace flatparam
+
+#endif  // TOOLS_CHECKPOINT_H_

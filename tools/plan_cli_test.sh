@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# End-to-end test of `fsdp plan`: the table, the JSON schema (checked with
+# python3's json module), the trace file, and exit code 2 for bad flags.
+# Usage: plan_cli_test.sh PATH_TO_FSDP
+set -uo pipefail
+
+fsdp=$1
+tmp=${TEST_TMPDIR:-$(mktemp -d)}
+failures=0
+
+fail() {
+  echo "FAIL: $*" >&2
+  failures=$((failures + 1))
+}
+
+# expect_exit CODE ARGS...: runs fsdp with ARGS, checks the exit code, and
+# leaves stdout/stderr in $tmp/out and $tmp/err.
+expect_exit() {
+  local want=$1
+  shift
+  "$fsdp" "$@" >"$tmp/out" 2>"$tmp/err"
+  local got=$?
+  if [ "$got" -ne "$want" ]; then
+    fail "fsdp $* exited $got, want $want; stderr: $(head -c 500 "$tmp/err")"
+  fi
+}
+
+expect_exit 0 plan --model=llama2-7b --nodes=2 --gpus-per-node=8 \
+  --mixed-precision=bf16
+for s in FULL_SHARD SHARD_GRAD_OP NO_SHARD HYBRID_SHARD HYBRID_SHARD_ZERO2; do
+  grep -q "^$s " "$tmp/out" || fail "table lacks $s"
+done
+grep -q '2 + 2 + 12 bytes per parameter' "$tmp/out" || fail "table lacks 2+2+12"
+[ -s "$tmp/err" ] && fail "unexpected stderr: $(head -c 500 "$tmp/err")"
+
+# JSON: the schema of issue 6, bytes as integers, the Adam accounting.
+expect_exit 0 plan --model=llama2-7b --nodes=4 --gpus-per-node=8 \
+  --mixed-precision=bf16 --optimizer=adamw --tokens-per-gpu=2048 \
+  --topology=ib-hdr --gpu-memory=40GiB --format=json --trace="$tmp/trace.json"
+cp "$tmp/out" "$tmp/plan.json"
+python3 - "$tmp/plan.json" <<'PY' || fail "json schema"
+import json, sys
+doc = json.load(open(sys.argv[1]))
+assert doc["world_size"] == 32, doc["world_size"]
+psi = doc["param_numel"]
+names = [s["strategy"] for s in doc["strategies"]]
+assert names == ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
+                 "HYBRID_SHARD_ZERO2"], names
+for s in doc["strategies"]:
+    b = s["bytes_per_rank"]
+    for k in ("params", "grads", "optimizer", "model_states"):
+        assert type(b[k]) is int, (k, b[k])
+    assert b["model_states"] == b["params"] + b["grads"] + b["optimizer"]
+    for k in ("peak_bytes", "comm_bytes_per_step"):
+        assert type(s[k]) is int, (k, s[k])
+    for k in ("step_time_s", "exposed_comm_s"):
+        assert isinstance(s[k], (int, float)) and s[k] >= 0, (k, s[k])
+    assert type(s["fits"]) is bool
+    assert s["fits"] == (s["peak_bytes"] <= 40 * 2**30)
+full = doc["strategies"][0]["bytes_per_rank"]
+assert full["model_states"] * 32 == 16 * psi, (full, psi)
+assert full["optimizer"] * 32 == 12 * psi
+PY
+python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); assert len(d["traceEvents"]) > 100' \
+  "$tmp/trace.json" || fail "trace is not JSON"
+
+# One strategy, SGD, a model file.
+expect_exit 0 plan --model=gpt2 --strategy=NO_SHARD --optimizer=sgd \
+  --format=json
+python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); assert [s["strategy"] for s in d["strategies"]] == ["NO_SHARD"]' \
+  "$tmp/out" || fail "--strategy=NO_SHARD"
+
+# Bad flags: exit 2 with the flag named.
+expect_exit 2 plan --nodes=2
+grep -q -- '--model' "$tmp/err" || fail "missing --model not named"
+expect_exit 2 plan --model=gpt2 --nodes=0
+grep -q -- '--nodes' "$tmp/err" || fail "--nodes=0 not named"
+expect_exit 2 plan --model=gpt2 --strategy=ZERO9
+expect_exit 2 plan --model=gpt2 --mixed-precision=fp8
+expect_exit 2 plan --model=gpt2 --optimizer=lion
+expect_exit 2 plan --model=gpt2 --topology=nvl72
+grep -q 'dgx-h100' "$tmp/err" || fail "topology presets not listed"
+expect_exit 2 plan --model=gpt2 --gpu-memory=lots
+expect_exit 2 plan --model=gpt2 --efficiency=1.5
+expect_exit 2 plan --model=gpt2 --gpus-per-node=0
+expect_exit 2 plan --model=gpt2 --world-size=8
+expect_exit 2 plan --model=gpt2 stray
+# A model that does not exist is a failure, not a usage error.
+expect_exit 1 plan --model=/nonexistent/model.json
+
+expect_exit 0 plan --help
+grep -q -- '--tokens-per-gpu' "$tmp/out" || fail "plan --help lacks flags"
+
+if [ "$failures" -ne 0 ]; then
+  echo "$failures failure(s)" >&2
+  exit 1
+fi
+echo "PASS"

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# `fsdp train --save` then `--load` end to end on the simulator: the resumed
+# run's losses continue the unbroken run's, its check against single-process
+# training of all steps passes bitwise, a job that does not fit the
+# checkpoint is told to reshard, and a flag that contradicts the checkpoint
+# is named. With `fsdp checkpoint` in the binary, also save -> reshard to
+# another world size -> load --check-reference.
+# Usage: train_resume_cli_test.sh PATH_TO_FSDP
+set -uo pipefail
+
+fsdp=$1
+tmp=${TEST_TMPDIR:-$(mktemp -d)}
+failures=0
+
+fail() {
+  echo "FAIL: $*" >&2
+  failures=$((failures + 1))
+}
+
+# expect_exit CODE ARGS...: runs fsdp with ARGS, checks the exit code, and
+# leaves stdout/stderr in $tmp/out and $tmp/err.
+expect_exit() {
+  local want=$1
+  shift
+  "$fsdp" "$@" >"$tmp/out" 2>"$tmp/err"
+  local got=$?
+  if [ "$got" -ne "$want" ]; then
+    fail "fsdp $* exited $got, want $want; stderr: $(head -c 800 "$tmp/err")"
+  fi
+}
+
+losses() { grep -E '^ +[0-9]+  [0-9.]+$' "$1"; }
+
+expect_exit 0 train --world-size=4 --steps=4 --seed=3 --optimizer=sgd
+losses "$tmp/out" | tail -n 2 >"$tmp/unbroken_tail"
+
+expect_exit 0 train --world-size=4 --steps=2 --seed=3 --optimizer=sgd \
+  --save="$tmp/ckpt" --check-reference
+grep -q "^# saved a sharded checkpoint of step 2 to $tmp/ckpt" "$tmp/out" ||
+  fail "no save line"
+[ -f "$tmp/ckpt/manifest.json" ] || fail "no manifest.json"
+[ -f "$tmp/ckpt/rank00003.safetensors" ] || fail "no rank00003.safetensors"
+grep -q '"fsdp_train"' "$tmp/ckpt/rank00000.json" || fail "no extra"
+
+# Resumed: the saved seed and optimizer carry over without the flags.
+expect_exit 0 train --world-size=4 --steps=2 --load="$tmp/ckpt" \
+  --check-reference
+cat "$tmp/out"
+grep -q "^# resumed from $tmp/ckpt at step 2" "$tmp/out" || fail "no resume"
+losses "$tmp/out" >"$tmp/resumed"
+cmp -s "$tmp/resumed" "$tmp/unbroken_tail" ||
+  fail "resumed losses differ from the unbroken run's steps 2-3"
+grep -q 'single-process training of all 4 steps (chained: steps 0-1 on 4 ranks FULL_SHARD; then this run): 0 .*bitwise equal' "$tmp/out" ||
+  fail "no bitwise check over all steps"
+grep -q '^# check: passed$' "$tmp/out" || fail "check not passed"
+
+# A job that does not fit is told to reshard.
+expect_exit 1 train --world-size=8 --load="$tmp/ckpt"
+grep -q 'world size: checkpoint 4, job 8' "$tmp/err" || fail "no fit error"
+grep -q 'fsdp checkpoint reshard' "$tmp/err" || fail "no reshard hint"
+expect_exit 1 train --world-size=4 --strategy=SHARD_GRAD_OP --load="$tmp/ckpt"
+grep -q 'strategy: checkpoint FULL_SHARD, job SHARD_GRAD_OP' "$tmp/err" ||
+  fail "no strategy error"
+# A flag that contradicts the checkpoint.
+expect_exit 1 train --world-size=4 --lr=0.5 --load="$tmp/ckpt"
+grep -q -- '--lr=0.5 differs from the checkpoint.s 0.01' "$tmp/err" ||
+  fail "contradicting flag not named: $(cat "$tmp/err")"
+expect_exit 1 train --world-size=4 --load="$tmp/no-such-checkpoint"
+grep -q 'no checkpoint at' "$tmp/err" || fail "missing checkpoint not named"
+
+# Save -> reshard (fsdp checkpoint) -> load.
+expect_exit 0 checkpoint reshard --in="$tmp/ckpt" --out="$tmp/ckpt8" \
+  --world-size=8
+expect_exit 0 train --world-size=8 --steps=2 --load="$tmp/ckpt8" \
+  --check-reference
+cat "$tmp/out"
+grep -q 'chained: steps 0-1 on 4 ranks FULL_SHARD; then this run): 0 .*bitwise equal' "$tmp/out" ||
+  fail "resharded resume not bitwise equal to the chained reference"
+grep -q '^# check: passed$' "$tmp/out" || fail "resharded check not passed"
+
+if [ "$failures" -ne 0 ]; then
+  echo "$failures check(s) failed" >&2
+  exit 1
+fi
+echo "PASS"
