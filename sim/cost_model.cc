@@ -15,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "flatparam/base/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "sim/chrome_trace.h"
 
 namespace flatparam {
 namespace cost {
@@ -556,65 +557,37 @@ absl::StatusOr<StepPrediction> PredictStep(absl::Span<const UnitSpec> units,
 }
 
 std::string PredictionTraceJson(absl::Span<const NamedPrediction> predictions) {
-  using nlohmann::json;
-  json events = json::array();
-  for (size_t pid = 0; pid < predictions.size(); ++pid) {
-    const NamedPrediction& named = predictions[pid];
-    events.push_back({{"name", "process_name"},
-                      {"ph", "M"},
-                      {"pid", pid},
-                      {"tid", 0},
-                      {"args", {{"name", named.name}}}});
-    events.push_back({{"name", "process_sort_index"},
-                      {"ph", "M"},
-                      {"pid", pid},
-                      {"tid", 0},
-                      {"args", {{"sort_index", pid}}}});
-    const char* threads[] = {"compute", "comm"};
-    for (int tid = 0; tid < 2; ++tid) {
-      events.push_back({{"name", "thread_name"},
-                        {"ph", "M"},
-                        {"pid", pid},
-                        {"tid", tid},
-                        {"args", {{"name", threads[tid]}}}});
-    }
+  ChromeTrace trace;
+  for (size_t i = 0; i < predictions.size(); ++i) {
+    const NamedPrediction& named = predictions[i];
+    const int64_t pid = static_cast<int64_t>(i);
+    trace.ProcessName(pid, named.name, /*sort_index=*/pid);
+    trace.ThreadName(pid, 0, "compute");
+    trace.ThreadName(pid, 1, "comm");
     if (named.prediction == nullptr) continue;
     const StepPrediction& p = *named.prediction;
     for (const TimelineOp& op : p.ops) {
-      json args = {{"unit", op.unit}};
+      nlohmann::json args = {{"unit", op.unit}};
       if (op.stream == Stream::kComm) {
         args["bytes"] = op.bytes;
         args["sent_bytes"] = op.sent_bytes;
       } else {
         args["flops"] = op.flops;
       }
-      events.push_back({{"name", op.name},
-                        {"cat", op.kind},
-                        {"ph", "X"},
-                        {"ts", op.start * 1e6},
-                        {"dur", (op.end - op.start) * 1e6},
-                        {"pid", pid},
-                        {"tid", op.stream == Stream::kCompute ? 0 : 1},
-                        {"args", std::move(args)}});
+      trace.Complete(pid, op.stream == Stream::kCompute ? 0 : 1, op.name,
+                     op.kind, op.start * 1e6, (op.end - op.start) * 1e6,
+                     std::move(args));
     }
     for (const MemorySample& m : p.memory) {
-      json args = json::object();
+      nlohmann::json values = nlohmann::json::object();
       for (int k = 0; k < kNumMemoryKinds; ++k) {
-        args[std::string(MemoryKindName(static_cast<MemoryKind>(k)))] =
+        values[std::string(MemoryKindName(static_cast<MemoryKind>(k)))] =
             m.bytes[k];
       }
-      events.push_back({{"name", "memory (bytes)"},
-                        {"ph", "C"},
-                        {"ts", m.time * 1e6},
-                        {"pid", pid},
-                        {"tid", 0},
-                        {"args", std::move(args)}});
+      trace.Counter(pid, "memory (bytes)", m.time * 1e6, std::move(values));
     }
   }
-  json doc = {{"traceEvents", std::move(events)},
-              {"displayTimeUnit", "ns"},
-              {"otherData", {{"backend", "cost_model"}}}};
-  return doc.dump();
+  return trace.Json({{"backend", "cost_model"}});
 }
 
 }  // namespace cost

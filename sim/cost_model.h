@@ -283,11 +283,12 @@ struct NamedPrediction {
   const StepPrediction* prediction = nullptr;
 };
 
-// Chrome trace-event JSON in the simulator's format (SimWorld::
-// ChromeTraceJson): per prediction a process (pid = its index) with thread
-// 0 "compute" and thread 1 "comm" of complete ("X") events, ts/dur in
-// microseconds, and a "memory" counter ("C") per change with one series per
-// MemoryKind. Opens in Perfetto or chrome://tracing. Deterministic.
+// Chrome trace-event JSON, written by the simulator's trace writer
+// (sim/chrome_trace.h, as SimWorld::ChromeTraceJson): per prediction a process
+// (pid = its index) with thread 0 "compute" and thread 1 "comm" of complete
+// ("X") events, ts/dur in microseconds, and a "memory" counter ("C") per change
+// with one series per MemoryKind. Opens in Perfetto or chrome://tracing.
+// Deterministic.
 std::string PredictionTraceJson(absl::Span<const NamedPrediction> predictions);
 
 }  // namespace cost

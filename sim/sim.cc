@@ -24,6 +24,7 @@
 #include "comm/host_reduce.h"
 #include "flatparam/base/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "sim/chrome_trace.h"
 
 namespace flatparam {
 namespace internal_sim {
@@ -1373,73 +1374,46 @@ void SimWorld::Record(const OpMember& m, const Group& group, int group_rank,
 // ---------------------------------------------------------------------------
 // Chrome trace.
 
-std::string SimWorld::ChromeTraceJson() const {
-  using nlohmann::json;
-  json events = json::array();
-  events.push_back(
-      {{"name", "process_name"},
-       {"ph", "M"},
-       {"pid", 0},
-       {"tid", 0},
-       {"args",
-        {{"name", absl::StrFormat("flatparam sim: %d ranks, seed %d",
-                                  options_.world_size, options_.seed)}}}});
+ChromeTrace SimWorld::BuildChromeTrace() const {
+  ChromeTrace trace;
+  trace.ProcessName(0, absl::StrFormat("flatparam sim: %d ranks, seed %d",
+                                       options_.world_size, options_.seed));
   for (int r = 0; r < options_.world_size; ++r) {
-    events.push_back({{"name", "thread_name"},
-                      {"ph", "M"},
-                      {"pid", 0},
-                      {"tid", r},
-                      {"args", {{"name", absl::StrCat("rank ", r)}}}});
-    events.push_back({{"name", "thread_sort_index"},
-                      {"ph", "M"},
-                      {"pid", 0},
-                      {"tid", r},
-                      {"args", {{"sort_index", r}}}});
+    trace.ThreadName(0, r, absl::StrCat("rank ", r), /*sort_index=*/r);
   }
   for (const TraceEvent& e : trace_) {
-    json args = {{"bytes", e.bytes},
-                 {"detail", e.detail},
-                 {"group", e.group},
-                 {"group_rank", e.group_rank},
-                 {"seq", e.seq},
-                 {"op", e.op},
-                 {"wait_us", absl::ToDoubleMicroseconds(e.start - e.arrive)}};
+    nlohmann::json args = {
+        {"bytes", e.bytes},
+        {"detail", e.detail},
+        {"group", e.group},
+        {"group_rank", e.group_rank},
+        {"seq", e.seq},
+        {"op", e.op},
+        {"wait_us", absl::ToDoubleMicroseconds(e.start - e.arrive)}};
     if (!e.status.ok()) args["error"] = e.status.ToString();
-    events.push_back({{"name", e.name},
-                      {"cat", "collective"},
-                      {"ph", "X"},
-                      {"ts", absl::ToDoubleMicroseconds(e.start)},
-                      {"dur", absl::ToDoubleMicroseconds(e.end - e.start)},
-                      {"pid", 0},
-                      {"tid", e.rank},
-                      {"args", std::move(args)}});
+    trace.Complete(
+        0, e.rank, e.name, "collective", absl::ToDoubleMicroseconds(e.start),
+        absl::ToDoubleMicroseconds(e.end - e.start), std::move(args));
   }
-  json faults = json::array();
+  return trace;
+}
+
+nlohmann::json SimWorld::TraceOtherData() const {
+  nlohmann::json faults = nlohmann::json::array();
   for (const FaultSpec& f : options_.faults) faults.push_back(f.ToString());
-  json doc = {{"traceEvents", std::move(events)},
-              {"displayTimeUnit", "ns"},
-              {"otherData",
-               {{"backend", "sim"},
-                {"world_size", options_.world_size},
-                {"seed", options_.seed},
-                {"checksum", options_.checksum},
-                {"faults", std::move(faults)}}}};
-  return doc.dump();
+  return {{"backend", "sim"},
+          {"world_size", options_.world_size},
+          {"seed", options_.seed},
+          {"checksum", options_.checksum},
+          {"faults", std::move(faults)}};
+}
+
+std::string SimWorld::ChromeTraceJson() const {
+  return BuildChromeTrace().Json(TraceOtherData());
 }
 
 absl::Status SimWorld::WriteChromeTrace(const std::string& path) const {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) {
-    return absl::InternalError(absl::StrFormat(
-        "sim: cannot open %s for writing: %s", path, std::strerror(errno)));
-  }
-  out << ChromeTraceJson();
-  out.close();
-  if (!out) {
-    return absl::InternalError(
-        absl::StrFormat("sim: error writing the trace to %s", path));
-  }
-  return absl::OkStatus();
+  return BuildChromeTrace().Write(path, TraceOtherData());
 }
 
 }  // namespace flatparam

@@ -111,6 +111,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
 #include <string>
@@ -121,6 +122,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "comm/communicator.h"
+#include "sim/chrome_trace.h"
 #include "sim/fault.h"
 
 namespace flatparam {
@@ -296,6 +298,10 @@ class SimWorld {
   class SimWork;
 
   explicit SimWorld(SimOptions options);
+
+  // The trace's events and its "otherData" (ChromeTraceJson).
+  ChromeTrace BuildChromeTrace() const;
+  nlohmann::json TraceOtherData() const;
 
   // What issuing a call produced: the operation it joined and the caller's
   // member index, or (op == nullptr) an error known at once.
