@@ -66,22 +66,34 @@ absl::StatusOr<std::pair<LayoutOptions, int64_t>> TargetLayout(
   return std::make_pair(options, request.world_size);
 }
 
-// Draws progress on a terminal: one line, redrawn at most ten times a
-// second.
+// Shows progress. On a terminal: one line, redrawn at most ten times a
+// second. Elsewhere (a log file, CI): a plain line at each tenth of the
+// work once the operation has run for kQuietPeriod, so that long
+// conversions show progress in logs and short ones print nothing.
 class ProgressBar {
  public:
-  ProgressBar(std::ostream& out, bool enabled, std::string label)
-      : out_(out), enabled_(enabled), label_(std::move(label)) {}
+  static constexpr std::chrono::seconds kQuietPeriod{5};
+
+  ProgressBar(std::ostream& out, bool terminal, std::string label)
+      : out_(out), terminal_(terminal), label_(std::move(label)) {}
 
   void Update(uint64_t done, uint64_t total) {
     done_ = done;
-    if (!enabled_) return;
     const Clock::time_point now = Clock::now();
-    if (done < total && now - last_ < std::chrono::milliseconds(100)) return;
-    last_ = now;
     const double fraction =
         total == 0 ? 1.0
                    : static_cast<double>(done) / static_cast<double>(total);
+    if (!terminal_) {
+      const int tenth = static_cast<int>(fraction * 10);
+      if (tenth <= last_tenth_ || now - start_ < kQuietPeriod) return;
+      last_tenth_ = tenth;
+      out_ << absl::StrFormat("%s: %d%% (%.1f/%.1f MB)\n", label_, tenth * 10,
+                              done / 1e6, total / 1e6)
+           << std::flush;
+      return;
+    }
+    if (done < total && now - last_ < std::chrono::milliseconds(100)) return;
+    last_ = now;
     constexpr int kWidth = 30;
     const int filled = static_cast<int>(fraction * kWidth);
     out_ << "\r" << label_ << " [" << std::string(filled, '#')
@@ -98,9 +110,11 @@ class ProgressBar {
 
  private:
   std::ostream& out_;
-  bool enabled_;
+  bool terminal_;
   std::string label_;
+  Clock::time_point start_ = Clock::now();
   Clock::time_point last_;
+  int last_tenth_ = 0;
   uint64_t done_ = 0;
   bool drawn_ = false;
 };

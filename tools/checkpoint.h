@@ -16,7 +16,8 @@
 // prints one summary line on stdout: bytes written (or verified), seconds,
 // MB/s (10^6 bytes per second) and the process's peak resident memory.
 // Progress goes to `progress` (stderr): a redrawn bar when it is a
-// terminal, nothing otherwise.
+// terminal; otherwise, once an action has run for 5 s, a plain line at each
+// tenth of the work.
 //
 // Thread-safety: runs on the calling thread; the functions are reentrant.
 #ifndef TOOLS_CHECKPOINT_H_
