@@ -3,6 +3,7 @@
 // Abseil 20220623 ships none, so these are the project's single copy:
 //
 //   EXPECT_THAT(Foo(), IsOk());
+//   EXPECT_THAT(Count(), IsOkAndHolds(3));
 //   EXPECT_THAT(Foo(), StatusIs(absl::StatusCode::kInvalidArgument,
 //                               HasSubstr("emb.weight")));
 //   FLATPARAM_ASSERT_OK_AND_ASSIGN(auto v, Bar());
@@ -46,9 +47,20 @@ MATCHER_P2(StatusIsImpl, code, message_matcher,
       message_matcher, std::string(status.message()), result_listener);
 }
 
+// Matches an OK StatusOr whose value matches `matcher` (a value or a
+// matcher).
+MATCHER_P(IsOkAndHolds, matcher, "is OK and holds a matching value") {
+  if (!arg.ok()) {
+    *result_listener << "status is " << arg.status();
+    return false;
+  }
+  return ::testing::ExplainMatchResult(matcher, *arg, result_listener);
+}
+
 }  // namespace internal_status
 
 using internal_status::IsOk;
+using internal_status::IsOkAndHolds;
 
 // Matches a Status/StatusOr with `code` and a message matching `message`.
 template <typename MessageMatcher>

@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <deque>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
@@ -19,6 +18,7 @@
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/checkpoint/file_system.h"
+#include "flatparam/checkpoint/internal/checkpoint_testutil.h"
 #include "flatparam/checkpoint/manifest.h"
 #include "flatparam/checkpoint/safetensors.h"
 #include "flatparam/flatten.h"
@@ -34,108 +34,9 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using json = nlohmann::json;
 
-MATCHER_P(IsOkAndHolds, matcher, "is OK and holds a matching value") {
-  if (!arg.ok()) {
-    *result_listener << "status is " << arg.status();
-    return false;
-  }
-  return ::testing::ExplainMatchResult(matcher, *arg, result_listener);
-}
-
 constexpr absl::StatusCode kDataLoss = absl::StatusCode::kDataLoss;
 constexpr absl::StatusCode kInvalid = absl::StatusCode::kInvalidArgument;
 constexpr absl::StatusCode kMismatch = absl::StatusCode::kFailedPrecondition;
-
-ModelSpec TinySpec() {
-  ModelSpec m;
-  m.name = "tiny";
-  m.params = {{"emb.weight", {11, 3}},
-              {"seq.0.weight", {5, 3}},
-              {"seq.0.bias", {5}},
-              {"seq.2.weight", {7, 5}},
-              {"seq.2.bias", {7}},
-              {"norm.scale", {}},
-              {"head.weight", {}, DType::kFloat32, true, "emb.weight"}};
-  m.wrap = {"seq.2"};
-  return m;
-}
-
-void Fill(HostTensor& t, double base) {
-  for (int64_t i = 0; i < t.numel(); ++i) t.SetDouble(i, base + i);
-}
-
-// Content of version `version` of a checkpoint; the sources point into
-// `storage`, whose elements never move.
-struct FullFixture {
-  std::deque<HostTensor> storage;
-  FullCheckpointContent content;
-};
-
-FullFixture MakeFull(const ModelSpec& spec, int version) {
-  FullFixture f;
-  json fqns = json::array();
-  int index = 0;
-  for (const ParamSpec& p : spec.params) {
-    if (!p.tied_to.empty()) continue;
-    fqns.push_back(p.fqn);
-    HostTensor& w = f.storage.emplace_back(p.dtype, p.shape);
-    Fill(w, version * 1000 + index * 10);
-    f.content.model.push_back(TensorSourceFromHostTensor(p.fqn, w));
-    HostTensor& m = f.storage.emplace_back(DType::kFloat32, p.shape);
-    Fill(m, -version * 1000 - index * 10);
-    f.content.optim.push_back(
-        TensorSourceFromHostTensor(OptimStateTensorName(p.fqn, "exp_avg"), m));
-    HostTensor& s =
-        f.storage.emplace_back(DType::kFloat32, std::vector<int64_t>{});
-    s.SetDouble(0, version);
-    f.content.optim.push_back(
-        TensorSourceFromHostTensor(OptimStateTensorName(p.fqn, "step"), s));
-    ++index;
-  }
-  f.content.optim_json = {
-      {"param_groups", json::array({{{"lr", 0.1}, {"params", fqns}}})},
-      {"state", {{"emb.weight", {{"note", "non-tensor state"}}}}},
-      {"version", version}};
-  return f;
-}
-
-struct ShardedFixture {
-  std::deque<HostTensor> storage;
-  ShardedCheckpointContent content;
-};
-
-ShardedFixture MakeSharded(const ModelLayout& layout, int64_t world_size,
-                           int version) {
-  ShardedFixture f;
-  f.content.layout = &layout;
-  f.content.world_size = world_size;
-  for (int64_t r = 0; r < layout.options().world_size; ++r) {
-    RankContent rank;
-    for (size_t i = 0; i < layout.flat_params().size(); ++i) {
-      const FlatParamLayout& fp = layout.flat_params()[i];
-      HostTensor& shard = f.storage.emplace_back(
-          HostTensor::Flat(fp.dtype(), fp.sharded_numel()));
-      Fill(shard, version * 1000 + r * 100 + i * 10);
-      rank.tensors.push_back(
-          TensorSourceFromHostTensor(FlatParamTensorName(i), shard));
-      HostTensor& avg = f.storage.emplace_back(
-          HostTensor::Flat(DType::kFloat32, fp.sharded_numel()));
-      Fill(avg, -version * 1000 - r * 100 - i * 10);
-      rank.tensors.push_back(
-          TensorSourceFromHostTensor(OptimShardTensorName(i, "exp_avg"), avg));
-      HostTensor& step =
-          f.storage.emplace_back(DType::kFloat32, std::vector<int64_t>{});
-      step.SetDouble(0, version);
-      rank.tensors.push_back(
-          TensorSourceFromHostTensor(OptimShardTensorName(i, "step"), step));
-    }
-    rank.sidecar = {{"param_groups", json::array({{{"lr", 0.1}}})},
-                    {"rank", r},
-                    {"version", version}};
-    f.content.ranks.push_back(std::move(rank));
-  }
-  return f;
-}
 
 // Compares every tensor `reader` has for `sources` with their bytes.
 absl::Status CompareTensors(const SafetensorsReader& reader,
@@ -170,7 +71,7 @@ absl::StatusOr<int> FullVersion(FileSystem& fs, const std::string& dir,
                              FullCheckpointReader::Open(fs, dir));
   FLATPARAM_RETURN_IF_ERROR(r.CheckFitsModel(spec));
   const int version = r.optim_json().at("version").get<int>();
-  const FullFixture expected = MakeFull(spec, version);
+  const FullFixture expected = MakeFullFixture(spec, version);
   FLATPARAM_RETURN_IF_ERROR(CompareTensors(r.model(), expected.content.model));
   FLATPARAM_RETURN_IF_ERROR(CompareTensors(r.optim(), expected.content.optim));
   if (r.optim_json() != expected.content.optim_json) {
@@ -187,7 +88,8 @@ absl::StatusOr<int> ShardedVersion(FileSystem& fs, const std::string& dir,
   FLATPARAM_RETURN_IF_ERROR(r.CheckFits(layout, world_size));
   FLATPARAM_ASSIGN_OR_RETURN(json rank0, r.ReadRankJson(0));
   const int version = rank0.at("version").get<int>();
-  const ShardedFixture expected = MakeSharded(layout, world_size, version);
+  const ShardedFixture expected =
+      MakeShardedFixture(layout, world_size, version);
   for (int64_t rank = 0; rank < r.num_ranks(); ++rank) {
     FLATPARAM_ASSIGN_OR_RETURN(SafetensorsReader tensors, r.OpenRank(rank));
     FLATPARAM_RETURN_IF_ERROR(
@@ -198,22 +100,6 @@ absl::StatusOr<int> ShardedVersion(FileSystem& fs, const std::string& dir,
     }
   }
   return version;
-}
-
-ModelLayout MakeLayout(const ModelSpec& spec, LayoutOptions options) {
-  absl::StatusOr<ModelLayout> layout = ModelLayout::Create(spec, options);
-  EXPECT_THAT(layout, IsOk());
-  return *std::move(layout);
-}
-
-LayoutOptions Options(int64_t world_size,
-                      ShardingStrategy strategy = ShardingStrategy::kFullShard,
-                      bool align = false) {
-  LayoutOptions o;
-  o.world_size = world_size;
-  o.strategy = strategy;
-  o.align_addresses = align;
-  return o;
 }
 
 // Rewrites `dir`'s manifest to match its files, as a tamperer who knows the
@@ -230,12 +116,6 @@ void Remanifest(FileSystem& fs, const std::string& dir, CheckpointKind kind) {
     m.files.push_back(e);
   }
   ASSERT_THAT(WriteManifest(fs, dir, m), IsOk());
-}
-
-std::vector<std::string> Children(FileSystem& fs, const std::string& dir) {
-  absl::StatusOr<std::vector<std::string>> c = fs.GetChildren(dir);
-  EXPECT_THAT(c, IsOk());
-  return c.ok() ? *c : std::vector<std::string>{};
 }
 
 // --- Full checkpoints --------------------------------------------------------
@@ -258,10 +138,10 @@ class PosixCheckpointTest : public ::testing::Test {
 };
 
 TEST_F(PosixCheckpointTest, FullRoundTripAndReplace) {
-  const ModelSpec spec = TinySpec();
-  const FullFixture v1 = MakeFull(spec, 1);
+  const ModelSpec spec = TinyModelSpec();
+  const FullFixture v1 = MakeFullFixture(spec, 1);
   ASSERT_THAT(WriteFullCheckpoint(fs_, dir_, v1.content), IsOk());
-  EXPECT_THAT(Children(fs_, dir_),
+  EXPECT_THAT(ListDir(fs_, dir_),
               ElementsAre("manifest.json", "model.safetensors", "optim.json",
                           "optim.safetensors"));
   EXPECT_THAT(FullVersion(fs_, dir_, spec), IsOkAndHolds(1));
@@ -275,21 +155,21 @@ TEST_F(PosixCheckpointTest, FullRoundTripAndReplace) {
   EXPECT_TRUE(step->shape.empty());
 
   // Replacing: the old directory goes through ckpt.previous and is removed.
-  const FullFixture v2 = MakeFull(spec, 2);
+  const FullFixture v2 = MakeFullFixture(spec, 2);
   ASSERT_THAT(WriteFullCheckpoint(fs_, dir_ + "/", v2.content), IsOk());
   FLATPARAM_ASSERT_OK_AND_ASSIGN(int version, FullVersion(fs_, dir_, spec));
   EXPECT_EQ(version, 2);
-  EXPECT_THAT(Children(fs_, root_), ElementsAre("ckpt"));
+  EXPECT_THAT(ListDir(fs_, root_), ElementsAre("ckpt"));
 }
 
 TEST_F(PosixCheckpointTest, ShardedRoundTrip) {
-  const ModelSpec spec = TinySpec();
+  const ModelSpec spec = TinyModelSpec();
   const ModelLayout layout =
-      MakeLayout(spec, Options(3, ShardingStrategy::kFullShard,
-                               /*align=*/true));
-  const ShardedFixture v1 = MakeSharded(layout, 3, 1);
+      MakeTestLayout(spec, TestLayoutOptions(3, ShardingStrategy::kFullShard,
+                                             /*align=*/true));
+  const ShardedFixture v1 = MakeShardedFixture(layout, 3, 1);
   ASSERT_THAT(WriteShardedCheckpoint(fs_, dir_, v1.content), IsOk());
-  EXPECT_THAT(Children(fs_, dir_),
+  EXPECT_THAT(ListDir(fs_, dir_),
               ElementsAre("layout.json", "manifest.json", "rank00000.json",
                           "rank00000.safetensors", "rank00001.json",
                           "rank00001.safetensors", "rank00002.json",
@@ -301,7 +181,7 @@ TEST_F(PosixCheckpointTest, ShardedRoundTrip) {
 
 TEST(FullCheckpointTest, ProgressReachesTheTotalOfTheFiles) {
   FaultInjectionFileSystem fs;
-  const FullFixture f = MakeFull(TinySpec(), 1);
+  const FullFixture f = MakeFullFixture(TinyModelSpec(), 1);
   std::vector<std::pair<uint64_t, uint64_t>> calls;
   CheckpointWriteOptions options;
   options.chunk_bytes = 7;  // many chunks, each under a float's multiple
@@ -339,7 +219,7 @@ TEST(FullCheckpointTest, ProgressReachesTheTotalOfTheFiles) {
 
 TEST(FullCheckpointTest, WriteRejectsBadContentAndPaths) {
   FaultInjectionFileSystem fs;
-  FullFixture f = MakeFull(TinySpec(), 1);
+  FullFixture f = MakeFullFixture(TinyModelSpec(), 1);
   FullCheckpointContent bad = f.content;
   bad.optim[0].name = "emb.weight.exp_avg";
   EXPECT_THAT(WriteFullCheckpoint(fs, "ckpt", bad),
@@ -363,15 +243,15 @@ TEST(FullCheckpointTest, WriteRejectsBadContentAndPaths) {
   EXPECT_THAT(WriteFullCheckpoint(fs, "", f.content), StatusIs(kInvalid));
   EXPECT_THAT(WriteFullCheckpoint(fs, ".", f.content), StatusIs(kInvalid));
   // None of it left anything behind.
-  EXPECT_THAT(Children(fs, "/"), ::testing::IsEmpty());
+  EXPECT_THAT(ListDir(fs, "/"), ::testing::IsEmpty());
 }
 
 TEST(FullCheckpointTest, SourceErrorsLeaveTheOldCheckpoint) {
   FaultInjectionFileSystem fs;
-  const ModelSpec spec = TinySpec();
-  const FullFixture v1 = MakeFull(spec, 1);
+  const ModelSpec spec = TinyModelSpec();
+  const FullFixture v1 = MakeFullFixture(spec, 1);
   ASSERT_THAT(WriteFullCheckpoint(fs, "ckpt", v1.content), IsOk());
-  FullFixture v2 = MakeFull(spec, 2);
+  FullFixture v2 = MakeFullFixture(spec, 2);
   v2.content.model[2].fill = [](uint64_t, absl::Span<char>) {
     return absl::AbortedError("gpu copy failed");
   };
@@ -380,13 +260,13 @@ TEST(FullCheckpointTest, SourceErrorsLeaveTheOldCheckpoint) {
                        HasSubstr("model.safetensors: tensor 'seq.0.bias' bytes "
                                  "[0, 20): gpu copy failed")));
   EXPECT_THAT(FullVersion(fs, "ckpt", spec), IsOkAndHolds(1));
-  EXPECT_THAT(Children(fs, "/"), ElementsAre("ckpt"));  // temporary removed
+  EXPECT_THAT(ListDir(fs, "/"), ElementsAre("ckpt"));  // temporary removed
 }
 
 TEST(FullCheckpointTest, CheckFitsModelNamesTheDifference) {
   FaultInjectionFileSystem fs;
-  const ModelSpec spec = TinySpec();
-  const FullFixture f = MakeFull(spec, 1);
+  const ModelSpec spec = TinyModelSpec();
+  const FullFixture f = MakeFullFixture(spec, 1);
   ASSERT_THAT(WriteFullCheckpoint(fs, "ckpt", f.content), IsOk());
   FLATPARAM_ASSERT_OK_AND_ASSIGN(FullCheckpointReader r,
                                  FullCheckpointReader::Open(fs, "ckpt"));
@@ -419,8 +299,8 @@ TEST(FullCheckpointTest, CheckFitsModelNamesTheDifference) {
 
 TEST(FullCheckpointTest, OptimStateMustBelongToAParameter) {
   FaultInjectionFileSystem fs;
-  const ModelSpec spec = TinySpec();
-  FullFixture f = MakeFull(spec, 1);
+  const ModelSpec spec = TinyModelSpec();
+  FullFixture f = MakeFullFixture(spec, 1);
   HostTensor stray = HostTensor::Flat(DType::kFloat32, 4);
   f.content.optim.push_back(
       TensorSourceFromHostTensor("state.seq.9.weight.exp_avg", stray));
@@ -433,7 +313,7 @@ TEST(FullCheckpointTest, OptimStateMustBelongToAParameter) {
                                     "'state.seq.9.weight.exp_avg' is not "
                                     "state.{fqn}.{state_name}")));
 
-  FullFixture g = MakeFull(spec, 1);
+  FullFixture g = MakeFullFixture(spec, 1);
   HostTensor wrong = HostTensor::Flat(DType::kFloat32, 4);
   g.content.optim.push_back(
       TensorSourceFromHostTensor("state.seq.0.bias.exp_avg_sq", wrong));
@@ -448,7 +328,7 @@ TEST(FullCheckpointTest, OptimStateMustBelongToAParameter) {
 
 TEST(FullCheckpointTest, OpenCatchesDamage) {
   FaultInjectionFileSystem fs;
-  const FullFixture f = MakeFull(TinySpec(), 1);
+  const FullFixture f = MakeFullFixture(TinyModelSpec(), 1);
   ASSERT_THAT(WriteFullCheckpoint(fs, "ckpt", f.content), IsOk());
   // A flipped byte in a tensor: the checksum.
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
@@ -493,10 +373,10 @@ class ShardedRoundTripTest : public ::testing::TestWithParam<ShardedCase> {};
 TEST_P(ShardedRoundTripTest, RoundTrips) {
   const ShardedCase& c = GetParam();
   FaultInjectionFileSystem fs;
-  const ModelSpec spec = TinySpec();
+  const ModelSpec spec = TinyModelSpec();
   const ModelLayout layout =
-      MakeLayout(spec, Options(c.group, c.strategy, c.align));
-  const ShardedFixture f = MakeSharded(layout, c.world_size, 7);
+      MakeTestLayout(spec, TestLayoutOptions(c.group, c.strategy, c.align));
+  const ShardedFixture f = MakeShardedFixture(layout, c.world_size, 7);
   ASSERT_THAT(WriteShardedCheckpoint(fs, "ckpt", f.content), IsOk());
   EXPECT_THAT(ShardedVersion(fs, "ckpt", layout, c.world_size),
               IsOkAndHolds(7));
@@ -535,45 +415,49 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(ShardedCheckpointTest, CheckFitsNamesTheDifference) {
   FaultInjectionFileSystem fs;
-  const ModelSpec spec = TinySpec();
-  const ModelLayout layout = MakeLayout(spec, Options(2));
-  const ShardedFixture f = MakeSharded(layout, 2, 1);
+  const ModelSpec spec = TinyModelSpec();
+  const ModelLayout layout = MakeTestLayout(spec, TestLayoutOptions(2));
+  const ShardedFixture f = MakeShardedFixture(layout, 2, 1);
   ASSERT_THAT(WriteShardedCheckpoint(fs, "ckpt", f.content), IsOk());
   FLATPARAM_ASSERT_OK_AND_ASSIGN(ShardedCheckpointReader r,
                                  ShardedCheckpointReader::Open(fs, "ckpt"));
   EXPECT_THAT(r.CheckFits(layout, 2), IsOk());
   EXPECT_THAT(
-      r.CheckFits(MakeLayout(spec, Options(4)), 4),
+      r.CheckFits(MakeTestLayout(spec, TestLayoutOptions(4)), 4),
       StatusIs(kMismatch, HasSubstr("world size: checkpoint 2, job 4 "
                                     "(reshard the checkpoint offline)")));
   EXPECT_THAT(
-      r.CheckFits(MakeLayout(spec, Options(2, ShardingStrategy::kShardGradOp)),
+      r.CheckFits(MakeTestLayout(spec, TestLayoutOptions(
+                                           2, ShardingStrategy::kShardGradOp)),
                   2),
       StatusIs(kMismatch, HasSubstr("strategy: checkpoint FULL_SHARD, "
                                     "job SHARD_GRAD_OP")));
   EXPECT_THAT(
       r.CheckFits(
-          MakeLayout(spec, Options(2, ShardingStrategy::kFullShard, true)), 2),
+          MakeTestLayout(
+              spec, TestLayoutOptions(2, ShardingStrategy::kFullShard, true)),
+          2),
       StatusIs(kMismatch,
                HasSubstr("align_addresses: checkpoint false, job true")));
   ModelSpec other = spec;
   other.params[3].shape = {7, 6};  // seq.2.weight, flat parameter 1
-  EXPECT_THAT(r.CheckFits(MakeLayout(other, Options(2)), 2),
+  EXPECT_THAT(r.CheckFits(MakeTestLayout(other, TestLayoutOptions(2)), 2),
               StatusIs(kMismatch, HasSubstr("flat_params[1]")));
   other = spec;
   other.wrap = {};
   EXPECT_THAT(
-      r.CheckFits(MakeLayout(other, Options(2)), 2),
+      r.CheckFits(MakeTestLayout(other, TestLayoutOptions(2)), 2),
       StatusIs(kMismatch, HasSubstr("flat parameters: checkpoint has 2, "
                                     "job has 1")));
 }
 
 TEST(ShardedCheckpointTest, WriteRejectsContentThatDoesNotFitTheLayout) {
   FaultInjectionFileSystem fs;
-  const ModelLayout layout = MakeLayout(TinySpec(), Options(2));
+  const ModelLayout layout =
+      MakeTestLayout(TinyModelSpec(), TestLayoutOptions(2));
   const int64_t numel0 = layout.flat_params()[0].sharded_numel();
   auto attempt = [&](auto edit) {
-    ShardedFixture f = MakeSharded(layout, 2, 1);
+    ShardedFixture f = MakeShardedFixture(layout, 2, 1);
     edit(f);
     return WriteShardedCheckpoint(fs, "ckpt", f.content);
   };
@@ -635,7 +519,7 @@ TEST(ShardedCheckpointTest, WriteRejectsContentThatDoesNotFitTheLayout) {
   EXPECT_THAT(
       attempt([](ShardedFixture& f) { f.content.ranks[1].sidecar = 3; }),
       StatusIs(kInvalid, HasSubstr("rank00001.json: must be a JSON object")));
-  EXPECT_THAT(Children(fs, "/"), ::testing::IsEmpty());
+  EXPECT_THAT(ListDir(fs, "/"), ::testing::IsEmpty());
 }
 
 class ShardedTamperTest : public ::testing::Test {
@@ -649,15 +533,12 @@ class ShardedTamperTest : public ::testing::Test {
     Remanifest(fs_, "ckpt", CheckpointKind::kSharded);
   }
   std::string Read(const std::string& name) {
-    absl::StatusOr<std::string> s =
-        ReadFileToString(fs_, JoinPath("ckpt", name), 1 << 20);
-    EXPECT_THAT(s, IsOk());
-    return s.ok() ? *s : "";
+    return ReadWholeFile(fs_, JoinPath("ckpt", name));
   }
 
   FaultInjectionFileSystem fs_;
-  ModelLayout layout_ = MakeLayout(TinySpec(), Options(2));
-  ShardedFixture fixture_ = MakeSharded(layout_, 2, 1);
+  ModelLayout layout_ = MakeTestLayout(TinyModelSpec(), TestLayoutOptions(2));
+  ShardedFixture fixture_ = MakeShardedFixture(layout_, 2, 1);
 };
 
 TEST_F(ShardedTamperTest, LayoutThatItsModelSpecDoesNotGive) {
@@ -761,9 +642,9 @@ TEST_F(ShardedTamperTest, TruncatedRankFileCaughtBySizeEvenWithoutChecksums) {
 
 TEST(RecoverCheckpointDirTest, SettlesEveryLeftoverState) {
   FaultInjectionFileSystem fs;
-  const ModelSpec spec = TinySpec();
-  const FullFixture v1 = MakeFull(spec, 1);
-  const FullFixture v2 = MakeFull(spec, 2);
+  const ModelSpec spec = TinyModelSpec();
+  const FullFixture v1 = MakeFullFixture(spec, 1);
+  const FullFixture v2 = MakeFullFixture(spec, 2);
   ASSERT_THAT(fs.CreateDir("p"), IsOk());
   ASSERT_THAT(WriteFullCheckpoint(fs, "p/ckpt", v1.content), IsOk());
   // Crashed between steps 3 and 4: only the backup.
@@ -776,13 +657,13 @@ TEST(RecoverCheckpointDirTest, SettlesEveryLeftoverState) {
   EXPECT_EQ(resolved, "p/ckpt.previous");
   EXPECT_THAT(FullVersion(fs, "p/ckpt", spec), IsOkAndHolds(1));
   ASSERT_THAT(RecoverCheckpointDir(fs, "p/ckpt"), IsOk());
-  EXPECT_THAT(Children(fs, "p"), ElementsAre("ckpt", "ckpt.tmpx", "ckpt2"));
+  EXPECT_THAT(ListDir(fs, "p"), ElementsAre("ckpt", "ckpt.tmpx", "ckpt2"));
   EXPECT_THAT(FullVersion(fs, "p/ckpt", spec), IsOkAndHolds(1));
 
   // After step 4: both; the backup is stale.
   ASSERT_THAT(WriteFullCheckpoint(fs, "p/ckpt.previous", v2.content), IsOk());
   ASSERT_THAT(RecoverCheckpointDir(fs, "p/ckpt"), IsOk());
-  EXPECT_THAT(Children(fs, "p"), ElementsAre("ckpt", "ckpt.tmpx", "ckpt2"));
+  EXPECT_THAT(ListDir(fs, "p"), ElementsAre("ckpt", "ckpt.tmpx", "ckpt2"));
   EXPECT_THAT(FullVersion(fs, "p/ckpt", spec), IsOkAndHolds(1));
 
   EXPECT_THAT(ResolveCheckpointDir(fs, "p/none"),
@@ -885,7 +766,7 @@ void CrashAtEveryStep(const Write& write, const Read& read, bool with_old,
       // The next write recovers and leaves nothing else behind.
       ASSERT_THAT(write(fs, 3), IsOk());
       ASSERT_THAT(read(fs), IsOkAndHolds(3));
-      ASSERT_THAT(Children(fs, "p"), ElementsAre("ckpt"));
+      ASSERT_THAT(ListDir(fs, "p"), ElementsAre("ckpt"));
     }
   }
   // Both outcomes happen: the protocol is exercised on both sides of the
@@ -897,9 +778,9 @@ void CrashAtEveryStep(const Write& write, const Read& read, bool with_old,
 class CrashTest : public ::testing::TestWithParam<std::tuple<Stop, bool>> {};
 
 TEST_P(CrashTest, FullCheckpointIsOldOrNew) {
-  const ModelSpec spec = TinySpec();
+  const ModelSpec spec = TinyModelSpec();
   auto write = [&](FaultInjectionFileSystem& fs, int version) {
-    const FullFixture f = MakeFull(spec, version);
+    const FullFixture f = MakeFullFixture(spec, version);
     return WriteFullCheckpoint(fs, "p/ckpt", f.content);
   };
   auto read = [&](FaultInjectionFileSystem& fs) {
@@ -910,9 +791,10 @@ TEST_P(CrashTest, FullCheckpointIsOldOrNew) {
 }
 
 TEST_P(CrashTest, ShardedCheckpointIsOldOrNew) {
-  const ModelLayout layout = MakeLayout(TinySpec(), Options(2));
+  const ModelLayout layout =
+      MakeTestLayout(TinyModelSpec(), TestLayoutOptions(2));
   auto write = [&](FaultInjectionFileSystem& fs, int version) {
-    const ShardedFixture f = MakeSharded(layout, 2, version);
+    const ShardedFixture f = MakeShardedFixture(layout, 2, version);
     return WriteShardedCheckpoint(fs, "p/ckpt", f.content);
   };
   auto read = [&](FaultInjectionFileSystem& fs) {
@@ -938,9 +820,9 @@ INSTANTIATE_TEST_SUITE_P(
 // crash-safe too. After the first crash the checkpoint is some version v;
 // after the second it must be v or the third write's version.
 TEST(CrashTest, CrashDuringRecoveryIsOldOrNew) {
-  const ModelSpec spec = TinySpec();
+  const ModelSpec spec = TinyModelSpec();
   auto write = [&](FaultInjectionFileSystem& fs, int version) {
-    const FullFixture f = MakeFull(spec, version);
+    const FullFixture f = MakeFullFixture(spec, version);
     return WriteFullCheckpoint(fs, "p/ckpt", f.content);
   };
   auto setup = [&](FaultInjectionFileSystem& fs, int64_t first) {
@@ -966,7 +848,7 @@ TEST(CrashTest, CrashDuringRecoveryIsOldOrNew) {
   for (int64_t first = 0; first < steps; ++first) {
     FaultInjectionFileSystem probe;
     setup(probe, first);
-    std::vector<std::string> names = Children(probe, "p");
+    std::vector<std::string> names = ListDir(probe, "p");
     if (names.size() == 1) continue;
     FLATPARAM_ASSERT_OK_AND_ASSIGN(int before,
                                    FullVersion(probe, "p/ckpt", spec));

@@ -3,7 +3,6 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <deque>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -13,14 +12,11 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "flatparam/base/dtype.h"
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/file_system.h"
-#include "flatparam/checkpoint/safetensors.h"
-#include "flatparam/flatten.h"
+#include "flatparam/checkpoint/internal/checkpoint_testutil.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
 #include "sim/fault.h"
 #include "sim/sim.h"
 
@@ -28,77 +24,13 @@ namespace flatparam {
 namespace checkpoint {
 namespace {
 
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::IsEmpty;
 using json = nlohmann::json;
 
-MATCHER_P(IsOkAndHolds, matcher, "is OK and holds a matching value") {
-  if (!arg.ok()) {
-    *result_listener << "status is " << arg.status();
-    return false;
-  }
-  return ::testing::ExplainMatchResult(matcher, *arg, result_listener);
-}
-
-ModelSpec TinySpec() {
-  ModelSpec m;
-  m.name = "tiny";
-  m.params = {{"emb.weight", {11, 3}},
-              {"seq.0.weight", {5, 3}},
-              {"seq.0.bias", {5}},
-              {"seq.2.weight", {7, 5}},
-              {"seq.2.bias", {7}},
-              {"head.weight", {}, DType::kFloat32, true, "emb.weight"}};
-  m.wrap = {"seq.2"};
-  return m;
-}
-
 ModelLayout MakeLayout(ShardingStrategy strategy, int64_t group) {
-  LayoutOptions options;
-  options.strategy = strategy;
-  options.world_size = group;
-  absl::StatusOr<ModelLayout> layout = ModelLayout::Create(TinySpec(), options);
-  EXPECT_TRUE(layout.ok()) << layout.status();
-  return *std::move(layout);
-}
-
-// Every shard-group rank's content of version `version`; the sources point
-// into `storage`, whose elements never move.
-struct Fixture {
-  std::deque<HostTensor> storage;
-  ShardedCheckpointContent content;
-};
-
-Fixture MakeContent(const ModelLayout& layout, int64_t world_size,
-                    int version) {
-  Fixture f;
-  f.content.layout = &layout;
-  f.content.world_size = world_size;
-  for (int64_t r = 0; r < layout.options().world_size; ++r) {
-    RankContent rank;
-    for (size_t i = 0; i < layout.flat_params().size(); ++i) {
-      const FlatParamLayout& fp = layout.flat_params()[i];
-      HostTensor& shard = f.storage.emplace_back(
-          HostTensor::Flat(fp.dtype(), fp.sharded_numel()));
-      HostTensor& avg = f.storage.emplace_back(
-          HostTensor::Flat(DType::kFloat32, fp.sharded_numel()));
-      for (int64_t j = 0; j < shard.numel(); ++j) {
-        shard.SetDouble(j, version * 1000 + r * 100 + i * 10 + j);
-        avg.SetDouble(j, -version * 1000 - r * 100 - i * 10 - j);
-      }
-      HostTensor& step =
-          f.storage.emplace_back(DType::kFloat32, std::vector<int64_t>{});
-      step.SetDouble(0, version);
-      rank.tensors.push_back(
-          TensorSourceFromHostTensor(FlatParamTensorName(i), shard));
-      rank.tensors.push_back(
-          TensorSourceFromHostTensor(OptimShardTensorName(i, "exp_avg"), avg));
-      rank.tensors.push_back(
-          TensorSourceFromHostTensor(OptimShardTensorName(i, "step"), step));
-    }
-    rank.sidecar = {{"rank", r}, {"version", version}};
-    f.content.ranks.push_back(std::move(rank));
-  }
-  return f;
+  return MakeTestLayout(TinyModelSpec(), TestLayoutOptions(group, strategy));
 }
 
 // Runs the collective write on a simulated world of `world_size` ranks;
@@ -137,22 +69,14 @@ std::vector<absl::Status> WriteOnSim(FileSystem& fs, const std::string& dir,
       std::move(faults));
 }
 
-std::string ReadAll(FileSystem& fs, const std::string& path) {
-  absl::StatusOr<std::string> s = ReadFileToString(fs, path, 1 << 30);
-  EXPECT_TRUE(s.ok()) << s.status();
-  return s.ok() ? *s : "";
-}
-
 // The two directories hold the same file names with the same bytes.
 void ExpectSameDirectory(FileSystem& fs, const std::string& a,
                          const std::string& b) {
-  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::vector<std::string> names_a,
-                                 fs.GetChildren(a));
-  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::vector<std::string> names_b,
-                                 fs.GetChildren(b));
-  ASSERT_EQ(names_a, names_b);
+  const std::vector<std::string> names_a = ListDir(fs, a);
+  ASSERT_EQ(names_a, ListDir(fs, b));
   for (const std::string& name : names_a) {
-    EXPECT_EQ(ReadAll(fs, JoinPath(a, name)), ReadAll(fs, JoinPath(b, name)))
+    EXPECT_EQ(ReadWholeFile(fs, JoinPath(a, name)),
+              ReadWholeFile(fs, JoinPath(b, name)))
         << name << " differs";
   }
 }
@@ -187,16 +111,14 @@ TEST_P(CollectiveCheckpointTest, EqualsTheSingleProcessWriteByteForByte) {
   FLATPARAM_ASSERT_OK(fs.SyncDir("/"));
   for (int version : {1, 2}) {  // 2 replaces 1
     SCOPED_TRACE(version);
-    Fixture f = MakeContent(layout, world_size, version);
+    ShardedFixture f = MakeShardedFixture(layout, world_size, version);
     FLATPARAM_ASSERT_OK(WriteShardedCheckpoint(fs, "/one/ckpt", f.content));
     const std::vector<absl::Status> statuses =
         WriteOnSim(fs, "/all/ckpt", layout, world_size, f.content);
     for (const absl::Status& s : statuses) FLATPARAM_ASSERT_OK(s);
     ExpectSameDirectory(fs, "/one/ckpt", "/all/ckpt");
     EXPECT_EQ(VersionAt(fs, "/all/ckpt"), version);
-    FLATPARAM_ASSERT_OK_AND_ASSIGN(std::vector<std::string> left,
-                                   fs.GetChildren("/all"));
-    EXPECT_EQ(left, std::vector<std::string>{"ckpt"});
+    EXPECT_THAT(ListDir(fs, "/all"), ElementsAre("ckpt"));
   }
   // What the ranks wrote is durable: a crash now keeps it.
   fs.Crash();
@@ -272,9 +194,9 @@ TEST(CollectiveCheckpointFaultTest, OneRanksFailedWriteFailsEveryRank) {
     const ModelLayout layout = MakeLayout(ShardingStrategy::kFullShard, 4);
     FaultInjectionFileSystem disk;
     FLATPARAM_ASSERT_OK(disk.CreateDir("/ckpts"));
-    Fixture v1 = MakeContent(layout, 4, 1);
+    ShardedFixture v1 = MakeShardedFixture(layout, 4, 1);
     FLATPARAM_ASSERT_OK(WriteShardedCheckpoint(disk, "/ckpts/a", v1.content));
-    Fixture v2 = MakeContent(layout, 4, 2);
+    ShardedFixture v2 = MakeShardedFixture(layout, 4, 2);
     FailingFileSystem broken(&disk, RankTensorFileName(failing));
     const std::vector<absl::Status> statuses = WriteOnSim(
         [&](int r) -> FileSystem& {
@@ -290,16 +212,15 @@ TEST(CollectiveCheckpointFaultTest, OneRanksFailedWriteFailsEveryRank) {
     EXPECT_THAT(statuses[0], StatusIs(absl::StatusCode::kResourceExhausted,
                                       HasSubstr("no space left")));
     EXPECT_EQ(VersionAt(disk, "/ckpts/a"), 1);
-    FLATPARAM_ASSERT_OK_AND_ASSIGN(std::vector<std::string> left,
-                                   disk.GetChildren("/ckpts"));
-    EXPECT_EQ(left, std::vector<std::string>{"a"}) << "temporary dir left";
+    EXPECT_THAT(ListDir(disk, "/ckpts"), ElementsAre("a"))
+        << "temporary dir left";
   }
 }
 
 TEST(CollectiveCheckpointFaultTest, BadContentOnOneRankFailsEveryRank) {
   const ModelLayout layout = MakeLayout(ShardingStrategy::kFullShard, 4);
   FaultInjectionFileSystem fs;
-  Fixture f = MakeContent(layout, 4, 1);
+  ShardedFixture f = MakeShardedFixture(layout, 4, 1);
   f.content.ranks[1].tensors.erase(f.content.ranks[1].tensors.begin());
   const std::vector<absl::Status> statuses =
       WriteOnSim(fs, "/ckpt", layout, 4, f.content);
@@ -309,15 +230,13 @@ TEST(CollectiveCheckpointFaultTest, BadContentOnOneRankFailsEveryRank) {
                        HasSubstr("rank 1: rank00001.safetensors: no tensor "
                                  "'flat_params.0'")));
   EXPECT_THAT(fs.Exists("/ckpt"), IsOkAndHolds(false));
-  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::vector<std::string> left,
-                                 fs.GetChildren("/"));
-  EXPECT_TRUE(left.empty());
+  EXPECT_THAT(ListDir(fs, "/"), IsEmpty());
 }
 
 TEST(CollectiveCheckpointFaultTest, RanksMustAgreeOnWhatTheySave) {
   const ModelLayout layout = MakeLayout(ShardingStrategy::kHybridShard, 2);
   FaultInjectionFileSystem fs;
-  Fixture f = MakeContent(layout, 4, 1);
+  ShardedFixture f = MakeShardedFixture(layout, 4, 1);
   // Hybrid replicas agree.
   std::vector<absl::Status> statuses = WriteOnSim(
       [&](int) -> FileSystem& { return fs; }, "/ckpt", layout, 4,
@@ -329,7 +248,7 @@ TEST(CollectiveCheckpointFaultTest, RanksMustAgreeOnWhatTheySave) {
                                  SimWorld::Create(sim));
   statuses.assign(2, absl::OkStatus());
   const ModelLayout other = MakeLayout(ShardingStrategy::kFullShard, 2);
-  Fixture g = MakeContent(other, 2, 1);
+  ShardedFixture g = MakeShardedFixture(other, 2, 1);
   FLATPARAM_ASSERT_OK(world->Run([&](Communicator& comm) -> absl::Status {
     const int r = comm.rank();
     // Rank 1 saves another strategy's layout.
@@ -366,9 +285,9 @@ TEST(CollectiveCheckpointFaultTest, ADeadRankFailsEveryRankWithoutHanging) {
   for (int64_t op : {0, 1, 2}) {  // the three exchanges
     SCOPED_TRACE(op);
     FaultInjectionFileSystem fs;
-    Fixture v1 = MakeContent(layout, 4, 1);
+    ShardedFixture v1 = MakeShardedFixture(layout, 4, 1);
     FLATPARAM_ASSERT_OK(WriteShardedCheckpoint(fs, "/a", v1.content));
-    Fixture v2 = MakeContent(layout, 4, 2);
+    ShardedFixture v2 = MakeShardedFixture(layout, 4, 2);
     FLATPARAM_ASSERT_OK_AND_ASSIGN(
         FaultSpec kill, ParseFaultSpec(absl::StrCat("kill:rank=2:op=", op)));
     const std::vector<absl::Status> statuses =
@@ -380,9 +299,7 @@ TEST(CollectiveCheckpointFaultTest, ADeadRankFailsEveryRankWithoutHanging) {
     // Dying in the first two exchanges stops the write; in the last one,
     // rank 0 has published already (the ranks still report the failure).
     EXPECT_EQ(VersionAt(fs, "/a"), op < 2 ? 1 : 2);
-    FLATPARAM_ASSERT_OK_AND_ASSIGN(std::vector<std::string> left,
-                                   fs.GetChildren("/"));
-    EXPECT_EQ(left, std::vector<std::string>{"a"});
+    EXPECT_THAT(ListDir(fs, "/"), ElementsAre("a"));
   }
 }
 
@@ -390,8 +307,8 @@ TEST(CollectiveCheckpointFaultTest, ADeadRankFailsEveryRankWithoutHanging) {
 // previous or the new checkpoint, whole; every rank reports the same.
 TEST(CollectiveCheckpointFaultTest, CrashAtEveryOperation) {
   const ModelLayout layout = MakeLayout(ShardingStrategy::kHybridShard, 2);
-  Fixture v1 = MakeContent(layout, 4, 1);
-  Fixture v2 = MakeContent(layout, 4, 2);
+  ShardedFixture v1 = MakeShardedFixture(layout, 4, 1);
+  ShardedFixture v2 = MakeShardedFixture(layout, 4, 2);
   bool finished = false;
   int64_t n = 0;
   for (; !finished && n < 500; ++n) {

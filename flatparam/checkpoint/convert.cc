@@ -17,10 +17,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/optim/internal/flat_plan.h"
+#include "flatparam/optim/internal/state_meta.h"
 #include "flatparam/optim/optim_state.h"
 
 namespace flatparam {
@@ -33,6 +34,15 @@ using optim::OptimStateValue;
 using optim::ParamGroup;
 using optim::ParamKey;
 using optim::ParamState;
+using optim::internal_optim::FlatUnitPlan;
+using optim::internal_optim::ModelIndex;
+using optim::internal_optim::ParamStateMeta;
+using optim::internal_optim::PlanFlatUnit;
+using optim::internal_optim::PlanGroups;
+using optim::internal_optim::StateMeta;
+using optim::internal_optim::UnflattenGroups;
+using optim::internal_optim::ValidateFlatRanks;
+using optim::internal_optim::ValueMeta;
 
 // ---------------------------------------------------------------------------
 // Small helpers.
@@ -68,114 +78,22 @@ absl::Status CheckDistinct(const std::string& in, const std::string& out) {
   return absl::OkStatus();
 }
 
-std::string UnitLabel(const FlatParamLayout& layout) {
-  return layout.unit().empty() ? "<root>"
-                               : absl::StrCat("'", layout.unit(), "'");
-}
-
-std::string PyList(const std::vector<std::string>& names) {
-  std::vector<std::string> quoted;
-  for (const std::string& n : names)
-    quoted.push_back(absl::StrCat("'", n, "'"));
-  return absl::StrCat("[", absl::StrJoin(quoted, ", "), "]");
-}
-
-std::string PyTuple(const std::vector<std::string>& names) {
-  std::vector<std::string> quoted;
-  for (const std::string& n : names)
-    quoted.push_back(absl::StrCat("'", n, "'"));
-  if (quoted.size() == 1) return absl::StrCat("(", quoted[0], ",)");
-  return absl::StrCat("(", absl::StrJoin(quoted, ", "), ")");
-}
-
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
-
-template <typename Map>
-std::string NameSet(const Map& values) {
-  std::vector<std::string> v;
-  for (const auto& [name, unused] : values) v.push_back(name);
-  return PyList(v);  // std::map keys are sorted already.
-}
-
-std::string DescribeSet(const std::vector<std::string>& items) {
-  std::vector<std::string> distinct;
-  for (const std::string& s : items) {
-    if (std::find(distinct.begin(), distinct.end(), s) == distinct.end()) {
-      distinct.push_back(s);
-    }
-  }
-  return absl::StrCat("{", absl::StrJoin(distinct, ", "), "}");
-}
-
-std::vector<std::string> UnitFqns(const FlatParamLayout& layout) {
-  std::vector<std::string> out;
-  for (const ParamInfo& p : layout.params()) out.push_back(p.fqn);
-  return out;
-}
-
-// Python value equality of two values of one type (fsdp_optim.cc's rule).
-bool PyEqual(const OptimStateValue& a, const OptimStateValue& b) {
-  if (a.index() != b.index()) return false;
-  const auto* ta = std::get_if<HostTensor>(&a);
-  if (ta == nullptr) return a == b;
-  const HostTensor& tb = std::get<HostTensor>(b);
-  if (ta->dtype() != tb.dtype() || ta->numel() != 1 || tb.numel() != 1) {
-    return false;
-  }
-  if (IsFloatingPoint(ta->dtype())) {
-    return LoadAsDouble(ta->data(), ta->dtype(), 0) ==
-           LoadAsDouble(tb.data(), tb.dtype(), 0);
-  }
-  if (ta->dtype() == DType::kBool) {
-    return (*ta->data_as<uint8_t>() != 0) == (*tb.data_as<uint8_t>() != 0);
-  }
-  return std::memcmp(ta->data(), tb.data(), ta->nbytes()) == 0;
-}
-
-// A state value known by its metadata: positive-dimension tensors by name,
-// dtype and shape; everything else (0-d tensors included) in full.
-struct ValueInfo {
-  bool pos_dim = false;
-  DType dtype = DType::kFloat32;
-  std::vector<int64_t> shape;
-  // The safetensors tensor holding a positive-dimension value.
-  std::string tensor;
-  OptimStateValue value;
-
-  std::string Describe() const {
-    if (!pos_dim) return optim::DescribeValue(value);
-    return absl::StrFormat("tensor(%s, %s)", DTypeName(dtype),
-                           ShapeString(shape));
-  }
-  std::string Kind() const {
-    if (pos_dim) return absl::StrCat("tensor(", DTypeName(dtype), ")");
-    if (const auto* t = std::get_if<HostTensor>(&value)) {
-      return absl::StrCat("0-d tensor(", DTypeName(t->dtype()), ")");
-    }
-    return optim::ValueTypeName(value);
-  }
-};
-using StateInfo = std::map<std::string, ValueInfo>;
-using StateInfos = std::map<ParamKey, StateInfo>;
-
 // Resolves a parsed sidecar against its safetensors file: positive-dim
 // tensors by their entries, 0-d tensors read. `expected_name(key, state)`
 // is the tensor name the format requires. Every tensor of `file` starting
 // with `prefix` must be listed exactly once (DataLoss otherwise).
 template <typename ExpectedName>
-absl::StatusOr<StateInfos> ResolveSidecar(const OptimSidecar& sidecar,
-                                          const SafetensorsReader& file,
-                                          const std::string& sidecar_name,
-                                          absl::string_view prefix,
-                                          ExpectedName expected_name) {
-  StateInfos out;
+absl::StatusOr<StateMeta> ResolveSidecar(const OptimSidecar& sidecar,
+                                         const SafetensorsReader& file,
+                                         const std::string& sidecar_name,
+                                         absl::string_view prefix,
+                                         ExpectedName expected_name) {
+  StateMeta out;
   std::set<std::string> listed;
   for (const auto& [key, values] : sidecar.state) {
-    StateInfo& info = out[key];
+    ParamStateMeta& info = out[key];
     for (const auto& [name, v] : values) {
-      ValueInfo& vi = info[name];
+      ValueMeta& vi = info[name];
       if (!v.tensor.has_value()) {
         vi.value = v.value;
         continue;
@@ -205,7 +123,6 @@ absl::StatusOr<StateInfos> ResolveSidecar(const OptimSidecar& sidecar,
         vi.pos_dim = true;
         vi.dtype = (*entry)->dtype;
         vi.shape = (*entry)->shape;
-        vi.tensor = *v.tensor;
       }
     }
   }
@@ -217,6 +134,17 @@ absl::StatusOr<StateInfos> ResolveSidecar(const OptimSidecar& sidecar,
     }
   }
   return out;
+}
+
+// The tensor of optim.safetensors holding a full checkpoint's state.
+absl::StatusOr<std::string> FullStateTensorName(const ParamKey& key,
+                                                const std::string& name) {
+  const auto* fqn = std::get_if<std::string>(&key);
+  if (fqn == nullptr) {
+    return absl::InvalidArgumentError(
+        "a full checkpoint's keys are names, not IDs");
+  }
+  return OptimStateTensorName(*fqn, name);
 }
 
 // ---------------------------------------------------------------------------
@@ -344,7 +272,7 @@ class RankFiles {
 
 struct ShardedOptim {
   // Rank 0's flat-parameter states (int keys), validated against every rank.
-  std::map<int64_t, StateInfo> units;
+  std::map<int64_t, ParamStateMeta> units;
   // Rank 0's other keys (non-tensor values only).
   std::map<std::string, ParamState> passthrough;
   std::vector<ParamGroup> groups;
@@ -355,7 +283,7 @@ absl::StatusOr<ShardedOptim> LoadShardedOptim(
     const ShardedCheckpointReader& reader, RankFiles& files) {
   const ModelLayout& layout = reader.layout();
   const int64_t num_flat = static_cast<int64_t>(layout.flat_params().size());
-  std::vector<StateInfos> ranks;
+  std::vector<StateMeta> ranks;
   ShardedOptim out;
   for (int64_t r = 0; r < reader.num_ranks(); ++r) {
     FLATPARAM_ASSIGN_OR_RETURN(json doc, reader.ReadRankJson(r));
@@ -365,7 +293,7 @@ absl::StatusOr<ShardedOptim> LoadShardedOptim(
                                ParseOptimSidecar(doc, sidecar_name));
     FLATPARAM_ASSIGN_OR_RETURN(const SafetensorsReader* file, files.Get(r));
     FLATPARAM_ASSIGN_OR_RETURN(
-        StateInfos infos,
+        StateMeta infos,
         ResolveSidecar(
             sidecar, *file, sidecar_name, "optim.",
             [num_flat](const ParamKey& key,
@@ -393,257 +321,19 @@ absl::StatusOr<ShardedOptim> LoadShardedOptim(
     }
     ranks.push_back(std::move(infos));
   }
-  const StateInfos& r0 = ranks[0];
-  // Rank 0's keys decide, as in PyTorch; every rank must have them.
-  std::vector<std::string> missing_lines;
-  for (size_t r = 1; r < ranks.size(); ++r) {
-    std::vector<std::string> missing;
-    for (const auto& [key, unused] : r0) {
-      if (ranks[r].count(key) > 0) continue;
-      const auto* id = std::get_if<int64_t>(&key);
-      missing.push_back(id != nullptr
-                            ? PyTuple(UnitFqns(layout.flat_params()[*id]))
-                            : PyTuple({std::get<std::string>(key)}));
-    }
-    if (!missing.empty()) {
-      missing_lines.push_back(absl::StrFormat(
-          "\nRank %d is missing states for the parameters: [%s]", r,
-          absl::StrJoin(missing, ", ")));
-    }
-  }
-  if (!missing_lines.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "FSDP currently requires each rank to have at least the optimizer "
-        "states needed by rank 0's optimizer but some ranks are missing some "
-        "of those states",
-        absl::StrJoin(missing_lines, "")));
-  }
-  for (const auto& [key, state0] : r0) {
-    const auto* id = std::get_if<int64_t>(&key);
-    if (id == nullptr) {
-      ParamState& p = out.passthrough[std::get<std::string>(key)];
-      for (const auto& [name, v] : state0) p[name] = v.value;
+  // The flat path's cross-rank rules (ConsolidateOptimState's), except that
+  // rank 0's replicated values are kept, so the others must agree.
+  std::vector<int> units;
+  FLATPARAM_RETURN_IF_ERROR(ValidateFlatRanks(ModelIndex(layout, {}), ranks,
+                                              /*compare_replicated=*/true,
+                                              &units));
+  for (auto& [key, state0] : ranks[0]) {
+    if (const auto* id = std::get_if<int64_t>(&key)) {
+      out.units[*id] = std::move(state0);
       continue;
     }
-    const FlatParamLayout& unit = layout.flat_params()[*id];
-    const std::string where =
-        absl::StrFormat("flat parameter %d (unit %s, parameters %s)", *id,
-                        UnitLabel(unit), PyList(UnitFqns(unit)));
-    for (size_t r = 0; r < ranks.size(); ++r) {
-      const StateInfo& st = ranks[r].at(key);
-      if (NameSet(st) != NameSet(state0)) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "Differing optimizer state names across ranks for %s: rank 0 has "
-            "%s, rank %d has %s",
-            where, NameSet(state0), r, NameSet(st)));
-      }
-      for (const auto& [name, v] : st) {
-        const ValueInfo& v0 = state0.at(name);
-        if (v.Kind() != v0.Kind()) {
-          return absl::InvalidArgumentError(absl::StrFormat(
-              "Differing optimizer state types across ranks for state %s of "
-              "%s: rank 0 has %s, rank %d has %s",
-              name, where, v0.Describe(), r, v.Describe()));
-        }
-        if (v.pos_dim) {
-          if (!IsFloatingPoint(v.dtype)) {
-            return absl::InvalidArgumentError(absl::StrFormat(
-                "Cannot gather integer dtype tensors: state %s of %s on rank "
-                "%d is %s",
-                name, where, r, v.Describe()));
-          }
-          continue;
-        }
-        if (!PyEqual(v.value, v0.value)) {
-          return absl::InvalidArgumentError(absl::StrFormat(
-              "Differing replicated optimizer state values across ranks for "
-              "state %s of %s: rank 0 has %s, rank %d has %s",
-              name, where, v0.Describe(), r, v.Describe()));
-        }
-      }
-    }
-    out.units[*id] = state0;
-  }
-  return out;
-}
-
-// ---------------------------------------------------------------------------
-// Planning the flattening of a full checkpoint's state (fsdp_optim.cc's
-// PlanFlatUnit on metadata, with its messages).
-
-struct UnitPlan {
-  // Positive-dimension states: dtype, and per parameter the tensor in
-  // optim.safetensors (empty: zeros).
-  std::map<std::string, std::pair<DType, std::vector<std::string>>> tensors;
-  // Replicated states.
-  ParamState scalars;
-};
-
-absl::StatusOr<std::optional<UnitPlan>> PlanUnit(
-    const FlatParamLayout& layout,
-    const std::vector<const StateInfo*>& states) {
-  const std::vector<std::string> names = UnitFqns(layout);
-  if (std::none_of(states.begin(), states.end(),
-                   [](const StateInfo* s) { return s != nullptr; })) {
-    return std::optional<UnitPlan>();
-  }
-  UnitPlan plan;
-  const StateInfo* first = nullptr;
-  int first_index = -1;
-  for (size_t i = 0; i < states.size(); ++i) {
-    if (states[i] == nullptr) continue;
-    if (first == nullptr) {
-      first = states[i];
-      first_index = static_cast<int>(i);
-      continue;
-    }
-    if (NameSet(*first) != NameSet(*states[i])) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "Differing optimizer state names for the unflattened parameters: "
-          "%s ('%s' has %s, '%s' has %s)",
-          PyList(names), names[first_index], NameSet(*first), names[i],
-          NameSet(*states[i])));
-    }
-  }
-  if (first->empty()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "The state of %s is empty: the parameters of the flat parameter of "
-        "unit %s have optimizer state entries without any state",
-        PyTuple(names), UnitLabel(layout)));
-  }
-  for (const auto& [state_name, unused] : *first) {
-    std::vector<const ValueInfo*> values(states.size(), nullptr);
-    std::vector<const ValueInfo*> non_none;
-    for (size_t i = 0; i < states.size(); ++i) {
-      if (states[i] == nullptr) continue;
-      const ValueInfo& v = states[i]->at(state_name);
-      if (!v.pos_dim && std::holds_alternative<std::monostate>(v.value)) {
-        continue;
-      }
-      values[i] = &v;
-      non_none.push_back(&v);
-    }
-    if (non_none.empty()) {
-      plan.scalars[state_name] = std::monostate();
-      continue;
-    }
-    bool pos_dim = true, zero_dim = true, non_tensor = true, one_type = true;
-    for (const ValueInfo* v : non_none) {
-      const bool tensor = v->pos_dim || optim::IsTensor(v->value);
-      pos_dim &= v->pos_dim;
-      zero_dim &= tensor && !v->pos_dim;
-      non_tensor &= !tensor;
-      const size_t type_a = v->pos_dim ? 1 : v->value.index();
-      const size_t type_b =
-          non_none[0]->pos_dim ? 1 : non_none[0]->value.index();
-      one_type &= type_a == type_b;
-    }
-    std::vector<std::string> described;
-    for (const ValueInfo* v : non_none) described.push_back(v->Describe());
-    if (!one_type || !(pos_dim || zero_dim || non_tensor)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "Differing optimizer state types for state %s, values [%s], and "
-          "unflattened parameter names %s",
-          state_name, absl::StrJoin(described, ", "), PyList(names)));
-    }
-    if (pos_dim) {
-      std::vector<std::string> dtypes;
-      for (const ValueInfo* v : non_none) {
-        dtypes.push_back(std::string(DTypeName(v->dtype)));
-      }
-      const DType dtype = non_none[0]->dtype;
-      for (const ValueInfo* v : non_none) {
-        if (v->dtype != dtype) {
-          return absl::InvalidArgumentError(absl::StrFormat(
-              "All unflattened parameters comprising a single flat "
-              "parameter must have positive-dimension tensor state with the "
-              "same dtype but got dtypes %s for state %s and unflattened "
-              "parameter names %s",
-              DescribeSet(dtypes), state_name, PyList(names)));
-        }
-      }
-      if (!IsFloatingPoint(dtype)) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "Cannot flatten integer dtype tensors: state %s has dtype %s "
-            "(unflattened parameter names %s)",
-            state_name, DTypeName(dtype), PyList(names)));
-      }
-      std::vector<std::string> sources(states.size());
-      for (size_t i = 0; i < states.size(); ++i) {
-        const ParamInfo& p = layout.params()[i];
-        if (values[i] == nullptr && p.shape.empty()) {
-          return absl::InvalidArgumentError(absl::StrFormat(
-              "Flattening a zero-dimension parameter is not supported: "
-              "parameter '%s' has no state %s to flatten with the other "
-              "parameters' (unflattened parameter names %s)",
-              p.fqn, state_name, PyList(names)));
-        }
-        if (values[i] != nullptr && values[i]->shape != p.shape) {
-          return absl::InvalidArgumentError(absl::StrFormat(
-              "Tensor optimizer state does not have same shape as its "
-              "parameter: %s %s (state %s of parameter '%s')",
-              ShapeString(values[i]->shape), ShapeString(p.shape), state_name,
-              p.fqn));
-        }
-        if (values[i] != nullptr) sources[i] = values[i]->tensor;
-      }
-      plan.tensors[state_name] = {dtype, std::move(sources)};
-      continue;
-    }
-    std::vector<std::string> all_described, dtypes;
-    bool same = non_none.size() == states.size();
-    for (size_t i = 0; i < states.size(); ++i) {
-      if (values[i] == nullptr) {
-        all_described.push_back("None");
-        dtypes.push_back("None");
-        continue;
-      }
-      all_described.push_back(values[i]->Describe());
-      if (zero_dim) {
-        const HostTensor& t = std::get<HostTensor>(values[i]->value);
-        dtypes.push_back(std::string(DTypeName(t.dtype())));
-      }
-      same &= PyEqual(values[i]->value, non_none[0]->value);
-    }
-    if (!same) {
-      if (zero_dim) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "All unflattened parameters comprising a single flat parameter "
-            "must have scalar state with the same value and dtype but got "
-            "values %s and dtypes %s for state %s and unflattened parameter "
-            "names %s",
-            DescribeSet(all_described), DescribeSet(dtypes), state_name,
-            PyList(names)));
-      }
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "All unflattened parameters comprising a single flat parameter "
-          "must have scalar state with the same value and dtype but got "
-          "values %s for state %s and unflattened parameter names %s",
-          DescribeSet(all_described), state_name, PyList(names)));
-    }
-    plan.scalars[state_name] = non_none[0]->value;
-  }
-  return std::optional<UnitPlan>(std::move(plan));
-}
-
-// Param groups of the flat path: model parameters become their flat
-// parameter's index (each once, sorted, as fsdp_optim.cc's PlanGroups);
-// any other key is kept as an unmanaged key.
-std::vector<ParamGroup> FlatGroups(
-    const std::vector<ParamGroup>& groups,
-    const std::map<std::string, int64_t>& unit_of) {
-  std::vector<ParamGroup> out;
-  for (const ParamGroup& g : groups) {
-    ParamGroup group;
-    group.hyperparams = g.hyperparams;
-    std::set<ParamKey> keys;
-    for (const ParamKey& key : g.params) {
-      const auto* name = std::get_if<std::string>(&key);
-      auto it = name == nullptr ? unit_of.end() : unit_of.find(*name);
-      keys.insert(it == unit_of.end() ? key : ParamKey(it->second));
-    }
-    group.params.assign(keys.begin(), keys.end());
-    out.push_back(std::move(group));
+    ParamState& p = out.passthrough[std::get<std::string>(key)];
+    for (const auto& [name, v] : state0) p[name] = v.value;
   }
   return out;
 }
@@ -812,27 +502,9 @@ absl::Status ConsolidateCheckpoint(FileSystem& fs, const std::string& in_dir,
       out[name] = SidecarValue{std::nullopt, value};
     }
   }
-  for (size_t g = 0; g < so.groups.size(); ++g) {
-    ParamGroup group;
-    group.hyperparams = so.groups[g].hyperparams;
-    for (const ParamKey& key : so.groups[g].params) {
-      const auto* id = std::get_if<int64_t>(&key);
-      if (id == nullptr) {
-        group.params.push_back(key);
-        continue;
-      }
-      if (*id < 0 || *id >= static_cast<int64_t>(flat.size())) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "param_groups[%d] lists flat parameter %d, but the model has %d "
-            "flat parameters",
-            g, *id, flat.size()));
-      }
-      for (const ParamInfo& p : flat[*id].params()) {
-        group.params.push_back(p.fqn);
-      }
-    }
-    sidecar.param_groups.push_back(std::move(group));
-  }
+  FLATPARAM_ASSIGN_OR_RETURN(sidecar.param_groups,
+                             UnflattenGroups(ModelIndex(layout, {}), so.groups,
+                                             /*use_orig_params=*/false));
   FLATPARAM_ASSIGN_OR_RETURN(content.optim_json,
                              OptimSidecarToJson(sidecar, /*with_extra=*/false));
   return WriteFullCheckpoint(fs, out_dir, content, WriteOptions(options));
@@ -853,29 +525,29 @@ absl::Status ShardCheckpoint(FileSystem& fs, const std::string& in_dir,
   const std::string sidecar_name = JoinPath(reader.path(), kOptimJsonFileName);
   FLATPARAM_ASSIGN_OR_RETURN(
       OptimSidecar full, ParseOptimSidecar(reader.optim_json(), sidecar_name));
-  FLATPARAM_ASSIGN_OR_RETURN(
-      StateInfos infos,
-      ResolveSidecar(full, reader.optim(), sidecar_name, "state.",
-                     [](const ParamKey& key, const std::string& name)
-                         -> absl::StatusOr<std::string> {
-                       const auto* fqn = std::get_if<std::string>(&key);
-                       if (fqn == nullptr) {
-                         return absl::InvalidArgumentError(
-                             "a full checkpoint's keys are names, not IDs");
-                       }
-                       return OptimStateTensorName(*fqn, name);
-                     }));
+  FLATPARAM_ASSIGN_OR_RETURN(StateMeta infos,
+                             ResolveSidecar(full, reader.optim(), sidecar_name,
+                                            "state.", FullStateTensorName));
 
-  const auto& flat = layout.flat_params();
-  std::map<std::string, std::pair<int64_t, int>> managed;
-  std::map<std::string, int64_t> unit_of;
-  for (int64_t u = 0; u < static_cast<int64_t>(flat.size()); ++u) {
-    for (int i = 0; i < static_cast<int>(flat[u].params().size()); ++i) {
-      managed[flat[u].params()[i].fqn] = {u, i};
-      unit_of[flat[u].params()[i].fqn] = u;
+  // Group keys that are not model parameters are unmanaged parameters, in
+  // the optimizer's order (their first appearance), as ShardFullOptimState
+  // takes them from OptimStateOptions::unmanaged_params.
+  std::vector<std::string> unmanaged;
+  for (size_t g = 0; g < full.param_groups.size(); ++g) {
+    for (const ParamKey& key : full.param_groups[g].params) {
+      const auto* fqn = std::get_if<std::string>(&key);
+      if (fqn == nullptr) {
+        return absl::DataLossError(absl::StrFormat(
+            "%s: param_groups[%d] lists %s, an ID; a full checkpoint is keyed "
+            "by name",
+            sidecar_name, g, optim::DescribeKey(key)));
+      }
+      unmanaged.push_back(*fqn);
     }
   }
-  std::vector<std::vector<const StateInfo*>> unit_states(flat.size());
+  const ModelIndex index(layout, unmanaged);
+  const auto& flat = layout.flat_params();
+  std::vector<std::vector<const ParamStateMeta*>> unit_states(flat.size());
   for (size_t u = 0; u < flat.size(); ++u) {
     unit_states[u].assign(flat[u].params().size(), nullptr);
   }
@@ -887,9 +559,8 @@ absl::Status ShardCheckpoint(FileSystem& fs, const std::string& in_dir,
           absl::StrCat(sidecar_name, ": key ", optim::DescribeKey(key),
                        " is an ID; a full checkpoint is keyed by name"));
     }
-    auto it = managed.find(*fqn);
-    if (it != managed.end()) {
-      unit_states[it->second.first][it->second.second] = &state;
+    if (const ModelIndex::Pos* pos = index.Managed(key)) {
+      unit_states[pos->unit][pos->index] = &state;
       continue;
     }
     auto& out = sidecar.state[key];
@@ -904,21 +575,35 @@ absl::Status ShardCheckpoint(FileSystem& fs, const std::string& in_dir,
       out[name] = SidecarValue{std::nullopt, v.value};
     }
   }
-  // Per flat parameter: its plan, if it has state.
-  std::vector<std::optional<UnitPlan>> plans(flat.size());
+  // Per flat parameter: its plan, if it has state, and per positive-dim
+  // state the tensor of optim.safetensors each parameter's elements come
+  // from (empty: zeros).
+  std::vector<std::optional<FlatUnitPlan>> plans(flat.size());
+  std::vector<std::map<std::string, std::vector<std::string>>> sources(
+      flat.size());
   Keep keep;
   std::vector<TensorSource> zero_dim;
-  for (size_t u = 0; u < flat.size(); ++u) {
-    FLATPARAM_ASSIGN_OR_RETURN(plans[u], PlanUnit(flat[u], unit_states[u]));
+  for (int u = 0; u < index.num_units(); ++u) {
+    FLATPARAM_ASSIGN_OR_RETURN(plans[u],
+                               PlanFlatUnit(index, u, unit_states[u]));
     if (!plans[u].has_value()) continue;
     std::vector<std::string> tensor_states;
     for (const auto& [name, unused] : plans[u]->tensors) {
       tensor_states.push_back(name);
+      std::vector<std::string>& src = sources[u][name];
+      src.resize(flat[u].params().size());
+      for (size_t i = 0; i < src.size(); ++i) {
+        const ParamStateMeta* st = plans[u]->params[i];
+        if (st != nullptr && st->at(name).pos_dim) {
+          src[i] = OptimStateTensorName(flat[u].params()[i].fqn, name);
+        }
+      }
     }
-    AddUnitState(static_cast<int64_t>(u), tensor_states, plans[u]->scalars,
-                 sidecar, keep, zero_dim);
+    AddUnitState(u, tensor_states, plans[u]->scalars, sidecar, keep, zero_dim);
   }
-  sidecar.param_groups = FlatGroups(full.param_groups, unit_of);
+  FLATPARAM_ASSIGN_OR_RETURN(
+      sidecar.param_groups,
+      PlanGroups(index, full.param_groups, /*use_orig_params=*/false));
   FLATPARAM_ASSIGN_OR_RETURN(json sidecar_json,
                              OptimSidecarToJson(sidecar, /*with_extra=*/true));
 
@@ -940,14 +625,15 @@ absl::Status ShardCheckpoint(FileSystem& fs, const std::string& in_dir,
                                    absl::MakeSpan(out, n * size));
           }));
       if (!plans[u].has_value()) continue;
-      for (const auto& [name, entry] : plans[u]->tensors) {
-        const DType state_dtype = entry.first;
-        const std::vector<std::string>* sources = &entry.second;
+      for (const auto& entry : plans[u]->tensors) {
+        const std::string& name = entry.first;
+        const DType state_dtype = entry.second;
+        const std::vector<std::string>* param_sources = &sources[u].at(name);
         rank.tensors.push_back(FlatShardSource(
             OptimShardTensorName(u, name), unit, state_dtype, r,
-            [&optim_file, sources, state_dtype](int i, int64_t begin, int64_t n,
-                                                char* out) {
-              const std::string& src = (*sources)[i];
+            [&optim_file, param_sources, state_dtype](int i, int64_t begin,
+                                                      int64_t n, char* out) {
+              const std::string& src = (*param_sources)[i];
               if (src.empty()) return ZeroRead(state_dtype, n, out);
               const size_t size = DTypeSize(state_dtype);
               return optim_file.ReadRange(src, begin * size,
@@ -1072,18 +758,10 @@ absl::StatusOr<CheckpointReport> VerifyCheckpoint(
     FLATPARAM_ASSIGN_OR_RETURN(
         OptimSidecar sidecar,
         ParseOptimSidecar(reader.optim_json(), sidecar_name));
-    FLATPARAM_RETURN_IF_ERROR(
-        ResolveSidecar(sidecar, reader.optim(), sidecar_name, "state.",
-                       [](const ParamKey& key, const std::string& name)
-                           -> absl::StatusOr<std::string> {
-                         const auto* fqn = std::get_if<std::string>(&key);
-                         if (fqn == nullptr) {
-                           return absl::InvalidArgumentError(
-                               "a full checkpoint's keys are names, not IDs");
-                         }
-                         return OptimStateTensorName(*fqn, name);
-                       })
-            .status());
+    FLATPARAM_RETURN_IF_ERROR(ResolveSidecar(sidecar, reader.optim(),
+                                             sidecar_name, "state.",
+                                             FullStateTensorName)
+                                  .status());
     report.tensors = static_cast<int64_t>(reader.model().tensors().size() +
                                           reader.optim().tensors().size());
     manifest = reader.manifest();

@@ -28,7 +28,12 @@
 // that are not model parameters (unmanaged parameters, user-defined keys)
 // pass through; a sharded checkpoint can hold only their non-tensor
 // values (InvalidArgument otherwise). Param-group keys that are not model
-// parameters are kept as unmanaged keys. Rank sidecars' "extra" is taken
+// parameters are kept as unmanaged keys: a sharded group lists its flat
+// parameters (sorted), then those keys in the order they first appear in
+// the groups (the optimizer's), as ShardFullOptimState lists
+// unmanaged_params; a full checkpoint's groups must list names (DataLoss
+// for an ID). The rules are the in-memory operations' own code
+// (flatparam/optim/internal/flat_plan.h). Rank sidecars' "extra" is taken
 // from rank 0 by reshard and dropped by consolidate.
 //
 // Streaming and memory. Nothing reads a whole tensor, let alone the whole

@@ -21,6 +21,14 @@
 #include "flatparam/layout.h"
 #include "flatparam/model.h"
 
+// Under AddressSanitizer freed memory waits in a quarantine (256 MiB by
+// default) instead of being reused, so every chunk buffer would count as
+// new resident memory; without the quarantine the measurement means what it
+// means in a plain build. (Only this test binary links this definition.)
+extern "C" const char* __asan_default_options() {
+  return "quarantine_size_mb=0";
+}
+
 namespace flatparam {
 namespace checkpoint {
 namespace {
@@ -78,8 +86,15 @@ TEST(ConvertMemoryTest, PeakMemoryIsBoundedByAChunkNotTheModel) {
             << "checkpoints with 1 MiB chunks\n";
   // A chunk, headers, sidecars and allocator slack; a non-streaming
   // conversion would need at least one 6 MiB tensor per file, and
-  // materialising the model 48-96 MiB.
-  EXPECT_LT(growth, int64_t{5} << 20);
+  // materialising the model 48-96 MiB. ASan's shadow memory and redzones add
+  // about 8 MiB here: under ASan the test only shows that the growth stays
+  // far below the model (the plain build holds the tight bound).
+#if defined(__SANITIZE_ADDRESS__)
+  constexpr int64_t kBound = int64_t{24} << 20;
+#else
+  constexpr int64_t kBound = int64_t{5} << 20;
+#endif
+  EXPECT_LT(growth, kBound);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
 #include "flatparam/model.h"
+#include "flatparam/optim/fsdp_optim.h"
 #include "flatparam/optim/optim_state.h"
 
 namespace flatparam {
@@ -169,6 +171,67 @@ TEST(ConvertTest, ShardAppliesTheFlatteningRules) {
       std::get<int64_t>(
           r1.optim.state.at(ParamKey(std::string("__user__"))).at("count")),
       3);
+}
+
+// Param-group keys that are not model parameters are kept as unmanaged
+// parameters, listed after the flat parameters in the optimizer's order
+// (their first appearance), not sorted: as ShardFullOptimState lists them
+// for unmanaged_params in that order.
+TEST(ConvertTest, ShardListsGroupsLikeShardFullOptimState) {
+  FaultInjectionFileSystem fs;
+  FullState state;
+  for (const ParamSpec& p : Spec().params) {
+    state.params[p.fqn] = HostTensor(p.dtype, p.shape);
+  }
+  optim::OptimStateDict& d = state.optim;
+  d.state[ParamKey(std::string("a.w"))]["exp_avg"] =
+      HostTensor(DType::kFloat32, {4, 3});
+  d.state[ParamKey(std::string("a.b"))]["exp_avg"] =
+      HostTensor(DType::kFloat32, {4});
+  d.state[ParamKey(std::string("z.ignored"))]["count"] = int64_t{2};
+  d.param_groups.resize(2);
+  d.param_groups[0].params = {std::string("z.ignored"), std::string("a.w"),
+                              std::string("b.ignored"), std::string("c.w"),
+                              std::string("a.b")};
+  d.param_groups[0].hyperparams = {{"lr", 0.1}};
+  d.param_groups[1].params = {std::string("y.ignored"),
+                              std::string("b.ignored")};
+  d.param_groups[1].hyperparams = {{"lr", 0.2}};
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(FullCheckpointContent content,
+                                 MakeFullContent(state));
+  FLATPARAM_ASSERT_OK(WriteFullCheckpoint(fs, "/full", content));
+  LayoutOptions two;
+  two.world_size = 2;
+  FLATPARAM_ASSERT_OK(ShardCheckpoint(fs, "/full", Spec(), two, 0, "/s"));
+
+  optim::OptimStateOptions in_memory;
+  in_memory.unmanaged_params = {"z.ignored", "b.ignored", "y.ignored"};
+  const ModelLayout layout = Layout(2);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(auto reader,
+                                 ShardedCheckpointReader::Open(fs, "/s"));
+  for (int64_t r = 0; r < 2; ++r) {
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(RankState got, ReadRankState(reader, r));
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(
+        optim::OptimStateDict want,
+        optim::ShardFullOptimState(layout, d, r, in_memory));
+    EXPECT_EQ(optim::FirstDifference(got.optim, want), std::nullopt)
+        << "rank " << r;
+    ASSERT_EQ(got.optim.param_groups.size(), 2u);
+    EXPECT_EQ(
+        got.optim.param_groups[0].params,
+        (std::vector<ParamKey>{int64_t{0}, int64_t{1}, std::string("z.ignored"),
+                               std::string("b.ignored")}));
+    EXPECT_EQ(got.optim.param_groups[1].params,
+              (std::vector<ParamKey>{std::string("b.ignored"),
+                                     std::string("y.ignored")}));
+  }
+
+  // A full checkpoint's groups list names, like its state.
+  d.param_groups[1].params.push_back(int64_t{0});
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(content, MakeFullContent(state));
+  FLATPARAM_ASSERT_OK(WriteFullCheckpoint(fs, "/ids", content));
+  EXPECT_THAT(ShardCheckpoint(fs, "/ids", Spec(), two, 0, "/x"),
+              StatusIs(kDataLoss, HasSubstr("param_groups[1] lists 0, an ID")));
 }
 
 TEST(ConvertTest, VerifyReportsAndCatchesDamage) {

@@ -19,14 +19,6 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 
-MATCHER_P(IsOkAndHolds, matcher, "is OK and holds a matching value") {
-  if (!arg.ok()) {
-    *result_listener << "status is " << arg.status();
-    return false;
-  }
-  return ::testing::ExplainMatchResult(matcher, *arg, result_listener);
-}
-
 std::string ReadAll(FileSystem& fs, const std::string& path) {
   absl::StatusOr<std::string> s = ReadFileToString(fs, path, 1 << 20);
   EXPECT_THAT(s, IsOk());

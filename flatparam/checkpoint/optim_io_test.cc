@@ -15,9 +15,9 @@
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/file_system.h"
+#include "flatparam/checkpoint/internal/checkpoint_testutil.h"
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
 #include "flatparam/optim/optim_state.h"
 
 namespace flatparam {
@@ -32,24 +32,10 @@ using optim::ParamKey;
 constexpr absl::StatusCode kDataLoss = absl::StatusCode::kDataLoss;
 constexpr absl::StatusCode kInvalid = absl::StatusCode::kInvalidArgument;
 
-ModelSpec Spec() {
-  ModelSpec m;
-  m.name = "tiny";
-  m.params = {{"emb.weight", {5, 3}},
-              {"seq.0.weight", {4, 3}},
-              {"seq.0.bias", {4}},
-              {"norm.scale", {}}};
-  m.wrap = {"seq.0"};
-  return m;
-}
-
 ModelLayout Layout(int64_t world_size, bool align) {
-  LayoutOptions options;
-  options.world_size = world_size;
-  options.align_addresses = align;
-  absl::StatusOr<ModelLayout> layout = ModelLayout::Create(Spec(), options);
-  EXPECT_TRUE(layout.ok()) << layout.status();
-  return *std::move(layout);
+  return MakeTestLayout(
+      TinyModelSpec(),
+      TestLayoutOptions(world_size, ShardingStrategy::kFullShard, align));
 }
 
 // A tensor of `dtype` and `shape` whose bytes are a deterministic pattern

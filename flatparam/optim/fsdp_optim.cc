@@ -6,16 +6,14 @@
 #include <cstring>
 #include <memory>
 #include <optional>
-#include <set>
 #include <utility>
 
-#include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/layout.h"
+#include "flatparam/optim/internal/flat_plan.h"
 #include "flatparam/optim/internal/flat_range.h"
 #include "flatparam/optim/internal/state_meta.h"
 
@@ -39,49 +37,24 @@ using internal_optim::ConstWindow;
 using internal_optim::Decoder;
 using internal_optim::Encoder;
 using internal_optim::FlattenRange;
+using internal_optim::FlatUnitPlan;
 using internal_optim::MetaOf;
+using internal_optim::ModelIndex;
+using internal_optim::NameSet;
 using internal_optim::ParamStateMeta;
+using internal_optim::PlanFlatUnit;
+using internal_optim::PlanGroups;
+using internal_optim::ShapeString;
 using internal_optim::StateMeta;
+using internal_optim::UnflattenGroups;
 using internal_optim::UnflattenRange;
+using internal_optim::ValidateFlatRanks;
 using internal_optim::ValueMeta;
 using internal_optim::Window;
 
 // ---------------------------------------------------------------------------
 // Small helpers.
 // ---------------------------------------------------------------------------
-
-std::string UnitLabel(const FlatParamLayout& layout) {
-  return layout.unit().empty() ? "<root>"
-                               : absl::StrCat("'", layout.unit(), "'");
-}
-
-std::string Quote(const std::string& s) { return absl::StrCat("'", s, "'"); }
-
-// Python's repr of a list of names.
-std::string PyList(const std::vector<std::string>& names) {
-  std::vector<std::string> quoted;
-  for (const std::string& n : names) quoted.push_back(Quote(n));
-  return absl::StrCat("[", absl::StrJoin(quoted, ", "), "]");
-}
-
-// Python's repr of a tuple of names.
-std::string PyTuple(const std::vector<std::string>& names) {
-  std::vector<std::string> quoted;
-  for (const std::string& n : names) quoted.push_back(Quote(n));
-  if (quoted.size() == 1) return absl::StrCat("(", quoted[0], ",)");
-  return absl::StrCat("(", absl::StrJoin(quoted, ", "), ")");
-}
-
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
-
-template <typename Set>
-std::string NameSet(const Set& names) {
-  std::vector<std::string> v(names.begin(), names.end());
-  std::sort(v.begin(), v.end());
-  return PyList(v);
-}
 
 // Nothing to shard: every rank holds everything (PyTorch switches a world
 // of one rank to NO_SHARD).
@@ -151,71 +124,6 @@ int64_t BroadcastChunk(const FlatParamLayout& layout, size_t elem_size,
       options.max_temp_bytes / static_cast<int64_t>(elem_size), 1, u);
 }
 
-// Which model parameters a key names.
-class ModelIndex {
- public:
-  struct Pos {
-    int unit = 0;
-    int index = 0;
-  };
-
-  ModelIndex(const ModelLayout& layout, const OptimStateOptions& options)
-      : layout_(layout) {
-    const auto& units = layout.flat_params();
-    unit_fqns_.resize(units.size());
-    for (int u = 0; u < static_cast<int>(units.size()); ++u) {
-      for (int i = 0; i < static_cast<int>(units[u].params().size()); ++i) {
-        const std::string& fqn = units[u].params()[i].fqn;
-        managed_.emplace(fqn, Pos{u, i});
-        unit_fqns_[u].push_back(fqn);
-      }
-      for (const SharedParamInfo& s : units[u].shared_params()) {
-        alias_of_.emplace(s.fqn, s.prim_fqn);
-      }
-    }
-    for (const std::string& f : options.unmanaged_params) {
-      if (!managed_.contains(f)) unmanaged_.insert(f);
-    }
-  }
-
-  int num_units() const { return static_cast<int>(unit_fqns_.size()); }
-  const FlatParamLayout& unit(int u) const { return layout_.flat_params()[u]; }
-  const std::vector<std::string>& unit_fqns(int u) const {
-    return unit_fqns_[u];
-  }
-
-  const Pos* Managed(const ParamKey& key) const {
-    const auto* name = std::get_if<std::string>(&key);
-    if (name == nullptr) return nullptr;
-    auto it = managed_.find(*name);
-    return it == managed_.end() ? nullptr : &it->second;
-  }
-  bool Unmanaged(const ParamKey& key) const {
-    const auto* name = std::get_if<std::string>(&key);
-    return name != nullptr && unmanaged_.contains(*name);
-  }
-  // The flat parameter an int key of the flat path names, or -1.
-  int FlatIndex(const ParamKey& key) const {
-    const auto* id = std::get_if<int64_t>(&key);
-    if (id == nullptr || *id < 0 || *id >= num_units()) return -1;
-    return static_cast<int>(*id);
-  }
-  // The primary's name when `key` names a shared parameter's alias.
-  const std::string* AliasOf(const ParamKey& key) const {
-    const auto* name = std::get_if<std::string>(&key);
-    if (name == nullptr) return nullptr;
-    auto it = alias_of_.find(*name);
-    return it == alias_of_.end() ? nullptr : &it->second;
-  }
-
- private:
-  const ModelLayout& layout_;
-  absl::flat_hash_map<std::string, Pos> managed_;
-  absl::flat_hash_set<std::string> unmanaged_;
-  absl::flat_hash_map<std::string, std::string> alias_of_;
-  std::vector<std::vector<std::string>> unit_fqns_;
-};
-
 std::string UserStateWarning(const ModelIndex& index, const ParamKey& key) {
   std::string message = UserStateWarning(key);
   if (const std::string* prim = index.AliasOf(key)) {
@@ -237,26 +145,6 @@ absl::Status CheckComm(const ModelLayout& layout, const Communicator& comm) {
         comm.size(), w));
   }
   return absl::OkStatus();
-}
-
-// Python value equality of two values of one type (0-d tensors of one
-// dtype compare by value).
-bool PyEqual(const OptimStateValue& a, const OptimStateValue& b) {
-  if (a.index() != b.index()) return false;
-  const auto* ta = std::get_if<HostTensor>(&a);
-  if (ta == nullptr) return a == b;
-  const HostTensor& tb = std::get<HostTensor>(b);
-  if (ta->dtype() != tb.dtype() || ta->numel() != 1 || tb.numel() != 1) {
-    return false;
-  }
-  if (IsFloatingPoint(ta->dtype())) {
-    return LoadAsDouble(ta->data(), ta->dtype(), 0) ==
-           LoadAsDouble(tb.data(), tb.dtype(), 0);
-  }
-  if (ta->dtype() == DType::kBool) {
-    return (*ta->data_as<uint8_t>() != 0) == (*tb.data_as<uint8_t>() != 0);
-  }
-  return std::memcmp(ta->data(), tb.data(), ta->nbytes()) == 0;
 }
 
 // If `full` has parameter IDs, the same keyed by name.
@@ -287,18 +175,6 @@ absl::StatusOr<OptimStateDict> RekeyedByName(const ModelLayout& layout,
 // scatter validates and plans alike.
 // ---------------------------------------------------------------------------
 
-// One flat parameter's flattened state (flat path): PyTorch's
-// `_flatten_optim_state`.
-struct FlatUnitPlan {
-  int unit = 0;
-  // Per parameter of the unit: its state, or null.
-  std::vector<const ParamStateMeta*> params;
-  // Positive-dimension states and their dtype.
-  std::map<std::string, DType> tensors;
-  // Replicated states.
-  ParamState scalars;
-};
-
 // One flat parameter's parameters' states (original-parameter path).
 struct OrigUnitPlan {
   int unit = 0;
@@ -316,178 +192,6 @@ struct ShardPlan {
   std::vector<std::pair<ParamKey, const ParamStateMeta*>> passthrough;
   std::vector<ParamGroup> groups;
 };
-
-std::string DescribeValues(const std::vector<const ValueMeta*>& values) {
-  std::vector<std::string> parts;
-  for (const ValueMeta* v : values) parts.push_back(v->Describe());
-  return absl::StrCat("[", absl::StrJoin(parts, ", "), "]");
-}
-
-// Distinct descriptions, in order of appearance, as a Python set prints.
-std::string DescribeSet(const std::vector<std::string>& items) {
-  std::vector<std::string> distinct;
-  for (const std::string& s : items) {
-    if (std::find(distinct.begin(), distinct.end(), s) == distinct.end()) {
-      distinct.push_back(s);
-    }
-  }
-  return absl::StrCat("{", absl::StrJoin(distinct, ", "), "}");
-}
-
-absl::StatusOr<std::optional<FlatUnitPlan>> PlanFlatUnit(
-    const ModelIndex& index, int u,
-    const std::vector<const ParamStateMeta*>& states) {
-  const FlatParamLayout& layout = index.unit(u);
-  const std::vector<std::string>& names = index.unit_fqns(u);
-  if (std::none_of(states.begin(), states.end(),
-                   [](const ParamStateMeta* s) { return s != nullptr; })) {
-    return std::optional<FlatUnitPlan>();
-  }
-  FlatUnitPlan plan;
-  plan.unit = u;
-  plan.params = states;
-
-  // Every parameter with state must have the same state names.
-  const ParamStateMeta* first = nullptr;
-  int first_index = -1;
-  for (size_t i = 0; i < states.size(); ++i) {
-    if (states[i] == nullptr) continue;
-    if (first == nullptr) {
-      first = states[i];
-      first_index = static_cast<int>(i);
-      continue;
-    }
-    std::set<std::string> a, b;
-    for (const auto& [n, v] : *first) a.insert(n);
-    for (const auto& [n, v] : *states[i]) b.insert(n);
-    if (a != b) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "Differing optimizer state names for the unflattened parameters: "
-          "%s ('%s' has %s, '%s' has %s)",
-          PyList(names), names[first_index], NameSet(a), names[i], NameSet(b)));
-    }
-  }
-  if (first->empty()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "The state of %s is empty: the parameters of the flat parameter of "
-        "unit %s have optimizer state entries without any state",
-        PyTuple(names), UnitLabel(layout)));
-  }
-
-  for (const auto& [state_name, unused] : *first) {
-    // One value per parameter; null where the parameter has no state or
-    // the state is None.
-    std::vector<const ValueMeta*> values(states.size(), nullptr);
-    std::vector<const ValueMeta*> non_none;
-    for (size_t i = 0; i < states.size(); ++i) {
-      if (states[i] == nullptr) continue;
-      const ValueMeta& v = states[i]->at(state_name);
-      if (!v.pos_dim && std::holds_alternative<std::monostate>(v.value)) {
-        continue;
-      }
-      values[i] = &v;
-      non_none.push_back(&v);
-    }
-    if (non_none.empty()) {
-      plan.scalars[state_name] = std::monostate();
-      continue;
-    }
-    bool pos_dim = true, zero_dim = true, non_tensor = true, one_type = true;
-    for (const ValueMeta* v : non_none) {
-      const bool tensor = v->pos_dim || IsTensor(v->value);
-      pos_dim &= v->pos_dim;
-      zero_dim &= tensor && !v->pos_dim;
-      non_tensor &= !tensor;
-      const size_t type_a = v->pos_dim ? 1 : v->value.index();
-      const size_t type_b =
-          non_none[0]->pos_dim ? 1 : non_none[0]->value.index();
-      one_type &= type_a == type_b;
-    }
-    if (!one_type || !(pos_dim || zero_dim || non_tensor)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "Differing optimizer state types for state %s, values %s, and "
-          "unflattened parameter names %s",
-          state_name, DescribeValues(non_none), PyList(names)));
-    }
-    if (pos_dim) {
-      std::vector<std::string> dtypes;
-      for (const ValueMeta* v : non_none) {
-        dtypes.push_back(std::string(DTypeName(v->dtype)));
-      }
-      const DType dtype = non_none[0]->dtype;
-      for (const ValueMeta* v : non_none) {
-        if (v->dtype != dtype) {
-          return absl::InvalidArgumentError(absl::StrFormat(
-              "All unflattened parameters comprising a single flat "
-              "parameter must have positive-dimension tensor state with the "
-              "same dtype but got dtypes %s for state %s and unflattened "
-              "parameter names %s",
-              DescribeSet(dtypes), state_name, PyList(names)));
-        }
-      }
-      if (!IsFloatingPoint(dtype)) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "Cannot flatten integer dtype tensors: state %s has dtype %s "
-            "(unflattened parameter names %s)",
-            state_name, DTypeName(dtype), PyList(names)));
-      }
-      for (size_t i = 0; i < states.size(); ++i) {
-        const ParamInfo& p = layout.params()[i];
-        if (values[i] == nullptr && p.shape.empty()) {
-          return absl::InvalidArgumentError(absl::StrFormat(
-              "Flattening a zero-dimension parameter is not supported: "
-              "parameter '%s' has no state %s to flatten with the other "
-              "parameters' (unflattened parameter names %s)",
-              p.fqn, state_name, PyList(names)));
-        }
-        if (values[i] != nullptr && values[i]->shape != p.shape) {
-          return absl::InvalidArgumentError(absl::StrFormat(
-              "Tensor optimizer state does not have same shape as its "
-              "parameter: %s %s (state %s of parameter '%s')",
-              ShapeString(values[i]->shape), ShapeString(p.shape), state_name,
-              p.fqn));
-        }
-      }
-      plan.tensors[state_name] = dtype;
-      continue;
-    }
-    // Zero-dimension tensors and non-tensors: one value, on every
-    // parameter.
-    std::vector<std::string> described, dtypes;
-    bool same = non_none.size() == states.size();
-    for (size_t i = 0; i < states.size(); ++i) {
-      if (values[i] == nullptr) {
-        described.push_back("None");
-        dtypes.push_back("None");
-        continue;
-      }
-      described.push_back(values[i]->Describe());
-      if (zero_dim) {
-        const HostTensor& t = std::get<HostTensor>(values[i]->value);
-        dtypes.push_back(std::string(DTypeName(t.dtype())));
-      }
-      same &= PyEqual(values[i]->value, non_none[0]->value);
-    }
-    if (!same) {
-      if (zero_dim) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "All unflattened parameters comprising a single flat parameter "
-            "must have scalar state with the same value and dtype but got "
-            "values %s and dtypes %s for state %s and unflattened parameter "
-            "names %s",
-            DescribeSet(described), DescribeSet(dtypes), state_name,
-            PyList(names)));
-      }
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "All unflattened parameters comprising a single flat parameter "
-          "must have scalar state with the same value and dtype but got "
-          "values %s for state %s and unflattened parameter names %s",
-          DescribeSet(described), state_name, PyList(names)));
-    }
-    plan.scalars[state_name] = non_none[0]->value;
-  }
-  return std::optional<FlatUnitPlan>(std::move(plan));
-}
 
 absl::StatusOr<std::optional<OrigUnitPlan>> PlanOrigUnit(
     const ModelIndex& index, int u,
@@ -536,58 +240,6 @@ absl::StatusOr<std::optional<OrigUnitPlan>> PlanOrigUnit(
   return std::optional<OrigUnitPlan>(std::move(plan));
 }
 
-// The position of unmanaged parameter `key` in options.unmanaged_params
-// (the caller checked that it is one).
-size_t UnmanagedPosition(const OptimStateOptions& options,
-                         const ParamKey& key) {
-  const std::string* name = std::get_if<std::string>(&key);
-  assert(name != nullptr);
-  const auto it = std::find(options.unmanaged_params.begin(),
-                            options.unmanaged_params.end(), *name);
-  assert(it != options.unmanaged_params.end());
-  return static_cast<size_t>(it - options.unmanaged_params.begin());
-}
-
-absl::StatusOr<std::vector<ParamGroup>> PlanGroups(
-    const ModelIndex& index, const std::vector<ParamGroup>& groups,
-    const OptimStateOptions& options) {
-  std::vector<ParamGroup> out;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    ParamGroup group;
-    group.hyperparams = groups[g].hyperparams;
-    // The flat path lists a group's flat parameters (sorted) and then its
-    // unmanaged parameters in unmanaged_params order: PyTorch sorts
-    // optimizer IDs, and unmanaged_params is in the optimizer's order.
-    std::set<int64_t> flat_keys;
-    std::set<size_t> unmanaged_positions;
-    for (const ParamKey& key : groups[g].params) {
-      const ModelIndex::Pos* pos = index.Managed(key);
-      if (pos == nullptr && !index.Unmanaged(key)) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "param_groups[%d] lists %s, which is neither a parameter of the "
-            "model (shared parameters count under their first name) nor one "
-            "of unmanaged_params",
-            g, DescribeKey(key)));
-      }
-      if (options.use_orig_params) {
-        group.params.push_back(key);
-      } else if (pos != nullptr) {
-        flat_keys.insert(int64_t{pos->unit});
-      } else {
-        unmanaged_positions.insert(UnmanagedPosition(options, key));
-      }
-    }
-    if (!options.use_orig_params) {
-      for (int64_t unit : flat_keys) group.params.push_back(ParamKey(unit));
-      for (size_t i : unmanaged_positions) {
-        group.params.push_back(ParamKey(options.unmanaged_params[i]));
-      }
-    }
-    out.push_back(std::move(group));
-  }
-  return out;
-}
-
 // `full` must be keyed by name.
 absl::StatusOr<ShardPlan> PlanShard(const ModelIndex& index,
                                     const StateMeta& full,
@@ -618,7 +270,8 @@ absl::StatusOr<ShardPlan> PlanShard(const ModelIndex& index,
       if (p.has_value()) plan.flat.push_back(std::move(*p));
     }
   }
-  FLATPARAM_ASSIGN_OR_RETURN(plan.groups, PlanGroups(index, groups, options));
+  FLATPARAM_ASSIGN_OR_RETURN(
+      plan.groups, PlanGroups(index, groups, options.use_orig_params));
   return plan;
 }
 
@@ -1012,95 +665,13 @@ absl::Status GatherUnflatten(
   return absl::OkStatus();
 }
 
-std::string KindOf(const ValueMeta& v) {
-  if (v.pos_dim) return absl::StrCat("tensor(", DTypeName(v.dtype), ")");
-  if (const auto* t = std::get_if<HostTensor>(&v.value)) {
-    return absl::StrCat("0-d tensor(", DTypeName(t->dtype()), ")");
-  }
-  return ValueTypeName(v.value);
-}
-
-// Flat path: validation of what every rank holds, before any collective.
-absl::Status ValidateFlat(const ModelIndex& index,
-                          const std::vector<StateMeta>& metas,
-                          std::vector<int>* units) {
-  const StateMeta& r0 = metas[0];
-  // Rank 0's keys decide, as in PyTorch; every rank must have them.
-  std::vector<std::string> missing_lines;
-  for (size_t r = 1; r < metas.size(); ++r) {
-    std::vector<std::string> missing;
-    for (const auto& [key, unused] : r0) {
-      if (metas[r].count(key) > 0) continue;
-      const int u = index.FlatIndex(key);
-      missing.push_back(u >= 0 ? PyTuple(index.unit_fqns(u))
-                               : PyTuple({std::get<std::string>(key)}));
-    }
-    if (!missing.empty()) {
-      missing_lines.push_back(absl::StrFormat(
-          "\nRank %d is missing states for the parameters: [%s]", r,
-          absl::StrJoin(missing, ", ")));
-    }
-  }
-  if (!missing_lines.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "FSDP currently requires each rank to have at least the optimizer "
-        "states needed by rank 0's optimizer but some ranks are missing some "
-        "of those states",
-        absl::StrJoin(missing_lines, "")));
-  }
-  for (const auto& [key, state0] : r0) {
-    const int u = index.FlatIndex(key);
-    if (u < 0) continue;
-    units->push_back(u);
-    const FlatParamLayout& layout = index.unit(u);
-    const std::string where =
-        absl::StrFormat("flat parameter %d (unit %s, parameters %s)", u,
-                        UnitLabel(layout), PyList(index.unit_fqns(u)));
-    for (size_t r = 0; r < metas.size(); ++r) {
-      const ParamStateMeta& st = metas[r].at(key);
-      std::set<std::string> a, b;
-      for (const auto& [n, v] : state0) a.insert(n);
-      for (const auto& [n, v] : st) b.insert(n);
-      if (a != b) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "Differing optimizer state names across ranks for %s: rank 0 has "
-            "%s, rank %d has %s",
-            where, NameSet(a), r, NameSet(b)));
-      }
-      for (const auto& [name, v] : st) {
-        const ValueMeta& v0 = state0.at(name);
-        if (KindOf(v) != KindOf(v0)) {
-          return absl::InvalidArgumentError(absl::StrFormat(
-              "Differing optimizer state types across ranks for state %s of "
-              "%s: rank 0 has %s, rank %d has %s",
-              name, where, v0.Describe(), r, v.Describe()));
-        }
-        if (!v.pos_dim) continue;
-        if (!IsFloatingPoint(v.dtype)) {
-          return absl::InvalidArgumentError(absl::StrFormat(
-              "Cannot gather integer dtype tensors: state %s of %s on rank %d "
-              "is %s",
-              name, where, r, v.Describe()));
-        }
-        if (v.shape != std::vector<int64_t>{layout.sharded_numel()}) {
-          return absl::InvalidArgumentError(absl::StrFormat(
-              "Tensor optimizer state %s of %s on rank %d is %s, but a "
-              "flat parameter's sharded state has shape [%d] (its shard "
-              "size)",
-              name, where, r, v.Describe(), layout.sharded_numel()));
-        }
-      }
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<OptimStateDict> ConsolidateFlat(
     const ModelIndex& index, const OptimStateDict& sharded,
     const std::vector<StateMeta>& metas, Communicator& comm,
     const OptimStateOptions& options, bool to_save) {
   std::vector<int> units;
-  FLATPARAM_RETURN_IF_ERROR(ValidateFlat(index, metas, &units));
+  FLATPARAM_RETURN_IF_ERROR(
+      ValidateFlatRanks(index, metas, /*compare_replicated=*/true, &units));
   OptimStateDict out;
   for (int u : units) {
     const FlatParamLayout& layout = index.unit(u);
@@ -1420,7 +991,7 @@ absl::StatusOr<OptimStateDict> ConsolidateOptimState(
     const ModelLayout& layout, const OptimStateDict& sharded,
     Communicator& comm, const OptimStateOptions& options) {
   FLATPARAM_RETURN_IF_ERROR(CheckComm(layout, comm));
-  const ModelIndex index(layout, options);
+  const ModelIndex index(layout, options.unmanaged_params);
   const bool to_save = !options.rank0_only || comm.rank() == 0;
   FLATPARAM_ASSIGN_OR_RETURN(std::vector<StateMeta> metas,
                              ExchangeMeta(index, sharded, comm, options));
@@ -1448,27 +1019,9 @@ absl::StatusOr<OptimStateDict> ConsolidateOptimState(
                            DescribeKey(key)));
     }
   }
-  for (size_t g = 0; g < sharded.param_groups.size(); ++g) {
-    ParamGroup group;
-    group.hyperparams = sharded.param_groups[g].hyperparams;
-    for (const ParamKey& key : sharded.param_groups[g].params) {
-      if (options.use_orig_params || std::holds_alternative<std::string>(key)) {
-        group.params.push_back(key);
-        continue;
-      }
-      const int u = index.FlatIndex(key);
-      if (u < 0) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "param_groups[%d] lists flat parameter %s, but the model has %d "
-            "flat parameters",
-            g, DescribeKey(key), index.num_units()));
-      }
-      for (const std::string& fqn : index.unit_fqns(u)) {
-        group.params.push_back(fqn);
-      }
-    }
-    out.param_groups.push_back(std::move(group));
-  }
+  FLATPARAM_ASSIGN_OR_RETURN(
+      out.param_groups,
+      UnflattenGroups(index, sharded.param_groups, options.use_orig_params));
   return out;
 }
 
@@ -1484,7 +1037,7 @@ absl::StatusOr<OptimStateDict> ShardFullOptimState(
   FLATPARAM_ASSIGN_OR_RETURN(OptimStateDict by_name,
                              RekeyedByName(layout, full, options, &rekeyed));
   const OptimStateDict& dict = rekeyed ? by_name : full;
-  const ModelIndex index(layout, options);
+  const ModelIndex index(layout, options.unmanaged_params);
   const StateMeta meta = MetaOf(dict.state);
   FLATPARAM_ASSIGN_OR_RETURN(
       ShardPlan plan, PlanShard(index, meta, dict.param_groups, options));
@@ -1495,7 +1048,7 @@ absl::StatusOr<OptimStateDict> ScatterFullOptimState(
     const ModelLayout& layout, const OptimStateDict& full, Communicator& comm,
     const OptimStateOptions& options) {
   FLATPARAM_RETURN_IF_ERROR(CheckComm(layout, comm));
-  const ModelIndex index(layout, options);
+  const ModelIndex index(layout, options.unmanaged_params);
   const bool root = comm.rank() == 0;
   // Rank 0's dict keyed by name (a re-keyed copy only when it has IDs).
   OptimStateDict by_name;

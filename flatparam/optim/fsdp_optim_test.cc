@@ -570,6 +570,20 @@ TEST_F(ConsolidateErrorTest, RanksDisagreeOnNamesOrShapes) {
   ExpectSameErrorOnAllRanks(got);
 }
 
+TEST_F(ConsolidateErrorTest, FlatRanksDisagreeOnAReplicatedValue) {
+  std::vector<OptimStateDict> shards = ShardAll(*layout_, full_, Quiet());
+  shards[2].state.at(ParamKey(int64_t{1}))["step"] =
+      ScalarTensor(DType::kFloat32, 7);
+  auto got = Consolidate(*layout_, shards, Quiet());
+  EXPECT_THAT(got[0],
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("state step of flat parameter 1"),
+                             HasSubstr("rank 0 has tensor(2.0, "
+                                       "dtype=float32), rank 2 has "
+                                       "tensor(7.0, dtype=float32)"))));
+  ExpectSameErrorOnAllRanks(got);
+}
+
 TEST_F(ConsolidateErrorTest, OrigParamsRankMissingItsPiece) {
   std::vector<OptimStateDict> shards = ShardAll(*layout_, full_, Quiet(true));
   // Rank 1 holds a.w[2:3] and a.b[0:1]; drop a.b's exp_avg.

@@ -1,6 +1,8 @@
 // Tests of the private helpers: FlattenRange / UnflattenRange against
 // flatparam/flatten.h (an independent implementation of the same layout),
-// and the metadata encoding's exactness and its rejection of bad input.
+// the metadata encoding's exactness and its rejection of bad input, and
+// the groups of flat_plan.h (its flattening rules are fsdp_optim_test's and
+// convert_test's).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -15,6 +17,8 @@
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
+#include "flatparam/model.h"
+#include "flatparam/optim/internal/flat_plan.h"
 #include "flatparam/optim/internal/flat_range.h"
 #include "flatparam/optim/internal/state_meta.h"
 #include "flatparam/optim/optim_state.h"
@@ -214,6 +218,52 @@ TEST(StateMetaTest, MetaOfPointsIntoTheDict) {
   EXPECT_EQ(meta.at("exp_avg").data(), &std::get<HostTensor>(st["exp_avg"]));
   EXPECT_FALSE(meta.at("step").pos_dim);
   EXPECT_TRUE(BitwiseEqual(meta.at("step").Materialize(), st["step"]));
+}
+
+// The flat path's groups: flat parameters sorted, then unmanaged
+// parameters in unmanaged_params order (first occurrence), and back.
+TEST(FlatPlanTest, GroupsKeepTheOptimizersOrderOfUnmanagedParams) {
+  ModelSpec spec;
+  spec.params = {{"a.w", {4}}, {"a.b", {2}}, {"c.w", {3}}};
+  spec.wrap = {"a"};
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelLayout layout,
+                                 ModelLayout::Create(spec, LayoutOptions()));
+  const ModelIndex index(layout, {"z", "a.w", "b", "z"});
+  EXPECT_TRUE(index.Unmanaged(ParamKey(std::string("z"))));
+  EXPECT_FALSE(index.Unmanaged(ParamKey(std::string("a.w"))));
+  ASSERT_NE(index.Managed(ParamKey(std::string("a.b"))), nullptr);
+  EXPECT_EQ(index.Managed(ParamKey(std::string("a.b")))->unit, 1);
+
+  ParamGroup g;
+  g.params = {std::string("b"),   std::string("a.b"), std::string("z"),
+              std::string("c.w"), std::string("a.w"), std::string("b")};
+  g.hyperparams = {{"lr", 0.5}};
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::vector<ParamGroup> flat,
+                                 PlanGroups(index, {g}, false));
+  ASSERT_EQ(flat.size(), 1u);
+  EXPECT_EQ(flat[0].params,
+            (std::vector<ParamKey>{int64_t{0}, int64_t{1}, std::string("z"),
+                                   std::string("b")}));
+  EXPECT_EQ(flat[0].hyperparams, g.hyperparams);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::vector<ParamGroup> orig,
+                                 PlanGroups(index, {g}, true));
+  EXPECT_EQ(orig[0].params, g.params);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::vector<ParamGroup> back,
+                                 UnflattenGroups(index, flat, false));
+  EXPECT_EQ(back[0].params,
+            (std::vector<ParamKey>{std::string("c.w"), std::string("a.w"),
+                                   std::string("a.b"), std::string("z"),
+                                   std::string("b")}));
+
+  g.params.push_back(std::string("y"));
+  EXPECT_THAT(PlanGroups(index, {g}, false),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       ::testing::HasSubstr("param_groups[0] lists 'y'")));
+  flat[0].params.push_back(int64_t{2});
+  EXPECT_THAT(UnflattenGroups(index, flat, false),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       ::testing::HasSubstr("lists flat parameter 2, but the "
+                                            "model has 2")));
 }
 
 }  // namespace

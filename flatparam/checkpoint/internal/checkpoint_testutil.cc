@@ -1,0 +1,125 @@
+#include "flatparam/checkpoint/internal/checkpoint_testutil.h"
+
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <utility>
+
+#include "absl/status/statusor.h"
+#include "flatparam/base/dtype.h"
+#include "flatparam/checkpoint/safetensors.h"
+
+namespace flatparam {
+namespace checkpoint {
+
+using json = nlohmann::json;
+
+ModelSpec TinyModelSpec() {
+  ModelSpec m;
+  m.name = "tiny";
+  m.params = {{"emb.weight", {11, 3}},
+              {"seq.0.weight", {5, 3}},
+              {"seq.0.bias", {5}},
+              {"seq.2.weight", {7, 5}},
+              {"seq.2.bias", {7}},
+              {"norm.scale", {}},
+              {"head.weight", {}, DType::kFloat32, true, "emb.weight"}};
+  m.wrap = {"seq.2"};
+  return m;
+}
+
+LayoutOptions TestLayoutOptions(int64_t world_size, ShardingStrategy strategy,
+                                bool align_addresses) {
+  LayoutOptions o;
+  o.world_size = world_size;
+  o.strategy = strategy;
+  o.align_addresses = align_addresses;
+  return o;
+}
+
+ModelLayout MakeTestLayout(const ModelSpec& spec,
+                           const LayoutOptions& options) {
+  absl::StatusOr<ModelLayout> layout = ModelLayout::Create(spec, options);
+  EXPECT_TRUE(layout.ok()) << layout.status();
+  return *std::move(layout);
+}
+
+void FillSequence(HostTensor& t, double base) {
+  for (int64_t i = 0; i < t.numel(); ++i) t.SetDouble(i, base + i);
+}
+
+FullFixture MakeFullFixture(const ModelSpec& spec, int version) {
+  FullFixture f;
+  json fqns = json::array();
+  int index = 0;
+  for (const ParamSpec& p : spec.params) {
+    if (!p.tied_to.empty()) continue;
+    fqns.push_back(p.fqn);
+    HostTensor& w = f.storage.emplace_back(p.dtype, p.shape);
+    FillSequence(w, version * 1000 + index * 10);
+    f.content.model.push_back(TensorSourceFromHostTensor(p.fqn, w));
+    HostTensor& m = f.storage.emplace_back(DType::kFloat32, p.shape);
+    FillSequence(m, -version * 1000 - index * 10);
+    f.content.optim.push_back(
+        TensorSourceFromHostTensor(OptimStateTensorName(p.fqn, "exp_avg"), m));
+    HostTensor& s =
+        f.storage.emplace_back(DType::kFloat32, std::vector<int64_t>{});
+    s.SetDouble(0, version);
+    f.content.optim.push_back(
+        TensorSourceFromHostTensor(OptimStateTensorName(p.fqn, "step"), s));
+    ++index;
+  }
+  f.content.optim_json = {
+      {"param_groups", json::array({{{"lr", 0.1}, {"params", fqns}}})},
+      {"state", {{"emb.weight", {{"note", "non-tensor state"}}}}},
+      {"version", version}};
+  return f;
+}
+
+ShardedFixture MakeShardedFixture(const ModelLayout& layout, int64_t world_size,
+                                  int version) {
+  ShardedFixture f;
+  f.content.layout = &layout;
+  f.content.world_size = world_size;
+  for (int64_t r = 0; r < layout.options().world_size; ++r) {
+    RankContent rank;
+    for (size_t i = 0; i < layout.flat_params().size(); ++i) {
+      const FlatParamLayout& fp = layout.flat_params()[i];
+      HostTensor& shard = f.storage.emplace_back(
+          HostTensor::Flat(fp.dtype(), fp.sharded_numel()));
+      FillSequence(shard, version * 1000 + r * 100 + i * 10);
+      rank.tensors.push_back(
+          TensorSourceFromHostTensor(FlatParamTensorName(i), shard));
+      HostTensor& avg = f.storage.emplace_back(
+          HostTensor::Flat(DType::kFloat32, fp.sharded_numel()));
+      FillSequence(avg, -version * 1000 - r * 100 - i * 10);
+      rank.tensors.push_back(
+          TensorSourceFromHostTensor(OptimShardTensorName(i, "exp_avg"), avg));
+      HostTensor& step =
+          f.storage.emplace_back(DType::kFloat32, std::vector<int64_t>{});
+      step.SetDouble(0, version);
+      rank.tensors.push_back(
+          TensorSourceFromHostTensor(OptimShardTensorName(i, "step"), step));
+    }
+    rank.sidecar = {{"param_groups", json::array({{{"lr", 0.1}}})},
+                    {"rank", r},
+                    {"version", version}};
+    f.content.ranks.push_back(std::move(rank));
+  }
+  return f;
+}
+
+std::vector<std::string> ListDir(FileSystem& fs, const std::string& dir) {
+  absl::StatusOr<std::vector<std::string>> children = fs.GetChildren(dir);
+  EXPECT_TRUE(children.ok()) << children.status();
+  return children.ok() ? *std::move(children) : std::vector<std::string>{};
+}
+
+std::string ReadWholeFile(FileSystem& fs, const std::string& path) {
+  absl::StatusOr<std::string> s = ReadFileToString(fs, path, 1 << 30);
+  EXPECT_TRUE(s.ok()) << s.status();
+  return s.ok() ? *std::move(s) : "";
+}
+
+}  // namespace checkpoint
+}  // namespace flatparam

@@ -1,0 +1,88 @@
+// Test-only fixtures shared by the checkpoint tests: a small model with
+// every kind of parameter, layouts of it, checkpoint content whose bytes
+// are a function of (version, rank, tensor, element) so that a reader can
+// tell which version it sees, and FileSystem shortcuts that report errors
+// as test failures.
+//
+//   const ModelLayout layout = MakeTestLayout(TinyModelSpec(),
+//                                             TestLayoutOptions(2));
+//   const ShardedFixture v1 = MakeShardedFixture(layout, 2, /*version=*/1);
+//   ASSERT_THAT(WriteShardedCheckpoint(fs, "ckpt", v1.content), IsOk());
+//
+// Ownership: a fixture owns the tensors its content's sources read from;
+// keep it alive while the content is written. Fixtures move (a std::deque
+// keeps its elements in place) but do not copy.
+//
+// Thread-safety: functions of their arguments.
+#ifndef FLATPARAM_CHECKPOINT_INTERNAL_CHECKPOINT_TESTUTIL_H_
+#define FLATPARAM_CHECKPOINT_INTERNAL_CHECKPOINT_TESTUTIL_H_
+
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "flatparam/checkpoint/checkpoint_dir.h"
+#include "flatparam/checkpoint/file_system.h"
+#include "flatparam/flatten.h"
+#include "flatparam/layout.h"
+#include "flatparam/model.h"
+
+namespace flatparam {
+namespace checkpoint {
+
+// Model "tiny": emb.weight [11, 3]; seq.0.weight [5, 3], seq.0.bias [5];
+// seq.2.weight [7, 5], seq.2.bias [7] (the wrapped unit seq.2, so two flat
+// parameters); norm.scale, 0-d; head.weight tied to emb.weight.
+ModelSpec TinyModelSpec();
+
+LayoutOptions TestLayoutOptions(
+    int64_t world_size,
+    ShardingStrategy strategy = ShardingStrategy::kFullShard,
+    bool align_addresses = false);
+
+// ModelLayout::Create(spec, options). REQUIRES: it succeeds (a failure is
+// reported as a test failure, and then the StatusOr's value() fails).
+ModelLayout MakeTestLayout(const ModelSpec& spec, const LayoutOptions& options);
+
+// t[i] = base + i for every element.
+void FillSequence(HostTensor& t, double base);
+
+// The content of version `version` of a full checkpoint of `spec`: every
+// untied parameter, its "exp_avg" (float32) and "step" (0-d) state, and an
+// optim.json with one parameter group, a non-tensor state and "version".
+struct FullFixture {
+  FullFixture() = default;
+  FullFixture(FullFixture&&) = default;
+  FullFixture& operator=(FullFixture&&) = default;
+
+  std::deque<HostTensor> storage;  // what content's sources read
+  FullCheckpointContent content;
+};
+FullFixture MakeFullFixture(const ModelSpec& spec, int version);
+
+// The content of version `version` of a sharded checkpoint of `layout` for
+// a job of `world_size` ranks: on every shard-group rank, each flat
+// parameter's shard, its "exp_avg" and "step" state, and a sidecar with
+// "param_groups", "rank" and "version".
+struct ShardedFixture {
+  ShardedFixture() = default;
+  ShardedFixture(ShardedFixture&&) = default;
+  ShardedFixture& operator=(ShardedFixture&&) = default;
+
+  std::deque<HostTensor> storage;  // what content's sources read
+  ShardedCheckpointContent content;
+};
+ShardedFixture MakeShardedFixture(const ModelLayout& layout, int64_t world_size,
+                                  int version);
+
+// fs.GetChildren(dir), or {} and a test failure.
+std::vector<std::string> ListDir(FileSystem& fs, const std::string& dir);
+
+// The whole file at `path` (up to 1 GiB), or "" and a test failure.
+std::string ReadWholeFile(FileSystem& fs, const std::string& path);
+
+}  // namespace checkpoint
+}  // namespace flatparam
+
+#endif  // FLATPARAM_CHECKPOINT_INTERNAL_CHECKPOINT_TESTUTIL_H_
