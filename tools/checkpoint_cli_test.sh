@@ -3,30 +3,13 @@
 # consolidate -> verify on a small model with AdamW state and on the gpt2
 # preset (weights only, ~500 MB per checkpoint), byte-identical round trips,
 # bounded memory, a corrupted file, and exit codes.
-# Usage: checkpoint_cli_test.sh PATH_TO_FSDP PATH_TO_TINY_MODEL_JSON
+# Usage: checkpoint_cli_test.sh PATH_TO_CLI_TEST_LIB_SH PATH_TO_FSDP PATH_TO_TINY_MODEL_JSON
 set -uo pipefail
 
-fsdp=$1
-tmp=${TEST_TMPDIR:-$(mktemp -d)}
-failures=0
-tiny=$2
-
-fail() {
-  echo "FAIL: $*" >&2
-  failures=$((failures + 1))
-}
-
-# expect_exit CODE ARGS...: runs fsdp with ARGS, checks the exit code, and
-# leaves stdout/stderr in $tmp/out and $tmp/err.
-expect_exit() {
-  local want=$1
-  shift
-  "$fsdp" "$@" >"$tmp/out" 2>"$tmp/err"
-  local got=$?
-  if [ "$got" -ne "$want" ]; then
-    fail "fsdp $* exited $got, want $want; stderr: $(head -c 500 "$tmp/err")"
-  fi
-}
+# shellcheck source=tools/testing/cli_test_lib.sh
+source "$1"
+cli_test_init "$2"
+tiny=$3
 
 # Small model, AdamW state, every conversion.
 expect_exit 0 checkpoint init --model="$tiny" --out="$tmp/t_full" --seed=7
@@ -104,8 +87,4 @@ expect_exit 1 checkpoint shard --in="$tmp/t_full" --model=gpt2 \
 expect_exit 0 checkpoint --help
 grep -q 'fsdp checkpoint consolidate' "$tmp/out" || fail "help lacks usage"
 
-if [ "$failures" -ne 0 ]; then
-  echo "$failures failure(s)" >&2
-  exit 1
-fi
-echo "PASS"
+cli_test_finish

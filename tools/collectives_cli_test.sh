@@ -2,29 +2,14 @@
 # End-to-end test of `fsdp collectives` on the simulator: the table, exit
 # codes, byte-identical traces for equal seeds, and a fault that fails fast
 # naming the rank.
-# Usage: collectives_cli_test.sh PATH_TO_FSDP
+# Usage: collectives_cli_test.sh PATH_TO_CLI_TEST_LIB_SH PATH_TO_FSDP
 set -uo pipefail
 
-fsdp=$1
-tmp=${TEST_TMPDIR:-$(mktemp -d)}
-failures=0
-
-fail() {
-  echo "FAIL: $*" >&2
-  failures=$((failures + 1))
-}
-
-# expect_exit CODE ARGS...: runs fsdp with ARGS (at most 30 s), checks the
-# exit code, and leaves stdout/stderr in $tmp/out and $tmp/err.
-expect_exit() {
-  local want=$1
-  shift
-  timeout 30 "$fsdp" "$@" >"$tmp/out" 2>"$tmp/err"
-  local got=$?
-  if [ "$got" -ne "$want" ]; then
-    fail "fsdp $* exited $got, want $want; stderr: $(head -c 800 "$tmp/err")"
-  fi
-}
+# shellcheck source=tools/testing/cli_test_lib.sh
+source "$1"
+cli_test_init "$2"
+# Each run of fsdp at most 30 s: a hang fails the check, not the test run.
+CLI_TEST_TIMEOUT_S=30
 
 # The whole suite and the default sweep (1 KiB to 16 MiB) on 8 ranks.
 expect_exit 0 collectives --backend=sim --world-size=8 --seed=3
@@ -82,8 +67,4 @@ grep -q -- '--fault=SPEC' "$tmp/out" || fail "help lacks --fault"
 expect_exit 0 --help
 grep -q 'collectives' "$tmp/out" || fail "fsdp --help lacks collectives"
 
-if [ "$failures" -ne 0 ]; then
-  echo "$failures check(s) failed" >&2
-  exit 1
-fi
-echo "PASS"
+cli_test_finish

@@ -1,28 +1,11 @@
 #!/usr/bin/env bash
 # End-to-end test of the `fsdp` binary: exit codes, flag spelling, output.
-# Usage: fsdp_cli_test.sh PATH_TO_FSDP
+# Usage: fsdp_cli_test.sh PATH_TO_CLI_TEST_LIB_SH PATH_TO_FSDP
 set -uo pipefail
 
-fsdp=$1
-tmp=${TEST_TMPDIR:-$(mktemp -d)}
-failures=0
-
-fail() {
-  echo "FAIL: $*" >&2
-  failures=$((failures + 1))
-}
-
-# expect_exit CODE ARGS...: runs fsdp with ARGS, checks the exit code, and
-# leaves stdout/stderr in $tmp/out and $tmp/err.
-expect_exit() {
-  local want=$1
-  shift
-  "$fsdp" "$@" >"$tmp/out" 2>"$tmp/err"
-  local got=$?
-  if [ "$got" -ne "$want" ]; then
-    fail "fsdp $* exited $got, want $want; stderr: $(head -c 500 "$tmp/err")"
-  fi
-}
+# shellcheck source=tools/testing/cli_test_lib.sh
+source "$1"
+cli_test_init "$2"
 
 expect_exit 0 inspect --model=gpt2 --world-size=4 --format=json
 grep -q '"world_size": 4' "$tmp/out" || fail "json lacks world_size 4"
@@ -67,8 +50,4 @@ grep -q 'no-such-model.json' "$tmp/err" || fail "missing file not named"
 expect_exit 1 inspect --model=gpt2 --strategy=ZERO3
 expect_exit 1 inspect --model=gpt2 --no-such-flag
 
-if [ "$failures" -ne 0 ]; then
-  echo "$failures check(s) failed" >&2
-  exit 1
-fi
-echo "PASS"
+cli_test_finish

@@ -1,29 +1,12 @@
 #!/usr/bin/env bash
 # End-to-end test of `fsdp plan`: the table, the JSON schema (checked with
 # python3's json module), the trace file, and exit code 2 for bad flags.
-# Usage: plan_cli_test.sh PATH_TO_FSDP
+# Usage: plan_cli_test.sh PATH_TO_CLI_TEST_LIB_SH PATH_TO_FSDP
 set -uo pipefail
 
-fsdp=$1
-tmp=${TEST_TMPDIR:-$(mktemp -d)}
-failures=0
-
-fail() {
-  echo "FAIL: $*" >&2
-  failures=$((failures + 1))
-}
-
-# expect_exit CODE ARGS...: runs fsdp with ARGS, checks the exit code, and
-# leaves stdout/stderr in $tmp/out and $tmp/err.
-expect_exit() {
-  local want=$1
-  shift
-  "$fsdp" "$@" >"$tmp/out" 2>"$tmp/err"
-  local got=$?
-  if [ "$got" -ne "$want" ]; then
-    fail "fsdp $* exited $got, want $want; stderr: $(head -c 500 "$tmp/err")"
-  fi
-}
+# shellcheck source=tools/testing/cli_test_lib.sh
+source "$1"
+cli_test_init "$2"
 
 expect_exit 0 plan --model=llama2-7b --nodes=2 --gpus-per-node=8 \
   --mixed-precision=bf16
@@ -91,8 +74,4 @@ expect_exit 1 plan --model=/nonexistent/model.json
 expect_exit 0 plan --help
 grep -q -- '--tokens-per-gpu' "$tmp/out" || fail "plan --help lacks flags"
 
-if [ "$failures" -ne 0 ]; then
-  echo "$failures failure(s)" >&2
-  exit 1
-fi
-echo "PASS"
+cli_test_finish

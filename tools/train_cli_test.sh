@@ -2,29 +2,12 @@
 # `fsdp train` end to end on the simulator: bitwise equality with
 # single-process training, the mixed-precision check, and non-zero exit
 # codes for inconsistent options.
-# Usage: train_cli_test.sh PATH_TO_FSDP
+# Usage: train_cli_test.sh PATH_TO_CLI_TEST_LIB_SH PATH_TO_FSDP
 set -uo pipefail
 
-fsdp=$1
-tmp=${TEST_TMPDIR:-$(mktemp -d)}
-failures=0
-
-fail() {
-  echo "FAIL: $*" >&2
-  failures=$((failures + 1))
-}
-
-# expect_exit CODE ARGS...: runs fsdp with ARGS, checks the exit code, and
-# leaves stdout/stderr in $tmp/out and $tmp/err.
-expect_exit() {
-  local want=$1
-  shift
-  "$fsdp" "$@" >"$tmp/out" 2>"$tmp/err"
-  local got=$?
-  if [ "$got" -ne "$want" ]; then
-    fail "fsdp $* exited $got, want $want; stderr: $(head -c 500 "$tmp/err")"
-  fi
-}
+# shellcheck source=tools/testing/cli_test_lib.sh
+source "$1"
+cli_test_init "$2"
 
 expect_exit 0 train --world-size=8 --strategy=FULL_SHARD --steps=3 \
   --check-reference
@@ -65,8 +48,4 @@ grep -q -- '--mixed-precision=fp8' "$tmp/err" || fail "bad precision not named"
 expect_exit 1 train --no-such-flag
 expect_exit 2 train extra-argument
 
-if [ "$failures" -ne 0 ]; then
-  echo "$failures check(s) failed" >&2
-  exit 1
-fi
-echo "PASS"
+cli_test_finish

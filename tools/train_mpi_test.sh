@@ -3,18 +3,13 @@
 # mpirun_test.sh: MPI ranks train bitwise equal to single-process training
 # and rank 0 alone prints; the NCCL backend either runs (4 GPUs) or fails
 # naming the rank and the missing GPU.
-# Usage: train_mpi_test.sh PATH_TO_MPIRUN_TEST_SH PATH_TO_FSDP
+# Usage: train_mpi_test.sh PATH_TO_CLI_TEST_LIB_SH PATH_TO_MPIRUN_TEST_SH PATH_TO_FSDP
 set -uo pipefail
 
-mpirun_test=$1
-fsdp=$2
-tmp=${TEST_TMPDIR:-$(mktemp -d)}
-failures=0
-
-fail() {
-  echo "FAIL: $*" >&2
-  failures=$((failures + 1))
-}
+# shellcheck source=tools/testing/cli_test_lib.sh
+source "$1"
+mpirun_test=$2
+cli_test_init "$3"
 
 MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" train --backend=mpi \
   --strategy=HYBRID_SHARD --micro-batches=2 --check-reference \
@@ -57,8 +52,4 @@ else
     fail "nccl failure without a rank and reason: $(head -c 2000 "$tmp/err")"
 fi
 
-if [ "$failures" -ne 0 ]; then
-  echo "$failures check(s) failed" >&2
-  exit 1
-fi
-echo "PASS"
+cli_test_finish

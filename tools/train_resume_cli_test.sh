@@ -5,29 +5,12 @@
 # checkpoint is told to reshard, and a flag that contradicts the checkpoint
 # is named. With `fsdp checkpoint` in the binary, also save -> reshard to
 # another world size -> load --check-reference.
-# Usage: train_resume_cli_test.sh PATH_TO_FSDP
+# Usage: train_resume_cli_test.sh PATH_TO_CLI_TEST_LIB_SH PATH_TO_FSDP
 set -uo pipefail
 
-fsdp=$1
-tmp=${TEST_TMPDIR:-$(mktemp -d)}
-failures=0
-
-fail() {
-  echo "FAIL: $*" >&2
-  failures=$((failures + 1))
-}
-
-# expect_exit CODE ARGS...: runs fsdp with ARGS, checks the exit code, and
-# leaves stdout/stderr in $tmp/out and $tmp/err.
-expect_exit() {
-  local want=$1
-  shift
-  "$fsdp" "$@" >"$tmp/out" 2>"$tmp/err"
-  local got=$?
-  if [ "$got" -ne "$want" ]; then
-    fail "fsdp $* exited $got, want $want; stderr: $(head -c 800 "$tmp/err")"
-  fi
-}
+# shellcheck source=tools/testing/cli_test_lib.sh
+source "$1"
+cli_test_init "$2"
 
 losses() { grep -E '^ +[0-9]+  [0-9.]+$' "$1"; }
 
@@ -78,8 +61,4 @@ grep -q 'chained: steps 0-1 on 4 ranks FULL_SHARD; then this run): 0 .*bitwise e
   fail "resharded resume not bitwise equal to the chained reference"
 grep -q '^# check: passed$' "$tmp/out" || fail "resharded check not passed"
 
-if [ "$failures" -ne 0 ]; then
-  echo "$failures check(s) failed" >&2
-  exit 1
-fi
-echo "PASS"
+cli_test_finish

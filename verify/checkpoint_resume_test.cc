@@ -15,9 +15,7 @@
 // per segment).
 #include <gtest/gtest.h>
 
-#include <cstring>
 #include <functional>
-#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -31,7 +29,6 @@
 #include "flatparam/checkpoint/convert.h"
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/optim_io.h"
-#include "flatparam/device/device.h"
 #include "flatparam/optim/train_state.h"
 #include "flatparam/train/fsdp_trainer.h"
 #include "flatparam/train/reference_trainer.h"
@@ -82,27 +79,17 @@ FsdpTrainOptions OptionsFor(const Case& c, const Side& side) {
   return o;
 }
 
-// Trains on a simulated world, rank r with options_of(r); then, when
-// `save_to` is set, every rank saves its state there collectively.
+// Trains on a simulated world, rank r with options_of(r); then every rank
+// saves its state to `dir` collectively.
 absl::StatusOr<std::vector<FsdpRankResult>> TrainAndSave(
     const std::function<FsdpTrainOptions(int)>& options_of, int world_size,
-    checkpoint::FileSystem& fs, const std::string& save_to) {
-  SimOptions sim;
-  sim.world_size = world_size;
-  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<SimWorld> world,
-                             SimWorld::Create(sim));
-  std::vector<FsdpRankResult> results(world_size);
-  FLATPARAM_RETURN_IF_ERROR(
-      world->Run([&](SimCommunicator& comm) -> absl::Status {
-        HostDeviceOps device;
-        const FsdpTrainOptions options = options_of(comm.rank());
-        FLATPARAM_ASSIGN_OR_RETURN(
-            results[comm.rank()],
-            train::TrainFsdpOnRank(comm, device, options));
-        if (save_to.empty()) return absl::OkStatus();
+    checkpoint::FileSystem& fs, const std::string& dir) {
+  return TrainFsdpPerRankOnSim(
+      options_of, world_size,
+      [&](SimCommunicator& comm, const FsdpTrainOptions& options,
+          const FsdpRankResult& mine) -> absl::Status {
         FLATPARAM_ASSIGN_OR_RETURN(ModelLayout layout,
                                    train::FsdpModelLayout(options, world_size));
-        const FsdpRankResult& mine = results[comm.rank()];
         checkpoint::RankState state;
         state.flat_params = mine.state.flat_params;
         state.optim = optim::ShardedFromTrainStates(mine.state.optimizer);
@@ -112,9 +99,8 @@ absl::StatusOr<std::vector<FsdpRankResult>> TrainAndSave(
             checkpoint::MakeRankContent(
                 layout, comm.rank() % layout.options().world_size, state));
         return checkpoint::WriteShardedCheckpointCollective(
-            fs, save_to, layout, world_size, content, comm);
-      }));
-  return results;
+            fs, dir, layout, world_size, content, comm);
+      });
 }
 
 // Every rank's state for `options` on `world_size` ranks, from `dir`.
@@ -171,13 +157,13 @@ TEST_P(CheckpointResumeTest, SaveReshardLoadEqualsSingleProcessTraining) {
   EXPECT_EQ(step, k) << "\"extra\" is carried through reshard";
   second.first_step = k;
   FLATPARAM_ASSERT_OK_AND_ASSIGN(std::vector<FsdpRankResult> resumed,
-                                 TrainAndSave(
+                                 TrainFsdpPerRankOnSim(
                                      [&](int r) {
                                        FsdpTrainOptions o = second;
                                        o.initial_state = loaded[r];
                                        return o;
                                      },
-                                     c.after.world_size, fs, ""));
+                                     c.after.world_size));
 
   // The reference: K steps with the first fold, K with the second.
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
@@ -195,10 +181,7 @@ TEST_P(CheckpointResumeTest, SaveReshardLoadEqualsSingleProcessTraining) {
   for (const FsdpRankResult& r : resumed) {
     SCOPED_TRACE(absl::StrFormat("rank %d", r.rank));
     std::string why;
-    ASSERT_EQ(r.losses.size(), want.losses.size());
-    EXPECT_EQ(std::memcmp(r.losses.data(), want.losses.data(),
-                          want.losses.size() * sizeof(float)),
-              0);
+    EXPECT_TRUE(SameFloats(r.losses, want.losses));
     EXPECT_TRUE(SameTensors(r.params, want.params, &why)) << why;
     EXPECT_TRUE(SameStates(r.optimizer_state, want.optimizer_state, &why))
         << why;

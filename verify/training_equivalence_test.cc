@@ -46,7 +46,6 @@
 #include <rapidcheck/gtest.h>
 
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <map>
 #include <string>
@@ -97,11 +96,6 @@ TrainOptions ReferenceOptions(const TrainingCase& c) {
       train::ReferenceOptionsFor(c.options, c.world_size);
   RC_ASSERT(options.ok());
   return *std::move(options);
-}
-
-bool SameFloats(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() &&
-         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 // Every rank's losses, parameters and state equal `want` bit for bit.

@@ -16,19 +16,15 @@
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 
-#include <cstring>
 #include <functional>
-#include <memory>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
-#include "flatparam/base/status_macros.h"
-#include "flatparam/device/device.h"
 #include "flatparam/train/fsdp_trainer.h"
 #include "flatparam/train/reference_trainer.h"
-#include "sim/sim.h"
 #include "verify/training_testutil.h"
 
 namespace flatparam {
@@ -39,31 +35,6 @@ using train::FsdpRankResult;
 using train::FsdpTrainOptions;
 using train::TrainOptions;
 using train::TrainResult;
-
-// TrainFsdpOnRank on a simulated world, rank r with options_of(r).
-absl::StatusOr<std::vector<FsdpRankResult>> TrainPerRankOnSim(
-    const std::function<FsdpTrainOptions(int)>& options_of, int world_size) {
-  SimOptions sim;
-  sim.world_size = world_size;
-  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<SimWorld> world,
-                             SimWorld::Create(sim));
-  std::vector<FsdpRankResult> results(world_size);
-  FLATPARAM_RETURN_IF_ERROR(
-      world->Run([&](SimCommunicator& comm) -> absl::Status {
-        HostDeviceOps device;
-        const FsdpTrainOptions options = options_of(comm.rank());
-        FLATPARAM_ASSIGN_OR_RETURN(
-            results[comm.rank()],
-            train::TrainFsdpOnRank(comm, device, options));
-        return absl::OkStatus();
-      }));
-  return results;
-}
-
-bool SameFloats(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() &&
-         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
 
 void AssertSameResult(const std::vector<float>& losses,
                       const std::map<std::string, HostTensor>& params,
@@ -113,19 +84,19 @@ RC_GTEST_PROP(TrainingResume, ShardedResumeFromOwnStateEqualsUnbrokenRun, ()) {
   FsdpTrainOptions whole = c.options;
   whole.steps = 2 * k;
   absl::StatusOr<std::vector<FsdpRankResult>> unbroken =
-      TrainPerRankOnSim([&](int) { return whole; }, c.world_size);
+      TrainFsdpPerRankOnSim([&](int) { return whole; }, c.world_size);
   RC_ASSERT(unbroken.ok());
 
   FsdpTrainOptions first = c.options;
   first.gather_results = false;
   absl::StatusOr<std::vector<FsdpRankResult>> segment1 =
-      TrainPerRankOnSim([&](int) { return first; }, c.world_size);
+      TrainFsdpPerRankOnSim([&](int) { return first; }, c.world_size);
   RC_ASSERT(segment1.ok());
   for (const FsdpRankResult& r : *segment1) {
     RC_ASSERT(r.params.empty());  // nothing gathered
     RC_ASSERT(r.state.flat_params.size() == r.state.optimizer.size());
   }
-  absl::StatusOr<std::vector<FsdpRankResult>> segment2 = TrainPerRankOnSim(
+  absl::StatusOr<std::vector<FsdpRankResult>> segment2 = TrainFsdpPerRankOnSim(
       [&](int rank) {
         FsdpTrainOptions o = c.options;
         o.first_step = k;
@@ -162,10 +133,10 @@ TEST(TrainingResume, RejectsAStateOfAnotherLayout) {
   FsdpTrainOptions options;
   options.steps = 1;
   absl::StatusOr<std::vector<FsdpRankResult>> two =
-      TrainPerRankOnSim([&](int) { return options; }, 2);
+      TrainFsdpPerRankOnSim([&](int) { return options; }, 2);
   ASSERT_TRUE(two.ok()) << two.status();
   // A 2-rank shard on 4 ranks.
-  absl::StatusOr<std::vector<FsdpRankResult>> four = TrainPerRankOnSim(
+  absl::StatusOr<std::vector<FsdpRankResult>> four = TrainFsdpPerRankOnSim(
       [&](int rank) {
         FsdpTrainOptions o = options;
         o.initial_state = (*two)[rank % 2].state;

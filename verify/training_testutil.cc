@@ -20,10 +20,11 @@ using train::FsdpRankResult;
 using train::FsdpTrainOptions;
 using train::OptimizerState;
 
-absl::StatusOr<std::vector<FsdpRankResult>> TrainFsdpOnSim(
-    const FsdpTrainOptions& options, int world_size, uint64_t sim_seed) {
-  FLATPARAM_RETURN_IF_ERROR(
-      train::ValidateFsdpTrainOptions(options, world_size));
+namespace {
+
+absl::StatusOr<std::vector<FsdpRankResult>> TrainOnSim(
+    const std::function<FsdpTrainOptions(int)>& options_of, int world_size,
+    uint64_t sim_seed, const AfterTraining& after) {
   SimOptions sim;
   sim.world_size = world_size;
   sim.seed = sim_seed;
@@ -33,12 +34,30 @@ absl::StatusOr<std::vector<FsdpRankResult>> TrainFsdpOnSim(
   FLATPARAM_RETURN_IF_ERROR(
       world->Run([&](SimCommunicator& comm) -> absl::Status {
         HostDeviceOps device;
+        const FsdpTrainOptions options = options_of(comm.rank());
+        FsdpRankResult& mine = results[comm.rank()];
         FLATPARAM_ASSIGN_OR_RETURN(
-            results[comm.rank()],
-            train::TrainFsdpOnRank(comm, device, options));
-        return absl::OkStatus();
+            mine, train::TrainFsdpOnRank(comm, device, options));
+        if (after == nullptr) return absl::OkStatus();
+        return after(comm, options, mine);
       }));
   return results;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<FsdpRankResult>> TrainFsdpOnSim(
+    const FsdpTrainOptions& options, int world_size, uint64_t sim_seed) {
+  FLATPARAM_RETURN_IF_ERROR(
+      train::ValidateFsdpTrainOptions(options, world_size));
+  return TrainOnSim([&](int) { return options; }, world_size, sim_seed,
+                    nullptr);
+}
+
+absl::StatusOr<std::vector<FsdpRankResult>> TrainFsdpPerRankOnSim(
+    const std::function<FsdpTrainOptions(int)>& options_of, int world_size,
+    const AfterTraining& after) {
+  return TrainOnSim(options_of, world_size, /*sim_seed=*/0, after);
 }
 
 namespace {
@@ -210,6 +229,11 @@ bool SameStates(const std::map<std::string, OptimizerState>& a,
         return SameTensors(x.tensors, y.tensors, &inner) ? std::string()
                                                          : inner;
       });
+}
+
+bool SameFloats(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() &&
+         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 double MaxAbsDiff(const std::map<std::string, HostTensor>& a,

@@ -3,33 +3,52 @@
 // generators for training configurations, and bitwise / bounded
 // comparisons of TrainResult-shaped maps.
 //
-// Thread-safety: functions of their arguments; TrainFsdpOnSim runs the
-// simulator's rank threads one at a time.
+// Thread-safety: functions of their arguments; TrainFsdpOnSim and
+// TrainFsdpPerRankOnSim run the simulator's rank threads one at a time, and
+// call their callbacks on those threads.
 #ifndef FLATPARAM_VERIFY_TRAINING_TESTUTIL_H_
 #define FLATPARAM_VERIFY_TRAINING_TESTUTIL_H_
 
 #include <rapidcheck.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <ostream>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "flatparam/flatten.h"
 #include "flatparam/train/fsdp_trainer.h"
 #include "flatparam/train/optimizer.h"
 #include "flatparam/train/reference_trainer.h"
+#include "sim/sim.h"
 
 namespace flatparam {
 namespace verify {
 
 // TrainFsdpOnRank on a SimWorld of `world_size` ranks (scheduler seed
-// `sim_seed`), each with its own HostDeviceOps; the results by rank.
+// `sim_seed`), each with its own HostDeviceOps; the results by rank. The
+// options are checked with train::ValidateFsdpTrainOptions first.
 absl::StatusOr<std::vector<train::FsdpRankResult>> TrainFsdpOnSim(
     const train::FsdpTrainOptions& options, int world_size,
     uint64_t sim_seed = 0);
+
+// Runs on a rank's thread after that rank has trained (e.g. to save its
+// state collectively); an error fails the whole run.
+using AfterTraining = std::function<absl::Status(
+    SimCommunicator& comm, const train::FsdpTrainOptions& options,
+    const train::FsdpRankResult& result)>;
+
+// TrainFsdpOnRank on a SimWorld of `world_size` ranks (seed 0), rank r with
+// options_of(r) (for resuming each rank from its own state) and no
+// validation beyond TrainFsdpOnRank's own; then, when `after` is set,
+// after(comm, options_of(r), result of r) on each rank.
+absl::StatusOr<std::vector<train::FsdpRankResult>> TrainFsdpPerRankOnSim(
+    const std::function<train::FsdpTrainOptions(int rank)>& options_of,
+    int world_size, const AfterTraining& after = nullptr);
 
 // A training run to check: options plus the world size.
 struct TrainingCase {
@@ -58,6 +77,9 @@ bool SameTensors(const std::map<std::string, HostTensor>& a,
 bool SameStates(const std::map<std::string, train::OptimizerState>& a,
                 const std::map<std::string, train::OptimizerState>& b,
                 std::string* why);
+
+// Bitwise equality of two loss sequences (NaNs compare by their bits).
+bool SameFloats(const std::vector<float>& a, const std::vector<float>& b);
 
 // Largest |a - b| over the tensors of two maps with equal keys and numels
 // (NaN if any element is NaN in one and not the other).

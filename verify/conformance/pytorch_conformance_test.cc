@@ -16,11 +16,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <cctype>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
@@ -34,68 +31,21 @@
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
+#include "verify/conformance/golden_data.h"
 
 namespace flatparam {
 namespace {
 
 using json = nlohmann::json;
+using verify::FindByName;
+using verify::GoldenCaseNames;
+using verify::GoldenCaseTestName;
+using verify::GoldenData;
+using verify::LoadGoldenData;
 
 constexpr char kGoldenPath[] = "verify/testdata/pytorch_layouts.json";
 
-struct GoldenData {
-  json data;
-  // Non-empty when the file could not be read or parsed.
-  std::string error;
-};
-
-// Under `bazel test` the file is at $TEST_SRCDIR/$TEST_WORKSPACE/...; when
-// the binary runs by hand from the repository root, at the relative path.
-std::string GoldenFilePath() {
-  const char* srcdir = std::getenv("TEST_SRCDIR");
-  const char* workspace = std::getenv("TEST_WORKSPACE");
-  if (srcdir == nullptr || workspace == nullptr) return kGoldenPath;
-  return absl::StrCat(srcdir, "/", workspace, "/", kGoldenPath);
-}
-
-const GoldenData& Golden() {
-  static const GoldenData* golden = [] {
-    auto* g = new GoldenData;
-    const std::string path = GoldenFilePath();
-    std::ifstream in(path);
-    if (!in) {
-      g->error = absl::StrCat("cannot open golden data ", path);
-      return g;
-    }
-    g->data = json::parse(in, /*cb=*/nullptr, /*allow_exceptions=*/false);
-    if (g->data.is_discarded()) {
-      g->error = absl::StrCat("cannot parse golden data ", path);
-    }
-    return g;
-  }();
-  return *golden;
-}
-
-// The parameter of the test suite: a case name, or a marker that makes the
-// single instantiated test report the load error instead of running nothing.
-constexpr char kLoadFailed[] = "golden data failed to load";
-
-std::vector<std::string> CaseNames() {
-  const GoldenData& g = Golden();
-  if (!g.error.empty()) return {kLoadFailed};
-  std::vector<std::string> names;
-  for (const json& c : g.data.at("cases")) {
-    names.push_back(c.at("name").get<std::string>());
-  }
-  return names;
-}
-
-const json& FindByName(const json& list, const std::string& name) {
-  for (const json& item : list) {
-    if (item.at("name") == name) return item;
-  }
-  static const json* const kNull = new json();
-  return *kNull;
-}
+const GoldenData& Golden() { return LoadGoldenData(kGoldenPath); }
 
 // "case <name>, rank <r>, field <field>"; rank < 0 for case-level fields.
 std::string Where(const std::string& case_name, int64_t rank,
@@ -464,16 +414,9 @@ TEST_P(PytorchConformanceTest, MatchesTorch) {
   }
 }
 
-std::string TestName(const testing::TestParamInfo<std::string>& info) {
-  std::string name = info.param;
-  for (char& c : name) {
-    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
-  }
-  return name;
-}
-
 INSTANTIATE_TEST_SUITE_P(Golden, PytorchConformanceTest,
-                         testing::ValuesIn(CaseNames()), TestName);
+                         testing::ValuesIn(GoldenCaseNames(Golden())),
+                         GoldenCaseTestName);
 
 // A flat parameter with no elements: torch 1.13 shards it (to 0-element
 // shards); the 2.x reference asserts in `_init_shard_metadata`, and flatparam

@@ -32,11 +32,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -61,12 +58,18 @@
 #include "flatparam/optim/fsdp_optim.h"
 #include "flatparam/optim/optim_state.h"
 #include "sim/sim.h"
+#include "verify/conformance/golden_data.h"
 
 namespace flatparam {
 namespace optim {
 namespace {
 
 using json = nlohmann::json;
+using verify::FindByName;
+using verify::GoldenCaseNames;
+using verify::GoldenCaseTestName;
+using verify::GoldenData;
+using verify::LoadGoldenData;
 
 constexpr char kGoldenPath[] = "verify/testdata/pytorch_optim_state.json";
 
@@ -76,56 +79,10 @@ constexpr char kNoneStateError[] =
     "ValueError: Differing optimizer state types for state momentum_buffer, "
     "values [], ";
 
-struct GoldenData {
-  json data;
-  std::string error;  // non-empty when the file could not be read or parsed
-};
-
-// Under `bazel test` the file is at $TEST_SRCDIR/$TEST_WORKSPACE/...; when
-// the binary runs by hand from the repository root, at the relative path.
-std::string GoldenFilePath() {
-  const char* srcdir = std::getenv("TEST_SRCDIR");
-  const char* workspace = std::getenv("TEST_WORKSPACE");
-  if (srcdir == nullptr || workspace == nullptr) return kGoldenPath;
-  return absl::StrCat(srcdir, "/", workspace, "/", kGoldenPath);
-}
-
-const GoldenData& Golden() {
-  static const GoldenData* golden = [] {
-    auto* g = new GoldenData;
-    const std::string path = GoldenFilePath();
-    std::ifstream in(path);
-    if (!in) {
-      g->error = absl::StrCat("cannot open golden data ", path);
-      return g;
-    }
-    g->data = json::parse(in, /*cb=*/nullptr, /*allow_exceptions=*/false);
-    if (g->data.is_discarded()) {
-      g->error = absl::StrCat("cannot parse golden data ", path);
-    }
-    return g;
-  }();
-  return *golden;
-}
-
-constexpr char kLoadFailed[] = "golden data failed to load";
-
-std::vector<std::string> CaseNames() {
-  const GoldenData& g = Golden();
-  if (!g.error.empty()) return {kLoadFailed};
-  std::vector<std::string> names;
-  for (const json& c : g.data.at("cases")) {
-    names.push_back(c.at("name").get<std::string>());
-  }
-  return names;
-}
+const GoldenData& Golden() { return LoadGoldenData(kGoldenPath); }
 
 const json& FindCase(const std::string& name) {
-  for (const json& c : Golden().data.at("cases")) {
-    if (c.at("name") == name) return c;
-  }
-  static const json* const kNull = new json();
-  return *kNull;
+  return FindByName(Golden().data.at("cases"), name);
 }
 
 // ---------------------------------------------------------------------------
@@ -474,16 +431,9 @@ TEST_P(PytorchOptimConformanceTest, MatchesTorch) {
   }
 }
 
-std::string TestName(const testing::TestParamInfo<std::string>& info) {
-  std::string name = info.param;
-  for (char& c : name) {
-    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
-  }
-  return name;
-}
-
 INSTANTIATE_TEST_SUITE_P(Golden, PytorchOptimConformanceTest,
-                         testing::ValuesIn(CaseNames()), TestName);
+                         testing::ValuesIn(GoldenCaseNames(Golden())),
+                         GoldenCaseTestName);
 
 // Sharded groups list ignored modules' parameters in the optimizer's
 // order, as torch does (its sorted IDs), not by name.
