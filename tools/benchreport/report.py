@@ -61,6 +61,11 @@ def ratio(value, base):
     return "%.2f" % (value / base)
 
 
+def short(name):
+    """The benchmark's name without Google Benchmark's run suffixes."""
+    return re.sub(r"/(iterations:\d+|real_time|manual_time)", "", name)
+
+
 def arg(name, key):
     m = re.search(r"(?:^|/)%s:(\d+)" % re.escape(key), name)
     return int(m.group(1)) if m else None
@@ -122,7 +127,8 @@ def report_sim(ctx, rows):
                 v = b[key]
                 counters.append("%s=%s" % (
                     key, "%.3g" % v if key != "busbw" else rate(v) + " GB/s"))
-        out.append([b["name"], "%.4g %s" % (b["real_time"], b["time_unit"]),
+        out.append([short(b["name"]),
+                    "%.4g %s" % (b["real_time"], b["time_unit"]),
                     ", ".join(counters)])
     return table(["benchmark", "wall time", "counters"], out)
 
@@ -187,7 +193,7 @@ def report_optim_state(ctx, rows):
         v = b.get("bytes_per_second", 0)
         w = base.get("bytes_per_second", 0) if base else 0
         peak = b.get("peak_extra_bytes")
-        out.append([b["name"], rate(v), ratio(v, w),
+        out.append([short(b["name"]), rate(v), ratio(v, w),
                     "-" if peak is None else size_label(peak)
                     if peak >= 1024 else "%d B" % peak])
     return table(["benchmark", "GB/s",
@@ -198,7 +204,7 @@ def report_nccl(ctx, rows, line_rate):
     out = []
     for b in rows:
         busbw = b.get("busbw", 0)
-        out.append([b["name"], rate(busbw),
+        out.append([short(b["name"]), rate(busbw),
                     ratio(busbw / GIB, line_rate) if line_rate else "n/a"])
     return table(["benchmark", "busbw GB/s", "busbw / line rate"], out)
 
