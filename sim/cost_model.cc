@@ -49,15 +49,19 @@ std::vector<Topology> Presets() {
   hdr.gpu = {"A100-SXM-80GB", 312e12, 156e12, int64_t{80} * (int64_t{1} << 30)};
   presets.push_back(hdr);
 
-  // An HGX H100 cluster on NDR: the DGX H100 link rates under the fabric's
-  // name, with a slower switch hierarchy (three-level fat tree) assumed.
-  Topology ndr = h100;
-  ndr.name = "ib-ndr";
-  ndr.description =
-      "HGX H100 on an NDR fat tree: 8 GPUs/node, NVLink4 450 GB/s/dir, one "
-      "NDR 400 Gb/s HCA per GPU (50 GB/s), 7 us per inter-node step";
-  ndr.link.inter_latency_s = 7e-6;
-  presets.push_back(ndr);
+  // PCIe servers: 8 H100 PCIe per node without NVSwitch, so the ring inside
+  // a node runs over PCIe Gen5 x16 (64 GB/s per direction on paper, about
+  // 50 GB/s achieved), and four NDR 400 Gb/s HCAs per node (25 GB/s per
+  // GPU) on a three-level fat tree. H100 PCIe: 756 TFLOP/s bf16 dense.
+  Topology pcie;
+  pcie.name = "h100-pcie-ndr";
+  pcie.description =
+      "H100 PCIe servers: 8 GPUs/node over PCIe Gen5 (50 GB/s/dir), 4x NDR "
+      "400 Gb/s per node (25 GB/s per GPU), 7 us per inter-node step, 756 "
+      "TFLOP/s bf16, 80 GiB";
+  pcie.link = {1, 8, 50e9, 2e-6, 25e9, 7e-6};
+  pcie.gpu = {"H100-PCIe", 756e12, 378e12, int64_t{80} * (int64_t{1} << 30)};
+  presets.push_back(pcie);
 
   // Commodity: NVLink inside the node, one 100 GbE NIC (RoCE) per node
   // shared by its 8 GPUs: 12.5 GB/s / 8 per GPU.

@@ -135,7 +135,7 @@ struct Topology {
   GpuSpec gpu;
 };
 
-// "dgx-h100", "ib-hdr", "ib-ndr", "ethernet-100g"; each at nodes = 1.
+// "dgx-h100", "ib-hdr", "h100-pcie-ndr", "ethernet-100g"; each at nodes = 1.
 std::vector<std::string> TopologyPresetNames();
 // The preset `name`; InvalidArgument naming it and listing the presets.
 absl::StatusOr<Topology> FindTopologyPreset(absl::string_view name);

@@ -25,7 +25,7 @@ ABSL_FLAG(int64_t, gpus_per_node, 0,
 ABSL_FLAG(double, tokens_per_gpu, 4096,
           "plan: training tokens per GPU per step.");
 ABSL_FLAG(std::string, topology, "dgx-h100",
-          "plan: dgx-h100, ib-hdr, ib-ndr or ethernet-100g.");
+          "plan: dgx-h100, ib-hdr, h100-pcie-ndr or ethernet-100g.");
 ABSL_FLAG(double, intra_bandwidth, 0,
           "plan: override the intra-node bandwidth, GB/s per GPU and "
           "direction.");
@@ -138,7 +138,7 @@ constexpr char kHelp[] =
     "                           or fp16 (float32 master weights)\n"
     "  --optimizer=O            adamw (default) or sgd (with momentum)\n"
     "  --tokens-per-gpu=T       tokens per GPU per step (default 4096)\n"
-    "  --topology=NAME          dgx-h100 (default), ib-hdr, ib-ndr,\n"
+    "  --topology=NAME          dgx-h100 (default), ib-hdr, h100-pcie-ndr,\n"
     "                           ethernet-100g\n"
     "  --intra-bandwidth=GBPS   override: GB/s per GPU and direction\n"
     "  --inter-bandwidth=GBPS   override: network GB/s per GPU\n"
