@@ -48,6 +48,39 @@ json KeyToJson(const ParamKey& key) {
   return std::get<std::string>(key);
 }
 
+// nlohmann's parser and destructor are iterative, but copying, comparing
+// and dumping a value recurse once per level of nesting, so a sidecar of a
+// few MB of "[[[[..." would overflow the stack. The schema itself nests 6
+// levels; the limit leaves "extra" room for any sane trainer state.
+constexpr int kMaxSidecarDepth = 512;
+
+// Whether `doc` nests deeper than `limit` (a scalar is depth 1).
+// Iterative, for the reason above.
+bool NestedTooDeep(const json& doc, int limit = kMaxSidecarDepth) {
+  std::vector<std::pair<const json*, int>> stack = {{&doc, 1}};
+  while (!stack.empty()) {
+    const auto [j, depth] = stack.back();
+    stack.pop_back();
+    if (depth > limit) return true;
+    if (j->is_structured()) {
+      for (const json& child : *j) stack.emplace_back(&child, depth + 1);
+    }
+  }
+  return false;
+}
+
+// `j` for an error message: never throws (a caller's json may hold invalid
+// UTF-8) and stays short however large the value.
+std::string Snippet(const json& j) {
+  constexpr size_t kMax = 200;
+  std::string s = j.dump(-1, ' ', false, json::error_handler_t::replace);
+  if (s.size() > kMax) {
+    s.resize(kMax);
+    s += "...";
+  }
+  return s;
+}
+
 // Parsing context: the file and the JSON path so far.
 class Parser {
  public:
@@ -75,7 +108,7 @@ class Parser {
     return Error(path, absl::StrCat("expected a float (a number, \"inf\", "
                                     "\"-inf\", \"nan\" or \"nan:<16 hex "
                                     "digits>\"), got ",
-                                    j.dump()));
+                                    Snippet(j)));
   }
 
   absl::StatusOr<int64_t> Int(const json& j, const std::string& path) const {
@@ -83,12 +116,12 @@ class Parser {
       if (j.is_number_unsigned() &&
           j.get<uint64_t>() >
               static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-        return Error(
-            path, absl::StrCat("integer ", j.dump(), " does not fit in int64"));
+        return Error(path, absl::StrCat("integer ", Snippet(j),
+                                        " does not fit in int64"));
       }
       return j.get<int64_t>();
     }
-    return Error(path, absl::StrCat("expected an integer, got ", j.dump()));
+    return Error(path, absl::StrCat("expected an integer, got ", Snippet(j)));
   }
 
   absl::StatusOr<ParamKey> Key(const json& j, const std::string& path) const {
@@ -98,7 +131,7 @@ class Parser {
       return ParamKey(id);
     }
     return Error(path, absl::StrCat("expected an integer or string key, got ",
-                                    j.dump()));
+                                    Snippet(j)));
   }
 
   // A tagged value: {"<type>": payload}. Returns the tag and the payload.
@@ -107,7 +140,7 @@ class Parser {
     if (!j.is_object() || j.size() != 1) {
       return Error(path, absl::StrCat("expected an object with one member "
                                       "naming the value's type, got ",
-                                      j.dump()));
+                                      Snippet(j)));
     }
     return std::make_pair(j.begin().key(), &j.begin().value());
   }
@@ -306,6 +339,12 @@ absl::StatusOr<json> OptimSidecarToJson(const OptimSidecar& sidecar,
       return absl::InvalidArgumentError(absl::StrCat(
           "extra must be a JSON object, not a ", sidecar.extra.type_name()));
     }
+    // The reader would refuse it (and dumping it could overflow the stack).
+    // One level goes to the document around it.
+    if (NestedTooDeep(sidecar.extra, kMaxSidecarDepth - 1)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "extra is nested deeper than ", kMaxSidecarDepth - 1, " levels"));
+    }
     doc["extra"] = sidecar.extra;
   }
   FLATPARAM_RETURN_IF_ERROR(CheckDumpable(doc, "optimizer sidecar"));
@@ -316,12 +355,16 @@ absl::StatusOr<OptimSidecar> ParseOptimSidecar(const json& doc,
                                                absl::string_view file) {
   const Parser p(file);
   if (!doc.is_object()) return p.Error("(document)", "not a JSON object");
+  if (NestedTooDeep(doc)) {
+    return p.Error("(document)", absl::StrCat("nested deeper than ",
+                                              kMaxSidecarDepth, " levels"));
+  }
   auto format = doc.find("format");
   if (format == doc.end() || *format != kOptimSidecarFormat) {
     return p.Error("format",
                    absl::StrCat("expected \"", kOptimSidecarFormat, "\", got ",
                                 format == doc.end() ? std::string("nothing")
-                                                    : format->dump()));
+                                                    : Snippet(*format)));
   }
   for (auto it = doc.begin(); it != doc.end(); ++it) {
     if (it.key() != "format" && it.key() != "state" &&
@@ -511,7 +554,13 @@ absl::Status FillState(const OptimSidecar& sidecar,
             sidecar_name, ": state ", optim::DescribeKey(key), " '", name,
             "': tensor '", *v.tensor, "' is not in ", file.name()));
       }
-      listed.insert(*v.tensor);
+      // Two state names can map to one tensor name (full checkpoints:
+      // "a.b" + "c" and "a" + "b.c"); the writer refuses that, so must we.
+      if (!listed.insert(*v.tensor).second) {
+        return absl::DataLossError(absl::StrCat(
+            sidecar_name, ": state ", optim::DescribeKey(key), " '", name,
+            "': tensor '", *v.tensor, "' is listed more than once"));
+      }
       FLATPARAM_ASSIGN_OR_RETURN(HostTensor t, file.ReadHostTensor(*v.tensor));
       out[name] = std::move(t);
     }
@@ -539,6 +588,17 @@ absl::StatusOr<RankState> ReadRankState(const ShardedCheckpointReader& reader,
                              ParseOptimSidecar(doc, sidecar_name));
   RankState state;
   const int64_t n = static_cast<int64_t>(reader.layout().flat_params().size());
+  // As MakeRankContent: an int key is a flat-parameter index, even when it
+  // holds no tensor.
+  for (const auto& [key, values] : sidecar.state) {
+    const auto* id = std::get_if<int64_t>(&key);
+    if (id != nullptr && (*id < 0 || *id >= n)) {
+      return absl::DataLossError(absl::StrFormat(
+          "%s: optimizer state key %d is not a flat-parameter index in "
+          "[0, %d)",
+          sidecar_name, *id, n));
+    }
+  }
   for (int64_t i = 0; i < n; ++i) {
     FLATPARAM_ASSIGN_OR_RETURN(HostTensor t,
                                file.ReadHostTensor(FlatParamTensorName(i)));
@@ -614,6 +674,14 @@ absl::StatusOr<FullState> ReadFullState(const FullCheckpointReader& reader) {
   FLATPARAM_ASSIGN_OR_RETURN(
       OptimSidecar sidecar,
       ParseOptimSidecar(reader.optim_json(), sidecar_name));
+  // As MakeFullContent: keys are names, even for states without tensors.
+  for (const auto& [key, values] : sidecar.state) {
+    if (std::holds_alternative<int64_t>(key)) {
+      return absl::DataLossError(absl::StrCat(
+          sidecar_name, ": optimizer state key ", optim::DescribeKey(key),
+          " is a parameter ID; a full checkpoint's keys are names"));
+    }
+  }
   FLATPARAM_RETURN_IF_ERROR(FillState(
       sidecar, reader.optim(), sidecar_name, kStateTensorPrefix,
       [](const ParamKey& key,
