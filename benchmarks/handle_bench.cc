@@ -5,7 +5,10 @@
 //
 //   unshard_reshard   Unshard() + Reshard(free_unsharded = true): allocate
 //                     the padded unsharded flat parameter, all-gather the
-//                     local shard into it, free it.
+//                     local shard into it, free it (after one untimed
+//                     warm-up round trip, so that HostDeviceOps' caching
+//                     allocator has seen the size, as in a training loop's
+//                     steady state).
 //   all_gather        Communicator::AllGather of the same shard into a
 //                     preallocated buffer of the same size.
 //   reduce_grad       ReduceGrad(): gradient pre-divide, reduce-scatter into
@@ -28,6 +31,10 @@
 //   bazel build -c opt //benchmarks:handle_bench
 //   mpirun --allow-run-as-root --oversubscribe --bind-to none -np 4
 //       bazel-bin/benchmarks/handle_bench --backend=mpi
+//
+// --host_cache_bytes=B: HostDeviceOps' max_cached_bytes (default: its
+// default, 1 GiB); 0 turns its caching allocator off, each Unshard() then
+// allocates and first-touches fresh memory.
 //
 // Caps (--max_bytes=B, default 256 MiB on both backends; sizes grow by 4x):
 // per rank the unit needs the unsharded parameter and gradient (2 x B) plus
@@ -66,6 +73,7 @@
 #include "comm/conformance/bandwidth.h"
 #include "comm/mpi/mpi_communicator.h"
 #include "flatparam/base/status_macros.h"
+#include "flatparam/device/caching_allocator.h"
 #include "flatparam/device/device.h"
 #include "flatparam/handle.h"
 #include "flatparam/layout.h"
@@ -113,6 +121,7 @@ struct Flags {
   std::string backend = "sim";
   int ranks = 4;
   int64_t max_bytes = kMaxBytes;
+  CachingAllocatorOptions cache;
 };
 
 [[noreturn]] void Die(const absl::Status& status) {
@@ -131,9 +140,10 @@ double Seconds(std::chrono::steady_clock::time_point start) {
 // One rank's unit, handle and raw buffers for one op and size.
 class Unit {
  public:
-  static absl::StatusOr<std::unique_ptr<Unit>> Make(Communicator& comm, Op op,
-                                                    int64_t bytes) {
-    auto u = std::unique_ptr<Unit>(new Unit(comm, op));
+  static absl::StatusOr<std::unique_ptr<Unit>> Make(
+      Communicator& comm, Op op, int64_t bytes,
+      const CachingAllocatorOptions& cache) {
+    auto u = std::unique_ptr<Unit>(new Unit(comm, op, cache));
     const int n = comm.size();
     LayoutOptions options;
     options.world_size = n;
@@ -157,12 +167,11 @@ class Unit {
     FLATPARAM_ASSIGN_OR_RETURN(
         u->handle_, FlatParamHandle::CreateWithLocalShard(
                         layout, u->shard_ref(), &comm, nullptr, &u->device_));
-    if (op == Op::kReduceGrad) {
-      // Untimed warm-up: the first PreBackward all-gathers; later ones
-      // reuse the parameter SHARD_GRAD_OP keeps.
-      FLATPARAM_ASSIGN_OR_RETURN(double ignored, u->Iterate());
-      (void)ignored;
-    }
+    // Untimed warm-up. reduce_grad: the first PreBackward all-gathers;
+    // later ones reuse the parameter SHARD_GRAD_OP keeps. unshard_reshard:
+    // the first Unshard() allocates what later ones find cached.
+    FLATPARAM_ASSIGN_OR_RETURN(double ignored, u->Iterate());
+    (void)ignored;
     return u;
   }
 
@@ -236,7 +245,8 @@ class Unit {
   }
 
  private:
-  Unit(Communicator& comm, Op op) : comm_(&comm), op_(op) {}
+  Unit(Communicator& comm, Op op, const CachingAllocatorOptions& cache)
+      : comm_(&comm), op_(op), device_(cache) {}
 
   BufferRef shard_ref() const {
     return shard_.As(DType::kFloat32).Slice(0, chunk_);
@@ -274,7 +284,8 @@ void SetCounters(benchmark::State& state, Op op, int64_t bytes, int n,
 // ---------------------------------------------------------------------------
 // The simulator: one SimWorld per benchmark run; rank 0 drives the loop.
 
-void RunSim(benchmark::State& state, Op op, int64_t bytes, int ranks) {
+void RunSim(benchmark::State& state, Op op, int64_t bytes, int ranks,
+            const CachingAllocatorOptions& cache) {
   SimOptions options;
   options.world_size = ranks;
   options.seed = 1;
@@ -290,7 +301,7 @@ void RunSim(benchmark::State& state, Op op, int64_t bytes, int ranks) {
   const absl::Status status =
       (*world)->Run([&](Communicator& comm) -> absl::Status {
         FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<Unit> u,
-                                   Unit::Make(comm, op, bytes));
+                                   Unit::Make(comm, op, bytes, cache));
         size = u->bytes();
         FLATPARAM_RETURN_IF_ERROR(comm.Barrier({}));
         const bool driver = comm.rank() == 0;
@@ -329,10 +340,10 @@ void Broadcast(Command& command) {
 
 // Runs `command` on this rank; `state` is rank 0's, null elsewhere.
 void Execute(const Command& command, Communicator& comm,
-             benchmark::State* state) {
+             const CachingAllocatorOptions& cache, benchmark::State* state) {
   const Op op = static_cast<Op>(command.op);
   absl::StatusOr<std::unique_ptr<Unit>> made =
-      Unit::Make(comm, op, command.bytes);
+      Unit::Make(comm, op, command.bytes, cache);
   if (!made.ok()) Die(made.status());
   Unit& u = **made;
   MPI_Barrier(MPI_COMM_WORLD);
@@ -386,6 +397,10 @@ Flags ParseFlags(int* argc, char** argv) {
     } else if (absl::ConsumePrefix(&arg, "--max_bytes=") ||
                absl::ConsumePrefix(&arg, "--max-bytes=")) {
       ok = absl::SimpleAtoi(arg, &flags.max_bytes) && flags.max_bytes >= 1;
+    } else if (absl::ConsumePrefix(&arg, "--host_cache_bytes=") ||
+               absl::ConsumePrefix(&arg, "--host-cache-bytes=")) {
+      ok = absl::SimpleAtoi(arg, &flags.cache.max_cached_bytes) &&
+           flags.cache.max_cached_bytes >= 0;
     } else {
       argv[out++] = argv[i];
       continue;
@@ -393,7 +408,8 @@ Flags ParseFlags(int* argc, char** argv) {
     if (!ok) {
       std::fprintf(stderr,
                    "handle_bench: bad flag %s (expected --backend=sim|mpi, "
-                   "--ranks=N >= 1, --max_bytes=B >= 1)\n",
+                   "--ranks=N >= 1, --max_bytes=B >= 1, "
+                   "--host_cache_bytes=B >= 0)\n",
                    argv[i]);
       std::exit(2);
     }
@@ -412,8 +428,9 @@ int SimMain(const Flags& flags) {
     for (Op op : kOps) {
       benchmark::RegisterBenchmark(
           Name("sim", op, flags.ranks, bytes).c_str(),
-          [op, bytes, ranks = flags.ranks](benchmark::State& state) {
-            RunSim(state, op, bytes, ranks);
+          [op, bytes, ranks = flags.ranks,
+           cache = flags.cache](benchmark::State& state) {
+            RunSim(state, op, bytes, ranks, cache);
           })
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
@@ -437,20 +454,20 @@ int MpiMain(const Flags& flags, int* argc, char*** argv) {
         Command command;
         Broadcast(command);
         if (command.op < 0) break;
-        Execute(command, comm, nullptr);
+        Execute(command, comm, flags.cache, nullptr);
       }
     } else {
       for (int64_t bytes : Sizes(flags.max_bytes)) {
         for (Op op : kOps) {
           benchmark::RegisterBenchmark(
               Name("mpi", op, comm.size(), bytes).c_str(),
-              [&comm, op, bytes](benchmark::State& state) {
+              [&comm, op, bytes, cache = flags.cache](benchmark::State& state) {
                 Command command;
                 command.op = static_cast<int32_t>(op);
                 command.bytes = bytes;
                 command.iterations = state.max_iterations;
                 Broadcast(command);
-                Execute(command, comm, &state);
+                Execute(command, comm, cache, &state);
               })
               ->UseManualTime()
               ->Unit(benchmark::kMicrosecond);

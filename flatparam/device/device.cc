@@ -3,7 +3,6 @@
 #include <cassert>
 #include <cmath>
 #include <cstring>
-#include <new>
 #include <utility>
 
 #include "absl/strings/str_format.h"
@@ -280,17 +279,11 @@ void HostAdd(void* acc, const void* x, DType dtype, int64_t count) {
 
 absl::StatusOr<void*> HostDeviceOps::DoAllocate(Device device, int64_t bytes,
                                                 bool pinned) {
-  void* p = ::operator new (static_cast<size_t>(bytes), std::align_val_t{64},
-                            std::nothrow);
-  if (p == nullptr) {
-    return absl::ResourceExhaustedError(
-        absl::StrFormat("host allocation of %d bytes failed", bytes));
-  }
-  return p;
+  return allocator_.Allocate(device, bytes, pinned);
 }
 
 void HostDeviceOps::DoFree(void* data, Device device, bool pinned) {
-  ::operator delete (data, std::align_val_t{64});
+  allocator_.Free(data, device, pinned);
 }
 
 absl::Status HostDeviceOps::DoCopy(BufferRef dst, ConstBufferRef src) {

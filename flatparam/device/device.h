@@ -42,7 +42,7 @@
 // completing.
 //
 // Thread-safety: a DeviceOps is used by one thread at a time; HostDeviceOps
-// is stateless and may be shared.
+// may be shared between threads (its allocator cache has a mutex).
 #ifndef FLATPARAM_DEVICE_DEVICE_H_
 #define FLATPARAM_DEVICE_DEVICE_H_
 
@@ -53,6 +53,7 @@
 #include "absl/strings/string_view.h"
 #include "comm/communicator.h"
 #include "flatparam/base/dtype.h"
+#include "flatparam/device/caching_allocator.h"
 
 namespace flatparam {
 
@@ -167,12 +168,40 @@ void HostScale(void* buf, DType dtype, int64_t count, ScaleOp op,
 void HostAdd(void* acc, const void* x, DType dtype, int64_t count);
 
 // DeviceOps on host memory: the compute device is the host, allocation is
-// plain (64-byte aligned) heap memory, every operation is synchronous.
+// 64-byte aligned heap memory, every operation is synchronous.
+//
+// Allocation goes through a CachingAllocator (caching_allocator.h), on by
+// default with its default cap (1 GiB of freed blocks kept): the runtime
+// frees and reallocates buffers of the same sizes every iteration (Unshard()
+// allocates the padded unsharded parameter afresh, Reshard() frees it, as
+// PyTorch's storage resize does), and on the host each fresh large block
+// costs a page fault per page, 3-5x the all-gather that fills it. PyTorch
+// relies on its CUDA caching allocator for the same pattern, by default.
+// What it costs: the process keeps up to the cap of freed memory that no
+// handle's MemoryStats counts (they count logical allocations, unchanged);
+// pass options with max_cached_bytes = 0 for the uncached behaviour, or call
+// EmptyCache(). Pinned and pageable requests are cached apart (pinned() of
+// a reused buffer is what was asked for), though on the host both are plain
+// heap memory.
+//
+// Memory: every DeviceBuffer must be freed before the ops are destroyed;
+// the destructor releases the cache.
 class HostDeviceOps final : public DeviceOps {
  public:
+  HostDeviceOps() : HostDeviceOps(CachingAllocatorOptions()) {}
+  explicit HostDeviceOps(CachingAllocatorOptions options)
+      : allocator_(&heap_, options) {}
+  HostDeviceOps(const HostDeviceOps&) = delete;
+  HostDeviceOps& operator=(const HostDeviceOps&) = delete;
+
   Device device() const override { return Device::Host(); }
   absl::string_view name() const override { return "host"; }
   absl::Status Synchronize() override { return absl::OkStatus(); }
+
+  // The allocator cache: cached and live bytes, hits and misses.
+  CachingAllocatorStats cache_stats() const { return allocator_.stats(); }
+  // Frees every cached block for real (live buffers are untouched).
+  void EmptyCache() { allocator_.EmptyCache(); }
 
  protected:
   absl::StatusOr<void*> DoAllocate(Device device, int64_t bytes,
@@ -183,6 +212,10 @@ class HostDeviceOps final : public DeviceOps {
   absl::Status DoCast(BufferRef dst, ConstBufferRef src) override;
   absl::Status DoScale(BufferRef buf, ScaleOp op, double factor) override;
   absl::Status DoAdd(BufferRef acc, ConstBufferRef x) override;
+
+ private:
+  HeapBlockSource heap_;
+  CachingAllocator allocator_;
 };
 
 }  // namespace flatparam
