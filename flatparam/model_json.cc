@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "flatparam/base/dtype.h"
+#include "flatparam/base/json_limits.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/presets.h"
 
@@ -173,30 +174,6 @@ absl::StatusOr<ParamSpec> ParseParam(const SchemaErrors& errors,
   return p;
 }
 
-// Line and column (both 1-based) of the byte nlohmann stopped at. nlohmann's
-// `byte` counts the characters read, so the offending one is byte - 1.
-std::pair<int64_t, int64_t> LineAndColumn(absl::string_view text, size_t byte) {
-  const size_t index = std::min(byte > 0 ? byte - 1 : 0, text.size());
-  int64_t line = 1;
-  size_t line_start = 0;
-  for (size_t i = 0; i < index; ++i) {
-    if (text[i] == '\n') {
-      ++line;
-      line_start = i + 1;
-    }
-  }
-  return {line, static_cast<int64_t>(index - line_start) + 1};
-}
-
-// nlohmann's what() is "[json.exception.parse_error.101] parse error at line
-// 1, column 2: syntax error ..."; keep what follows the position.
-std::string ParseErrorReason(const std::string& what) {
-  const size_t tag_end = what.find("] ");
-  const size_t colon =
-      what.find(": ", tag_end == std::string::npos ? 0 : tag_end);
-  return colon == std::string::npos ? what : what.substr(colon + 2);
-}
-
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
   struct stat st;
   if (stat(path.c_str(), &st) != 0) {
@@ -235,15 +212,7 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
 
 absl::StatusOr<ModelSpec> ParseModelSpecJson(absl::string_view text,
                                              absl::string_view source_name) {
-  json doc;
-  try {
-    doc = json::parse(text.begin(), text.end());
-  } catch (const json::parse_error& e) {
-    const auto [line, column] = LineAndColumn(text, e.byte);
-    return absl::InvalidArgumentError(
-        absl::StrFormat("%s:%d:%d: malformed JSON: %s", source_name, line,
-                        column, ParseErrorReason(e.what())));
-  }
+  FLATPARAM_ASSIGN_OR_RETURN(json doc, ParseJson(text, source_name));
 
   const SchemaErrors errors(source_name);
   if (!doc.is_object()) {

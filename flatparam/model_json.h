@@ -39,7 +39,9 @@ namespace flatparam {
 
 // Parses the model file `text`; `source_name` (a path, or e.g. "<stdin>")
 // prefixes every error message. Returns InvalidArgument with
-// "<source>:<line>:<column>: ..." for malformed JSON, and with the JSON path
+// "<source>:<line>:<column>: ..." for malformed JSON, "<source>: nested
+// deeper than ..." for a document deeper than kMaxJsonDepth
+// (base/json_limits.h), and with the JSON path
 // of the offending value (e.g. "params[3].shape[1]: expected a non-negative
 // integer, got -2") for a document that does not fit the schema.
 absl::StatusOr<ModelSpec> ParseModelSpecJson(absl::string_view text,

@@ -190,6 +190,28 @@ TEST(ModelJsonTest, LoadModelSpecPresetAndFile) {
   EXPECT_THAT(spec.params[0].shape, ElementsAre(2, 2));
 }
 
+// `fsdp inspect --model=x.json` on hostile files: 100,000 levels of
+// nesting used to overflow the stack when describing "name"; a number too
+// large for a double used to escape as an uncaught nlohmann exception.
+TEST(ModelJsonTest, HostileFilesAreErrorsNotCrashes) {
+  const std::string path =
+      std::string(std::getenv("TEST_TMPDIR")) + "/deep_model.json";
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  const std::string text = R"({"name": )" + deep + R"(, "params": []})";
+  std::fputs(text.c_str(), f);
+  std::fclose(f);
+  EXPECT_THAT(LoadModelSpec(path),
+              StatusIs(kInvalid, StartsWith(path + ": nested deeper than 512 "
+                                                   "levels")));
+  EXPECT_THAT(
+      ParseModelSpecJson(R"({"params": [{"fqn": "w", "shape": [1e999]}]})",
+                         "big.json"),
+      StatusIs(kInvalid, StartsWith("big.json: malformed JSON: number "
+                                    "overflow parsing '1e999'")));
+}
+
 TEST(ModelJsonTest, LoadModelSpecErrors) {
   EXPECT_THAT(LoadModelSpec("/nonexistent/model.json"),
               StatusIs(absl::StatusCode::kNotFound,

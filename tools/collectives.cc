@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "comm/conformance/case_values.h"
 #include "comm/conformance/collective_cases.h"
+#include "flatparam/base/json_limits.h"
 #include "flatparam/base/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "sim/fault.h"
@@ -52,11 +53,12 @@ absl::StatusOr<std::vector<nlohmann::json>> GatherJson(
   FLATPARAM_ASSIGN_OR_RETURN(std::vector<std::string> all,
                              comm.AllGatherBytes(mine.dump(), Timed()));
   std::vector<nlohmann::json> out;
-  for (const std::string& s : all) {
-    nlohmann::json j = nlohmann::json::parse(s, nullptr, false);
-    if (j.is_discarded()) {
-      return absl::InternalError("a rank sent a malformed summary");
-    }
+  for (size_t r = 0; r < all.size(); ++r) {
+    JsonParseOptions parse;
+    parse.code = absl::StatusCode::kInternal;
+    FLATPARAM_ASSIGN_OR_RETURN(
+        nlohmann::json j,
+        ParseJson(all[r], absl::StrCat("rank ", r, "'s summary"), parse));
     out.push_back(std::move(j));
   }
   return out;

@@ -19,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "flatparam/base/dtype.h"
+#include "flatparam/base/json_limits.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/internal/checkpoint_write.h"
 #include "flatparam/layout.h"
@@ -116,13 +117,9 @@ absl::StatusOr<json> ReadJsonObject(FileSystem& fs, const std::string& path) {
   if (!text.ok()) {
     return absl::DataLossError(std::string(text.status().message()));
   }
-  json doc;
-  try {
-    doc = json::parse(*text);
-  } catch (const json::exception& e) {
-    return absl::DataLossError(
-        absl::StrCat(path, ": not valid JSON: ", e.what()));
-  }
+  JsonParseOptions options;
+  options.code = absl::StatusCode::kDataLoss;
+  FLATPARAM_ASSIGN_OR_RETURN(json doc, ParseJson(*text, path, options));
   if (!doc.is_object()) {
     return absl::DataLossError(
         absl::StrCat(path, ": a JSON ", doc.type_name(), ", not an object"));

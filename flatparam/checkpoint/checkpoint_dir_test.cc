@@ -343,9 +343,10 @@ TEST(FullCheckpointTest, OpenCatchesDamage) {
   model[9] = '[';
   ASSERT_THAT(WriteFileDurably(fs, "ckpt/model.safetensors", model), IsOk());
   Remanifest(fs, "ckpt", CheckpointKind::kFull);
-  EXPECT_THAT(FullCheckpointReader::Open(fs, "ckpt"),
-              StatusIs(kDataLoss, HasSubstr("ckpt/model.safetensors: header is "
-                                            "not valid JSON")));
+  EXPECT_THAT(
+      FullCheckpointReader::Open(fs, "ckpt"),
+      StatusIs(kDataLoss, HasSubstr("ckpt/model.safetensors: header:1:2: "
+                                    "malformed JSON")));
   // A missing file, re-manifested: the file set.
   ASSERT_THAT(fs.RemoveFile("ckpt/model.safetensors"), IsOk());
   Remanifest(fs, "ckpt", CheckpointKind::kFull);
@@ -356,6 +357,45 @@ TEST(FullCheckpointTest, OpenCatchesDamage) {
   EXPECT_THAT(FullCheckpointReader::Open(fs, "elsewhere"),
               StatusIs(absl::StatusCode::kNotFound,
                        HasSubstr("no checkpoint at elsewhere")));
+}
+
+TEST(FullCheckpointTest, DeeplyNestedJsonIsRefusedNamingTheFile) {
+  FaultInjectionFileSystem fs;
+  const FullFixture f = MakeFullFixture(TinyModelSpec(), 1);
+  ASSERT_THAT(WriteFullCheckpoint(fs, "ckpt", f.content), IsOk());
+  ASSERT_THAT(
+      WriteFileDurably(fs, "ckpt/optim.json",
+                       absl::StrCat(R"({"format": [)", std::string(100000, '['),
+                                    std::string(100000, ']'), "]}")),
+      IsOk());
+  Remanifest(fs, "ckpt", CheckpointKind::kFull);
+  EXPECT_THAT(FullCheckpointReader::Open(fs, "ckpt"),
+              StatusIs(kDataLoss, HasSubstr("ckpt/optim.json: nested deeper "
+                                            "than 512 levels")));
+  // The same in model.safetensors' header: a shape element.
+  const std::string header = absl::StrCat(
+      R"({"t": {"dtype": "F32", "shape": [)", std::string(100000, '['),
+      std::string(100000, ']'), R"(], "data_offsets": [0, 4]}})");
+  std::string file(8, '\0');
+  for (int i = 0; i < 8; ++i)
+    file[i] = static_cast<char>(header.size() >> (8 * i));
+  file += header + std::string(4, '\0');
+  ASSERT_THAT(WriteFileDurably(fs, "ckpt/model.safetensors", file), IsOk());
+  Remanifest(fs, "ckpt", CheckpointKind::kFull);
+  EXPECT_THAT(FullCheckpointReader::Open(fs, "ckpt"),
+              StatusIs(kDataLoss, HasSubstr("ckpt/model.safetensors: header: "
+                                            "nested deeper than 512 levels")));
+  // And the manifest itself.
+  ASSERT_THAT(
+      WriteFileDurably(fs, "ckpt/manifest.json",
+                       absl::StrCat(R"({"format": "flatparam.checkpoint.v1", )"
+                                    R"("kind": )",
+                                    std::string(100000, '['),
+                                    std::string(100000, ']'), "}")),
+      IsOk());
+  EXPECT_THAT(FullCheckpointReader::Open(fs, "ckpt"),
+              StatusIs(kDataLoss, HasSubstr("ckpt/manifest.json: nested deeper "
+                                            "than 512 levels")));
 }
 
 // --- Sharded checkpoints -----------------------------------------------------
@@ -584,7 +624,24 @@ TEST_F(ShardedTamperTest, MalformedLayoutJson) {
   Replace("layout.json", "{\"version\": 1,");
   EXPECT_THAT(
       ShardedCheckpointReader::Open(fs_, "ckpt"),
-      StatusIs(kDataLoss, HasSubstr("ckpt/layout.json: not valid JSON")));
+      StatusIs(kDataLoss, HasSubstr("ckpt/layout.json:1:15: malformed JSON")));
+}
+
+// 100,000 levels of nesting used to overflow the stack in the first copy,
+// comparison or dump of the parsed document (here: quoting "version").
+TEST_F(ShardedTamperTest, DeeplyNestedJsonIsRefusedNamingTheFile) {
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  const std::string layout = Read("layout.json");
+  Replace("layout.json", absl::StrCat(R"({"version": )", deep, "}"));
+  EXPECT_THAT(ShardedCheckpointReader::Open(fs_, "ckpt"),
+              StatusIs(kDataLoss, HasSubstr("ckpt/layout.json: nested deeper "
+                                            "than 512 levels")));
+  Replace("layout.json", layout);
+  FLATPARAM_ASSERT_OK(ShardedCheckpointReader::Open(fs_, "ckpt").status());
+  Replace("rank00001.json", absl::StrCat(R"({"extra": {"a": )", deep, "}}"));
+  EXPECT_THAT(ShardedCheckpointReader::Open(fs_, "ckpt"),
+              StatusIs(kDataLoss, HasSubstr("ckpt/rank00001.json: nested "
+                                            "deeper than 512 levels")));
 }
 
 TEST_F(ShardedTamperTest, RankFileWithTheWrongTensors) {

@@ -8,6 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "flatparam/base/json_limits.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/internal/checkpoint_write.h"
 #include "flatparam/checkpoint/manifest.h"
@@ -52,8 +53,13 @@ absl::StatusOr<std::vector<Report>> Exchange(Communicator& world,
   }
   std::vector<Report> reports;
   for (size_t r = 0; r < all->size(); ++r) {
+    const std::string from = absl::StrFormat(
+        "collective checkpoint write, %s: rank %d's report", phase, r);
+    JsonParseOptions parse;
+    parse.code = absl::StatusCode::kInternal;
+    FLATPARAM_ASSIGN_OR_RETURN(const json doc,
+                               ParseJson((*all)[r], from, parse));
     try {
-      const json doc = json::parse((*all)[r]);
       reports.push_back({absl::Status(static_cast<absl::StatusCode>(
                                           doc.at("code").get<int>()),
                                       doc.at("message").get<std::string>()),

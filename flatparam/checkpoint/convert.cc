@@ -78,18 +78,13 @@ absl::Status CheckDistinct(const std::string& in, const std::string& out) {
   return absl::OkStatus();
 }
 
-// Resolves a parsed sidecar against its safetensors file: positive-dim
-// tensors by their entries, 0-d tensors read. `expected_name(key, state)`
-// is the tensor name the format requires. Every tensor of `file` starting
-// with `prefix` must be listed exactly once (DataLoss otherwise).
-template <typename ExpectedName>
+// Resolves a sidecar that CheckRankSidecar or CheckFullSidecar (optim_io.h)
+// accepted against its safetensors file: positive-dim tensors by their
+// entries, 0-d tensors read. Checking there, not here, keeps the tools
+// accepting exactly what ReadRankState and ReadFullState accept.
 absl::StatusOr<StateMeta> ResolveSidecar(const OptimSidecar& sidecar,
-                                         const SafetensorsReader& file,
-                                         const std::string& sidecar_name,
-                                         absl::string_view prefix,
-                                         ExpectedName expected_name) {
+                                         const SafetensorsReader& file) {
   StateMeta out;
-  std::set<std::string> listed;
   for (const auto& [key, values] : sidecar.state) {
     ParamStateMeta& info = out[key];
     for (const auto& [name, v] : values) {
@@ -98,53 +93,34 @@ absl::StatusOr<StateMeta> ResolveSidecar(const OptimSidecar& sidecar,
         vi.value = v.value;
         continue;
       }
-      const std::string where = absl::StrCat(
-          sidecar_name, ": state ", optim::DescribeKey(key), " '", name, "'");
-      absl::StatusOr<std::string> want = expected_name(key, name);
-      if (!want.ok()) {
-        return absl::DataLossError(
-            absl::StrCat(where, ": ", want.status().message()));
-      }
-      if (*v.tensor != *want) {
-        return absl::DataLossError(absl::StrCat(
-            where, " names tensor '", *v.tensor, "', expected '", *want, "'"));
-      }
-      absl::StatusOr<const SafetensorsEntry*> entry = file.Find(*v.tensor);
-      if (!entry.ok()) {
-        return absl::DataLossError(absl::StrCat(where, ": tensor '", *v.tensor,
-                                                "' is not in ", file.name()));
-      }
-      listed.insert(*v.tensor);
-      if ((*entry)->shape.empty()) {
+      FLATPARAM_ASSIGN_OR_RETURN(const SafetensorsEntry* entry,
+                                 file.Find(*v.tensor));
+      if (entry->shape.empty()) {
         FLATPARAM_ASSIGN_OR_RETURN(HostTensor t,
                                    file.ReadHostTensor(*v.tensor));
         vi.value = std::move(t);
       } else {
         vi.pos_dim = true;
-        vi.dtype = (*entry)->dtype;
-        vi.shape = (*entry)->shape;
+        vi.dtype = entry->dtype;
+        vi.shape = entry->shape;
       }
-    }
-  }
-  for (const SafetensorsEntry& e : file.tensors()) {
-    if (absl::StartsWith(e.name, prefix) && listed.count(e.name) == 0) {
-      return absl::DataLossError(absl::StrCat(file.name(), ": tensor '", e.name,
-                                              "' is not listed in ",
-                                              sidecar_name));
     }
   }
   return out;
 }
 
-// The tensor of optim.safetensors holding a full checkpoint's state.
-absl::StatusOr<std::string> FullStateTensorName(const ParamKey& key,
-                                                const std::string& name) {
-  const auto* fqn = std::get_if<std::string>(&key);
-  if (fqn == nullptr) {
-    return absl::InvalidArgumentError(
-        "a full checkpoint's keys are names, not IDs");
-  }
-  return OptimStateTensorName(*fqn, name);
+// A full checkpoint's optimizer state, checked and resolved.
+absl::StatusOr<std::pair<OptimSidecar, StateMeta>> LoadFullOptim(
+    const FullCheckpointReader& reader) {
+  const std::string sidecar_name = JoinPath(reader.path(), kOptimJsonFileName);
+  FLATPARAM_ASSIGN_OR_RETURN(
+      OptimSidecar sidecar,
+      ParseOptimSidecar(reader.optim_json(), sidecar_name));
+  FLATPARAM_RETURN_IF_ERROR(
+      CheckFullSidecar(sidecar, reader.optim(), sidecar_name));
+  FLATPARAM_ASSIGN_OR_RETURN(StateMeta infos,
+                             ResolveSidecar(sidecar, reader.optim()));
+  return std::make_pair(std::move(sidecar), std::move(infos));
 }
 
 // ---------------------------------------------------------------------------
@@ -292,29 +268,9 @@ absl::StatusOr<ShardedOptim> LoadShardedOptim(
     FLATPARAM_ASSIGN_OR_RETURN(OptimSidecar sidecar,
                                ParseOptimSidecar(doc, sidecar_name));
     FLATPARAM_ASSIGN_OR_RETURN(const SafetensorsReader* file, files.Get(r));
-    FLATPARAM_ASSIGN_OR_RETURN(
-        StateMeta infos,
-        ResolveSidecar(
-            sidecar, *file, sidecar_name, "optim.",
-            [num_flat](const ParamKey& key,
-                       const std::string& name) -> absl::StatusOr<std::string> {
-              const auto* id = std::get_if<int64_t>(&key);
-              if (id == nullptr || *id < 0 || *id >= num_flat) {
-                return absl::InvalidArgumentError(absl::StrFormat(
-                    "a tensor state needs a flat-parameter index key in "
-                    "[0, %d)",
-                    num_flat));
-              }
-              return OptimShardTensorName(*id, name);
-            }));
-    for (const auto& [key, info] : infos) {
-      const auto* id = std::get_if<int64_t>(&key);
-      if (id != nullptr && (*id < 0 || *id >= num_flat)) {
-        return absl::DataLossError(absl::StrFormat(
-            "%s: key %d is not a flat-parameter index in [0, %d)", sidecar_name,
-            *id, num_flat));
-      }
-    }
+    FLATPARAM_RETURN_IF_ERROR(
+        CheckRankSidecar(sidecar, *file, num_flat, sidecar_name));
+    FLATPARAM_ASSIGN_OR_RETURN(StateMeta infos, ResolveSidecar(sidecar, *file));
     if (r == 0) {
       out.groups = std::move(sidecar.param_groups);
       out.extra = std::move(sidecar.extra);
@@ -523,11 +479,9 @@ absl::Status ShardCheckpoint(FileSystem& fs, const std::string& in_dir,
       FullCheckpointReader::Open(fs, in_dir, OpenOptions(options)));
   FLATPARAM_RETURN_IF_ERROR(reader.CheckFitsModel(spec));
   const std::string sidecar_name = JoinPath(reader.path(), kOptimJsonFileName);
-  FLATPARAM_ASSIGN_OR_RETURN(
-      OptimSidecar full, ParseOptimSidecar(reader.optim_json(), sidecar_name));
-  FLATPARAM_ASSIGN_OR_RETURN(StateMeta infos,
-                             ResolveSidecar(full, reader.optim(), sidecar_name,
-                                            "state.", FullStateTensorName));
+  FLATPARAM_ASSIGN_OR_RETURN(auto loaded, LoadFullOptim(reader));
+  const OptimSidecar& full = loaded.first;
+  const StateMeta& infos = loaded.second;
 
   // Group keys that are not model parameters are unmanaged parameters, in
   // the optimizer's order (their first appearance), as ShardFullOptimState
@@ -553,12 +507,8 @@ absl::Status ShardCheckpoint(FileSystem& fs, const std::string& in_dir,
   }
   OptimSidecar sidecar;
   for (const auto& [key, state] : infos) {
-    const auto* fqn = std::get_if<std::string>(&key);
-    if (fqn == nullptr) {
-      return absl::DataLossError(
-          absl::StrCat(sidecar_name, ": key ", optim::DescribeKey(key),
-                       " is an ID; a full checkpoint is keyed by name"));
-    }
+    // CheckFullSidecar: keys are names.
+    const std::string* fqn = &std::get<std::string>(key);
     if (const ModelIndex::Pos* pos = index.Managed(key)) {
       unit_states[pos->unit][pos->index] = &state;
       continue;
@@ -754,14 +704,7 @@ absl::StatusOr<CheckpointReport> VerifyCheckpoint(
   if (manifest.kind == CheckpointKind::kFull) {
     FLATPARAM_ASSIGN_OR_RETURN(FullCheckpointReader reader,
                                FullCheckpointReader::Open(fs, path, open));
-    const std::string sidecar_name = JoinPath(path, kOptimJsonFileName);
-    FLATPARAM_ASSIGN_OR_RETURN(
-        OptimSidecar sidecar,
-        ParseOptimSidecar(reader.optim_json(), sidecar_name));
-    FLATPARAM_RETURN_IF_ERROR(ResolveSidecar(sidecar, reader.optim(),
-                                             sidecar_name, "state.",
-                                             FullStateTensorName)
-                                  .status());
+    FLATPARAM_RETURN_IF_ERROR(LoadFullOptim(reader).status());
     report.tensors = static_cast<int64_t>(reader.model().tensors().size() +
                                           reader.optim().tensors().size());
     manifest = reader.manifest();

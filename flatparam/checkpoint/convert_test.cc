@@ -5,15 +5,18 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/file_system.h"
+#include "flatparam/checkpoint/manifest.h"
 #include "flatparam/checkpoint/optim_io.h"
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
@@ -263,6 +266,130 @@ TEST(ConvertTest, VerifyReportsAndCatchesDamage) {
               StatusIs(kDataLoss, HasSubstr("rank00001.safetensors")));
   EXPECT_THAT(VerifyCheckpoint(fs, "/nothing"),
               StatusIs(absl::StatusCode::kNotFound));
+}
+
+// Rewrites `dir`'s manifest to match its files, as a tamperer who knows the
+// format would, so that the checks after the manifest's are what is tested.
+void Remanifest(FileSystem& fs, const std::string& dir, CheckpointKind kind) {
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::vector<std::string> children,
+                                 fs.GetChildren(dir));
+  Manifest m;
+  m.kind = kind;
+  for (const std::string& child : children) {
+    if (child == kManifestFileName) continue;
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(ManifestEntry e,
+                                   DescribeFile(fs, dir, child));
+    m.files.push_back(e);
+  }
+  FLATPARAM_ASSERT_OK(WriteManifest(fs, dir, m));
+}
+
+// A full checkpoint of Spec() with state "s" on "a.w" whose optim.json gets
+// `edit`ed before it is written.
+absl::Status WriteFullWithSidecar(FileSystem& fs, const std::string& dir,
+                                  void (*edit)(nlohmann::json&)) {
+  FullState state;
+  for (const ParamSpec& p : Spec().params) {
+    state.params[p.fqn] = HostTensor(DType::kFloat32, p.shape);
+  }
+  state.optim.state[ParamKey("a.w")]["s"] = HostTensor(DType::kFloat32, {4, 3});
+  optim::ParamGroup group;
+  group.params = {ParamKey("a.w")};
+  group.hyperparams["lr"] = 0.1;
+  state.optim.param_groups = {group};
+  FLATPARAM_ASSIGN_OR_RETURN(FullCheckpointContent content,
+                             MakeFullContent(state));
+  edit(content.optim_json);
+  return WriteFullCheckpoint(fs, dir, content);
+}
+
+// The converter's sidecar checks are ReadFullState's (CheckFullSidecar):
+// what ReadFullState refuses, verify and shard refuse too. They used to
+// accept both of these.
+TEST(ConvertTest, FullSidecarChecksMatchReadFullState) {
+  FaultInjectionFileSystem fs;
+  LayoutOptions two;
+  two.world_size = 2;
+  FLATPARAM_ASSERT_OK(WriteFullWithSidecar(fs, "/ok", [](nlohmann::json&) {}));
+  FLATPARAM_ASSERT_OK(VerifyCheckpoint(fs, "/ok").status());
+  FLATPARAM_ASSERT_OK(ShardCheckpoint(fs, "/ok", Spec(), two, 2, "/ok_s"));
+
+  // An int key, even without tensors: MakeFullContent refuses to write it.
+  FLATPARAM_ASSERT_OK(WriteFullWithSidecar(fs, "/int", [](nlohmann::json& j) {
+    j["state"].push_back({{"key", 7}, {"values", {{"lr", {{"float", 0.5}}}}}});
+  }));
+  // Two states naming one tensor: "a.w" + "s" and "a" + "w.s" are both
+  // "state.a.w.s".
+  FLATPARAM_ASSERT_OK(WriteFullWithSidecar(fs, "/dup", [](nlohmann::json& j) {
+    j["state"].push_back(
+        {{"key", "a"}, {"values", {{"w.s", {{"tensor", "state.a.w.s"}}}}}});
+  }));
+  for (const auto& [dir, message] :
+       std::vector<std::pair<std::string, std::string>>{
+           {"/int", "/int/optim.json: optimizer state key 7 is a parameter ID"},
+           {"/dup",
+            "/dup/optim.json: state 'a.w' 's': tensor 'state.a.w.s' "
+            "is listed more than once"}}) {
+    SCOPED_TRACE(dir);
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(FullCheckpointReader reader,
+                                   FullCheckpointReader::Open(fs, dir));
+    EXPECT_THAT(ReadFullState(reader), StatusIs(kDataLoss, HasSubstr(message)));
+    EXPECT_THAT(VerifyCheckpoint(fs, dir),
+                StatusIs(kDataLoss, HasSubstr(message)));
+    EXPECT_THAT(ShardCheckpoint(fs, dir, Spec(), two, 2, dir + "_s"),
+                StatusIs(kDataLoss, HasSubstr(message)));
+  }
+}
+
+// Likewise ReadRankState's (CheckRankSidecar) for the sharded tools.
+TEST(ConvertTest, RankSidecarChecksMatchReadRankState) {
+  const ModelLayout layout = Layout(2);
+  FaultInjectionFileSystem fs;
+  FLATPARAM_ASSERT_OK(Write(fs, "/s", layout, Ranks(layout)));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      std::string text, ReadFileToString(fs, "/s/rank00001.json", 1 << 20));
+  nlohmann::json doc = nlohmann::json::parse(text);
+  doc["state"].push_back({{"key", 2}, {"values", nlohmann::json::object()}});
+  FLATPARAM_ASSERT_OK(WriteFileDurably(fs, "/s/rank00001.json", doc.dump()));
+  Remanifest(fs, "/s", CheckpointKind::kSharded);
+  const std::string message =
+      "/s/rank00001.json: optimizer state key 2 is not a flat-parameter index "
+      "in [0, 2)";
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(ShardedCheckpointReader reader,
+                                 ShardedCheckpointReader::Open(fs, "/s"));
+  EXPECT_THAT(ReadRankState(reader, 1),
+              StatusIs(kDataLoss, HasSubstr(message)));
+  EXPECT_THAT(VerifyCheckpoint(fs, "/s"),
+              StatusIs(kDataLoss, HasSubstr(message)));
+  EXPECT_THAT(ConsolidateCheckpoint(fs, "/s", "/f"),
+              StatusIs(kDataLoss, HasSubstr(message)));
+  LayoutOptions one;
+  one.world_size = 1;
+  EXPECT_THAT(ReshardCheckpoint(fs, "/s", one, 1, "/r"),
+              StatusIs(kDataLoss, HasSubstr(message)));
+}
+
+// Hostile nesting reaches the tools as DataLoss naming the file.
+TEST(ConvertTest, DeeplyNestedSidecarsAreRefused) {
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  const ModelLayout layout = Layout(2);
+  FaultInjectionFileSystem fs;
+  FLATPARAM_ASSERT_OK(Write(fs, "/s", layout, Ranks(layout)));
+  FLATPARAM_ASSERT_OK(WriteFileDurably(
+      fs, "/s/rank00000.json", absl::StrCat(R"({"format": )", deep, "}")));
+  Remanifest(fs, "/s", CheckpointKind::kSharded);
+  EXPECT_THAT(VerifyCheckpoint(fs, "/s"),
+              StatusIs(kDataLoss, HasSubstr("/s/rank00000.json: nested deeper "
+                                            "than 512 levels")));
+  FLATPARAM_ASSERT_OK(WriteFullWithSidecar(fs, "/f", [](nlohmann::json&) {}));
+  FLATPARAM_ASSERT_OK(WriteFileDurably(
+      fs, "/f/optim.json", absl::StrCat(R"({"state": )", deep, "}")));
+  Remanifest(fs, "/f", CheckpointKind::kFull);
+  LayoutOptions two;
+  two.world_size = 2;
+  EXPECT_THAT(ShardCheckpoint(fs, "/f", Spec(), two, 2, "/f_s"),
+              StatusIs(kDataLoss, HasSubstr("/f/optim.json: nested deeper "
+                                            "than 512 levels")));
 }
 
 }  // namespace

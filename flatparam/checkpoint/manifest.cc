@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "flatparam/base/json_limits.h"
 #include "flatparam/base/status_macros.h"
 
 namespace flatparam {
@@ -119,12 +120,9 @@ absl::StatusOr<Manifest> ParseManifestJson(absl::string_view text,
     return absl::DataLossError(
         absl::StrCat(source, ": ", where, where.empty() ? "" : ": ", what));
   };
-  json doc;
-  try {
-    doc = json::parse(text.begin(), text.end());
-  } catch (const json::exception& e) {
-    return error("", absl::StrCat("not valid JSON: ", e.what()));
-  }
+  JsonParseOptions options;
+  options.code = absl::StatusCode::kDataLoss;
+  FLATPARAM_ASSIGN_OR_RETURN(json doc, ParseJson(text, source, options));
   if (!doc.is_object()) return error("", "not a JSON object");
   for (const auto& kv : doc.items()) {
     if (kv.key() != "format" && kv.key() != "kind" && kv.key() != "files") {

@@ -59,8 +59,15 @@ TEST(ManifestJsonTest, RejectsMalformedDocuments) {
   };
   EXPECT_THAT(
       parse("{"),
-      StatusIs(kDataLoss, HasSubstr("dir/manifest.json: not valid JSON")));
+      StatusIs(kDataLoss, HasSubstr("dir/manifest.json:1:2: malformed JSON")));
   EXPECT_THAT(parse("[]"), StatusIs(kDataLoss, HasSubstr("not a JSON object")));
+  // Deep nesting used to overflow the stack when quoting "kind".
+  EXPECT_THAT(
+      parse(absl::StrCat(R"({"format": "flatparam.checkpoint.v1", "kind": )",
+                         std::string(100000, '['), std::string(100000, ']'),
+                         "}")),
+      StatusIs(kDataLoss,
+               HasSubstr("dir/manifest.json: nested deeper than 512 levels")));
   EXPECT_THAT(parse(R"({"format": "v0", "kind": "full", "files": []})"),
               StatusIs(kDataLoss, HasSubstr("format: is \"v0\"")));
   EXPECT_THAT(
@@ -193,9 +200,9 @@ TEST_F(ManifestVerifyTest, CatchesMissingOrCorruptManifestAndWrongKind) {
               StatusIs(kDataLoss,
                        HasSubstr("a full checkpoint, expected a sharded one")));
   Overwrite("manifest.json", "{\"format\": ");
-  EXPECT_THAT(
-      VerifyManifest(fs_, "ckpt"),
-      StatusIs(kDataLoss, HasSubstr("ckpt/manifest.json: not valid JSON")));
+  EXPECT_THAT(VerifyManifest(fs_, "ckpt"),
+              StatusIs(kDataLoss,
+                       HasSubstr("ckpt/manifest.json:1:12: malformed JSON")));
   ASSERT_THAT(fs_.RemoveFile("ckpt/manifest.json"), IsOk());
   EXPECT_THAT(
       VerifyManifest(fs_, "ckpt"),

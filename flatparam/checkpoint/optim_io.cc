@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "flatparam/base/json_limits.h"
 #include "flatparam/base/status_macros.h"
 
 namespace flatparam {
@@ -46,27 +47,6 @@ json FloatToJson(double d) {
 json KeyToJson(const ParamKey& key) {
   if (const auto* id = std::get_if<int64_t>(&key)) return *id;
   return std::get<std::string>(key);
-}
-
-// nlohmann's parser and destructor are iterative, but copying, comparing
-// and dumping a value recurse once per level of nesting, so a sidecar of a
-// few MB of "[[[[..." would overflow the stack. The schema itself nests 6
-// levels; the limit leaves "extra" room for any sane trainer state.
-constexpr int kMaxSidecarDepth = 512;
-
-// Whether `doc` nests deeper than `limit` (a scalar is depth 1).
-// Iterative, for the reason above.
-bool NestedTooDeep(const json& doc, int limit = kMaxSidecarDepth) {
-  std::vector<std::pair<const json*, int>> stack = {{&doc, 1}};
-  while (!stack.empty()) {
-    const auto [j, depth] = stack.back();
-    stack.pop_back();
-    if (depth > limit) return true;
-    if (j->is_structured()) {
-      for (const json& child : *j) stack.emplace_back(&child, depth + 1);
-    }
-  }
-  return false;
 }
 
 // `j` for an error message: never throws (a caller's json may hold invalid
@@ -341,10 +321,9 @@ absl::StatusOr<json> OptimSidecarToJson(const OptimSidecar& sidecar,
     }
     // The reader would refuse it (and dumping it could overflow the stack).
     // One level goes to the document around it.
-    if (NestedTooDeep(sidecar.extra, kMaxSidecarDepth - 1)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "extra is nested deeper than ", kMaxSidecarDepth - 1, " levels"));
-    }
+    FLATPARAM_RETURN_IF_ERROR(CheckJsonDepth(sidecar.extra, "extra",
+                                             absl::StatusCode::kInvalidArgument,
+                                             kMaxJsonDepth - 1));
     doc["extra"] = sidecar.extra;
   }
   FLATPARAM_RETURN_IF_ERROR(CheckDumpable(doc, "optimizer sidecar"));
@@ -355,10 +334,10 @@ absl::StatusOr<OptimSidecar> ParseOptimSidecar(const json& doc,
                                                absl::string_view file) {
   const Parser p(file);
   if (!doc.is_object()) return p.Error("(document)", "not a JSON object");
-  if (NestedTooDeep(doc)) {
-    return p.Error("(document)", absl::StrCat("nested deeper than ",
-                                              kMaxSidecarDepth, " levels"));
-  }
+  // The document may not come from ParseJson, and the schema's checks
+  // below copy and dump parts of it.
+  FLATPARAM_RETURN_IF_ERROR(CheckJsonDepth(
+      doc, absl::StrCat(file, ": (document)"), absl::StatusCode::kDataLoss));
   auto format = doc.find("format");
   if (format == doc.end() || *format != kOptimSidecarFormat) {
     return p.Error("format",
@@ -521,48 +500,40 @@ absl::StatusOr<RankContent> MakeRankContent(const ModelLayout& layout,
 
 namespace {
 
-// Fills `dict` from a parsed sidecar, reading tensors from `file`. Every
-// tensor named `prefix`* in `file` must be listed exactly once, under the
-// name `expected_name(key, state)`.
+// Checks the tensor values of a parsed sidecar against `file`: each names
+// `expected_name(key, state)`, which `file` holds, and no tensor is named
+// twice; every tensor named `prefix`* in `file` is named.
 template <typename ExpectedName>
-absl::Status FillState(const OptimSidecar& sidecar,
-                       const SafetensorsReader& file,
-                       const std::string& sidecar_name,
-                       absl::string_view prefix, ExpectedName expected_name,
-                       optim::OptimStateDict& dict) {
+absl::Status CheckSidecarTensors(const OptimSidecar& sidecar,
+                                 const SafetensorsReader& file,
+                                 absl::string_view sidecar_name,
+                                 absl::string_view prefix,
+                                 ExpectedName expected_name) {
   std::set<std::string> listed;
   for (const auto& [key, values] : sidecar.state) {
-    optim::ParamState& out = dict.state[key];
     for (const auto& [name, v] : values) {
-      if (!v.tensor.has_value()) {
-        out[name] = v.value;
-        continue;
-      }
+      if (!v.tensor.has_value()) continue;
+      const std::string where = absl::StrCat(
+          sidecar_name, ": state ", optim::DescribeKey(key), " '", name, "'");
       absl::StatusOr<std::string> want = expected_name(key, name);
       if (!want.ok()) {
         return absl::DataLossError(
-            absl::StrCat(sidecar_name, ": state ", optim::DescribeKey(key),
-                         " '", name, "': ", want.status().message()));
+            absl::StrCat(where, ": ", want.status().message()));
       }
       if (*v.tensor != *want) {
         return absl::DataLossError(absl::StrCat(
-            sidecar_name, ": state ", optim::DescribeKey(key), " '", name,
-            "' names tensor '", *v.tensor, "', expected '", *want, "'"));
+            where, " names tensor '", *v.tensor, "', expected '", *want, "'"));
       }
       if (!file.Contains(*v.tensor)) {
-        return absl::DataLossError(absl::StrCat(
-            sidecar_name, ": state ", optim::DescribeKey(key), " '", name,
-            "': tensor '", *v.tensor, "' is not in ", file.name()));
+        return absl::DataLossError(absl::StrCat(where, ": tensor '", *v.tensor,
+                                                "' is not in ", file.name()));
       }
       // Two state names can map to one tensor name (full checkpoints:
       // "a.b" + "c" and "a" + "b.c"); the writer refuses that, so must we.
       if (!listed.insert(*v.tensor).second) {
-        return absl::DataLossError(absl::StrCat(
-            sidecar_name, ": state ", optim::DescribeKey(key), " '", name,
-            "': tensor '", *v.tensor, "' is listed more than once"));
+        return absl::DataLossError(absl::StrCat(where, ": tensor '", *v.tensor,
+                                                "' is listed more than once"));
       }
-      FLATPARAM_ASSIGN_OR_RETURN(HostTensor t, file.ReadHostTensor(*v.tensor));
-      out[name] = std::move(t);
     }
   }
   for (const SafetensorsEntry& e : file.tensors()) {
@@ -572,22 +543,36 @@ absl::Status FillState(const OptimSidecar& sidecar,
                                               sidecar_name));
     }
   }
+  return absl::OkStatus();
+}
+
+// Fills `dict` from a sidecar that Check{Rank,Full}Sidecar accepted,
+// reading its tensors from `file`.
+absl::Status FillState(const OptimSidecar& sidecar,
+                       const SafetensorsReader& file,
+                       optim::OptimStateDict& dict) {
+  for (const auto& [key, values] : sidecar.state) {
+    optim::ParamState& out = dict.state[key];
+    for (const auto& [name, v] : values) {
+      if (!v.tensor.has_value()) {
+        out[name] = v.value;
+        continue;
+      }
+      FLATPARAM_ASSIGN_OR_RETURN(HostTensor t, file.ReadHostTensor(*v.tensor));
+      out[name] = std::move(t);
+    }
+  }
   dict.param_groups = sidecar.param_groups;
   return absl::OkStatus();
 }
 
 }  // namespace
 
-absl::StatusOr<RankState> ReadRankState(const ShardedCheckpointReader& reader,
-                                        int64_t rank) {
-  FLATPARAM_ASSIGN_OR_RETURN(SafetensorsReader file, reader.OpenRank(rank));
-  FLATPARAM_ASSIGN_OR_RETURN(json doc, reader.ReadRankJson(rank));
-  const std::string sidecar_name =
-      JoinPath(reader.path(), RankJsonFileName(rank));
-  FLATPARAM_ASSIGN_OR_RETURN(OptimSidecar sidecar,
-                             ParseOptimSidecar(doc, sidecar_name));
-  RankState state;
-  const int64_t n = static_cast<int64_t>(reader.layout().flat_params().size());
+absl::Status CheckRankSidecar(const OptimSidecar& sidecar,
+                              const SafetensorsReader& file,
+                              int64_t num_flat_params,
+                              absl::string_view sidecar_name) {
+  const int64_t n = num_flat_params;
   // As MakeRankContent: an int key is a flat-parameter index, even when it
   // holds no tensor.
   for (const auto& [key, values] : sidecar.state) {
@@ -599,23 +584,55 @@ absl::StatusOr<RankState> ReadRankState(const ShardedCheckpointReader& reader,
           sidecar_name, *id, n));
     }
   }
+  return CheckSidecarTensors(
+      sidecar, file, sidecar_name, kOptimTensorPrefix,
+      [n](const ParamKey& key,
+          const std::string& name) -> absl::StatusOr<std::string> {
+        const auto* id = std::get_if<int64_t>(&key);
+        if (id == nullptr) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "a tensor state needs a flat-parameter index key in [0, %d)", n));
+        }
+        return OptimShardTensorName(*id, name);
+      });
+}
+
+absl::Status CheckFullSidecar(const OptimSidecar& sidecar,
+                              const SafetensorsReader& file,
+                              absl::string_view sidecar_name) {
+  // As MakeFullContent: keys are names, even for states without tensors.
+  for (const auto& [key, values] : sidecar.state) {
+    if (std::holds_alternative<int64_t>(key)) {
+      return absl::DataLossError(absl::StrCat(
+          sidecar_name, ": optimizer state key ", optim::DescribeKey(key),
+          " is a parameter ID; a full checkpoint's keys are names"));
+    }
+  }
+  return CheckSidecarTensors(
+      sidecar, file, sidecar_name, kStateTensorPrefix,
+      [](const ParamKey& key,
+         const std::string& name) -> absl::StatusOr<std::string> {
+        return OptimStateTensorName(std::get<std::string>(key), name);
+      });
+}
+
+absl::StatusOr<RankState> ReadRankState(const ShardedCheckpointReader& reader,
+                                        int64_t rank) {
+  FLATPARAM_ASSIGN_OR_RETURN(SafetensorsReader file, reader.OpenRank(rank));
+  FLATPARAM_ASSIGN_OR_RETURN(json doc, reader.ReadRankJson(rank));
+  const std::string sidecar_name =
+      JoinPath(reader.path(), RankJsonFileName(rank));
+  FLATPARAM_ASSIGN_OR_RETURN(OptimSidecar sidecar,
+                             ParseOptimSidecar(doc, sidecar_name));
+  const int64_t n = static_cast<int64_t>(reader.layout().flat_params().size());
+  FLATPARAM_RETURN_IF_ERROR(CheckRankSidecar(sidecar, file, n, sidecar_name));
+  RankState state;
   for (int64_t i = 0; i < n; ++i) {
     FLATPARAM_ASSIGN_OR_RETURN(HostTensor t,
                                file.ReadHostTensor(FlatParamTensorName(i)));
     state.flat_params.push_back(std::move(t));
   }
-  FLATPARAM_RETURN_IF_ERROR(FillState(
-      sidecar, file, sidecar_name, kOptimTensorPrefix,
-      [n](const ParamKey& key,
-          const std::string& name) -> absl::StatusOr<std::string> {
-        const auto* id = std::get_if<int64_t>(&key);
-        if (id == nullptr || *id < 0 || *id >= n) {
-          return absl::InvalidArgumentError(absl::StrFormat(
-              "a tensor state needs a flat-parameter index key in [0, %d)", n));
-        }
-        return OptimShardTensorName(*id, name);
-      },
-      state.optim));
+  FLATPARAM_RETURN_IF_ERROR(FillState(sidecar, file, state.optim));
   state.extra = std::move(sidecar.extra);
   return state;
 }
@@ -674,26 +691,9 @@ absl::StatusOr<FullState> ReadFullState(const FullCheckpointReader& reader) {
   FLATPARAM_ASSIGN_OR_RETURN(
       OptimSidecar sidecar,
       ParseOptimSidecar(reader.optim_json(), sidecar_name));
-  // As MakeFullContent: keys are names, even for states without tensors.
-  for (const auto& [key, values] : sidecar.state) {
-    if (std::holds_alternative<int64_t>(key)) {
-      return absl::DataLossError(absl::StrCat(
-          sidecar_name, ": optimizer state key ", optim::DescribeKey(key),
-          " is a parameter ID; a full checkpoint's keys are names"));
-    }
-  }
-  FLATPARAM_RETURN_IF_ERROR(FillState(
-      sidecar, reader.optim(), sidecar_name, kStateTensorPrefix,
-      [](const ParamKey& key,
-         const std::string& name) -> absl::StatusOr<std::string> {
-        const auto* fqn = std::get_if<std::string>(&key);
-        if (fqn == nullptr) {
-          return absl::InvalidArgumentError(
-              "a full checkpoint's keys are names, not IDs");
-        }
-        return OptimStateTensorName(*fqn, name);
-      },
-      state.optim));
+  FLATPARAM_RETURN_IF_ERROR(
+      CheckFullSidecar(sidecar, reader.optim(), sidecar_name));
+  FLATPARAM_RETURN_IF_ERROR(FillState(sidecar, reader.optim(), state.optim));
   return state;
 }
 

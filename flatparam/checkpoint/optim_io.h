@@ -166,6 +166,27 @@ absl::StatusOr<nlohmann::json> OptimSidecarToJson(const OptimSidecar& sidecar,
 absl::StatusOr<OptimSidecar> ParseOptimSidecar(const nlohmann::json& doc,
                                                absl::string_view file);
 
+// Checks a parsed rank sidecar against its rank file, as ReadRankState
+// does before reading a tensor: every int key is a flat-parameter index in
+// [0, num_flat_params) (even one without tensors: MakeRankContent refuses
+// others); every tensor value sits under such a key, names
+// OptimShardTensorName(key, state) and is in `file`; every "optim.*"
+// tensor of `file` is named exactly once. DataLoss naming `sidecar_name`.
+// Tools that stream the tensors instead of reading them (convert.h) check
+// with this too, so that they accept exactly what ReadRankState does.
+absl::Status CheckRankSidecar(const OptimSidecar& sidecar,
+                              const SafetensorsReader& file,
+                              int64_t num_flat_params,
+                              absl::string_view sidecar_name);
+// The same for a full checkpoint's optim.json against optim.safetensors,
+// as ReadFullState does: every key is a name (MakeFullContent refuses int
+// keys); every tensor value names OptimStateTensorName(fqn, state), is in
+// `file`, and no two states name the same tensor ("a.b" + "c" and "a" +
+// "b.c" would); every "state.*" tensor of `file` is named.
+absl::Status CheckFullSidecar(const OptimSidecar& sidecar,
+                              const SafetensorsReader& file,
+                              absl::string_view sidecar_name);
+
 // Individual values, for the same schema: {"float": 0.5} etc.
 absl::StatusOr<nlohmann::json> OptimValueToJson(
     const optim::OptimStateValue& value);

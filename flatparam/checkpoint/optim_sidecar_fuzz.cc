@@ -42,6 +42,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "flatparam/base/dtype.h"
+#include "flatparam/base/json_limits.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/optim_io.h"
@@ -303,11 +304,16 @@ void FuzzFullState(const json& doc, const OptimSidecar& parsed) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string bytes(reinterpret_cast<const char*>(data), size);
   // As ReadJsonObject (checkpoint_dir.cc) parses a sidecar file.
-  const json doc = json::parse(bytes, nullptr, /*allow_exceptions=*/false);
-  absl::StatusOr<OptimSidecar> parsed =
-      absl::DataLossError("not JSON or not an object");
-  if (!doc.is_discarded()) {
-    parsed = flatparam::checkpoint::ParseOptimSidecar(doc, "fuzz.json");
+  flatparam::JsonParseOptions options;
+  options.code = absl::StatusCode::kDataLoss;
+  const absl::StatusOr<json> doc =
+      flatparam::ParseJson(bytes, "fuzz.json", options);
+  absl::StatusOr<OptimSidecar> parsed = absl::DataLossError("not JSON");
+  if (!doc.ok()) {
+    CheckDataLoss(doc.status(), "ParseJson");
+    parsed = doc.status();
+  } else {
+    parsed = flatparam::checkpoint::ParseOptimSidecar(*doc, "fuzz.json");
     if (!parsed.ok()) {
       CheckDataLoss(parsed.status(), "ParseOptimSidecar");
       Check(absl::StrContains(parsed.status().message(), "fuzz.json: "),
@@ -319,6 +325,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
   }
   FuzzRankState(bytes, parsed);
-  if (parsed.ok()) FuzzFullState(doc, *parsed);
+  if (parsed.ok()) FuzzFullState(*doc, *parsed);
   return 0;
 }

@@ -41,6 +41,7 @@ srcs=(
   flatparam/flatten.cc
   flatparam/layout.cc
   flatparam/base/dtype.cc
+  flatparam/base/json_limits.cc
   flatparam/base/copy.cc
 )
 

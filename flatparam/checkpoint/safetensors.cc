@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "flatparam/base/json_limits.h"
 #include "flatparam/base/status_macros.h"
 
 #ifdef ABSL_IS_BIG_ENDIAN
@@ -211,12 +212,12 @@ class HeaderParser {
       }
       return true;
     };
-    json header;
-    try {
-      header = json::parse(text, on_event);
-    } catch (const json::exception& e) {
-      return Error(absl::StrCat("header is not valid JSON: ", e.what()));
-    }
+    JsonParseOptions options;
+    options.code = absl::StatusCode::kDataLoss;
+    options.callback = on_event;
+    absl::StatusOr<json> parsed = ParseJson(text, "header", options);
+    if (!parsed.ok()) return Error(parsed.status().message());
+    const json header = *std::move(parsed);
     if (!duplicate.empty()) {
       return Error(absl::StrCat("header has key '", duplicate, "' twice"));
     }

@@ -273,7 +273,7 @@ INSTANTIATE_TEST_SUITE_P(
                       "header length 1099511627776 exceeds the limit of "
                       "100000000 bytes"},
         MalformedCase{"bad_json.safetensors", kDataLoss,
-                      "header is not valid JSON"},
+                      "header:1:26: malformed JSON"},
         MalformedCase{"not_object.safetensors", kDataLoss,
                       "header does not start with '{'"},
         MalformedCase{"no_brace.safetensors", kDataLoss,

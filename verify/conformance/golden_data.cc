@@ -4,9 +4,12 @@
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <sstream>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "flatparam/base/json_limits.h"
 
 namespace flatparam {
 namespace verify {
@@ -24,15 +27,20 @@ std::string RunfilesPath(const std::string& workspace_path) {
 GoldenData Read(const std::string& workspace_path) {
   GoldenData g;
   const std::string path = RunfilesPath(workspace_path);
-  std::ifstream in(path);
+  std::ifstream in(path, std::ios::binary);
   if (!in) {
     g.error = absl::StrCat("cannot open golden data ", path);
     return g;
   }
-  g.data = json::parse(in, /*cb=*/nullptr, /*allow_exceptions=*/false);
-  if (g.data.is_discarded()) {
-    g.error = absl::StrCat("cannot parse golden data ", path);
+  std::ostringstream text;
+  text << in.rdbuf();
+  absl::StatusOr<json> data = ParseJson(text.str(), path);
+  if (!data.ok()) {
+    g.error =
+        absl::StrCat("cannot parse golden data: ", data.status().message());
+    return g;
   }
+  g.data = *std::move(data);
   return g;
 }
 
