@@ -488,8 +488,13 @@ absl::Status FlatParamHandle::FinalizeBackward(bool sync_gradients) {
   if (state_ != HandleTrainingState::kBackwardPost) {
     return WrongState("FinalizeBackward", "BACKWARD_POST");
   }
+  // PyTorch's `prepare_gradient_for_optim` casts only the gradients that
+  // live in `_cpu_grad` or `_saved_grad_shard`; NO_SHARD without offload has
+  // neither, so its gradient stays in the reduce dtype.
+  const bool has_saved_or_cpu_grad =
+      uses_sharded_strategy() || options_.cpu_offload;
   if (sync_gradients && has_sharded_grad_ &&
-      options_.keep_low_precision_grads) {
+      options_.keep_low_precision_grads && has_saved_or_cpu_grad) {
     FLATPARAM_RETURN_IF_ERROR(CastShardedGradTo(param_dtype_));
   }
   state_ = HandleTrainingState::kIdle;

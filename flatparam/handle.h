@@ -283,7 +283,9 @@ class FlatParamHandle {
   absl::Status PostBackward(bool sync_gradients = true);
   // Ends the backward. With `sync_gradients` and keep_low_precision_grads,
   // casts the sharded gradient to param_dtype (PyTorch's
-  // `prepare_gradient_for_optim`).
+  // `prepare_gradient_for_optim`), except for NO_SHARD without CPU offload,
+  // whose gradient stays in reduce_dtype as PyTorch's does (it has neither
+  // `_cpu_grad` nor `_saved_grad_shard`, the only gradients PyTorch casts).
   absl::Status FinalizeBackward(bool sync_gradients = true);
 
   // ---- Primitives ----

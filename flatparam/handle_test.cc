@@ -282,7 +282,9 @@ class ReduceGradTest : public ::testing::TestWithParam<GradCase> {
   Scenario MakeScenario() const {
     const GradCase c = GetParam();
     Scenario s = Make(c.strategy, c.shard_size, c.align);
-    s.specs = FrozenSpecs();
+    // A frozen parameter among trainable ones is PyTorch's use_orig_params
+    // case (the aligned layouts); unaligned ones need uniform requires_grad.
+    s.specs = c.align ? FrozenSpecs() : DefaultSpecs();
     s.dtype = c.dtype;
     s.rounding_values = c.rounding;
     s.options.divide_in_collectives = c.in_collectives;
@@ -480,7 +482,7 @@ TEST(HybridShardTest, MatchesFullShardOverTheWholeWorldWhenExact) {
     full->resize(layout.unpadded_unsharded_numel());
     return absl::OkStatus();
   };
-  Scenario hybrid = Make(ShardingStrategy::kHybridShard, 4);
+  Scenario hybrid = Make(ShardingStrategy::kHybridShard, 4, /*align=*/true);
   hybrid.specs = FrozenSpecs();
   hybrid.replicate_size = 2;
   Scenario full = hybrid;
@@ -719,7 +721,11 @@ TEST_P(MixedPrecisionTest, RoundsLikePyTorch) {
   // NO_SHARD with keep_low_precision_grads keeps the reduced dtype.
   const DType accum =
       no_shard && c.keep_low && !c.offload ? reduce : DType::kFloat32;
-  const DType exposed = c.keep_low ? c.param_dtype : accum;
+  // keep_low casts to param_dtype for the optimizer, except NO_SHARD without
+  // offload, which PyTorch leaves in the reduce dtype
+  // (`prepare_gradient_for_optim` has no gradient to cast there).
+  const DType exposed =
+      c.keep_low && !(no_shard && !c.offload) ? c.param_dtype : accum;
   for (int r = 0; r < world; ++r) {
     auto reduced = [&](int iter) {
       std::vector<std::vector<double>> local;

@@ -182,6 +182,17 @@ absl::StatusOr<FlatParamLayout> FlatParamLayout::Create(
       dtype = p.dtype;
       dtype_fqn = p.fqn;
     }
+    // PyTorch permits mixed `requires_grad` only with use_orig_params, whose
+    // layouts are the aligned ones here.
+    if (!options.align_addresses &&
+        p.requires_grad != params[0].requires_grad) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "unit %s: must flatten tensors with uniform `requires_grad` when "
+          "`use_orig_params=False` (align_addresses off): \"%s\" has "
+          "requires_grad=%s but \"%s\" has requires_grad=%s",
+          unit_label, params[0].fqn, params[0].requires_grad ? "true" : "false",
+          p.fqn, p.requires_grad ? "true" : "false"));
+    }
   }
   layout.dtype_ = *dtype;  // Non-empty list, and ties need a primary.
   layout.aligned_numel_ =

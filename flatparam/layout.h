@@ -179,8 +179,10 @@ class FlatParamLayout {
   // Returns InvalidArgument, naming the offending values, for: an empty
   // list; world_size < 1; a negative dimension; an empty or duplicate fqn; a
   // tie to an unknown or later parameter; a non-floating dtype; dtypes that
-  // differ; a flat parameter with no elements under a strategy that needs
-  // shard metadata (PyTorch asserts there).
+  // differ; `requires_grad` that differs without align_addresses (PyTorch's
+  // use_orig_params=False, which needs it uniform); a flat parameter with no
+  // elements under a strategy that needs shard metadata (PyTorch asserts
+  // there).
   static absl::StatusOr<FlatParamLayout> Create(
       std::string unit, absl::Span<const ParamSpec> params,
       const LayoutOptions& options);

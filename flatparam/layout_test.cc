@@ -10,6 +10,7 @@
 namespace flatparam {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
@@ -149,12 +150,35 @@ TEST(LayoutTest, TieChainsResolveToThePrimary) {
 }
 
 TEST(LayoutTest, RequiresGradIsTheOrOfParameters) {
+  // Mixed flags are PyTorch's use_orig_params=True case: aligned layouts.
   std::vector<ParamSpec> params = {{"a", {2}}, {"b", {2}}};
   params[0].requires_grad = false;
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
-      FlatParamLayout l, FlatParamLayout::Create("", params, Options(1)));
+      FlatParamLayout l,
+      FlatParamLayout::Create("", params, Options(1, /*align=*/true)));
   EXPECT_TRUE(l.requires_grad());
   EXPECT_FALSE(l.params()[0].requires_grad);
+}
+
+TEST(LayoutTest, UnalignedLayoutsNeedUniformRequiresGrad) {
+  // PyTorch's `_validate_tensors_to_flatten` with use_orig_params=False.
+  std::vector<ParamSpec> params = {{"a", {2}}, {"b", {}}, {"c", {3}}};
+  params[1].tied_to = "a";  // Ties are the primary's tensor: not checked.
+  params[1].requires_grad = false;
+  FLATPARAM_ASSERT_OK(FlatParamLayout::Create("u", params, Options(2)));
+  params[2].requires_grad = false;
+  EXPECT_THAT(
+      FlatParamLayout::Create("u", params, Options(2)),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               AllOf(HasSubstr("must flatten tensors with uniform "
+                               "`requires_grad` when `use_orig_params=False`"),
+                     HasSubstr("\"a\" has requires_grad=true but \"c\" has "
+                               "requires_grad=false"))));
+  // All frozen is uniform.
+  params[0].requires_grad = false;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      FlatParamLayout frozen, FlatParamLayout::Create("u", params, Options(2)));
+  EXPECT_FALSE(frozen.requires_grad());
 }
 
 TEST(LayoutTest, CallerMistakesAreErrorsNamingTheValues) {

@@ -443,6 +443,22 @@ Gen<ModelSpec> GenModelSpec(Scale scale) {
       .as(scale == Scale::kData ? "model spec (data-sized)" : "model spec");
 }
 
+void FitRequiresGrad(const LayoutOptions& options,
+                     std::vector<ParamSpec>* specs) {
+  if (options.align_addresses || specs->empty()) return;
+  for (ParamSpec& p : *specs) p.requires_grad = specs->front().requires_grad;
+}
+
+void FitRequiresGrad(const LayoutOptions& options, ModelSpec* spec) {
+  if (options.align_addresses) return;
+  std::map<std::string, bool> first;  // unit -> its first parameter's flag
+  for (ParamSpec& p : spec->params) {
+    const auto [it, inserted] =
+        first.emplace(OwningUnit(p.fqn, spec->wrap), p.requires_grad);
+    p.requires_grad = it->second;
+  }
+}
+
 int64_t UntiedNumel(absl::Span<const ParamSpec> specs) {
   int64_t total = 0;
   for (const ParamSpec& p : specs) {

@@ -112,6 +112,15 @@ rc::Gen<LayoutOptions> GenLayoutOptions();
 // total numel, which ModelLayout rejects.
 rc::Gen<ModelSpec> GenModelSpec(Scale scale = Scale::kMetadata);
 
+// PyTorch needs uniform `requires_grad` within a flat parameter unless
+// use_orig_params (the aligned layouts here): without `align_addresses`,
+// every parameter of a unit takes the flag of the unit's first parameter.
+// Generated specs mix the flags freely; tests pairing them with drawn
+// options call these so that unaligned draws stay valid.
+void FitRequiresGrad(const LayoutOptions& options,
+                     std::vector<ParamSpec>* specs);
+void FitRequiresGrad(const LayoutOptions& options, ModelSpec* spec);
+
 // Sum of the numels of the parameters that are not tied.
 int64_t UntiedNumel(absl::Span<const ParamSpec> specs);
 

@@ -406,6 +406,7 @@ struct DrawnLayout {
 DrawnLayout DrawLayout(Scale scale) {
   std::vector<ParamSpec> specs = *verify::GenParamSpecs(scale);
   const LayoutOptions options = *verify::GenLayoutOptions();
+  verify::FitRequiresGrad(options, &specs);
   RC_PRE(verify::UntiedNumel(specs) > 0);
   absl::StatusOr<FlatParamLayout> layout =
       FlatParamLayout::Create("", specs, options);
@@ -723,6 +724,7 @@ RC_GTEST_PROP(LayoutProperties, ZeroElementFlatParamIsRejected, ()) {
     }
   }
   const LayoutOptions options = *verify::GenLayoutOptions();
+  verify::FitRequiresGrad(options, &specs);
   const std::string unit =
       *gen::element<std::string>("", "layers.3", "encoder.blocks.10")
            .as("unit");
@@ -968,6 +970,7 @@ RC_GTEST_PROP(LayoutErrors, IntegerDtypeIsRejected, ()) {
   const DType bad = *verify::GenNonFloatingDType();
   specs[k].dtype = bad;
   const LayoutOptions options = *verify::GenLayoutOptions();
+  verify::FitRequiresGrad(options, &specs);
   ExpectInvalidArgument(
       FlatParamLayout::Create("", specs, options).status(),
       {absl::StrCat("\"", specs[k].fqn, "\""), std::string(DTypeName(bad))});
@@ -984,10 +987,37 @@ RC_GTEST_PROP(LayoutErrors, MixedDtypesAreRejected, ()) {
   const DType other = *gen::distinctFrom(verify::GenDType(), first);
   specs[k].dtype = other;
   const LayoutOptions options = *verify::GenLayoutOptions();
+  verify::FitRequiresGrad(options, &specs);
   ExpectInvalidArgument(
       FlatParamLayout::Create("", specs, options).status(),
       {absl::StrCat("\"", specs[k].fqn, "\""), std::string(DTypeName(first)),
        std::string(DTypeName(other))});
+}
+
+// PyTorch's `_validate_tensors_to_flatten`: use_orig_params=False (here:
+// unaligned layouts) needs one `requires_grad` for every parameter.
+RC_GTEST_PROP(LayoutErrors, MixedRequiresGradNeedsAlignment, ()) {
+  std::vector<ParamSpec> specs = *verify::GenParamSpecs();
+  const std::vector<size_t> untied = Untied(specs);
+  RC_PRE(untied.size() >= 2);
+  for (ParamSpec& p : specs) p.requires_grad = specs[untied[0]].requires_grad;
+  const size_t k =
+      *gen::elementOf(std::vector<size_t>(untied.begin() + 1, untied.end()))
+           .as("parameter with the other requires_grad");
+  specs[k].requires_grad = !specs[k].requires_grad;
+  LayoutOptions options = *verify::GenLayoutOptions();
+  options.align_addresses = false;
+  ExpectInvalidArgument(FlatParamLayout::Create("", specs, options).status(),
+                        {"uniform `requires_grad`",
+                         absl::StrCat("\"", specs[untied[0]].fqn, "\""),
+                         absl::StrCat("\"", specs[k].fqn, "\"")});
+  // The same parameters are fine for use_orig_params (aligned).
+  options.align_addresses = true;
+  RC_PRE(verify::UntiedNumel(specs) > 0);
+  const absl::StatusOr<FlatParamLayout> aligned =
+      FlatParamLayout::Create("", specs, options);
+  if (!aligned.ok()) RC_FAIL(aligned.status().ToString());
+  RC_ASSERT(aligned->requires_grad());
 }
 
 RC_GTEST_PROP(LayoutErrors, DuplicateNamesAreRejected, ()) {
@@ -998,6 +1028,7 @@ RC_GTEST_PROP(LayoutErrors, DuplicateNamesAreRejected, ()) {
   const size_t i = *verify::UniformInRange<size_t>(0, j).as("original");
   specs[j].fqn = specs[i].fqn;
   const LayoutOptions options = *verify::GenLayoutOptions();
+  verify::FitRequiresGrad(options, &specs);
   const std::vector<std::string> mentions = {
       absl::StrCat("\"", specs[i].fqn, "\""), "duplicate"};
   ExpectInvalidArgument(FlatParamLayout::Create("", specs, options).status(),
@@ -1114,8 +1145,9 @@ void ClassifyModel(const ModelSpec& spec) {
 }
 
 RC_GTEST_PROP(ModelProperties, EveryParamLandsInItsLongestWrapPrefixUnit, ()) {
-  const ModelSpec spec = *verify::GenModelSpec();
+  ModelSpec spec = *verify::GenModelSpec();
   const LayoutOptions options = *verify::GenLayoutOptions();
+  verify::FitRequiresGrad(options, &spec);
   ClassifyModel(spec);
   const absl::StatusOr<ModelLayout> model = ModelLayout::Create(spec, options);
   if (HasZeroElementUnit(spec)) {
@@ -1163,8 +1195,9 @@ RC_GTEST_PROP(ModelProperties, EveryParamLandsInItsLongestWrapPrefixUnit, ()) {
 }
 
 RC_GTEST_PROP(ModelProperties, UnitsAndParamsFollowTraversalOrder, ()) {
-  const ModelSpec spec = *verify::GenModelSpec();
+  ModelSpec spec = *verify::GenModelSpec();
   const LayoutOptions options = *verify::GenLayoutOptions();
+  verify::FitRequiresGrad(options, &spec);
   RC_PRE(!HasZeroElementUnit(spec));
   ClassifyModel(spec);
   const absl::StatusOr<ModelLayout> model = ModelLayout::Create(spec, options);
@@ -1220,6 +1253,7 @@ RC_GTEST_PROP(ModelProperties, UnitsAndParamsFollowTraversalOrder, ()) {
 RC_GTEST_PROP(ModelProperties, CrossUnitTieIsRejected, ()) {
   ModelSpec spec = *verify::GenModelSpec();
   const LayoutOptions options = *verify::GenLayoutOptions();
+  verify::FitRequiresGrad(options, &spec);
   std::vector<std::pair<size_t, size_t>> pairs;  // (primary, tied)
   for (size_t j = 0; j < spec.params.size(); ++j) {
     for (size_t i = 0; i < j; ++i) {

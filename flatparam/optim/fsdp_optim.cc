@@ -670,8 +670,16 @@ absl::StatusOr<OptimStateDict> ConsolidateFlat(
     const std::vector<StateMeta>& metas, Communicator& comm,
     const OptimStateOptions& options, bool to_save) {
   std::vector<int> units;
-  FLATPARAM_RETURN_IF_ERROR(
-      ValidateFlatRanks(index, metas, /*compare_replicated=*/true, &units));
+  std::vector<std::string> mismatches;
+  FLATPARAM_RETURN_IF_ERROR(ValidateFlatRanks(
+      index, metas, options.strict_replicated_values, &units, &mismatches));
+  if (to_save) {
+    for (const std::string& m : mismatches) {
+      Warn(options, absl::StrCat(m,
+                                 "; each rank keeps its own value, as "
+                                 "PyTorch does"));
+    }
+  }
   OptimStateDict out;
   for (int u : units) {
     const FlatParamLayout& layout = index.unit(u);
@@ -992,7 +1000,15 @@ absl::StatusOr<OptimStateDict> ConsolidateOptimState(
     Communicator& comm, const OptimStateOptions& options) {
   FLATPARAM_RETURN_IF_ERROR(CheckComm(layout, comm));
   const ModelIndex index(layout, options.unmanaged_params);
-  const bool to_save = !options.rank0_only || comm.rank() == 0;
+  if (options.rank0_only && !options.global_rank.has_value() &&
+      IsHybridStrategy(layout.options().strategy)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "rank0_only with %s needs OptimStateOptions::global_rank: rank %d of "
+        "the shard group is not global rank 0 in every replicate group",
+        ShardingStrategyName(layout.options().strategy), comm.rank()));
+  }
+  const int64_t global_rank = options.global_rank.value_or(comm.rank());
+  const bool to_save = !options.rank0_only || global_rank == 0;
   FLATPARAM_ASSIGN_OR_RETURN(std::vector<StateMeta> metas,
                              ExchangeMeta(index, sharded, comm, options));
   OptimStateDict out;

@@ -99,6 +99,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -142,10 +143,24 @@ struct OptimStateOptions {
   // FQNs of parameters the optimizer holds that no flat parameter manages,
   // in the optimizer's parameter order (sharded groups list them so).
   std::vector<std::string> unmanaged_params;
-  // ConsolidateOptimState: only rank 0 returns the dict (others return an
-  // empty one). OptimStateDictToLoad: only rank 0 holds the full dict, so
-  // scatter it.
+  // ConsolidateOptimState: only global rank 0 returns the dict (others
+  // return an empty one). OptimStateDictToLoad: only rank 0 of `comm` holds
+  // the full dict, so scatter it.
   bool rank0_only = false;
+  // This process's rank in the whole job (PyTorch's `dist.get_rank()`),
+  // which decides "rank 0" for ConsolidateOptimState's rank0_only. Unset:
+  // comm.rank(), which is the global rank for every strategy but the
+  // hybrid ones; with a hybrid layout, rank0_only needs it set (the shard
+  // group has a rank 0 in every replicate group), else InvalidArgument.
+  std::optional<int64_t> global_rank;
+  // Flat path: replicated values (zero-dimension and non-tensor states)
+  // that differ across the ranks of a flat parameter. PyTorch keeps each
+  // rank's own value without checking, and so does ConsolidateOptimState by
+  // default, warning once per differing state with the state, the flat
+  // parameter and every rank's value that differs from rank 0's. True:
+  // InvalidArgument instead. (The original-parameter path always rejects
+  // them, as PyTorch asserts.)
+  bool strict_replicated_values = false;
   // Upper bound on one temporary buffer in bytes; 0 for one whole flat
   // parameter's state. Chunks hold at least one element (per rank).
   int64_t max_temp_bytes = 0;
@@ -161,14 +176,16 @@ struct OptimStateOptions {
 // dict from every rank's sharded state (see the file comment for both
 // paths). Collective over `comm` (the shard group, of the layout's world
 // size). Tensor states come from the all-gather; zero-dimension and
-// non-tensor states are this rank's values (flat path) or the value the
-// parameter's holding ranks agree on (original-parameter path). Param
-// groups: this rank's, with flat-parameter indices replaced by their
-// parameters' FQNs. With `rank0_only`, ranks other than 0 communicate and
-// return an empty dict.
+// non-tensor states are this rank's values (flat path; see
+// strict_replicated_values) or the value the parameter's holding ranks
+// agree on (original-parameter path). Param groups: this rank's, with
+// flat-parameter indices replaced by their parameters' FQNs. With
+// `rank0_only`, ranks other than global rank 0 communicate and return an
+// empty dict, allocating only the collectives' temporary buffers.
 //
 // InvalidArgument for a communicator whose size is not the layout's world
-// size, and the errors in the file comment.
+// size, rank0_only with a hybrid layout and no global_rank, and the errors
+// in the file comment.
 absl::StatusOr<OptimStateDict> ConsolidateOptimState(
     const ModelLayout& layout, const OptimStateDict& sharded,
     Communicator& comm, const OptimStateOptions& options = {});

@@ -63,9 +63,10 @@ struct Case {
   OptimStateDict full;
 };
 
-ModelLayout GenLayout(const ModelSpec& spec) {
+ModelLayout GenLayout(ModelSpec spec) {
   LayoutOptions options = *verify::GenLayoutOptions();
   options.world_size = *GenSimWorldSize();
+  verify::FitRequiresGrad(options, &spec);
   absl::StatusOr<ModelLayout> layout = ModelLayout::Create(spec, options);
   RC_PRE(layout.ok());
   return *std::move(layout);
@@ -113,6 +114,8 @@ std::vector<OptimStateDict> ShardAndConsolidate(
     if (!shard.ok()) return shard.status();
     OptimStateOptions o = options;
     o.tracker = &trackers[comm.rank()];
+    // The simulated world is one shard group: the whole job.
+    o.global_rank = comm.rank();
     absl::StatusOr<OptimStateDict> full_again =
         ConsolidateOptimState(layout, *shard, comm, o);
     if (!full_again.ok()) return full_again.status();
@@ -158,7 +161,9 @@ RC_GTEST_PROP(FsdpOptimProperties, ShardThenConsolidateIsIdentity, ()) {
 }
 
 RC_GTEST_PROP(FsdpOptimProperties, ReshardingInMemoryIsIdentity, ()) {
-  const ModelSpec spec = *verify::GenModelSpec(verify::Scale::kData);
+  ModelSpec spec = *verify::GenModelSpec(verify::Scale::kData);
+  // Both layouts must agree on which parameters train, aligned or not.
+  verify::FitRequiresGrad(LayoutOptions{}, &spec);
   const ModelLayout from = GenLayout(spec);
   const ModelLayout to = GenLayout(spec);
   const bool orig = *gen::arbitrary<bool>();

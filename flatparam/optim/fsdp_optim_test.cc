@@ -574,13 +574,57 @@ TEST_F(ConsolidateErrorTest, FlatRanksDisagreeOnAReplicatedValue) {
   std::vector<OptimStateDict> shards = ShardAll(*layout_, full_, Quiet());
   shards[2].state.at(ParamKey(int64_t{1}))["step"] =
       ScalarTensor(DType::kFloat32, 7);
-  auto got = Consolidate(*layout_, shards, Quiet());
+  shards[1].state.at(ParamKey(int64_t{1}))["step"] =
+      ScalarTensor(DType::kFloat32, 5);
+  // PyTorch's default: each rank keeps its own value, with a warning that
+  // names the state, the flat parameter and every differing rank.
+  std::vector<std::vector<std::string>> warnings(3);
+  std::vector<absl::StatusOr<OptimStateDict>> got(3, OptimStateDict());
+  RunRanks(3, [&](SimCommunicator& comm) {
+    OptimStateOptions options = Quiet();
+    options.on_warning = [&, r = comm.rank()](absl::string_view m) {
+      warnings[r].emplace_back(m);
+    };
+    got[comm.rank()] =
+        ConsolidateOptimState(*layout_, shards[comm.rank()], comm, options);
+    return got[comm.rank()].status();
+  });
+  const double step[3] = {2, 5, 7};
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_THAT(got[r], IsOk()) << "rank " << r;
+    for (const char* fqn : {"a.w", "a.b"}) {
+      EXPECT_THAT(Values(got[r]->state.at(fqn).at("step")),
+                  ElementsAre(step[r]))
+          << "rank " << r << " " << fqn;
+    }
+    EXPECT_THAT(Values(got[r]->state.at("c").at("step")), ElementsAre(2));
+    EXPECT_THAT(
+        warnings[r],
+        ElementsAre(AllOf(
+            HasSubstr("state step of flat parameter 1"),
+            HasSubstr("rank 0 has tensor(2.0, dtype=float32), rank 1 has "
+                      "tensor(5.0, dtype=float32), rank 2 has tensor(7.0, "
+                      "dtype=float32)"),
+            HasSubstr("each rank keeps its own value"))))
+        << "rank " << r;
+  }
+  // rank0_only: rank 0's values, as PyTorch saves them.
+  OptimStateOptions rank0 = Quiet();
+  rank0.rank0_only = true;
+  got = Consolidate(*layout_, shards, rank0);
+  ASSERT_THAT(got[0], IsOk());
+  EXPECT_EQ(FirstDifference(*got[0], full_), std::nullopt);
+
+  // The strict check, on request: the same error on every rank.
+  OptimStateOptions strict = Quiet();
+  strict.strict_replicated_values = true;
+  got = Consolidate(*layout_, shards, strict);
   EXPECT_THAT(got[0],
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr("state step of flat parameter 1"),
                              HasSubstr("rank 0 has tensor(2.0, "
-                                       "dtype=float32), rank 2 has "
-                                       "tensor(7.0, dtype=float32)"))));
+                                       "dtype=float32), rank 1 has "
+                                       "tensor(5.0, dtype=float32)"))));
   ExpectSameErrorOnAllRanks(got);
 }
 
@@ -665,6 +709,62 @@ TEST(HybridTest, EveryShardGroupConsolidatesTheSameState) {
   for (int r = 0; r < 4; ++r) {
     ASSERT_THAT(statuses[r], IsOk());
     EXPECT_EQ(FirstDifference(*got[r], full), std::nullopt) << "rank " << r;
+  }
+}
+
+// PyTorch's rank0_only means global rank 0 (`dist.get_rank()`), not rank 0
+// of each shard group: one full dict in the job, and the others hold
+// nothing.
+TEST(HybridTest, Rank0OnlyIsGlobalRankZero) {
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ModelLayout layout,
+      Layout(TwoParams(DType::kFloat32), {},
+             {.world_size = 2, .strategy = ShardingStrategy::kHybridShard}));
+  const OptimStateDict full = TwoParamAdam();
+  std::vector<absl::StatusOr<OptimStateDict>> got(4, OptimStateDict());
+  std::vector<AllocationTracker> trackers(4);
+  std::vector<absl::Status> statuses = RunRanks(4, [&](SimCommunicator& world) {
+    auto groups = MakeHybridGroups(world, 2);
+    if (!groups.ok()) return groups.status();
+    Communicator& shard = *groups->shard;
+    auto mine = ShardFullOptimState(layout, full, shard.rank());
+    if (!mine.ok()) return mine.status();
+    OptimStateOptions options = Quiet();
+    options.rank0_only = true;
+    options.global_rank = world.rank();
+    options.tracker = &trackers[world.rank()];
+    got[world.rank()] = ConsolidateOptimState(layout, *mine, shard, options);
+    return got[world.rank()].status();
+  });
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_THAT(statuses[r], IsOk());
+    if (r == 0) {
+      EXPECT_EQ(FirstDifference(*got[r], full), std::nullopt);
+    } else {
+      EXPECT_TRUE(got[r]->empty()) << "rank " << r;
+    }
+    // Every rank's temporaries are the collectives' buffers and gone.
+    EXPECT_EQ(trackers[r].current_bytes(), 0) << "rank " << r;
+  }
+
+  // Without the global rank, the shard group cannot tell: an error rather
+  // than a full dict on rank 0 of every shard group.
+  statuses = RunRanks(4, [&](SimCommunicator& world) {
+    auto groups = MakeHybridGroups(world, 2);
+    if (!groups.ok()) return groups.status();
+    auto mine = ShardFullOptimState(layout, full, groups->shard->rank());
+    if (!mine.ok()) return mine.status();
+    OptimStateOptions options = Quiet();
+    options.rank0_only = true;
+    return ConsolidateOptimState(layout, *mine, *groups->shard, options)
+        .status();
+  });
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_THAT(statuses[r],
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("rank0_only with HYBRID_SHARD needs "
+                                   "OptimStateOptions::global_rank")))
+        << "rank " << r;
   }
 }
 

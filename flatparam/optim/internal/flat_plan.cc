@@ -2,6 +2,7 @@
 
 #include <cassert>
 #include <cstring>
+#include <map>
 #include <set>
 #include <utility>
 
@@ -367,8 +368,8 @@ absl::StatusOr<std::vector<ParamGroup>> UnflattenGroups(
 
 absl::Status ValidateFlatRanks(const ModelIndex& index,
                                const std::vector<StateMeta>& metas,
-                               bool compare_replicated,
-                               std::vector<int>* units) {
+                               bool compare_replicated, std::vector<int>* units,
+                               std::vector<std::string>* mismatches) {
   assert(!metas.empty());
   const StateMeta& r0 = metas[0];
   // Rank 0's keys decide, as in PyTorch; every rank must have them.
@@ -402,6 +403,8 @@ absl::Status ValidateFlatRanks(const ModelIndex& index,
     const std::string where =
         absl::StrFormat("flat parameter %d (unit %s, parameters %s)", u,
                         UnitLabel(layout), PyList(index.unit_fqns(u)));
+    // State name -> "rank r has v" for the ranks that differ from rank 0.
+    std::map<std::string, std::vector<std::string>> differing;
     for (size_t r = 0; r < metas.size(); ++r) {
       const ParamStateMeta& st = metas[r].at(key);
       const std::set<std::string> a = StateNames(state0), b = StateNames(st);
@@ -420,12 +423,15 @@ absl::Status ValidateFlatRanks(const ModelIndex& index,
               name, where, v0.Describe(), r, v.Describe()));
         }
         if (!v.pos_dim) {
-          if (compare_replicated && !PyEqual(v.value, v0.value)) {
+          if (PyEqual(v.value, v0.value)) continue;
+          if (compare_replicated) {
             return absl::InvalidArgumentError(absl::StrFormat(
                 "Differing replicated optimizer state values across ranks for "
                 "state %s of %s: rank 0 has %s, rank %d has %s",
                 name, where, v0.Describe(), r, v.Describe()));
           }
+          differing[name].push_back(
+              absl::StrFormat("rank %d has %s", r, v.Describe()));
           continue;
         }
         if (!IsFloatingPoint(v.dtype)) {
@@ -442,6 +448,13 @@ absl::Status ValidateFlatRanks(const ModelIndex& index,
               name, where, r, v.Describe(), layout.sharded_numel()));
         }
       }
+    }
+    if (mismatches == nullptr) continue;
+    for (const auto& [name, ranks] : differing) {
+      mismatches->push_back(absl::StrFormat(
+          "Differing replicated optimizer state values across ranks for "
+          "state %s of %s: rank 0 has %s, %s",
+          name, where, state0.at(name).Describe(), absl::StrJoin(ranks, ", ")));
     }
   }
   return absl::OkStatus();

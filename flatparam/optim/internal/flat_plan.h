@@ -175,13 +175,15 @@ absl::StatusOr<std::vector<ParamGroup>> UnflattenGroups(
 // names or kinds differ from rank 0's, a tensor state has an integer dtype
 // or is not shaped like the flat parameter's shard, or -- with
 // `compare_replicated` -- a replicated (0-d or non-tensor) value differs
-// from rank 0's. (Both consolidations compare: PyTorch keeps each rank's
-// own replicated values without checking, which would give ranks different
-// full dicts.) REQUIRES: !metas.empty().
+// from rank 0's. Without `compare_replicated` (PyTorch, which keeps each
+// rank's own replicated values without checking), each differing value is
+// described in `*mismatches` when it is not null: the state, the flat
+// parameter, and every rank that differs from rank 0 with both values.
+// REQUIRES: !metas.empty().
 absl::Status ValidateFlatRanks(const ModelIndex& index,
                                const std::vector<StateMeta>& metas,
-                               bool compare_replicated,
-                               std::vector<int>* units);
+                               bool compare_replicated, std::vector<int>* units,
+                               std::vector<std::string>* mismatches = nullptr);
 
 }  // namespace internal_optim
 }  // namespace optim
