@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cassert>
+#include <cstdio>
 #include <utility>
 #include <vector>
 
@@ -125,6 +126,17 @@ absl::StatusOr<std::unique_ptr<FlatParamHandle>> FlatParamHandle::CreateCommon(
           unit, DTypeName(aligned_for), DTypeName(handle->param_dtype_)));
     }
   }
+  if (options.fake_all_gather || options.fake_reduce) {
+    std::fprintf(stderr,
+                 "flatparam warning: %s: fake %s: those collectives are "
+                 "skipped, so training is incorrect (for measuring compute "
+                 "alone)\n",
+                 handle->Name().c_str(),
+                 options.fake_all_gather && options.fake_reduce
+                     ? "all-gather and reduce-scatter"
+                 : options.fake_all_gather ? "all-gather"
+                                           : "reduce-scatter");
+  }
   if (options.cpu_offload) {
     // PyTorch pre-allocates `_cpu_grad` (zeros, pinned) for the whole run.
     FLATPARAM_ASSIGN_OR_RETURN(
@@ -223,7 +235,30 @@ bool FlatParamHandle::uses_sharded_strategy() const {
 
 bool FlatParamHandle::force_full_precision() const {
   return (uses_param_mixed_precision() || uses_reduce_mixed_precision()) &&
-         state_ == HandleTrainingState::kSummonFullParams;
+         (state_ == HandleTrainingState::kSummonFullParams ||
+          (!training_ && options_.use_full_prec_in_eval));
+}
+
+absl::Status FlatParamHandle::SetTraining(bool training) {
+  if (state_ != HandleTrainingState::kIdle) {
+    return WrongState("SetTraining", "IDLE");
+  }
+  if (unsharded_) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: SetTraining: the flat parameter is unsharded (state %s); "
+        "Reshard first",
+        Name(), HandleTrainingStateName(state_)));
+  }
+  if (training == training_) return absl::OkStatus();
+  const bool was_full = force_full_precision();
+  training_ = training;
+  if (force_full_precision() != was_full) {
+    // A kept unsharded parameter is in the other precision (and a kept
+    // full-precision one may be stale by the next eval).
+    full_param_padded_.Reset();
+    full_prec_full_param_padded_.Reset();
+  }
+  return absl::OkStatus();
 }
 
 DType FlatParamHandle::unsharded_dtype() const {
@@ -324,7 +359,7 @@ absl::Status FlatParamHandle::UnshardImpl() {
                 layout_.padded_unsharded_numel());
       absl::Status status = padded.status();
       if (status.ok()) status = device_->Synchronize();
-      if (status.ok()) {
+      if (status.ok() && !options_.fake_all_gather) {
         status = Wait(shard_group_->AllGather(source, padded->ref(),
                                               options_.collective_options),
                       "all-gather of the flat parameter");
@@ -485,8 +520,29 @@ absl::Status FlatParamHandle::PostBackward(bool sync_gradients) {
 }
 
 absl::Status FlatParamHandle::FinalizeBackward(bool sync_gradients) {
-  if (state_ != HandleTrainingState::kBackwardPost) {
-    return WrongState("FinalizeBackward", "BACKWARD_POST");
+  if (state_ == HandleTrainingState::kSummonFullParams) {
+    return WrongState("FinalizeBackward",
+                      "a state other than SUMMON_FULL_PARAMS (use "
+                      "EndSummonFullParams)");
+  }
+  if (unsharded_) {
+    // PyTorch's `_catch_all_reshard`, freeing as `_should_free_in_backward`.
+    const bool free = uses_sharded_strategy() &&
+                      (sync_gradients || ReshardsAfterForward(strategy()));
+    FLATPARAM_RETURN_IF_ERROR(ReshardImpl(free));
+  }
+  if (sync_gradients && uses_sharded_strategy()) {
+    // An unsharded parameter kept past a synchronizing backward (a root
+    // unit's from forward, when its backward never ran) would be stale once
+    // the optimizer steps; PyTorch keeps it (pytorch/pytorch#83956).
+    full_param_padded_.Reset();
+    full_prec_full_param_padded_.Reset();
+  }
+  if (state_ != HandleTrainingState::kBackwardPost && sync_gradients &&
+      unsharded_grad_.allocated()) {
+    // The post-backward never ran: no reduction, as in PyTorch.
+    unsharded_grad_.Reset();
+    ++grad_epoch_;
   }
   // PyTorch's `prepare_gradient_for_optim` casts only the gradients that
   // live in `_cpu_grad` or `_saved_grad_shard`; NO_SHARD without offload has
@@ -570,9 +626,11 @@ absl::Status FlatParamHandle::ReduceGrad() {
     FLATPARAM_ASSIGN_OR_RETURN(
         shard, Alloc(MemoryCategory::kShardedGrads, reduce_dtype_,
                      layout_.sharded_numel()));
-    FLATPARAM_RETURN_IF_ERROR(
-        Wait(shard_group_->ReduceScatter(grad.ref(), shard.ref(), first),
-             "reduce-scatter of the gradient"));
+    if (!options_.fake_reduce) {
+      FLATPARAM_RETURN_IF_ERROR(
+          Wait(shard_group_->ReduceScatter(grad.ref(), shard.ref(), first),
+               "reduce-scatter of the gradient"));
+    }
     grad.Reset();
     // 4. Hybrid: sum the shard group's results across replicas.
     if (hybrid) {

@@ -65,7 +65,8 @@
 //   PostForward             FORWARD -> IDLE (reshards)
 //   PreBackward             IDLE -> BACKWARD_PRE (unshards unless unsharded)
 //   PostBackward            BACKWARD_PRE -> BACKWARD_POST (reshards, reduces)
-//   FinalizeBackward        BACKWARD_POST -> IDLE
+//   FinalizeBackward        any but SUMMON_FULL_PARAMS -> IDLE (reshards)
+//   SetTraining             IDLE, while sharded
 //   BeginSummonFullParams   IDLE (sharded) -> SUMMON_FULL_PARAMS
 //   EndSummonFullParams     SUMMON_FULL_PARAMS -> IDLE
 //   Unshard                 IDLE, FORWARD or BACKWARD_PRE, while sharded
@@ -101,7 +102,14 @@
 //     HYBRID_SHARD_ZERO2 expose sharded views (PyTorch keeps exposing the
 //     unsharded ones); the unsharded parameter is kept and reused all the
 //     same.
-//   * Not modeled: FSDP_USE_FULL_PREC_IN_EVAL, summoning with gradients
+//   * FinalizeBackward(sync) frees an unsharded parameter kept past the
+//     backward (the root's, when its backward did not run), which would be
+//     stale after the optimizer step; PyTorch's catch-all reshard keeps it
+//     and reuses it in the next forward.
+//   * FSDP_USE_FULL_PREC_IN_EVAL, FSDP_USE_FAKE_ALL_GATHER and
+//     FSDP_USE_FAKE_REDUCE are HandleOptions, not environment variables;
+//     eval mode is SetTraining(false) (PyTorch's `module.training`).
+//   * Not modeled: summoning with gradients
 //     (`unshard_grad`), rank0_only, communication hooks, storage changes of
 //     original parameters (`_writeback_orig_params`: here views are the
 //     storage, so in-place writes need no writeback).
@@ -178,6 +186,20 @@ struct HandleOptions {
   // the NCCL backend folds both factors into one pre-multiplied sum, which
   // rounds differently from PyTorch's two `div_` calls.
   bool divide_in_collectives = false;
+  // PyTorch's FSDP_USE_FULL_PREC_IN_EVAL=1: in eval mode (SetTraining(false))
+  // mixed precision is off, so unshards gather the full-precision parameter
+  // and views are in the parameters' dtype, as while summoning.
+  bool use_full_prec_in_eval = false;
+  // PyTorch's FSDP_USE_FAKE_ALL_GATHER=1 / FSDP_USE_FAKE_REDUCE=1, for
+  // measuring compute alone: the sharded strategies' all-gather of the
+  // parameter / reduce-scatter of the gradient is skipped (nothing is sent
+  // or awaited) and its output buffer keeps whatever the allocator gave it,
+  // so training is incorrect. Everything else runs as usual: casts, copies,
+  // the hybrid strategies' replicate all-reduce and NO_SHARD's all-reduce
+  // (PyTorch fakes only those two collectives). Creating a handle with
+  // either set prints a warning to stderr, as PyTorch logs one.
+  bool fake_all_gather = false;
+  bool fake_reduce = false;
   // Timeout etc. of every collective the handle issues.
   CollectiveOptions collective_options;
 };
@@ -281,12 +303,29 @@ class FlatParamHandle {
   // without it (no_sync) the unsharded gradient is kept and accumulates over
   // the following backwards.
   absl::Status PostBackward(bool sync_gradients = true);
-  // Ends the backward. With `sync_gradients` and keep_low_precision_grads,
+  // Ends the backward (PyTorch's post-backward final callback for this
+  // handle). Tolerant, as PyTorch is, of a handle that took no part in the
+  // backward (conditional computation: a skipped layer or expert): accepted
+  // in any state but SUMMON_FULL_PARAMS. An unsharded parameter still held
+  // is resharded first (PyTorch's `_catch_all_reshard`, freeing it as
+  // PostBackward would), and with `sync_gradients` a kept one is freed (see
+  // the differences from PyTorch); an unsharded gradient that PostBackward never
+  // reduced is dropped when `sync_gradients` (PyTorch reduces only in the
+  // post-backward hook) and kept for accumulation otherwise; nothing
+  // communicates. With `sync_gradients` and keep_low_precision_grads,
   // casts the sharded gradient to param_dtype (PyTorch's
   // `prepare_gradient_for_optim`), except for NO_SHARD without CPU offload,
   // whose gradient stays in reduce_dtype as PyTorch's does (it has neither
   // `_cpu_grad` nor `_saved_grad_shard`, the only gradients PyTorch casts).
   absl::Status FinalizeBackward(bool sync_gradients = true);
+
+  // PyTorch's `module.train(training)` for this handle's unit: with
+  // use_full_prec_in_eval and mixed precision, eval mode unshards in full
+  // precision. A kept unsharded parameter of the other precision is freed
+  // (the next unshard gathers again). FailedPrecondition outside IDLE or
+  // while unsharded.
+  absl::Status SetTraining(bool training);
+  bool training() const { return training_; }
 
   // ---- Primitives ----
   // All-gathers the local shard (cast to param_dtype under mixed precision,
@@ -475,6 +514,9 @@ class FlatParamHandle {
   TrackedBuffer cpu_grad_;
   TrackedBuffer low_prec_cpu_grad_;
   bool has_sharded_grad_ = false;
+
+  // PyTorch's `_fully_sharded_module.training`.
+  bool training_ = true;
 
   // Summon bookkeeping.
   bool summon_writeback_ = false;

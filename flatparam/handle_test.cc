@@ -1210,7 +1210,6 @@ TEST(MisuseTest, EveryMisuseIsAFailedPreconditionAndHarmless) {
         if (misuse) {
           EXPECT_THAT(h.PostForward(), fp("IDLE", "PostForward requires"));
           EXPECT_THAT(h.PostBackward(), fp("IDLE", "PostBackward"));
-          EXPECT_THAT(h.FinalizeBackward(), fp("IDLE", "FinalizeBackward"));
           EXPECT_THAT(h.ReduceGrad(), fp("IDLE", "ReduceGrad"));
           EXPECT_THAT(h.GradView(0), fp("IDLE", "GradView"));
           EXPECT_THAT(h.Reshard(true), fp("IDLE", "not unsharded"));
@@ -1219,6 +1218,7 @@ TEST(MisuseTest, EveryMisuseIsAFailedPreconditionAndHarmless) {
           // Unshard twice.
           FLATPARAM_RETURN_IF_ERROR(h.Unshard());
           EXPECT_THAT(h.Unshard(), fp("IDLE", "already unsharded"));
+          EXPECT_THAT(h.SetTraining(false), fp("IDLE", "Reshard first"));
           EXPECT_THAT(h.BeginSummonFullParams(true),
                       fp("IDLE", "Reshard first"));
           FLATPARAM_RETURN_IF_ERROR(h.Reshard(true));
@@ -1234,6 +1234,7 @@ TEST(MisuseTest, EveryMisuseIsAFailedPreconditionAndHarmless) {
           EXPECT_THAT(h.PreForward(), fp("FORWARD", "PreForward"));
           EXPECT_THAT(h.PreBackward(), fp("FORWARD", "PreBackward"));
           EXPECT_THAT(h.ZeroGrad(), fp("FORWARD", "ZeroGrad"));
+          EXPECT_THAT(h.SetTraining(false), fp("FORWARD", "SetTraining"));
           EXPECT_THAT(h.BeginSummonFullParams(false),
                       fp("FORWARD", "BeginSummon"));
           EXPECT_THAT(h.Unshard(), fp("FORWARD", "already unsharded"));
@@ -1249,8 +1250,6 @@ TEST(MisuseTest, EveryMisuseIsAFailedPreconditionAndHarmless) {
         FLATPARAM_RETURN_IF_ERROR(h.PreBackward());
         if (misuse) {
           EXPECT_THAT(h.PreBackward(), fp("BACKWARD_PRE", "PreBackward"));
-          EXPECT_THAT(h.FinalizeBackward(),
-                      fp("BACKWARD_PRE", "FinalizeBackward"));
           EXPECT_THAT(h.Param(99), StatusIs(absl::StatusCode::kInvalidArgument,
                                             HasSubstr("99")));
           EXPECT_THAT(h.GradView(-1),
@@ -1281,6 +1280,8 @@ TEST(MisuseTest, EveryMisuseIsAFailedPreconditionAndHarmless) {
           EXPECT_THAT(h.BeginSummonFullParams(false),
                       fp("SUMMON_FULL_PARAMS", "BeginSummon"));
           EXPECT_THAT(h.PreForward(), fp("SUMMON_FULL_PARAMS", "PreForward"));
+          EXPECT_THAT(h.FinalizeBackward(),
+                      fp("SUMMON_FULL_PARAMS", "FinalizeBackward"));
         }
         FLATPARAM_RETURN_IF_ERROR(h.EndSummonFullParams());
         // A full second iteration after all that.
@@ -1293,6 +1294,186 @@ TEST(MisuseTest, EveryMisuseIsAFailedPreconditionAndHarmless) {
     ASSERT_THAT(run(false, &clean), IsOk());
     ASSERT_THAT(run(true, &misused), IsOk());
     EXPECT_EQ(misused, clean) << ShardingStrategyName(strategy);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Options PyTorch reads from the environment.
+
+// FSDP_USE_FULL_PREC_IN_EVAL: eval mode unshards the full-precision
+// parameter (PyTorch's `_force_full_precision`), training mode the
+// param_dtype one; without the option eval keeps mixed precision.
+TEST(EvalTest, FullPrecisionInEvalWhenAsked) {
+  for (ShardingStrategy strategy :
+       {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+        ShardingStrategy::kNoShard, ShardingStrategy::kHybridShard}) {
+    for (bool full_in_eval : {false, true}) {
+      Scenario s = Make(strategy, 2, /*align=*/true);
+      s.rounding_values = true;
+      s.options.param_dtype = DType::kBFloat16;
+      s.options.use_full_prec_in_eval = full_in_eval;
+      FLATPARAM_ASSERT_OK_AND_ASSIGN(FlatParamLayout layout, MakeLayout(s));
+      const std::string label = absl::StrCat(
+          ShardingStrategyName(strategy), full_in_eval ? " full" : " mixed");
+      auto expect_params = [&](FlatParamHandle& h, DType dtype) {
+        for (int i = 0; i < static_cast<int>(layout.params().size()); ++i) {
+          absl::StatusOr<OrigParamView> v = h.Param(i);
+          ASSERT_THAT(v, IsOk());
+          EXPECT_EQ(v->data.dtype, dtype) << label << " param " << i;
+          std::vector<double> want;
+          for (int64_t k = 0; k < v->data.count; ++k) {
+            want.push_back(RoundTo(dtype, InitialValue(s, i, k)));
+          }
+          EXPECT_EQ(ReadValues(v->data), want) << label << " param " << i;
+        }
+      };
+      ASSERT_THAT(
+          RunWithHandles(
+              s,
+              [&](RankContext& ctx) -> absl::Status {
+                FlatParamHandle& h = ctx.handle;
+                FLATPARAM_RETURN_IF_ERROR(h.SetTraining(false));
+                EXPECT_FALSE(h.training());
+                FLATPARAM_RETURN_IF_ERROR(h.PreForward());
+                expect_params(h, full_in_eval ? DType::kFloat32
+                                              : DType::kBFloat16);
+                FLATPARAM_RETURN_IF_ERROR(h.PostForward());
+                // Full precision in eval never makes the low-precision
+                // shard.
+                EXPECT_EQ(h.memory().peak_bytes(
+                              MemoryCategory::kLowPrecisionParams) == 0,
+                          full_in_eval)
+                    << label;
+                FLATPARAM_RETURN_IF_ERROR(h.SetTraining(true));
+                FLATPARAM_RETURN_IF_ERROR(h.PreForward());
+                expect_params(h, DType::kBFloat16);
+                FLATPARAM_RETURN_IF_ERROR(h.PostForward());
+                // Back in eval after training: full precision again (a kept
+                // low-precision parameter is not reused).
+                FLATPARAM_RETURN_IF_ERROR(h.SetTraining(false));
+                FLATPARAM_RETURN_IF_ERROR(h.PreForward());
+                expect_params(h, full_in_eval ? DType::kFloat32
+                                              : DType::kBFloat16);
+                return h.PostForward();
+              }),
+          IsOk())
+          << label;
+    }
+  }
+}
+
+// FSDP_USE_FAKE_ALL_GATHER / FSDP_USE_FAKE_REDUCE skip exactly the
+// all-gather of the parameter and the reduce-scatter of the gradient.
+TEST(FakeCollectivesTest, SkipOnlyTheAllGatherAndTheReduceScatter) {
+  for (ShardingStrategy strategy :
+       {ShardingStrategy::kFullShard, ShardingStrategy::kHybridShard,
+        ShardingStrategy::kNoShard}) {
+    for (int fakes = 0; fakes < 4; ++fakes) {
+      Scenario s = Make(strategy, 2);
+      s.options.fake_all_gather = (fakes & 1) != 0;
+      s.options.fake_reduce = (fakes & 2) != 0;
+      std::unique_ptr<SimWorld> world;
+      ASSERT_THAT(RunWithHandles(
+                      s,
+                      [&](RankContext& ctx) {
+                        return RunIteration(s, ctx, 0, /*sync=*/true);
+                      },
+                      &world),
+                  IsOk());
+      const bool sharded = strategy != ShardingStrategy::kNoShard;
+      const std::string label =
+          absl::StrCat(ShardingStrategyName(strategy), " fakes=", fakes);
+      for (int r = 0; r < s.world_size(); ++r) {
+        // Forward, and backward again where the forward freed it.
+        const int gathers = FreesAfterForward(strategy) ? 2 : 1;
+        EXPECT_EQ(CountOps(*world, r, "all_gather"),
+                  sharded && !s.options.fake_all_gather ? gathers : 0)
+            << label;
+        EXPECT_EQ(CountOps(*world, r, "reduce_scatter"),
+                  sharded && !s.options.fake_reduce ? 1 : 0)
+            << label;
+        // The replicate all-reduce and NO_SHARD's all-reduce still run.
+        EXPECT_EQ(CountOps(*world, r, "all_reduce"), sharded ? s.hybrid() : 1)
+            << label;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// A handle that took no part in the backward (conditional computation).
+
+TEST(FinalizeTest, AcceptsAHandleThatTookNoPartInTheBackward) {
+  for (ShardingStrategy strategy :
+       {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+        ShardingStrategy::kNoShard}) {
+    Scenario s = Make(strategy, 2);
+    const bool sharded = strategy != ShardingStrategy::kNoShard;
+    std::vector<std::vector<double>> clean(2), tolerant(2);
+    auto run = [&](bool skip_parts, std::vector<std::vector<double>>* out) {
+      std::unique_ptr<SimWorld> world;
+      absl::Status status = RunWithHandles(
+          s,
+          [&](RankContext& ctx) -> absl::Status {
+            FlatParamHandle& h = ctx.handle;
+            if (skip_parts) {
+              // Forward only, as the root (kept unsharded): the catch-all
+              // reshard frees the parameter.
+              FLATPARAM_RETURN_IF_ERROR(h.PreForward());
+              FLATPARAM_RETURN_IF_ERROR(h.PostForward(/*is_root=*/true));
+              FLATPARAM_RETURN_IF_ERROR(h.FinalizeBackward());
+              EXPECT_EQ(h.training_state(), HandleTrainingState::kIdle);
+              EXPECT_EQ(h.unsharded_flat_param(), std::nullopt);
+              if (sharded) {
+                EXPECT_EQ(h.memory().current_bytes(
+                              MemoryCategory::kUnshardedParams),
+                          0);
+              }
+              // Forward without its post-forward.
+              FLATPARAM_RETURN_IF_ERROR(h.PreForward());
+              FLATPARAM_RETURN_IF_ERROR(h.FinalizeBackward());
+              EXPECT_EQ(h.unsharded_flat_param(), std::nullopt);
+              // Pre-backward whose post-backward never ran: its gradient
+              // is neither reduced nor kept.
+              FLATPARAM_RETURN_IF_ERROR(h.PreBackward());
+              FLATPARAM_RETURN_IF_ERROR(AddGradients(s, ctx, 7));
+              FLATPARAM_RETURN_IF_ERROR(h.FinalizeBackward());
+              EXPECT_EQ(h.unsharded_grad(), std::nullopt);
+              EXPECT_EQ(h.sharded_grad(), std::nullopt);
+              EXPECT_EQ(
+                  h.memory().current_bytes(MemoryCategory::kUnshardedGrads), 0);
+              // Nothing at all.
+              FLATPARAM_RETURN_IF_ERROR(h.FinalizeBackward());
+            }
+            // Under no_sync a gradient kept from a skipped post-backward
+            // accumulates into the next backward.
+            FLATPARAM_RETURN_IF_ERROR(h.PreForward());
+            FLATPARAM_RETURN_IF_ERROR(h.PostForward());
+            FLATPARAM_RETURN_IF_ERROR(h.PreBackward());
+            FLATPARAM_RETURN_IF_ERROR(AddGradients(s, ctx, 0));
+            if (skip_parts) {
+              FLATPARAM_RETURN_IF_ERROR(h.FinalizeBackward(/*sync=*/false));
+              EXPECT_NE(h.unsharded_grad(), std::nullopt);
+            } else {
+              FLATPARAM_RETURN_IF_ERROR(h.PostBackward(/*sync=*/false));
+              FLATPARAM_RETURN_IF_ERROR(h.FinalizeBackward(/*sync=*/false));
+            }
+            FLATPARAM_RETURN_IF_ERROR(RunIteration(s, ctx, 1, /*sync=*/true));
+            (*out)[ctx.world_rank] = ReadValues(*h.sharded_grad());
+            return absl::OkStatus();
+          },
+          &world);
+      // The skipped parts communicated nothing: one gather per forward and
+      // backward that unsharded, one reduction.
+      for (int r = 0; r < 2 && status.ok(); ++r) {
+        EXPECT_EQ(CountOps(*world, r, sharded ? "reduce_scatter" : "all_reduce"),
+                  1);
+      }
+      return status;
+    };
+    ASSERT_THAT(run(false, &clean), IsOk());
+    ASSERT_THAT(run(true, &tolerant), IsOk());
+    EXPECT_EQ(tolerant, clean) << ShardingStrategyName(strategy);
   }
 }
 
