@@ -76,6 +76,10 @@ FlatParamHandle::FlatParamHandle(const FlatParamLayout& layout,
   }
   predivide_ = GradientPredivideFactor(dp_world_size_);
   postdivide_ = dp_world_size_ / predivide_;
+  for (const ParamInfo& p : layout.params()) {
+    requires_grad_.push_back(p.requires_grad ? 1 : 0);
+  }
+  grad_none_.assign(layout.params().size(), 0);
 }
 
 FlatParamHandle::~FlatParamHandle() = default;
@@ -485,7 +489,10 @@ absl::Status FlatParamHandle::PreBackward() {
 }
 
 absl::Status FlatParamHandle::PrepareGradientForBackward() {
-  if (!layout_.requires_grad()) return absl::OkStatus();
+  if (std::find(requires_grad_.begin(), requires_grad_.end(), 1) ==
+      requires_grad_.end()) {
+    return absl::OkStatus();
+  }
   if (has_sharded_grad_ && options_.keep_low_precision_grads) {
     FLATPARAM_RETURN_IF_ERROR(CastShardedGradTo(grad_accum_dtype()));
   }
@@ -507,6 +514,13 @@ absl::Status FlatParamHandle::PostBackward(bool sync_gradients) {
     return WrongState("PostBackward", "BACKWARD_PRE");
   }
   state_ = HandleTrainingState::kBackwardPost;
+  if (unsharded_grad_.allocated()) {
+    // PyTorch's `_reset_is_grad_none`: a parameter that requires a gradient
+    // received one (zeros included).
+    for (size_t i = 0; i < grad_none_.size(); ++i) {
+      if (requires_grad_[i]) grad_none_[i] = 0;
+    }
+  }
   if (unsharded_) {
     // PyTorch's `_should_free_in_backward`.
     const bool free = uses_sharded_strategy() &&
@@ -566,7 +580,7 @@ absl::Status FlatParamHandle::ZeroUngradedSegments(BufferRef grad) {
   int64_t offset = 0;
   int param = 0;
   for (size_t s = 0; s < numels.size(); ++s) {
-    const bool zero = padding[s] || !layout_.params()[param].requires_grad;
+    const bool zero = padding[s] || !requires_grad_[param];
     if (zero && numels[s] > 0) {
       FLATPARAM_RETURN_IF_ERROR(
           device_->Fill(grad.Slice(offset, numels[s]), 0));
@@ -724,7 +738,7 @@ absl::StatusOr<BufferRef> FlatParamHandle::GradView(int index) const {
     return WrongState("GradView", "BACKWARD_PRE");
   }
   const ParamInfo& p = layout_.params()[index];
-  if (!p.requires_grad) {
+  if (!requires_grad_[index]) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "%s: GradView: parameter '%s' does not require a gradient", Name(),
         p.fqn));
@@ -784,13 +798,82 @@ absl::StatusOr<std::optional<BufferRef>> FlatParamHandle::ShardedGradView(
     int index) const {
   FLATPARAM_RETURN_IF_ERROR(CheckIndex("ShardedGradView", index));
   const std::optional<BufferRef> grad = sharded_grad();
-  if (!grad.has_value() || !layout_.params()[index].requires_grad) {
+  if (!grad.has_value() || !requires_grad_[index] || grad_none_[index]) {
     return std::optional<BufferRef>();
   }
   const ShardParamInfo info = layout_.shard_param_info(rank_, index);
   if (!info.in_shard) return std::optional<BufferRef>();
   return std::optional<BufferRef>(grad->Slice(
       info.offset_in_shard, std::max<int64_t>(0, info.numel_in_shard)));
+}
+
+bool FlatParamHandle::grad_is_none(int index) const {
+  return !requires_grad_[index] || grad_none_[index] || !has_sharded_grad_;
+}
+
+absl::Status FlatParamHandle::SetGradNone(int index) {
+  FLATPARAM_RETURN_IF_ERROR(CheckIndex("SetGradNone", index));
+  if (state_ != HandleTrainingState::kIdle) {
+    return WrongState("SetGradNone", "IDLE");
+  }
+  grad_none_[index] = 1;
+  const ParamInfo& p = layout_.params()[index];
+  if (unsharded_grad_.allocated() && p.numel > 0) {
+    FLATPARAM_RETURN_IF_ERROR(
+        device_->Fill(unsharded_grad_.ref().Slice(p.offset, p.numel), 0));
+  }
+  if (has_sharded_grad_) {
+    const ShardParamInfo info = layout_.shard_param_info(rank_, index);
+    if (info.in_shard && info.numel_in_shard > 0) {
+      const int64_t off = info.offset_in_shard, n = info.numel_in_shard;
+      if (options_.cpu_offload) {
+        FLATPARAM_RETURN_IF_ERROR(
+            device_->Fill(cpu_grad_.ref().Slice(off, n), 0));
+      }
+      FLATPARAM_RETURN_IF_ERROR(
+          device_->Fill(sharded_grad()->Slice(off, n), 0));
+    }
+    bool all_none = true;
+    for (size_t i = 0; i < grad_none_.size(); ++i) {
+      all_none &= grad_none_[i] || !requires_grad_[i];
+    }
+    if (all_none && !unsharded_grad_.allocated()) {
+      // PyTorch's `flat_param.grad = None` once every original one is.
+      return ZeroGrad(/*set_to_none=*/true);
+    }
+  }
+  return device_->Synchronize();
+}
+
+absl::Status FlatParamHandle::SetRequiresGrad(int index, bool requires_grad) {
+  FLATPARAM_RETURN_IF_ERROR(CheckIndex("SetRequiresGrad", index));
+  if (state_ != HandleTrainingState::kIdle) {
+    return WrongState("SetRequiresGrad", "IDLE");
+  }
+  if (!layout_.options().align_addresses) {
+    for (size_t i = 0; i < requires_grad_.size(); ++i) {
+      if (static_cast<int>(i) == index ||
+          (requires_grad_[i] != 0) == requires_grad) {
+        continue;
+      }
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: SetRequiresGrad: must flatten tensors with uniform "
+          "`requires_grad` when `use_orig_params=False` (align_addresses "
+          "off): '%s' would have requires_grad=%s but '%s' has %s",
+          Name(), layout_.params()[index].fqn, requires_grad ? "true" : "false",
+          layout_.params()[i].fqn, requires_grad_[i] ? "true" : "false"));
+    }
+  }
+  requires_grad_[index] = requires_grad ? 1 : 0;
+  return absl::OkStatus();
+}
+
+absl::Status FlatParamHandle::SetAllRequiresGrad(bool requires_grad) {
+  if (state_ != HandleTrainingState::kIdle) {
+    return WrongState("SetAllRequiresGrad", "IDLE");
+  }
+  requires_grad_.assign(requires_grad_.size(), requires_grad ? 1 : 0);
+  return absl::OkStatus();
 }
 
 absl::Status FlatParamHandle::ZeroGrad(bool set_to_none) {

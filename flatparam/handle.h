@@ -309,8 +309,8 @@ class FlatParamHandle {
   // in any state but SUMMON_FULL_PARAMS. An unsharded parameter still held
   // is resharded first (PyTorch's `_catch_all_reshard`, freeing it as
   // PostBackward would), and with `sync_gradients` a kept one is freed (see
-  // the differences from PyTorch); an unsharded gradient that PostBackward never
-  // reduced is dropped when `sync_gradients` (PyTorch reduces only in the
+  // the differences from PyTorch); an unsharded gradient that PostBackward
+  // never reduced is dropped when `sync_gradients` (PyTorch reduces only in the
   // post-backward hook) and kept for accumulation otherwise; nothing
   // communicates. With `sync_gradients` and keep_low_precision_grads,
   // casts the sharded gradient to param_dtype (PyTorch's
@@ -399,9 +399,37 @@ class FlatParamHandle {
   // set_to_none).
   std::optional<BufferRef> sharded_grad() const;
   // The flattened part of parameter `index` in the sharded gradient; nullopt
-  // when the gradient is None, the parameter is frozen, or it is not in this
-  // rank's shard (PyTorch's `_use_sharded_grad_views`).
+  // when the gradient is None (the whole one, or this parameter's after
+  // SetGradNone), the parameter is frozen, or it is not in this rank's
+  // shard (PyTorch's `_use_sharded_grad_views`).
   absl::StatusOr<std::optional<BufferRef>> ShardedGradView(int index) const;
+  // PyTorch's `param.grad = None` for original parameter `index` with
+  // use_orig_params (`_writeback_tensor` of a None gradient and
+  // `_is_grad_none_mask`): in IDLE, zeroes the parameter's segment of the
+  // sharded gradient (and of an unsharded gradient kept by no_sync) and
+  // makes ShardedGradView(index) None -- not zeros -- until a backward
+  // gives the parameter a gradient again (PostBackward, as PyTorch's
+  // `_reset_is_grad_none`). When every parameter's gradient is None the
+  // sharded gradient is freed (PyTorch's
+  // `_reset_flat_param_grad_info_if_needed`). Local: nothing communicates.
+  absl::Status SetGradNone(int index);
+  // True while parameter `index`'s gradient is None for the optimizer.
+  bool grad_is_none(int index) const;
+  // Changes parameter `index`'s `requires_grad` between iterations (in
+  // IDLE) without rebuilding the handle: a frozen parameter's gradient
+  // segment is zeroed before every later reduction and hidden from
+  // ShardedGradView; when no parameter requires a gradient the handle
+  // makes no unsharded gradient and the backward reduces nothing. Every
+  // rank of the shard group must make the same change (it decides whether
+  // the backward communicates). InvalidArgument when it would mix flags in
+  // an unaligned layout (PyTorch's use_orig_params=False needs them
+  // uniform) or for a bad index; FailedPrecondition outside IDLE.
+  absl::Status SetRequiresGrad(int index, bool requires_grad);
+  // Every parameter at once (PyTorch's `flat_param.requires_grad_()`, the
+  // only change use_orig_params=False allows).
+  absl::Status SetAllRequiresGrad(bool requires_grad);
+  bool requires_grad(int index) const { return requires_grad_[index] != 0; }
+
   // In IDLE: with `set_to_none` frees the sharded gradient (under CPU
   // offload the host buffer stays allocated but is None) and any unsharded
   // gradient kept by no_sync; otherwise zeroes them.
@@ -517,6 +545,10 @@ class FlatParamHandle {
 
   // PyTorch's `_fully_sharded_module.training`.
   bool training_ = true;
+  // Per original parameter: `requires_grad` (the layout's, until
+  // SetRequiresGrad) and PyTorch's `_is_grad_none_mask`.
+  std::vector<char> requires_grad_;
+  std::vector<char> grad_none_;
 
   // Summon bookkeeping.
   bool summon_writeback_ = false;

@@ -1313,8 +1313,8 @@ TEST(EvalTest, FullPrecisionInEvalWhenAsked) {
       s.options.param_dtype = DType::kBFloat16;
       s.options.use_full_prec_in_eval = full_in_eval;
       FLATPARAM_ASSERT_OK_AND_ASSIGN(FlatParamLayout layout, MakeLayout(s));
-      const std::string label = absl::StrCat(
-          ShardingStrategyName(strategy), full_in_eval ? " full" : " mixed");
+      const std::string label = absl::StrCat(ShardingStrategyName(strategy),
+                                             full_in_eval ? " full" : " mixed");
       auto expect_params = [&](FlatParamHandle& h, DType dtype) {
         for (int i = 0; i < static_cast<int>(layout.params().size()); ++i) {
           absl::StatusOr<OrigParamView> v = h.Param(i);
@@ -1327,36 +1327,35 @@ TEST(EvalTest, FullPrecisionInEvalWhenAsked) {
           EXPECT_EQ(ReadValues(v->data), want) << label << " param " << i;
         }
       };
-      ASSERT_THAT(
-          RunWithHandles(
-              s,
-              [&](RankContext& ctx) -> absl::Status {
-                FlatParamHandle& h = ctx.handle;
-                FLATPARAM_RETURN_IF_ERROR(h.SetTraining(false));
-                EXPECT_FALSE(h.training());
-                FLATPARAM_RETURN_IF_ERROR(h.PreForward());
-                expect_params(h, full_in_eval ? DType::kFloat32
-                                              : DType::kBFloat16);
-                FLATPARAM_RETURN_IF_ERROR(h.PostForward());
-                // Full precision in eval never makes the low-precision
-                // shard.
-                EXPECT_EQ(h.memory().peak_bytes(
-                              MemoryCategory::kLowPrecisionParams) == 0,
-                          full_in_eval)
-                    << label;
-                FLATPARAM_RETURN_IF_ERROR(h.SetTraining(true));
-                FLATPARAM_RETURN_IF_ERROR(h.PreForward());
-                expect_params(h, DType::kBFloat16);
-                FLATPARAM_RETURN_IF_ERROR(h.PostForward());
-                // Back in eval after training: full precision again (a kept
-                // low-precision parameter is not reused).
-                FLATPARAM_RETURN_IF_ERROR(h.SetTraining(false));
-                FLATPARAM_RETURN_IF_ERROR(h.PreForward());
-                expect_params(h, full_in_eval ? DType::kFloat32
-                                              : DType::kBFloat16);
-                return h.PostForward();
-              }),
-          IsOk())
+      ASSERT_THAT(RunWithHandles(
+                      s,
+                      [&](RankContext& ctx) -> absl::Status {
+                        FlatParamHandle& h = ctx.handle;
+                        FLATPARAM_RETURN_IF_ERROR(h.SetTraining(false));
+                        EXPECT_FALSE(h.training());
+                        FLATPARAM_RETURN_IF_ERROR(h.PreForward());
+                        expect_params(h, full_in_eval ? DType::kFloat32
+                                                      : DType::kBFloat16);
+                        FLATPARAM_RETURN_IF_ERROR(h.PostForward());
+                        // Full precision in eval never makes the low-precision
+                        // shard.
+                        EXPECT_EQ(h.memory().peak_bytes(
+                                      MemoryCategory::kLowPrecisionParams) == 0,
+                                  full_in_eval)
+                            << label;
+                        FLATPARAM_RETURN_IF_ERROR(h.SetTraining(true));
+                        FLATPARAM_RETURN_IF_ERROR(h.PreForward());
+                        expect_params(h, DType::kBFloat16);
+                        FLATPARAM_RETURN_IF_ERROR(h.PostForward());
+                        // Back in eval after training: full precision again (a
+                        // kept low-precision parameter is not reused).
+                        FLATPARAM_RETURN_IF_ERROR(h.SetTraining(false));
+                        FLATPARAM_RETURN_IF_ERROR(h.PreForward());
+                        expect_params(h, full_in_eval ? DType::kFloat32
+                                                      : DType::kBFloat16);
+                        return h.PostForward();
+                      }),
+                  IsOk())
           << label;
     }
   }
@@ -1425,9 +1424,9 @@ TEST(FinalizeTest, AcceptsAHandleThatTookNoPartInTheBackward) {
               EXPECT_EQ(h.training_state(), HandleTrainingState::kIdle);
               EXPECT_EQ(h.unsharded_flat_param(), std::nullopt);
               if (sharded) {
-                EXPECT_EQ(h.memory().current_bytes(
-                              MemoryCategory::kUnshardedParams),
-                          0);
+                EXPECT_EQ(
+                    h.memory().current_bytes(MemoryCategory::kUnshardedParams),
+                    0);
               }
               // Forward without its post-forward.
               FLATPARAM_RETURN_IF_ERROR(h.PreForward());
@@ -1466,8 +1465,8 @@ TEST(FinalizeTest, AcceptsAHandleThatTookNoPartInTheBackward) {
       // The skipped parts communicated nothing: one gather per forward and
       // backward that unsharded, one reduction.
       for (int r = 0; r < 2 && status.ok(); ++r) {
-        EXPECT_EQ(CountOps(*world, r, sharded ? "reduce_scatter" : "all_reduce"),
-                  1);
+        EXPECT_EQ(
+            CountOps(*world, r, sharded ? "reduce_scatter" : "all_reduce"), 1);
       }
       return status;
     };
@@ -1475,6 +1474,169 @@ TEST(FinalizeTest, AcceptsAHandleThatTookNoPartInTheBackward) {
     ASSERT_THAT(run(true, &tolerant), IsOk());
     EXPECT_EQ(tolerant, clean) << ShardingStrategyName(strategy);
   }
+}
+
+// ---------------------------------------------------------------------------
+// Per-parameter gradient state (use_orig_params).
+
+using GradViews = std::vector<std::optional<std::vector<double>>>;
+
+GradViews ReadGradViews(const FlatParamHandle& h, int n) {
+  GradViews out;
+  for (int i = 0; i < n; ++i) {
+    absl::StatusOr<std::optional<BufferRef>> v = h.ShardedGradView(i);
+    EXPECT_THAT(v, IsOk());
+    out.push_back(v.ok() && v->has_value()
+                      ? std::optional<std::vector<double>>(ReadValues(**v))
+                      : std::nullopt);
+  }
+  return out;
+}
+
+// Each rank's views after one synchronized iteration `iter` on a new
+// handle; `frozen` parameters are frozen from the start.
+std::vector<GradViews> OneIteration(Scenario s, int iter,
+                                    const std::vector<int>& frozen) {
+  for (int i : frozen) s.specs[i].requires_grad = false;
+  std::vector<GradViews> out(s.world_size());
+  EXPECT_THAT(RunWithHandles(
+                  s,
+                  [&](RankContext& ctx) -> absl::Status {
+                    FLATPARAM_RETURN_IF_ERROR(RunIteration(s, ctx, iter, true));
+                    out[ctx.world_rank] =
+                        ReadGradViews(ctx.handle, ctx.layout.params().size());
+                    return absl::OkStatus();
+                  }),
+              IsOk());
+  return out;
+}
+
+std::optional<std::vector<double>> Sum(
+    const std::optional<std::vector<double>>& a,
+    const std::optional<std::vector<double>>& b) {
+  if (!a.has_value() || !b.has_value()) return std::nullopt;
+  std::vector<double> out(a->size());
+  for (size_t k = 0; k < out.size(); ++k) {
+    out[k] = AddIn(DType::kFloat32, (*a)[k], (*b)[k]);
+  }
+  return out;
+}
+
+// `param.grad = None` on one original parameter: the optimizer sees None
+// (not zeros) until a backward gives it a gradient, which then starts from
+// zero while the others keep accumulating (PyTorch's `_is_grad_none_mask`).
+TEST(GradNoneTest, OneParameterNoneUntilItsNextGradient) {
+  for (ShardingStrategy strategy :
+       {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
+    for (bool offload : {false, true}) {
+      Scenario s = Make(strategy, 2, /*align=*/true);
+      s.options.cpu_offload = offload;
+      const int n = static_cast<int>(s.specs.size());
+      const std::vector<GradViews> g0 = OneIteration(s, 0, {});
+      const std::vector<GradViews> g1 = OneIteration(s, 1, {});
+      const std::string label = absl::StrCat(ShardingStrategyName(strategy),
+                                             offload ? " offload" : "");
+      ASSERT_THAT(
+          RunWithHandles(
+              s,
+              [&](RankContext& ctx) -> absl::Status {
+                FlatParamHandle& h = ctx.handle;
+                const int r = ctx.world_rank;
+                FLATPARAM_RETURN_IF_ERROR(RunIteration(s, ctx, 0, true));
+                FLATPARAM_RETURN_IF_ERROR(h.SetGradNone(1));
+                EXPECT_TRUE(h.grad_is_none(1));
+                GradViews got = ReadGradViews(h, n);
+                for (int i = 0; i < n; ++i) {
+                  EXPECT_EQ(got[i], i == 1 ? std::nullopt : g0[r][i])
+                      << label << " rank " << r << " param " << i;
+                }
+                FLATPARAM_RETURN_IF_ERROR(RunIteration(s, ctx, 1, true));
+                EXPECT_FALSE(h.grad_is_none(1));
+                got = ReadGradViews(h, n);
+                for (int i = 0; i < n; ++i) {
+                  EXPECT_EQ(got[i], i == 1 ? g1[r][i] : Sum(g0[r][i], g1[r][i]))
+                      << label << " rank " << r << " param " << i;
+                }
+                // Every gradient None: the flat gradient is freed.
+                for (int i = 0; i < n; ++i) {
+                  FLATPARAM_RETURN_IF_ERROR(h.SetGradNone(i));
+                }
+                EXPECT_EQ(h.sharded_grad(), std::nullopt) << label;
+                EXPECT_THAT(h.SetGradNone(n),
+                            StatusIs(absl::StatusCode::kInvalidArgument));
+                return absl::OkStatus();
+              }),
+          IsOk())
+          << label;
+    }
+  }
+}
+
+// Changing `requires_grad` between iterations without a new handle: the
+// frozen parameter contributes nothing and is hidden; the others go on.
+TEST(RequiresGradChangeTest, FreezeAndUnfreezeBetweenIterations) {
+  for (ShardingStrategy strategy :
+       {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+        ShardingStrategy::kNoShard}) {
+    Scenario s = Make(strategy, 2, /*align=*/true);
+    const int n = static_cast<int>(s.specs.size());
+    const std::vector<GradViews> g0 = OneIteration(s, 0, {});
+    const std::vector<GradViews> g1 = OneIteration(s, 1, {0});
+    const std::string label(ShardingStrategyName(strategy));
+    std::unique_ptr<SimWorld> world;
+    ASSERT_THAT(RunWithHandles(
+                    s,
+                    [&](RankContext& ctx) -> absl::Status {
+                      FlatParamHandle& h = ctx.handle;
+                      const int r = ctx.world_rank;
+                      FLATPARAM_RETURN_IF_ERROR(RunIteration(s, ctx, 0, true));
+                      FLATPARAM_RETURN_IF_ERROR(h.SetRequiresGrad(0, false));
+                      EXPECT_FALSE(h.requires_grad(0));
+                      FLATPARAM_RETURN_IF_ERROR(RunIteration(s, ctx, 1, true));
+                      GradViews got = ReadGradViews(h, n);
+                      EXPECT_EQ(got[0], std::nullopt) << label;
+                      for (int i = 1; i < n; ++i) {
+                        EXPECT_EQ(got[i], Sum(g0[r][i], g1[r][i]))
+                            << label << " rank " << r << " param " << i;
+                      }
+                      // Unfrozen: its iteration-0 gradient is back, unchanged.
+                      FLATPARAM_RETURN_IF_ERROR(h.SetRequiresGrad(0, true));
+                      got = ReadGradViews(h, n);
+                      EXPECT_EQ(got[0], g0[r][0]) << label << " rank " << r;
+                      // Nothing trains: the backward neither allocates nor
+                      // reduces.
+                      FLATPARAM_RETURN_IF_ERROR(h.SetAllRequiresGrad(false));
+                      FLATPARAM_RETURN_IF_ERROR(h.PreForward());
+                      FLATPARAM_RETURN_IF_ERROR(h.PostForward());
+                      FLATPARAM_RETURN_IF_ERROR(h.PreBackward());
+                      EXPECT_EQ(h.unsharded_grad(), std::nullopt);
+                      FLATPARAM_RETURN_IF_ERROR(h.PostBackward());
+                      return h.FinalizeBackward();
+                    },
+                    &world),
+                IsOk())
+        << label;
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(
+          CountOps(*world, r,
+                   strategy == ShardingStrategy::kNoShard ? "all_reduce"
+                                                          : "reduce_scatter"),
+          2)
+          << label;
+    }
+  }
+  // use_orig_params=False: one flag for the flat parameter.
+  Scenario s = Make(ShardingStrategy::kFullShard, 2);
+  ASSERT_THAT(RunWithHandles(
+                  s,
+                  [&](RankContext& ctx) -> absl::Status {
+                    EXPECT_THAT(ctx.handle.SetRequiresGrad(0, false),
+                                StatusIs(absl::StatusCode::kInvalidArgument,
+                                         HasSubstr("uniform `requires_grad`")));
+                    EXPECT_TRUE(ctx.handle.requires_grad(0));
+                    return ctx.handle.SetAllRequiresGrad(false);
+                  }),
+              IsOk());
 }
 
 TEST(CreateTest, RejectsInconsistentArguments) {

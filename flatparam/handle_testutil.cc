@@ -240,7 +240,7 @@ absl::Status RunWithHandles(const Scenario& s, const RankFn& fn,
 absl::Status AddGradients(const Scenario& s, RankContext& ctx, int iter) {
   for (size_t i = 0; i < ctx.layout.params().size(); ++i) {
     const ParamInfo& p = ctx.layout.params()[i];
-    if (!p.requires_grad) continue;
+    if (!ctx.handle.requires_grad(static_cast<int>(i))) continue;
     std::vector<float> g(p.numel);
     for (int64_t k = 0; k < p.numel; ++k) {
       g[k] = GradValue(s, iter, ctx.world_rank, static_cast<int>(i), k);

@@ -120,7 +120,7 @@ absl::Status RunWithHandles(const Scenario& s, const RankFn& fn,
                             std::unique_ptr<SimWorld>* world = nullptr);
 
 // Calls AccumulateGrad with GradValue(s, iter, world_rank, i, k) for every
-// parameter that requires a gradient.
+// parameter that requires a gradient (the handle's current flags).
 absl::Status AddGradients(const Scenario& s, RankContext& ctx, int iter);
 
 // PreForward, PostForward, PreBackward, AddGradients, PostBackward(sync),
