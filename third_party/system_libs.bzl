@@ -1,8 +1,10 @@
 """Repository rules that expose system libraries without downloading anything.
 
 * `pkg_config_library`: a cc_library whose flags come from pkg-config.
-* `cuda_configure`: CUDA runtime and NCCL from a local CUDA installation when
-  there is one; empty targets and `HAVE_CUDA = False` when there is none.
+* `cuda_configure`: CUDA runtime from a local CUDA installation when there is
+  one, and NCCL from `$NCCL_HOME` (or `$NCCL_PATH`), else that installation,
+  else the system (Debian's libnccl-dev); empty targets and
+  `HAVE_CUDA = False` when there is no CUDA. Prints which NCCL it chose.
 * `stand_in_repository`: tiny local replacements for the repositories that
   Bazel 4's built-in WORKSPACE suffix would otherwise fetch.
 """
@@ -71,10 +73,83 @@ pkg_config_library = repository_rule(
     local = True,
 )
 
+def _nccl_lib_dir(ctx, dirs):
+    """The first of `dirs` with a library `-lnccl` links (libnccl.so or .a)."""
+    for d in dirs:
+        if ctx.path(d + "/libnccl.so").exists or ctx.path(d + "/libnccl.a").exists:
+            return d
+    return None
+
+def _multiarch(ctx):
+    """Debian's multiarch triplet (x86_64-linux-gnu), for /usr/lib/<triplet>."""
+    for cc in ["gcc", "cc"]:
+        if ctx.which(cc):
+            result = ctx.execute([cc, "-print-multiarch"])
+            if result.return_code == 0 and result.stdout.strip():
+                return result.stdout.strip()
+    result = ctx.execute(["uname", "-m"])
+    machine = result.stdout.strip() if result.return_code == 0 else "x86_64"
+    return {"ppc64le": "powerpc64le"}.get(machine, machine) + "-linux-gnu"
+
+def _nccl_version(ctx, header):
+    fields = {}
+    for line in ctx.read(header).splitlines():
+        words = [w for w in line.replace("\t", " ").split(" ") if w]
+        if len(words) == 3 and words[0] == "#define" and words[1] in ["NCCL_MAJOR", "NCCL_MINOR", "NCCL_PATCH"]:
+            fields[words[1]] = words[2]
+    if len(fields) != 3:
+        return "unknown"
+    return "%s.%s.%s" % (fields["NCCL_MAJOR"], fields["NCCL_MINOR"], fields["NCCL_PATCH"])
+
+def _find_nccl(ctx, cuda_root, cuda_lib):
+    """The NCCL to use: struct(origin, include, lib), or None.
+
+    In order: `$NCCL_HOME` (or `$NCCL_PATH`) with include/ and lib/ (or lib64/)
+    under it, which must hold NCCL when set; the CUDA installation; the system
+    layout of Debian's libnccl-dev (/usr/include with /usr/lib/<multiarch>,
+    /usr/lib64 or /usr/lib).
+    """
+    for var in ["NCCL_HOME", "NCCL_PATH"]:
+        home = ctx.os.environ.get(var, "").strip()
+        if not home:
+            continue
+        if home != "/":
+            home = home.rstrip("/")
+        lib_dirs = [home + "/lib64", home + "/lib", home + "/lib/" + _multiarch(ctx)]
+        lib = _nccl_lib_dir(ctx, lib_dirs)
+        if not ctx.path(home + "/include/nccl.h").exists or lib == None:
+            fail(("%s=%s, but there is no NCCL there: want %s/include/nccl.h and " +
+                  "libnccl.so in one of %s. Fix or unset %s.") %
+                 (var, home, home, ", ".join(lib_dirs), var))
+        return struct(origin = "$%s" % var, include = home + "/include", lib = lib)
+    if ctx.path(cuda_root + "/include/nccl.h").exists and _nccl_lib_dir(ctx, [cuda_lib]):
+        return struct(origin = "the CUDA installation", include = cuda_root + "/include", lib = cuda_lib)
+    if ctx.path("/usr/include/nccl.h").exists:
+        lib = _nccl_lib_dir(ctx, ["/usr/lib/" + _multiarch(ctx), "/usr/lib64", "/usr/lib"])
+        if lib:
+            return struct(origin = "the system", include = "/usr/include", lib = lib)
+    return None
+
 def _cuda_configure_impl(ctx):
     root = ctx.os.environ.get("CUDA_PATH", "/usr/local/cuda")
     have_cuda = ctx.path(root + "/include/cuda_runtime.h").exists
-    have_nccl = have_cuda and ctx.path(root + "/include/nccl.h").exists
+    lib = root + "/lib64"
+    if not ctx.path(lib).exists:
+        lib = root + "/lib"
+
+    # NCCL needs CUDA; without it NCCL is not looked for.
+    nccl = _find_nccl(ctx, root, lib) if have_cuda else None
+    have_nccl = nccl != None
+    nccl_source = nccl.include + "/nccl.h" if have_nccl else "none"
+    if have_nccl:
+        print("NCCL %s from %s: %s, library in %s" %
+              (_nccl_version(ctx, nccl_source), nccl.origin, nccl_source, nccl.lib))
+    elif have_cuda:
+        print(("NCCL: none (no nccl.h with libnccl in %s or /usr/include; " +
+               "set NCCL_HOME to use another); NCCL targets are empty") % root)
+    else:
+        print("NCCL: none (no CUDA installation at %s); CUDA and NCCL targets are empty" % root)
+    archs = ctx.os.environ.get("FLATPARAM_CUDA_ARCHS", "").strip()
     ctx.file("WORKSPACE", 'workspace(name = "%s")\n' % ctx.name)
     ctx.file("defs.bzl", """\"\"\"What cuda_configure found on this machine.\"\"\"
 
@@ -82,12 +157,25 @@ HAVE_CUDA = {have_cuda}
 HAVE_NCCL = {have_nccl}
 CUDA_PATH = "{root}"
 
+# The nccl.h that @local_cuda//:nccl uses, or "none".
+NCCL_SOURCE = {nccl_source}
+
+# $FLATPARAM_CUDA_ARCHS when the repository was fetched ("" when unset): the
+# GPU architectures nvcc_library builds for unless --define=cuda_archs=... .
+FLATPARAM_CUDA_ARCHS = {archs}
+
 def if_cuda(if_true, if_false = []):
     return if_true if HAVE_CUDA else if_false
 
 def if_nccl(if_true, if_false = []):
     return if_true if HAVE_NCCL else if_false
-""".format(have_cuda = have_cuda, have_nccl = have_nccl, root = root))
+""".format(
+        have_cuda = have_cuda,
+        have_nccl = have_nccl,
+        root = root,
+        nccl_source = repr(nccl_source),
+        archs = repr(archs),
+    ))
     if not have_cuda:
         ctx.file("BUILD.bazel", """
 package(default_visibility = ["//visibility:public"])
@@ -98,10 +186,17 @@ cc_library(name = "cudart")
 cc_library(name = "nccl")
 """.format(root = root))
         return
-    ctx.symlink(root + "/include", "include")
-    lib = root + "/lib64"
-    if not ctx.path(lib).exists:
-        lib = root + "/lib"
+
+    # The CUDA headers, less NCCL's: those come only from the NCCL chosen
+    # above (nccl_include/), so that a CUDA installation's nccl.h cannot shadow
+    # the headers of another NCCL.
+    for entry in ctx.path(root + "/include").readdir():
+        if not entry.basename.startswith("nccl"):
+            ctx.symlink(entry, "include/" + entry.basename)
+    if have_nccl:
+        for entry in ctx.path(nccl.include).readdir():
+            if entry.basename.startswith("nccl"):
+                ctx.symlink(entry, "nccl_include/" + entry.basename)
     ctx.file("BUILD.bazel", """
 package(default_visibility = ["//visibility:public"])
 
@@ -122,19 +217,24 @@ cc_library(
     deps = [":cuda_headers"],
 )
 
+# NCCL: {nccl_source}
 cc_library(
     name = "nccl",
+    hdrs = glob(["nccl_include/**"]),
+    includes = {nccl_includes},
     linkopts = {nccl_linkopts},
     deps = [":cudart"],
 )
 """.format(
         lib = lib,
-        nccl_linkopts = _quote_list(["-L" + lib, "-Wl,-rpath," + lib, "-lnccl"] if have_nccl else []),
+        nccl_source = nccl_source,
+        nccl_includes = _quote_list(["nccl_include"] if have_nccl else []),
+        nccl_linkopts = _quote_list(["-L" + nccl.lib, "-Wl,-rpath," + nccl.lib, "-lnccl"] if have_nccl else []),
     ))
 
 cuda_configure = repository_rule(
     implementation = _cuda_configure_impl,
-    environ = ["CUDA_PATH"],
+    environ = ["CUDA_PATH", "NCCL_HOME", "NCCL_PATH", "FLATPARAM_CUDA_ARCHS"],
     local = True,
 )
 
