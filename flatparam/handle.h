@@ -109,8 +109,9 @@
 //   * FSDP_USE_FULL_PREC_IN_EVAL, FSDP_USE_FAKE_ALL_GATHER and
 //     FSDP_USE_FAKE_REDUCE are HandleOptions, not environment variables;
 //     eval mode is SetTraining(false) (PyTorch's `module.training`).
-//   * Not modeled: summoning with gradients
-//     (`unshard_grad`), rank0_only, communication hooks, storage changes of
+//   * Summoning with gradients does not need use_orig_params (views are
+//     always per original parameter here).
+//   * Not modeled: communication hooks, storage changes of
 //     original parameters (`_writeback_orig_params`: here views are the
 //     storage, so in-place writes need no writeback).
 //
@@ -202,6 +203,29 @@ struct HandleOptions {
   bool fake_reduce = false;
   // Timeout etc. of every collective the handle issues.
   CollectiveOptions collective_options;
+};
+
+// How BeginSummonFullParams summons (PyTorch's `summon_full_params`
+// arguments).
+struct SummonOptions {
+  // EndSummonFullParams copies each rank's part of the (possibly modified)
+  // full parameter -- and with `with_grads`, gradient -- back into its
+  // shard.
+  bool writeback = false;
+  // Only rank 0 of the shard group keeps the full parameter (PyTorch's
+  // `state.rank`, the rank in the FSDP process group: rank 0 of every shard
+  // group under the hybrid strategies); the other ranks take part in the
+  // all-gather, then reshard at once and see sharded views.
+  bool rank0_only = false;
+  // Sharded strategies only: the full parameter moves to host memory for
+  // the summon and the device copy is freed (PyTorch's `to_cpu`), so a
+  // model larger than device memory can be saved unit by unit.
+  bool offload_to_cpu = false;
+  // Also unshard the gradient (PyTorch's `unshard_grad`): an all-reduce of
+  // the number of ranks whose gradient is None, then, unless every rank's
+  // is, an all-gather of the sharded gradients (a None one counts as
+  // zeros). UnshardedGradView exposes the result.
+  bool with_grads = false;
 };
 
 // A view of one original parameter (see the file comment).
@@ -442,6 +466,16 @@ class FlatParamHandle {
   // EndSummonFullParams copies each rank's part of the (possibly modified)
   // full parameter back into its local shard.
   absl::Status BeginSummonFullParams(bool writeback);
+  // The same with every option. InvalidArgument, as PyTorch's
+  // NotImplementedError, for writeback with rank0_only, offload_to_cpu with
+  // NO_SHARD, and with_grads with offload_to_cpu.
+  absl::Status BeginSummonFullParams(const SummonOptions& options);
+  // While summoning with_grads: parameter `index`'s full gradient (its
+  // numel elements, in the sharded gradient's dtype, on the compute
+  // device); nullopt when every rank's gradient is None, the parameter is
+  // frozen or its gradient is None, or (rank0_only) this rank is not rank
+  // 0. FailedPrecondition when not summoning with gradients.
+  absl::StatusOr<std::optional<BufferRef>> UnshardedGradView(int index) const;
   // Writes back if requested, reshards (freeing the unsharded parameter
   // unless it was allocated before the summon) and returns to IDLE. For
   // NO_SHARD without offload the full parameter is the local shard itself,
@@ -494,6 +528,7 @@ class FlatParamHandle {
   absl::StatusOr<BufferRef> LocalShardOnCompute(TrackedBuffer* copy);
   absl::Status UnshardImpl();
   absl::Status ReshardImpl(bool free_unsharded);
+  absl::Status UnshardGrad();
   absl::Status PrepareGradientForBackward();
   absl::Status ZeroUngradedSegments(BufferRef grad);
   absl::Status AccumulateShardedGrad(TrackedBuffer new_grad);
@@ -551,6 +586,13 @@ class FlatParamHandle {
   std::vector<char> grad_none_;
 
   // Summon bookkeeping.
+  SummonOptions summon_;
+  // The summoned gradient: padded unsharded (sharded strategies) or none
+  // (NO_SHARD uses the sharded gradient); and the host copy of the full
+  // parameter under offload_to_cpu.
+  TrackedBuffer summon_grad_;
+  bool summon_has_grad_ = false;
+  TrackedBuffer summon_host_param_;
   bool summon_writeback_ = false;
   bool summon_free_at_end_ = false;
 };

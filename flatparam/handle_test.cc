@@ -1639,6 +1639,232 @@ TEST(RequiresGradChangeTest, FreezeAndUnfreezeBetweenIterations) {
               IsOk());
 }
 
+// ---------------------------------------------------------------------------
+// Summoning with gradients, rank0_only and offload_to_cpu.
+
+// The full gradient of each parameter assembled from every shard rank's
+// ShardedGradView (an independent path: no collective involved).
+std::vector<std::vector<double>> AssembleFromShards(
+    const FlatParamLayout& layout, const std::vector<GradViews>& shards,
+    bool sharded) {
+  std::vector<std::vector<double>> full;
+  for (size_t i = 0; i < layout.params().size(); ++i) {
+    std::vector<double> g(layout.params()[i].numel, 0.0);
+    for (size_t r = 0; r < shards.size(); ++r) {
+      const auto& piece = shards[r][i];
+      if (!piece.has_value()) continue;
+      const int64_t start =
+          sharded ? layout.shard_param_info(r, static_cast<int>(i))
+                        .intra_param_start_idx
+                  : 0;
+      std::copy(piece->begin(), piece->end(), g.begin() + start);
+    }
+    full.push_back(std::move(g));
+  }
+  return full;
+}
+
+TEST(SummonGradTest, GathersEveryRanksShardAndWritesBack) {
+  for (ShardingStrategy strategy :
+       {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+        ShardingStrategy::kNoShard, ShardingStrategy::kHybridShard}) {
+    for (bool offload : {false, true}) {
+      Scenario s = Make(strategy, 3, /*align=*/true);
+      s.options.cpu_offload = offload;
+      FLATPARAM_ASSERT_OK_AND_ASSIGN(FlatParamLayout layout, MakeLayout(s));
+      const int n = static_cast<int>(layout.params().size());
+      const bool sharded = strategy != ShardingStrategy::kNoShard;
+      const std::string label = absl::StrCat(ShardingStrategyName(strategy),
+                                             offload ? " offload" : "");
+      std::vector<GradViews> shards(s.world_size()), summoned(s.world_size()),
+          after(s.world_size());
+      ASSERT_THAT(
+          RunWithHandles(
+              s,
+              [&](RankContext& ctx) -> absl::Status {
+                FlatParamHandle& h = ctx.handle;
+                FLATPARAM_RETURN_IF_ERROR(RunIteration(s, ctx, 0, true));
+                shards[ctx.world_rank] = ReadGradViews(h, n);
+                SummonOptions o;
+                o.with_grads = true;
+                o.writeback = true;
+                FLATPARAM_RETURN_IF_ERROR(h.BeginSummonFullParams(o));
+                for (int i = 0; i < n; ++i) {
+                  FLATPARAM_ASSIGN_OR_RETURN(std::optional<BufferRef> g,
+                                             h.UnshardedGradView(i));
+                  if (!g.has_value()) return absl::InternalError("no grad");
+                  summoned[ctx.world_rank].push_back(ReadValues(*g));
+                  // Doubled, and written back into each rank's shard.
+                  std::vector<double> twice = ReadValues(*g);
+                  for (double& v : twice) v *= 2;
+                  WriteValues(*g, twice);
+                }
+                FLATPARAM_RETURN_IF_ERROR(h.EndSummonFullParams());
+                after[ctx.world_rank] = ReadGradViews(h, n);
+                EXPECT_THAT(h.UnshardedGradView(0),
+                            StatusIs(absl::StatusCode::kFailedPrecondition));
+                return absl::OkStatus();
+              }),
+          IsOk())
+          << label;
+      const std::vector<GradViews> group(
+          shards.begin(), shards.begin() + (sharded ? s.shard_size : 1));
+      const std::vector<std::vector<double>> full =
+          AssembleFromShards(layout, group, sharded);
+      for (int r = 0; r < s.world_size(); ++r) {
+        for (int i = 0; i < n; ++i) {
+          EXPECT_EQ(*summoned[r][i], full[i])
+              << label << " rank " << r << " param " << i;
+          if (!shards[r][i].has_value()) continue;
+          std::vector<double> twice = *shards[r][i];
+          for (double& v : twice) v *= 2;
+          EXPECT_EQ(after[r][i], twice)
+              << label << " rank " << r << " param " << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(SummonGradTest, NoneGradients) {
+  Scenario s = Make(ShardingStrategy::kFullShard, 2, /*align=*/true);
+  for (int none_ranks : {1, 2}) {
+    std::unique_ptr<SimWorld> world;
+    std::vector<std::vector<double>> rank0_piece(2);
+    ASSERT_THAT(
+        RunWithHandles(
+            s,
+            [&](RankContext& ctx) -> absl::Status {
+              FlatParamHandle& h = ctx.handle;
+              FLATPARAM_RETURN_IF_ERROR(RunIteration(s, ctx, 0, true));
+              if (ctx.world_rank < none_ranks) {
+                FLATPARAM_RETURN_IF_ERROR(h.ZeroGrad(/*set_to_none=*/true));
+              }
+              SummonOptions o;
+              o.with_grads = true;
+              FLATPARAM_RETURN_IF_ERROR(h.BeginSummonFullParams(o));
+              FLATPARAM_ASSIGN_OR_RETURN(std::optional<BufferRef> g,
+                                         h.UnshardedGradView(0));
+              if (none_ranks == 2) {
+                EXPECT_EQ(g, std::nullopt);
+              } else if (g.has_value()) {
+                // Rank 0's None gradient counts as zeros: parameter 0
+                // ("a.w", 15 elements) starts in rank 0's shard.
+                const ShardParamInfo info = ctx.layout.shard_param_info(0, 0);
+                std::vector<double> v = ReadValues(*g);
+                rank0_piece[ctx.world_rank].assign(
+                    v.begin(), v.begin() + info.numel_in_shard);
+              } else {
+                ADD_FAILURE() << "no gradient with one None rank";
+              }
+              return h.EndSummonFullParams();
+            },
+            &world),
+        IsOk());
+    for (int r = 0; r < 2; ++r) {
+      // One all-gather of the parameter per forward and backward, one more
+      // of the gradient unless every rank's is None.
+      EXPECT_EQ(CountOps(*world, r, "all_gather"), none_ranks == 2 ? 3 : 4);
+      if (none_ranks == 1) {
+        EXPECT_EQ(rank0_piece[r],
+                  std::vector<double>(rank0_piece[r].size(), 0.0));
+        EXPECT_FALSE(rank0_piece[r].empty());
+      }
+    }
+  }
+}
+
+TEST(SummonTest, Rank0OnlyAndOffloadToCpu) {
+  for (bool rank0_only : {false, true}) {
+    Scenario s = Make(ShardingStrategy::kFullShard, 2, /*align=*/true);
+    s.fake_device = true;  // Compute memory is labelled cuda:0.
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(FlatParamLayout layout, MakeLayout(s));
+    ASSERT_THAT(
+        RunWithHandles(
+            s,
+            [&](RankContext& ctx) -> absl::Status {
+              FlatParamHandle& h = ctx.handle;
+              SummonOptions o;
+              o.rank0_only = rank0_only;
+              o.offload_to_cpu = true;
+              FLATPARAM_RETURN_IF_ERROR(h.BeginSummonFullParams(o));
+              FLATPARAM_ASSIGN_OR_RETURN(OrigParamView v, h.Param(0));
+              const bool full = !rank0_only || ctx.world_rank == 0;
+              EXPECT_EQ(v.sharded, !full);
+              if (full) {
+                EXPECT_EQ(v.data.device, Device::Host());
+                EXPECT_EQ(v.shape, layout.params()[0].shape);
+                std::vector<double> want;
+                for (int64_t k = 0; k < v.data.count; ++k) {
+                  want.push_back(InitialValue(s, 0, k));
+                }
+                EXPECT_EQ(ReadValues(v.data), want);
+              }
+              // The device holds only the shard during the summon; the host
+              // the full parameter where it is kept.
+              EXPECT_EQ(
+                  h.memory().compute_current,
+                  h.memory().current_bytes(MemoryCategory::kShardedParams));
+              EXPECT_EQ(h.memory().offload_current,
+                        full ? layout.unpadded_unsharded_numel() * 4 : 0);
+              return h.EndSummonFullParams();
+            }),
+        IsOk());
+  }
+  // Offload with writeback: a change made in host memory reaches the shards.
+  Scenario s = Make(ShardingStrategy::kFullShard, 2, /*align=*/true);
+  s.fake_device = true;
+  ASSERT_THAT(RunWithHandles(
+                  s,
+                  [&](RankContext& ctx) -> absl::Status {
+                    FlatParamHandle& h = ctx.handle;
+                    SummonOptions o;
+                    o.offload_to_cpu = true;
+                    o.writeback = true;
+                    FLATPARAM_RETURN_IF_ERROR(h.BeginSummonFullParams(o));
+                    FLATPARAM_ASSIGN_OR_RETURN(OrigParamView v, h.Param(3));
+                    WriteValues(v.data, std::vector<double>(v.data.count, 5.0));
+                    FLATPARAM_RETURN_IF_ERROR(h.EndSummonFullParams());
+                    FLATPARAM_RETURN_IF_ERROR(h.BeginSummonFullParams(false));
+                    FLATPARAM_ASSIGN_OR_RETURN(OrigParamView again, h.Param(3));
+                    EXPECT_EQ(ReadValues(again.data),
+                              std::vector<double>(again.data.count, 5.0));
+                    return h.EndSummonFullParams();
+                  }),
+              IsOk());
+}
+
+TEST(SummonTest, UnsupportedCombinationsAreErrors) {
+  for (ShardingStrategy strategy :
+       {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
+    Scenario s = Make(strategy, 2);
+    ASSERT_THAT(
+        RunWithHandles(
+            s,
+            [&](RankContext& ctx) -> absl::Status {
+              FlatParamHandle& h = ctx.handle;
+              const auto kInvalid = absl::StatusCode::kInvalidArgument;
+              SummonOptions o;
+              o.writeback = o.rank0_only = true;
+              EXPECT_THAT(h.BeginSummonFullParams(o),
+                          StatusIs(kInvalid, HasSubstr("rank0_only=true")));
+              o = SummonOptions();
+              o.offload_to_cpu = o.with_grads = true;
+              EXPECT_THAT(h.BeginSummonFullParams(o),
+                          StatusIs(kInvalid, HasSubstr("with_grads=true")));
+              o = SummonOptions();
+              o.offload_to_cpu = true;
+              if (strategy == ShardingStrategy::kNoShard) {
+                EXPECT_THAT(h.BeginSummonFullParams(o),
+                            StatusIs(kInvalid, HasSubstr("NO_SHARD")));
+              }
+              EXPECT_EQ(h.training_state(), HandleTrainingState::kIdle);
+              return absl::OkStatus();
+            }),
+        IsOk());
+  }
+}
+
 TEST(CreateTest, RejectsInconsistentArguments) {
   SimOptions options;
   options.world_size = 2;
