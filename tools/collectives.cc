@@ -14,6 +14,7 @@
 #include "nlohmann/json.hpp"
 #include "sim/fault.h"
 #include "sim/sim.h"
+#include "tools/collective_timeout.h"
 
 namespace flatparam {
 namespace tools {
@@ -41,17 +42,19 @@ absl::Status Annotate(const absl::Status& status, absl::string_view context) {
                       absl::StrCat(context, ": ", status.message()));
 }
 
-CollectiveOptions Timed() {
-  CollectiveOptions options;
-  options.timeout = conformance::kCaseTimeout;
+// Options of type T (CollectiveOptions or a subclass) with `timeout`.
+template <typename T = CollectiveOptions>
+T Timed(absl::Duration timeout) {
+  T options;
+  options.timeout = timeout;
   return options;
 }
 
 // Every rank's `mine`, gathered through `comm`: one JSON document per rank.
 absl::StatusOr<std::vector<nlohmann::json>> GatherJson(
-    Communicator& comm, const nlohmann::json& mine) {
+    Communicator& comm, const nlohmann::json& mine, absl::Duration timeout) {
   FLATPARAM_ASSIGN_OR_RETURN(std::vector<std::string> all,
-                             comm.AllGatherBytes(mine.dump(), Timed()));
+                             comm.AllGatherBytes(mine.dump(), Timed(timeout)));
   std::vector<nlohmann::json> out;
   for (size_t r = 0; r < all.size(); ++r) {
     JsonParseOptions parse;
@@ -73,14 +76,17 @@ absl::Status RunConformance(Communicator& comm, DeviceMemory& memory,
   // NCCL reduces in its own order: only cases whose bits cannot show it.
   suite.exact_only = options.backend == "nccl";
   suite.max_reported_failures = kReportedFailures;
+  suite.timeout = options.timeout;
   const conformance::SuiteReport mine =
       conformance::RunSuite(comm, memory, suite);
   // A failed collective may have left the group unusable: stop here.
   if (!mine.stopped.ok()) return mine.ToStatus();
   FLATPARAM_ASSIGN_OR_RETURN(std::vector<nlohmann::json> all,
-                             GatherJson(comm, {{"cases", mine.cases},
-                                               {"failed", mine.failed},
-                                               {"failures", mine.failures}}));
+                             GatherJson(comm,
+                                        {{"cases", mine.cases},
+                                         {"failed", mine.failed},
+                                         {"failures", mine.failures}},
+                                        options.timeout));
   report.cases = mine.cases;
   for (const nlohmann::json& rank : all) {
     report.failed += rank.at("failed").get<int64_t>();
@@ -94,25 +100,19 @@ absl::Status RunConformance(Communicator& comm, DeviceMemory& memory,
 }
 
 absl::Status Issue(Communicator& comm, CollectiveKind kind,
-                   ConstBufferRef input, BufferRef output) {
+                   ConstBufferRef input, BufferRef output,
+                   absl::Duration timeout) {
   switch (kind) {
     case CollectiveKind::kAllGather:
-      return comm.AllGather(input, output, Timed())->Wait();
-    case CollectiveKind::kReduceScatter: {
-      ReduceOptions options;
-      options.timeout = conformance::kCaseTimeout;
-      return comm.ReduceScatter(input, output, options)->Wait();
-    }
-    case CollectiveKind::kAllReduce: {
-      ReduceOptions options;
-      options.timeout = conformance::kCaseTimeout;
-      return comm.AllReduce(input, output, options)->Wait();
-    }
-    case CollectiveKind::kBroadcast: {
-      BroadcastOptions options;
-      options.timeout = conformance::kCaseTimeout;
-      return comm.Broadcast(output, options)->Wait();
-    }
+      return comm.AllGather(input, output, Timed(timeout))->Wait();
+    case CollectiveKind::kReduceScatter:
+      return comm.ReduceScatter(input, output, Timed<ReduceOptions>(timeout))
+          ->Wait();
+    case CollectiveKind::kAllReduce:
+      return comm.AllReduce(input, output, Timed<ReduceOptions>(timeout))
+          ->Wait();
+    case CollectiveKind::kBroadcast:
+      return comm.Broadcast(output, Timed<BroadcastOptions>(timeout))->Wait();
   }
   return absl::InternalError("unknown collective");
 }
@@ -151,15 +151,18 @@ absl::StatusOr<SweepRow> SweepOne(Communicator& comm, DeviceMemory& memory,
     FLATPARAM_RETURN_IF_ERROR(Annotate(input->Upload(host), context));
     FLATPARAM_RETURN_IF_ERROR(Annotate(output->Fill(0), context));
   }
-  FLATPARAM_RETURN_IF_ERROR(Annotate(comm.Barrier(Timed()), context));
+  FLATPARAM_RETURN_IF_ERROR(
+      Annotate(comm.Barrier(Timed(options.timeout)), context));
   for (int64_t i = 0; i < options.warmup; ++i) {
-    FLATPARAM_RETURN_IF_ERROR(
-        Annotate(Issue(comm, kind, input->ref(), output->ref()), context));
+    FLATPARAM_RETURN_IF_ERROR(Annotate(
+        Issue(comm, kind, input->ref(), output->ref(), options.timeout),
+        context));
   }
   const absl::Duration start = clock();
   for (int64_t i = 0; i < options.iterations; ++i) {
-    FLATPARAM_RETURN_IF_ERROR(
-        Annotate(Issue(comm, kind, input->ref(), output->ref()), context));
+    FLATPARAM_RETURN_IF_ERROR(Annotate(
+        Issue(comm, kind, input->ref(), output->ref(), options.timeout),
+        context));
   }
   const absl::Duration mine = (clock() - start) / options.iterations;
 
@@ -173,7 +176,8 @@ absl::StatusOr<SweepRow> SweepOne(Communicator& comm, DeviceMemory& memory,
       *got, want.data(), want.count(), c.dtype, &first);
 
   absl::StatusOr<std::vector<nlohmann::json>> all = GatherJson(
-      comm, {{"time_ns", absl::ToInt64Nanoseconds(mine)}, {"wrong", wrong}});
+      comm, {{"time_ns", absl::ToInt64Nanoseconds(mine)}, {"wrong", wrong}},
+      options.timeout);
   FLATPARAM_RETURN_IF_ERROR(Annotate(all.status(), context));
   for (const nlohmann::json& rank : *all) {
     row.time = std::max(row.time,
@@ -231,6 +235,7 @@ absl::StatusOr<CollectivesOptions> ValidateCollectivesOptions(
     return absl::InvalidArgumentError(absl::StrFormat(
         "--large-elements=%d: expected 0 or more", o.large_elements));
   }
+  FLATPARAM_RETURN_IF_ERROR(ValidateCollectiveTimeout(o.timeout));
   if (o.iterations == 0) o.iterations = sim ? 1 : 10;
   if (o.warmup == -1) o.warmup = sim ? 0 : 2;
   if (o.iterations < 1 || o.warmup < 0) {

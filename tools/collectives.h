@@ -69,11 +69,19 @@ struct CollectivesOptions {
   int64_t step_factor = 4;
   int64_t iterations = 0;
   int64_t warmup = -1;
+  // --timeout: the CollectiveOptions::timeout of every collective the
+  // command issues (the conformance cases, the sweep's barriers and
+  // collectives, the gathers of the ranks' summaries) and, under mpirun,
+  // of creating the MPI world and the NCCL communicator. A rank that waits
+  // longer for its peers fails with DeadlineExceeded naming the rank and
+  // the op. The default is the conformance suite's own case timeout.
+  absl::Duration timeout = conformance::kCaseTimeout;
 };
 
 // InvalidArgument naming the flag for options that make no sense (a
 // backend other than sim, mpi or nccl; a fault or trace without sim; sizes
-// out of order; ...). Resolves the iteration defaults.
+// out of order; a timeout that is not positive and finite; ...). Resolves
+// the iteration defaults.
 absl::StatusOr<CollectivesOptions> ValidateCollectivesOptions(
     CollectivesOptions options);
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end test of `fsdp collectives` on the simulator: the table, exit
-# codes, byte-identical traces for equal seeds, and a fault that fails fast
-# naming the rank.
+# codes, byte-identical traces for equal seeds, a fault that fails fast
+# naming the rank, and --timeout.
 # Usage: collectives_cli_test.sh PATH_TO_CLI_TEST_LIB_SH PATH_TO_FSDP
 set -uo pipefail
 
@@ -54,6 +54,32 @@ grep -q 'rank 3' "$tmp/err" || fail "the error does not name rank 3"
 grep -q 'reduce_scatter #5' "$tmp/err" || fail "the error does not name op 5"
 [ -s "$tmp/out" ] && fail "stdout not empty on error"
 
+# --timeout: a rank 2 s late (virtual time) at its collective 3 fails the
+# run within seconds when the timeout is 1 s, naming the op and the late
+# rank; with 10 s the same run passes.
+late=(--backend=sim --world-size=4 --seed=3 "${quick[@]}"
+  --fault=delay:rank=1:seconds=2:op=3)
+start=$(date +%s)
+expect_exit 1 collectives "${late[@]}" --timeout=1s
+elapsed=$(($(date +%s) - start))
+[ "$elapsed" -le 10 ] || fail "the timeout took ${elapsed}s to report"
+grep -q ' #3 in group 0: timed out' "$tmp/err" ||
+  fail "the timeout does not name op 3: $(head -c 500 "$tmp/err")"
+grep -q 'with a timeout of 1s' "$tmp/err" || fail "--timeout=1s not honoured"
+grep -q 'when rank 1 was ready' "$tmp/err" || fail "the late rank 1 not named"
+[ -s "$tmp/out" ] && fail "stdout not empty on a timeout"
+expect_exit 0 collectives "${late[@]}" --timeout=10s
+grep -q '^# all correct$' "$tmp/out" || fail "10s timeout: not all correct"
+# Timeouts that are not positive are rejected, naming the value.
+expect_exit 1 collectives --timeout=0s
+grep -q -- '--timeout=0: expected a positive, finite duration' "$tmp/err" ||
+  fail "--timeout=0s not rejected by name: $(head -c 500 "$tmp/err")"
+expect_exit 1 collectives --timeout=-5s
+grep -q -- '--timeout=-5s: expected a positive' "$tmp/err" ||
+  fail "--timeout=-5s not rejected by name"
+expect_exit 1 collectives --timeout=soon
+grep -q 'timeout' "$tmp/err" || fail "--timeout=soon not rejected by name"
+
 # Command-line errors.
 expect_exit 1 collectives --backend=gloo
 grep -q -- '--backend=gloo' "$tmp/err" || fail "bad backend not named"
@@ -64,6 +90,7 @@ expect_exit 1 collectives --dtype=int8
 expect_exit 2 collectives extra-argument
 expect_exit 0 collectives --help
 grep -q -- '--fault=SPEC' "$tmp/out" || fail "help lacks --fault"
+grep -q -- '--timeout=DURATION' "$tmp/out" || fail "help lacks --timeout"
 expect_exit 0 --help
 grep -q 'collectives' "$tmp/out" || fail "fsdp --help lacks collectives"
 

@@ -64,6 +64,7 @@ int CollectivesMain(const std::vector<char*>& args) {
   options.step_factor = absl::GetFlag(FLAGS_step_factor);
   options.iterations = absl::GetFlag(FLAGS_iterations);
   options.warmup = absl::GetFlag(FLAGS_warmup);
+  options.timeout = absl::GetFlag(FLAGS_timeout).value_or(options.timeout);
   absl::Status status;
   if (const std::string dtype = absl::GetFlag(FLAGS_dtype); !dtype.empty()) {
     absl::StatusOr<DType> parsed = ParseDType(dtype);
@@ -98,6 +99,7 @@ constexpr char kHelp[] =
     "                        [--iterations=N] [--warmup=N] [--dtype=DTYPE]\n"
     "                        [--no-conformance] [--no-sweep] "
     "[--large-elements=N]\n"
+    "                        [--timeout=DURATION]\n"
     "       mpirun -np 4 fsdp collectives [--backend=mpi|nccl]\n"
     "\n"
     "Runs the collective conformance suite (every op and dtype, counts 0, "
@@ -108,7 +110,9 @@ constexpr char kHelp[] =
     "all_reduce from --min-bytes to --max-bytes and prints time, algbw and\n"
     "busbw (nccl-tests' factors) and wrong elements per size. Exits 1 if a\n"
     "case failed, an element was wrong or a collective failed (a fault's\n"
-    "error names the rank and the op).\n"
+    "error names the rank and the op). A collective that waits longer than\n"
+    "--timeout for a hung or slow rank fails the run with DeadlineExceeded\n"
+    "naming the rank and the op, instead of hanging.\n"
     "\n"
     "On the simulator, time is virtual (its cost model), so equal seeds give\n"
     "byte-identical output and traces. Under mpirun, time is wall time and\n"
@@ -119,9 +123,10 @@ constexpr char kHelp[] =
     "  --world-size=W           sim: ranks (default 8); mpi/nccl: mpirun's "
     "-np\n"
     "  --seed=S                 sim: the scheduler's seed (default 0)\n"
-    "  --fault=SPEC             sim: kill:rank=R:op=K, delay:rank=R:"
-    "seconds=S,\n"
-    "                           flip:rank=R:op=K[:bit=B]; comma-separated\n"
+    "  --fault=SPEC             sim: kill:rank=R:op=K, "
+    "flip:rank=R:op=K[:bit=B],\n"
+    "                           delay:rank=R:seconds=S[:op=K]; "
+    "comma-separated\n"
     "  --trace=FILE.json        sim: write the Chrome trace (Perfetto)\n"
     "  --no-checksum            sim: let flipped bits reach the outputs\n"
     "  --min-bytes=B            smallest size (default 1024)\n"
@@ -133,7 +138,16 @@ constexpr char kHelp[] =
     "  --no-conformance         skip the conformance suite\n"
     "  --no-sweep               skip the bandwidth sweep\n"
     "  --large-elements=N       the suite's large cases (default 2097155; "
-    "0: none)\n";
+    "0: none)\n"
+    "  --timeout=DURATION       the longest any one collective may wait "
+    "(every\n"
+    "                           case, sweep collective and gather; mpi/nccl:"
+    " also\n"
+    "                           setup), e.g. 10s or 2m; must be positive "
+    "(default\n"
+    "                           30s, the conformance suite's case timeout; "
+    "sim:\n"
+    "                           virtual time)\n";
 
 void PrintHelp(std::ostream& out) { out << kHelp; }
 

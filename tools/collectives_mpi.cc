@@ -32,7 +32,10 @@ absl::Status RunOnWorld(MpiCommunicator& world,
   if (options.backend == "nccl") {
     const int device = NodeLocalRank();
     // Every rank learns of a failure on any rank here, so none hangs.
-    FLATPARAM_ASSIGN_OR_RETURN(nccl, CreateNcclCommunicator(world, device));
+    NcclOptions nccl_options;
+    nccl_options.setup_timeout = options.timeout;
+    FLATPARAM_ASSIGN_OR_RETURN(
+        nccl, CreateNcclCommunicator(world, device, nccl_options));
     FLATPARAM_ASSIGN_OR_RETURN(cuda, conformance::CudaMemory(device));
     comm = nccl.get();
     memory = cuda.get();
@@ -50,8 +53,11 @@ absl::Status RunOnWorld(MpiCommunicator& world,
 
 absl::Status RunCollectivesMpi(const CollectivesOptions& options,
                                std::ostream& out) {
+  MpiOptions mpi;
+  mpi.create_timeout = options.timeout;
   return RunOnMpiWorld(
-      [&](MpiCommunicator& world) { return RunOnWorld(world, options, out); });
+      [&](MpiCommunicator& world) { return RunOnWorld(world, options, out); },
+      mpi);
 }
 
 }  // namespace tools

@@ -13,7 +13,7 @@ mpirun_test=$2
 cli_test_init "$3"
 
 MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" collectives --backend=mpi \
-  --max-bytes=1048576 >"$tmp/out" 2>"$tmp/err"
+  --max-bytes=1048576 --timeout=20s >"$tmp/out" 2>"$tmp/err"
 status=$?
 cat "$tmp/out"
 [ "$status" -eq 0 ] || fail "mpi run exited $status: $(head -c 2000 "$tmp/err")"

@@ -5,23 +5,31 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <memory>
+#include <set>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "comm/conformance/bandwidth.h"
+#include "comm/conformance/device_memory.h"
 #include "flatparam/base/status_matchers.h"
 #include "nlohmann/json.hpp"
+#include "sim/sim.h"
+#include "tools/testing/recording_communicator.h"
 
 namespace flatparam {
 namespace tools {
 namespace {
 
 using ::testing::AllOf;
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::IsEmpty;
 using ::testing::Not;
 
 std::string TempPath(const std::string& name) {
@@ -255,6 +263,97 @@ TEST(CollectivesTest, InvalidOptionsNameTheFlag) {
   ASSERT_THAT(mpi, IsOk());
   EXPECT_EQ(mpi->iterations, 10);
   EXPECT_EQ(mpi->warmup, 2);
+}
+
+TEST(CollectivesTest, ATimeoutThatIsNotPositiveIsRejected) {
+  const struct {
+    absl::Duration timeout;
+    const char* named;
+  } cases[] = {
+      {absl::ZeroDuration(), "--timeout=0: "},
+      {absl::Seconds(-5), "--timeout=-5s: "},
+      {absl::InfiniteDuration(), "--timeout=inf: "},
+  };
+  for (const auto& c : cases) {
+    CollectivesOptions options;
+    options.timeout = c.timeout;
+    EXPECT_THAT(ValidateCollectivesOptions(options),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr(c.named),
+                               HasSubstr("positive, finite duration"))));
+  }
+  CollectivesOptions options;
+  EXPECT_EQ(options.timeout, conformance::kCaseTimeout);
+  options.timeout = absl::Milliseconds(1);
+  EXPECT_THAT(ValidateCollectivesOptions(options), IsOk());
+}
+
+// Every collective of the command (the conformance cases, including those on
+// the groups its splits make, the sweep and the summaries' gathers) gets
+// the options' timeout.
+TEST(CollectivesTest, TheTimeoutReachesEveryCollective) {
+  CollectivesOptions options = Quick(4, 2);
+  options.max_bytes = 4096;
+  options.timeout = absl::Seconds(7);
+  SimOptions sim;
+  sim.world_size = 4;
+  std::unique_ptr<SimWorld> world = *SimWorld::Create(sim);
+  std::vector<std::vector<RecordedCall>> logs(sim.world_size);
+  ASSERT_THAT(world->Run([&](SimCommunicator& comm) -> absl::Status {
+    RecordingCommunicator recording(&comm, &logs[comm.world_rank()]);
+    const Clock clock = [&comm] { return comm.Now(); };
+    return RunCollectivesOnRank(recording, conformance::HostMemory(), options,
+                                clock)
+        .status();
+  }),
+              IsOk());
+  for (int r = 0; r < sim.world_size; ++r) {
+    SCOPED_TRACE(absl::StrCat("rank ", r));
+    std::set<std::string> ops;
+    for (const RecordedCall& call : logs[r]) ops.insert(call.op);
+    EXPECT_THAT(ops,
+                ElementsAre("all_gather", "all_gather_bytes", "all_reduce",
+                            "barrier", "broadcast", "reduce_scatter", "split"));
+    EXPECT_THAT(CallsWithOtherTimeouts(logs[r], absl::Seconds(7)), IsEmpty());
+  }
+}
+
+// A rank that arrives 2 s late (virtual time) at its collective K fails the
+// run when the timeout is 1 s, naming the op and the late rank, and does
+// not when it is 10 s: the timeout reaches the conformance cases (K = 3)
+// and the sweep's barrier, collective and gather (K = 3, 4, 5: the second
+// size's).
+TEST(CollectivesTest, ARankLateByMoreThanTheTimeoutFailsTheRun) {
+  const struct {
+    bool conformance;
+    int op;
+    const char* named;
+  } cases[] = {
+      {true, 3, " #3 in group 0: timed out"},
+      {false, 3, "barrier #3 in group 0: timed out"},
+      {false, 4, "all_gather #4 in group 0: timed out"},
+      {false, 5, "all_gather_bytes #5 in group 0: timed out"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(absl::StrCat("conformance ", c.conformance, ", op ", c.op));
+    CollectivesOptions options = Quick(4, 3);
+    options.conformance = c.conformance;
+    options.sweep = !c.conformance;
+    options.max_bytes = 4096;
+    options.faults = absl::StrCat("delay:rank=1:seconds=2:op=", c.op);
+    options.timeout = absl::Seconds(1);
+    std::ostringstream out;
+    const absl::Time start = absl::Now();
+    EXPECT_THAT(RunCollectivesSim(options, out),
+                StatusIs(absl::StatusCode::kDeadlineExceeded,
+                         AllOf(HasSubstr("rank 0: "), HasSubstr(c.named),
+                               HasSubstr("with a timeout of 1s"),
+                               HasSubstr("when rank 1 was ready"))));
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+    EXPECT_EQ(out.str(), "");
+    options.timeout = absl::Seconds(10);
+    EXPECT_THAT(RunCollectivesSim(options, out), IsOk());
+  }
 }
 
 TEST(CollectivesTest, BadFaultSpecsAreReported) {

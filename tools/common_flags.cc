@@ -28,6 +28,10 @@ ABSL_FLAG(std::string, backend, "",
 ABSL_FLAG(uint64_t, seed, 0,
           "The simulator's seed (train: also the model's initialisation and "
           "the data).");
+ABSL_FLAG(std::optional<absl::Duration>, timeout, std::nullopt,
+          "The longest any one collective may wait, e.g. 30s or 2m, before "
+          "the run fails with an error naming the rank and the op (default: "
+          "collectives 30s, train 5m).");
 
 namespace flatparam {
 namespace tools {

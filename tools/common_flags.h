@@ -8,10 +8,12 @@
 #define TOOLS_COMMON_FLAGS_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/flags/declare.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "tools/layout_request.h"
 
 ABSL_DECLARE_FLAG(std::string, model);
@@ -25,6 +27,10 @@ ABSL_DECLARE_FLAG(std::string, format);
 // The backend of the subcommands that communicate (collectives, train).
 ABSL_DECLARE_FLAG(std::string, backend);
 ABSL_DECLARE_FLAG(uint64_t, seed);
+// The longest any one collective of the subcommands that communicate
+// (collectives, train) may wait; unset: the subcommand's own default
+// (collectives 30 s, train 5 min). They reject a non-positive value.
+ABSL_DECLARE_FLAG(std::optional<absl::Duration>, timeout);
 
 namespace flatparam {
 namespace tools {

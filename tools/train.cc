@@ -22,6 +22,7 @@
 #include "flatparam/train/optimizer.h"
 #include "flatparam/train/reference_trainer.h"
 #include "sim/sim.h"
+#include "tools/collective_timeout.h"
 
 namespace flatparam {
 namespace tools {
@@ -194,7 +195,11 @@ optim::ParamGroup ParamGroupFor(const train::OptimizerOptions& o, int64_t n) {
         {"eps", a.eps},     {"weight_decay", a.weight_decay},
         {"amsgrad", false}, {"maximize", a.maximize}};
   }
-  for (int64_t i = 0; i < n; ++i) group.params.push_back(optim::ParamKey(i));
+  // Built in place: GCC 12 at -O2 reports a moved temporary variant's
+  // inactive string member as maybe-uninitialized.
+  for (int64_t i = 0; i < n; ++i) {
+    group.params.emplace_back(std::in_place_type<int64_t>, i);
+  }
   return group;
 }
 
@@ -416,7 +421,7 @@ absl::Status ValidateTrainCommandOptions(const TrainCommandOptions& o) {
                         "rank)",
                         o.global_batch));
   }
-  return absl::OkStatus();
+  return ValidateCollectiveTimeout(o.timeout);
 }
 
 absl::StatusOr<train::FsdpTrainOptions> MakeFsdpTrainOptions(
@@ -464,6 +469,7 @@ absl::StatusOr<train::FsdpTrainOptions> MakeFsdpTrainOptions(
   }
   o.model.seed = c.seed;
   o.data_seed = c.seed;
+  o.collective_options.timeout = c.timeout;
   FLATPARAM_RETURN_IF_ERROR(train::ValidateFsdpTrainOptions(o, world_size));
   return o;
 }
@@ -630,8 +636,10 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
     FLATPARAM_ASSIGN_OR_RETURN(
         checkpoint::RankContent content,
         checkpoint::MakeRankContent(*layout, shard_rank, mine));
+    checkpoint::CollectiveWriteOptions write;
+    write.collective = report.options.collective_options;
     absl::Status saved = checkpoint::WriteShardedCheckpointCollective(
-        fs, options.save_dir, *layout, world_size, content, world);
+        fs, options.save_dir, *layout, world_size, content, world, write);
     if (!saved.ok()) {
       return absl::Status(
           saved.code(),
@@ -646,8 +654,9 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
   mine.optimizer_state_bytes = result.optimizer_state_bytes;
   mine.comm = result.comm;
   mine.nonzero_padding_grads = result.nonzero_padding_grads;
-  FLATPARAM_ASSIGN_OR_RETURN(std::vector<std::string> all,
-                             world.AllGatherBytes(Serialize(mine), {}));
+  FLATPARAM_ASSIGN_OR_RETURN(
+      std::vector<std::string> all,
+      world.AllGatherBytes(Serialize(mine), report.options.collective_options));
   for (const std::string& bytes : all) {
     FLATPARAM_ASSIGN_OR_RETURN(RankSummary s, Deserialize(bytes));
     report.ranks.push_back(s);

@@ -112,6 +112,15 @@ struct TrainCommandOptions {
   // --save=DIR / --load=DIR (empty: none); see the file comment.
   std::string save_dir;
   std::string load_dir;
+  // --timeout: the CollectiveOptions::timeout of every collective the
+  // command issues: the handles' and the rest of the trainer's
+  // (FsdpTrainOptions::collective_options), the status exchanges of a
+  // --save (CollectiveWriteOptions::collective: they wait for the slowest
+  // rank's writing) and the gather of the ranks' summaries; under mpirun
+  // also creating the MPI world and the NCCL communicator. A rank that
+  // waits longer for its peers fails the run with DeadlineExceeded naming
+  // the rank and the op. Not a setting that --load carries over.
+  absl::Duration timeout = kDefaultCollectiveTimeout;
   // Names of the flags given on the command line with a non-default value
   // (FlagChanged: "lr", "seed", ...): with --load, these must agree with
   // the checkpoint; the others take its values.
@@ -155,12 +164,14 @@ absl::StatusOr<ResumePoint> ResumeFromExtra(const TrainCommandOptions& command,
 
 // InvalidArgument naming the flag for options that make no sense before
 // the world size is known (an unknown backend, strategy, precision or
-// optimizer; steps or micro-batches < 1; ...).
+// optimizer; steps or micro-batches < 1; a timeout that is not positive
+// and finite; ...).
 absl::Status ValidateTrainCommandOptions(const TrainCommandOptions& options);
 
-// The trainer's options for `world_size` ranks (defaults resolved);
-// InvalidArgument naming the flag for inconsistent ones, such as a shard
-// group size that does not divide the world size.
+// The trainer's options for `world_size` ranks (defaults resolved; the
+// timeout in collective_options); InvalidArgument naming the flag for
+// inconsistent ones, such as a shard group size that does not divide the
+// world size.
 absl::StatusOr<train::FsdpTrainOptions> MakeFsdpTrainOptions(
     const TrainCommandOptions& options, int world_size);
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `fsdp train` end to end on the simulator: bitwise equality with
-# single-process training, the mixed-precision check, and non-zero exit
-# codes for inconsistent options.
+# single-process training, the mixed-precision check, non-zero exit codes
+# for inconsistent options, and --timeout's validation.
 # Usage: train_cli_test.sh PATH_TO_CLI_TEST_LIB_SH PATH_TO_FSDP
 set -uo pipefail
 
@@ -45,6 +45,18 @@ grep -q -- '--shard-group-size=3 must divide the world size 8' "$tmp/err" ||
 expect_exit 1 train --strategy=NO_SHARD --shard-group-size=2
 expect_exit 1 train --mixed-precision=fp8
 grep -q -- '--mixed-precision=fp8' "$tmp/err" || fail "bad precision not named"
+# --timeout: accepted when positive; rejected, naming the value, when not.
+expect_exit 0 train --world-size=4 --steps=1 --timeout=30s --check-reference
+grep -q '^# check: passed$' "$tmp/out" || fail "--timeout=30s run failed"
+expect_exit 1 train --timeout=0s
+grep -q -- '--timeout=0: expected a positive, finite duration' "$tmp/err" ||
+  fail "--timeout=0s not rejected by name: $(head -c 500 "$tmp/err")"
+[ -s "$tmp/out" ] && fail "output despite --timeout=0s"
+expect_exit 1 train --timeout=-1m
+grep -q -- '--timeout=-1m: expected a positive' "$tmp/err" ||
+  fail "--timeout=-1m not rejected by name"
+expect_exit 0 train --help
+grep -q -- '--timeout=DURATION' "$tmp/out" || fail "help lacks --timeout"
 expect_exit 1 train --no-such-flag
 expect_exit 2 train extra-argument
 

@@ -66,6 +66,7 @@ int TrainMain(const std::vector<char*>& args) {
   options.check_reference = absl::GetFlag(FLAGS_check_reference);
   options.save_dir = absl::GetFlag(FLAGS_save);
   options.load_dir = absl::GetFlag(FLAGS_load);
+  options.timeout = absl::GetFlag(FLAGS_timeout).value_or(options.timeout);
   for (const char* flag : {"seed", "optimizer", "lr", "global_batch",
                            "micro_batches", "mixed_precision", "sync"}) {
     if (FlagChanged(flag)) options.given_flags.insert(flag);
@@ -90,7 +91,7 @@ constexpr char kHelp[] =
     "                  [--align-addresses] [--seed=S] [--optimizer=adamw|sgd]"
     " [--lr=LR]\n"
     "                  [--global-batch=B] [--check-reference]\n"
-    "                  [--save=DIR] [--load=DIR]\n"
+    "                  [--save=DIR] [--load=DIR] [--timeout=DURATION]\n"
     "       mpirun -np 4 fsdp train [--backend=mpi|nccl] ...\n"
     "\n"
     "Trains the reference model (a per-token MLP language model: vocab 17,\n"
@@ -111,6 +112,10 @@ constexpr char kHelp[] =
     "memory must also equal the formula. NCCL sums in its own order, so on\n"
     "several GPUs the check accepts, with AdamW, parameters within\n"
     "AdamWDivergenceBound of the reference. Exits 1 when the check fails.\n"
+    "\n"
+    "A collective that waits longer than --timeout for a hung or slow rank\n"
+    "fails the run with DeadlineExceeded naming the rank and the op, instead\n"
+    "of hanging.\n"
     "\n"
     "flags:\n"
     "  --backend=sim|mpi|nccl   default: mpi under mpirun, else sim\n"
@@ -148,7 +153,15 @@ constexpr char kHelp[] =
     "                           fit it (else: fsdp checkpoint reshard). With\n"
     "                           --check-reference, compares with single-"
     "process\n"
-    "                           training of all steps so far\n";
+    "                           training of all steps so far\n"
+    "  --timeout=DURATION       the longest any one collective may wait "
+    "(the\n"
+    "                           handles', the loss and summary gathers, "
+    "--save's\n"
+    "                           exchanges; mpi/nccl: also setup), e.g. 30s "
+    "or 2m;\n"
+    "                           must be positive (default 5m; sim: virtual "
+    "time)\n";
 
 void PrintHelp(std::ostream& out) { out << kHelp; }
 

@@ -32,8 +32,11 @@ absl::Status RunOnWorld(MpiCommunicator& world,
   if (options.backend == "nccl") {
     const int gpu = NodeLocalRank();
     // Every rank learns of a failure on any rank here, so none hangs.
-    FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> nccl,
-                               CreateNcclCommunicator(world, gpu));
+    NcclOptions nccl_options;
+    nccl_options.setup_timeout = options.timeout;
+    FLATPARAM_ASSIGN_OR_RETURN(
+        std::unique_ptr<Communicator> nccl,
+        CreateNcclCommunicator(world, gpu, nccl_options));
     FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<DeviceOps> device,
                                CreateCudaDeviceOps(gpu));
     FLATPARAM_ASSIGN_OR_RETURN(
@@ -52,8 +55,11 @@ absl::Status RunOnWorld(MpiCommunicator& world,
 absl::Status RunTrainMpi(const TrainCommandOptions& options,
                          std::ostream& out) {
   FLATPARAM_RETURN_IF_ERROR(ValidateTrainCommandOptions(options));
+  MpiOptions mpi;
+  mpi.create_timeout = options.timeout;
   return RunOnMpiWorld(
-      [&](MpiCommunicator& world) { return RunOnWorld(world, options, out); });
+      [&](MpiCommunicator& world) { return RunOnWorld(world, options, out); },
+      mpi);
 }
 
 }  // namespace tools

@@ -22,6 +22,13 @@ cat "$tmp/out"
 grep -q 'bitwise equal' "$tmp/out" || fail "no \"bitwise equal\""
 grep -q '^# check: passed$' "$tmp/out" || fail "check not passed"
 
+# A timeout that is not positive fails on every rank before communicating.
+MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" train --backend=mpi \
+  --timeout=0s >"$tmp/out" 2>"$tmp/err"
+[ $? -ne 0 ] || fail "--timeout=0s under mpirun succeeded"
+grep -q -- '--timeout=0: expected a positive' "$tmp/err" ||
+  fail "--timeout=0s under mpirun not rejected by name: $(head -c 2000 "$tmp/err")"
+
 # --world-size must agree with mpirun's.
 MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" train --backend=mpi \
   --world-size=2 >"$tmp/out" 2>"$tmp/err"
@@ -30,9 +37,11 @@ grep -q 'but the MPI job has 4 ranks' "$tmp/err" ||
   fail "world size mismatch not explained: $(head -c 2000 "$tmp/err")"
 
 # --save writes one checkpoint from the MPI ranks (each its own files);
-# --load resumes from it bitwise.
+# --load resumes from it bitwise. --timeout bounds every collective,
+# the checkpoint's exchanges included.
 MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" train --backend=mpi \
-  --strategy=HYBRID_SHARD --steps=2 --save="$tmp/ckpt" >"$tmp/out" 2>"$tmp/err"
+  --strategy=HYBRID_SHARD --steps=2 --save="$tmp/ckpt" --timeout=20s \
+  >"$tmp/out" 2>"$tmp/err"
 [ $? -eq 0 ] || fail "mpi --save failed: $(head -c 2000 "$tmp/err")"
 [ -f "$tmp/ckpt/manifest.json" ] || fail "mpi --save wrote no manifest.json"
 MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" train --backend=mpi \

@@ -4,21 +4,36 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "comm/communicator.h"
 #include "flatparam/base/status_matchers.h"
+#include "flatparam/device/device.h"
 #include "flatparam/memory_stats.h"
 #include "flatparam/train/fsdp_trainer.h"
 #include "flatparam/train/reference_trainer.h"
+#include "sim/fault.h"
+#include "sim/sim.h"
+#include "tools/testing/recording_communicator.h"
 
 namespace flatparam {
 namespace tools {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::IsSupersetOf;
 using ::testing::Not;
 
 TrainCommandOptions Options(const std::string& strategy, int world = 8) {
@@ -206,6 +221,138 @@ TEST(MakeFsdpTrainOptionsTest, NamesTheInconsistentFlag) {
   EXPECT_THAT(
       ValidateTrainCommandOptions(c),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--steps=0")));
+}
+
+TEST(MakeFsdpTrainOptionsTest, TheTimeoutIsEveryCollectivesTimeout) {
+  TrainCommandOptions c = Options("FULL_SHARD");
+  EXPECT_EQ(c.timeout, kDefaultCollectiveTimeout);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(train::FsdpTrainOptions o,
+                                 MakeFsdpTrainOptions(c, 8));
+  EXPECT_EQ(o.collective_options.timeout, kDefaultCollectiveTimeout);
+  c.timeout = absl::Milliseconds(1500);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(o, MakeFsdpTrainOptions(c, 8));
+  EXPECT_EQ(o.collective_options.timeout, absl::Milliseconds(1500));
+}
+
+TEST(MakeFsdpTrainOptionsTest, ATimeoutThatIsNotPositiveIsRejected) {
+  const struct {
+    absl::Duration timeout;
+    const char* named;
+  } cases[] = {
+      {absl::ZeroDuration(), "--timeout=0: "},
+      {absl::Seconds(-5), "--timeout=-5s: "},
+      {absl::InfiniteDuration(), "--timeout=inf: "},
+  };
+  for (const auto& c : cases) {
+    TrainCommandOptions o = Options("FULL_SHARD");
+    o.timeout = c.timeout;
+    EXPECT_THAT(ValidateTrainCommandOptions(o),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr(c.named),
+                               HasSubstr("positive, finite duration"))));
+    EXPECT_THAT(
+        MakeFsdpTrainOptions(o, 8),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.named)));
+    std::ostringstream out;
+    EXPECT_THAT(
+        RunTrainSim(o, out),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.named)));
+  }
+}
+
+// RunTrainOnRank on `o.world_size` simulated ranks with `faults`, each
+// rank's communicator wrapped in a RecordingCommunicator logging into
+// (*logs)[rank]; (*statuses)[rank] is what the rank returned.
+absl::Status RunOnRecordedSim(const TrainCommandOptions& o,
+                              const std::string& faults,
+                              std::vector<std::vector<RecordedCall>>* logs,
+                              std::vector<absl::Status>* statuses) {
+  SimOptions sim;
+  sim.world_size = static_cast<int>(o.world_size);
+  sim.seed = o.seed;
+  absl::StatusOr<std::vector<FaultSpec>> parsed = ParseFaultSpecs(faults);
+  if (!parsed.ok()) return parsed.status();
+  sim.faults = *parsed;
+  absl::StatusOr<std::unique_ptr<SimWorld>> world = SimWorld::Create(sim);
+  if (!world.ok()) return world.status();
+  logs->assign(sim.world_size, {});
+  const absl::Status status = (*world)->Run([&](SimCommunicator& comm)
+                                                -> absl::Status {
+    RecordingCommunicator recording(&comm, &(*logs)[comm.world_rank()]);
+    HostDeviceOps device;
+    return RunTrainOnRank(recording, device, o, /*host_device=*/true).status();
+  });
+  *statuses = (*world)->rank_statuses();
+  return status;
+}
+
+std::string TestDir(const std::string& name) {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return absl::StrCat(dir != nullptr ? dir : "/tmp", "/", name);
+}
+
+// A hybrid run with --save issues every kind of collective the command has
+// (the handles' all-gathers, reduce-scatters and replicate all-reduces, the
+// group splits, the losses' and results' gathers, the checkpoint's status
+// exchanges and the summaries' gather): each gets --timeout.
+TEST(RunTrainOnRankTest, TheTimeoutReachesEveryCollective) {
+  TrainCommandOptions o = Options("HYBRID_SHARD", 4);
+  o.save_dir = TestDir("timeout_ckpt");
+  o.timeout = absl::Seconds(7);
+  std::vector<std::vector<RecordedCall>> logs;
+  std::vector<absl::Status> statuses;
+  ASSERT_THAT(RunOnRecordedSim(o, "", &logs, &statuses), IsOk());
+  for (size_t r = 0; r < logs.size(); ++r) {
+    SCOPED_TRACE(absl::StrCat("rank ", r));
+    std::set<std::string> ops;
+    for (const RecordedCall& call : logs[r]) ops.insert(call.op);
+    EXPECT_THAT(ops, IsSupersetOf({"all_gather", "reduce_scatter", "all_reduce",
+                                   "all_gather_bytes", "split"}));
+    EXPECT_THAT(CallsWithOtherTimeouts(logs[r], absl::Seconds(7)), IsEmpty());
+  }
+}
+
+// Rank 1 arrives 2 s late (virtual time) at one of its collectives: with a
+// timeout of 1 s a peer fails with DeadlineExceeded naming the op and the
+// late rank, and the run fails; with 10 s it passes. Tried at the first
+// collective of each kind rank 1 issues, and at its last (the summaries'
+// gather), with --save.
+TEST(RunTrainOnRankTest, ARankLateByMoreThanTheTimeoutFailsTheRun) {
+  TrainCommandOptions o = Options("HYBRID_SHARD", 4);
+  o.steps = 1;
+  o.check_reference = false;
+  o.save_dir = TestDir("late_ckpt");
+  std::vector<std::vector<RecordedCall>> logs;
+  std::vector<absl::Status> statuses;
+  ASSERT_THAT(RunOnRecordedSim(o, "", &logs, &statuses), IsOk());
+  const std::vector<RecordedCall>& calls = logs[1];
+  ASSERT_FALSE(calls.empty());
+  std::map<std::string, size_t> first;
+  for (size_t k = 0; k < calls.size(); ++k) first.emplace(calls[k].op, k);
+  std::vector<size_t> ops;
+  for (const auto& [op, k] : first) ops.push_back(k);
+  ops.push_back(calls.size() - 1);
+  EXPECT_GE(ops.size(), 6u);
+  for (size_t k : ops) {
+    SCOPED_TRACE(absl::StrCat("op ", k, ": ", calls[k].op));
+    const std::string fault = absl::StrCat("delay:rank=1:seconds=2:op=", k);
+    o.timeout = absl::Seconds(1);
+    const absl::Time start = absl::Now();
+    EXPECT_THAT(RunOnRecordedSim(o, fault, &logs, &statuses), Not(IsOk()));
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+    bool reported = false;
+    for (const absl::Status& s : statuses) {
+      reported =
+          reported ||
+          (s.code() == absl::StatusCode::kDeadlineExceeded &&
+           absl::StrContains(s.message(), absl::StrCat(calls[k].op, " #")) &&
+           absl::StrContains(s.message(), "with a timeout of 1s") &&
+           absl::StrContains(s.message(), "when rank 1 was ready"));
+    }
+    EXPECT_TRUE(reported) << statuses[0] << "\n" << statuses[1];
+    o.timeout = absl::Seconds(10);
+    EXPECT_THAT(RunOnRecordedSim(o, fault, &logs, &statuses), IsOk());
+  }
 }
 
 }  // namespace

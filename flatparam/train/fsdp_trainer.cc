@@ -171,9 +171,10 @@ absl::Status FromHost(DeviceOps& device, ConstBufferRef src, BufferRef dst) {
 // (NCCL takes device buffers only).
 absl::Status AllGatherHost(Communicator& comm, DeviceOps& device,
                            ConstBufferRef in, BufferRef out,
+                           const CollectiveOptions& options,
                            absl::string_view what) {
   if (device.device() == Device::Host()) {
-    return WithContext(comm.AllGather(in, out, {})->Wait(), what);
+    return WithContext(comm.AllGather(in, out, options)->Wait(), what);
   }
   FLATPARAM_ASSIGN_OR_RETURN(DeviceBuffer din,
                              device.Allocate(device.device(), in.bytes()));
@@ -184,7 +185,7 @@ absl::Status AllGatherHost(Communicator& comm, DeviceOps& device,
   FLATPARAM_RETURN_IF_ERROR(device.Copy(din_ref, in));
   FLATPARAM_RETURN_IF_ERROR(device.Synchronize());
   FLATPARAM_RETURN_IF_ERROR(
-      WithContext(comm.AllGather(din_ref, dout_ref, {})->Wait(), what));
+      WithContext(comm.AllGather(din_ref, dout_ref, options)->Wait(), what));
   return device.Copy(out, dout_ref);
 }
 
@@ -481,7 +482,8 @@ class RankTrainer {
     Communicator* replicate = nullptr;
     if (IsHybridStrategy(options_.strategy)) {
       FLATPARAM_ASSIGN_OR_RETURN(
-          groups_, MakeHybridGroups(world_, options_.shard_group_size));
+          groups_, MakeHybridGroups(world_, options_.shard_group_size,
+                                    options_.collective_options));
       shard = groups_.shard.get();
       replicate = groups_.replicate.get();
     }
@@ -496,6 +498,7 @@ class RankTrainer {
     handle_options.param_dtype = options_.param_dtype;
     handle_options.reduce_dtype = options_.reduce_dtype;
     handle_options.cpu_offload = options_.cpu_offload;
+    handle_options.collective_options = options_.collective_options;
 
     const TensorMap params = options_.initial_params.has_value()
                                  ? *options_.initial_params
@@ -603,7 +606,7 @@ class RankTrainer {
                                      DType::kFloat32, Device::Host()},
                       BufferRef{all.data(), static_cast<int64_t>(all.size()),
                                 DType::kFloat32, Device::Host()},
-                      "all-gather of the losses"));
+                      options_.collective_options, "all-gather of the losses"));
     result_.losses.push_back(FoldLosses(all, world, m_count));
     return absl::OkStatus();
   }
@@ -644,6 +647,7 @@ class RankTrainer {
         *shard_, device_,
         ConstBufferRef{shard.data, shard.numel, shard.dtype, Device::Host()},
         BufferRef{flat.data(), flat.numel(), flat.dtype(), Device::Host()},
+        options_.collective_options,
         absl::StrFormat("gathering unit \"%s\"", layout.unit())));
     return flat;
   }

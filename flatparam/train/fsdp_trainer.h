@@ -156,6 +156,13 @@ struct FsdpTrainOptions {
   // Also all-gather the last step's reduced gradients
   // (FsdpRankResult::grads).
   bool gather_grads = false;
+
+  // The options (timeout) of every collective the trainer issues: the
+  // handles' (HandleOptions::collective_options), the hybrid strategies'
+  // group splits (MakeHybridGroups), the losses' all-gather and the final
+  // gathers. A rank that waits longer for a peer fails with the backend's
+  // DeadlineExceeded, which names the rank and the op.
+  CollectiveOptions collective_options;
 };
 
 // InvalidArgument, naming the values, for options that cannot run on
