@@ -4,8 +4,11 @@
 #include <cassert>
 #include <cstdio>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -170,6 +173,145 @@ absl::StatusOr<OptimStateDict> RekeyedByName(const ModelLayout& layout,
 }
 
 // ---------------------------------------------------------------------------
+// The rank's optimizer's keys (OptimStateOptions::sharded_keys).
+// ---------------------------------------------------------------------------
+
+}  // namespace
+
+std::string FlatParamFqn(const FlatParamLayout& unit) {
+  return unit.unit().empty() ? "_flat_param"
+                             : absl::StrCat(unit.unit(), "._flat_param");
+}
+
+namespace {
+
+// Keyed optimizers need an entry for every parameter with state.
+bool FillsEmpty(const OptimStateOptions& options) {
+  return options.use_orig_params &&
+         options.sharded_keys != ShardedKeys::kLayout;
+}
+
+// Maps every state key and group entry with `fn`; with `sort_groups`, group
+// lists are sorted (PyTorch sorts re-keyed IDs). InvalidArgument when two
+// keys map to one.
+absl::StatusOr<OptimStateDict> MapKeys(
+    const OptimStateDict& dict,
+    const std::function<absl::StatusOr<ParamKey>(const ParamKey&)>& fn,
+    bool sort_groups) {
+  OptimStateDict out;
+  for (const auto& [key, st] : dict.state) {
+    FLATPARAM_ASSIGN_OR_RETURN(ParamKey mapped, fn(key));
+    if (!out.state.emplace(mapped, st).second) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "optimizer state keys %s and another map to the same key %s",
+          DescribeKey(key), DescribeKey(mapped)));
+    }
+  }
+  for (const ParamGroup& g : dict.param_groups) {
+    ParamGroup mapped = g;
+    mapped.params.clear();
+    for (const ParamKey& k : g.params) {
+      FLATPARAM_ASSIGN_OR_RETURN(ParamKey m, fn(k));
+      mapped.params.push_back(std::move(m));
+    }
+    if (sort_groups) std::sort(mapped.params.begin(), mapped.params.end());
+    out.param_groups.push_back(std::move(mapped));
+  }
+  return out;
+}
+
+// name -> optimizer ID for kOptimizerIds.
+absl::StatusOr<std::map<std::string, int64_t>> OptimizerIds(
+    const OptimStateOptions& options) {
+  std::map<std::string, int64_t> ids;
+  for (size_t i = 0; i < options.optimizer_params.size(); ++i) {
+    if (!ids.emplace(options.optimizer_params[i], static_cast<int64_t>(i))
+             .second) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "optimizer_params lists '%s' twice (IDs %d and %d)",
+          options.optimizer_params[i], ids[options.optimizer_params[i]], i));
+    }
+  }
+  return ids;
+}
+
+// The sharded dict `dict`, keyed as the rank's optimizer keys it, keyed by
+// layout (flat-parameter indices or FQNs).
+absl::StatusOr<OptimStateDict> ToLayoutKeys(const ModelLayout& layout,
+                                            const OptimStateDict& dict,
+                                            const OptimStateOptions& options) {
+  if (options.sharded_keys == ShardedKeys::kLayout) return dict;
+  std::map<std::string, int64_t> flat_index;
+  if (!options.use_orig_params) {
+    for (size_t u = 0; u < layout.flat_params().size(); ++u) {
+      flat_index[FlatParamFqn(layout.flat_params()[u])] =
+          static_cast<int64_t>(u);
+    }
+  }
+  auto by_name = [&](const std::string& name) {
+    auto it = flat_index.find(name);
+    return it != flat_index.end() ? ParamKey(it->second) : ParamKey(name);
+  };
+  const bool ids = options.sharded_keys == ShardedKeys::kOptimizerIds;
+  return MapKeys(
+      dict,
+      [&](const ParamKey& key) -> absl::StatusOr<ParamKey> {
+        if (const auto* name = std::get_if<std::string>(&key)) {
+          return by_name(*name);
+        }
+        const int64_t id = std::get<int64_t>(key);
+        if (!ids) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "sharded_keys is kNames but the dict has the ID key %d", id));
+        }
+        if (id < 0 ||
+            id >= static_cast<int64_t>(options.optimizer_params.size())) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "optimizer ID %d is outside optimizer_params (%d parameters)", id,
+              options.optimizer_params.size()));
+        }
+        return by_name(options.optimizer_params[id]);
+      },
+      /*sort_groups=*/false);
+}
+
+// The inverse: a layout-keyed sharded dict as the rank's optimizer keys it.
+absl::StatusOr<OptimStateDict> FromLayoutKeys(
+    const ModelLayout& layout, const OptimStateDict& dict,
+    const OptimStateOptions& options) {
+  if (options.sharded_keys == ShardedKeys::kLayout) return dict;
+  const bool ids = options.sharded_keys == ShardedKeys::kOptimizerIds;
+  std::map<std::string, int64_t> id_of;
+  if (ids) {
+    FLATPARAM_ASSIGN_OR_RETURN(id_of, OptimizerIds(options));
+  }
+  const std::vector<std::string> order = ModelParamOrder(layout);
+  const std::set<std::string> params(order.begin(), order.end());
+  return MapKeys(
+      dict,
+      [&](const ParamKey& key) -> absl::StatusOr<ParamKey> {
+        std::string name;
+        if (const auto* u = std::get_if<int64_t>(&key)) {
+          name = FlatParamFqn(layout.flat_params()[*u]);
+        } else {
+          name = std::get<std::string>(key);
+        }
+        if (!ids) return ParamKey(name);
+        auto it = id_of.find(name);
+        if (it != id_of.end()) return ParamKey(it->second);
+        if (std::holds_alternative<int64_t>(key) || params.count(name) > 0) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "%s '%s' has optimizer state but is not in optimizer_params",
+              std::holds_alternative<int64_t>(key) ? "flat parameter"
+                                                   : "parameter",
+              name));
+        }
+        return ParamKey(name);  // a user-defined key stays a name
+      },
+      /*sort_groups=*/ids);
+}
+
+// ---------------------------------------------------------------------------
 // Planning a full dict's sharding (ShardFullOptimState and
 // ScatterFullOptimState). Works on metadata only, so that every rank of a
 // scatter validates and plans alike.
@@ -321,8 +463,11 @@ struct OrigUnitOutput {
   std::map<std::string, std::vector<Window>> windows;
 };
 
+// With `fill_empty` (keyed optimizers), a parameter with state that the
+// rank holds no piece of gets zero-element tensors and its replicated values.
 OrigUnitOutput AllocateOrigUnit(const FlatParamLayout& layout,
-                                const OrigUnitPlan& plan, int64_t rank) {
+                                const OrigUnitPlan& plan, int64_t rank,
+                                bool fill_empty) {
   OrigUnitOutput out;
   const bool unsharded = Unsharded(layout);
   for (const auto& [name, dtype] : plan.tensors) {
@@ -331,7 +476,10 @@ OrigUnitOutput AllocateOrigUnit(const FlatParamLayout& layout,
   for (size_t i = 0; i < plan.params.size(); ++i) {
     const ParamStateMeta* meta = plan.params[i];
     if (meta == nullptr) continue;
-    if (!unsharded && !HoldsParam(layout, rank, static_cast<int>(i))) continue;
+    if (!unsharded && !fill_empty &&
+        !HoldsParam(layout, rank, static_cast<int>(i))) {
+      continue;
+    }
     ParamState& st = out.states[static_cast<int>(i)];
     const auto [lo, hi] = PieceOf(layout, rank, static_cast<int>(i));
     for (const auto& [name, v] : *meta) {
@@ -366,7 +514,7 @@ void EmitPassthrough(const ShardPlan& plan, OptimStateDict& out) {
 
 // ShardFullOptimState's work on a plan whose tensors are local.
 OptimStateDict ShardLocally(const ModelIndex& index, const ShardPlan& plan,
-                            int64_t rank) {
+                            int64_t rank, bool fill_empty) {
   OptimStateDict out;
   for (const FlatUnitPlan& u : plan.flat) {
     const FlatParamLayout& layout = index.unit(u.unit);
@@ -382,7 +530,7 @@ OptimStateDict ShardLocally(const ModelIndex& index, const ShardPlan& plan,
   }
   for (const OrigUnitPlan& u : plan.orig) {
     const FlatParamLayout& layout = index.unit(u.unit);
-    OrigUnitOutput o = AllocateOrigUnit(layout, u, rank);
+    OrigUnitOutput o = AllocateOrigUnit(layout, u, rank, fill_empty);
     for (auto& [name, windows] : o.windows) {
       const size_t size = DTypeSize(u.tensors.at(name));
       for (size_t i = 0; i < windows.size(); ++i) {
@@ -542,7 +690,7 @@ absl::StatusOr<OptimStateDict> ScatterPlan(const ModelIndex& index,
   }
   for (const OrigUnitPlan& u : plan.orig) {
     const FlatParamLayout& layout = index.unit(u.unit);
-    OrigUnitOutput o = AllocateOrigUnit(layout, u, rank);
+    OrigUnitOutput o = AllocateOrigUnit(layout, u, rank, FillsEmpty(options));
     for (const auto& [name, dtype] : u.tensors) {
       std::vector<ConstWindow> source;
       if (rank == 0)
@@ -996,9 +1144,28 @@ absl::StatusOr<OptimStateDict> ConsolidateOrig(
 }  // namespace
 
 absl::StatusOr<OptimStateDict> ConsolidateOptimState(
-    const ModelLayout& layout, const OptimStateDict& sharded,
+    const ModelLayout& layout, const OptimStateDict& sharded_as_keyed,
     Communicator& comm, const OptimStateOptions& options) {
   FLATPARAM_RETURN_IF_ERROR(CheckComm(layout, comm));
+  // Keyed as this rank's optimizer keys it: to layout keys first. The ranks
+  // agree on the outcome, so that a bad key on one rank is an error on all
+  // rather than a hang.
+  absl::StatusOr<OptimStateDict> keyed =
+      ToLayoutKeys(layout, sharded_as_keyed, options);
+  if (options.sharded_keys != ShardedKeys::kLayout) {
+    FLATPARAM_ASSIGN_OR_RETURN(
+        std::vector<std::string> errors,
+        comm.AllGatherBytes(
+            keyed.ok() ? std::string() : std::string(keyed.status().message()),
+            options.collective));
+    for (size_t r = 0; r < errors.size(); ++r) {
+      if (errors[r].empty()) continue;
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "rank %d's sharded optimizer state: %s", r, errors[r]));
+    }
+  }
+  if (!keyed.ok()) return keyed.status();
+  const OptimStateDict& sharded = *keyed;
   const ModelIndex index(layout, options.unmanaged_params);
   if (options.rank0_only && !options.global_rank.has_value() &&
       IsHybridStrategy(layout.options().strategy)) {
@@ -1057,7 +1224,8 @@ absl::StatusOr<OptimStateDict> ShardFullOptimState(
   const StateMeta meta = MetaOf(dict.state);
   FLATPARAM_ASSIGN_OR_RETURN(
       ShardPlan plan, PlanShard(index, meta, dict.param_groups, options));
-  return ShardLocally(index, plan, rank);
+  return FromLayoutKeys(
+      layout, ShardLocally(index, plan, rank, FillsEmpty(options)), options);
 }
 
 absl::StatusOr<OptimStateDict> ScatterFullOptimState(
@@ -1097,7 +1265,9 @@ absl::StatusOr<OptimStateDict> ScatterFullOptimState(
   }
   FLATPARAM_ASSIGN_OR_RETURN(ShardPlan plan,
                              PlanShard(index, meta, groups, options));
-  return ScatterPlan(index, plan, comm, options);
+  FLATPARAM_ASSIGN_OR_RETURN(OptimStateDict mine,
+                             ScatterPlan(index, plan, comm, options));
+  return FromLayoutKeys(layout, mine, options);
 }
 
 absl::StatusOr<OptimStateDict> OptimStateDictToLoad(

@@ -132,6 +132,29 @@ class AllocationTracker {
   int64_t allocations_ = 0;
 };
 
+// How a rank's optimizer keys its sharded state dict (the dict that
+// ConsolidateOptimState takes and the sharding functions return).
+enum class ShardedKeys : uint8_t {
+  // Flat path: the flat parameter's index in ModelLayout::flat_params();
+  // original-parameter path: the parameter's FQN. The default.
+  kLayout,
+  // PyTorch's NamedOptimizer / KeyedOptimizer: flat path: the flat
+  // parameter's FQN (FlatParamFqn: "layers.0._flat_param"); original-
+  // parameter path: the FQN, with an entry for every managed parameter that
+  // has state on every rank -- a rank that holds no piece of it gets
+  // zero-element tensors and the replicated values (PyTorch fills these in
+  // from the keyed optimizer's own state).
+  kNames,
+  // IDs in this rank's optimizer's parameter order (PyTorch's
+  // `_rekey_sharded_optim_state_dict`): ID i is
+  // OptimStateOptions::optimizer_params[i]. Groups list their IDs sorted.
+  kOptimizerIds,
+};
+
+// PyTorch's name of the flat parameter of `unit` (`_get_flat_param_to_fqn`,
+// cleaned): "<unit>._flat_param", or "_flat_param" for the root.
+std::string FlatParamFqn(const FlatParamLayout& unit);
+
 // Receives warnings (user-defined state keys passed through).
 using WarningHandler = std::function<void(absl::string_view message)>;
 
@@ -161,6 +184,13 @@ struct OptimStateOptions {
   // InvalidArgument instead. (The original-parameter path always rejects
   // them, as PyTorch asserts.)
   bool strict_replicated_values = false;
+  // How this rank's optimizer keys the sharded dict (see ShardedKeys).
+  ShardedKeys sharded_keys = ShardedKeys::kLayout;
+  // kOptimizerIds: the rank's optimizer's parameters in its order, by name:
+  // FlatParamFqn for flat parameters (flat path), FQNs for original
+  // parameters (original-parameter path) and for unmanaged ones. A sharded
+  // state or group entry whose parameter is not listed is InvalidArgument.
+  std::vector<std::string> optimizer_params;
   // Upper bound on one temporary buffer in bytes; 0 for one whole flat
   // parameter's state. Chunks hold at least one element (per rank).
   int64_t max_temp_bytes = 0;
@@ -209,7 +239,11 @@ absl::StatusOr<OptimStateDict> ShardFullOptimState(
 // error; then each flat parameter's flattened tensor states are broadcast
 // one state at a time (in chunks of max_temp_bytes) and each rank keeps its
 // shard. Returns exactly what ShardFullOptimState(layout, full,
-// comm.rank()) returns. Collective over `comm`.
+// comm.rank()) returns. Collective over `comm`. Hybrid strategies: `comm`
+// is the shard group, so rank 0 of every shard group must hold `full`
+// (PyTorch broadcasts from global rank 0 over the whole job; with one full
+// dict, broadcast it over the replicate group first, or load with
+// rank0_only off).
 absl::StatusOr<OptimStateDict> ScatterFullOptimState(
     const ModelLayout& layout, const OptimStateDict& full, Communicator& comm,
     const OptimStateOptions& options = {});

@@ -686,6 +686,131 @@ TEST_F(ConsolidateErrorTest, Rank0OnlyReturnsEmptyElsewhere) {
 }
 
 // ---------------------------------------------------------------------------
+// Sharded dicts keyed as the rank's optimizer keys them.
+// ---------------------------------------------------------------------------
+
+class ShardedKeysTest : public ConsolidateErrorTest {
+ protected:
+  void SetUp() override {
+    ConsolidateErrorTest::SetUp();
+    full_.param_groups.push_back(
+        // In flat-parameter order, which the flat path's groups keep.
+        {{{"lr", 0.5}}, {ParamKey("c"), ParamKey("a.w"), ParamKey("a.b")}});
+  }
+  OptimStateOptions Keys(bool orig, ShardedKeys keys,
+                         std::vector<std::string> order = {}) {
+    OptimStateOptions o = Quiet(orig);
+    o.sharded_keys = keys;
+    o.optimizer_params = std::move(order);
+    return o;
+  }
+};
+
+TEST_F(ShardedKeysTest, FlatPathNamesAndIds) {
+  EXPECT_EQ(FlatParamFqn(layout_->flat_params()[0]), "_flat_param");
+  EXPECT_EQ(FlatParamFqn(layout_->flat_params()[1]), "a._flat_param");
+  // The rank's optimizer holds the flat parameters in its own order.
+  const OptimStateOptions names = Keys(false, ShardedKeys::kNames);
+  const OptimStateOptions ids =
+      Keys(false, ShardedKeys::kOptimizerIds, {"a._flat_param", "_flat_param"});
+  std::vector<OptimStateDict> by_name, by_id;
+  for (int64_t r = 0; r < 3; ++r) {
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(
+        OptimStateDict plain, ShardFullOptimState(*layout_, full_, r, Quiet()));
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(
+        OptimStateDict n, ShardFullOptimState(*layout_, full_, r, names));
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(
+        OptimStateDict i, ShardFullOptimState(*layout_, full_, r, ids));
+    EXPECT_EQ(n.state.at("_flat_param"), plain.state.at(int64_t{0}));
+    EXPECT_EQ(n.state.at("a._flat_param"), plain.state.at(int64_t{1}));
+    EXPECT_EQ(i.state.at(int64_t{0}), plain.state.at(int64_t{1}));
+    EXPECT_EQ(i.state.at(int64_t{1}), plain.state.at(int64_t{0}));
+    EXPECT_THAT(i.param_groups[0].params,
+                ElementsAre(ParamKey(int64_t{0}), ParamKey(int64_t{1})));
+    EXPECT_THAT(
+        n.param_groups[0].params,
+        ElementsAre(ParamKey("_flat_param"), ParamKey("a._flat_param")));
+    by_name.push_back(std::move(n));
+    by_id.push_back(std::move(i));
+  }
+  for (const auto* o : {&names, &ids}) {
+    auto got = Consolidate(*layout_, o == &names ? by_name : by_id, *o);
+    // Groups come back in the rank's optimizer's order (as PyTorch unflattens
+    // them): with IDs, unit "a" first.
+    OptimStateDict want = full_;
+    if (o == &ids) {
+      want.param_groups[0].params = {ParamKey("a.w"), ParamKey("a.b"),
+                                     ParamKey("c")};
+    }
+    for (int r = 0; r < 3; ++r) {
+      ASSERT_THAT(got[r], IsOk());
+      EXPECT_EQ(FirstDifference(*got[r], want), std::nullopt) << "rank " << r;
+    }
+  }
+  // A flat parameter the optimizer does not hold, and a bad ID on one rank:
+  // errors naming them, on every rank (no hang).
+  EXPECT_THAT(ShardFullOptimState(
+                  *layout_, full_, 0,
+                  Keys(false, ShardedKeys::kOptimizerIds, {"_flat_param"})),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("flat parameter 'a._flat_param' has "
+                                 "optimizer state but is not in "
+                                 "optimizer_params")));
+  by_id[1].state[int64_t{7}] = by_id[1].state.at(int64_t{0});
+  auto got = Consolidate(*layout_, by_id, ids);
+  EXPECT_THAT(got[0], StatusIs(absl::StatusCode::kInvalidArgument,
+                               HasSubstr("rank 1's sharded optimizer state: "
+                                         "optimizer ID 7 is outside")));
+  ExpectSameErrorOnAllRanks(got);
+}
+
+TEST_F(ShardedKeysTest, OrigParamsNamedOptimizerHasEveryParameter) {
+  const OptimStateOptions names = Keys(true, ShardedKeys::kNames);
+  std::vector<OptimStateDict> shards;
+  for (int64_t r = 0; r < 3; ++r) {
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(
+        OptimStateDict plain,
+        ShardFullOptimState(*layout_, full_, r, Quiet(true)));
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(
+        OptimStateDict n, ShardFullOptimState(*layout_, full_, r, names));
+    // Every parameter on every rank; the ones without a piece here get
+    // zero-element tensors and the replicated step.
+    for (const char* fqn : {"a.w", "a.b", "c"}) {
+      ASSERT_EQ(n.state.count(fqn), 1u) << "rank " << r << " " << fqn;
+      if (plain.state.count(fqn) > 0) {
+        EXPECT_EQ(n.state.at(fqn), plain.state.at(fqn));
+      } else {
+        const ParamState& st = n.state.at(fqn);
+        EXPECT_EQ(std::get<HostTensor>(st.at("exp_avg")).shape(),
+                  std::vector<int64_t>{0});
+        EXPECT_EQ(st.at("step"), full_.state.at(fqn).at("step"));
+      }
+    }
+    shards.push_back(std::move(n));
+  }
+  // Rank 0 holds no piece of a.b, rank 2 none of a.w or c.
+  EXPECT_EQ(
+      std::get<HostTensor>(shards[0].state.at("a.b").at("exp_avg")).numel(), 0);
+  EXPECT_EQ(std::get<HostTensor>(shards[2].state.at("c").at("exp_avg")).numel(),
+            0);
+  auto got = Consolidate(*layout_, shards, names);
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_THAT(got[r], IsOk());
+    EXPECT_EQ(FirstDifference(*got[r], full_), std::nullopt) << "rank " << r;
+  }
+  // IDs in the optimizer's own order.
+  const OptimStateOptions ids =
+      Keys(true, ShardedKeys::kOptimizerIds, {"c", "a.w", "a.b"});
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(OptimStateDict i,
+                                 ShardFullOptimState(*layout_, full_, 1, ids));
+  EXPECT_EQ(i.state.at(int64_t{1}), shards[1].state.at("a.w"));
+  EXPECT_EQ(i.state.at(int64_t{0}), shards[1].state.at("c"));
+  EXPECT_THAT(i.param_groups[0].params,
+              ElementsAre(ParamKey(int64_t{0}), ParamKey(int64_t{1}),
+                          ParamKey(int64_t{2})));
+}
+
+// ---------------------------------------------------------------------------
 // Hybrid sharding: each shard group consolidates the whole state.
 // ---------------------------------------------------------------------------
 
