@@ -107,6 +107,55 @@ class TempBuffer {
   std::unique_ptr<unsigned char[]> data_;
 };
 
+// A device buffer for staging a collective's host buffer of `bytes`, when
+// options.device is a real device (see OptimStateOptions::device); nothing
+// otherwise. Counted in the tracker while alive.
+class DeviceStaging {
+ public:
+  static absl::StatusOr<DeviceStaging> Create(const OptimStateOptions& options,
+                                              int64_t bytes) {
+    DeviceStaging s;
+    if (options.device == nullptr ||
+        options.device->device() == Device::Host()) {
+      return s;
+    }
+    FLATPARAM_ASSIGN_OR_RETURN(
+        s.buffer_, options.device->Allocate(options.device->device(), bytes));
+    s.ops_ = options.device;
+    s.tracker_ = options.tracker;
+    if (s.tracker_ != nullptr) s.tracker_->Allocated(bytes);
+    return s;
+  }
+  DeviceStaging() = default;
+  DeviceStaging(DeviceStaging&& o) noexcept
+      : ops_(std::exchange(o.ops_, nullptr)),
+        tracker_(o.tracker_),
+        buffer_(std::move(o.buffer_)) {}
+  DeviceStaging& operator=(DeviceStaging&&) = delete;
+  ~DeviceStaging() {
+    if (ops_ != nullptr && tracker_ != nullptr) {
+      tracker_->Freed(buffer_.bytes());
+    }
+  }
+
+  bool active() const { return ops_ != nullptr; }
+  // `count` elements of `dtype` at element `offset` of the staging buffer.
+  BufferRef Ref(DType dtype, int64_t offset, int64_t count) const {
+    return BufferRef{static_cast<unsigned char*>(buffer_.data()) +
+                         offset * static_cast<int64_t>(DTypeSize(dtype)),
+                     count, dtype, buffer_.device()};
+  }
+  absl::Status Copy(BufferRef dst, ConstBufferRef src) {
+    FLATPARAM_RETURN_IF_ERROR(ops_->Copy(dst, src));
+    return ops_->Synchronize();
+  }
+
+ private:
+  DeviceOps* ops_ = nullptr;
+  AllocationTracker* tracker_ = nullptr;
+  DeviceBuffer buffer_;
+};
+
 // Elements per rank of one all-gather chunk of a flat parameter's state.
 int64_t GatherChunk(const FlatParamLayout& layout, size_t elem_size,
                     const OptimStateOptions& options) {
@@ -635,6 +684,9 @@ absl::Status BroadcastFlat(
   const size_t size = DTypeSize(dtype);
   const int64_t chunk = BroadcastChunk(layout, size, options);
   TempBuffer buf(options.tracker, chunk * static_cast<int64_t>(size));
+  FLATPARAM_ASSIGN_OR_RETURN(
+      DeviceStaging staging,
+      DeviceStaging::Create(options, chunk * static_cast<int64_t>(size)));
   BroadcastOptions bopts;
   static_cast<CollectiveOptions&>(bopts) = options.collective;
   bopts.root = 0;
@@ -644,10 +696,15 @@ absl::Status BroadcastFlat(
       FlattenRange(layout, dtype, source, begin, count, kFlatParamPaddingValue,
                    buf.data());
     }
-    FLATPARAM_RETURN_IF_ERROR(
-        comm.Broadcast(BufferRef{buf.data(), count, dtype, Device::Host()},
-                       bopts)
-            ->Wait());
+    const BufferRef host{buf.data(), count, dtype, Device::Host()};
+    if (staging.active()) {
+      const BufferRef dev = staging.Ref(dtype, 0, count);
+      if (comm.rank() == 0) FLATPARAM_RETURN_IF_ERROR(staging.Copy(dev, host));
+      FLATPARAM_RETURN_IF_ERROR(comm.Broadcast(dev, bopts)->Wait());
+      FLATPARAM_RETURN_IF_ERROR(staging.Copy(host, dev));
+    } else {
+      FLATPARAM_RETURN_IF_ERROR(comm.Broadcast(host, bopts)->Wait());
+    }
     take(begin, count, buf.data());
   }
   return absl::OkStatus();
@@ -792,17 +849,30 @@ absl::Status GatherUnflatten(
   const int64_t chunk = GatherChunk(layout, size, options);
   if (s == 0) return absl::OkStatus();
   TempBuffer buf(options.tracker, w * chunk * static_cast<int64_t>(size));
+  FLATPARAM_ASSIGN_OR_RETURN(
+      DeviceStaging staging,
+      DeviceStaging::Create(options, w * chunk * static_cast<int64_t>(size)));
   for (int64_t off = 0; off < s; off += chunk) {
     const int64_t count = std::min(chunk, s - off);
     unsigned char* mine =
         buf.data() + rank * count * static_cast<int64_t>(size);
     fill_local(off, count, mine);
     // In place: this rank's input is its slot of the output.
-    FLATPARAM_RETURN_IF_ERROR(
-        comm.AllGather(ConstBufferRef{mine, count, dtype, Device::Host()},
-                       BufferRef{buf.data(), w * count, dtype, Device::Host()},
-                       options.collective)
-            ->Wait());
+    const BufferRef host_all{buf.data(), w * count, dtype, Device::Host()};
+    if (staging.active()) {
+      const BufferRef dev_all = staging.Ref(dtype, 0, w * count);
+      const BufferRef dev_mine = dev_all.Slice(rank * count, count);
+      FLATPARAM_RETURN_IF_ERROR(staging.Copy(
+          dev_mine, ConstBufferRef{mine, count, dtype, Device::Host()}));
+      FLATPARAM_RETURN_IF_ERROR(
+          comm.AllGather(dev_mine, dev_all, options.collective)->Wait());
+      FLATPARAM_RETURN_IF_ERROR(staging.Copy(host_all, dev_all));
+    } else {
+      FLATPARAM_RETURN_IF_ERROR(
+          comm.AllGather(ConstBufferRef{mine, count, dtype, Device::Host()},
+                         host_all, options.collective)
+              ->Wait());
+    }
     if (out.empty()) continue;
     for (int64_t q = 0; q < w; ++q) {
       UnflattenRange(layout, size,

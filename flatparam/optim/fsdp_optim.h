@@ -107,6 +107,7 @@
 #include "absl/strings/string_view.h"
 #include "comm/communicator.h"
 #include "flatparam/base/dtype.h"
+#include "flatparam/device/device.h"
 #include "flatparam/model.h"
 #include "flatparam/optim/optim_state.h"
 
@@ -200,6 +201,14 @@ struct OptimStateOptions {
   WarningHandler on_warning;
   // Timeout of each collective.
   CollectiveOptions collective;
+  // The communicator's device, for communicators that take device buffers
+  // only (NCCL): when set and its device() is not the host, every
+  // collective's buffer is staged through device memory allocated from it
+  // (the same size as the host buffer, so max_temp_bytes bounds both;
+  // counted in `tracker` too): host -> device copy, the collective, device
+  // -> host copy, each synchronized. Null or host: host buffers. Must
+  // outlive the call.
+  DeviceOps* device = nullptr;
 };
 
 // PyTorch's `full_optim_state_dict` / `_optim_state_dict`: the full state

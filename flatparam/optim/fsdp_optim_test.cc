@@ -20,6 +20,7 @@
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/flatten.h"
+#include "flatparam/handle_testutil.h"
 #include "flatparam/layout.h"
 #include "flatparam/model.h"
 #include "flatparam/optim/optim_state.h"
@@ -808,6 +809,63 @@ TEST_F(ShardedKeysTest, OrigParamsNamedOptimizerHasEveryParameter) {
   EXPECT_THAT(i.param_groups[0].params,
               ElementsAre(ParamKey(int64_t{0}), ParamKey(int64_t{1}),
                           ParamKey(int64_t{2})));
+}
+
+// ---------------------------------------------------------------------------
+// A communicator that takes device buffers only (NCCL): staged collectives.
+// ---------------------------------------------------------------------------
+
+TEST(DeviceCommunicatorTest, CollectivesStageThroughTheDevice) {
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ModelLayout layout, Layout({{"a.w", {3}}, {"a.b", {2}}, {"c", {4}}},
+                                 {"a"}, {.world_size = 3}));
+  OptimStateDict full;
+  full.state["a.w"]["exp_avg"] = Iota(DType::kFloat32, {3}, 1);
+  full.state["a.b"]["exp_avg"] = Iota(DType::kFloat32, {2}, 4);
+  full.state["c"]["exp_avg"] = Iota(DType::kFloat32, {4}, 6);
+  for (auto& [k, st] : full.state)
+    st["step"] = ScalarTensor(DType::kFloat32, 2);
+  for (bool orig : {false, true}) {
+    for (bool staged : {false, true}) {
+      std::vector<testing_handle::FakeCudaDeviceOps> devices(3);
+      std::vector<absl::StatusOr<OptimStateDict>> consolidated(
+          3, OptimStateDict());
+      std::vector<absl::StatusOr<OptimStateDict>> scattered(3,
+                                                            OptimStateDict());
+      RunRanks(3, [&](SimCommunicator& world) {
+        // Host buffers reaching this communicator fail, as with NCCL.
+        std::unique_ptr<Communicator> comm =
+            testing_handle::RelabelCudaAsHost(&world);
+        const int r = world.rank();
+        OptimStateOptions o = Quiet(orig);
+        o.rank0_only = true;
+        if (staged) o.device = &devices[r];
+        absl::StatusOr<OptimStateDict> mine =
+            ShardFullOptimState(layout, full, r, o);
+        if (!mine.ok()) return mine.status();
+        consolidated[r] = ConsolidateOptimState(layout, *mine, *comm, o);
+        if (!consolidated[r].ok()) return consolidated[r].status();
+        scattered[r] = ScatterFullOptimState(
+            layout, r == 0 ? full : OptimStateDict(), *comm, o);
+        if (!scattered[r].ok()) return scattered[r].status();
+        EXPECT_EQ(FirstDifference(*scattered[r], *mine), std::nullopt)
+            << "rank " << r;
+        return absl::OkStatus();
+      });
+      const std::string label =
+          absl::StrCat(orig ? "orig" : "flat", staged ? " staged" : " host");
+      if (!staged) {
+        EXPECT_FALSE(consolidated[0].ok()) << label;
+        continue;
+      }
+      ASSERT_THAT(consolidated[0], IsOk()) << label;
+      EXPECT_EQ(FirstDifference(*consolidated[0], full), std::nullopt) << label;
+      for (int r = 0; r < 3; ++r) {
+        ASSERT_THAT(scattered[r], IsOk()) << label << " rank " << r;
+        EXPECT_GT(devices[r].device_to_host, 0) << label << " rank " << r;
+      }
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------
