@@ -56,7 +56,7 @@
 //             NO_SHARD: all-reduce; hybrid: reduce-scatter in the shard group
 //             (one node) then all-reduce of the shard across replicas.
 // With overlap = false every op also waits for the previously issued one:
-// one stream, as the host runtime (flatparam/train/fsdp_trainer.h) runs.
+// one stream, as the host runtime (refmodel/fsdp_trainer.h) runs.
 //
 // Memory (per rank, MemoryKind). The timeline holds the buffers FSDP
 // allocates, as flatparam's FlatParamHandle accounts them (MemoryStats'
@@ -79,7 +79,7 @@
 // Gradients are set to None by the previous step's zero_grad (PyTorch's
 // default), so they build up during the backward. With overlap = false,
 // backward_prefetch = false, max_inflight_all_gathers = 1 and host dtypes
-// the first five categories' peaks equal train::ExpectedPeakMemory's closed
+// the first five categories' peaks equal refmodel::ExpectedPeakMemory's closed
 // form for the reference model (tested); with overlap the prefetched unit
 // adds one unsharded parameter and gradient lifetimes overlap.
 //

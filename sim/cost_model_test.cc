@@ -16,7 +16,7 @@
 #include "flatparam/layout.h"
 #include "flatparam/memory_stats.h"
 #include "flatparam/model.h"
-#include "flatparam/train/fsdp_trainer.h"
+#include "refmodel/fsdp_trainer.h"
 
 namespace flatparam {
 namespace cost {
@@ -333,7 +333,7 @@ TEST(PredictStepTest, AgreesWithTheRuntimesExpectedPeakMemory) {
        std::nullopt},
   };
   for (const Case& c : cases) {
-    train::FsdpTrainOptions t;
+    refmodel::FsdpTrainOptions t;
     t.model.vocab = 7;
     t.model.dims = {3, 5, 4};
     t.strategy = c.strategy;
@@ -342,9 +342,9 @@ TEST(PredictStepTest, AgreesWithTheRuntimesExpectedPeakMemory) {
     t.reduce_dtype = c.reduce_dtype;
     t.global_batch = c.world;
     FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelLayout layout,
-                                   train::FsdpModelLayout(t, c.world));
+                                   refmodel::FsdpModelLayout(t, c.world));
     FLATPARAM_ASSERT_OK_AND_ASSIGN(auto want,
-                                   train::ExpectedPeakMemory(t, c.world));
+                                   refmodel::ExpectedPeakMemory(t, c.world));
     std::vector<UnitSpec> units;
     for (const FlatParamLayout& l : layout.flat_params()) {
       units.push_back({l.unit(), l.param_numel(), l.padded_unsharded_numel(),

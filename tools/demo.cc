@@ -17,7 +17,7 @@
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/layout.h"
 #include "flatparam/model.h"
-#include "flatparam/train/fsdp_trainer.h"
+#include "refmodel/fsdp_trainer.h"
 
 namespace flatparam {
 namespace tools {
@@ -45,7 +45,7 @@ std::string Bytes(int64_t n) {
 }
 
 std::string PhaseName(const TrainReport& r) {
-  const train::FsdpTrainOptions& o = r.options;
+  const refmodel::FsdpTrainOptions& o = r.options;
   if (IsHybridStrategy(o.strategy)) {
     return absl::StrFormat("%s %dx%d", ShardingStrategyName(o.strategy),
                            r.world_size / o.shard_group_size,
@@ -162,11 +162,11 @@ absl::StatusOr<DemoResult> RunDemo(const DemoOptions& options,
   second.shard_group_size = kShardGroup;
   second.save_dir = result.final_checkpoint;
   second.load_dir = result.resharded_checkpoint;
-  FLATPARAM_ASSIGN_OR_RETURN(train::FsdpTrainOptions second_train,
+  FLATPARAM_ASSIGN_OR_RETURN(refmodel::FsdpTrainOptions second_train,
                              MakeFsdpTrainOptions(second, kSecondWorld));
   FLATPARAM_ASSIGN_OR_RETURN(
       ModelLayout second_layout,
-      train::FsdpModelLayout(second_train, kSecondWorld));
+      refmodel::FsdpModelLayout(second_train, kSecondWorld));
   out << absl::StrFormat(
       "[2/5] reshard it offline to HYBRID_SHARD on %d ranks (%d shard groups "
       "of %d), streaming, in this process\n",
@@ -214,7 +214,7 @@ absl::StatusOr<DemoResult> RunDemo(const DemoOptions& options,
 
 void PrintDemoReport(const DemoResult& result, std::ostream& out) {
   const TrainReport* phases[] = {&result.first, &result.second};
-  const train::FsdpTrainOptions& o = result.first.options;
+  const refmodel::FsdpTrainOptions& o = result.first.options;
   out << absl::StrFormat(
       "\n# fsdp demo: the reference model (vocab %d, dims [%s]), AdamW, "
       "global batch %d, on the deterministic simulator\n",
@@ -246,7 +246,7 @@ void PrintDemoReport(const DemoResult& result, std::ostream& out) {
   out << "phase                 all_gather     reduce_scatter  all_reduce     "
          "sent, all ranks\n";
   for (const TrainReport* r : phases) {
-    train::CommStats total;
+    refmodel::CommStats total;
     int64_t sent = 0;
     for (const RankSummary& s : r->ranks) {
       total.all_gather.bytes += s.comm.all_gather.bytes;

@@ -17,10 +17,10 @@
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/optim_io.h"
 #include "flatparam/layout.h"
-#include "flatparam/optim/train_state.h"
-#include "flatparam/train/model.h"
-#include "flatparam/train/optimizer.h"
-#include "flatparam/train/reference_trainer.h"
+#include "refmodel/model.h"
+#include "refmodel/optimizer.h"
+#include "refmodel/reference_trainer.h"
+#include "refmodel/train_state.h"
 #include "sim/sim.h"
 #include "tools/collective_timeout.h"
 
@@ -52,8 +52,8 @@ double MaxAbsDiff(const TensorMap& a, const TensorMap& b) {
   return a.size() == b.size() ? worst : std::nan("");
 }
 
-double MaxAbsDiff(const std::map<std::string, train::OptimizerState>& a,
-                  const std::map<std::string, train::OptimizerState>& b) {
+double MaxAbsDiff(const std::map<std::string, refmodel::OptimizerState>& a,
+                  const std::map<std::string, refmodel::OptimizerState>& b) {
   double worst = 0;
   for (const auto& [name, state] : a) {
     auto it = b.find(name);
@@ -106,7 +106,7 @@ std::string Serialize(const RankSummary& s) {
     v.push_back(s.memory.peak[c]);
     v.push_back(s.memory.current[c]);
   }
-  for (const train::CollectiveTraffic* t :
+  for (const refmodel::CollectiveTraffic* t :
        {&s.comm.all_gather, &s.comm.reduce_scatter, &s.comm.all_reduce}) {
     v.insert(v.end(), {t->calls, t->bytes, t->sent_bytes});
   }
@@ -134,7 +134,7 @@ absl::StatusOr<RankSummary> Deserialize(const std::string& bytes) {
     s.memory.peak[c] = v[i++];
     s.memory.current[c] = v[i++];
   }
-  for (train::CollectiveTraffic* t :
+  for (refmodel::CollectiveTraffic* t :
        {&s.comm.all_gather, &s.comm.reduce_scatter, &s.comm.all_reduce}) {
     t->calls = v[i++];
     t->bytes = v[i++];
@@ -143,25 +143,25 @@ absl::StatusOr<RankSummary> Deserialize(const std::string& bytes) {
   return s;
 }
 
-std::string DescribeOptimizer(const train::OptimizerOptions& o) {
-  if (const auto* sgd = std::get_if<train::SgdOptions>(&o)) {
+std::string DescribeOptimizer(const refmodel::OptimizerOptions& o) {
+  if (const auto* sgd = std::get_if<refmodel::SgdOptions>(&o)) {
     return absl::StrFormat("sgd (lr %g, momentum %g)", sgd->lr, sgd->momentum);
   }
-  const auto& adamw = std::get<train::AdamWOptions>(o);
+  const auto& adamw = std::get<refmodel::AdamWOptions>(o);
   return absl::StrFormat("adamw (lr %g, betas %g/%g, weight decay %g)",
                          adamw.lr, adamw.beta1, adamw.beta2,
                          adamw.weight_decay);
 }
 
-std::string Precision(const train::FsdpTrainOptions& o) {
+std::string Precision(const refmodel::FsdpTrainOptions& o) {
   return o.param_dtype.has_value()
              ? absl::StrFormat("%s parameters and gradients",
                                DTypeName(*o.param_dtype))
              : std::string("none (float32)");
 }
 
-json OptimizerJson(const train::OptimizerOptions& o) {
-  if (const auto* sgd = std::get_if<train::SgdOptions>(&o)) {
+json OptimizerJson(const refmodel::OptimizerOptions& o) {
+  if (const auto* sgd = std::get_if<refmodel::SgdOptions>(&o)) {
     return {{"kind", "sgd"},
             {"lr", sgd->lr},
             {"momentum", sgd->momentum},
@@ -170,7 +170,7 @@ json OptimizerJson(const train::OptimizerOptions& o) {
             {"nesterov", sgd->nesterov},
             {"maximize", sgd->maximize}};
   }
-  const auto& a = std::get<train::AdamWOptions>(o);
+  const auto& a = std::get<refmodel::AdamWOptions>(o);
   return {{"kind", "adamw"},       {"lr", a.lr},
           {"beta1", a.beta1},      {"beta2", a.beta2},
           {"eps", a.eps},          {"weight_decay", a.weight_decay},
@@ -179,9 +179,10 @@ json OptimizerJson(const train::OptimizerOptions& o) {
 
 // PyTorch's param_groups entry for the optimizer over flat parameters
 // 0..n-1 (the flat-parameter path's keys).
-optim::ParamGroup ParamGroupFor(const train::OptimizerOptions& o, int64_t n) {
+optim::ParamGroup ParamGroupFor(const refmodel::OptimizerOptions& o,
+                                int64_t n) {
   optim::ParamGroup group;
-  if (const auto* sgd = std::get_if<train::SgdOptions>(&o)) {
+  if (const auto* sgd = std::get_if<refmodel::SgdOptions>(&o)) {
     group.hyperparams = {{"lr", sgd->lr},
                          {"momentum", sgd->momentum},
                          {"dampening", sgd->dampening},
@@ -189,7 +190,7 @@ optim::ParamGroup ParamGroupFor(const train::OptimizerOptions& o, int64_t n) {
                          {"nesterov", sgd->nesterov},
                          {"maximize", sgd->maximize}};
   } else {
-    const auto& a = std::get<train::AdamWOptions>(o);
+    const auto& a = std::get<refmodel::AdamWOptions>(o);
     group.hyperparams = {
         {"lr", a.lr},       {"betas", std::vector<double>{a.beta1, a.beta2}},
         {"eps", a.eps},     {"weight_decay", a.weight_decay},
@@ -211,7 +212,7 @@ json SegmentJson(const TrainSegment& s) {
           {"shard_group_size", s.shard_group_size}};
 }
 
-TrainSegment SegmentOf(const train::FsdpTrainOptions& o, int world_size) {
+TrainSegment SegmentOf(const refmodel::FsdpTrainOptions& o, int world_size) {
   return {o.first_step, o.steps, world_size, o.strategy, o.shard_group_size};
 }
 
@@ -231,33 +232,34 @@ std::string DescribeSegments(const std::vector<TrainSegment>& segments) {
 
 // Single-process training of every segment of `history` and then of
 // `options` (see train.h), chained; `fp32` drops mixed precision.
-absl::StatusOr<train::TrainResult> ChainedReference(
-    const train::FsdpTrainOptions& options, int world_size,
+absl::StatusOr<refmodel::TrainResult> ChainedReference(
+    const refmodel::FsdpTrainOptions& options, int world_size,
     const std::vector<TrainSegment>& history, bool fp32) {
-  FLATPARAM_ASSIGN_OR_RETURN(train::TrainOptions base,
-                             train::ReferenceOptionsFor(options, world_size));
+  FLATPARAM_ASSIGN_OR_RETURN(
+      refmodel::TrainOptions base,
+      refmodel::ReferenceOptionsFor(options, world_size));
   if (fp32) {
     base.param_dtype.reset();
     base.reduce_dtype.reset();
   }
-  std::optional<train::TrainResult> previous;
-  auto run = [&](train::TrainOptions o) -> absl::Status {
+  std::optional<refmodel::TrainResult> previous;
+  auto run = [&](refmodel::TrainOptions o) -> absl::Status {
     if (previous.has_value()) {
       o.initial_params = previous->params;
       o.initial_optimizer_state = previous->optimizer_state;
     }
     FLATPARAM_ASSIGN_OR_RETURN(previous,
-                               train::TrainReference(options.model, o));
+                               refmodel::TrainReference(options.model, o));
     return absl::OkStatus();
   };
   for (const TrainSegment& s : history) {
-    train::TrainOptions o = base;
+    refmodel::TrainOptions o = base;
     o.first_step = s.first_step;
     o.steps = s.steps;
-    o.reduction =
-        IsHybridStrategy(s.strategy)
-            ? train::GradientReduction::Hybrid(s.world_size, s.shard_group_size)
-            : train::GradientReduction::Fsdp(s.world_size);
+    o.reduction = IsHybridStrategy(s.strategy)
+                      ? refmodel::GradientReduction::Hybrid(s.world_size,
+                                                            s.shard_group_size)
+                      : refmodel::GradientReduction::Fsdp(s.world_size);
     FLATPARAM_RETURN_IF_ERROR(run(o));
   }
   FLATPARAM_RETURN_IF_ERROR(run(base));
@@ -267,7 +269,7 @@ absl::StatusOr<train::TrainResult> ChainedReference(
 }  // namespace
 
 json TrainExtra(const TrainCommandOptions& command,
-                const train::FsdpTrainOptions& options, int world_size,
+                const refmodel::FsdpTrainOptions& options, int world_size,
                 const std::vector<TrainSegment>& history) {
   json segments = json::array();
   for (const TrainSegment& s : history) segments.push_back(SegmentJson(s));
@@ -424,10 +426,10 @@ absl::Status ValidateTrainCommandOptions(const TrainCommandOptions& o) {
   return ValidateCollectiveTimeout(o.timeout);
 }
 
-absl::StatusOr<train::FsdpTrainOptions> MakeFsdpTrainOptions(
+absl::StatusOr<refmodel::FsdpTrainOptions> MakeFsdpTrainOptions(
     const TrainCommandOptions& c, int world_size) {
   FLATPARAM_RETURN_IF_ERROR(ValidateTrainCommandOptions(c));
-  train::FsdpTrainOptions o;
+  refmodel::FsdpTrainOptions o;
   FLATPARAM_ASSIGN_OR_RETURN(o.strategy, ParseShardingStrategy(c.strategy));
   if (IsHybridStrategy(o.strategy)) {
     const int64_t group = c.shard_group_size != 0 ? c.shard_group_size
@@ -452,14 +454,14 @@ absl::StatusOr<train::FsdpTrainOptions> MakeFsdpTrainOptions(
   if (c.mixed_precision == "fp16") o.param_dtype = DType::kFloat16;
   o.steps = c.steps;
   o.micro_batches = c.micro_batches;
-  o.accumulation = c.no_sync ? train::AccumulationMode::kNoSync
-                             : train::AccumulationMode::kShardedAccumulation;
+  o.accumulation = c.no_sync ? refmodel::AccumulationMode::kNoSync
+                             : refmodel::AccumulationMode::kShardedAccumulation;
   if (c.optimizer == "adamw") {
-    train::AdamWOptions adamw;
+    refmodel::AdamWOptions adamw;
     adamw.lr = c.lr;
     o.optimizer = adamw;
   } else {
-    o.optimizer = train::SgdOptions{c.lr, 0.9};
+    o.optimizer = refmodel::SgdOptions{c.lr, 0.9};
   }
   o.global_batch = c.global_batch != 0 ? c.global_batch : 2 * world_size;
   if (o.global_batch % world_size != 0) {
@@ -470,19 +472,19 @@ absl::StatusOr<train::FsdpTrainOptions> MakeFsdpTrainOptions(
   o.model.seed = c.seed;
   o.data_seed = c.seed;
   o.collective_options.timeout = c.timeout;
-  FLATPARAM_RETURN_IF_ERROR(train::ValidateFsdpTrainOptions(o, world_size));
+  FLATPARAM_RETURN_IF_ERROR(refmodel::ValidateFsdpTrainOptions(o, world_size));
   return o;
 }
 
 absl::StatusOr<ReferenceCheck> CheckAgainstReference(
-    const train::FsdpTrainOptions& options, int world_size, bool exact,
-    const train::FsdpRankResult& result,
+    const refmodel::FsdpTrainOptions& options, int world_size, bool exact,
+    const refmodel::FsdpRankResult& result,
     const std::optional<std::array<int64_t, kNumMemoryCategories>>&
         expected_memory,
     const std::vector<RankSummary>& ranks,
     const std::vector<TrainSegment>& history) {
   FLATPARAM_ASSIGN_OR_RETURN(
-      train::TrainResult want,
+      refmodel::TrainResult want,
       ChainedReference(options, world_size, history, /*fp32=*/false));
   int64_t total_steps = options.steps;
   for (const TrainSegment& s : history) total_steps += s.steps;
@@ -498,28 +500,28 @@ absl::StatusOr<ReferenceCheck> CheckAgainstReference(
                         result.optimizer_state == want.optimizer_state;
   check.exact = exact;
   check.param_max_abs_diff = MaxAbsDiff(result.params, want.params);
-  FLATPARAM_ASSIGN_OR_RETURN(train::ReferenceModel model,
-                             train::ReferenceModel::Create(options.model));
+  FLATPARAM_ASSIGN_OR_RETURN(refmodel::ReferenceModel model,
+                             refmodel::ReferenceModel::Create(options.model));
   const double max_abs_param =
       MaxAbs(options.initial_params.has_value() ? *options.initial_params
                                                 : model.InitParams());
-  const auto* adamw = std::get_if<train::AdamWOptions>(&options.optimizer);
+  const auto* adamw = std::get_if<refmodel::AdamWOptions>(&options.optimizer);
   bool matches = check.bitwise_equal;
   if (!exact && adamw != nullptr) {
     check.inexact_bound =
-        train::AdamWDivergenceBound(*adamw, total_steps, max_abs_param);
+        refmodel::AdamWDivergenceBound(*adamw, total_steps, max_abs_param);
     matches = matches || check.param_max_abs_diff <= *check.inexact_bound;
   }
   bool within_bound = true;
   if (options.param_dtype.has_value() || options.reduce_dtype.has_value()) {
     check.mixed_precision = true;
     FLATPARAM_ASSIGN_OR_RETURN(
-        train::TrainResult full,
+        refmodel::TrainResult full,
         ChainedReference(options, world_size, history, /*fp32=*/true));
     check.fp32_max_abs_diff = MaxAbsDiff(result.params, full.params);
     if (adamw != nullptr) {
       check.fp32_bound =
-          train::AdamWDivergenceBound(*adamw, total_steps, max_abs_param);
+          refmodel::AdamWDivergenceBound(*adamw, total_steps, max_abs_param);
       within_bound = check.fp32_max_abs_diff <= *check.fp32_bound;
     }
   }
@@ -586,7 +588,7 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
   int64_t shard_rank = 0;
   if (reader.has_value() || !options.save_dir.empty()) {
     FLATPARAM_ASSIGN_OR_RETURN(
-        layout, train::FsdpModelLayout(report.options, world_size));
+        layout, refmodel::FsdpModelLayout(report.options, world_size));
     shard_rank = world.rank() % layout->options().world_size;
   }
   if (reader.has_value()) {
@@ -611,23 +613,23 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
     absl::StatusOr<checkpoint::RankState> state =
         checkpoint::ReadRankState(*reader, shard_rank);
     if (!state.ok()) return in_load(state.status());
-    train::FsdpRankState initial;
+    refmodel::FsdpRankState initial;
     initial.flat_params = std::move(state->flat_params);
-    absl::StatusOr<std::vector<train::OptimizerState>> optimizer =
-        optim::TrainStatesFromSharded(*layout, state->optim);
+    absl::StatusOr<std::vector<refmodel::OptimizerState>> optimizer =
+        refmodel::TrainStatesFromSharded(*layout, state->optim);
     if (!optimizer.ok()) return in_load(optimizer.status());
     initial.optimizer = *std::move(optimizer);
     report.options.initial_state = std::move(initial);
   }
   FLATPARAM_ASSIGN_OR_RETURN(
-      train::FsdpRankResult result,
-      train::TrainFsdpOnRank(world, device, report.options));
+      refmodel::FsdpRankResult result,
+      refmodel::TrainFsdpOnRank(world, device, report.options));
   // The loaded state is not part of the report.
   report.options.initial_state.reset();
   if (!options.save_dir.empty()) {
     checkpoint::RankState mine;
     mine.flat_params = result.state.flat_params;
-    mine.optim = optim::ShardedFromTrainStates(result.state.optimizer);
+    mine.optim = refmodel::ShardedFromTrainStates(result.state.optimizer);
     mine.optim.param_groups.push_back(
         ParamGroupFor(report.options.optimizer,
                       static_cast<int64_t>(layout->flat_params().size())));
@@ -664,7 +666,7 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
   if (host_device) {
     FLATPARAM_ASSIGN_OR_RETURN(
         report.expected_memory,
-        train::ExpectedPeakMemory(report.options, world_size));
+        refmodel::ExpectedPeakMemory(report.options, world_size));
   }
   if (options.check_reference) {
     FLATPARAM_ASSIGN_OR_RETURN(
@@ -677,7 +679,7 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
 }
 
 void PrintTrainReport(const TrainReport& report, std::ostream& out) {
-  const train::FsdpTrainOptions& o = report.options;
+  const refmodel::FsdpTrainOptions& o = report.options;
   out << absl::StrFormat(
       "# fsdp train: backend %s, %d ranks, %s%s, seed %d\n", report.backend,
       report.world_size, ShardingStrategyName(o.strategy),
@@ -693,7 +695,7 @@ void PrintTrainReport(const TrainReport& report, std::ostream& out) {
       o.model.vocab, absl::StrJoin(o.model.dims, ", "), o.steps, o.global_batch,
       o.global_batch / report.world_size, o.micro_batches,
       o.micro_batches == 1 ? "" : "es",
-      o.accumulation == train::AccumulationMode::kNoSync
+      o.accumulation == refmodel::AccumulationMode::kNoSync
           ? "accumulated under no_sync"
           : "each reduced",
       DescribeOptimizer(o.optimizer));
@@ -741,7 +743,7 @@ void PrintTrainReport(const TrainReport& report, std::ostream& out) {
       }
     }
     out << row << "\n";
-    out << "# formula: ExpectedPeakMemory (flatparam/train/fsdp_trainer.h); "
+    out << "# formula: ExpectedPeakMemory (refmodel/fsdp_trainer.h); "
         << (holds ? "every rank matches it" : "SOME RANKS DIFFER") << "\n";
   }
 
@@ -807,7 +809,7 @@ void PrintTrainReport(const TrainReport& report, std::ostream& out) {
       out << absl::StrFormat(
           "# check: max |difference| of the parameters against float32 "
           "single-process training: %g, %s the bound %g "
-          "(AdamWDivergenceBound, flatparam/train/optimizer.h)\n",
+          "(AdamWDivergenceBound, refmodel/optimizer.h)\n",
           c.fp32_max_abs_diff,
           c.fp32_max_abs_diff <= *c.fp32_bound ? "within" : "OUTSIDE",
           *c.fp32_bound);

@@ -1,5 +1,5 @@
-// `fsdp train`: trains the reference model (flatparam/train/model.h) with
-// one FlatParamHandle per unit (flatparam/train/fsdp_trainer.h) on the
+// `fsdp train`: trains the reference model (refmodel/model.h) with
+// one FlatParamHandle per unit (refmodel/fsdp_trainer.h) on the
 // simulator, MPI or NCCL, and prints the per-step loss, every rank's peak
 // memory by category next to the closed-form formula, the handles'
 // communication, and, when asked, the comparison with single-process
@@ -16,7 +16,7 @@
 // precision it must equal single-process training with the same mixed
 // precision emulated, bit for bit, and its distance to float32
 // single-process training is reported; with AdamW it must be within
-// AdamWDivergenceBound (flatparam/train/optimizer.h), a bound that holds for
+// AdamWDivergenceBound (refmodel/optimizer.h), a bound that holds for
 // any two AdamW runs from the same start (SGD has no model-independent
 // bound, so only the distance is shown). On the host backends the measured
 // peak memory must also equal ExpectedPeakMemory. On NCCL (reductions in
@@ -77,7 +77,7 @@
 #include "comm/communicator.h"
 #include "flatparam/device/device.h"
 #include "flatparam/memory_stats.h"
-#include "flatparam/train/fsdp_trainer.h"
+#include "refmodel/fsdp_trainer.h"
 
 namespace flatparam {
 namespace tools {
@@ -146,7 +146,7 @@ struct TrainSegment {
 // options (resolved: global_batch set) of `options` on `world_size` ranks,
 // after `history` and this run.
 nlohmann::json TrainExtra(const TrainCommandOptions& command,
-                          const train::FsdpTrainOptions& options,
+                          const refmodel::FsdpTrainOptions& options,
                           int world_size,
                           const std::vector<TrainSegment>& history);
 
@@ -172,7 +172,7 @@ absl::Status ValidateTrainCommandOptions(const TrainCommandOptions& options);
 // timeout in collective_options); InvalidArgument naming the flag for
 // inconsistent ones, such as a shard group size that does not divide the
 // world size.
-absl::StatusOr<train::FsdpTrainOptions> MakeFsdpTrainOptions(
+absl::StatusOr<refmodel::FsdpTrainOptions> MakeFsdpTrainOptions(
     const TrainCommandOptions& options, int world_size);
 
 // One rank's figures.
@@ -180,7 +180,7 @@ struct RankSummary {
   int rank = 0;
   MemoryStats memory;
   int64_t optimizer_state_bytes = 0;
-  train::CommStats comm;
+  refmodel::CommStats comm;
   int64_t nonzero_padding_grads = 0;
 };
 
@@ -213,7 +213,7 @@ struct ReferenceCheck {
 struct TrainReport {
   std::string backend;
   int world_size = 0;
-  train::FsdpTrainOptions options;
+  refmodel::FsdpTrainOptions options;
   std::string optimizer;  // as given: "adamw" or "sgd"
   std::vector<float> losses;
   std::vector<RankSummary> ranks;
@@ -234,8 +234,8 @@ struct TrainReport {
 // reference is the chain of TrainReference segments described in the file
 // comment.
 absl::StatusOr<ReferenceCheck> CheckAgainstReference(
-    const train::FsdpTrainOptions& options, int world_size, bool exact,
-    const train::FsdpRankResult& result,
+    const refmodel::FsdpTrainOptions& options, int world_size, bool exact,
+    const refmodel::FsdpRankResult& result,
     const std::optional<std::array<int64_t, kNumMemoryCategories>>&
         expected_memory,
     const std::vector<RankSummary>& ranks,

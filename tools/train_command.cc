@@ -108,7 +108,7 @@ constexpr char kHelp[] =
     "bf16/fp16 the run must be bitwise equal to single-process training with\n"
     "the same mixed precision emulated, and its distance to float32 training\n"
     "is shown; with AdamW it must stay within AdamWDivergenceBound\n"
-    "(flatparam/train/optimizer.h). On the host backends the measured peak\n"
+    "(refmodel/optimizer.h). On the host backends the measured peak\n"
     "memory must also equal the formula. NCCL sums in its own order, so on\n"
     "several GPUs the check accepts, with AdamW, parameters within\n"
     "AdamWDivergenceBound of the reference. Exits 1 when the check fails.\n"

@@ -20,8 +20,8 @@
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/device/device.h"
 #include "flatparam/memory_stats.h"
-#include "flatparam/train/fsdp_trainer.h"
-#include "flatparam/train/reference_trainer.h"
+#include "refmodel/fsdp_trainer.h"
+#include "refmodel/reference_trainer.h"
 #include "sim/fault.h"
 #include "sim/sim.h"
 #include "tools/testing/recording_communicator.h"
@@ -95,13 +95,13 @@ TEST(RunTrainSimTest, WithoutCheckPrintsNoVerdict) {
 // A result that is off by one bit fails the check, and the verdict says so.
 TEST(CheckAgainstReferenceTest, FailsOnAnyDifference) {
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
-      train::FsdpTrainOptions options,
+      refmodel::FsdpTrainOptions options,
       MakeFsdpTrainOptions(Options("FULL_SHARD"), 8));
-  FLATPARAM_ASSERT_OK_AND_ASSIGN(train::TrainOptions ref,
-                                 train::ReferenceOptionsFor(options, 8));
-  FLATPARAM_ASSERT_OK_AND_ASSIGN(train::TrainResult want,
-                                 train::TrainReference(options.model, ref));
-  train::FsdpRankResult result;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(refmodel::TrainOptions ref,
+                                 refmodel::ReferenceOptionsFor(options, 8));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(refmodel::TrainResult want,
+                                 refmodel::TrainReference(options.model, ref));
+  refmodel::FsdpRankResult result;
   result.losses = want.losses;
   result.params = want.params;
   result.optimizer_state = want.optimizer_state;
@@ -164,7 +164,7 @@ TEST(CheckAgainstReferenceTest, FailsOnAnyDifference) {
 
 TEST(MakeFsdpTrainOptionsTest, ResolvesDefaults) {
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
-      train::FsdpTrainOptions o,
+      refmodel::FsdpTrainOptions o,
       MakeFsdpTrainOptions(Options("HYBRID_SHARD"), 8));
   EXPECT_EQ(o.shard_group_size, 2);
   EXPECT_EQ(o.global_batch, 16);
@@ -180,8 +180,8 @@ TEST(MakeFsdpTrainOptionsTest, ResolvesDefaults) {
   c.seed = 9;
   FLATPARAM_ASSERT_OK_AND_ASSIGN(o, MakeFsdpTrainOptions(c, 8));
   EXPECT_EQ(o.param_dtype, DType::kFloat16);
-  EXPECT_EQ(std::get<train::SgdOptions>(o.optimizer).lr, 0.5);
-  EXPECT_EQ(o.accumulation, train::AccumulationMode::kNoSync);
+  EXPECT_EQ(std::get<refmodel::SgdOptions>(o.optimizer).lr, 0.5);
+  EXPECT_EQ(o.accumulation, refmodel::AccumulationMode::kNoSync);
   EXPECT_EQ(o.model.seed, 9u);
   EXPECT_EQ(o.data_seed, 9u);
 }
@@ -226,7 +226,7 @@ TEST(MakeFsdpTrainOptionsTest, NamesTheInconsistentFlag) {
 TEST(MakeFsdpTrainOptionsTest, TheTimeoutIsEveryCollectivesTimeout) {
   TrainCommandOptions c = Options("FULL_SHARD");
   EXPECT_EQ(c.timeout, kDefaultCollectiveTimeout);
-  FLATPARAM_ASSERT_OK_AND_ASSIGN(train::FsdpTrainOptions o,
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(refmodel::FsdpTrainOptions o,
                                  MakeFsdpTrainOptions(c, 8));
   EXPECT_EQ(o.collective_options.timeout, kDefaultCollectiveTimeout);
   c.timeout = absl::Milliseconds(1500);

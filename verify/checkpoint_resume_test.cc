@@ -29,9 +29,9 @@
 #include "flatparam/checkpoint/convert.h"
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/optim_io.h"
-#include "flatparam/optim/train_state.h"
-#include "flatparam/train/fsdp_trainer.h"
-#include "flatparam/train/reference_trainer.h"
+#include "refmodel/fsdp_trainer.h"
+#include "refmodel/reference_trainer.h"
+#include "refmodel/train_state.h"
 #include "sim/sim.h"
 #include "verify/training_testutil.h"
 
@@ -39,10 +39,10 @@ namespace flatparam {
 namespace verify {
 namespace {
 
-using train::FsdpRankResult;
-using train::FsdpTrainOptions;
-using train::TrainOptions;
-using train::TrainResult;
+using refmodel::FsdpRankResult;
+using refmodel::FsdpTrainOptions;
+using refmodel::TrainOptions;
+using refmodel::TrainResult;
 
 struct Side {
   ShardingStrategy strategy;
@@ -70,11 +70,11 @@ FsdpTrainOptions OptionsFor(const Case& c, const Side& side) {
   o.global_batch = 24;  // divisible by every world size below
   o.micro_batches = c.micro_batches;
   if (c.adamw) {
-    train::AdamWOptions adamw;
+    refmodel::AdamWOptions adamw;
     adamw.lr = 1e-2;
     o.optimizer = adamw;
   } else {
-    o.optimizer = train::SgdOptions{0.05, 0.9};
+    o.optimizer = refmodel::SgdOptions{0.05, 0.9};
   }
   return o;
 }
@@ -88,11 +88,11 @@ absl::StatusOr<std::vector<FsdpRankResult>> TrainAndSave(
       options_of, world_size,
       [&](SimCommunicator& comm, const FsdpTrainOptions& options,
           const FsdpRankResult& mine) -> absl::Status {
-        FLATPARAM_ASSIGN_OR_RETURN(ModelLayout layout,
-                                   train::FsdpModelLayout(options, world_size));
+        FLATPARAM_ASSIGN_OR_RETURN(
+            ModelLayout layout, refmodel::FsdpModelLayout(options, world_size));
         checkpoint::RankState state;
         state.flat_params = mine.state.flat_params;
-        state.optim = optim::ShardedFromTrainStates(mine.state.optimizer);
+        state.optim = refmodel::ShardedFromTrainStates(mine.state.optimizer);
         state.extra = {{"step", options.first_step + options.steps}};
         FLATPARAM_ASSIGN_OR_RETURN(
             checkpoint::RankContent content,
@@ -104,25 +104,25 @@ absl::StatusOr<std::vector<FsdpRankResult>> TrainAndSave(
 }
 
 // Every rank's state for `options` on `world_size` ranks, from `dir`.
-absl::StatusOr<std::vector<train::FsdpRankState>> Load(
+absl::StatusOr<std::vector<refmodel::FsdpRankState>> Load(
     checkpoint::FileSystem& fs, const std::string& dir,
     const FsdpTrainOptions& options, int world_size, int64_t* step) {
   FLATPARAM_ASSIGN_OR_RETURN(ModelLayout layout,
-                             train::FsdpModelLayout(options, world_size));
+                             refmodel::FsdpModelLayout(options, world_size));
   FLATPARAM_ASSIGN_OR_RETURN(
       checkpoint::ShardedCheckpointReader reader,
       checkpoint::ShardedCheckpointReader::Open(fs, dir));
   FLATPARAM_RETURN_IF_ERROR(reader.CheckFits(layout, world_size));
-  std::vector<train::FsdpRankState> states;
+  std::vector<refmodel::FsdpRankState> states;
   for (int r = 0; r < world_size; ++r) {
     FLATPARAM_ASSIGN_OR_RETURN(
         checkpoint::RankState saved,
         checkpoint::ReadRankState(reader, r % layout.options().world_size));
     *step = saved.extra.value("step", -1);
-    train::FsdpRankState state;
+    refmodel::FsdpRankState state;
     state.flat_params = std::move(saved.flat_params);
     FLATPARAM_ASSIGN_OR_RETURN(
-        state.optimizer, optim::TrainStatesFromSharded(layout, saved.optim));
+        state.optimizer, refmodel::TrainStatesFromSharded(layout, saved.optim));
     states.push_back(std::move(state));
   }
   return states;
@@ -146,13 +146,13 @@ TEST_P(CheckpointResumeTest, SaveReshardLoadEqualsSingleProcessTraining) {
   // Offline reshard to the second job's layout.
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
       ModelLayout after_layout,
-      train::FsdpModelLayout(second, c.after.world_size));
+      refmodel::FsdpModelLayout(second, c.after.world_size));
   FLATPARAM_ASSERT_OK(checkpoint::ReshardCheckpoint(
       fs, "/saved", after_layout.options(), c.after.world_size, "/resharded"));
   // Segment 2 from the resharded checkpoint.
   int64_t step = -1;
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
-      std::vector<train::FsdpRankState> loaded,
+      std::vector<refmodel::FsdpRankState> loaded,
       Load(fs, "/resharded", second, c.after.world_size, &step));
   EXPECT_EQ(step, k) << "\"extra\" is carried through reshard";
   second.first_step = k;
@@ -168,16 +168,16 @@ TEST_P(CheckpointResumeTest, SaveReshardLoadEqualsSingleProcessTraining) {
   // The reference: K steps with the first fold, K with the second.
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
       TrainOptions ref1,
-      train::ReferenceOptionsFor(first, c.before.world_size));
+      refmodel::ReferenceOptionsFor(first, c.before.world_size));
   FLATPARAM_ASSERT_OK_AND_ASSIGN(TrainResult want1,
-                                 train::TrainReference(first.model, ref1));
+                                 refmodel::TrainReference(first.model, ref1));
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
       TrainOptions ref2,
-      train::ReferenceOptionsFor(second, c.after.world_size));
+      refmodel::ReferenceOptionsFor(second, c.after.world_size));
   ref2.initial_params = want1.params;
   ref2.initial_optimizer_state = want1.optimizer_state;
   FLATPARAM_ASSERT_OK_AND_ASSIGN(TrainResult want,
-                                 train::TrainReference(second.model, ref2));
+                                 refmodel::TrainReference(second.model, ref2));
   for (const FsdpRankResult& r : resumed) {
     SCOPED_TRACE(absl::StrFormat("rank %d", r.rank));
     std::string why;
@@ -193,8 +193,8 @@ TEST_P(CheckpointResumeTest, SaveReshardLoadEqualsSingleProcessTraining) {
       !IsHybridStrategy(c.after.strategy)) {
     TrainOptions whole = ref1;
     whole.steps = 2 * k;
-    FLATPARAM_ASSERT_OK_AND_ASSIGN(TrainResult unbroken,
-                                   train::TrainReference(first.model, whole));
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(
+        TrainResult unbroken, refmodel::TrainReference(first.model, whole));
     std::string why;
     EXPECT_TRUE(SameTensors(unbroken.params, want.params, &why)) << why;
   }

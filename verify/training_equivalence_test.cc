@@ -1,8 +1,8 @@
 // Sharded training equals unsharded training.
 //
-// Sharded training (flatparam/train/fsdp_trainer.h: one FlatParamHandle per
+// Sharded training (refmodel/fsdp_trainer.h: one FlatParamHandle per
 // unit, the simulator's collectives) is compared with single-process
-// training (TrainReference, flatparam/train/reference_trainer.h) on the
+// training (TrainReference, refmodel/reference_trainer.h) on the
 // options ReferenceOptionsFor() derives. What is proven, for random model
 // shapes, world sizes 1..8, every strategy, alignment on and off, CPU
 // offload on and off, 1..3 micro-batches in both accumulation modes, SGD
@@ -32,7 +32,7 @@
 //         (underflow): Higham's bound for sums whose terms each pass
 //         through at most K roundings, applied to both runs;
 //       - after K steps of AdamW, parameters differ by at most
-//         AdamWDivergenceBound (flatparam/train/optimizer.h), which holds
+//         AdamWDivergenceBound (refmodel/optimizer.h), which holds
 //         for any two AdamW runs from the same start.
 //   * HYBRID_SHARD on 2 x 4 ranks and FULL_SHARD on 8 ranks each equal their
 //     own reference bitwise (two-level vs one-level fold). They are not
@@ -56,22 +56,22 @@
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
 #include "flatparam/memory_stats.h"
-#include "flatparam/train/fsdp_trainer.h"
-#include "flatparam/train/model.h"
-#include "flatparam/train/optimizer.h"
-#include "flatparam/train/reference_trainer.h"
+#include "refmodel/fsdp_trainer.h"
+#include "refmodel/model.h"
+#include "refmodel/optimizer.h"
+#include "refmodel/reference_trainer.h"
 #include "verify/training_testutil.h"
 
 namespace flatparam {
 namespace verify {
 namespace {
 
-using train::AccumulationMode;
-using train::AdamWOptions;
-using train::FsdpRankResult;
-using train::FsdpTrainOptions;
-using train::TrainOptions;
-using train::TrainResult;
+using refmodel::AccumulationMode;
+using refmodel::AdamWOptions;
+using refmodel::FsdpRankResult;
+using refmodel::FsdpTrainOptions;
+using refmodel::TrainOptions;
+using refmodel::TrainResult;
 using TensorMap = std::map<std::string, HostTensor>;
 
 constexpr double kU32 = 1.0 / (1 << 24);
@@ -84,16 +84,16 @@ std::vector<FsdpRankResult> RunSharded(const TrainingCase& c,
   return *std::move(ranks);
 }
 
-TrainResult RunReference(const train::Config& config,
+TrainResult RunReference(const refmodel::Config& config,
                          const TrainOptions& options) {
-  absl::StatusOr<TrainResult> result = train::TrainReference(config, options);
+  absl::StatusOr<TrainResult> result = refmodel::TrainReference(config, options);
   RC_ASSERT(result.ok());
   return *std::move(result);
 }
 
 TrainOptions ReferenceOptions(const TrainingCase& c) {
   absl::StatusOr<TrainOptions> options =
-      train::ReferenceOptionsFor(c.options, c.world_size);
+      refmodel::ReferenceOptionsFor(c.options, c.world_size);
   RC_ASSERT(options.ok());
   return *std::move(options);
 }
@@ -174,10 +174,10 @@ RC_GTEST_PROP(TrainingEquivalence,
   fp32.param_dtype.reset();
   fp32.reduce_dtype.reset();
   const TrainResult full = RunReference(c.options.model, fp32);
-  absl::StatusOr<train::ReferenceModel> model =
-      train::ReferenceModel::Create(c.options.model);
+  absl::StatusOr<refmodel::ReferenceModel> model =
+      refmodel::ReferenceModel::Create(c.options.model);
   RC_ASSERT(model.ok());
-  const double bound = train::AdamWDivergenceBound(adamw, c.options.steps,
+  const double bound = refmodel::AdamWDivergenceBound(adamw, c.options.steps,
                                                    MaxAbs(model->InitParams()));
   const double diff = MaxAbsDiff(ranks[0].params, full.params);
   RC_ASSERT(diff <= bound);
@@ -189,7 +189,7 @@ double Gamma(int k, double u) { return k * u / (1 - k * u); }
 // T per element: sum over ranks and micro-batches of |x| / (pre * post),
 // x being that rank's micro-batch gradient at `params` (TrainOptions'
 // batches, float32).
-TensorMap AbsGradientSum(const train::ReferenceModel& model,
+TensorMap AbsGradientSum(const refmodel::ReferenceModel& model,
                          const TensorMap& params, const TrainOptions& o) {
   const int world = o.reduction.world_size;
   const int64_t local = o.global_batch / world;
@@ -202,8 +202,8 @@ TensorMap AbsGradientSum(const train::ReferenceModel& model,
   for (int64_t m = 0; m < o.micro_batches; ++m) {
     for (int r = 0; r < world; ++r) {
       TensorMap grads;
-      train::MapParamAccess access(&params, &grads);
-      const train::Batch batch = train::MakeBatch(
+      refmodel::MapParamAccess access(&params, &grads);
+      const refmodel::Batch batch = refmodel::MakeBatch(
           o.data_seed, model.config().vocab, 0, m, r * local, local);
       RC_ASSERT(model.ForwardBackward(batch, access).ok());
       for (auto& [name, t] : total) {
@@ -241,8 +241,8 @@ RC_GTEST_PROP(TrainingEquivalence,
   c.options.gather_grads = true;
   const DType low = *c.options.param_dtype;
   RC_TAG(std::string(DTypeName(low)));
-  absl::StatusOr<train::ReferenceModel> model =
-      train::ReferenceModel::Create(c.options.model);
+  absl::StatusOr<refmodel::ReferenceModel> model =
+      refmodel::ReferenceModel::Create(c.options.model);
   RC_ASSERT(model.ok());
   // Parameters representable in the low dtype: both runs then compute the
   // same local gradients and differ only in how they round their sum.
@@ -260,8 +260,8 @@ RC_GTEST_PROP(TrainingEquivalence,
   TrainOptions fp32 = ReferenceOptions(c);
   fp32.param_dtype.reset();
   fp32.reduce_dtype.reset();
-  absl::StatusOr<train::StepGradients> want =
-      train::ComputeStepGradients(*model, params, fp32, 0);
+  absl::StatusOr<refmodel::StepGradients> want =
+      refmodel::ComputeStepGradients(*model, params, fp32, 0);
   RC_ASSERT(want.ok());
   const int k =
       2 * static_cast<int>(c.options.micro_batches) + c.world_size + 2;
@@ -292,7 +292,7 @@ RC_GTEST_PROP(TrainingEquivalence, PeakMemoryEqualsTheFormula, ()) {
   Classify(c);
   RC_CLASSIFY(c.options.param_dtype.has_value(), "mixed precision");
   absl::StatusOr<std::array<int64_t, kNumMemoryCategories>> want =
-      train::ExpectedPeakMemory(c.options, c.world_size);
+      refmodel::ExpectedPeakMemory(c.options, c.world_size);
   RC_ASSERT(want.ok());
   for (const FsdpRankResult& r : RunSharded(c)) {
     for (int k = 0; k < kNumMemoryCategories; ++k) {
@@ -316,7 +316,7 @@ TrainingCase DefaultCase(ShardingStrategy strategy, int world, int group = 0) {
   c.options.steps = 3;
   c.options.global_batch = 2 * world;
   c.options.micro_batches = 2;
-  c.options.optimizer = train::SgdOptions{0.1, 0.9};
+  c.options.optimizer = refmodel::SgdOptions{0.1, 0.9};
   c.options.data_seed = 5;
   return c;
 }
@@ -331,9 +331,9 @@ std::vector<FsdpRankResult> MustRun(const TrainingCase& c,
 
 TrainResult MustReference(const TrainingCase& c) {
   absl::StatusOr<TrainOptions> o =
-      train::ReferenceOptionsFor(c.options, c.world_size);
+      refmodel::ReferenceOptionsFor(c.options, c.world_size);
   EXPECT_TRUE(o.ok()) << o.status();
-  absl::StatusOr<TrainResult> r = train::TrainReference(c.options.model, *o);
+  absl::StatusOr<TrainResult> r = refmodel::TrainReference(c.options.model, *o);
   EXPECT_TRUE(r.ok()) << r.status();
   return *std::move(r);
 }
@@ -396,10 +396,10 @@ TEST(TrainingEquivalenceTest, HybridShard2x4AndFullShard8) {
   EXPECT_FALSE(SameTensors(h[0].grads, f[0].grads, &why));
   EXPECT_FALSE(SameTensors(h[0].params, f[0].params, &why));
   // ... by at most the reassociation bound.
-  absl::StatusOr<train::ReferenceModel> model =
-      train::ReferenceModel::Create(full.options.model);
+  absl::StatusOr<refmodel::ReferenceModel> model =
+      refmodel::ReferenceModel::Create(full.options.model);
   ASSERT_TRUE(model.ok());
-  absl::StatusOr<TrainOptions> o = train::ReferenceOptionsFor(full.options, 8);
+  absl::StatusOr<TrainOptions> o = refmodel::ReferenceOptionsFor(full.options, 8);
   ASSERT_TRUE(o.ok());
   const TensorMap t = AbsGradientSum(*model, model->InitParams(), *o);
   const double gamma = 2 * Gamma(2 * 1 + 8 + 1, kU32);

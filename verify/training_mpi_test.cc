@@ -28,8 +28,8 @@
 #include "flatparam/device/device.h"
 #include "flatparam/layout.h"
 #include "flatparam/memory_stats.h"
-#include "flatparam/train/fsdp_trainer.h"
-#include "flatparam/train/reference_trainer.h"
+#include "refmodel/fsdp_trainer.h"
+#include "refmodel/reference_trainer.h"
 #include "verify/training_testutil.h"
 
 namespace flatparam {
@@ -40,7 +40,7 @@ MpiCommunicator* g_world = nullptr;  // Set up by main().
 
 struct Case {
   std::string name;
-  train::FsdpTrainOptions options;
+  refmodel::FsdpTrainOptions options;
 };
 
 std::vector<Case> Cases(int world) {
@@ -52,45 +52,45 @@ std::vector<Case> Cases(int world) {
     c.options.steps = 3;
     c.options.global_batch = 2 * world;
     c.options.micro_batches = 2;
-    c.options.optimizer = train::AdamWOptions{1e-2};
+    c.options.optimizer = refmodel::AdamWOptions{1e-2};
     c.options.data_seed = 3;
     c.options.model.seed = 17;
     tweak(c.options);
     cases.push_back(std::move(c));
   };
   const int half = world % 2 == 0 ? world / 2 : world;
-  auto none = [](train::FsdpTrainOptions&) {};
+  auto none = [](refmodel::FsdpTrainOptions&) {};
   add("full_shard", ShardingStrategy::kFullShard, none);
   add("full_shard_aligned_nan_padding", ShardingStrategy::kFullShard,
-      [](train::FsdpTrainOptions& o) {
+      [](refmodel::FsdpTrainOptions& o) {
         o.align_addresses = true;
         o.padding_fill = std::numeric_limits<float>::quiet_NaN();
       });
   add("shard_grad_op_no_sync", ShardingStrategy::kShardGradOp,
-      [](train::FsdpTrainOptions& o) {
-        o.accumulation = train::AccumulationMode::kNoSync;
+      [](refmodel::FsdpTrainOptions& o) {
+        o.accumulation = refmodel::AccumulationMode::kNoSync;
         o.micro_batches = 3;
       });
   add("no_shard_offload_sgd", ShardingStrategy::kNoShard,
-      [](train::FsdpTrainOptions& o) {
+      [](refmodel::FsdpTrainOptions& o) {
         o.cpu_offload = true;
-        o.optimizer = train::SgdOptions{0.1, 0.9};
+        o.optimizer = refmodel::SgdOptions{0.1, 0.9};
       });
   add("hybrid_shard", ShardingStrategy::kHybridShard,
-      [half](train::FsdpTrainOptions& o) { o.shard_group_size = half; });
+      [half](refmodel::FsdpTrainOptions& o) { o.shard_group_size = half; });
   add("hybrid_shard_zero2_aligned_offload", ShardingStrategy::kHybridShardZero2,
-      [half](train::FsdpTrainOptions& o) {
+      [half](refmodel::FsdpTrainOptions& o) {
         o.shard_group_size = half;
         o.align_addresses = true;
         o.cpu_offload = true;
       });
   add("full_shard_bf16", ShardingStrategy::kFullShard,
-      [](train::FsdpTrainOptions& o) {
+      [](refmodel::FsdpTrainOptions& o) {
         o.param_dtype = DType::kBFloat16;
         o.align_addresses = true;
       });
   add("shard_grad_op_fp16_reduce_fp32", ShardingStrategy::kShardGradOp,
-      [](train::FsdpTrainOptions& o) {
+      [](refmodel::FsdpTrainOptions& o) {
         o.param_dtype = DType::kFloat16;
         o.reduce_dtype = DType::kFloat32;
       });
@@ -103,14 +103,14 @@ TEST_P(TrainingMpiTest, EqualsTheReferenceBitwise) {
   const Case c = Cases(g_world->size())[GetParam()];
   SCOPED_TRACE(c.name);
   HostDeviceOps device;
-  absl::StatusOr<train::FsdpRankResult> got =
-      train::TrainFsdpOnRank(*g_world, device, c.options);
+  absl::StatusOr<refmodel::FsdpRankResult> got =
+      refmodel::TrainFsdpOnRank(*g_world, device, c.options);
   ASSERT_TRUE(got.ok()) << got.status();
-  absl::StatusOr<train::TrainOptions> ref_options =
-      train::ReferenceOptionsFor(c.options, g_world->size());
+  absl::StatusOr<refmodel::TrainOptions> ref_options =
+      refmodel::ReferenceOptionsFor(c.options, g_world->size());
   ASSERT_TRUE(ref_options.ok()) << ref_options.status();
-  absl::StatusOr<train::TrainResult> want =
-      train::TrainReference(c.options.model, *ref_options);
+  absl::StatusOr<refmodel::TrainResult> want =
+      refmodel::TrainReference(c.options.model, *ref_options);
   ASSERT_TRUE(want.ok()) << want.status();
 
   std::string why;
@@ -120,7 +120,7 @@ TEST_P(TrainingMpiTest, EqualsTheReferenceBitwise) {
       << why;
   EXPECT_EQ(got->nonzero_padding_grads, 0);
   absl::StatusOr<std::array<int64_t, kNumMemoryCategories>> memory =
-      train::ExpectedPeakMemory(c.options, g_world->size());
+      refmodel::ExpectedPeakMemory(c.options, g_world->size());
   ASSERT_TRUE(memory.ok()) << memory.status();
   for (int k = 0; k < kNumMemoryCategories; ++k) {
     EXPECT_EQ(got->memory.peak[k], (*memory)[k])

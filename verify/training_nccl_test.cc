@@ -28,17 +28,17 @@
 #include "flatparam/device/device.h"
 #include "flatparam/layout.h"
 #include "flatparam/memory_stats.h"
-#include "flatparam/train/fsdp_trainer.h"
-#include "flatparam/train/model.h"
-#include "flatparam/train/reference_trainer.h"
+#include "refmodel/fsdp_trainer.h"
+#include "refmodel/model.h"
+#include "refmodel/reference_trainer.h"
 #include "verify/training_testutil.h"
 
 namespace flatparam {
 namespace verify {
 namespace {
 
-using train::FsdpRankResult;
-using train::FsdpTrainOptions;
+using refmodel::FsdpRankResult;
+using refmodel::FsdpTrainOptions;
 
 // The number of usable GPUs (at most 4); skips the test when there is none.
 int UsableGpus(std::string* why) {
@@ -77,7 +77,7 @@ std::vector<absl::StatusOr<FsdpRankResult>> TrainOnGpus(
         results[r] = nccl.status();
         return;
       }
-      results[r] = train::TrainFsdpOnRank(**nccl, **ops, options);
+      results[r] = refmodel::TrainFsdpOnRank(**nccl, **ops, options);
     });
   }
   for (std::thread& t : threads) t.join();
@@ -90,7 +90,7 @@ FsdpTrainOptions Options(ShardingStrategy strategy, int world) {
   o.steps = 3;
   o.global_batch = 2 * world;
   o.micro_batches = 2;
-  o.optimizer = train::AdamWOptions{1e-2};
+  o.optimizer = refmodel::AdamWOptions{1e-2};
   o.data_seed = 3;
   return o;
 }
@@ -113,10 +113,10 @@ TEST(TrainingNcclTest, OneGpuEqualsTheReferenceBitwise) {
     SCOPED_TRACE(Describe({o, 1}));
     std::vector<absl::StatusOr<FsdpRankResult>> got = TrainOnGpus(o, 1);
     ASSERT_TRUE(got[0].ok()) << got[0].status();
-    absl::StatusOr<train::TrainOptions> ref = train::ReferenceOptionsFor(o, 1);
+    absl::StatusOr<refmodel::TrainOptions> ref = refmodel::ReferenceOptionsFor(o, 1);
     ASSERT_TRUE(ref.ok()) << ref.status();
-    absl::StatusOr<train::TrainResult> want =
-        train::TrainReference(o.model, *ref);
+    absl::StatusOr<refmodel::TrainResult> want =
+        refmodel::TrainReference(o.model, *ref);
     ASSERT_TRUE(want.ok()) << want.status();
     EXPECT_EQ(got[0]->losses, want->losses);
     EXPECT_TRUE(SameTensors(got[0]->params, want->params, &why)) << why;
@@ -126,7 +126,7 @@ TEST(TrainingNcclTest, OneGpuEqualsTheReferenceBitwise) {
     if (!c.offload) {
       // Without offload a device needs no staging: the formula holds.
       absl::StatusOr<std::array<int64_t, kNumMemoryCategories>> memory =
-          train::ExpectedPeakMemory(o, 1);
+          refmodel::ExpectedPeakMemory(o, 1);
       ASSERT_TRUE(memory.ok());
       for (int k = 0; k < kNumMemoryCategories; ++k) {
         EXPECT_EQ(got[0]->memory.peak[k], (*memory)[k])
@@ -150,15 +150,15 @@ TEST(TrainingNcclTest, SeveralGpusAgreeWithinTheReassociationBound) {
     SCOPED_TRACE(Describe({o, gpus}));
     std::vector<absl::StatusOr<FsdpRankResult>> got = TrainOnGpus(o, gpus);
     for (const auto& r : got) ASSERT_TRUE(r.ok()) << r.status();
-    absl::StatusOr<train::TrainOptions> ref =
-        train::ReferenceOptionsFor(o, gpus);
+    absl::StatusOr<refmodel::TrainOptions> ref =
+        refmodel::ReferenceOptionsFor(o, gpus);
     ASSERT_TRUE(ref.ok());
-    absl::StatusOr<train::ReferenceModel> model =
-        train::ReferenceModel::Create(o.model);
+    absl::StatusOr<refmodel::ReferenceModel> model =
+        refmodel::ReferenceModel::Create(o.model);
     ASSERT_TRUE(model.ok());
     const std::map<std::string, HostTensor> params = model->InitParams();
-    absl::StatusOr<train::StepGradients> want =
-        train::ComputeStepGradients(*model, params, *ref, 0);
+    absl::StatusOr<refmodel::StepGradients> want =
+        refmodel::ComputeStepGradients(*model, params, *ref, 0);
     ASSERT_TRUE(want.ok());
     // T: the sum of |local gradient| / (pre * post) per element.
     const int64_t local = o.global_batch / gpus;
@@ -167,10 +167,10 @@ TEST(TrainingNcclTest, SeveralGpusAgreeWithinTheReassociationBound) {
     std::map<std::string, std::vector<double>> t;
     for (int r = 0; r < gpus; ++r) {
       std::map<std::string, HostTensor> g;
-      train::MapParamAccess access(&params, &g);
+      refmodel::MapParamAccess access(&params, &g);
       ASSERT_TRUE(
           model
-              ->ForwardBackward(train::MakeBatch(o.data_seed, o.model.vocab, 0,
+              ->ForwardBackward(refmodel::MakeBatch(o.data_seed, o.model.vocab, 0,
                                                  0, r * local, local),
                                 access)
               .ok());

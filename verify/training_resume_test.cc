@@ -23,22 +23,22 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
-#include "flatparam/train/fsdp_trainer.h"
-#include "flatparam/train/reference_trainer.h"
+#include "refmodel/fsdp_trainer.h"
+#include "refmodel/reference_trainer.h"
 #include "verify/training_testutil.h"
 
 namespace flatparam {
 namespace verify {
 namespace {
 
-using train::FsdpRankResult;
-using train::FsdpTrainOptions;
-using train::TrainOptions;
-using train::TrainResult;
+using refmodel::FsdpRankResult;
+using refmodel::FsdpTrainOptions;
+using refmodel::TrainOptions;
+using refmodel::TrainResult;
 
 void AssertSameResult(const std::vector<float>& losses,
                       const std::map<std::string, HostTensor>& params,
-                      const std::map<std::string, train::OptimizerState>& state,
+                      const std::map<std::string, refmodel::OptimizerState>& state,
                       const TrainResult& want, const std::string& what) {
   std::string why;
   RC_ASSERT(SameFloats(losses, want.losses));
@@ -50,8 +50,8 @@ void AssertSameResult(const std::vector<float>& losses,
   }
 }
 
-TrainResult Reference(const train::Config& config, const TrainOptions& o) {
-  absl::StatusOr<TrainResult> r = train::TrainReference(config, o);
+TrainResult Reference(const refmodel::Config& config, const TrainOptions& o) {
+  absl::StatusOr<TrainResult> r = refmodel::TrainReference(config, o);
   RC_ASSERT(r.ok());
   return *std::move(r);
 }
@@ -59,7 +59,7 @@ TrainResult Reference(const train::Config& config, const TrainOptions& o) {
 RC_GTEST_PROP(TrainingResume, ChainedReferenceEqualsUnbrokenReference, ()) {
   const TrainingCase c = *GenTrainingCase();
   absl::StatusOr<TrainOptions> options =
-      train::ReferenceOptionsFor(c.options, c.world_size);
+      refmodel::ReferenceOptionsFor(c.options, c.world_size);
   RC_ASSERT(options.ok());
   const int64_t k = options->steps;
   TrainOptions whole = *options;
@@ -108,7 +108,7 @@ RC_GTEST_PROP(TrainingResume, ShardedResumeFromOwnStateEqualsUnbrokenRun, ()) {
 
   // Against the chained reference (which equals the unbroken reference).
   absl::StatusOr<TrainOptions> ref_options =
-      train::ReferenceOptionsFor(whole, c.world_size);
+      refmodel::ReferenceOptionsFor(whole, c.world_size);
   RC_ASSERT(ref_options.ok());
   const TrainResult want = Reference(c.options.model, *ref_options);
   const std::vector<float> tail(want.losses.begin() + k, want.losses.end());

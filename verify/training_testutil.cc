@@ -16,9 +16,9 @@
 namespace flatparam {
 namespace verify {
 
-using train::FsdpRankResult;
-using train::FsdpTrainOptions;
-using train::OptimizerState;
+using refmodel::FsdpRankResult;
+using refmodel::FsdpTrainOptions;
+using refmodel::OptimizerState;
 
 namespace {
 
@@ -37,7 +37,7 @@ absl::StatusOr<std::vector<FsdpRankResult>> TrainOnSim(
         const FsdpTrainOptions options = options_of(comm.rank());
         FsdpRankResult& mine = results[comm.rank()];
         FLATPARAM_ASSIGN_OR_RETURN(
-            mine, train::TrainFsdpOnRank(comm, device, options));
+            mine, refmodel::TrainFsdpOnRank(comm, device, options));
         if (after == nullptr) return absl::OkStatus();
         return after(comm, options, mine);
       }));
@@ -49,7 +49,7 @@ absl::StatusOr<std::vector<FsdpRankResult>> TrainOnSim(
 absl::StatusOr<std::vector<FsdpRankResult>> TrainFsdpOnSim(
     const FsdpTrainOptions& options, int world_size, uint64_t sim_seed) {
   FLATPARAM_RETURN_IF_ERROR(
-      train::ValidateFsdpTrainOptions(options, world_size));
+      refmodel::ValidateFsdpTrainOptions(options, world_size));
   return TrainOnSim([&](int) { return options; }, world_size, sim_seed,
                     nullptr);
 }
@@ -62,14 +62,14 @@ absl::StatusOr<std::vector<FsdpRankResult>> TrainFsdpPerRankOnSim(
 
 namespace {
 
-std::string DescribeOptimizer(const train::OptimizerOptions& o) {
-  if (const auto* sgd = std::get_if<train::SgdOptions>(&o)) {
+std::string DescribeOptimizer(const refmodel::OptimizerOptions& o) {
+  if (const auto* sgd = std::get_if<refmodel::SgdOptions>(&o)) {
     return absl::StrFormat(
         "sgd(lr=%g, momentum=%g, dampening=%g, weight_decay=%g, nesterov=%d)",
         sgd->lr, sgd->momentum, sgd->dampening, sgd->weight_decay,
         sgd->nesterov);
   }
-  const auto& adamw = std::get<train::AdamWOptions>(o);
+  const auto& adamw = std::get<refmodel::AdamWOptions>(o);
   return absl::StrFormat("adamw(lr=%g, betas=(%g, %g), eps=%g, wd=%g)",
                          adamw.lr, adamw.beta1, adamw.beta2, adamw.eps,
                          adamw.weight_decay);
@@ -92,7 +92,7 @@ std::string Describe(const TrainingCase& c) {
       o.param_dtype.has_value() ? DTypeName(*o.param_dtype) : "-",
       o.reduce_dtype.has_value() ? DTypeName(*o.reduce_dtype) : "-",
       o.cpu_offload, o.steps, o.global_batch, o.micro_batches,
-      o.accumulation == train::AccumulationMode::kNoSync ? "no_sync"
+      o.accumulation == refmodel::AccumulationMode::kNoSync ? "no_sync"
                                                          : "sharded",
       DescribeOptimizer(o.optimizer), o.data_seed,
       o.padding_fill.has_value()
@@ -102,9 +102,9 @@ std::string Describe(const TrainingCase& c) {
 
 void showValue(const TrainingCase& c, std::ostream& os) { os << Describe(c); }
 
-rc::Gen<train::Config> GenModelConfig() {
+rc::Gen<refmodel::Config> GenModelConfig() {
   return rc::gen::exec([] {
-           train::Config config;
+           refmodel::Config config;
            config.vocab = *UniformInRange<int64_t>(1, 13);
            const int layers = *UniformInRange(1, 4);
            config.dims.clear();
@@ -117,17 +117,17 @@ rc::Gen<train::Config> GenModelConfig() {
       .as("model config");
 }
 
-rc::Gen<train::OptimizerOptions> GenOptimizerOptions() {
-  return rc::gen::exec([]() -> train::OptimizerOptions {
+rc::Gen<refmodel::OptimizerOptions> GenOptimizerOptions() {
+  return rc::gen::exec([]() -> refmodel::OptimizerOptions {
            if (*rc::gen::arbitrary<bool>()) {
-             train::SgdOptions sgd;
+             refmodel::SgdOptions sgd;
              sgd.lr = *rc::gen::element(0.05, 0.1, 0.5);
              sgd.momentum = *rc::gen::element(0.0, 0.9);
              sgd.weight_decay = *rc::gen::element(0.0, 0.01);
              sgd.nesterov = sgd.momentum > 0 && *rc::gen::arbitrary<bool>();
              return sgd;
            }
-           train::AdamWOptions adamw;
+           refmodel::AdamWOptions adamw;
            adamw.lr = *rc::gen::element(1e-3, 1e-2);
            adamw.weight_decay = *rc::gen::element(0.0, 0.01);
            return adamw;
@@ -158,8 +158,8 @@ rc::Gen<TrainingCase> GenTrainingCase() {
            o.steps = *UniformInRange<int64_t>(1, 4);
            o.micro_batches = *UniformInRange<int64_t>(1, 4);
            o.accumulation =
-               *rc::gen::element(train::AccumulationMode::kShardedAccumulation,
-                                 train::AccumulationMode::kNoSync);
+               *rc::gen::element(refmodel::AccumulationMode::kShardedAccumulation,
+                                 refmodel::AccumulationMode::kNoSync);
            o.global_batch = c.world_size * *UniformInRange<int64_t>(1, 3);
            o.optimizer = *GenOptimizerOptions();
            o.data_seed = *rc::gen::arbitrary<uint64_t>();

@@ -1,5 +1,5 @@
 // Helpers for the training-equivalence suites (test-only): sharded training
-// (flatparam/train/fsdp_trainer.h) on the simulator, named RapidCheck
+// (refmodel/fsdp_trainer.h) on the simulator, named RapidCheck
 // generators for training configurations, and bitwise / bounded
 // comparisons of TrainResult-shaped maps.
 //
@@ -21,9 +21,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "flatparam/flatten.h"
-#include "flatparam/train/fsdp_trainer.h"
-#include "flatparam/train/optimizer.h"
-#include "flatparam/train/reference_trainer.h"
+#include "refmodel/fsdp_trainer.h"
+#include "refmodel/optimizer.h"
+#include "refmodel/reference_trainer.h"
 #include "sim/sim.h"
 
 namespace flatparam {
@@ -31,28 +31,28 @@ namespace verify {
 
 // TrainFsdpOnRank on a SimWorld of `world_size` ranks (scheduler seed
 // `sim_seed`), each with its own HostDeviceOps; the results by rank. The
-// options are checked with train::ValidateFsdpTrainOptions first.
-absl::StatusOr<std::vector<train::FsdpRankResult>> TrainFsdpOnSim(
-    const train::FsdpTrainOptions& options, int world_size,
+// options are checked with refmodel::ValidateFsdpTrainOptions first.
+absl::StatusOr<std::vector<refmodel::FsdpRankResult>> TrainFsdpOnSim(
+    const refmodel::FsdpTrainOptions& options, int world_size,
     uint64_t sim_seed = 0);
 
 // Runs on a rank's thread after that rank has trained (e.g. to save its
 // state collectively); an error fails the whole run.
 using AfterTraining = std::function<absl::Status(
-    SimCommunicator& comm, const train::FsdpTrainOptions& options,
-    const train::FsdpRankResult& result)>;
+    SimCommunicator& comm, const refmodel::FsdpTrainOptions& options,
+    const refmodel::FsdpRankResult& result)>;
 
 // TrainFsdpOnRank on a SimWorld of `world_size` ranks (seed 0), rank r with
 // options_of(r) (for resuming each rank from its own state) and no
 // validation beyond TrainFsdpOnRank's own; then, when `after` is set,
 // after(comm, options_of(r), result of r) on each rank.
-absl::StatusOr<std::vector<train::FsdpRankResult>> TrainFsdpPerRankOnSim(
-    const std::function<train::FsdpTrainOptions(int rank)>& options_of,
+absl::StatusOr<std::vector<refmodel::FsdpRankResult>> TrainFsdpPerRankOnSim(
+    const std::function<refmodel::FsdpTrainOptions(int rank)>& options_of,
     int world_size, const AfterTraining& after = nullptr);
 
 // A training run to check: options plus the world size.
 struct TrainingCase {
-  train::FsdpTrainOptions options;
+  refmodel::FsdpTrainOptions options;
   int world_size = 1;
 };
 
@@ -60,10 +60,10 @@ void showValue(const TrainingCase& c, std::ostream& os);
 std::string Describe(const TrainingCase& c);
 
 // Model shapes: vocab 1..12, 1..3 layers of widths 1..12.
-rc::Gen<train::Config> GenModelConfig();
+rc::Gen<refmodel::Config> GenModelConfig();
 // SGD (with or without momentum, weight decay, nesterov) or AdamW with
 // learning rates that keep a few steps finite.
-rc::Gen<train::OptimizerOptions> GenOptimizerOptions();
+rc::Gen<refmodel::OptimizerOptions> GenOptimizerOptions();
 // float32 training: world sizes 1..8, every strategy (hybrid with a shard
 // group size dividing the world), alignment on and off, CPU offload on and
 // off, 1..3 micro-batches in either accumulation mode, 1..3 steps, 1..2
@@ -74,8 +74,8 @@ rc::Gen<TrainingCase> GenTrainingCase();
 // `*why` names the first differing tensor and element.
 bool SameTensors(const std::map<std::string, HostTensor>& a,
                  const std::map<std::string, HostTensor>& b, std::string* why);
-bool SameStates(const std::map<std::string, train::OptimizerState>& a,
-                const std::map<std::string, train::OptimizerState>& b,
+bool SameStates(const std::map<std::string, refmodel::OptimizerState>& a,
+                const std::map<std::string, refmodel::OptimizerState>& b,
                 std::string* why);
 
 // Bitwise equality of two loss sequences (NaNs compare by their bits).
@@ -86,8 +86,8 @@ bool SameFloats(const std::vector<float>& a, const std::vector<float>& b);
 double MaxAbsDiff(const std::map<std::string, HostTensor>& a,
                   const std::map<std::string, HostTensor>& b);
 // The same over every tensor state of two optimizer-state maps.
-double MaxAbsDiff(const std::map<std::string, train::OptimizerState>& a,
-                  const std::map<std::string, train::OptimizerState>& b);
+double MaxAbsDiff(const std::map<std::string, refmodel::OptimizerState>& a,
+                  const std::map<std::string, refmodel::OptimizerState>& b);
 
 }  // namespace verify
 }  // namespace flatparam

@@ -1,4 +1,4 @@
-#include "flatparam/train/model.h"
+#include "refmodel/model.h"
 
 #include <algorithm>
 #include <cassert>
@@ -11,7 +11,7 @@
 #include "flatparam/base/status_macros.h"
 
 namespace flatparam {
-namespace train {
+namespace refmodel {
 namespace {
 
 constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ULL;
@@ -427,5 +427,5 @@ template absl::StatusOr<float> ReferenceModel::ForwardBackward<float>(
 template absl::StatusOr<double> ReferenceModel::ForwardBackward<double>(
     const Batch&, BasicParamAccess<double>&) const;
 
-}  // namespace train
+}  // namespace refmodel
 }  // namespace flatparam

@@ -1,4 +1,4 @@
-#include "flatparam/train/optimizer.h"
+#include "refmodel/optimizer.h"
 
 #include <cmath>
 #include <initializer_list>
@@ -11,7 +11,7 @@
 #include "flatparam/base/status_macros.h"
 
 namespace flatparam {
-namespace train {
+namespace refmodel {
 namespace {
 
 absl::Status CheckArgs(TensorRef param, const ConstTensorRef& grad) {
@@ -267,5 +267,5 @@ double AdamWDivergenceBound(const AdamWOptions& o, int64_t steps,
   return bound;
 }
 
-}  // namespace train
+}  // namespace refmodel
 }  // namespace flatparam

@@ -1,4 +1,4 @@
-#include "flatparam/optim/train_state.h"
+#include "refmodel/train_state.h"
 
 #include <utility>
 
@@ -6,18 +6,25 @@
 #include "flatparam/base/status_macros.h"
 
 namespace flatparam {
-namespace optim {
+namespace refmodel {
 namespace {
 
-ParamState ToParamState(const train::OptimizerState& state) {
+using optim::DescribeKey;
+using optim::DescribeValue;
+using optim::OptimStateDict;
+using optim::OptimStateValue;
+using optim::ParamKey;
+using optim::ParamState;
+
+ParamState ToParamState(const OptimizerState& state) {
   ParamState out;
   for (const auto& [name, tensor] : state.tensors) out[name] = tensor;
   return out;
 }
 
-absl::StatusOr<train::OptimizerState> ToTrainState(const ParamKey& key,
-                                                   const ParamState& state) {
-  train::OptimizerState out;
+absl::StatusOr<OptimizerState> ToTrainState(const ParamKey& key,
+                                            const ParamState& state) {
+  OptimizerState out;
   for (const auto& [name, value] : state) {
     if (std::holds_alternative<std::monostate>(value)) continue;
     const auto* t = std::get_if<HostTensor>(&value);
@@ -34,8 +41,7 @@ absl::StatusOr<train::OptimizerState> ToTrainState(const ParamKey& key,
 
 }  // namespace
 
-OptimStateDict ShardedFromTrainStates(
-    absl::Span<const train::OptimizerState> states) {
+OptimStateDict ShardedFromTrainStates(absl::Span<const OptimizerState> states) {
   OptimStateDict out;
   for (size_t i = 0; i < states.size(); ++i) {
     if (states[i].tensors.empty()) continue;
@@ -44,10 +50,10 @@ OptimStateDict ShardedFromTrainStates(
   return out;
 }
 
-absl::StatusOr<std::vector<train::OptimizerState>> TrainStatesFromSharded(
+absl::StatusOr<std::vector<OptimizerState>> TrainStatesFromSharded(
     const ModelLayout& layout, const OptimStateDict& sharded) {
   const int64_t n = static_cast<int64_t>(layout.flat_params().size());
-  std::vector<train::OptimizerState> out(n);
+  std::vector<OptimizerState> out(n);
   for (const auto& [key, state] : sharded.state) {
     const auto* id = std::get_if<int64_t>(&key);
     if (id == nullptr || *id < 0 || *id >= n) {
@@ -62,7 +68,7 @@ absl::StatusOr<std::vector<train::OptimizerState>> TrainStatesFromSharded(
 }
 
 OptimStateDict FullFromTrainStates(
-    const std::map<std::string, train::OptimizerState>& states) {
+    const std::map<std::string, OptimizerState>& states) {
   OptimStateDict out;
   for (const auto& [fqn, state] : states) {
     out.state[ParamKey(fqn)] = ToParamState(state);
@@ -70,9 +76,9 @@ OptimStateDict FullFromTrainStates(
   return out;
 }
 
-absl::StatusOr<std::map<std::string, train::OptimizerState>>
-TrainStatesFromFull(const OptimStateDict& full) {
-  std::map<std::string, train::OptimizerState> out;
+absl::StatusOr<std::map<std::string, OptimizerState>> TrainStatesFromFull(
+    const OptimStateDict& full) {
+  std::map<std::string, OptimizerState> out;
   for (const auto& [key, state] : full.state) {
     const auto* fqn = std::get_if<std::string>(&key);
     if (fqn == nullptr) {
@@ -86,5 +92,5 @@ TrainStatesFromFull(const OptimStateDict& full) {
   return out;
 }
 
-}  // namespace optim
+}  // namespace refmodel
 }  // namespace flatparam

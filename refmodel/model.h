@@ -30,8 +30,8 @@
 //
 // Thread-safety: ReferenceModel is immutable after Create; concurrent
 // ForwardBackward calls are safe with distinct ParamAccess objects.
-#ifndef FLATPARAM_TRAIN_MODEL_H_
-#define FLATPARAM_TRAIN_MODEL_H_
+#ifndef FLATPARAM_REFMODEL_MODEL_H_
+#define FLATPARAM_REFMODEL_MODEL_H_
 
 #include <cstdint>
 #include <map>
@@ -46,7 +46,7 @@
 #include "flatparam/model.h"
 
 namespace flatparam {
-namespace train {
+namespace refmodel {
 
 // The model's shape and initialisation seed.
 struct Config {
@@ -270,7 +270,7 @@ std::string LayerBiasName(int layer);
 // mixing function with a fixed, documented definition.
 uint64_t SplitMix64(uint64_t state);
 
-}  // namespace train
+}  // namespace refmodel
 }  // namespace flatparam
 
-#endif  // FLATPARAM_TRAIN_MODEL_H_
+#endif  // FLATPARAM_REFMODEL_MODEL_H_

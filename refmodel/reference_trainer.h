@@ -50,8 +50,8 @@
 // over micro-batches divided by float(M). All in float32.
 //
 // Thread-safety: pure functions of their arguments.
-#ifndef FLATPARAM_TRAIN_REFERENCE_TRAINER_H_
-#define FLATPARAM_TRAIN_REFERENCE_TRAINER_H_
+#ifndef FLATPARAM_REFMODEL_REFERENCE_TRAINER_H_
+#define FLATPARAM_REFMODEL_REFERENCE_TRAINER_H_
 
 #include <cstdint>
 #include <map>
@@ -63,11 +63,11 @@
 #include "absl/status/statusor.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/flatten.h"
-#include "flatparam/train/model.h"
-#include "flatparam/train/optimizer.h"
+#include "refmodel/model.h"
+#include "refmodel/optimizer.h"
 
 namespace flatparam {
-namespace train {
+namespace refmodel {
 
 // How the ranks' gradients are combined (see the file comment, step 2).
 struct GradientReduction {
@@ -156,7 +156,7 @@ absl::StatusOr<StepGradients> ComputeStepGradients(
 absl::StatusOr<TrainResult> TrainReference(const Config& config,
                                            const TrainOptions& options);
 
-}  // namespace train
+}  // namespace refmodel
 }  // namespace flatparam
 
-#endif  // FLATPARAM_TRAIN_REFERENCE_TRAINER_H_
+#endif  // FLATPARAM_REFMODEL_REFERENCE_TRAINER_H_

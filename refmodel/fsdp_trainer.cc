@@ -1,4 +1,4 @@
-#include "flatparam/train/fsdp_trainer.h"
+#include "refmodel/fsdp_trainer.h"
 
 #include <algorithm>
 #include <cstring>
@@ -11,7 +11,7 @@
 #include "flatparam/handle.h"
 
 namespace flatparam {
-namespace train {
+namespace refmodel {
 namespace {
 
 using TensorMap = std::map<std::string, HostTensor>;
@@ -892,5 +892,5 @@ absl::StatusOr<std::array<int64_t, kNumMemoryCategories>> ExpectedPeakMemory(
   return peak;
 }
 
-}  // namespace train
+}  // namespace refmodel
 }  // namespace flatparam

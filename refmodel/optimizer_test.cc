@@ -1,4 +1,4 @@
-#include "flatparam/train/optimizer.h"
+#include "refmodel/optimizer.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -15,7 +15,7 @@
 #include "flatparam/flatten.h"
 
 namespace flatparam {
-namespace train {
+namespace refmodel {
 namespace {
 
 using ::testing::ElementsAreArray;
@@ -452,5 +452,5 @@ TEST(AdamWBoundTest, BoundsEveryUpdateAndIsReached) {
 }
 
 }  // namespace
-}  // namespace train
+}  // namespace refmodel
 }  // namespace flatparam

@@ -1,8 +1,8 @@
 // The converters, and the end-to-end claim they exist for: an FSDP
-// trainer's sharded optimizer state (train::Optimizer stepping each rank's
+// trainer's sharded optimizer state (refmodel::Optimizer stepping each rank's
 // shard of each flat parameter) consolidates to exactly the state that
 // stepping each original parameter whole produces.
-#include "flatparam/optim/train_state.h"
+#include "refmodel/train_state.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -21,20 +21,26 @@
 #include "flatparam/model.h"
 #include "flatparam/optim/fsdp_optim.h"
 #include "flatparam/optim/optim_state.h"
-#include "flatparam/train/optimizer.h"
+#include "refmodel/optimizer.h"
 #include "sim/sim.h"
 
 namespace flatparam {
-namespace optim {
+namespace refmodel {
 namespace {
+
+using optim::ConsolidateOptimState;
+using optim::FirstDifference;
+using optim::OptimStateDict;
+using optim::ParamKey;
+using optim::ScalarTensor;
 
 using ::testing::HasSubstr;
 
 TEST(TrainStateTest, ConversionsRoundTrip) {
-  train::OptimizerState s;
+  refmodel::OptimizerState s;
   s.tensors["step"] = ScalarTensor(DType::kFloat32, 2);
   s.tensors["exp_avg"] = HostTensor::Flat(DType::kFloat32, 4);
-  const std::vector<train::OptimizerState> states = {s, {}, s};
+  const std::vector<refmodel::OptimizerState> states = {s, {}, s};
   const OptimStateDict sharded = ShardedFromTrainStates(states);
   EXPECT_EQ(sharded.state.size(), 2u);
   ModelSpec spec;
@@ -42,11 +48,11 @@ TEST(TrainStateTest, ConversionsRoundTrip) {
   spec.wrap = {"a", "b"};
   FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelLayout layout,
                                  ModelLayout::Create(spec, {.world_size = 1}));
-  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::vector<train::OptimizerState> back,
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::vector<refmodel::OptimizerState> back,
                                  TrainStatesFromSharded(layout, sharded));
   EXPECT_EQ(back, states);
 
-  const std::map<std::string, train::OptimizerState> by_fqn = {{"a.w", s}};
+  const std::map<std::string, refmodel::OptimizerState> by_fqn = {{"a.w", s}};
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
       auto again, TrainStatesFromFull(FullFromTrainStates(by_fqn)));
   EXPECT_EQ(again, by_fqn);
@@ -69,7 +75,7 @@ TEST(TrainStateTest, ConversionsRoundTrip) {
 
 // Steps every original parameter whole (the reference) and every rank's
 // shard of every flat parameter (FSDP), then consolidates the latter.
-void CheckShardedTrainingConsolidates(const train::OptimizerOptions& opt,
+void CheckShardedTrainingConsolidates(const refmodel::OptimizerOptions& opt,
                                       const LayoutOptions& layout_options) {
   ModelSpec spec;
   spec.params = {{"emb", {6, 5}},     {"layers.0.w", {5, 5}},
@@ -78,8 +84,8 @@ void CheckShardedTrainingConsolidates(const train::OptimizerOptions& opt,
   spec.wrap = {"layers.0", "layers.1"};
   FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelLayout layout,
                                  ModelLayout::Create(spec, layout_options));
-  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::unique_ptr<train::Optimizer> optimizer,
-                                 train::MakeOptimizer(opt));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::unique_ptr<refmodel::Optimizer> optimizer,
+                                 refmodel::MakeOptimizer(opt));
   constexpr int kSteps = 3;
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> dist(-1, 1);
@@ -97,7 +103,7 @@ void CheckShardedTrainingConsolidates(const train::OptimizerOptions& opt,
   }
 
   // Reference: each parameter whole.
-  std::map<std::string, train::OptimizerState> want_states;
+  std::map<std::string, refmodel::OptimizerState> want_states;
   {
     std::map<std::string, HostTensor> p = params;
     for (int k = 0; k < kSteps; ++k) {
@@ -141,7 +147,7 @@ void CheckShardedTrainingConsolidates(const train::OptimizerOptions& opt,
   };
   ASSERT_THAT(world->Run([&](SimCommunicator& comm) -> absl::Status {
     const auto& units = layout.flat_params();
-    std::vector<train::OptimizerState> states(units.size());
+    std::vector<refmodel::OptimizerState> states(units.size());
     for (size_t u = 0; u < units.size(); ++u) {
       HostTensor p = shard_of(units[u], params, comm.rank());
       for (int k = 0; k < kSteps; ++k) {
@@ -165,7 +171,7 @@ TEST(TrainStateTest, ShardedAdamWConsolidatesToUnshardedAdamW) {
     for (bool align : {false, true}) {
       SCOPED_TRACE(::testing::Message() << "world " << w << " align " << align);
       CheckShardedTrainingConsolidates(
-          train::AdamWOptions{.lr = 0.01},
+          refmodel::AdamWOptions{.lr = 0.01},
           {.world_size = w, .align_addresses = align});
     }
   }
@@ -173,10 +179,10 @@ TEST(TrainStateTest, ShardedAdamWConsolidatesToUnshardedAdamW) {
 
 TEST(TrainStateTest, ShardedSgdConsolidatesToUnshardedSgd) {
   CheckShardedTrainingConsolidates(
-      train::SgdOptions{.lr = 0.1, .momentum = 0.9},
+      refmodel::SgdOptions{.lr = 0.1, .momentum = 0.9},
       {.world_size = 3, .strategy = ShardingStrategy::kShardGradOp});
 }
 
 }  // namespace
-}  // namespace optim
+}  // namespace refmodel
 }  // namespace flatparam

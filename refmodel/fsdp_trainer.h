@@ -1,7 +1,7 @@
-// Sharded (FSDP) training of the reference model (flatparam/train/model.h)
+// Sharded (FSDP) training of the reference model (refmodel/model.h)
 // with one FlatParamHandle per unit, on any Communicator backend: the
 // system under test of the proof that sharded training equals unsharded
-// training (TrainReference, flatparam/train/reference_trainer.h).
+// training (TrainReference, refmodel/reference_trainer.h).
 //
 //   // On every rank of `world` (the simulator, MPI, NCCL, ...):
 //   FsdpTrainOptions options;
@@ -64,12 +64,12 @@
 // training a mixed-precision run's one-step gradient stays within
 // (gamma_K(u_low) + gamma_K(2^-24)) * sum |local gradients| / W per element
 // (K = 2M + W + 2 roundings), and its AdamW parameters within
-// AdamWDivergenceBound (flatparam/train/optimizer.h).
+// AdamWDivergenceBound (refmodel/optimizer.h).
 //
 // Thread-safety: TrainFsdpOnRank runs on its rank's thread and shares
 // nothing with other ranks; ranks may run concurrently (threads, processes).
-#ifndef FLATPARAM_TRAIN_FSDP_TRAINER_H_
-#define FLATPARAM_TRAIN_FSDP_TRAINER_H_
+#ifndef FLATPARAM_REFMODEL_FSDP_TRAINER_H_
+#define FLATPARAM_REFMODEL_FSDP_TRAINER_H_
 
 #include <array>
 #include <cstdint>
@@ -87,12 +87,12 @@
 #include "flatparam/layout.h"
 #include "flatparam/memory_stats.h"
 #include "flatparam/model.h"
-#include "flatparam/train/model.h"
-#include "flatparam/train/optimizer.h"
-#include "flatparam/train/reference_trainer.h"
+#include "refmodel/model.h"
+#include "refmodel/optimizer.h"
+#include "refmodel/reference_trainer.h"
 
 namespace flatparam {
-namespace train {
+namespace refmodel {
 
 // One rank's sharded training state: what it needs to go on training, and
 // what a sharded checkpoint stores for it (flatparam/checkpoint/optim_io.h's
@@ -311,7 +311,7 @@ absl::StatusOr<FsdpRankResult> TrainFsdpOnRank(Communicator& world,
 absl::StatusOr<std::array<int64_t, kNumMemoryCategories>> ExpectedPeakMemory(
     const FsdpTrainOptions& options, int world_size);
 
-}  // namespace train
+}  // namespace refmodel
 }  // namespace flatparam
 
-#endif  // FLATPARAM_TRAIN_FSDP_TRAINER_H_
+#endif  // FLATPARAM_REFMODEL_FSDP_TRAINER_H_

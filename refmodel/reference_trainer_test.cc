@@ -1,4 +1,4 @@
-#include "flatparam/train/reference_trainer.h"
+#include "refmodel/reference_trainer.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -10,11 +10,11 @@
 
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/flatten.h"
-#include "flatparam/train/model.h"
-#include "flatparam/train/optimizer.h"
+#include "refmodel/model.h"
+#include "refmodel/optimizer.h"
 
 namespace flatparam {
-namespace train {
+namespace refmodel {
 namespace {
 
 using ::testing::HasSubstr;
@@ -440,5 +440,5 @@ TEST(TrainReferenceTest, RejectsBadOptions) {
 }
 
 }  // namespace
-}  // namespace train
+}  // namespace refmodel
 }  // namespace flatparam

@@ -1,4 +1,4 @@
-#include "flatparam/train/model.h"
+#include "refmodel/model.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -17,7 +17,7 @@
 #include "flatparam/model.h"
 
 namespace flatparam {
-namespace train {
+namespace refmodel {
 namespace {
 
 using ::testing::ElementsAre;
@@ -547,5 +547,5 @@ TEST(MapParamAccessTest, ChecksDtypesAndGradientSizes) {
 }
 
 }  // namespace
-}  // namespace train
+}  // namespace refmodel
 }  // namespace flatparam

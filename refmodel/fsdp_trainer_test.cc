@@ -2,7 +2,7 @@
 // formula. Its equivalence with TrainReference is proven by the property
 // suite in verify/training_equivalence_test.cc (on the simulator) and
 // verify/training_mpi_test.cc (MPI).
-#include "flatparam/train/fsdp_trainer.h"
+#include "refmodel/fsdp_trainer.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -13,7 +13,7 @@
 #include "flatparam/memory_stats.h"
 
 namespace flatparam {
-namespace train {
+namespace refmodel {
 namespace {
 
 using ::testing::HasSubstr;
@@ -148,5 +148,5 @@ TEST(ValidateFsdpTrainOptionsTest, NamesTheOffendingValues) {
 }
 
 }  // namespace
-}  // namespace train
+}  // namespace refmodel
 }  // namespace flatparam

@@ -28,8 +28,8 @@
 //
 // Thread-safety: optimizers are immutable (hyperparameters only) and Step is
 // const; concurrent Steps on distinct parameters and states are safe.
-#ifndef FLATPARAM_TRAIN_OPTIMIZER_H_
-#define FLATPARAM_TRAIN_OPTIMIZER_H_
+#ifndef FLATPARAM_REFMODEL_OPTIMIZER_H_
+#define FLATPARAM_REFMODEL_OPTIMIZER_H_
 
 #include <map>
 #include <memory>
@@ -43,7 +43,7 @@
 #include "flatparam/flatten.h"
 
 namespace flatparam {
-namespace train {
+namespace refmodel {
 
 // State names, as in PyTorch's optimizer state dict.
 inline constexpr absl::string_view kStepState = "step";
@@ -167,7 +167,7 @@ double AdamWUpdateBound(const AdamWOptions& options, int64_t step);
 double AdamWDivergenceBound(const AdamWOptions& options, int64_t steps,
                             double max_abs_param);
 
-}  // namespace train
+}  // namespace refmodel
 }  // namespace flatparam
 
-#endif  // FLATPARAM_TRAIN_OPTIMIZER_H_
+#endif  // FLATPARAM_REFMODEL_OPTIMIZER_H_

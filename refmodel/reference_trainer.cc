@@ -1,4 +1,4 @@
-#include "flatparam/train/reference_trainer.h"
+#include "refmodel/reference_trainer.h"
 
 #include <cmath>
 #include <cstring>
@@ -13,7 +13,7 @@
 #include "flatparam/device/device.h"
 
 namespace flatparam {
-namespace train {
+namespace refmodel {
 namespace {
 
 using TensorMap = std::map<std::string, HostTensor>;
@@ -328,5 +328,5 @@ absl::StatusOr<TrainResult> TrainReference(const Config& config,
   return result;
 }
 
-}  // namespace train
+}  // namespace refmodel
 }  // namespace flatparam
