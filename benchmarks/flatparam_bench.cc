@@ -63,8 +63,8 @@ struct Fixture {
   }
   std::optional<FlatParamLayout> layout;
   std::vector<HostTensor> params;
-  std::vector<ConstTensorRef> refs;
-  std::vector<TensorRef> mutable_refs;
+  std::vector<ConstBufferRef> refs;
+  std::vector<BufferRef> mutable_refs;
   HostTensor flat;
 };
 
@@ -87,8 +87,8 @@ void BM_Memcpy(benchmark::State& state) {
 
 void BM_Flatten(benchmark::State& state) {
   Fixture f(state.range(0), 8);
-  TensorRef out{f.flat.data(), DType::kFloat32,
-                f.layout->unpadded_unsharded_numel()};
+  BufferRef out{f.flat.data(), f.layout->unpadded_unsharded_numel(),
+                DType::kFloat32, Device::Host()};
   for (auto _ : state) {
     CheckOk(Flatten(*f.layout, f.refs, out));
     benchmark::ClobberMemory();

@@ -84,24 +84,6 @@ absl::Status CheckReduceOptions(int rank, absl::string_view op, int64_t seq,
 
 }  // namespace
 
-std::string DeviceName(Device device) {
-  return device.type == DeviceType::kHost ? "host"
-                                          : absl::StrCat("cuda:", device.index);
-}
-
-int64_t ConstBufferRef::bytes() const {
-  return count * static_cast<int64_t>(DTypeSize(dtype));
-}
-
-int64_t BufferRef::bytes() const {
-  return count * static_cast<int64_t>(DTypeSize(dtype));
-}
-
-BufferRef BufferRef::Slice(int64_t offset, int64_t n) const {
-  return {static_cast<char*>(data) + offset * DTypeSize(dtype), n, dtype,
-          device};
-}
-
 absl::string_view CollectiveOpName(CollectiveOp op) {
   switch (op) {
     case CollectiveOp::kAllGather:

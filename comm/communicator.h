@@ -40,50 +40,10 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "flatparam/base/buffer.h"
 #include "flatparam/base/dtype.h"
 
 namespace flatparam {
-
-// Where a buffer lives.
-enum class DeviceType : uint8_t { kHost, kCuda };
-
-struct Device {
-  DeviceType type = DeviceType::kHost;
-  int index = 0;  // CUDA device ordinal; 0 for host.
-
-  static Device Host() { return {}; }
-  static Device Cuda(int index) { return {DeviceType::kCuda, index}; }
-  friend bool operator==(Device a, Device b) {
-    return a.type == b.type && a.index == b.index;
-  }
-  friend bool operator!=(Device a, Device b) { return !(a == b); }
-};
-
-// "host" or "cuda:N".
-std::string DeviceName(Device device);
-
-// A read-only buffer of `count` elements of `dtype` at `data` on `device`.
-struct ConstBufferRef {
-  const void* data = nullptr;
-  int64_t count = 0;
-  DType dtype = DType::kFloat32;
-  Device device;
-
-  int64_t bytes() const;
-};
-
-// A writable buffer; converts to ConstBufferRef.
-struct BufferRef {
-  void* data = nullptr;
-  int64_t count = 0;
-  DType dtype = DType::kFloat32;
-  Device device;
-
-  int64_t bytes() const;
-  operator ConstBufferRef() const { return {data, count, dtype, device}; }
-  // Elements [offset, offset + count) of this buffer.
-  BufferRef Slice(int64_t offset, int64_t count) const;
-};
 
 // The collectives of this interface, for backends' bookkeeping, traces and
 // messages. The values are stable (the MPI backend sends them on the wire).

@@ -15,9 +15,18 @@ std::string UnitLabel(const FlatParamLayout& layout) {
   return layout.unit().empty() ? "<root>" : layout.unit();
 }
 
+// Host memory of `want_numel` elements of `want_dtype`.
 absl::Status CheckRef(const FlatParamLayout& layout, const char* what,
-                      DType dtype, int64_t numel, DType want_dtype,
-                      int64_t want_numel, const void* data) {
+                      ConstBufferRef ref, DType want_dtype,
+                      int64_t want_numel) {
+  const DType dtype = ref.dtype;
+  const int64_t numel = ref.count;
+  const void* data = ref.data;
+  if (ref.device != Device::Host()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("unit %s: %s is on %s; flattening works on host memory",
+                        UnitLabel(layout), what, DeviceName(ref.device)));
+  }
   if (dtype != want_dtype || numel != want_numel) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "unit %s: %s must be %d elements of %s, got %d elements of %s",
@@ -43,20 +52,19 @@ absl::Status CheckParams(const FlatParamLayout& layout,
   for (size_t i = 0; i < params.size(); ++i) {
     const ParamInfo& p = layout.params()[i];
     const std::string what = absl::StrFormat("parameter \"%s\"", p.fqn);
-    FLATPARAM_RETURN_IF_ERROR(CheckRef(layout, what.c_str(), params[i].dtype,
-                                       params[i].numel, layout.dtype(), p.numel,
-                                       params[i].data));
+    FLATPARAM_RETURN_IF_ERROR(
+        CheckRef(layout, what.c_str(), params[i], layout.dtype(), p.numel));
   }
   return absl::OkStatus();
 }
 
 // Checks a flat buffer that may be the unpadded or the padded size.
-absl::Status CheckFlat(const FlatParamLayout& layout, ConstTensorRef flat) {
-  const int64_t want = flat.numel == layout.padded_unsharded_numel()
+absl::Status CheckFlat(const FlatParamLayout& layout, ConstBufferRef flat) {
+  const int64_t want = flat.count == layout.padded_unsharded_numel()
                            ? layout.padded_unsharded_numel()
                            : layout.unpadded_unsharded_numel();
-  return CheckRef(layout, "the unsharded flat parameter", flat.dtype,
-                  flat.numel, layout.dtype(), want, flat.data);
+  return CheckRef(layout, "the unsharded flat parameter", flat, layout.dtype(),
+                  want);
 }
 
 // Whether an operation moving `numel` elements should stream its copies.
@@ -83,7 +91,7 @@ void FillPadding(void* dst, DType dtype, int64_t count) {
 // Copies elements [begin, end) of the unsharded flat parameter, as Flatten
 // would produce it, into `dst`, reading parameters directly.
 void CopyFlatRange(const FlatParamLayout& layout,
-                   absl::Span<const ConstTensorRef> params, int64_t begin,
+                   absl::Span<const ConstBufferRef> params, int64_t begin,
                    int64_t end, void* dst) {
   const bool streaming = Streaming(layout, end - begin);
   const size_t size = DTypeSize(layout.dtype());
@@ -121,23 +129,22 @@ HostTensor HostTensor::Flat(DType dtype, int64_t numel) {
 }
 
 absl::Status Flatten(const FlatParamLayout& layout,
-                     absl::Span<const ConstTensorRef> params, TensorRef out) {
+                     absl::Span<const ConstBufferRef> params, BufferRef out) {
   FLATPARAM_RETURN_IF_ERROR(CheckParams(layout, params));
-  FLATPARAM_RETURN_IF_ERROR(
-      CheckRef(layout, "the flat parameter output", out.dtype, out.numel,
-               layout.dtype(), layout.unpadded_unsharded_numel(), out.data));
+  FLATPARAM_RETURN_IF_ERROR(CheckRef(layout, "the flat parameter output", out,
+                                     layout.dtype(),
+                                     layout.unpadded_unsharded_numel()));
   CopyFlatRange(layout, params, 0, layout.unpadded_unsharded_numel(), out.data);
   return absl::OkStatus();
 }
 
 absl::Status FlattenShard(const FlatParamLayout& layout,
-                          absl::Span<const ConstTensorRef> params, int64_t rank,
-                          TensorRef out) {
+                          absl::Span<const ConstBufferRef> params, int64_t rank,
+                          BufferRef out) {
   FLATPARAM_RETURN_IF_ERROR(layout.CheckRank(rank));
   FLATPARAM_RETURN_IF_ERROR(CheckParams(layout, params));
-  FLATPARAM_RETURN_IF_ERROR(CheckRef(layout, "the shard output", out.dtype,
-                                     out.numel, layout.dtype(),
-                                     layout.sharded_numel(), out.data));
+  FLATPARAM_RETURN_IF_ERROR(CheckRef(layout, "the shard output", out,
+                                     layout.dtype(), layout.sharded_numel()));
   const ShardInterval iv = layout.shard_interval(rank);
   const int64_t end =
       std::min(iv.end_inclusive + 1, layout.unpadded_unsharded_numel());
@@ -149,13 +156,12 @@ absl::Status FlattenShard(const FlatParamLayout& layout,
   return absl::OkStatus();
 }
 
-absl::Status CopyShard(const FlatParamLayout& layout, ConstTensorRef flat,
-                       int64_t rank, TensorRef out) {
+absl::Status CopyShard(const FlatParamLayout& layout, ConstBufferRef flat,
+                       int64_t rank, BufferRef out) {
   FLATPARAM_RETURN_IF_ERROR(layout.CheckRank(rank));
   FLATPARAM_RETURN_IF_ERROR(CheckFlat(layout, flat));
-  FLATPARAM_RETURN_IF_ERROR(CheckRef(layout, "the shard output", out.dtype,
-                                     out.numel, layout.dtype(),
-                                     layout.sharded_numel(), out.data));
+  FLATPARAM_RETURN_IF_ERROR(CheckRef(layout, "the shard output", out,
+                                     layout.dtype(), layout.sharded_numel()));
   const size_t size = DTypeSize(layout.dtype());
   const ShardInterval iv = layout.shard_interval(rank);
   const int64_t data_numel = layout.sharded_numel() - iv.numel_padded;
@@ -168,8 +174,8 @@ absl::Status CopyShard(const FlatParamLayout& layout, ConstTensorRef flat,
 }
 
 absl::Status ConcatShards(const FlatParamLayout& layout,
-                          absl::Span<const ConstTensorRef> shards,
-                          TensorRef out) {
+                          absl::Span<const ConstBufferRef> shards,
+                          BufferRef out) {
   const int64_t n =
       UsesShardedStrategy(layout.options().strategy) ? layout.world_size() : 1;
   if (static_cast<int64_t>(shards.size()) != n) {
@@ -177,23 +183,22 @@ absl::Status ConcatShards(const FlatParamLayout& layout,
         absl::StrFormat("unit %s: expected %d shards, got %d",
                         UnitLabel(layout), n, shards.size()));
   }
-  FLATPARAM_RETURN_IF_ERROR(
-      CheckRef(layout, "the unsharded output", out.dtype, out.numel,
-               layout.dtype(), layout.padded_unsharded_numel(), out.data));
+  FLATPARAM_RETURN_IF_ERROR(CheckRef(layout, "the unsharded output", out,
+                                     layout.dtype(),
+                                     layout.padded_unsharded_numel()));
   const size_t bytes = layout.sharded_numel() * DTypeSize(layout.dtype());
   const bool streaming = Streaming(layout, layout.padded_unsharded_numel());
   for (int64_t r = 0; r < n; ++r) {
     const std::string what = absl::StrFormat("shard of rank %d", r);
-    FLATPARAM_RETURN_IF_ERROR(CheckRef(layout, what.c_str(), shards[r].dtype,
-                                       shards[r].numel, layout.dtype(),
-                                       layout.sharded_numel(), shards[r].data));
+    FLATPARAM_RETURN_IF_ERROR(CheckRef(layout, what.c_str(), shards[r],
+                                       layout.dtype(), layout.sharded_numel()));
     CopyBytes(Bytes(out.data) + r * bytes, shards[r].data, bytes, streaming);
   }
   return absl::OkStatus();
 }
 
-absl::Status Unflatten(const FlatParamLayout& layout, ConstTensorRef flat,
-                       absl::Span<const TensorRef> params) {
+absl::Status Unflatten(const FlatParamLayout& layout, ConstBufferRef flat,
+                       absl::Span<const BufferRef> params) {
   FLATPARAM_RETURN_IF_ERROR(CheckFlat(layout, flat));
   FLATPARAM_RETURN_IF_ERROR(CheckParams(layout, params));
   const size_t size = DTypeSize(layout.dtype());
@@ -207,12 +212,11 @@ absl::Status Unflatten(const FlatParamLayout& layout, ConstTensorRef flat,
   return absl::OkStatus();
 }
 
-absl::Status UnflattenShard(const FlatParamLayout& layout, ConstTensorRef shard,
-                            int64_t rank, absl::Span<const TensorRef> params) {
+absl::Status UnflattenShard(const FlatParamLayout& layout, ConstBufferRef shard,
+                            int64_t rank, absl::Span<const BufferRef> params) {
   FLATPARAM_RETURN_IF_ERROR(layout.CheckRank(rank));
-  FLATPARAM_RETURN_IF_ERROR(CheckRef(layout, "the shard", shard.dtype,
-                                     shard.numel, layout.dtype(),
-                                     layout.sharded_numel(), shard.data));
+  FLATPARAM_RETURN_IF_ERROR(CheckRef(layout, "the shard", shard, layout.dtype(),
+                                     layout.sharded_numel()));
   FLATPARAM_RETURN_IF_ERROR(CheckParams(layout, params));
   const size_t size = DTypeSize(layout.dtype());
   const bool streaming = Streaming(layout, layout.sharded_numel());
@@ -227,33 +231,34 @@ absl::Status UnflattenShard(const FlatParamLayout& layout, ConstTensorRef shard,
   return absl::OkStatus();
 }
 
-ConstTensorRef ParamView(const FlatParamLayout& layout, ConstTensorRef flat,
+ConstBufferRef ParamView(const FlatParamLayout& layout, ConstBufferRef flat,
                          int index) {
-  assert(flat.numel >= layout.unpadded_unsharded_numel());
+  assert(flat.count >= layout.unpadded_unsharded_numel());
   const ParamInfo& p = layout.params()[index];
-  return {Bytes(flat.data) + p.offset * DTypeSize(layout.dtype()),
-          layout.dtype(), p.numel};
+  return {Bytes(flat.data) + p.offset * DTypeSize(layout.dtype()), p.numel,
+          layout.dtype(), flat.device};
 }
 
-TensorRef ParamView(const FlatParamLayout& layout, TensorRef flat, int index) {
-  const ConstTensorRef v = ParamView(layout, ConstTensorRef(flat), index);
-  return {const_cast<void*>(v.data), v.dtype, v.numel};
+BufferRef ParamView(const FlatParamLayout& layout, BufferRef flat, int index) {
+  const ConstBufferRef v = ParamView(layout, ConstBufferRef(flat), index);
+  return {const_cast<void*>(v.data), v.count, v.dtype, v.device};
 }
 
-ConstTensorRef ShardView(const FlatParamLayout& layout, ConstTensorRef shard,
+ConstBufferRef ShardView(const FlatParamLayout& layout, ConstBufferRef shard,
                          int64_t rank, int index) {
-  assert(shard.numel == layout.sharded_numel());
+  assert(shard.count == layout.sharded_numel());
   const ShardParamInfo info = layout.shard_param_info(rank, index);
-  if (!info.in_shard) return {shard.data, layout.dtype(), 0};
+  if (!info.in_shard) return {shard.data, 0, layout.dtype(), shard.device};
   return {Bytes(shard.data) + info.offset_in_shard * DTypeSize(layout.dtype()),
-          layout.dtype(), std::max<int64_t>(0, info.numel_in_shard)};
+          std::max<int64_t>(0, info.numel_in_shard), layout.dtype(),
+          shard.device};
 }
 
-TensorRef ShardView(const FlatParamLayout& layout, TensorRef shard,
+BufferRef ShardView(const FlatParamLayout& layout, BufferRef shard,
                     int64_t rank, int index) {
-  const ConstTensorRef v =
-      ShardView(layout, ConstTensorRef(shard), rank, index);
-  return {const_cast<void*>(v.data), v.dtype, v.numel};
+  const ConstBufferRef v =
+      ShardView(layout, ConstBufferRef(shard), rank, index);
+  return {const_cast<void*>(v.data), v.count, v.dtype, v.device};
 }
 
 }  // namespace flatparam

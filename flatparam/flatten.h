@@ -2,10 +2,12 @@
 // FlatParamLayout, on host memory.
 //
 // The flat parameter is a plain array of `layout.dtype()` elements. Every
-// function here takes dtype-tagged views of caller-owned memory and copies;
+// function here takes host BufferRef / ConstBufferRef views
+// (flatparam/base/buffer.h) of caller-owned memory and copies;
 // none allocates tensor memory or keeps a pointer after it returns. Each
 // checks that the views have the dtype and element count the layout implies
-// and returns InvalidArgument naming the parameter and both sizes otherwise.
+// and returns InvalidArgument naming the parameter and both sizes otherwise
+// (and for a view on a device other than the host).
 //
 //   Flatten            params            -> unsharded flat parameter (padding
 //   42) FlattenShard       params            -> one rank's padded shard,
@@ -29,26 +31,11 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "flatparam/base/buffer.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/layout.h"
 
 namespace flatparam {
-
-// A read-only view of `numel` elements of `dtype` at `data`.
-struct ConstTensorRef {
-  const void* data = nullptr;
-  DType dtype = DType::kFloat32;
-  int64_t numel = 0;
-};
-
-// A writable view of `numel` elements of `dtype` at `data`.
-struct TensorRef {
-  void* data = nullptr;
-  DType dtype = DType::kFloat32;
-  int64_t numel = 0;
-
-  operator ConstTensorRef() const { return {data, dtype, numel}; }
-};
 
 // A host tensor that owns its (contiguous, row-major) storage.
 // Movable and copyable; not thread-safe for concurrent mutation.
@@ -74,9 +61,12 @@ class HostTensor {
     return reinterpret_cast<const T*>(bytes_.data());
   }
 
-  TensorRef ref() { return {data(), dtype_, numel_}; }
-  ConstTensorRef ref() const { return {data(), dtype_, numel_}; }
-  ConstTensorRef cref() const { return ref(); }
+  // Host views of the whole tensor.
+  BufferRef ref() { return {data(), numel_, dtype_, Device::Host()}; }
+  ConstBufferRef ref() const {
+    return {data(), numel_, dtype_, Device::Host()};
+  }
+  ConstBufferRef cref() const { return ref(); }
 
   // Element i as double / stored from double with PyTorch rounding.
   double GetDouble(int64_t i) const { return LoadAsDouble(data(), dtype_, i); }
@@ -102,51 +92,51 @@ class HostTensor {
 // `layout.params()[i]`; `out` has `layout.unpadded_unsharded_numel()`
 // elements. Alignment and world-size padding are set to 42.
 absl::Status Flatten(const FlatParamLayout& layout,
-                     absl::Span<const ConstTensorRef> params, TensorRef out);
+                     absl::Span<const ConstBufferRef> params, BufferRef out);
 
 // Writes `rank`'s padded shard (`layout.sharded_numel()` elements) straight
 // from the parameters, without materializing the unsharded flat parameter:
 // the result equals Flatten followed by CopyShard.
 absl::Status FlattenShard(const FlatParamLayout& layout,
-                          absl::Span<const ConstTensorRef> params, int64_t rank,
-                          TensorRef out);
+                          absl::Span<const ConstBufferRef> params, int64_t rank,
+                          BufferRef out);
 
 // Copies `rank`'s shard of `flat` (`unpadded_unsharded_numel()` or
 // `padded_unsharded_numel()` elements) into `out` (`sharded_numel()`
 // elements), zero-filling the right padding. PyTorch's `_get_shard`.
-absl::Status CopyShard(const FlatParamLayout& layout, ConstTensorRef flat,
-                       int64_t rank, TensorRef out);
+absl::Status CopyShard(const FlatParamLayout& layout, ConstBufferRef flat,
+                       int64_t rank, BufferRef out);
 
 // Concatenates `shards` (one per rank, `sharded_numel()` elements each, in
 // rank order) into `out` (`padded_unsharded_numel()` elements): the
 // all-gather result. For NO_SHARD, `shards` has one element.
 absl::Status ConcatShards(const FlatParamLayout& layout,
-                          absl::Span<const ConstTensorRef> shards,
-                          TensorRef out);
+                          absl::Span<const ConstBufferRef> shards,
+                          BufferRef out);
 
 // Copies each parameter out of the unsharded flat parameter `flat`
 // (unpadded or padded size). `params[i]` receives `layout.params()[i]`.
-absl::Status Unflatten(const FlatParamLayout& layout, ConstTensorRef flat,
-                       absl::Span<const TensorRef> params);
+absl::Status Unflatten(const FlatParamLayout& layout, ConstBufferRef flat,
+                       absl::Span<const BufferRef> params);
 
 // Copies what `rank`'s shard holds of each parameter into `params[i]` at the
 // matching element offsets (intra_param_start_idx..intra_param_end_idx);
 // elements the shard does not hold are left untouched.
-absl::Status UnflattenShard(const FlatParamLayout& layout, ConstTensorRef shard,
-                            int64_t rank, absl::Span<const TensorRef> params);
+absl::Status UnflattenShard(const FlatParamLayout& layout, ConstBufferRef shard,
+                            int64_t rank, absl::Span<const BufferRef> params);
 
 // The view of parameter `index` inside an unsharded flat parameter.
 // REQUIRES: `flat` has at least unpadded_unsharded_numel() elements.
-ConstTensorRef ParamView(const FlatParamLayout& layout, ConstTensorRef flat,
+ConstBufferRef ParamView(const FlatParamLayout& layout, ConstBufferRef flat,
                          int index);
-TensorRef ParamView(const FlatParamLayout& layout, TensorRef flat, int index);
+BufferRef ParamView(const FlatParamLayout& layout, BufferRef flat, int index);
 
 // The (flattened, possibly empty) view of parameter `index` inside `rank`'s
 // shard, PyTorch's sharded `use_orig_params` view.
 // REQUIRES: `shard` has sharded_numel() elements.
-ConstTensorRef ShardView(const FlatParamLayout& layout, ConstTensorRef shard,
+ConstBufferRef ShardView(const FlatParamLayout& layout, ConstBufferRef shard,
                          int64_t rank, int index);
-TensorRef ShardView(const FlatParamLayout& layout, TensorRef shard,
+BufferRef ShardView(const FlatParamLayout& layout, BufferRef shard,
                     int64_t rank, int index);
 
 }  // namespace flatparam

@@ -37,8 +37,8 @@ class FlattenTest : public ::testing::Test {
     for (int i = 0; i < 5; ++i) params_[1].SetDouble(i, 10 + i);
     params_[2].SetDouble(0, 7);
   }
-  std::vector<ConstTensorRef> Refs() const {
-    std::vector<ConstTensorRef> r;
+  std::vector<ConstBufferRef> Refs() const {
+    std::vector<ConstBufferRef> r;
     for (const HostTensor& t : params_) r.push_back(t.cref());
     return r;
   }
@@ -54,6 +54,22 @@ TEST_F(FlattenTest, FlattenWritesPaddingValue42) {
                                         42, 7, 42, 42));
 }
 
+TEST_F(FlattenTest, DeviceViewsAreRejected) {
+  // One view type for every layer: the host functions reject device memory
+  // instead of reading it.
+  HostTensor flat = HostTensor::Flat(DType::kFloat32, 15);
+  std::vector<ConstBufferRef> refs = Refs();
+  refs[1].device = Device::Cuda(0);
+  EXPECT_THAT(Flatten(*layout_, refs, flat.ref()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("parameter \"b\" is on cuda:0")));
+  BufferRef out = flat.ref();
+  out.device = Device::Cuda(0);
+  EXPECT_THAT(Flatten(*layout_, Refs(), out),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("is on cuda:0; flattening works on host")));
+}
+
 TEST_F(FlattenTest, ShardsMatchFlattenAndCopy) {
   HostTensor flat = HostTensor::Flat(DType::kFloat32, 15);
   FLATPARAM_ASSERT_OK(Flatten(*layout_, Refs(), flat.ref()));
@@ -67,7 +83,7 @@ TEST_F(FlattenTest, ShardsMatchFlattenAndCopy) {
     shards.push_back(std::move(a));
   }
   EXPECT_THAT(Values(shards[1]), ElementsAre(11, 12, 13, 14, 42));
-  std::vector<ConstTensorRef> refs;
+  std::vector<ConstBufferRef> refs;
   for (const HostTensor& s : shards) refs.push_back(s.cref());
   HostTensor gathered = HostTensor::Flat(DType::kFloat32, 15);
   FLATPARAM_ASSERT_OK(ConcatShards(*layout_, refs, gathered.ref()));
@@ -76,7 +92,7 @@ TEST_F(FlattenTest, ShardsMatchFlattenAndCopy) {
   std::vector<HostTensor> out = {HostTensor(DType::kFloat32, {3}),
                                  HostTensor(DType::kFloat32, {5}),
                                  HostTensor(DType::kFloat32, {})};
-  std::vector<TensorRef> out_refs;
+  std::vector<BufferRef> out_refs;
   for (HostTensor& t : out) out_refs.push_back(t.ref());
   FLATPARAM_ASSERT_OK(Unflatten(*layout_, gathered.cref(), out_refs));
   EXPECT_EQ(out, params_);
@@ -84,7 +100,7 @@ TEST_F(FlattenTest, ShardsMatchFlattenAndCopy) {
   std::vector<HostTensor> pieces = {HostTensor(DType::kFloat32, {3}),
                                     HostTensor(DType::kFloat32, {5}),
                                     HostTensor(DType::kFloat32, {})};
-  std::vector<TensorRef> piece_refs;
+  std::vector<BufferRef> piece_refs;
   for (HostTensor& t : pieces) piece_refs.push_back(t.ref());
   for (int r = 0; r < 3; ++r) {
     FLATPARAM_ASSERT_OK(
@@ -109,15 +125,15 @@ TEST_F(FlattenTest, ShardPaddingIsZero) {
 TEST_F(FlattenTest, ViewsPointIntoTheBuffers) {
   HostTensor flat = HostTensor::Flat(DType::kFloat32, 15);
   FLATPARAM_ASSERT_OK(Flatten(*layout_, Refs(), flat.ref()));
-  const ConstTensorRef b = ParamView(*layout_, flat.cref(), 1);
-  EXPECT_EQ(b.numel, 5);
+  const ConstBufferRef b = ParamView(*layout_, flat.cref(), 1);
+  EXPECT_EQ(b.count, 5);
   EXPECT_EQ(static_cast<const float*>(b.data)[0], 10.0f);
   HostTensor shard = HostTensor::Flat(DType::kFloat32, 5);
   FLATPARAM_ASSERT_OK(FlattenShard(*layout_, Refs(), 1, shard.ref()));
-  const ConstTensorRef b1 = ShardView(*layout_, shard.cref(), 1, 1);
-  EXPECT_EQ(b1.numel, 4);
+  const ConstBufferRef b1 = ShardView(*layout_, shard.cref(), 1, 1);
+  EXPECT_EQ(b1.count, 4);
   EXPECT_EQ(static_cast<const float*>(b1.data)[0], 11.0f);
-  EXPECT_EQ(ShardView(*layout_, shard.cref(), 1, 0).numel, 0);
+  EXPECT_EQ(ShardView(*layout_, shard.cref(), 1, 0).count, 0);
 }
 
 // Above kStreamingCopyThreshold the copies take the streaming path; the
@@ -132,7 +148,7 @@ TEST(FlattenLargeTest, StreamingCopiesRoundTripExactly) {
                                  FlatParamLayout::Create("", specs, o));
   ASSERT_GE(l.unpadded_unsharded_numel() * 4, kStreamingCopyThreshold);
   std::vector<HostTensor> params;
-  std::vector<ConstTensorRef> refs;
+  std::vector<ConstBufferRef> refs;
   uint32_t next = 1;
   for (const ParamInfo& p : l.params()) {
     params.emplace_back(DType::kFloat32, p.shape);
@@ -144,7 +160,7 @@ TEST(FlattenLargeTest, StreamingCopiesRoundTripExactly) {
       HostTensor::Flat(DType::kFloat32, l.padded_unsharded_numel());
   FLATPARAM_ASSERT_OK(Flatten(l, refs, flat.ref()));
   std::vector<HostTensor> shards;
-  std::vector<ConstTensorRef> shard_refs;
+  std::vector<ConstBufferRef> shard_refs;
   for (int r = 0; r < 3; ++r) {
     shards.push_back(HostTensor::Flat(DType::kFloat32, l.sharded_numel()));
     HostTensor copy = HostTensor::Flat(DType::kFloat32, l.sharded_numel());
@@ -157,7 +173,7 @@ TEST(FlattenLargeTest, StreamingCopiesRoundTripExactly) {
       HostTensor::Flat(DType::kFloat32, l.padded_unsharded_numel());
   FLATPARAM_ASSERT_OK(ConcatShards(l, shard_refs, gathered.ref()));
   std::vector<HostTensor> out;
-  std::vector<TensorRef> out_refs;
+  std::vector<BufferRef> out_refs;
   for (const ParamInfo& p : l.params())
     out.emplace_back(DType::kFloat32, p.shape);
   for (HostTensor& t : out) out_refs.push_back(t.ref());
@@ -171,7 +187,7 @@ TEST_F(FlattenTest, WrongBuffersAreErrors) {
   EXPECT_THAT(Flatten(*layout_, Refs(), flat.ref()),
               StatusIs(kInvalid, HasSubstr("must be 15 elements of float32, "
                                            "got 14 elements of float32")));
-  std::vector<ConstTensorRef> refs = Refs();
+  std::vector<ConstBufferRef> refs = Refs();
   refs.pop_back();
   HostTensor ok = HostTensor::Flat(DType::kFloat32, 15);
   EXPECT_THAT(Flatten(*layout_, refs, ok.ref()),

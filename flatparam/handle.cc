@@ -154,7 +154,7 @@ absl::StatusOr<std::unique_ptr<FlatParamHandle>> FlatParamHandle::CreateCommon(
 
 absl::StatusOr<std::unique_ptr<FlatParamHandle>> FlatParamHandle::Create(
     const FlatParamLayout& layout,
-    absl::Span<const ConstTensorRef> initial_params, Communicator* shard_group,
+    absl::Span<const ConstBufferRef> initial_params, Communicator* shard_group,
     Communicator* replicate_group, DeviceOps* device,
     const HandleOptions& options) {
   FLATPARAM_ASSIGN_OR_RETURN(
@@ -168,8 +168,7 @@ absl::StatusOr<std::unique_ptr<FlatParamHandle>> FlatParamHandle::Create(
   const BufferRef shard = h.local_shard_ref_;
   if (shard.device == Device::Host()) {
     FLATPARAM_RETURN_IF_ERROR(
-        FlattenShard(layout, initial_params, h.rank_,
-                     TensorRef{shard.data, shard.dtype, shard.count}));
+        FlattenShard(layout, initial_params, h.rank_, shard));
   } else {
     HostTensor staging = HostTensor::Flat(layout.dtype(), shard.count);
     FLATPARAM_RETURN_IF_ERROR(

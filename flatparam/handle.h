@@ -254,7 +254,7 @@ class FlatParamHandle {
   // InvalidArgument naming the offending values otherwise.
   static absl::StatusOr<std::unique_ptr<FlatParamHandle>> Create(
       const FlatParamLayout& layout,
-      absl::Span<const ConstTensorRef> initial_params,
+      absl::Span<const ConstBufferRef> initial_params,
       Communicator* shard_group, Communicator* replicate_group,
       DeviceOps* device, const HandleOptions& options = {});
 

@@ -70,7 +70,7 @@ RC_GTEST_PROP(HandleProperties, GatherReduceAndWriteback, ()) {
   RC_PRE(layout_or.ok());
   const FlatParamLayout& layout = *layout_or;
   const std::vector<HostTensor> params = InitialParams(s, layout);
-  std::vector<ConstTensorRef> refs;
+  std::vector<ConstBufferRef> refs;
   for (const HostTensor& t : params) refs.push_back(t.cref());
   HostTensor flat =
       HostTensor::Flat(layout.dtype(), layout.unpadded_unsharded_numel());
@@ -80,7 +80,7 @@ RC_GTEST_PROP(HandleProperties, GatherReduceAndWriteback, ()) {
   for (HostTensor& t : negated) {
     for (int64_t k = 0; k < t.numel(); ++k) t.SetDouble(k, -t.GetDouble(k));
   }
-  std::vector<ConstTensorRef> negated_refs;
+  std::vector<ConstBufferRef> negated_refs;
   for (const HostTensor& t : negated) negated_refs.push_back(t.cref());
 
   const int world = s.world_size();

@@ -142,7 +142,7 @@ TEST_P(UnshardCycleTest, ViewsAndFlatParamMatchTheLayout) {
   s.sim_seed = c.seed;
   FLATPARAM_ASSERT_OK_AND_ASSIGN(FlatParamLayout layout, MakeLayout(s));
   const std::vector<HostTensor> params = InitialParams(s, layout);
-  std::vector<ConstTensorRef> refs;
+  std::vector<ConstBufferRef> refs;
   for (const HostTensor& t : params) refs.push_back(t.cref());
   HostTensor flat =
       HostTensor::Flat(layout.dtype(), layout.unpadded_unsharded_numel());
@@ -974,7 +974,7 @@ TEST_P(SummonTest, WritesBackToEveryRanksShard) {
   const bool persists =
       c.writeback || (c.strategy == ShardingStrategy::kNoShard && !c.offload);
   const std::vector<HostTensor>& expected = persists ? modified : original;
-  std::vector<ConstTensorRef> refs;
+  std::vector<ConstBufferRef> refs;
   for (const HostTensor& t : expected) refs.push_back(t.cref());
 
   ASSERT_THAT(
@@ -1875,7 +1875,7 @@ TEST(CreateTest, RejectsInconsistentArguments) {
     Scenario s = Make(ShardingStrategy::kFullShard, 2);
     FLATPARAM_ASSIGN_OR_RETURN(FlatParamLayout layout, MakeLayout(s));
     const std::vector<HostTensor> params = InitialParams(s, layout);
-    std::vector<ConstTensorRef> refs;
+    std::vector<ConstBufferRef> refs;
     for (const HostTensor& t : params) refs.push_back(t.cref());
     const auto invalid = [](absl::string_view text) {
       return StatusIs(absl::StatusCode::kInvalidArgument,
@@ -1927,7 +1927,7 @@ TEST(CreateTest, WithLocalShardUsesTheCallersBuffer) {
   Scenario s = Make(ShardingStrategy::kFullShard, 2);
   FLATPARAM_ASSERT_OK_AND_ASSIGN(FlatParamLayout layout, MakeLayout(s));
   const std::vector<HostTensor> params = InitialParams(s, layout);
-  std::vector<ConstTensorRef> refs;
+  std::vector<ConstBufferRef> refs;
   for (const HostTensor& t : params) refs.push_back(t.cref());
   SimOptions options;
   options.world_size = 2;

@@ -197,7 +197,7 @@ absl::Status RunWithHandles(const Scenario& s, const RankFn& fn,
                             std::unique_ptr<SimWorld>* world_out) {
   FLATPARAM_ASSIGN_OR_RETURN(FlatParamLayout layout, MakeLayout(s));
   const std::vector<HostTensor> params = InitialParams(s, layout);
-  std::vector<ConstTensorRef> refs;
+  std::vector<ConstBufferRef> refs;
   for (const HostTensor& t : params) refs.push_back(t.cref());
   SimOptions options;
   options.world_size = s.world_size();

@@ -238,7 +238,7 @@ absl::Status UnflattenInto(const FlatParamLayout& layout,
   for (const ParamInfo& p : layout.params()) {
     tensors.emplace_back(flat.dtype(), p.shape);
   }
-  std::vector<TensorRef> refs;
+  std::vector<BufferRef> refs;
   for (HostTensor& t : tensors) refs.push_back(t.ref());
   FLATPARAM_RETURN_IF_ERROR(Unflatten(layout, flat.cref(), refs));
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -510,7 +510,7 @@ class RankTrainer {
     for (const FlatParamLayout& layout : layout_.flat_params()) {
       const int u = static_cast<int>(handles_.size());
       units_[layout.unit()] = u;
-      std::vector<ConstTensorRef> refs;
+      std::vector<ConstBufferRef> refs;
       for (size_t i = 0; i < layout.params().size(); ++i) {
         const std::string& fqn = layout.params()[i].fqn;
         slots_[fqn] = ParamSlot{u, static_cast<int>(i)};
@@ -618,11 +618,10 @@ class RankTrainer {
                              const Optimizer& optimizer,
                              OptimizerState& state) {
     const BufferRef param = h.sharded_param();
-    std::optional<ConstTensorRef> g;
+    std::optional<ConstBufferRef> g;
     if (grad.has_value()) g = grad->cref();
     if (param.device == Device::Host()) {
-      return optimizer.Step(TensorRef{param.data, param.dtype, param.count}, g,
-                            state);
+      return optimizer.Step(param, g, state);
     }
     FLATPARAM_ASSIGN_OR_RETURN(HostTensor host, ToHostTensor(device_, param));
     FLATPARAM_RETURN_IF_ERROR(optimizer.Step(host.ref(), g, state));
@@ -635,17 +634,17 @@ class RankTrainer {
   // All-gathers a shard-sized host tensor over the shard group into the
   // padded unsharded flat tensor (NO_SHARD: the shard is the whole).
   absl::StatusOr<HostTensor> GatherFlat(const FlatParamLayout& layout,
-                                        ConstTensorRef shard) {
+                                        ConstBufferRef shard) {
     if (!UsesShardedStrategy(layout.options().strategy)) {
-      HostTensor flat = HostTensor::Flat(shard.dtype, shard.numel);
-      if (shard.numel > 0) std::memcpy(flat.data(), shard.data, flat.nbytes());
+      HostTensor flat = HostTensor::Flat(shard.dtype, shard.count);
+      if (shard.count > 0) std::memcpy(flat.data(), shard.data, flat.nbytes());
       return flat;
     }
     HostTensor flat =
         HostTensor::Flat(shard.dtype, layout.padded_unsharded_numel());
     FLATPARAM_RETURN_IF_ERROR(AllGatherHost(
         *shard_, device_,
-        ConstBufferRef{shard.data, shard.numel, shard.dtype, Device::Host()},
+        ConstBufferRef{shard.data, shard.count, shard.dtype, Device::Host()},
         BufferRef{flat.data(), flat.numel(), flat.dtype(), Device::Host()},
         options_.collective_options,
         absl::StrFormat("gathering unit \"%s\"", layout.unit())));

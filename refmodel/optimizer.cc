@@ -14,7 +14,7 @@ namespace flatparam {
 namespace refmodel {
 namespace {
 
-absl::Status CheckArgs(TensorRef param, const ConstTensorRef& grad) {
+absl::Status CheckArgs(BufferRef param, const ConstBufferRef& grad) {
   if (param.dtype != DType::kFloat32) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "the parameter has dtype %s; optimizers support float32 only",
@@ -25,10 +25,10 @@ absl::Status CheckArgs(TensorRef param, const ConstTensorRef& grad) {
         "the gradient has dtype %s; optimizers support float32 only",
         DTypeName(grad.dtype)));
   }
-  if (param.numel != grad.numel) {
+  if (param.count != grad.count) {
     return absl::InvalidArgumentError(
         absl::StrFormat("the parameter has %d elements but the gradient %d",
-                        param.numel, grad.numel));
+                        param.count, grad.count));
   }
   return absl::OkStatus();
 }
@@ -67,13 +67,13 @@ class Sgd final : public Optimizer {
 
   absl::string_view name() const override { return "sgd"; }
 
-  absl::Status Step(TensorRef param, std::optional<ConstTensorRef> grad_ref,
+  absl::Status Step(BufferRef param, std::optional<ConstBufferRef> grad_ref,
                     OptimizerState& state) const override {
     if (!grad_ref.has_value()) return absl::OkStatus();
     FLATPARAM_RETURN_IF_ERROR(CheckArgs(param, *grad_ref));
     FLATPARAM_RETURN_IF_ERROR(
-        CheckState(state, param.numel, "SGD", {kMomentumBuffer}));
-    const int64_t n = param.numel;
+        CheckState(state, param.count, "SGD", {kMomentumBuffer}));
+    const int64_t n = param.count;
     float* p = static_cast<float*>(param.data);
     const float* grad = static_cast<const float*>(grad_ref->data);
 
@@ -124,13 +124,13 @@ class AdamW final : public Optimizer {
 
   absl::string_view name() const override { return "adamw"; }
 
-  absl::Status Step(TensorRef param, std::optional<ConstTensorRef> grad_ref,
+  absl::Status Step(BufferRef param, std::optional<ConstBufferRef> grad_ref,
                     OptimizerState& state) const override {
     if (!grad_ref.has_value()) return absl::OkStatus();
     FLATPARAM_RETURN_IF_ERROR(CheckArgs(param, *grad_ref));
-    FLATPARAM_RETURN_IF_ERROR(CheckState(state, param.numel, "AdamW",
+    FLATPARAM_RETURN_IF_ERROR(CheckState(state, param.count, "AdamW",
                                          {kStepState, kExpAvg, kExpAvgSq}));
-    const int64_t n = param.numel;
+    const int64_t n = param.count;
     auto& tensors = state.tensors;
     if (tensors.empty()) {
       tensors.emplace(std::string(kStepState), HostTensor(DType::kFloat32, {}));

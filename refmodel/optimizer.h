@@ -124,7 +124,7 @@ class Optimizer {
   // their numels differ; a state tensor has the wrong dtype or numel, or a
   // name this optimizer does not use; AdamW state is partial (some of step,
   // exp_avg, exp_avg_sq missing). Nothing is modified on error.
-  virtual absl::Status Step(TensorRef param, std::optional<ConstTensorRef> grad,
+  virtual absl::Status Step(BufferRef param, std::optional<ConstBufferRef> grad,
                             OptimizerState& state) const = 0;
 };
 

@@ -44,11 +44,13 @@ const std::vector<float> kInitialParam = {1.0f, -2.0f, 0.5f};
 const std::vector<std::vector<float>> kGrads = {
     {0.5f, -0.25f, 0.125f}, {0.25f, 0.5f, -1.0f}, {-0.75f, 0.1f, 0.3f}};
 
-TensorRef Ref(std::vector<float>& v) {
-  return {v.data(), DType::kFloat32, static_cast<int64_t>(v.size())};
+BufferRef Ref(std::vector<float>& v) {
+  return {v.data(), static_cast<int64_t>(v.size()), DType::kFloat32,
+          Device::Host()};
 }
-ConstTensorRef CRef(const std::vector<float>& v) {
-  return {v.data(), DType::kFloat32, static_cast<int64_t>(v.size())};
+ConstBufferRef CRef(const std::vector<float>& v) {
+  return {v.data(), static_cast<int64_t>(v.size()), DType::kFloat32,
+          Device::Host()};
 }
 
 // Expected values below were derived from the documented formulas with every
@@ -331,7 +333,8 @@ TEST(OptimizerTest, RejectsBadArguments) {
 
   std::vector<double> p64 = {1.0, 2.0, 3.0};
   EXPECT_THAT(
-      adamw->Step({p64.data(), DType::kFloat64, 3}, CRef(kGrads[0]), state),
+      adamw->Step({p64.data(), 3, DType::kFloat64, Device::Host()},
+                  CRef(kGrads[0]), state),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("float64")));
   const std::vector<float> short_grad = {1.0f, 2.0f};
   EXPECT_THAT(adamw->Step(Ref(p), CRef(short_grad), state),
@@ -411,9 +414,11 @@ TEST(AdamWBoundTest, BoundsEveryUpdateAndIsReached) {
     OptimizerState state;
     for (float g : grads) {
       const float before = p;
-      EXPECT_THAT(adamw->Step(TensorRef{&p, DType::kFloat32, 1},
-                              ConstTensorRef{&g, DType::kFloat32, 1}, state),
-                  IsOk());
+      EXPECT_THAT(
+          adamw->Step(BufferRef{&p, 1, DType::kFloat32, Device::Host()},
+                      ConstBufferRef{&g, 1, DType::kFloat32, Device::Host()},
+                      state),
+          IsOk());
       moves.push_back(std::abs(static_cast<double>(p) - before));
     }
     return moves;

@@ -138,7 +138,7 @@ void CheckShardedTrainingConsolidates(const refmodel::OptimizerOptions& opt,
   auto shard_of = [&](const FlatParamLayout& unit,
                       const std::map<std::string, HostTensor>& tensors,
                       int64_t rank) {
-    std::vector<ConstTensorRef> refs;
+    std::vector<ConstBufferRef> refs;
     for (const ParamInfo& p : unit.params())
       refs.push_back(tensors.at(p.fqn).cref());
     HostTensor out = HostTensor::Flat(DType::kFloat32, unit.sharded_numel());

@@ -428,8 +428,8 @@ struct DataCase {
   FlatParamLayout layout;
   std::vector<HostTensor> params;
 
-  std::vector<ConstTensorRef> refs() const {
-    std::vector<ConstTensorRef> r;
+  std::vector<ConstBufferRef> refs() const {
+    std::vector<ConstBufferRef> r;
     for (const HostTensor& t : params) r.push_back(t.cref());
     return r;
   }
@@ -468,8 +468,8 @@ std::vector<HostTensor> Sentinels(const std::vector<HostTensor>& like) {
   return out;
 }
 
-std::vector<TensorRef> MutableRefs(std::vector<HostTensor>& tensors) {
-  std::vector<TensorRef> r;
+std::vector<BufferRef> MutableRefs(std::vector<HostTensor>& tensors) {
+  std::vector<BufferRef> r;
   for (HostTensor& t : tensors) r.push_back(t.ref());
   return r;
 }
@@ -744,7 +744,7 @@ RC_GTEST_PROP(LayoutProperties, FlattenShardConcatUnflattenIsIdentity, ()) {
   const DataCase c = DrawDataCase();
   const HostTensor flat = FlattenOrFail(c);
   const std::vector<HostTensor> shards = CopyShardsOrFail(c, flat);
-  std::vector<ConstTensorRef> shard_refs;
+  std::vector<ConstBufferRef> shard_refs;
   for (const HostTensor& s : shards) shard_refs.push_back(s.cref());
   HostTensor gathered =
       HostTensor::Flat(c.layout.dtype(), c.layout.padded_unsharded_numel());
@@ -904,35 +904,35 @@ RC_GTEST_PROP(LayoutProperties, ParamViewAndShardViewPointAtTheData, ()) {
   HostTensor flat = FlattenOrFail(c);
   for (int i = 0; i < static_cast<int>(c.params.size()); ++i) {
     const ParamInfo& p = c.layout.params()[i];
-    const ConstTensorRef v = ParamView(c.layout, flat.cref(), i);
+    const ConstBufferRef v = ParamView(c.layout, flat.cref(), i);
     RC_ASSERT(ByteOffset(v.data, flat.data()) == p.offset * int64_t(elem));
-    RC_ASSERT(v.numel == p.numel);
+    RC_ASSERT(v.count == p.numel);
     RC_ASSERT(v.dtype == c.layout.dtype());
     RC_ASSERT(SameBytes(v.data, c.params[i].data(), p.numel * elem));
-    const TensorRef mv = ParamView(c.layout, flat.ref(), i);
+    const BufferRef mv = ParamView(c.layout, flat.ref(), i);
     RC_ASSERT(ByteOffset(mv.data, v.data) == 0);
-    RC_ASSERT(mv.numel == v.numel);
+    RC_ASSERT(mv.count == v.count);
   }
   std::vector<HostTensor> shards = CopyShardsOrFail(c, flat);
   for (int64_t r = 0; r < NumShards(c.layout); ++r) {
     for (int i = 0; i < static_cast<int>(c.params.size()); ++i) {
       const ShardParamInfo info = c.layout.shard_param_info(r, i);
-      const ConstTensorRef v = ShardView(c.layout, shards[r].cref(), r, i);
+      const ConstBufferRef v = ShardView(c.layout, shards[r].cref(), r, i);
       RC_ASSERT(v.dtype == c.layout.dtype());
       if (!info.in_shard) {
-        ASSERT_SAME(v.numel, 0, "ShardView of ", c.layout.params()[i].fqn,
+        ASSERT_SAME(v.count, 0, "ShardView of ", c.layout.params()[i].fqn,
                     " on rank ", r, " (not in shard)");
         continue;
       }
       RC_ASSERT(ByteOffset(v.data, shards[r].data()) ==
                 info.offset_in_shard * int64_t(elem));
-      ASSERT_SAME(v.numel, info.numel_in_shard, "ShardView numel");
+      ASSERT_SAME(v.count, info.numel_in_shard, "ShardView numel");
       RC_ASSERT(SameBytes(
           v.data, At(c.params[i].data(), info.intra_param_start_idx, elem),
-          v.numel * elem));
-      const TensorRef mv = ShardView(c.layout, shards[r].ref(), r, i);
+          v.count * elem));
+      const BufferRef mv = ShardView(c.layout, shards[r].ref(), r, i);
       RC_ASSERT(ByteOffset(mv.data, v.data) == 0);
-      RC_ASSERT(mv.numel == v.numel);
+      RC_ASSERT(mv.count == v.count);
     }
   }
 }

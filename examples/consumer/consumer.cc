@@ -23,7 +23,7 @@ int main() {
     return 1;
   }
   std::vector<flatparam::HostTensor> values;
-  std::vector<flatparam::ConstTensorRef> refs;
+  std::vector<flatparam::ConstBufferRef> refs;
   float next = 0;
   for (const flatparam::ParamInfo& p : layout->params()) {
     values.emplace_back(flatparam::DType::kFloat32, p.shape);

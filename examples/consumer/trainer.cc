@@ -152,7 +152,7 @@ class Trainer {
           values.back().SetDouble(i, InitialValue(p.fqn, i));
         }
       }
-      std::vector<flatparam::ConstTensorRef> refs;
+      std::vector<flatparam::ConstBufferRef> refs;
       for (const HostTensor& v : values) refs.push_back(v.cref());
       absl::StatusOr<std::unique_ptr<FlatParamHandle>> handle =
           FlatParamHandle::Create(unit, refs, &world,

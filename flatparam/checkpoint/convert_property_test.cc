@@ -120,7 +120,7 @@ void CheckRanksMatchInMemory(FileSystem& fs, const std::string& dir,
     RC_ASSERT(state.ok());
     for (size_t u = 0; u < layout.flat_params().size(); ++u) {
       const FlatParamLayout& unit = layout.flat_params()[u];
-      std::vector<ConstTensorRef> refs;
+      std::vector<ConstBufferRef> refs;
       for (const ParamInfo& p : unit.params()) {
         refs.push_back(params.at(p.fqn).cref());
       }

@@ -65,7 +65,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "comm/communicator.h"
+#include "flatparam/base/buffer.h"
 
 namespace flatparam {
 

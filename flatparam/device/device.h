@@ -51,7 +51,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "comm/communicator.h"
+#include "flatparam/base/buffer.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/device/caching_allocator.h"
 

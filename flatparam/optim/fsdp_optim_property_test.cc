@@ -233,7 +233,7 @@ RC_GTEST_PROP(FsdpOptimProperties, FlatShardsMatchFlattenShard, ()) {
         const HostTensor& got = std::get<HostTensor>(value);
         RC_ASSERT(got.shape() == std::vector<int64_t>{unit.sharded_numel()});
         if (got.dtype() != unit.dtype()) continue;
-        std::vector<ConstTensorRef> params;
+        std::vector<ConstBufferRef> params;
         for (const ParamInfo& p : unit.params()) {
           params.push_back(
               std::get<HostTensor>(filled.state.at(p.fqn).at(name)).cref());

@@ -347,7 +347,7 @@ TEST_P(PytorchConformanceTest, MatchesTorch) {
 
   // The parameters' data, in layout.params() order.
   std::vector<std::vector<unsigned char>> param_bytes;
-  std::vector<ConstTensorRef> params;
+  std::vector<ConstBufferRef> params;
   const json& data = k.model->at("param_data_hex");
   for (const ParamInfo& p : layout.params()) {
     param_bytes.push_back(
@@ -357,8 +357,8 @@ TEST_P(PytorchConformanceTest, MatchesTorch) {
         << Where(k.name, -1, "param_data_hex." + p.fqn);
   }
   for (size_t i = 0; i < param_bytes.size(); ++i) {
-    params.push_back(
-        {param_bytes[i].data(), layout.dtype(), layout.params()[i].numel});
+    params.push_back({param_bytes[i].data(), layout.params()[i].numel,
+                      layout.dtype(), Device::Host()});
   }
 
   HostTensor flat =
@@ -373,7 +373,7 @@ TEST_P(PytorchConformanceTest, MatchesTorch) {
       << Where(k.name, -1, "number of ranks");
   // Each parameter rebuilt from every rank's torch shard by UnflattenShard.
   std::vector<HostTensor> rebuilt;
-  std::vector<TensorRef> rebuilt_refs;
+  std::vector<BufferRef> rebuilt_refs;
   for (const ParamInfo& p : layout.params()) {
     rebuilt.push_back(HostTensor::Flat(layout.dtype(), p.numel));
   }
@@ -400,8 +400,8 @@ TEST_P(PytorchConformanceTest, MatchesTorch) {
         torch_shard));
 
     if (torch_shard.size() == shard.nbytes()) {
-      const ConstTensorRef torch_ref{torch_shard.data(), layout.dtype(),
-                                     layout.sharded_numel()};
+      const ConstBufferRef torch_ref{torch_shard.data(), layout.sharded_numel(),
+                                     layout.dtype(), Device::Host()};
       FLATPARAM_ASSERT_OK(
           UnflattenShard(layout, torch_ref, rank, rebuilt_refs));
     }

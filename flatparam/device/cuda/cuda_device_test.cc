@@ -292,7 +292,7 @@ TEST_F(CudaDeviceOpsTest, HandleOnTheGpuMatchesTheHost) {
       // simulator.
       FLATPARAM_ASSERT_OK_AND_ASSIGN(FlatParamLayout layout, MakeLayout(s));
       const std::vector<HostTensor> params = InitialParams(s, layout);
-      std::vector<ConstTensorRef> refs;
+      std::vector<ConstBufferRef> refs;
       for (const HostTensor& t : params) refs.push_back(t.cref());
       SimOptions sim_options;
       FLATPARAM_ASSERT_OK_AND_ASSIGN(std::unique_ptr<SimWorld> world,

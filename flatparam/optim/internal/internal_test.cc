@@ -57,7 +57,7 @@ TEST(FlatRangeTest, AgreesWithFlattenAndUnflatten) {
         FlatParamLayout layout,
         FlatParamLayout::Create("", c.params, c.options));
     std::vector<HostTensor> params;
-    std::vector<ConstTensorRef> refs;
+    std::vector<ConstBufferRef> refs;
     std::vector<ConstWindow> windows;
     for (const ParamInfo& p : layout.params()) {
       params.emplace_back(layout.dtype(), p.shape);
