@@ -559,9 +559,14 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
         s.code(), absl::StrCat("--load=", options.load_dir, ": ", s.message()));
   };
   if (!options.load_dir.empty()) {
-    // Every rank reads the checkpoint itself, so they all fail alike.
+    // Every rank opens the checkpoint itself (metadata only: manifest,
+    // layout and the small sidecars, so they all fail alike on those), and
+    // verifies and reads only its own rank's tensors below.
+    checkpoint::CheckpointOpenOptions metadata_only;
+    metadata_only.ranks = std::vector<int64_t>{};
     absl::StatusOr<checkpoint::ShardedCheckpointReader> opened =
-        checkpoint::ShardedCheckpointReader::Open(fs, options.load_dir);
+        checkpoint::ShardedCheckpointReader::Open(fs, options.load_dir,
+                                                  metadata_only);
     if (!opened.ok()) return in_load(opened.status());
     reader.emplace(*std::move(opened));
     absl::StatusOr<json> sidecar = reader->ReadRankJson(0);
@@ -610,9 +615,22 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
                         " --strategy=%s",
                         ShardingStrategyName(report.options.strategy)))));
     }
+    const absl::Status verified = reader->VerifyRank(shard_rank);
     absl::StatusOr<checkpoint::RankState> state =
-        checkpoint::ReadRankState(*reader, shard_rank);
-    if (!state.ok()) return in_load(state.status());
+        verified.ok() ? checkpoint::ReadRankState(*reader, shard_rank)
+                      : absl::StatusOr<checkpoint::RankState>(verified);
+    // The ranks agree, so that one rank's damaged file fails every rank
+    // instead of leaving the others waiting in their first collective.
+    FLATPARAM_ASSIGN_OR_RETURN(
+        std::vector<std::string> verdicts,
+        world.AllGatherBytes(
+            state.ok() ? std::string() : std::string(state.status().message()),
+            report.options.collective_options));
+    for (size_t r = 0; r < verdicts.size(); ++r) {
+      if (verdicts[r].empty()) continue;
+      return in_load(
+          absl::DataLossError(absl::StrFormat("rank %d: %s", r, verdicts[r])));
+    }
     refmodel::FsdpRankState initial;
     initial.flat_params = std::move(state->flat_params);
     absl::StatusOr<std::vector<refmodel::OptimizerState>> optimizer =

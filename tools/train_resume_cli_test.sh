@@ -51,6 +51,20 @@ grep -q -- '--lr=0.5 differs from the checkpoint.s 0.01' "$tmp/err" ||
 expect_exit 1 train --world-size=4 --load="$tmp/no-such-checkpoint"
 grep -q 'no checkpoint at' "$tmp/err" || fail "missing checkpoint not named"
 
+# Each rank verifies only its own tensors, and the ranks agree: a damaged
+# file of rank 2 fails every rank, naming it, rather than hanging the others.
+cp -r "$tmp/ckpt" "$tmp/damaged"
+python3 - "$tmp/damaged/rank00002.safetensors" <<'PY'
+import sys
+p = sys.argv[1]
+b = bytearray(open(p, "rb").read())
+b[-1] ^= 0x40
+open(p, "wb").write(bytes(b))
+PY
+expect_exit 1 train --world-size=4 --steps=2 --load="$tmp/damaged" --timeout=20s
+grep -q 'rank 2: .*rank00002.safetensors: xxh3_64 checksum' "$tmp/err" ||
+  fail "damaged rank file not named: $(cat "$tmp/err")"
+
 # Save -> reshard (fsdp checkpoint) -> load.
 expect_exit 0 checkpoint reshard --in="$tmp/ckpt" --out="$tmp/ckpt8" \
   --world-size=8

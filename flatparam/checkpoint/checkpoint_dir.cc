@@ -727,6 +727,13 @@ absl::StatusOr<std::pair<std::string, Manifest>> OpenVerified(
   verify.verify_checksums = options.verify_checksums;
   verify.expected_kind = kind;
   verify.progress = options.progress;
+  if (kind == CheckpointKind::kSharded && options.ranks.has_value()) {
+    std::set<std::string> mine;
+    for (int64_t r : *options.ranks) mine.insert(RankTensorFileName(r));
+    verify.checksum_only = [mine](const std::string& file) {
+      return !absl::EndsWith(file, ".safetensors") || mine.count(file) > 0;
+    };
+  }
   FLATPARAM_ASSIGN_OR_RETURN(Manifest manifest,
                              VerifyManifest(fs, path, verify));
   return std::make_pair(std::move(path), std::move(manifest));
@@ -896,11 +903,49 @@ absl::StatusOr<ShardedCheckpointReader> ShardedCheckpointReader::Open(
   ShardedCheckpointReader reader(&fs, path, std::move(verified.second),
                                  std::move(layout.first), layout.second,
                                  std::move(doc));
+  reader.verify_checksums_ = options.verify_checksums;
   for (int64_t r = 0; r < g; ++r) {
-    FLATPARAM_RETURN_IF_ERROR(reader.OpenRank(r).status());
     FLATPARAM_RETURN_IF_ERROR(reader.ReadRankJson(r).status());
   }
+  if (options.ranks.has_value()) {
+    for (int64_t r : *options.ranks) {
+      // Checksummed above with the metadata; the header here.
+      FLATPARAM_RETURN_IF_ERROR(reader.OpenRank(r).status());
+    }
+  } else {
+    for (int64_t r = 0; r < g; ++r) {
+      FLATPARAM_RETURN_IF_ERROR(reader.OpenRank(r).status());
+    }
+  }
   return reader;
+}
+
+absl::Status ShardedCheckpointReader::VerifyRank(int64_t rank) const {
+  if (rank < 0 || rank >= num_ranks()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("rank %d is not in [0, %d) of checkpoint %s", rank,
+                        num_ranks(), path_));
+  }
+  const std::string name = RankTensorFileName(rank);
+  if (verify_checksums_) {
+    const ManifestEntry* listed = nullptr;
+    for (const ManifestEntry& e : manifest_.files) {
+      if (e.path == name) listed = &e;
+    }
+    if (listed == nullptr) {
+      return absl::DataLossError(
+          absl::StrCat(path_, ": ", name, " is not in ", kManifestFileName));
+    }
+    FLATPARAM_ASSIGN_OR_RETURN(ManifestEntry actual,
+                               DescribeFile(*fs_, path_, name, nullptr));
+    if (actual.size != listed->size || actual.xxh3_64 != listed->xxh3_64) {
+      return absl::DataLossError(absl::StrFormat(
+          "%s: xxh3_64 checksum is %s, %s says %s (the file is corrupt)",
+          JoinPath(path_, name), ChecksumHex(actual.xxh3_64), kManifestFileName,
+          ChecksumHex(listed->xxh3_64)));
+    }
+  }
+  return OpenRank(rank).status();
 }
 
 absl::StatusOr<SafetensorsReader> ShardedCheckpointReader::OpenRank(

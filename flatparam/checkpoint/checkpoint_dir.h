@@ -78,6 +78,7 @@
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -189,6 +190,15 @@ struct CheckpointOpenOptions {
   bool verify_checksums = true;
   // Bytes checksummed so far, of the checkpoint's total.
   ProgressCallback progress;
+  // Sharded checkpoints: the shard-group ranks this process will read.
+  // Open then checksums and validates only the metadata (manifest.json,
+  // layout.json, every rank's small JSON sidecar) and these ranks' tensor
+  // files; the other ranks' tensor files are checked for presence and size
+  // only, and VerifyRank checks one later. A job loading its own shards
+  // passes {} and verifies its rank once it knows it: each of W processes
+  // reads its share plus the metadata, not the whole checkpoint W times.
+  // Unset: every rank.
+  std::optional<std::vector<int64_t>> ranks;
 };
 
 // A verified full checkpoint. Movable.
@@ -259,6 +269,11 @@ class ShardedCheckpointReader {
   absl::StatusOr<SafetensorsReader> OpenRank(int64_t rank) const;
   // Reads rank `rank`'s JSON sidecar.
   absl::StatusOr<nlohmann::json> ReadRankJson(int64_t rank) const;
+  // Checksums rank `rank`'s tensor file against the manifest (when the
+  // reader was opened with verify_checksums) and validates its header, as
+  // Open does for every rank it verifies. DataLoss naming the file
+  // otherwise; InvalidArgument for a rank outside [0, num_ranks()).
+  absl::Status VerifyRank(int64_t rank) const;
 
   // Checks that a job with `layout` on `world_size` ranks can load this
   // checkpoint without resharding: same world size, strategy, shard group,
@@ -274,6 +289,7 @@ class ShardedCheckpointReader {
                           ModelLayout layout, int64_t world_size,
                           nlohmann::json layout_json);
 
+  bool verify_checksums_ = true;
   FileSystem* fs_;
   std::string path_;
   Manifest manifest_;

@@ -4,7 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
+#include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
@@ -14,8 +17,10 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "flatparam/base/dtype.h"
+#include "flatparam/base/status_macros.h"
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/internal/checkpoint_testutil.h"
@@ -693,6 +698,141 @@ TEST_F(ShardedTamperTest, TruncatedRankFileCaughtBySizeEvenWithoutChecksums) {
   EXPECT_THAT(
       ShardedCheckpointReader::Open(fs_, "ckpt", fast),
       StatusIs(kDataLoss, HasSubstr("ckpt/rank00001.safetensors: size is")));
+}
+
+// --- Per-rank reads
+// -----------------------------------------------------------
+
+// Counts the bytes read from each file (by name) through `inner`.
+class CountingFileSystem : public FileSystem {
+ public:
+  explicit CountingFileSystem(FileSystem& inner) : inner_(inner) {}
+
+  absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(
+      const std::string& path) override {
+    return inner_.NewWritableFile(path);
+  }
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> NewRandomAccessFile(
+      const std::string& path) override {
+    FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> f,
+                               inner_.NewRandomAccessFile(path));
+    return std::unique_ptr<RandomAccessFile>(
+        new Counted(std::move(f), &read_[path.substr(path.rfind('/') + 1)]));
+  }
+  absl::StatusOr<uint64_t> GetFileSize(const std::string& path) override {
+    return inner_.GetFileSize(path);
+  }
+  absl::StatusOr<bool> Exists(const std::string& path) override {
+    return inner_.Exists(path);
+  }
+  absl::StatusOr<bool> IsDirectory(const std::string& path) override {
+    return inner_.IsDirectory(path);
+  }
+  absl::StatusOr<std::vector<std::string>> GetChildren(
+      const std::string& path) override {
+    return inner_.GetChildren(path);
+  }
+  absl::Status CreateDir(const std::string& path) override {
+    return inner_.CreateDir(path);
+  }
+  absl::Status RemoveFile(const std::string& path) override {
+    return inner_.RemoveFile(path);
+  }
+  absl::Status RemoveDir(const std::string& path) override {
+    return inner_.RemoveDir(path);
+  }
+  absl::Status Rename(const std::string& from, const std::string& to) override {
+    return inner_.Rename(from, to);
+  }
+  absl::Status SyncDir(const std::string& path) override {
+    return inner_.SyncDir(path);
+  }
+
+  // Bytes read from files named `name`, and from all files.
+  int64_t read(const std::string& name) const {
+    auto it = read_.find(name);
+    return it == read_.end() ? 0 : it->second;
+  }
+  int64_t total() const {
+    int64_t t = 0;
+    for (const auto& [name, n] : read_) t += n;
+    return t;
+  }
+  void Reset() { read_.clear(); }
+
+ private:
+  class Counted : public RandomAccessFile {
+   public:
+    Counted(std::unique_ptr<RandomAccessFile> f, int64_t* count)
+        : f_(std::move(f)), count_(count) {}
+    absl::Status ReadAt(uint64_t offset, absl::Span<char> out) const override {
+      *count_ += static_cast<int64_t>(out.size());
+      return f_->ReadAt(offset, out);
+    }
+    absl::StatusOr<uint64_t> Size() const override { return f_->Size(); }
+    const std::string& name() const override { return f_->name(); }
+
+   private:
+    std::unique_ptr<RandomAccessFile> f_;
+    int64_t* count_;
+  };
+
+  FileSystem& inner_;
+  std::map<std::string, int64_t> read_;
+};
+
+TEST(ShardedCheckpointTest, EachRankReadsItsShareAndTheMetadata) {
+  FaultInjectionFileSystem disk;
+  const ModelLayout layout =
+      MakeTestLayout(TinyModelSpec(), TestLayoutOptions(4));
+  ShardedFixture fixture = MakeShardedFixture(layout, 4, 1);
+  ASSERT_THAT(WriteShardedCheckpoint(disk, "ckpt", fixture.content), IsOk());
+  CountingFileSystem fs(disk);
+  int64_t tensors = 0, metadata = 0;
+  for (const std::string& name : ListDir(disk, "ckpt")) {
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(uint64_t size,
+                                   disk.GetFileSize(JoinPath("ckpt", name)));
+    (absl::EndsWith(name, ".safetensors") ? tensors : metadata) += size;
+  }
+  // Everything, as before: every rank file checksummed.
+  FLATPARAM_ASSERT_OK(ShardedCheckpointReader::Open(fs, "ckpt").status());
+  EXPECT_GE(fs.total(), tensors);
+  // The metadata only; then this process's rank.
+  fs.Reset();
+  CheckpointOpenOptions mine;
+  mine.ranks = std::vector<int64_t>{};
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ShardedCheckpointReader reader,
+      ShardedCheckpointReader::Open(fs, "ckpt", mine));
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(fs.read(absl::StrFormat("rank%05d.safetensors", r)), 0) << r;
+  }
+  FLATPARAM_ASSERT_OK(reader.VerifyRank(2));
+  const int64_t own = *disk.GetFileSize("ckpt/rank00002.safetensors");
+  for (int r : {0, 1, 3}) {
+    EXPECT_EQ(fs.read(absl::StrFormat("rank%05d.safetensors", r)), 0) << r;
+  }
+  // Its file (checksum, then the header), and the metadata at most twice.
+  EXPECT_LE(fs.total(), 2 * own + 2 * metadata);
+  EXPECT_LE(fs.read("rank00002.safetensors"), 2 * own);
+
+  // Damage another rank's tensors (same size): this rank's load does not
+  // read them and still verifies its own; that rank's check catches it.
+  std::string r3 = ReadWholeFile(disk, "ckpt/rank00003.safetensors");
+  r3.back() ^= 0x40;
+  ASSERT_THAT(WriteFileDurably(disk, "ckpt/rank00003.safetensors", r3), IsOk());
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      reader, ShardedCheckpointReader::Open(fs, "ckpt", mine));
+  FLATPARAM_ASSERT_OK(reader.VerifyRank(2));
+  EXPECT_THAT(reader.VerifyRank(3),
+              StatusIs(kDataLoss, HasSubstr("rank00003.safetensors: xxh3_64")));
+  EXPECT_THAT(reader.VerifyRank(4),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ShardedCheckpointReader::Open(fs, "ckpt").status(),
+              StatusIs(kDataLoss, HasSubstr("rank00003.safetensors")));
+  mine.ranks = std::vector<int64_t>{3};
+  EXPECT_THAT(ShardedCheckpointReader::Open(fs, "ckpt", mine).status(),
+              StatusIs(kDataLoss, HasSubstr("rank00003.safetensors")));
 }
 
 // --- Recovery and crash safety -----------------------------------------------

@@ -159,48 +159,41 @@ absl::StatusOr<Manifest> CollectManifest(const std::vector<Report>& reports) {
 
 }  // namespace
 
-absl::Status WriteShardedCheckpointCollective(
+absl::StatusOr<CollectiveWrite> BeginCollectiveWrite(
     FileSystem& fs, const std::string& dir, const ModelLayout& layout,
-    int64_t world_size, const RankContent& mine, Communicator& world,
-    const CollectiveWriteOptions& options) {
-  const int rank = world.rank();
-  const int64_t g = layout.options().world_size;
+    int64_t world_size, Communicator& world,
+    const CollectiveWriteOptions& options, const absl::Status& local) {
+  CollectiveWrite w;
+  w.rank = world.rank();
   const CollectiveOptions& comm = options.collective;
 
   // a. Rank 0 prepares the temporary directory; everyone checks that they
   // save the same thing.
-  absl::Status status =
-      internal_checkpoint::ShardedWorldSize(layout, world_size).status();
+  absl::Status status = local;
+  if (status.ok()) {
+    status = internal_checkpoint::ShardedWorldSize(layout, world_size).status();
+  }
   if (status.ok() && world_size != world.size()) {
     status = absl::InvalidArgumentError(absl::StrFormat(
         "saving for world size %d on a communicator of %d ranks", world_size,
         world.size()));
   }
-  std::string target;  // the normalised `dir`, on rank 0
-  std::string tmp;
-  if (rank == 0 && status.ok()) {
+  if (w.rank == 0 && status.ok()) {
     absl::StatusOr<std::string> prepared =
         internal_checkpoint::PrepareCheckpointWrite(fs, dir, options.write);
     status = prepared.status();
     if (status.ok()) {
-      target = *prepared;
-      tmp = internal_checkpoint::NewTempDirFor(target);
-      status = fs.CreateDir(tmp);
+      w.target = *prepared;
+      w.tmp = internal_checkpoint::NewTempDirFor(w.target);
+      status = fs.CreateDir(w.tmp);
     }
   }
-  // Any failure from here on leaves rank 0 to remove the temporary
-  // directory (and to put back a checkpoint moved away by a failed swap).
-  const auto cleanup = [&] {
-    if (rank == 0 && !target.empty()) {
-      RecoverCheckpointDir(fs, target).IgnoreError();
-    }
-  };
   const std::string digest = LayoutDigest(layout, world_size);
   absl::StatusOr<std::vector<Report>> prepared =
-      Exchange(world, status, {{"layout", digest}, {"tmp", tmp}}, comm,
+      Exchange(world, status, {{"layout", digest}, {"tmp", w.tmp}}, comm,
                "preparing the directory");
   if (!prepared.ok()) {
-    cleanup();
+    AbandonCollectiveWrite(fs, w);
     return prepared.status();
   }
   std::vector<Report> reports = *std::move(prepared);
@@ -213,44 +206,76 @@ absl::Status WriteShardedCheckpointCollective(
     }
   }
   if (!agreed.ok()) {
-    cleanup();
+    AbandonCollectiveWrite(fs, w);
     return agreed;
   }
-  tmp = reports[0].payload.value("tmp", "");
+  w.tmp = reports[0].payload.value("tmp", "");
+  w.layout = &layout;
+  w.world_size = world_size;
+  return w;
+}
 
+absl::Status WriteCollectiveRankFiles(FileSystem& fs, CollectiveWrite& w,
+                                      const RankContent& mine,
+                                      const CollectiveWriteOptions& options) {
   // b. The first shard group writes its rank files.
-  json entries = json::array();
-  status = absl::OkStatus();
-  if (rank < g) {
-    status = WriteMyFiles(fs, tmp, layout, world_size, rank, mine,
-                          options.write, entries);
-  }
-  absl::StatusOr<std::vector<Report>> written =
-      Exchange(world, status, {{"files", entries}}, comm, "writing the ranks");
+  w.entries = json::array();
+  if (w.rank >= w.layout->options().world_size) return absl::OkStatus();
+  return WriteMyFiles(fs, w.tmp, *w.layout, w.world_size, w.rank, mine,
+                      options.write, w.entries);
+}
+
+absl::Status FinishCollectiveWrite(FileSystem& fs, const CollectiveWrite& w,
+                                   const absl::Status& written_status,
+                                   Communicator& world,
+                                   const CollectiveWriteOptions& options) {
+  const CollectiveOptions& comm = options.collective;
+  absl::StatusOr<std::vector<Report>> written = Exchange(
+      world, written_status, {{"files", w.entries}}, comm, "writing the ranks");
   if (!written.ok()) {
-    cleanup();
+    AbandonCollectiveWrite(fs, w);
     return written.status();
   }
-  agreed = Agreed(*written);
+  absl::Status agreed = Agreed(*written);
   if (!agreed.ok()) {
-    cleanup();
+    AbandonCollectiveWrite(fs, w);
     return agreed;
   }
 
   // c. Rank 0 publishes.
-  status = absl::OkStatus();
-  if (rank == 0) {
+  absl::Status status = absl::OkStatus();
+  if (w.rank == 0) {
     absl::StatusOr<Manifest> manifest = CollectManifest(*written);
     status = manifest.status();
     if (status.ok()) {
-      status = internal_checkpoint::PublishCheckpoint(fs, target, tmp,
+      status = internal_checkpoint::PublishCheckpoint(fs, w.target, w.tmp,
                                                       *std::move(manifest));
     }
-    if (!status.ok()) cleanup();
+    if (!status.ok()) AbandonCollectiveWrite(fs, w);
   }
   FLATPARAM_ASSIGN_OR_RETURN(
-      reports, Exchange(world, status, json::object(), comm, "publishing"));
+      std::vector<Report> reports,
+      Exchange(world, status, json::object(), comm, "publishing"));
   return Agreed(reports);
+}
+
+void AbandonCollectiveWrite(FileSystem& fs, const CollectiveWrite& w) {
+  // Rank 0 removes the temporary directory (and puts back a checkpoint
+  // moved away by a failed swap).
+  if (w.rank == 0 && !w.target.empty()) {
+    RecoverCheckpointDir(fs, w.target).IgnoreError();
+  }
+}
+
+absl::Status WriteShardedCheckpointCollective(
+    FileSystem& fs, const std::string& dir, const ModelLayout& layout,
+    int64_t world_size, const RankContent& mine, Communicator& world,
+    const CollectiveWriteOptions& options) {
+  FLATPARAM_ASSIGN_OR_RETURN(
+      CollectiveWrite w,
+      BeginCollectiveWrite(fs, dir, layout, world_size, world, options));
+  const absl::Status written = WriteCollectiveRankFiles(fs, w, mine, options);
+  return FinishCollectiveWrite(fs, w, written, world, options);
 }
 
 }  // namespace checkpoint

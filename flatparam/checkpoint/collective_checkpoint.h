@@ -43,6 +43,7 @@
 #define FLATPARAM_CHECKPOINT_COLLECTIVE_CHECKPOINT_H_
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "absl/status/status.h"
@@ -76,6 +77,45 @@ absl::Status WriteShardedCheckpointCollective(
     FileSystem& fs, const std::string& dir, const ModelLayout& layout,
     int64_t world_size, const RankContent& mine, Communicator& world,
     const CollectiveWriteOptions& options = {});
+
+// The same protocol in its three phases, for writers that put phase b
+// somewhere else (AsyncCheckpointSaver writes it on a background thread).
+// WriteShardedCheckpointCollective is Begin, WriteCollectiveRankFiles and
+// Finish in a row.
+struct CollectiveWrite {
+  int rank = 0;
+  // Rank 0: the normalised target directory; every rank: the temporary one.
+  std::string target;
+  std::string tmp;
+  const ModelLayout* layout = nullptr;  // borrowed from Begin's caller
+  int64_t world_size = 0;
+  // This rank's written files (manifest entries), for Finish.
+  nlohmann::json entries = nlohmann::json::array();
+};
+// Phase a, collective: the agreed temporary directory, or the agreed error
+// (then nothing is left behind). A non-OK `local` (this rank cannot take
+// part, e.g. its content does not fit) fails every rank here.
+absl::StatusOr<CollectiveWrite> BeginCollectiveWrite(
+    FileSystem& fs, const std::string& dir, const ModelLayout& layout,
+    int64_t world_size, Communicator& world,
+    const CollectiveWriteOptions& options = {},
+    const absl::Status& local = absl::OkStatus());
+// Phase b, local (no communication; may run on another thread than the
+// collectives): this rank's files into the temporary directory.
+absl::Status WriteCollectiveRankFiles(
+    FileSystem& fs, CollectiveWrite& w, const RankContent& mine,
+    const CollectiveWriteOptions& options = {});
+// Phase c, collective: every rank's phase-b status and files; rank 0
+// publishes. Returns the agreed status; on failure the temporary directory
+// is removed and `dir` keeps the previous checkpoint.
+absl::Status FinishCollectiveWrite(FileSystem& fs, const CollectiveWrite& w,
+                                   const absl::Status& written_status,
+                                   Communicator& world,
+                                   const CollectiveWriteOptions& options = {});
+// Local: gives a begun write up (rank 0 removes the temporary directory).
+// Not needed for crash safety -- the next write to `dir` recovers -- only to
+// free the space early.
+void AbandonCollectiveWrite(FileSystem& fs, const CollectiveWrite& w);
 
 }  // namespace checkpoint
 }  // namespace flatparam

@@ -273,6 +273,7 @@ absl::StatusOr<Manifest> VerifyManifest(FileSystem& fs, const std::string& dir,
                           kManifestFileName, e.size));
     }
     if (!options.verify_checksums) continue;
+    if (options.checksum_only && !options.checksum_only(e.path)) continue;
     const uint64_t before = done;
     ProgressCallback file_progress;
     if (options.progress) {

@@ -120,6 +120,10 @@ struct VerifyOptions {
   std::optional<CheckpointKind> expected_kind;
   // Bytes checksummed so far, of the sum of the listed sizes.
   ProgressCallback progress;
+  // If set, only the files (paths relative to the directory) for which it
+  // returns true are checksummed; every file's presence and size is still
+  // checked.
+  std::function<bool(const std::string& path)> checksum_only;
 };
 
 // Reads `dir`/manifest.json and checks the directory against it: the
