@@ -141,7 +141,9 @@ RC_GTEST_PROP(HandleProperties, GatherReduceAndWriteback, ()) {
     if (!layout.requires_grad()) continue;
     std::vector<double> want = ReducedShard(s, layout, local, ranks[w],
                                             reduce_dtype, accum, pre, post);
-    if (s.options.keep_low_precision_grads) {
+    // keep_low_precision_grads: the optimizer sees param_dtype, except
+    // NO_SHARD without offload, which PyTorch leaves in the reduce dtype.
+    if (s.options.keep_low_precision_grads && !no_shard_low) {
       for (double& x : want) {
         x = testing_handle::RoundTo(param_dtype, x);
       }
