@@ -33,6 +33,9 @@ struct LlamaConfig {
   int64_t vocab_size;
   int64_t multiple_of;
   double ffn_dim_multiplier;  // 0: None.
+  // `torch_dtype` of the Hugging Face `config.json` of the same model (the
+  // dtype its published safetensors hold).
+  DType hf_dtype;
 };
 
 constexpr Gpt2Config kGpt2Configs[] = {
@@ -44,12 +47,15 @@ constexpr Gpt2Config kGpt2Configs[] = {
 
 // From the `params.json` Meta publishes with each checkpoint.
 constexpr LlamaConfig kLlamaConfigs[] = {
-    {"llama2-7b", 4096, 32, 32, 32, 32000, 256, 0},
-    {"llama2-13b", 5120, 40, 40, 40, 32000, 256, 0},
-    {"llama2-70b", 8192, 80, 64, 8, 32000, 4096, 1.3},
-    {"llama3-8b", 4096, 32, 32, 8, 128256, 1024, 1.3},
-    {"llama3-70b", 8192, 80, 64, 8, 128256, 4096, 1.3},
+    {"llama2-7b", 4096, 32, 32, 32, 32000, 256, 0, DType::kFloat16},
+    {"llama2-13b", 5120, 40, 40, 40, 32000, 256, 0, DType::kFloat16},
+    {"llama2-70b", 8192, 80, 64, 8, 32000, 4096, 1.3, DType::kFloat16},
+    {"llama3-8b", 4096, 32, 32, 8, 128256, 1024, 1.3, DType::kBFloat16},
+    {"llama3-70b", 8192, 80, 64, 8, 128256, 4096, 1.3, DType::kBFloat16},
 };
+
+// The suffix of the Hugging Face-named variant of each Llama preset.
+constexpr char kHfSuffix[] = "-hf";
 
 void Add(ModelSpec& spec, std::string fqn, std::vector<int64_t> shape,
          DType dtype) {
@@ -127,6 +133,44 @@ ModelSpec Llama(const LlamaConfig& c) {
   return spec;
 }
 
+// Hugging Face's LlamaForCausalLM (transformers' modeling_llama.py) for the
+// same config: `model` (embed_tokens, layers, norm) then `lm_head`;
+// LlamaDecoderLayer registers self_attn (q_proj, k_proj, v_proj, o_proj),
+// mlp (gate_proj, up_proj, down_proj), input_layernorm,
+// post_attention_layernorm. Shapes are Meta's (intermediate_size is the
+// same figure), names and order are not: gate_proj = w1, up_proj = w3,
+// down_proj = w2. q_proj/k_proj hold wq/wk with their rows permuted for
+// Hugging Face's rotary embedding (its convert_llama_weights_to_hf.py), so
+// the two namings agree in shapes, not in values.
+ModelSpec LlamaHf(const LlamaConfig& c) {
+  const DType dtype = c.hf_dtype;
+  const int64_t head_dim = c.dim / c.n_heads;
+  const int64_t kv_dim = c.n_kv_heads * head_dim;
+  const int64_t hidden =
+      LlamaFeedForwardDim(c.dim, c.multiple_of, c.ffn_dim_multiplier);
+  ModelSpec spec;
+  spec.name = absl::StrCat(c.name, kHfSuffix);
+  Add(spec, "model.embed_tokens.weight", {c.vocab_size, c.dim}, dtype);
+  for (int64_t i = 0; i < c.n_layers; ++i) {
+    const std::string b = absl::StrCat("model.layers.", i);
+    Add(spec, b + ".self_attn.q_proj.weight", {c.n_heads * head_dim, c.dim},
+        dtype);
+    Add(spec, b + ".self_attn.k_proj.weight", {kv_dim, c.dim}, dtype);
+    Add(spec, b + ".self_attn.v_proj.weight", {kv_dim, c.dim}, dtype);
+    Add(spec, b + ".self_attn.o_proj.weight", {c.dim, c.n_heads * head_dim},
+        dtype);
+    Add(spec, b + ".mlp.gate_proj.weight", {hidden, c.dim}, dtype);
+    Add(spec, b + ".mlp.up_proj.weight", {hidden, c.dim}, dtype);
+    Add(spec, b + ".mlp.down_proj.weight", {c.dim, hidden}, dtype);
+    Add(spec, b + ".input_layernorm.weight", {c.dim}, dtype);
+    Add(spec, b + ".post_attention_layernorm.weight", {c.dim}, dtype);
+    spec.wrap.push_back(b);
+  }
+  Add(spec, "model.norm.weight", {c.dim}, dtype);
+  Add(spec, "lm_head.weight", {c.vocab_size, c.dim}, dtype);
+  return spec;
+}
+
 }  // namespace
 
 int64_t LlamaFeedForwardDim(int64_t dim, int64_t multiple_of,
@@ -143,6 +187,9 @@ std::vector<std::string> PresetNames() {
   std::vector<std::string> names;
   for (const Gpt2Config& c : kGpt2Configs) names.push_back(c.name);
   for (const LlamaConfig& c : kLlamaConfigs) names.push_back(c.name);
+  for (const LlamaConfig& c : kLlamaConfigs) {
+    names.push_back(absl::StrCat(c.name, kHfSuffix));
+  }
   return names;
 }
 
@@ -157,6 +204,7 @@ absl::StatusOr<ModelSpec> PresetModel(absl::string_view name) {
   }
   for (const LlamaConfig& c : kLlamaConfigs) {
     if (name == c.name) return Llama(c);
+    if (name == absl::StrCat(c.name, kHfSuffix)) return LlamaHf(c);
   }
   return absl::InvalidArgumentError(
       absl::StrFormat("unknown model preset \"%s\"; the presets are: %s", name,

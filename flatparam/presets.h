@@ -15,6 +15,32 @@
 //       Meta's reference `model.py` (`Transformer`), bfloat16. Linear
 //       weights are [out, in]; `output.weight` is not tied. Units:
 //       `layers.{i}`.
+//   llama2-7b-hf, llama2-13b-hf, llama2-70b-hf, llama3-8b-hf, llama3-70b-hf
+//       The same models as Hugging Face `transformers` names them
+//       (`LlamaForCausalLM`, the names in the published
+//       model.safetensors.index.json files), in the dtype of the published
+//       `config.json` (`torch_dtype`: float16 for Llama 2, bfloat16 for
+//       Llama 3), so that the published safetensors import as they are
+//       (`fsdp checkpoint shard`, hf_checkpoint.h). Units:
+//       `model.layers.{i}`. The names map one to one (Meta -> Hugging
+//       Face; L = layers.{i}, M = model.layers.{i}):
+//         tok_embeddings.weight       -> model.embed_tokens.weight
+//         L.attention.wq.weight       -> M.self_attn.q_proj.weight
+//         L.attention.wk.weight       -> M.self_attn.k_proj.weight
+//         L.attention.wv.weight       -> M.self_attn.v_proj.weight
+//         L.attention.wo.weight       -> M.self_attn.o_proj.weight
+//         L.feed_forward.w1.weight    -> M.mlp.gate_proj.weight
+//         L.feed_forward.w3.weight    -> M.mlp.up_proj.weight
+//         L.feed_forward.w2.weight    -> M.mlp.down_proj.weight
+//         L.attention_norm.weight     -> M.input_layernorm.weight
+//         L.ffn_norm.weight           -> M.post_attention_layernorm.weight
+//         norm.weight                 -> model.norm.weight
+//         output.weight               -> lm_head.weight
+//       with equal shapes, but the module order differs (gate, up, down vs
+//       w1, w2, w3), and the values are not interchangeable: Hugging Face's
+//       conversion script permutes the rows of wq and wk for its rotary
+//       embedding, so a Meta checkpoint renamed by this table is not a
+//       Hugging Face checkpoint of the same model.
 //
 // Example:
 //

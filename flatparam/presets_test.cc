@@ -4,7 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flatparam/base/status_matchers.h"
@@ -61,6 +63,12 @@ TEST(PresetsTest, TotalsMatchPublishedCounts) {
       //                            + 2*4096)
       {"llama3-8b", 8030261248},
       {"llama3-70b", 70553706496},
+      // Hugging Face's names for the same parameters.
+      {"llama2-7b-hf", 6738415616},
+      {"llama2-13b-hf", 13015864320},
+      {"llama2-70b-hf", 68976648192},
+      {"llama3-8b-hf", 8030261248},
+      {"llama3-70b-hf", 70553706496},
   };
   ASSERT_EQ(expected.size(), PresetNames().size());
   for (const auto& [name, total] : expected) {
@@ -158,6 +166,114 @@ TEST(PresetsTest, GroupedQueryAttentionShapes) {
               ElementsAre(1024, 8192));
   EXPECT_THAT(Find(l70, "layers.79.feed_forward.w3.weight")->shape,
               ElementsAre(28672, 8192));
+}
+
+// The published Hugging Face config.json of each model (hidden_size,
+// intermediate_size, num_hidden_layers, num_attention_heads,
+// num_key_value_heads, vocab_size, torch_dtype), checked against every
+// parameter of the -hf preset in LlamaForCausalLM's order.
+struct HfLlamaConfig {
+  const char* preset;
+  int64_t hidden, intermediate, layers, heads, kv_heads, vocab;
+  DType dtype;
+};
+
+void ExpectHfLlama(const HfLlamaConfig& c) {
+  SCOPED_TRACE(c.preset);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelSpec spec, PresetModel(c.preset));
+  EXPECT_EQ(spec.name, c.preset);
+  const int64_t h = c.hidden;
+  const int64_t kv = c.kv_heads * (h / c.heads);
+  std::vector<std::pair<std::string, std::vector<int64_t>>> want;
+  want.push_back({"model.embed_tokens.weight", {c.vocab, h}});
+  std::vector<std::string> wrap;
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string l = "model.layers." + std::to_string(i) + ".";
+    want.push_back({l + "self_attn.q_proj.weight", {h, h}});
+    want.push_back({l + "self_attn.k_proj.weight", {kv, h}});
+    want.push_back({l + "self_attn.v_proj.weight", {kv, h}});
+    want.push_back({l + "self_attn.o_proj.weight", {h, h}});
+    want.push_back({l + "mlp.gate_proj.weight", {c.intermediate, h}});
+    want.push_back({l + "mlp.up_proj.weight", {c.intermediate, h}});
+    want.push_back({l + "mlp.down_proj.weight", {h, c.intermediate}});
+    want.push_back({l + "input_layernorm.weight", {h}});
+    want.push_back({l + "post_attention_layernorm.weight", {h}});
+    wrap.push_back("model.layers." + std::to_string(i));
+  }
+  want.push_back({"model.norm.weight", {h}});
+  want.push_back({"lm_head.weight", {c.vocab, h}});
+  ASSERT_EQ(spec.params.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(spec.params[i].fqn, want[i].first) << i;
+    EXPECT_EQ(spec.params[i].shape, want[i].second) << want[i].first;
+    EXPECT_EQ(spec.params[i].dtype, c.dtype) << want[i].first;
+    EXPECT_TRUE(spec.params[i].tied_to.empty()) << want[i].first;
+  }
+  EXPECT_EQ(spec.wrap, wrap);
+}
+
+TEST(PresetsTest, HuggingFaceLlamaMatchesPublishedConfigs) {
+  // meta-llama/Llama-2-7b-hf, Llama-2-13b-hf, Llama-2-70b-hf (float16),
+  // Meta-Llama-3-8B, Meta-Llama-3-70B (bfloat16).
+  ExpectHfLlama(
+      {"llama2-7b-hf", 4096, 11008, 32, 32, 32, 32000, DType::kFloat16});
+  ExpectHfLlama(
+      {"llama2-13b-hf", 5120, 13824, 40, 40, 40, 32000, DType::kFloat16});
+  ExpectHfLlama(
+      {"llama2-70b-hf", 8192, 28672, 80, 64, 8, 32000, DType::kFloat16});
+  ExpectHfLlama(
+      {"llama3-8b-hf", 4096, 14336, 32, 32, 8, 128256, DType::kBFloat16});
+  ExpectHfLlama(
+      {"llama3-70b-hf", 8192, 28672, 80, 64, 8, 128256, DType::kBFloat16});
+}
+
+// The documented name mapping (presets.h) takes every Meta parameter to a
+// Hugging Face one of the same shape, one to one.
+std::string MetaToHf(const std::string& meta) {
+  static const std::vector<std::pair<std::string, std::string>> kSuffixes = {
+      {".attention.wq.weight", ".self_attn.q_proj.weight"},
+      {".attention.wk.weight", ".self_attn.k_proj.weight"},
+      {".attention.wv.weight", ".self_attn.v_proj.weight"},
+      {".attention.wo.weight", ".self_attn.o_proj.weight"},
+      {".feed_forward.w1.weight", ".mlp.gate_proj.weight"},
+      {".feed_forward.w3.weight", ".mlp.up_proj.weight"},
+      {".feed_forward.w2.weight", ".mlp.down_proj.weight"},
+      {".attention_norm.weight", ".input_layernorm.weight"},
+      {".ffn_norm.weight", ".post_attention_layernorm.weight"},
+  };
+  if (meta == "tok_embeddings.weight") return "model.embed_tokens.weight";
+  if (meta == "norm.weight") return "model.norm.weight";
+  if (meta == "output.weight") return "lm_head.weight";
+  for (const auto& [from, to] : kSuffixes) {
+    if (meta.size() > from.size() &&
+        meta.compare(meta.size() - from.size(), from.size(), from) == 0) {
+      return "model." + meta.substr(0, meta.size() - from.size()) + to;
+    }
+  }
+  return "";
+}
+
+TEST(PresetsTest, HuggingFaceLlamaIsMetaLlamaRenamed) {
+  for (const char* name :
+       {"llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b"}) {
+    SCOPED_TRACE(name);
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelSpec meta, PresetModel(name));
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelSpec hf,
+                                   PresetModel(std::string(name) + "-hf"));
+    ASSERT_EQ(meta.params.size(), hf.params.size());
+    std::map<std::string, const ParamSpec*> by_name;
+    for (const ParamSpec& p : hf.params) by_name[p.fqn] = &p;
+    for (const ParamSpec& p : meta.params) {
+      auto it = by_name.find(MetaToHf(p.fqn));
+      ASSERT_NE(it, by_name.end()) << p.fqn << " -> " << MetaToHf(p.fqn);
+      EXPECT_EQ(it->second->shape, p.shape) << p.fqn;
+      by_name.erase(it);
+    }
+    EXPECT_TRUE(by_name.empty());
+    for (size_t i = 0; i < meta.wrap.size(); ++i) {
+      EXPECT_EQ(hf.wrap[i], "model." + meta.wrap[i]);
+    }
+  }
 }
 
 TEST(PresetsTest, FeedForwardDimFollowsMetaFormula) {

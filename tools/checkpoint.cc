@@ -5,17 +5,20 @@
 #include <fstream>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/convert.h"
 #include "flatparam/checkpoint/file_system.h"
+#include "flatparam/checkpoint/hf_checkpoint.h"
 #include "flatparam/checkpoint/manifest.h"
 
 namespace flatparam {
@@ -119,6 +122,32 @@ class ProgressBar {
   bool drawn_ = false;
 };
 
+// export's --max-shard-size and --dtype.
+absl::StatusOr<checkpoint::HfExportOptions> ExportOptionsFromCommand(
+    const CheckpointCommand& c) {
+  checkpoint::HfExportOptions options;
+  if (!c.max_shard_size.empty()) {
+    absl::StatusOr<uint64_t> bytes =
+        checkpoint::ParseByteSize(c.max_shard_size);
+    if (!bytes.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--max-shard-size: ", bytes.status().message()));
+    }
+    options.max_shard_bytes = *bytes;
+  }
+  if (!c.layout.dtype.empty()) {
+    absl::StatusOr<DType> dtype = ParseDType(c.layout.dtype);
+    if (!dtype.ok() || !IsFloatingPoint(*dtype)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--dtype must be bfloat16, float16, float32 or float64 for "
+          "checkpoint export, got '%s'",
+          c.layout.dtype));
+    }
+    options.dtype = *dtype;
+  }
+  return options;
+}
+
 absl::StatusOr<checkpoint::InitOptimizer> ParseOptimizer(
     const std::string& name) {
   if (name == "adamw") return checkpoint::InitOptimizer::kAdamW;
@@ -149,10 +178,10 @@ int64_t PeakResidentBytes() {
 absl::Status ValidateCheckpointCommand(const CheckpointCommand& c) {
   const std::string& a = c.action;
   if (a != "init" && a != "shard" && a != "reshard" && a != "consolidate" &&
-      a != "verify") {
+      a != "verify" && a != "export") {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "unknown action '%s'; expected init, shard, reshard, consolidate or "
-        "verify",
+        "unknown action '%s'; expected init, shard, reshard, consolidate, "
+        "verify or export",
         a));
   }
   const auto check = [&](absl::string_view flag, bool given) -> absl::Status {
@@ -185,11 +214,24 @@ absl::Status ValidateCheckpointCommand(const CheckpointCommand& c) {
         "--shard-group-size, --align-addresses, --compute-dtype)",
         a));
   }
-  if (!c.layout.dtype.empty() && a != "init") {
+  if (!c.layout.dtype.empty() && a != "init" && a != "shard" && a != "export") {
     return absl::InvalidArgumentError(absl::StrFormat(
         "checkpoint %s does not take --dtype (a checkpoint's dtypes are its "
         "model's)",
         a));
+  }
+  if ((c.cast || c.weights_only) && a != "shard") {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "checkpoint %s does not take --%s (shard of a Hugging Face "
+        "checkpoint only)",
+        a, c.cast ? "cast" : "weights-only"));
+  }
+  if (!c.max_shard_size.empty() && a != "export") {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "checkpoint %s does not take --max-shard-size (export only)", a));
+  }
+  if (a == "export") {
+    FLATPARAM_RETURN_IF_ERROR(ExportOptionsFromCommand(c).status());
   }
   if (a == "shard" || a == "reshard") {
     FLATPARAM_RETURN_IF_ERROR(TargetLayout(c.layout).status());
@@ -214,6 +256,9 @@ absl::Status RunCheckpoint(const CheckpointCommand& c, std::ostream& out,
   const Clock::time_point start = Clock::now();
   absl::Status status;
   std::optional<checkpoint::CheckpointReport> report;
+  // Report lines printed before the summary.
+  std::vector<std::string> lines;
+  std::optional<uint64_t> hf_verified_bytes;
   if (c.action == "init") {
     absl::StatusOr<ResolvedLayout> resolved = ResolveLayout(c.layout);
     if (!resolved.ok()) return resolved.status();
@@ -226,9 +271,48 @@ absl::Status RunCheckpoint(const CheckpointCommand& c, std::ostream& out,
   } else if (c.action == "shard") {
     FLATPARAM_ASSIGN_OR_RETURN(ResolvedLayout resolved,
                                ResolveLayout(c.layout));
-    status = checkpoint::ShardCheckpoint(fs, c.in, resolved.layout.spec(),
+    FLATPARAM_ASSIGN_OR_RETURN(const bool hf,
+                               checkpoint::IsHfCheckpoint(fs, c.in));
+    if (hf) {
+      checkpoint::HfImportOptions import;
+      import.convert = options;
+      import.cast = c.cast;
+      import.weights_only = c.weights_only;
+      absl::StatusOr<checkpoint::HfImportReport> r =
+          checkpoint::ImportHfCheckpoint(fs, c.in, resolved.layout.spec(),
                                          resolved.layout.options(),
-                                         resolved.world_size, c.out, options);
+                                         resolved.world_size, c.out, import);
+      status = r.status();
+      if (r.ok()) {
+        lines.push_back(absl::StrFormat(
+            "%s: imported %d tensors of %d Hugging Face file%s into model "
+            "%s (%d tied cop%s checked, %d buffer%s skipped, %d cast)",
+            c.out, r->imported, r->files, r->files == 1 ? "" : "s",
+            resolved.layout.spec().name, r->tied_copies,
+            r->tied_copies == 1 ? "y" : "ies", r->ignored,
+            r->ignored == 1 ? "" : "s", r->cast));
+      }
+    } else if (c.cast || c.weights_only) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--%s applies to Hugging Face checkpoints only, and %s is not one",
+          c.cast ? "cast" : "weights-only", c.in));
+    } else {
+      status = checkpoint::ShardCheckpoint(fs, c.in, resolved.layout.spec(),
+                                           resolved.layout.options(),
+                                           resolved.world_size, c.out, options);
+    }
+  } else if (c.action == "export") {
+    FLATPARAM_ASSIGN_OR_RETURN(checkpoint::HfExportOptions exp,
+                               ExportOptionsFromCommand(c));
+    exp.convert = options;
+    absl::StatusOr<checkpoint::HfExportReport> r =
+        checkpoint::ExportHfCheckpoint(fs, c.in, c.out, exp);
+    status = r.status();
+    if (r.ok()) {
+      lines.push_back(absl::StrFormat(
+          "%s: %d tensors, total_size %d bytes, in %s", c.out, r->tensors,
+          r->total_size, absl::StrJoin(r->files, ", ")));
+    }
   } else if (c.action == "reshard") {
     FLATPARAM_ASSIGN_OR_RETURN(auto target, TargetLayout(c.layout));
     status = checkpoint::ReshardCheckpoint(fs, c.in, target.first,
@@ -236,16 +320,33 @@ absl::Status RunCheckpoint(const CheckpointCommand& c, std::ostream& out,
   } else if (c.action == "consolidate") {
     status = checkpoint::ConsolidateCheckpoint(fs, c.in, c.out, options);
   } else {
-    absl::StatusOr<checkpoint::CheckpointReport> r =
-        checkpoint::VerifyCheckpoint(fs, c.in, options.progress);
-    if (r.ok()) report = *std::move(r);
-    status = r.status();
+    FLATPARAM_ASSIGN_OR_RETURN(const bool hf,
+                               checkpoint::IsHfCheckpoint(fs, c.in));
+    if (hf) {
+      absl::StatusOr<checkpoint::HfCheckpointReader> r =
+          checkpoint::HfCheckpointReader::Open(fs, c.in);
+      status = r.status();
+      if (r.ok()) {
+        hf_verified_bytes = r->data_bytes();
+        lines.push_back(absl::StrFormat(
+            "%s: ok: Hugging Face checkpoint, %d files, %d tensors, %d "
+            "bytes of tensors (headers%s checked; no checksums to verify)",
+            c.in, r->files().size(), r->tensors().size(), r->data_bytes(),
+            r->index_path().empty() ? "" : " and index"));
+      }
+    } else {
+      absl::StatusOr<checkpoint::CheckpointReport> r =
+          checkpoint::VerifyCheckpoint(fs, c.in, options.progress);
+      if (r.ok()) report = *std::move(r);
+      status = r.status();
+    }
   }
   bar.Finish();
   if (!status.ok()) return status;
   const double seconds =
       std::chrono::duration<double>(Clock::now() - start).count();
-  uint64_t bytes = bar.done();
+  uint64_t bytes = hf_verified_bytes.value_or(bar.done());
+  for (const std::string& line : lines) out << line << "\n";
   if (report.has_value()) {
     bytes = report->bytes;
     out << absl::StrFormat("%s: ok: %s checkpoint, %d files, %d tensors",

@@ -3,7 +3,7 @@
 //
 //   fsdp checkpoint init        --model=M --out=FULL [--seed=N]
 //                               [--optimizer=adamw|sgd|none]
-//   fsdp checkpoint shard       --in=FULL --model=M --world-size=W
+//   fsdp checkpoint shard       --in=FULL|HF --model=M --world-size=W
 //                               [--strategy=S] [--shard-group-size=G]
 //                               [--align-addresses] [--compute-dtype=D]
 //                               --out=SHARDED
@@ -11,6 +11,18 @@
 //                               --out=SHARDED2
 //   fsdp checkpoint consolidate --in=SHARDED --out=FULL
 //   fsdp checkpoint verify      --in=DIR
+//   fsdp checkpoint export      --in=FULL|SHARDED --out=HF
+//                               [--max-shard-size=5GB] [--dtype=D]
+//
+// shard also takes a Hugging Face checkpoint as --in (a directory with
+// model.safetensors or model.safetensors.index.json and no manifest.json,
+// or the path of either file) and imports it straight to the sharded
+// layout (flatparam/checkpoint/hf_checkpoint.h), with --cast to convert a
+// dtype that differs from the model's and --weights-only to leave another
+// tool's optimizer state behind; --dtype then sets the model's dtype, as
+// for init. verify also checks a Hugging Face checkpoint (its headers and
+// index). export writes one from a full or sharded checkpoint; --dtype
+// there casts the tensors.
 //
 // Every action streams (memory bounded by one chunk, not the model) and
 // prints one summary line on stdout: bytes written (or verified), seconds,
@@ -34,7 +46,7 @@ namespace flatparam {
 namespace tools {
 
 struct CheckpointCommand {
-  // "init", "shard", "reshard", "consolidate" or "verify".
+  // "init", "shard", "reshard", "consolidate", "verify" or "export".
   std::string action;
   std::string in;
   std::string out;
@@ -46,6 +58,11 @@ struct CheckpointCommand {
   // init only.
   uint64_t seed = 0;
   std::string optimizer = "adamw";
+  // shard of a Hugging Face checkpoint only (HfImportOptions).
+  bool cast = false;
+  bool weights_only = false;
+  // export only: ParseByteSize's forms; empty for the default (5GB).
+  std::string max_shard_size;
   uint64_t chunk_bytes = uint64_t{4} << 20;
 };
 

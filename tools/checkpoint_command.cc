@@ -16,6 +16,15 @@
 ABSL_FLAG(std::string, in, "", "checkpoint: the input checkpoint directory.");
 ABSL_FLAG(std::string, out, "",
           "checkpoint: the output checkpoint directory (written atomically).");
+ABSL_FLAG(bool, cast, false,
+          "checkpoint shard of a Hugging Face checkpoint: convert tensors "
+          "whose dtype differs from the model's (round to nearest even).");
+ABSL_FLAG(bool, weights_only, false,
+          "checkpoint shard of a Hugging Face checkpoint: import the weights "
+          "even if the directory holds another tool's optimizer state.");
+ABSL_FLAG(std::string, max_shard_size, "",
+          "checkpoint export: the most tensor bytes per file (5GB, 500MB, "
+          "2GiB or bytes; default 5GB).");
 // Defined by `fsdp train`; `checkpoint init` also accepts "none".
 ABSL_DECLARE_FLAG(std::string, optimizer);
 
@@ -26,7 +35,7 @@ namespace {
 int CheckpointMain(const std::vector<char*>& args) {
   if (args.size() != 1) {
     std::cerr << "fsdp checkpoint: expected one action (init, shard, "
-                 "reshard, consolidate or verify)"
+                 "reshard, consolidate, verify or export)"
               << (args.size() > 1
                       ? std::string(", got also \"") + args[1] + "\""
                       : std::string())
@@ -41,6 +50,9 @@ int CheckpointMain(const std::vector<char*>& args) {
   command.world_size_set = FlagChanged("world_size");
   command.seed = absl::GetFlag(FLAGS_seed);
   command.optimizer = absl::GetFlag(FLAGS_optimizer);
+  command.cast = absl::GetFlag(FLAGS_cast);
+  command.weights_only = absl::GetFlag(FLAGS_weights_only);
+  command.max_shard_size = absl::GetFlag(FLAGS_max_shard_size);
   if (absl::Status s = ValidateCheckpointCommand(command); !s.ok()) {
     std::cerr << "fsdp checkpoint: " << s.message()
               << "; see fsdp checkpoint --help\n";
@@ -61,14 +73,19 @@ constexpr char kHelp[] =
     "usage: fsdp checkpoint init        --model=NAME|PATH --out=FULL\n"
     "                                   [--seed=N] "
     "[--optimizer=adamw|sgd|none]\n"
-    "       fsdp checkpoint shard       --in=FULL --model=NAME|PATH "
+    "       fsdp checkpoint shard       --in=FULL|HF --model=NAME|PATH "
     "[--world-size=W]\n"
-    "                                   [layout flags] --out=SHARDED\n"
+    "                                   [layout flags] [--cast] "
+    "[--weights-only]\n"
+    "                                   --out=SHARDED\n"
     "       fsdp checkpoint reshard     --in=SHARDED [--world-size=W] "
     "[layout flags]\n"
     "                                   --out=SHARDED2\n"
     "       fsdp checkpoint consolidate --in=SHARDED --out=FULL\n"
     "       fsdp checkpoint verify      --in=DIR\n"
+    "       fsdp checkpoint export      --in=FULL|SHARDED --out=HF\n"
+    "                                   [--max-shard-size=5GB] "
+    "[--dtype=bfloat16]\n"
     "\n"
     "Offline checkpoint tools, in one process without communication. They\n"
     "stream: memory is bounded by one chunk (4 MiB) plus metadata, never the\n"
@@ -79,6 +96,24 @@ constexpr char kHelp[] =
     "A summary line (bytes, seconds, MB/s, peak RSS) goes to stdout; a\n"
     "progress bar to stderr when it is a terminal.\n"
     "\n"
+    "Hugging Face checkpoints: shard also takes, as --in, a directory with\n"
+    "model.safetensors or model.safetensors.index.json (and no\n"
+    "manifest.json), or the path of either file, and imports it straight\n"
+    "to the sharded layout: every header, name, shape and dtype is checked\n"
+    "against the model first (FSDP and activation-checkpoint wrapper\n"
+    "prefixes are removed from names; rotary_emb.inv_freq buffers are\n"
+    "skipped; a tied parameter listed again must equal its target). A\n"
+    "dtype that differs from the model's is an error unless --cast (or\n"
+    "--dtype=D to give the model the file's dtype). Another tool's\n"
+    "optimizer state (optimizer.pt, ...) cannot be imported: with\n"
+    "--weights-only the weights are imported alone. Use the -hf presets\n"
+    "(llama2-7b-hf, llama3-8b-hf, ...) for Hugging Face's Llama names.\n"
+    "export writes the weights of a full or sharded checkpoint as\n"
+    "Hugging Face does: model.safetensors, or model-0000i-of-0000n\n"
+    "files of at most --max-shard-size of tensors each plus\n"
+    "model.safetensors.index.json; tied parameters once, under their\n"
+    "target's name; --dtype casts (round to nearest even).\n"
+    "\n"
     "Exit codes: 0 ok, 1 the checkpoint could not be read or written, 2 bad\n"
     "command line.\n"
     "\n"
@@ -87,6 +122,12 @@ constexpr char kHelp[] =
     "  --out=DIR                output checkpoint directory\n"
     "  --seed=N                 init: the weights' seed (default 0)\n"
     "  --optimizer=O            init: adamw (default), sgd or none\n"
+    "  --dtype=D                init, shard: the model's dtype; export: cast\n"
+    "                           to D\n"
+    "  --cast                   shard (Hugging Face input): convert dtypes\n"
+    "  --weights-only           shard (Hugging Face input): leave optimizer\n"
+    "                           state of another tool behind\n"
+    "  --max-shard-size=S       export: bytes of tensors per file (5GB)\n"
     "layout flags (shard, reshard; --model also for init):\n";
 
 void PrintHelp(std::ostream& out) { out << kHelp << kLayoutFlagsHelp; }
@@ -95,7 +136,8 @@ void PrintHelp(std::ostream& out) { out << kHelp << kLayoutFlagsHelp; }
 
 const Subcommand kCheckpointSubcommand = {
     "checkpoint",
-    "init, shard, reshard, consolidate and verify checkpoints offline",
+    "init, shard, reshard, consolidate, verify and export checkpoints "
+    "offline; import Hugging Face safetensors",
     PrintHelp,
     CheckpointMain,
 };

@@ -8,7 +8,8 @@
 # What it installs:
 #   Debian: Bazel 4 (bazel-bootstrap), Abseil, GoogleTest/GoogleMock, Google
 #           Benchmark, RapidCheck, nlohmann-json, xxHash, OpenMPI, pkg-config,
-#           clang-format.
+#           clang-format, and python3-numpy (the independent safetensors
+#           reader of //tools:hf_cli_test).
 #   npm:    buildifier (the @bazel/buildifier package ships its binaries).
 # CUDA/NCCL are optional and detected at build time (/usr/local/cuda or
 # $CUDA_PATH); this script does not install them.
@@ -27,6 +28,7 @@ APT_PACKAGES=(
   libopenmpi-dev
   pkgconf
   clang-format
+  python3-numpy
   nodejs
   npm
 )

@@ -563,7 +563,7 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
     // layout and the small sidecars, so they all fail alike on those), and
     // verifies and reads only its own rank's tensors below.
     checkpoint::CheckpointOpenOptions metadata_only;
-    metadata_only.ranks = std::vector<int64_t>{};
+    metadata_only.ranks.emplace();  // no rank's tensors yet
     absl::StatusOr<checkpoint::ShardedCheckpointReader> opened =
         checkpoint::ShardedCheckpointReader::Open(fs, options.load_dir,
                                                   metadata_only);

@@ -800,7 +800,7 @@ TEST(ShardedCheckpointTest, EachRankReadsItsShareAndTheMetadata) {
   // The metadata only; then this process's rank.
   fs.Reset();
   CheckpointOpenOptions mine;
-  mine.ranks = std::vector<int64_t>{};
+  mine.ranks.emplace();
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
       ShardedCheckpointReader reader,
       ShardedCheckpointReader::Open(fs, "ckpt", mine));
@@ -830,7 +830,7 @@ TEST(ShardedCheckpointTest, EachRankReadsItsShareAndTheMetadata) {
               StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(ShardedCheckpointReader::Open(fs, "ckpt").status(),
               StatusIs(kDataLoss, HasSubstr("rank00003.safetensors")));
-  mine.ranks = std::vector<int64_t>{3};
+  mine.ranks.emplace(1, int64_t{3});
   EXPECT_THAT(ShardedCheckpointReader::Open(fs, "ckpt", mine).status(),
               StatusIs(kDataLoss, HasSubstr("rank00003.safetensors")));
 }

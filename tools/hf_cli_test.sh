@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# End-to-end test of Hugging Face checkpoints through the `fsdp` binary,
+# checked by an independent reader and writer (testdata/hf_numpy.py: numpy
+# and json only, no torch, no safetensors package): checkpoints written by
+# numpy (single file and index-sharded, wrapper-prefixed names, a repeated
+# tied parameter, a rotary buffer, bf16) are imported with `checkpoint
+# shard`, resharded, and exported with `checkpoint export`; numpy reads the
+# export back and must find the original tensors bit for bit (or cast with
+# round to nearest even); the export's files, index and size cap are
+# checked; bad inputs exit 1 and bad flags 2, with messages naming the file
+# and tensor.
+# Usage: hf_cli_test.sh CLI_TEST_LIB FSDP TINY_MODEL_JSON HF_NUMPY_PY
+set -uo pipefail
+
+# shellcheck source=tools/testing/cli_test_lib.sh
+source "$1"
+cli_test_init "$2"
+tiny=$3
+hf_numpy=$4
+
+# Debian's python3-numpy (tools/setup.sh installs it); the build's
+# environment puts /usr/bin first.
+python=""
+for p in /usr/bin/python3 python3; do
+  if command -v "$p" >/dev/null 2>&1 && "$p" -c 'import numpy' 2>/dev/null; then
+    python=$p
+    break
+  fi
+done
+if [ -z "$python" ]; then
+  echo "FAIL: no python3 with numpy (run tools/setup.sh, which installs" \
+    "python3-numpy)" >&2
+  exit 1
+fi
+np() { "$python" "$hf_numpy" "$@" || fail "hf_numpy.py $*"; }
+
+# 1. Index-sharded, wrapped names, tied copy, buffer: import at W=4,
+#    reshard to HYBRID_SHARD 2 x 3 aligned, export split at 150 bytes.
+np make --spec="$tiny" --out="$tmp/hf" --shards=3 --wrap --tied-copy \
+  --inv-freq --seed=1
+expect_exit 0 checkpoint shard --in="$tmp/hf" --model="$tiny" \
+  --world-size=4 --out="$tmp/s4"
+grep -q "imported 7 tensors of 3 Hugging Face files into model tiny (1 tied copy checked, 1 buffer skipped, 0 cast)" \
+  "$tmp/out" || fail "import report: $(cat "$tmp/out")"
+grep -q '^checkpoint shard: wrote [0-9]* bytes' "$tmp/out" ||
+  fail "shard summary: $(cat "$tmp/out")"
+expect_exit 0 checkpoint verify --in="$tmp/s4"
+expect_exit 0 checkpoint reshard --in="$tmp/s4" --world-size=6 \
+  --strategy=HYBRID_SHARD --shard-group-size=3 --align-addresses \
+  --out="$tmp/h6"
+expect_exit 0 checkpoint export --in="$tmp/h6" --out="$tmp/out150" \
+  --max-shard-size=150
+grep -q "7 tensors, total_size 476 bytes, in model-00001-of-00004.safetensors, .*, model.safetensors.index.json" \
+  "$tmp/out" || fail "export report: $(cat "$tmp/out")"
+grep -q '^checkpoint export: wrote [0-9]* bytes in .* peak RSS' "$tmp/out" ||
+  fail "export summary: $(cat "$tmp/out")"
+np check --dir="$tmp/out150" --max-shard-size=150 --files=4 --tensors=7
+# The tied copy is written once, under the target's name.
+np compare --expected="$tmp/hf" --actual="$tmp/out150" --skip=head.weight
+# The export imports back: same shards as the first import.
+expect_exit 0 checkpoint shard --in="$tmp/out150" --model="$tiny" \
+  --world-size=4 --out="$tmp/s4b"
+for f in layout.json rank00000.safetensors rank00003.safetensors \
+  rank00002.json; do
+  cmp -s "$tmp/s4/$f" "$tmp/s4b/$f" || fail "$f differs after export -> import"
+done
+expect_exit 0 checkpoint verify --in="$tmp/out150"
+grep -q 'ok: Hugging Face checkpoint, 4 files, 7 tensors, 476 bytes' \
+  "$tmp/out" || fail "verify report: $(cat "$tmp/out")"
+
+# 2. Default cap: one model.safetensors, no index. From a full checkpoint.
+expect_exit 0 checkpoint consolidate --in="$tmp/h6" --out="$tmp/full"
+expect_exit 0 checkpoint export --in="$tmp/full" --out="$tmp/single"
+np check --dir="$tmp/single" --max-shard-size=5000000000 --files=1
+np compare --expected="$tmp/hf" --actual="$tmp/single" --skip=head.weight
+
+# 3. Casts: float32 -> bfloat16 and float16 on export, against numpy's own
+#    rounding; bfloat16 files into a float32 model need --cast (exact), and
+#    back to bfloat16 is bitwise.
+expect_exit 0 checkpoint export --in="$tmp/h6" --out="$tmp/bf16" \
+  --dtype=bfloat16 --max-shard-size=100
+np check --dir="$tmp/bf16" --max-shard-size=100 --dtype=bfloat16
+np compare --expected="$tmp/hf" --actual="$tmp/bf16" --skip=head.weight \
+  --cast=bfloat16
+expect_exit 0 checkpoint export --in="$tmp/h6" --out="$tmp/f16" --dtype=fp16
+np compare --expected="$tmp/hf" --actual="$tmp/f16" --skip=head.weight \
+  --cast=float16
+np make --spec="$tiny" --out="$tmp/hfb" --dtype=BF16 --seed=2
+expect_exit 1 checkpoint shard --in="$tmp/hfb" --model="$tiny" \
+  --world-size=2 --out="$tmp/b2"
+grep -q "model.safetensors: tensor 'emb.weight' is BF16, the model's parameter 'emb.weight' is float32 (give the model the file's dtype, --dtype=bfloat16, or convert with --cast)" \
+  "$tmp/err" || fail "dtype error: $(cat "$tmp/err")"
+[ -e "$tmp/b2" ] && fail "a failed import left its output"
+expect_exit 0 checkpoint shard --in="$tmp/hfb" --model="$tiny" \
+  --world-size=2 --out="$tmp/b2" --cast
+grep -q "7 cast" "$tmp/out" || fail "cast report: $(cat "$tmp/out")"
+expect_exit 0 checkpoint export --in="$tmp/b2" --out="$tmp/b2f32"
+np compare --expected="$tmp/hfb" --actual="$tmp/b2f32" --cast=float32
+expect_exit 0 checkpoint export --in="$tmp/b2" --out="$tmp/b2bf16" \
+  --dtype=bfloat16
+np compare --expected="$tmp/hfb" --actual="$tmp/b2bf16"
+# Or keep the file's dtype: --dtype gives the model bfloat16.
+expect_exit 0 checkpoint shard --in="$tmp/hfb/model.safetensors" \
+  --model="$tiny" --dtype=bfloat16 --world-size=3 --out="$tmp/b3"
+expect_exit 0 checkpoint export --in="$tmp/b3" --out="$tmp/b3out"
+np compare --expected="$tmp/hfb" --actual="$tmp/b3out"
+
+# 4. Another tool's optimizer state: refused, or left behind.
+np make --spec="$tiny" --out="$tmp/hfo" --optimizer
+expect_exit 1 checkpoint shard --in="$tmp/hfo" --model="$tiny" \
+  --world-size=2 --out="$tmp/o2"
+grep -q 'hfo/optimizer.pt: optimizer state written by another tool cannot be imported' \
+  "$tmp/err" || fail "optimizer error: $(cat "$tmp/err")"
+expect_exit 0 checkpoint shard --in="$tmp/hfo" --model="$tiny" \
+  --world-size=2 --out="$tmp/o2" --weights-only
+
+# 5. Files that do not fit the model: exit 1, naming file and tensor.
+expect_exit 1 checkpoint shard --in="$tmp/hf" --model=gpt2 --world-size=2 \
+  --out="$tmp/x"
+grep -q "hf/model.safetensors.index.json does not fit model 'gpt2'" "$tmp/err" ||
+  fail "model mismatch: $(head -c 600 "$tmp/err")"
+grep -q "model-00001-of-00003.safetensors: unexpected tensor '_orig_mod._fsdp_wrapped_module.emb._checkpoint_wrapped_module.weight' ('emb.weight') (F32 \[11, 3\])" \
+  "$tmp/err" || fail "unexpected tensor: $(head -c 600 "$tmp/err")"
+grep -q "missing tensor 'transformer.wte.weight'" "$tmp/err" ||
+  fail "missing tensor: $(head -c 600 "$tmp/err")"
+cp -r "$tmp/hf" "$tmp/hf_bad"
+sed -i 's/"total_size": [0-9]*/"total_size": 1/' \
+  "$tmp/hf_bad/model.safetensors.index.json"
+expect_exit 1 checkpoint shard --in="$tmp/hf_bad" --model="$tiny" \
+  --world-size=2 --out="$tmp/x"
+grep -q 'metadata.total_size is 1, but the tensors of the weight_map hold 624 bytes' \
+  "$tmp/err" || fail "total_size: $(cat "$tmp/err")"
+expect_exit 1 checkpoint shard --in="$tmp/missing" --model="$tiny" \
+  --world-size=2 --out="$tmp/x"
+[ -e "$tmp/x" ] && fail "a failed import left its output"
+
+# 6. Bad flags exit 2.
+expect_exit 2 checkpoint export --in="$tmp/h6" --out="$tmp/x" \
+  --max-shard-size=5Gb
+grep -q "lowercase 'b' would mean bits" "$tmp/err" ||
+  fail "--max-shard-size: $(cat "$tmp/err")"
+expect_exit 2 checkpoint export --in="$tmp/h6" --out="$tmp/x" --dtype=int32
+expect_exit 2 checkpoint export --in="$tmp/h6" --out="$tmp/x" --cast
+expect_exit 2 checkpoint export --in="$tmp/h6" --out="$tmp/x" --model=gpt2
+expect_exit 2 checkpoint reshard --in="$tmp/h6" --out="$tmp/x" \
+  --max-shard-size=1GB
+expect_exit 2 checkpoint export --in="$tmp/h6"
+expect_exit 1 checkpoint shard --in="$tmp/full" --model="$tiny" \
+  --world-size=2 --out="$tmp/x" --cast
+grep -q 'applies to Hugging Face checkpoints only' "$tmp/err" ||
+  fail "--cast on a flatparam checkpoint: $(cat "$tmp/err")"
+expect_exit 0 checkpoint --help
+grep -q 'fsdp checkpoint export' "$tmp/out" || fail "help lacks export"
+
+cli_test_finish
