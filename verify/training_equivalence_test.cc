@@ -86,7 +86,8 @@ std::vector<FsdpRankResult> RunSharded(const TrainingCase& c,
 
 TrainResult RunReference(const refmodel::Config& config,
                          const TrainOptions& options) {
-  absl::StatusOr<TrainResult> result = refmodel::TrainReference(config, options);
+  absl::StatusOr<TrainResult> result =
+      refmodel::TrainReference(config, options);
   RC_ASSERT(result.ok());
   return *std::move(result);
 }
@@ -177,8 +178,8 @@ RC_GTEST_PROP(TrainingEquivalence,
   absl::StatusOr<refmodel::ReferenceModel> model =
       refmodel::ReferenceModel::Create(c.options.model);
   RC_ASSERT(model.ok());
-  const double bound = refmodel::AdamWDivergenceBound(adamw, c.options.steps,
-                                                   MaxAbs(model->InitParams()));
+  const double bound = refmodel::AdamWDivergenceBound(
+      adamw, c.options.steps, MaxAbs(model->InitParams()));
   const double diff = MaxAbsDiff(ranks[0].params, full.params);
   RC_ASSERT(diff <= bound);
 }
@@ -399,7 +400,8 @@ TEST(TrainingEquivalenceTest, HybridShard2x4AndFullShard8) {
   absl::StatusOr<refmodel::ReferenceModel> model =
       refmodel::ReferenceModel::Create(full.options.model);
   ASSERT_TRUE(model.ok());
-  absl::StatusOr<TrainOptions> o = refmodel::ReferenceOptionsFor(full.options, 8);
+  absl::StatusOr<TrainOptions> o =
+      refmodel::ReferenceOptionsFor(full.options, 8);
   ASSERT_TRUE(o.ok());
   const TensorMap t = AbsGradientSum(*model, model->InitParams(), *o);
   const double gamma = 2 * Gamma(2 * 1 + 8 + 1, kU32);

@@ -113,7 +113,8 @@ TEST(TrainingNcclTest, OneGpuEqualsTheReferenceBitwise) {
     SCOPED_TRACE(Describe({o, 1}));
     std::vector<absl::StatusOr<FsdpRankResult>> got = TrainOnGpus(o, 1);
     ASSERT_TRUE(got[0].ok()) << got[0].status();
-    absl::StatusOr<refmodel::TrainOptions> ref = refmodel::ReferenceOptionsFor(o, 1);
+    absl::StatusOr<refmodel::TrainOptions> ref =
+        refmodel::ReferenceOptionsFor(o, 1);
     ASSERT_TRUE(ref.ok()) << ref.status();
     absl::StatusOr<refmodel::TrainResult> want =
         refmodel::TrainReference(o.model, *ref);
@@ -170,8 +171,8 @@ TEST(TrainingNcclTest, SeveralGpusAgreeWithinTheReassociationBound) {
       refmodel::MapParamAccess access(&params, &g);
       ASSERT_TRUE(
           model
-              ->ForwardBackward(refmodel::MakeBatch(o.data_seed, o.model.vocab, 0,
-                                                 0, r * local, local),
+              ->ForwardBackward(refmodel::MakeBatch(o.data_seed, o.model.vocab,
+                                                    0, 0, r * local, local),
                                 access)
               .ok());
       for (const auto& [name, x] : g) {

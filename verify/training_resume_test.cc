@@ -36,10 +36,11 @@ using refmodel::FsdpTrainOptions;
 using refmodel::TrainOptions;
 using refmodel::TrainResult;
 
-void AssertSameResult(const std::vector<float>& losses,
-                      const std::map<std::string, HostTensor>& params,
-                      const std::map<std::string, refmodel::OptimizerState>& state,
-                      const TrainResult& want, const std::string& what) {
+void AssertSameResult(
+    const std::vector<float>& losses,
+    const std::map<std::string, HostTensor>& params,
+    const std::map<std::string, refmodel::OptimizerState>& state,
+    const TrainResult& want, const std::string& what) {
   std::string why;
   RC_ASSERT(SameFloats(losses, want.losses));
   if (!SameTensors(params, want.params, &why)) {

@@ -93,7 +93,7 @@ std::string Describe(const TrainingCase& c) {
       o.reduce_dtype.has_value() ? DTypeName(*o.reduce_dtype) : "-",
       o.cpu_offload, o.steps, o.global_batch, o.micro_batches,
       o.accumulation == refmodel::AccumulationMode::kNoSync ? "no_sync"
-                                                         : "sharded",
+                                                            : "sharded",
       DescribeOptimizer(o.optimizer), o.data_seed,
       o.padding_fill.has_value()
           ? absl::StrFormat(", padding %g", *o.padding_fill)
@@ -157,9 +157,9 @@ rc::Gen<TrainingCase> GenTrainingCase() {
                *rc::gen::weightedElement<bool>({{3, false}, {1, true}});
            o.steps = *UniformInRange<int64_t>(1, 4);
            o.micro_batches = *UniformInRange<int64_t>(1, 4);
-           o.accumulation =
-               *rc::gen::element(refmodel::AccumulationMode::kShardedAccumulation,
-                                 refmodel::AccumulationMode::kNoSync);
+           o.accumulation = *rc::gen::element(
+               refmodel::AccumulationMode::kShardedAccumulation,
+               refmodel::AccumulationMode::kNoSync);
            o.global_batch = c.world_size * *UniformInRange<int64_t>(1, 3);
            o.optimizer = *GenOptimizerOptions();
            o.data_seed = *rc::gen::arbitrary<uint64_t>();
