@@ -7,17 +7,14 @@
 
 #include <cstdint>
 #include <cstdlib>
-#include <fstream>
 #include <iostream>
 #include <string>
 
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_cat.h"
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/convert.h"
 #include "flatparam/checkpoint/file_system.h"
+#include "flatparam/checkpoint/internal/checkpoint_testutil.h"
 #include "flatparam/layout.h"
 #include "flatparam/model.h"
 
@@ -33,33 +30,12 @@ namespace flatparam {
 namespace checkpoint {
 namespace {
 
-int64_t PeakResidentBytes() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (!absl::StartsWith(line, "VmHWM:")) continue;
-    std::string digits;
-    for (char c : line) {
-      if (c >= '0' && c <= '9') digits += c;
-    }
-    int64_t kib = 0;
-    if (absl::SimpleAtoi(digits, &kib)) return kib * 1024;
-  }
-  return 0;
-}
-
 TEST(ConvertMemoryTest, PeakMemoryIsBoundedByAChunkNotTheModel) {
   const int64_t before = PeakResidentBytes();
   if (before == 0) GTEST_SKIP() << "no /proc/self/status VmHWM here";
   // 8 parameters of 1.5M float32 elements (6 MiB each) in 4 units: 48 MiB
   // of weights and 48 MiB of SGD momentum, 96 MiB per checkpoint.
-  ModelSpec spec;
-  spec.name = "big";
-  for (int l = 0; l < 4; ++l) {
-    spec.params.push_back({absl::StrCat("layers.", l, ".w"), {1536, 1024}});
-    spec.params.push_back({absl::StrCat("layers.", l, ".v"), {1024, 1536}});
-    spec.wrap.push_back(absl::StrCat("layers.", l));
-  }
+  const ModelSpec spec = BigModelSpec();
   FileSystem& fs = PosixFileSystem();
   const char* tmp = std::getenv("TEST_TMPDIR");
   const std::string root = tmp != nullptr ? tmp : "/tmp";

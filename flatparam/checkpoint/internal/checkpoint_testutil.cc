@@ -2,10 +2,15 @@
 
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <nlohmann/json.hpp>
+#include <string>
 #include <utility>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/checkpoint/safetensors.h"
 
@@ -119,6 +124,32 @@ std::string ReadWholeFile(FileSystem& fs, const std::string& path) {
   absl::StatusOr<std::string> s = ReadFileToString(fs, path, 1 << 30);
   EXPECT_TRUE(s.ok()) << s.status();
   return s.ok() ? *std::move(s) : "";
+}
+
+ModelSpec BigModelSpec() {
+  ModelSpec spec;
+  spec.name = "big";
+  for (int l = 0; l < 4; ++l) {
+    spec.params.push_back({absl::StrCat("layers.", l, ".w"), {1536, 1024}});
+    spec.params.push_back({absl::StrCat("layers.", l, ".v"), {1024, 1536}});
+    spec.wrap.push_back(absl::StrCat("layers.", l));
+  }
+  return spec;
+}
+
+int64_t PeakResidentBytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (!absl::StartsWith(line, "VmHWM:")) continue;
+    std::string digits;
+    for (char c : line) {
+      if (c >= '0' && c <= '9') digits += c;
+    }
+    int64_t kib = 0;
+    if (absl::SimpleAtoi(digits, &kib)) return kib * 1024;
+  }
+  return 0;
 }
 
 }  // namespace checkpoint

@@ -76,6 +76,14 @@ struct ShardedFixture {
 ShardedFixture MakeShardedFixture(const ModelLayout& layout, int64_t world_size,
                                   int version);
 
+// Model "big", for the memory-bound tests: 8 float32 parameters of 6 MiB
+// (layers.{0..3}.w [1536, 1024] and .v [1024, 1536]) in 4 units, 48 MiB.
+ModelSpec BigModelSpec();
+
+// The process's peak resident set (VmHWM) in bytes; 0 where
+// /proc/self/status does not say.
+int64_t PeakResidentBytes();
+
 // fs.GetChildren(dir), or {} and a test failure.
 std::vector<std::string> ListDir(FileSystem& fs, const std::string& dir);
 
