@@ -18,10 +18,12 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/json_limits.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/internal/checkpoint_write.h"
+#include "flatparam/checkpoint/internal/verified_file.h"
 #include "flatparam/layout.h"
 #include "flatparam/layout_json.h"
 #include "flatparam/model_json.h"
@@ -147,9 +149,11 @@ absl::Status CheckDirName(const std::string& dir) {
 // Counts and checksums what goes through it, and reports progress.
 class TrackedFile : public WritableFile {
  public:
-  TrackedFile(std::unique_ptr<WritableFile> base,
+  TrackedFile(std::unique_ptr<WritableFile> base, uint64_t expected_size,
               std::function<void(uint64_t)> on_bytes)
-      : base_(std::move(base)), on_bytes_(std::move(on_bytes)) {}
+      : base_(std::move(base)),
+        on_bytes_(std::move(on_bytes)),
+        hasher_(ChecksumBlockBytes(expected_size)) {}
 
   absl::Status Append(absl::string_view data) override {
     FLATPARAM_RETURN_IF_ERROR(base_->Append(data));
@@ -162,12 +166,14 @@ class TrackedFile : public WritableFile {
   absl::Status Close() override { return base_->Close(); }
 
   uint64_t size() const { return size_; }
-  uint64_t digest() const { return hasher_.Digest(); }
+  ManifestEntry entry(std::string path) const {
+    return hasher_.Entry(std::move(path));
+  }
 
  private:
   std::unique_ptr<WritableFile> base_;
   std::function<void(uint64_t)> on_bytes_;
-  Xxh3Hasher hasher_;
+  FileHasher hasher_;
   uint64_t size_ = 0;
 };
 
@@ -218,12 +224,12 @@ absl::StatusOr<ManifestEntry> WritePendingFile(
     const std::function<void(uint64_t)>& on_bytes) {
   FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> base,
                              fs.NewWritableFile(JoinPath(tmp, f.name)));
-  TrackedFile file(std::move(base), on_bytes);
+  TrackedFile file(std::move(base), f.size, on_bytes);
   FLATPARAM_RETURN_IF_ERROR(f.write(file));
   FLATPARAM_RETURN_IF_ERROR(file.Sync());
   FLATPARAM_RETURN_IF_ERROR(file.Close());
   assert(file.size() == f.size);
-  return ManifestEntry{f.name, file.size(), file.digest()};
+  return file.entry(f.name);
 }
 
 absl::Status PublishCheckpoint(FileSystem& fs, const std::string& dir,
@@ -862,10 +868,16 @@ absl::Status FullCheckpointReader::CheckFitsModel(const ModelSpec& spec) const {
   return absl::OkStatus();
 }
 
+struct ShardedCheckpointReader::Verified {
+  absl::Mutex mu;
+  std::set<int64_t> ranks ABSL_GUARDED_BY(mu);
+};
+
 ShardedCheckpointReader::ShardedCheckpointReader(
     FileSystem* fs, std::string path, Manifest manifest, ModelLayout layout,
     int64_t world_size, nlohmann::json layout_json)
-    : fs_(fs),
+    : verified_(std::make_shared<Verified>()),
+      fs_(fs),
       path_(std::move(path)),
       manifest_(std::move(manifest)),
       layout_(std::move(layout)),
@@ -904,6 +916,15 @@ absl::StatusOr<ShardedCheckpointReader> ShardedCheckpointReader::Open(
                                  std::move(layout.first), layout.second,
                                  std::move(doc));
   reader.verify_checksums_ = options.verify_checksums;
+  {
+    absl::MutexLock lock(&reader.verified_->mu);
+    for (int64_t r = 0; r < g; ++r) {
+      if (!options.ranks.has_value() ||
+          std::count(options.ranks->begin(), options.ranks->end(), r) > 0) {
+        reader.verified_->ranks.insert(r);
+      }
+    }
+  }
   for (int64_t r = 0; r < g; ++r) {
     FLATPARAM_RETURN_IF_ERROR(reader.ReadRankJson(r).status());
   }
@@ -920,6 +941,14 @@ absl::StatusOr<ShardedCheckpointReader> ShardedCheckpointReader::Open(
   return reader;
 }
 
+const ManifestEntry* ShardedCheckpointReader::FindEntry(
+    const std::string& name) const {
+  for (const ManifestEntry& e : manifest_.files) {
+    if (e.path == name) return &e;
+  }
+  return nullptr;
+}
+
 absl::Status ShardedCheckpointReader::VerifyRank(int64_t rank) const {
   if (rank < 0 || rank >= num_ranks()) {
     return absl::InvalidArgumentError(
@@ -928,24 +957,48 @@ absl::Status ShardedCheckpointReader::VerifyRank(int64_t rank) const {
   }
   const std::string name = RankTensorFileName(rank);
   if (verify_checksums_) {
-    const ManifestEntry* listed = nullptr;
-    for (const ManifestEntry& e : manifest_.files) {
-      if (e.path == name) listed = &e;
-    }
+    const ManifestEntry* listed = FindEntry(name);
     if (listed == nullptr) {
       return absl::DataLossError(
           absl::StrCat(path_, ": ", name, " is not in ", kManifestFileName));
     }
-    FLATPARAM_ASSIGN_OR_RETURN(ManifestEntry actual,
-                               DescribeFile(*fs_, path_, name, nullptr));
-    if (actual.size != listed->size || actual.xxh3_64 != listed->xxh3_64) {
-      return absl::DataLossError(absl::StrFormat(
-          "%s: xxh3_64 checksum is %s, %s says %s (the file is corrupt)",
-          JoinPath(path_, name), ChecksumHex(actual.xxh3_64), kManifestFileName,
-          ChecksumHex(listed->xxh3_64)));
-    }
+    FLATPARAM_ASSIGN_OR_RETURN(
+        ManifestEntry actual,
+        DescribeFile(*fs_, path_, name, nullptr, listed->block_size));
+    FLATPARAM_RETURN_IF_ERROR(CheckAgainstManifest(path_, *listed, actual));
+    absl::MutexLock lock(&verified_->mu);
+    verified_->ranks.insert(rank);
   }
   return OpenRank(rank).status();
+}
+
+absl::StatusOr<std::unique_ptr<RandomAccessFile>>
+ShardedCheckpointReader::OpenRankFile(int64_t rank) const {
+  const std::string name = RankTensorFileName(rank);
+  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file,
+                             fs_->NewRandomAccessFile(JoinPath(path_, name)));
+  if (!verify_checksums_) return file;
+  const ManifestEntry* listed = FindEntry(name);
+  if (listed == nullptr) {
+    return absl::DataLossError(
+        absl::StrCat(path_, ": ", name, " is not in ", kManifestFileName));
+  }
+  {
+    // Checksummed whole already (Open or VerifyRank): not again.
+    absl::MutexLock lock(&verified_->mu);
+    if (verified_->ranks.count(rank) > 0) return file;
+  }
+  if (listed->has_blocks()) {
+    return internal_checkpoint::BlockVerifiedFile::Open(std::move(file),
+                                                        *listed);
+  }
+  // No block checksums: the whole file, once.
+  FLATPARAM_ASSIGN_OR_RETURN(ManifestEntry actual,
+                             DescribeFile(*fs_, path_, name, nullptr));
+  FLATPARAM_RETURN_IF_ERROR(CheckAgainstManifest(path_, *listed, actual));
+  absl::MutexLock lock(&verified_->mu);
+  verified_->ranks.insert(rank);
+  return file;
 }
 
 absl::StatusOr<SafetensorsReader> ShardedCheckpointReader::OpenRank(
@@ -955,9 +1008,11 @@ absl::StatusOr<SafetensorsReader> ShardedCheckpointReader::OpenRank(
         absl::StrFormat("rank %d is not in [0, %d) of checkpoint %s", rank,
                         num_ranks(), path_));
   }
-  const std::string file = JoinPath(path_, RankTensorFileName(rank));
+  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> raw,
+                             OpenRankFile(rank));
+  const std::string file = raw->name();
   FLATPARAM_ASSIGN_OR_RETURN(SafetensorsReader reader,
-                             SafetensorsReader::Open(*fs_, file));
+                             SafetensorsReader::Open(std::move(raw)));
   const auto& metadata = reader.metadata();
   auto rank_it = metadata.find(kRankKey);
   auto group_it = metadata.find(kShardGroupSizeKey);

@@ -77,6 +77,7 @@
 #define FLATPARAM_CHECKPOINT_CHECKPOINT_DIR_H_
 
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -190,13 +191,13 @@ struct CheckpointOpenOptions {
   bool verify_checksums = true;
   // Bytes checksummed so far, of the checkpoint's total.
   ProgressCallback progress;
-  // Sharded checkpoints: the shard-group ranks this process will read.
-  // Open then checksums and validates only the metadata (manifest.json,
-  // layout.json, every rank's small JSON sidecar) and these ranks' tensor
-  // files; the other ranks' tensor files are checked for presence and size
-  // only, and VerifyRank checks one later. A job loading its own shards
-  // passes {} and verifies its rank once it knows it: each of W processes
-  // reads its share plus the metadata, not the whole checkpoint W times.
+  // Sharded checkpoints: the shard-group ranks whose tensor files Open
+  // checksums whole. Open always checksums and validates the metadata
+  // (manifest.json, layout.json, every rank's small JSON sidecar); the
+  // other ranks' tensor files are checked for presence and size only, and
+  // are verified as they are read (OpenRank). A job loading its shards
+  // passes {}: each of W processes then reads its share plus the metadata,
+  // once, not the whole checkpoint W times (or its share twice).
   // Unset: every rank.
   std::optional<std::vector<int64_t>> ranks;
 };
@@ -265,14 +266,23 @@ class ShardedCheckpointReader {
   const nlohmann::json& layout_json() const { return layout_json_; }
 
   // Opens rank `rank`'s tensor file, validated against the layout.
-  // InvalidArgument for a rank outside [0, num_ranks()).
+  // InvalidArgument for a rank outside [0, num_ranks()). With
+  // verify_checksums, every byte read through the returned reader is
+  // verified: when Open or VerifyRank checksummed the file whole, by that;
+  // otherwise against the manifest's block checksums as it is read
+  // (internal/verified_file.h: a read costs its bytes plus at most two
+  // partial blocks, a damaged block fails that read with DataLoss, and the
+  // reader keeps up to two blocks cached), or, for a checkpoint written
+  // before block checksums, by checksumming the whole file here, once.
   absl::StatusOr<SafetensorsReader> OpenRank(int64_t rank) const;
   // Reads rank `rank`'s JSON sidecar.
   absl::StatusOr<nlohmann::json> ReadRankJson(int64_t rank) const;
-  // Checksums rank `rank`'s tensor file against the manifest (when the
-  // reader was opened with verify_checksums) and validates its header, as
-  // Open does for every rank it verifies. DataLoss naming the file
-  // otherwise; InvalidArgument for a rank outside [0, num_ranks()).
+  // Checksums rank `rank`'s whole tensor file against the manifest (when
+  // the reader was opened with verify_checksums) and validates its header,
+  // as Open does for every rank it verifies. Not needed before reading a
+  // rank (OpenRank verifies what is read); for tools that check a file
+  // without reading it. DataLoss naming the file otherwise;
+  // InvalidArgument for a rank outside [0, num_ranks()).
   absl::Status VerifyRank(int64_t rank) const;
 
   // Checks that a job with `layout` on `world_size` ranks can load this
@@ -289,6 +299,15 @@ class ShardedCheckpointReader {
                           ModelLayout layout, int64_t world_size,
                           nlohmann::json layout_json);
 
+  // The rank's tensor file, verified as OpenRank describes.
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenRankFile(
+      int64_t rank) const;
+  const ManifestEntry* FindEntry(const std::string& name) const;
+
+  // Ranks whose tensor files were checksummed whole; shared by moved-from
+  // and moved-to readers, guarded for the const (thread-safe) methods.
+  struct Verified;
+  std::shared_ptr<Verified> verified_;
   bool verify_checksums_ = true;
   FileSystem* fs_;
   std::string path_;

@@ -124,9 +124,7 @@ absl::Status WriteMyFiles(FileSystem& fs, const std::string& tmp,
     FLATPARAM_ASSIGN_OR_RETURN(
         ManifestEntry entry,
         internal_checkpoint::WritePendingFile(fs, tmp, f, on_bytes));
-    entries.push_back({{"path", entry.path},
-                       {"size", entry.size},
-                       {"xxh3_64", ChecksumHex(entry.xxh3_64)}});
+    entries.push_back(ManifestEntryToJson(entry));
   }
   if (options.progress && total == 0) options.progress(0, 0);
   return absl::OkStatus();
@@ -137,21 +135,22 @@ absl::StatusOr<Manifest> CollectManifest(const std::vector<Report>& reports) {
   Manifest manifest;
   manifest.kind = CheckpointKind::kSharded;
   for (size_t r = 0; r < reports.size(); ++r) {
-    try {
-      for (const json& e : reports[r].payload.at("files")) {
-        ManifestEntry entry;
-        entry.path = e.at("path").get<std::string>();
-        entry.size = e.at("size").get<uint64_t>();
-        const std::string hex = e.at("xxh3_64").get<std::string>();
-        if (!absl::SimpleHexAtoi(hex, &entry.xxh3_64)) {
-          return absl::InternalError(absl::StrFormat(
-              "rank %d reported checksum \"%s\" for %s", r, hex, entry.path));
-        }
-        manifest.files.push_back(std::move(entry));
+    const json* files = nullptr;
+    if (reports[r].payload.contains("files")) {
+      files = &reports[r].payload["files"];
+    }
+    if (files == nullptr || !files->is_array()) {
+      return absl::InternalError(
+          absl::StrFormat("rank %d reported no file list", r));
+    }
+    for (size_t i = 0; i < files->size(); ++i) {
+      absl::StatusOr<ManifestEntry> entry = ManifestEntryFromJson(
+          (*files)[i], absl::StrFormat("rank %d's files[%d]", r, i));
+      if (!entry.ok()) {
+        return absl::InternalError(absl::StrCat(
+            "a malformed file list from a rank: ", entry.status().message()));
       }
-    } catch (const json::exception& e) {
-      return absl::InternalError(absl::StrFormat(
-          "rank %d reported a malformed file list: %s", r, e.what()));
+      manifest.files.push_back(*std::move(entry));
     }
   }
   return manifest;

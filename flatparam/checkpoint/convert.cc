@@ -7,6 +7,7 @@
 #include <functional>
 #include <list>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
@@ -19,8 +20,10 @@
 #include "absl/strings/str_format.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_macros.h"
+#include "flatparam/checkpoint/internal/checkpoint_write.h"
 #include "flatparam/checkpoint/internal/flat_stream.h"
 #include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/layout_json.h"
 #include "flatparam/optim/internal/flat_plan.h"
 #include "flatparam/optim/internal/state_meta.h"
 #include "flatparam/optim/optim_state.h"
@@ -482,6 +485,136 @@ absl::Status ShardCheckpoint(FileSystem& fs, const std::string& in_dir,
   return WriteShardedCheckpoint(fs, out_dir, content, WriteOptions(options));
 }
 
+namespace {
+
+// The ranks of `layout` (the checkpoint's model under other layout options
+// or world size), each rank's content streamed from the old ranks' files:
+// the work of ReshardCheckpoint, and of LoadRankState when a job does not
+// fit its checkpoint. Borrows `reader` and `layout`; not movable, because
+// the content's sources point into it.
+class ReshardedRanks {
+ public:
+  static absl::StatusOr<std::unique_ptr<ReshardedRanks>> Create(
+      const ShardedCheckpointReader& reader, const ModelLayout& layout) {
+    std::unique_ptr<ReshardedRanks> out(new ReshardedRanks(reader, layout));
+    FLATPARAM_RETURN_IF_ERROR(out->Init());
+    return out;
+  }
+  ReshardedRanks(const ReshardedRanks&) = delete;
+  ReshardedRanks& operator=(const ReshardedRanks&) = delete;
+
+  // Shard-group rank `r`'s files; its sources read the old ranks' files
+  // when pulled, and point into this object.
+  RankContent Rank(int64_t r) {
+    const auto& flat = layout_.flat_params();
+    RankContent rank;
+    for (int u = 0; u < static_cast<int>(flat.size()); ++u) {
+      const DType dtype = flat[u].dtype();
+      rank.tensors.push_back(
+          FlatShardSource(FlatParamTensorName(u), &flat[u], dtype, r,
+                          OldRead(u, FlatParamTensorName(u), dtype)));
+      auto it = so_.units.find(u);
+      if (it == so_.units.end()) continue;
+      for (const auto& [name, v] : it->second) {
+        if (!v.pos_dim) continue;
+        rank.tensors.push_back(FlatShardSource(
+            OptimShardTensorName(u, name), &flat[u], v.dtype, r,
+            OldRead(u, OptimShardTensorName(u, name), v.dtype)));
+      }
+    }
+    for (const TensorSource& s : zero_dim_) rank.tensors.push_back(s);
+    rank.sidecar = sidecar_json_;
+    return rank;
+  }
+
+ private:
+  ReshardedRanks(const ShardedCheckpointReader& reader,
+                 const ModelLayout& layout)
+      : reader_(reader), layout_(layout), files_(reader) {}
+
+  absl::Status Init() {
+    FLATPARAM_ASSIGN_OR_RETURN(so_, LoadShardedOptim(reader_, files_));
+    // The same spec gives the same flat parameters and parameters; only the
+    // offsets and shards differ.
+    assert(layout_.flat_params().size() ==
+           reader_.layout().flat_params().size());
+    OptimSidecar sidecar;
+    for (const auto& [u, states] : so_.units) {
+      std::vector<std::string> tensor_states;
+      ParamState scalars;
+      for (const auto& [name, v] : states) {
+        if (v.pos_dim) {
+          tensor_states.push_back(name);
+        } else {
+          scalars[name] = v.value;
+        }
+      }
+      AddUnitState(u, tensor_states, scalars, sidecar, keep_, zero_dim_);
+    }
+    for (const auto& [key, state] : so_.passthrough) {
+      auto& out = sidecar.state[ParamKey(key)];
+      for (const auto& [name, value] : state) {
+        out[name] = SidecarValue{std::nullopt, value};
+      }
+    }
+    sidecar.param_groups = so_.groups;
+    sidecar.extra = so_.extra;
+    FLATPARAM_ASSIGN_OR_RETURN(
+        sidecar_json_, OptimSidecarToJson(sidecar, /*with_extra=*/true));
+    return absl::OkStatus();
+  }
+
+  // Reads parameter elements of flat tensor `name` of unit u from the old
+  // ranks' shards.
+  ParamRead OldRead(int u, std::string name, DType dtype) {
+    const FlatParamLayout* old_unit = &reader_.layout().flat_params()[u];
+    return [files = &files_, old_unit, u, name = std::move(name), dtype](
+               int i, int64_t begin, int64_t n, char* out) {
+      const size_t size = DTypeSize(dtype);
+      return files->ReadFlatBytes(u, name, size,
+                                  (old_unit->params()[i].offset + begin) * size,
+                                  absl::MakeSpan(out, n * size));
+    };
+  }
+
+  const ShardedCheckpointReader& reader_;
+  const ModelLayout& layout_;
+  RankFiles files_;
+  ShardedOptim so_;
+  Keep keep_;
+  std::vector<TensorSource> zero_dim_;
+  json sidecar_json_;
+};
+
+// FailedPrecondition unless `layout` is the checkpoint's model under
+// `layout`'s options (the same units, parameters, shapes and dtypes).
+absl::StatusOr<ModelLayout> SameModelLayout(
+    const ShardedCheckpointReader& reader, const ModelLayout& layout,
+    int64_t world_size) {
+  FLATPARAM_ASSIGN_OR_RETURN(
+      ModelLayout ours, ModelLayout::Create(reader.spec(), layout.options()));
+  LayoutJsonOptions options;
+  options.world_size = world_size;
+  json a = ModelLayoutToJson(ours, options);
+  json b = ModelLayoutToJson(layout, options);
+  a.erase("model");  // a label, not part of the layout
+  b.erase("model");
+  const json patch = json::diff(a, b);
+  if (!patch.empty()) {
+    const std::string path = patch[0].value("path", std::string());
+    const json::json_pointer pointer(path);
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "the job's model is not the checkpoint's (model '%s'): at %s the "
+        "checkpoint's model has %s, the job's has %s",
+        reader.spec().name, path.empty() ? "/" : path,
+        a.contains(pointer) ? a[pointer].dump() : "nothing",
+        b.contains(pointer) ? b[pointer].dump() : "nothing"));
+  }
+  return ours;
+}
+
+}  // namespace
+
 absl::Status ReshardCheckpoint(FileSystem& fs, const std::string& in_dir,
                                const LayoutOptions& layout_options,
                                int64_t world_size, const std::string& out_dir,
@@ -492,77 +625,39 @@ absl::Status ReshardCheckpoint(FileSystem& fs, const std::string& in_dir,
       ShardedCheckpointReader::Open(fs, in_dir, OpenOptions(options)));
   FLATPARAM_ASSIGN_OR_RETURN(
       ModelLayout layout, ModelLayout::Create(reader.spec(), layout_options));
-  RankFiles files(reader);
-  FLATPARAM_ASSIGN_OR_RETURN(ShardedOptim so, LoadShardedOptim(reader, files));
-  const auto& flat = layout.flat_params();
-  const auto& old_flat = reader.layout().flat_params();
-  // The same spec gives the same flat parameters and parameters; only the
-  // offsets and shards differ.
-  assert(flat.size() == old_flat.size());
-
-  OptimSidecar sidecar;
-  Keep keep;
-  std::vector<TensorSource> zero_dim;
-  for (const auto& [u, states] : so.units) {
-    std::vector<std::string> tensor_states;
-    ParamState scalars;
-    for (const auto& [name, v] : states) {
-      if (v.pos_dim) {
-        tensor_states.push_back(name);
-      } else {
-        scalars[name] = v.value;
-      }
-    }
-    AddUnitState(u, tensor_states, scalars, sidecar, keep, zero_dim);
-  }
-  for (const auto& [key, state] : so.passthrough) {
-    auto& out = sidecar.state[ParamKey(key)];
-    for (const auto& [name, value] : state) {
-      out[name] = SidecarValue{std::nullopt, value};
-    }
-  }
-  sidecar.param_groups = so.groups;
-  sidecar.extra = so.extra;
-  FLATPARAM_ASSIGN_OR_RETURN(json sidecar_json,
-                             OptimSidecarToJson(sidecar, /*with_extra=*/true));
-
-  // Reads parameter elements of flat tensor `name` of unit u from the old
-  // ranks' shards.
-  const auto old_read = [&files, &old_flat](int u, std::string name,
-                                            DType dtype) -> ParamRead {
-    const FlatParamLayout* old_unit = &old_flat[u];
-    return [&files, old_unit, u, name = std::move(name), dtype](
-               int i, int64_t begin, int64_t n, char* out) {
-      const size_t size = DTypeSize(dtype);
-      return files.ReadFlatBytes(u, name, size,
-                                 (old_unit->params()[i].offset + begin) * size,
-                                 absl::MakeSpan(out, n * size));
-    };
-  };
+  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<ReshardedRanks> ranks,
+                             ReshardedRanks::Create(reader, layout));
   ShardedCheckpointContent content;
   content.layout = &layout;
   content.world_size = world_size;
   for (int64_t r = 0; r < layout.options().world_size; ++r) {
-    RankContent rank;
-    for (int u = 0; u < static_cast<int>(flat.size()); ++u) {
-      const DType dtype = flat[u].dtype();
-      rank.tensors.push_back(
-          FlatShardSource(FlatParamTensorName(u), &flat[u], dtype, r,
-                          old_read(u, FlatParamTensorName(u), dtype)));
-      auto it = so.units.find(u);
-      if (it == so.units.end()) continue;
-      for (const auto& [name, v] : it->second) {
-        if (!v.pos_dim) continue;
-        rank.tensors.push_back(FlatShardSource(
-            OptimShardTensorName(u, name), &flat[u], v.dtype, r,
-            old_read(u, OptimShardTensorName(u, name), v.dtype)));
-      }
-    }
-    for (const TensorSource& s : zero_dim) rank.tensors.push_back(s);
-    rank.sidecar = sidecar_json;
-    content.ranks.push_back(std::move(rank));
+    content.ranks.push_back(ranks->Rank(r));
   }
   return WriteShardedCheckpoint(fs, out_dir, content, WriteOptions(options));
+}
+
+absl::StatusOr<RankState> LoadRankState(const ShardedCheckpointReader& reader,
+                                        const ModelLayout& layout,
+                                        int64_t world_size, int64_t rank,
+                                        LoadPath* path) {
+  FLATPARAM_ASSIGN_OR_RETURN(
+      const int64_t w,
+      internal_checkpoint::ShardedWorldSize(layout, world_size));
+  if (rank < 0 || rank >= layout.options().world_size) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "rank %d is not a shard-group rank in [0, %d) of the job's layout",
+        rank, layout.options().world_size));
+  }
+  if (reader.CheckFits(layout, w).ok()) {
+    if (path != nullptr) *path = LoadPath::kOwnRank;
+    return ReadRankState(reader, rank);
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(ModelLayout ours,
+                             SameModelLayout(reader, layout, w));
+  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<ReshardedRanks> ranks,
+                             ReshardedRanks::Create(reader, ours));
+  if (path != nullptr) *path = LoadPath::kResharded;
+  return RankStateFromContent(ours, rank, ranks->Rank(rank));
 }
 
 absl::StatusOr<CheckpointReport> VerifyCheckpoint(

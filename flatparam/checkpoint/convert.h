@@ -8,6 +8,8 @@
 //   ReshardCheckpoint       sharded -> sharded (another layout/world size)
 //   VerifyCheckpoint        checks either kind and describes it
 //   InitCheckpoint          writes a full checkpoint of pseudo-random weights
+//   LoadRankState           the reshard at load time: one rank of a job,
+//                           read from a checkpoint of any layout, in memory
 //
 // Semantics are those of the in-memory operations on the flat-parameter
 // path (flatparam/optim/fsdp_optim.h), so that, bit for bit,
@@ -75,6 +77,7 @@
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/manifest.h"
+#include "flatparam/checkpoint/optim_io.h"
 #include "flatparam/checkpoint/safetensors.h"
 #include "flatparam/layout.h"
 #include "flatparam/model.h"
@@ -111,6 +114,39 @@ absl::Status ReshardCheckpoint(FileSystem& fs, const std::string& in_dir,
                                const LayoutOptions& layout_options,
                                int64_t world_size, const std::string& out_dir,
                                const ConvertOptions& options = {});
+
+// How LoadRankState read a rank.
+enum class LoadPath {
+  kOwnRank,    // the job fits the checkpoint: the rank's own files
+  kResharded,  // resharded at load time from the old ranks' byte ranges
+};
+
+// Resharding at load time. Rank `rank` (a shard-group rank of `layout`) of
+// a job of `world_size` ranks (0: the layout's own), read from the sharded
+// checkpoint of `reader` -- saved at any world size, strategy, shard group
+// or alignment, for the same model -- with no intermediate files. Bit for
+// bit,
+//   LoadRankState(reader, layout, W', r) ==
+//       ReadRankState(open(ReshardCheckpoint(reader's dir, layout.options(),
+//                                            W')), r)
+// model and optimizer state, "extra" (rank 0's) included. When the job
+// fits the checkpoint (reader.CheckFits) this is ReadRankState(reader, r).
+// Otherwise the new shard's elements are read as byte ranges of the old
+// ranks' tensor files -- the ranges ReshardCheckpoint would read for rank
+// r and no others -- plus, for the optimizer state's cross-rank checks,
+// every old rank's header and 0-d tensors; every byte read is verified
+// (ShardedCheckpointReader::OpenRank), so open `reader` with
+// CheckpointOpenOptions::ranks = {} to read no more than that. Memory: the
+// returned state, plus every old rank's optimizer metadata.
+// Errors: InvalidArgument for a rank or world size that does not fit
+// `layout`; FailedPrecondition, naming the first difference, when `layout`
+// is not the checkpoint's model under other options; the cross-rank
+// checks' and the readers' errors (DataLoss for damaged files).
+// `path`, if set, says which way was taken.
+absl::StatusOr<RankState> LoadRankState(const ShardedCheckpointReader& reader,
+                                        const ModelLayout& layout,
+                                        int64_t world_size, int64_t rank,
+                                        LoadPath* path = nullptr);
 
 // What VerifyCheckpoint found.
 struct CheckpointReport {

@@ -13,7 +13,9 @@
 //   * the on-disk tools agree with the in-memory operations: every rank of
 //     ShardCheckpoint's and ReshardCheckpoint's output reads back
 //     (ReadRankState) as FlattenShard of the parameters and
-//     optim::ShardFullOptimState of the dict.
+//     optim::ShardFullOptimState of the dict;
+//   * resharding at load time (LoadRankState from the W checkpoint, for the
+//     second layout) equals the offline reshard read back, rank by rank.
 //
 // Sharded checkpoints hold only the tensors of flat parameters, so tensor
 // states of unmanaged keys are dropped from the generated dicts.
@@ -136,6 +138,35 @@ void CheckRanksMatchInMemory(FileSystem& fs, const std::string& dir,
   }
 }
 
+// Resharding at load time gives, rank by rank, bit for bit what the
+// offline reshard wrote to `offline_dir`, reading only the metadata and the
+// byte ranges it needs of `old_dir`.
+void CheckLoadEqualsOffline(FileSystem& fs, const std::string& old_dir,
+                            const std::string& offline_dir,
+                            const ModelLayout& layout, int64_t world_size) {
+  CheckpointOpenOptions metadata_only;
+  metadata_only.ranks.emplace();
+  absl::StatusOr<ShardedCheckpointReader> old_reader =
+      ShardedCheckpointReader::Open(fs, old_dir, metadata_only);
+  RC_ASSERT(old_reader.ok());
+  absl::StatusOr<ShardedCheckpointReader> offline =
+      ShardedCheckpointReader::Open(fs, offline_dir);
+  RC_ASSERT(offline.ok());
+  for (int64_t r = 0; r < layout.options().world_size; ++r) {
+    LoadPath path = LoadPath::kOwnRank;
+    absl::StatusOr<RankState> loaded =
+        LoadRankState(*old_reader, layout, world_size, r, &path);
+    if (!loaded.ok()) RC_FAIL(loaded.status().ToString());
+    if (r == 0) RC_TAG(path == LoadPath::kOwnRank ? "fits" : "resharded");
+    absl::StatusOr<RankState> want = ReadRankState(*offline, r);
+    RC_ASSERT(want.ok());
+    RC_ASSERT(loaded->flat_params == want->flat_params);
+    const auto diff = optim::FirstDifference(loaded->optim, want->optim);
+    if (diff.has_value()) RC_FAIL(absl::StrCat("rank ", r, ": ", *diff));
+    RC_ASSERT(loaded->extra == want->extra);
+  }
+}
+
 // Consolidating `dir` gives `params` and `expected`.
 void CheckConsolidates(FileSystem& fs, const std::string& dir,
                        const std::string& out,
@@ -216,6 +247,7 @@ RC_GTEST_PROP(ConvertProperties, ShardReshardConsolidateRoundTrips, ()) {
   if (!reshard.ok()) RC_FAIL(reshard.ToString());
   CheckRanksMatchInMemory(fs, resharded, *layout2, params, full);
   CheckConsolidates(fs, resharded, JoinPath(root, "full3"), params, expected);
+  CheckLoadEqualsOffline(fs, sharded, resharded, *layout2, target2.world_size);
   RC_ASSERT(RemoveRecursively(fs, root).ok());
 }
 

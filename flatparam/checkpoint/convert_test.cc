@@ -16,6 +16,7 @@
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/file_system.h"
+#include "flatparam/checkpoint/internal/counting_file_system.h"
 #include "flatparam/checkpoint/manifest.h"
 #include "flatparam/checkpoint/optim_io.h"
 #include "flatparam/flatten.h"
@@ -390,6 +391,98 @@ TEST(ConvertTest, DeeplyNestedSidecarsAreRefused) {
   EXPECT_THAT(ShardCheckpoint(fs, "/f", Spec(), two, 2, "/f_s"),
               StatusIs(kDataLoss, HasSubstr("/f/optim.json: nested deeper "
                                             "than 512 levels")));
+}
+
+// --- Resharding at load time
+// ---------------------------------------------------
+
+// A model whose rank files span many checksum blocks: two units of 1 Mi
+// float32 parameters, with AdamW state (InitCheckpoint), sharded for
+// `world` ranks into `dir` (via `dir`.full).
+void WriteBigSharded(FileSystem& fs, const std::string& dir, int64_t world) {
+  ModelSpec m;
+  m.name = "big";
+  m.params = {{"u0.w", {1024, 1024}}, {"u1.w", {1024, 1024}}};
+  m.wrap = {"u0", "u1"};
+  InitOptions init;
+  init.seed = 5;
+  ASSERT_THAT(InitCheckpoint(fs, m, dir + ".full", init), IsOk());
+  LayoutOptions o;
+  o.world_size = world;
+  ASSERT_THAT(ShardCheckpoint(fs, dir + ".full", m, o, world, dir), IsOk());
+}
+
+TEST(LoadRankStateTest, ReadsItsByteRangesOfTheOldRanksAndNothingElse) {
+  FaultInjectionFileSystem disk;
+  WriteBigSharded(disk, "old", 4);
+  internal_checkpoint::CountingFileSystem fs(disk);
+  CheckpointOpenOptions metadata_only;
+  metadata_only.ranks.emplace();
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ShardedCheckpointReader reader,
+      ShardedCheckpointReader::Open(fs, "old", metadata_only));
+  LayoutOptions o;
+  o.world_size = 2;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelLayout layout,
+                                 ModelLayout::Create(reader.spec(), o));
+  const int64_t file = *disk.GetFileSize("old/rank00000.safetensors");
+  const int64_t block = static_cast<int64_t>(ChecksumBlockBytes(file));
+  ASSERT_GT(file, 16 * block);
+  for (int64_t r : {0, 1}) {
+    fs.Reset();
+    LoadPath path = LoadPath::kOwnRank;
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(RankState state,
+                                   LoadRankState(reader, layout, 2, r, &path));
+    EXPECT_EQ(path, LoadPath::kResharded);
+    // New rank r holds old ranks 2r and 2r+1 exactly: their files are read
+    // once, plus a few partial blocks read again (six tensors are read in
+    // pieces, in another order than the file's). The other two are read
+    // only for their headers and 0-d `step` tensors (a block each, at most
+    // one per flat parameter and the header's).
+    for (int64_t old = 0; old < 4; ++old) {
+      const int64_t read = fs.read(RankTensorFileName(old));
+      if (old / 2 == r) {
+        EXPECT_GE(read, file) << old;
+        EXPECT_LE(read, file + 4 * block) << old;
+      } else {
+        EXPECT_LE(read, 3 * block) << old;
+      }
+    }
+    EXPECT_EQ(state.flat_params[0].numel(), 1 << 19);
+  }
+}
+
+TEST(LoadRankStateTest, FitsReadsTheRankAndRefusesAnotherModel) {
+  FaultInjectionFileSystem fs;
+  const ModelLayout layout = Layout(2);
+  ASSERT_THAT(Write(fs, "ckpt", layout, Ranks(layout)), IsOk());
+  CheckpointOpenOptions metadata_only;
+  metadata_only.ranks.emplace();
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ShardedCheckpointReader reader,
+      ShardedCheckpointReader::Open(fs, "ckpt", metadata_only));
+  LoadPath path = LoadPath::kResharded;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(RankState mine,
+                                 LoadRankState(reader, layout, 2, 1, &path));
+  EXPECT_EQ(path, LoadPath::kOwnRank);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(RankState want, ReadRankState(reader, 1));
+  EXPECT_EQ(mine.flat_params, want.flat_params);
+
+  EXPECT_THAT(LoadRankState(reader, layout, 2, 2).status(),
+              StatusIs(kInvalid, HasSubstr("rank 2 is not a shard-group rank "
+                                           "in [0, 2)")));
+  EXPECT_THAT(LoadRankState(reader, layout, 4, 0).status(),
+              StatusIs(kInvalid, HasSubstr("world size 4 does not fit")));
+  ModelSpec other = Spec();
+  other.params[2].shape = {6};
+  LayoutOptions o;
+  o.world_size = 3;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelLayout theirs,
+                                 ModelLayout::Create(other, o));
+  EXPECT_THAT(
+      LoadRankState(reader, theirs, 3, 0).status(),
+      StatusIs(kMismatch, HasSubstr("the job's model is not the checkpoint's "
+                                    "(model 'tiny'): at /flat_params/0")));
 }
 
 }  // namespace

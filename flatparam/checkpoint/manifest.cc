@@ -42,6 +42,27 @@ absl::Status Annotate(const absl::Status& status, absl::string_view context) {
 
 }  // namespace
 
+absl::Status CheckAgainstManifest(const std::string& dir,
+                                  const ManifestEntry& listed,
+                                  const ManifestEntry& actual) {
+  const std::string path = JoinPath(dir, listed.path);
+  if (actual.size != listed.size || actual.xxh3_64 != listed.xxh3_64) {
+    return absl::DataLossError(absl::StrFormat(
+        "%s: xxh3_64 checksum is %s, %s says %s (the file is corrupt)", path,
+        ChecksumHex(actual.xxh3_64), kManifestFileName,
+        ChecksumHex(listed.xxh3_64)));
+  }
+  // The whole file is intact, so a differing block checksum is the
+  // manifest's fault; a range read would fail on it later.
+  if (actual.block_xxh3_64 != listed.block_xxh3_64) {
+    return absl::DataLossError(absl::StrFormat(
+        "%s: the file matches its xxh3_64 but not the block checksums %s "
+        "lists (the manifest is corrupt)",
+        path, kManifestFileName));
+  }
+  return absl::OkStatus();
+}
+
 absl::string_view CheckpointKindName(CheckpointKind kind) {
   switch (kind) {
     case CheckpointKind::kFull:
@@ -69,6 +90,8 @@ void Xxh3Hasher::Update(absl::string_view bytes) {
   XXH3_64bits_update(state_->state, bytes.data(), bytes.size());
 }
 
+void Xxh3Hasher::Reset() { XXH3_64bits_reset(state_->state); }
+
 uint64_t Xxh3Hasher::Digest() const {
   return XXH3_64bits_digest(state_->state);
 }
@@ -81,15 +104,56 @@ std::string ChecksumHex(uint64_t checksum) {
   return absl::StrFormat("%016x", checksum);
 }
 
+uint64_t ChecksumBlockBytes(uint64_t file_size) {
+  constexpr uint64_t kMaxBlocks = 16384;
+  uint64_t block = uint64_t{256} << 10;
+  while (file_size / block >= kMaxBlocks) block *= 2;
+  return block;
+}
+
+FileHasher::FileHasher(uint64_t block_size) : block_size_(block_size) {}
+
+void FileHasher::Update(absl::string_view bytes) {
+  whole_.Update(bytes);
+  if (block_size_ == 0) {
+    size_ += bytes.size();
+    return;
+  }
+  while (!bytes.empty()) {
+    const uint64_t in_block = size_ % block_size_;
+    const size_t n = static_cast<size_t>(
+        std::min<uint64_t>(bytes.size(), block_size_ - in_block));
+    block_.Update(bytes.substr(0, n));
+    size_ += n;
+    bytes.remove_prefix(n);
+    if (size_ % block_size_ == 0) {
+      blocks_.push_back(block_.Digest());
+      block_.Reset();
+    }
+  }
+}
+
+ManifestEntry FileHasher::Entry(std::string path) const {
+  ManifestEntry entry{std::move(path), size_, whole_.Digest()};
+  if (block_size_ != 0) {
+    entry.block_size = block_size_;
+    entry.block_xxh3_64 = blocks_;
+    if (size_ % block_size_ != 0)
+      entry.block_xxh3_64.push_back(block_.Digest());
+  }
+  return entry;
+}
+
 absl::StatusOr<ManifestEntry> DescribeFile(FileSystem& fs,
                                            const std::string& dir,
                                            const std::string& name,
-                                           const ProgressCallback& progress) {
+                                           const ProgressCallback& progress,
+                                           uint64_t block_size) {
   const std::string path = JoinPath(dir, name);
   FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file,
                              fs.NewRandomAccessFile(path));
   FLATPARAM_ASSIGN_OR_RETURN(const uint64_t size, file->Size());
-  Xxh3Hasher hasher;
+  FileHasher hasher(block_size);
   std::vector<char> buffer(std::min(size, kHashChunkBytes));
   for (uint64_t done = 0; done < size;) {
     const uint64_t n = std::min<uint64_t>(buffer.size(), size - done);
@@ -99,15 +163,100 @@ absl::StatusOr<ManifestEntry> DescribeFile(FileSystem& fs,
     done += n;
     if (progress) progress(done, size);
   }
-  return ManifestEntry{name, size, hasher.Digest()};
+  return hasher.Entry(name);
+}
+
+json ManifestEntryToJson(const ManifestEntry& e) {
+  json doc = {
+      {"path", e.path}, {"size", e.size}, {"xxh3_64", ChecksumHex(e.xxh3_64)}};
+  if (e.has_blocks()) {
+    json blocks = json::array();
+    for (uint64_t b : e.block_xxh3_64) blocks.push_back(ChecksumHex(b));
+    doc["block_size"] = e.block_size;
+    doc["block_xxh3_64"] = std::move(blocks);
+  }
+  return doc;
+}
+
+absl::StatusOr<ManifestEntry> ManifestEntryFromJson(const json& f,
+                                                    absl::string_view where) {
+  auto error = [&](absl::string_view field, absl::string_view what) {
+    return absl::DataLossError(
+        absl::StrCat(where, field.empty() ? "" : ".", field, ": ", what));
+  };
+  // 16 lowercase hex digits, as ChecksumHex writes them.
+  auto parse_hex = [](const json& v, uint64_t* out) {
+    const std::string hex = v.is_string() ? v.get<std::string>() : "";
+    return hex.size() == 16 &&
+           std::all_of(hex.begin(), hex.end(),
+                       [](char c) {
+                         return absl::ascii_isdigit(c) ||
+                                (c >= 'a' && c <= 'f');
+                       }) &&
+           absl::SimpleHexAtoi(hex, out);
+  };
+  if (!f.is_object()) return error("", "not an object");
+  for (const auto& kv : f.items()) {
+    if (kv.key() != "path" && kv.key() != "size" && kv.key() != "xxh3_64" &&
+        kv.key() != "block_size" && kv.key() != "block_xxh3_64") {
+      return error(kv.key(), "unknown key");
+    }
+  }
+  ManifestEntry entry;
+  if (!f.contains("path") || !f["path"].is_string()) {
+    return error("path", "missing or not a string");
+  }
+  entry.path = f["path"].get<std::string>();
+  if (!f.contains("size") || !f["size"].is_number_unsigned()) {
+    return error("size", "missing or not a non-negative integer");
+  }
+  entry.size = f["size"].get<uint64_t>();
+  if (!f.contains("xxh3_64") || !parse_hex(f["xxh3_64"], &entry.xxh3_64)) {
+    return error(
+        "xxh3_64",
+        absl::StrCat("expected 16 lowercase hex digits, got ",
+                     f.contains("xxh3_64") ? f["xxh3_64"].dump() : "nothing"));
+  }
+  if (f.contains("block_size") != f.contains("block_xxh3_64")) {
+    return error(f.contains("block_size") ? "block_xxh3_64" : "block_size",
+                 "missing (block_size and block_xxh3_64 come together)");
+  }
+  if (!f.contains("block_size")) return entry;
+  if (!f["block_size"].is_number_unsigned() ||
+      f["block_size"].get<uint64_t>() == 0 ||
+      f["block_size"].get<uint64_t>() > (uint64_t{1} << 40)) {
+    return error("block_size",
+                 absl::StrCat("expected an integer in [1, 2^40], got ",
+                              f["block_size"].dump()));
+  }
+  entry.block_size = f["block_size"].get<uint64_t>();
+  const json& blocks = f["block_xxh3_64"];
+  const uint64_t expected =
+      entry.size / entry.block_size + (entry.size % entry.block_size != 0);
+  if (!blocks.is_array() || blocks.size() != expected) {
+    return error("block_xxh3_64",
+                 absl::StrFormat("expected an array of %d checksums (%d bytes "
+                                 "in blocks of %d), got %s",
+                                 expected, entry.size, entry.block_size,
+                                 blocks.is_array()
+                                     ? absl::StrCat(blocks.size(), " entries")
+                                     : std::string("no array")));
+  }
+  entry.block_xxh3_64.resize(blocks.size());
+  for (size_t k = 0; k < blocks.size(); ++k) {
+    if (!parse_hex(blocks[k], &entry.block_xxh3_64[k])) {
+      return error(absl::StrCat("block_xxh3_64[", k, "]"),
+                   absl::StrCat("expected 16 lowercase hex digits, got ",
+                                blocks[k].dump()));
+    }
+  }
+  return entry;
 }
 
 json ManifestToJson(const Manifest& manifest) {
   json files = json::array();
   for (const ManifestEntry& e : manifest.files) {
-    files.push_back({{"path", e.path},
-                     {"size", e.size},
-                     {"xxh3_64", ChecksumHex(e.xxh3_64)}});
+    files.push_back(ManifestEntryToJson(e));
   }
   return {{"format", kManifestFormat},
           {"kind", std::string(CheckpointKindName(manifest.kind))},
@@ -155,41 +304,15 @@ absl::StatusOr<Manifest> ParseManifestJson(absl::string_view text,
   const json& files = doc["files"];
   for (size_t i = 0; i < files.size(); ++i) {
     const std::string where = absl::StrCat("files[", i, "]");
-    const json& f = files[i];
-    if (!f.is_object()) return error(where, "not an object");
-    for (const auto& kv : f.items()) {
-      if (kv.key() != "path" && kv.key() != "size" && kv.key() != "xxh3_64") {
-        return error(absl::StrCat(where, ".", kv.key()), "unknown key");
-      }
-    }
-    ManifestEntry entry;
-    if (!f.contains("path") || !f["path"].is_string()) {
-      return error(where + ".path", "missing or not a string");
-    }
-    entry.path = f["path"].get<std::string>();
+    FLATPARAM_ASSIGN_OR_RETURN(
+        ManifestEntry entry,
+        ManifestEntryFromJson(files[i], absl::StrCat(source, ": ", where)));
     if (absl::Status s = CheckFileName(entry.path); !s.ok()) {
       return error(where + ".path", s.message());
     }
     if (!seen.insert(entry.path).second) {
       return error(where + ".path",
                    absl::StrCat("'", entry.path, "' is listed twice"));
-    }
-    if (!f.contains("size") || !f["size"].is_number_unsigned()) {
-      return error(where + ".size", "missing or not a non-negative integer");
-    }
-    entry.size = f["size"].get<uint64_t>();
-    const std::string hex = f.contains("xxh3_64") && f["xxh3_64"].is_string()
-                                ? f["xxh3_64"].get<std::string>()
-                                : std::string();
-    const bool lower_hex =
-        hex.size() == 16 && std::all_of(hex.begin(), hex.end(), [](char c) {
-          return absl::ascii_isdigit(c) || (c >= 'a' && c <= 'f');
-        });
-    if (!lower_hex || !absl::SimpleHexAtoi(hex, &entry.xxh3_64)) {
-      return error(where + ".xxh3_64",
-                   absl::StrCat("expected 16 lowercase hex digits, got ",
-                                f.contains("xxh3_64") ? f["xxh3_64"].dump()
-                                                      : "nothing"));
     }
     manifest.files.push_back(std::move(entry));
   }
@@ -282,14 +405,9 @@ absl::StatusOr<Manifest> VerifyManifest(FileSystem& fs, const std::string& dir,
       };
     }
     absl::StatusOr<ManifestEntry> actual =
-        DescribeFile(fs, dir, e.path, file_progress);
+        DescribeFile(fs, dir, e.path, file_progress, e.block_size);
     if (!actual.ok()) return Annotate(actual.status(), "verifying checksum");
-    if (actual->size != e.size || actual->xxh3_64 != e.xxh3_64) {
-      return absl::DataLossError(absl::StrFormat(
-          "%s: xxh3_64 checksum is %s, %s says %s (the file is corrupt)", path,
-          ChecksumHex(actual->xxh3_64), kManifestFileName,
-          ChecksumHex(e.xxh3_64)));
-    }
+    FLATPARAM_RETURN_IF_ERROR(CheckAgainstManifest(dir, e, *actual));
     done += e.size;
   }
   if (options.progress && total == 0) options.progress(0, 0);

@@ -8,15 +8,24 @@
 //     "kind": "full" | "sharded",
 //     "files": [
 //       {"path": "model.safetensors", "size": 1234,
-//        "xxh3_64": "0123456789abcdef"},           16 lowercase hex digits
+//        "xxh3_64": "0123456789abcdef",            16 lowercase hex digits
+//        "block_size": 262144,                     optional, with:
+//        "block_xxh3_64": ["...", ...]},           one per block
 //       ...                                        sorted by path
 //     ]
 //   }
 //
 // Checksums are XXH3_64bits (seed 0) of the whole file, from the xxHash
 // library, computed in a streaming fashion so that a file is never held in
-// memory. `path` is a plain file name inside the directory: no '/', not "."
-// or "..", not "manifest.json".
+// memory. Files written by this library also carry the checksums of their
+// blocks -- bytes [k*block_size, min(size, (k+1)*block_size)), for k = 0 ..
+// ceil(size / block_size) - 1 -- so that a reader can verify the byte
+// ranges it reads without reading the whole file (a job loading its shard
+// reads only the blocks it needs: internal/verified_file.h).
+// ChecksumBlockBytes picks the block size. The block fields are optional
+// (checkpoints written before them lack them; readers then checksum whole
+// files) but must come together and agree with the size. `path` is a plain file
+// name inside the directory: no '/', not "." or "..", not "manifest.json".
 //
 // Thread-safety: pure functions, except that Write/Verify use the file
 // system; Xxh3Hasher is not thread-safe.
@@ -57,11 +66,23 @@ struct ManifestEntry {
   std::string path;
   uint64_t size = 0;
   uint64_t xxh3_64 = 0;
+  // 0 when the entry has no block checksums; otherwise block_xxh3_64 holds
+  // ceil(size / block_size) checksums.
+  uint64_t block_size = 0;
+  std::vector<uint64_t> block_xxh3_64;
 
+  bool has_blocks() const { return block_size != 0; }
   friend bool operator==(const ManifestEntry& a, const ManifestEntry& b) {
-    return a.path == b.path && a.size == b.size && a.xxh3_64 == b.xxh3_64;
+    return a.path == b.path && a.size == b.size && a.xxh3_64 == b.xxh3_64 &&
+           a.block_size == b.block_size && a.block_xxh3_64 == b.block_xxh3_64;
   }
 };
+
+// The block size for a file of `file_size` bytes: 256 KiB, doubled until
+// the file has at most 16384 blocks, so that a range read costs at most
+// two partial blocks and the manifest stays small (about 20 bytes per
+// block: 21 MB for a 1 TB checkpoint in 64 files).
+uint64_t ChecksumBlockBytes(uint64_t file_size);
 
 struct Manifest {
   CheckpointKind kind = CheckpointKind::kFull;
@@ -80,10 +101,30 @@ class Xxh3Hasher {
   void Update(absl::string_view bytes);
   // The hash of everything passed to Update so far; Update may continue.
   uint64_t Digest() const;
+  // Starts over, as if newly constructed.
+  void Reset();
 
  private:
   struct State;
   std::unique_ptr<State> state_;
+};
+
+// The whole-file and per-block checksums of a stream of bytes, for a
+// manifest entry. Not thread-safe.
+class FileHasher {
+ public:
+  // `block_size` 0: no block checksums.
+  explicit FileHasher(uint64_t block_size);
+  void Update(absl::string_view bytes);
+  // The entry for `path` of everything passed to Update so far.
+  ManifestEntry Entry(std::string path) const;
+
+ private:
+  const uint64_t block_size_;
+  Xxh3Hasher whole_;
+  Xxh3Hasher block_;
+  uint64_t size_ = 0;
+  std::vector<uint64_t> blocks_;  // completed blocks
 };
 
 // XXH3_64bits of `bytes`, in one call.
@@ -91,14 +132,27 @@ uint64_t Xxh3(absl::string_view bytes);
 // "0123456789abcdef": 16 lowercase hex digits.
 std::string ChecksumHex(uint64_t checksum);
 
-// Reads file `name` in directory `dir` in chunks and returns its entry.
-// `progress`, if set, is called with bytes read so far (of the file size).
+// Reads file `name` in directory `dir` in chunks and returns its entry,
+// with block checksums of `block_size` (0: none). `progress`, if set, is
+// called with bytes read so far (of the file size).
 absl::StatusOr<ManifestEntry> DescribeFile(
     FileSystem& fs, const std::string& dir, const std::string& name,
-    const ProgressCallback& progress = {});
+    const ProgressCallback& progress = {}, uint64_t block_size = 0);
 
+// DataLoss naming the file under `dir` when `actual` (DescribeFile with
+// listed.block_size) differs from `listed` in size, checksum or block
+// checksums.
+absl::Status CheckAgainstManifest(const std::string& dir,
+                                  const ManifestEntry& listed,
+                                  const ManifestEntry& actual);
 // The document above. Entries are written in the order given.
 nlohmann::json ManifestToJson(const Manifest& manifest);
+// One entry of "files", and back (DataLoss prefixed with `where`, e.g.
+// "manifest.json: files[2]", naming the field). The parse checks the
+// fields, not the path's safety or uniqueness (ParseManifestJson does).
+nlohmann::json ManifestEntryToJson(const ManifestEntry& entry);
+absl::StatusOr<ManifestEntry> ManifestEntryFromJson(const nlohmann::json& doc,
+                                                    absl::string_view where);
 // Parses and validates a manifest document; `source` (a path) prefixes
 // errors, which are DataLoss and name the offending JSON path, e.g.
 // "files[2].xxh3_64: expected 16 hex digits, got \"12\"". Duplicate paths

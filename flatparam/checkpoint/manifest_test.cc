@@ -16,6 +16,7 @@ namespace checkpoint {
 namespace {
 
 using ::testing::HasSubstr;
+using json = nlohmann::json;
 
 constexpr absl::StatusCode kDataLoss = absl::StatusCode::kDataLoss;
 
@@ -210,6 +211,100 @@ TEST_F(ManifestVerifyTest, CatchesMissingOrCorruptManifestAndWrongKind) {
                                     "was not completely written)")));
   EXPECT_THAT(VerifyManifest(fs_, "nowhere"),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("nowhere")));
+}
+
+// --- Block checksums ---------------------------------------------------------
+
+TEST(BlockChecksumTest, BlockSizeKeepsTheBlockCountBounded) {
+  EXPECT_EQ(ChecksumBlockBytes(0), uint64_t{256} << 10);
+  EXPECT_EQ(ChecksumBlockBytes(uint64_t{1} << 30), uint64_t{256} << 10);
+  for (uint64_t size : {uint64_t{4} << 30, uint64_t{17} << 30,
+                        uint64_t{1} << 40, (uint64_t{1} << 40) + 1}) {
+    const uint64_t b = ChecksumBlockBytes(size);
+    EXPECT_LE(size / b, 16384u) << size;
+    EXPECT_GT(size / (b / 2), 16383u) << size;
+  }
+}
+
+TEST(BlockChecksumTest, HasherAgreesWithBlockwiseXxh3InAnyPieces) {
+  std::string data(1000, '\0');
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 7);
+  for (uint64_t block : {uint64_t{1}, uint64_t{64}, uint64_t{100},
+                         uint64_t{999}, uint64_t{1000}, uint64_t{4096}}) {
+    for (size_t piece : {size_t{1}, size_t{33}, size_t{1000}}) {
+      FileHasher hasher(block);
+      for (size_t at = 0; at < data.size(); at += piece) {
+        hasher.Update(absl::string_view(data).substr(at, piece));
+      }
+      const ManifestEntry e = hasher.Entry("f");
+      EXPECT_EQ(e.size, data.size());
+      EXPECT_EQ(e.xxh3_64, Xxh3(data));
+      ASSERT_EQ(e.block_size, block);
+      ASSERT_EQ(e.block_xxh3_64.size(), (data.size() + block - 1) / block);
+      for (size_t k = 0; k < e.block_xxh3_64.size(); ++k) {
+        EXPECT_EQ(e.block_xxh3_64[k],
+                  Xxh3(absl::string_view(data).substr(k * block, block)))
+            << block << " " << piece << " " << k;
+      }
+    }
+  }
+  EXPECT_FALSE(FileHasher(0).Entry("f").has_blocks());
+  EXPECT_TRUE(FileHasher(8).Entry("f").block_xxh3_64.empty());  // 0 bytes
+}
+
+TEST(BlockChecksumTest, JsonRoundTripsAndRejectsInconsistentBlocks) {
+  FileHasher hasher(4);
+  hasher.Update("0123456789");
+  Manifest m;
+  m.kind = CheckpointKind::kSharded;
+  m.files.push_back(hasher.Entry("a"));
+  m.files.push_back(ManifestEntry{"b", 3, 42});  // no blocks: older writers
+  const std::string text = ManifestToJson(m).dump();
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(Manifest back, ParseManifestJson(text, "m"));
+  EXPECT_EQ(back.files, m.files);
+  EXPECT_EQ(back.files[0].block_xxh3_64.size(), 3u);
+
+  auto parse_entry = [](const std::string& entry) {
+    return ManifestEntryFromJson(json::parse(entry), "m: files[0]").status();
+  };
+  const std::string h = R"("0123456789abcdef")";
+  EXPECT_THAT(parse_entry(R"({"path": "a", "size": 10, "xxh3_64": )" + h +
+                          R"(, "block_size": 4, "block_xxh3_64": [)" + h + "," +
+                          h + "]}"),
+              StatusIs(kDataLoss,
+                       HasSubstr("m: files[0].block_xxh3_64: expected an array "
+                                 "of 3 checksums (10 bytes in blocks of 4), "
+                                 "got 2 entries")));
+  EXPECT_THAT(parse_entry(R"({"path": "a", "size": 1, "xxh3_64": )" + h +
+                          R"(, "block_size": 4})"),
+              StatusIs(kDataLoss, HasSubstr("block_xxh3_64: missing")));
+  EXPECT_THAT(
+      parse_entry(R"({"path": "a", "size": 1, "xxh3_64": )" + h +
+                  R"(, "block_size": 0, "block_xxh3_64": []})"),
+      StatusIs(kDataLoss, HasSubstr("block_size: expected an integer")));
+  EXPECT_THAT(parse_entry(R"({"path": "a", "size": 1, "xxh3_64": )" + h +
+                          R"(, "block_size": 4, "block_xxh3_64": ["x"]})"),
+              StatusIs(kDataLoss, HasSubstr("block_xxh3_64[0]: expected 16")));
+}
+
+TEST_F(ManifestVerifyTest, BlockChecksumsAreVerifiedToo) {
+  // A manifest whose whole-file checksums are right but a block checksum
+  // is wrong is itself damaged.
+  Manifest m;
+  m.kind = CheckpointKind::kFull;
+  for (const char* name : {"a.bin", "b.json"}) {
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(ManifestEntry e,
+                                   DescribeFile(fs_, "ckpt", name, {}, 1024));
+    m.files.push_back(e);
+  }
+  ASSERT_EQ(m.files[0].block_xxh3_64.size(), 3u);
+  ASSERT_THAT(WriteManifest(fs_, "ckpt", m), IsOk());
+  FLATPARAM_ASSERT_OK(VerifyManifest(fs_, "ckpt").status());
+  m.files[0].block_xxh3_64[2] ^= 1;
+  ASSERT_THAT(WriteManifest(fs_, "ckpt", m), IsOk());
+  EXPECT_THAT(VerifyManifest(fs_, "ckpt").status(),
+              StatusIs(kDataLoss, HasSubstr("ckpt/a.bin: the file matches its "
+                                            "xxh3_64 but not the block")));
 }
 
 TEST(WriteManifestTest, RejectsUnsafeNames) {

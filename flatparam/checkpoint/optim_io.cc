@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <map>
 #include <set>
 #include <utility>
 #include <variant>
@@ -547,10 +549,11 @@ absl::Status CheckSidecarTensors(const OptimSidecar& sidecar,
 }
 
 // Fills `dict` from a sidecar that Check{Rank,Full}Sidecar accepted,
-// reading its tensors from `file`.
-absl::Status FillState(const OptimSidecar& sidecar,
-                       const SafetensorsReader& file,
-                       optim::OptimStateDict& dict) {
+// reading its tensors with `read`.
+absl::Status FillState(
+    const OptimSidecar& sidecar,
+    const std::function<absl::StatusOr<HostTensor>(const std::string&)>& read,
+    optim::OptimStateDict& dict) {
   for (const auto& [key, values] : sidecar.state) {
     optim::ParamState& out = dict.state[key];
     for (const auto& [name, v] : values) {
@@ -558,12 +561,29 @@ absl::Status FillState(const OptimSidecar& sidecar,
         out[name] = v.value;
         continue;
       }
-      FLATPARAM_ASSIGN_OR_RETURN(HostTensor t, file.ReadHostTensor(*v.tensor));
+      FLATPARAM_ASSIGN_OR_RETURN(HostTensor t, read(*v.tensor));
       out[name] = std::move(t);
     }
   }
   dict.param_groups = sidecar.param_groups;
   return absl::OkStatus();
+}
+
+// Pulls `source` whole, in the writer's chunks.
+absl::StatusOr<HostTensor> PullSource(const TensorSource& source) {
+  HostTensor t(source.dtype, source.shape);
+  char* data = static_cast<char*>(t.data());
+  for (uint64_t done = 0; done < t.nbytes();) {
+    const uint64_t n =
+        std::min<uint64_t>(kDefaultChunkBytes, t.nbytes() - done);
+    absl::Status s = source.fill(done, absl::MakeSpan(data + done, n));
+    if (!s.ok()) {
+      return absl::Status(s.code(),
+                          absl::StrCat(source.name, ": ", s.message()));
+    }
+    done += n;
+  }
+  return t;
 }
 
 }  // namespace
@@ -632,8 +652,59 @@ absl::StatusOr<RankState> ReadRankState(const ShardedCheckpointReader& reader,
                                file.ReadHostTensor(FlatParamTensorName(i)));
     state.flat_params.push_back(std::move(t));
   }
-  FLATPARAM_RETURN_IF_ERROR(FillState(sidecar, file, state.optim));
+  FLATPARAM_RETURN_IF_ERROR(FillState(
+      sidecar,
+      [&file](const std::string& name) { return file.ReadHostTensor(name); },
+      state.optim));
   state.extra = std::move(sidecar.extra);
+  return state;
+}
+
+absl::StatusOr<RankState> RankStateFromContent(const ModelLayout& layout,
+                                               int64_t rank,
+                                               const RankContent& content) {
+  const int64_t g = layout.options().world_size;
+  if (rank < 0 || rank >= g) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("rank %d is not in [0, %d)", rank, g));
+  }
+  std::map<std::string, const TensorSource*> sources;
+  for (const TensorSource& s : content.tensors) {
+    if (!sources.emplace(s.name, &s).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank content lists tensor '", s.name, "' twice"));
+    }
+  }
+  absl::StatusOr<OptimSidecar> sidecar =
+      ParseOptimSidecar(content.sidecar, "rank content sidecar");
+  if (!sidecar.ok()) {
+    return absl::InvalidArgumentError(sidecar.status().message());
+  }
+  const auto read = [&](const std::string& name) -> absl::StatusOr<HostTensor> {
+    auto it = sources.find(name);
+    if (it == sources.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank content has no tensor '", name, "'"));
+    }
+    return PullSource(*it->second);
+  };
+  RankState state;
+  const auto& flat = layout.flat_params();
+  for (int64_t i = 0; i < static_cast<int64_t>(flat.size()); ++i) {
+    FLATPARAM_ASSIGN_OR_RETURN(HostTensor t, read(FlatParamTensorName(i)));
+    if (t.dtype() != flat[i].dtype() ||
+        t.shape() != std::vector<int64_t>{flat[i].sharded_numel()}) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "rank content tensor '%s' is %s [%s], the layout's flat parameter "
+          "is %s [%d]",
+          FlatParamTensorName(i), DTypeName(t.dtype()),
+          absl::StrJoin(t.shape(), ", "), DTypeName(flat[i].dtype()),
+          flat[i].sharded_numel()));
+    }
+    state.flat_params.push_back(std::move(t));
+  }
+  FLATPARAM_RETURN_IF_ERROR(FillState(*sidecar, read, state.optim));
+  state.extra = std::move(sidecar->extra);
   return state;
 }
 
@@ -693,7 +764,12 @@ absl::StatusOr<FullState> ReadFullState(const FullCheckpointReader& reader) {
       ParseOptimSidecar(reader.optim_json(), sidecar_name));
   FLATPARAM_RETURN_IF_ERROR(
       CheckFullSidecar(sidecar, reader.optim(), sidecar_name));
-  FLATPARAM_RETURN_IF_ERROR(FillState(sidecar, reader.optim(), state.optim));
+  FLATPARAM_RETURN_IF_ERROR(FillState(
+      sidecar,
+      [&reader](const std::string& name) {
+        return reader.optim().ReadHostTensor(name);
+      },
+      state.optim));
   return state;
 }
 

@@ -125,6 +125,16 @@ absl::StatusOr<RankContent> MakeRankContent(const ModelLayout& layout,
 absl::StatusOr<RankState> ReadRankState(const ShardedCheckpointReader& reader,
                                         int64_t rank);
 
+// The RankState that ReadRankState would return for the files
+// WriteShardedCheckpoint writes from `content` as shard-group rank `rank`
+// of `layout`, without writing them: every tensor is pulled from its
+// source into an owned HostTensor, the sidecar is parsed. InvalidArgument,
+// naming the tensor or the JSON path, for content that does not fit
+// `layout` or the sidecar schema.
+absl::StatusOr<RankState> RankStateFromContent(const ModelLayout& layout,
+                                               int64_t rank,
+                                               const RankContent& content);
+
 // A consolidated checkpoint's content.
 struct FullState {
   // By FQN, tensors shaped like the parameters.
