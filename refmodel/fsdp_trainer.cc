@@ -432,13 +432,13 @@ class RankTrainer {
       const int64_t step = options_.first_step + k;
       FLATPARAM_RETURN_IF_ERROR(WithContext(Step(k, step, *optimizer),
                                             absl::StrFormat("step %d", step)));
+      if (options_.after_step) {
+        FLATPARAM_RETURN_IF_ERROR(WithContext(
+            options_.after_step(k + 1, [this] { return CopyState(); }),
+            absl::StrFormat("after step %d", step)));
+      }
     }
-    for (auto& handle : handles_) {
-      FLATPARAM_ASSIGN_OR_RETURN(
-          HostTensor shard, ToHostTensor(device_, handle->sharded_param()));
-      result_.state.flat_params.push_back(std::move(shard));
-    }
-    result_.state.optimizer = states_;
+    FLATPARAM_ASSIGN_OR_RETURN(result_.state, CopyState());
     if (options_.gather_results) {
       FLATPARAM_RETURN_IF_ERROR(GatherResults());
     }
@@ -541,6 +541,18 @@ class RankTrainer {
       }
     }
     return absl::OkStatus();
+  }
+
+  // A host copy of the rank's sharded parameters and optimizer state.
+  absl::StatusOr<FsdpRankState> CopyState() const {
+    FsdpRankState state;
+    for (const auto& handle : handles_) {
+      FLATPARAM_ASSIGN_OR_RETURN(
+          HostTensor shard, ToHostTensor(device_, handle->sharded_param()));
+      state.flat_params.push_back(std::move(shard));
+    }
+    state.optimizer = states_;
+    return state;
   }
 
   // Step k of this run, on data step `step`.

@@ -73,11 +73,13 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "comm/communicator.h"
@@ -156,6 +158,24 @@ struct FsdpTrainOptions {
   // Also all-gather the last step's reduced gradients
   // (FsdpRankResult::grads).
   bool gather_grads = false;
+
+  // Called on every rank after each step's optimizer update (and the
+  // step's loss all-gather), with the number of steps this run has done so
+  // far (1..steps; the global step the state holds is first_step +
+  // steps_done) and `copy_state`, which returns a host copy of the rank's
+  // current sharded state (FsdpRankResult::state's format) when called:
+  // only a hook that needs the state pays for the copy, and the copy is
+  // the hook's to keep (an asynchronous checkpoint's snapshot). copy_state
+  // is valid only during the call. A non-OK status stops training and is
+  // returned, prefixed "after step S" (S = first_step + steps_done - 1,
+  // the data step just trained). The hook may issue collectives
+  // (such as a collective checkpoint save) if it does so alike on every
+  // rank; it does not change the training, which stays bitwise the same.
+  // Runs on the rank's thread.
+  std::function<absl::Status(
+      int64_t steps_done,
+      absl::FunctionRef<absl::StatusOr<FsdpRankState>()> copy_state)>
+      after_step;
 
   // The options (timeout) of every collective the trainer issues: the
   // handles' (HandleOptions::collective_options), the hybrid strategies'

@@ -8,12 +8,18 @@
 #include <utility>
 #include <variant>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "flatparam/base/status_macros.h"
+#include "flatparam/checkpoint/async_checkpoint.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/collective_checkpoint.h"
+#include "flatparam/checkpoint/convert.h"
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/optim_io.h"
 #include "flatparam/layout.h"
@@ -99,9 +105,13 @@ double MaxAbs(const TensorMap& params) {
 
 // RankSummary <-> bytes, for AllGatherBytes.
 std::string Serialize(const RankSummary& s) {
-  std::vector<int64_t> v = {s.rank, s.optimizer_state_bytes,
-                            s.nonzero_padding_grads, s.memory.compute_peak,
-                            s.memory.offload_peak};
+  std::vector<int64_t> v = {s.rank,
+                            s.optimizer_state_bytes,
+                            s.nonzero_padding_grads,
+                            s.memory.compute_peak,
+                            s.memory.offload_peak,
+                            absl::ToInt64Nanoseconds(s.save_blocked_max),
+                            absl::ToInt64Nanoseconds(s.save_blocked_total)};
   for (int c = 0; c < kNumMemoryCategories; ++c) {
     v.push_back(s.memory.peak[c]);
     v.push_back(s.memory.current[c]);
@@ -115,7 +125,7 @@ std::string Serialize(const RankSummary& s) {
 }
 
 absl::StatusOr<RankSummary> Deserialize(const std::string& bytes) {
-  constexpr size_t kFields = 5 + 2 * kNumMemoryCategories + 9;
+  constexpr size_t kFields = 7 + 2 * kNumMemoryCategories + 9;
   if (bytes.size() != kFields * sizeof(int64_t)) {
     return absl::InternalError(
         absl::StrFormat("a rank sent a summary of %d bytes, want %d",
@@ -130,6 +140,8 @@ absl::StatusOr<RankSummary> Deserialize(const std::string& bytes) {
   s.nonzero_padding_grads = v[i++];
   s.memory.compute_peak = v[i++];
   s.memory.offload_peak = v[i++];
+  s.save_blocked_max = absl::Nanoseconds(v[i++]);
+  s.save_blocked_total = absl::Nanoseconds(v[i++]);
   for (int c = 0; c < kNumMemoryCategories; ++c) {
     s.memory.peak[c] = v[i++];
     s.memory.current[c] = v[i++];
@@ -423,6 +435,16 @@ absl::Status ValidateTrainCommandOptions(const TrainCommandOptions& o) {
                         "rank)",
                         o.global_batch));
   }
+  if (o.save_every.has_value() && *o.save_every < 1) {
+    return Bad(absl::StrFormat("--save-every=%d: must be >= 1", *o.save_every));
+  }
+  if (o.save_every.has_value() && o.save_dir.empty()) {
+    return Bad(absl::StrFormat(
+        "--save-every=%d needs --save=DIR (where to save)", *o.save_every));
+  }
+  if (o.async_save && o.save_dir.empty()) {
+    return Bad("--async-save needs --save=DIR (where to save)");
+  }
   return ValidateCollectiveTimeout(o.timeout);
 }
 
@@ -542,6 +564,151 @@ absl::StatusOr<ReferenceCheck> CheckAgainstReference(
   return check;
 }
 
+namespace {
+
+using StateCopier =
+    absl::FunctionRef<absl::StatusOr<refmodel::FsdpRankState>()>;
+
+// --save's directory for the checkpoint of global step `step`.
+std::string SaveDirFor(const std::string& dir, int64_t step) {
+  return absl::StrReplaceAll(dir, {{"{step}", absl::StrCat(step)}});
+}
+
+absl::Status InSave(const std::string& dir, const absl::Status& s) {
+  if (s.ok()) return s;
+  return absl::Status(s.code(),
+                      absl::StrCat("--save=", dir, ": ", s.message()));
+}
+
+// One rank's saves during a run (--save, --save-every, --async-save): at
+// which steps, where, with which "extra", written collectively or through
+// an AsyncCheckpointSaver, and how long they blocked the training thread.
+// AfterStep is the trainer's after_step hook; Finish must be called after
+// training (also when it failed) while a save may be in flight.
+//
+// Borrows `fs`, `world` and `layout`, which must outlive it; copies the
+// rest. Not thread-safe: the rank's thread alone calls it (the async
+// saver's background thread is its own business).
+class RunSaver {
+ public:
+  // `options` are the run's, given before their initial_state and
+  // after_step are set (it copies them and needs neither); `command` the
+  // resolved flags.
+  RunSaver(checkpoint::FileSystem& fs, Communicator& world,
+           const TrainCommandOptions& command,
+           const refmodel::FsdpTrainOptions& options, const ModelLayout& layout,
+           const std::vector<TrainSegment>& history)
+      : fs_(fs),
+        world_(world),
+        command_(command),
+        options_(options),
+        steps_(options.steps),
+        layout_(layout),
+        history_(history) {
+    write_.collective = options.collective_options;
+    if (command.async_save) {
+      checkpoint::AsyncSaveOptions async;
+      async.write = write_;
+      async_.emplace(fs, world, async);
+    }
+  }
+
+  // Saves when the global step reached after `steps_done` steps of this run
+  // is due (a multiple of --save-every, or the run's last).
+  absl::Status AfterStep(int64_t steps_done, StateCopier copy_state) {
+    const int64_t step = options_.first_step + steps_done;
+    const bool due = steps_done == steps_ || (command_.save_every.has_value() &&
+                                              step % *command_.save_every == 0);
+    if (!due) return absl::OkStatus();
+    const absl::Time begin = absl::Now();
+    const absl::Status saved = Save(steps_done, copy_state);
+    Blocked(absl::Now() - begin);
+    return saved;
+  }
+
+  // Waits for the save in flight, if any, and publishes it (collective).
+  absl::Status Finish() {
+    if (!async_.has_value() || !async_->pending()) return absl::OkStatus();
+    const absl::Time begin = absl::Now();
+    const absl::Status finished = InSave(pending_dir_, async_->Finish());
+    Blocked(absl::Now() - begin);
+    return finished;
+  }
+
+  const std::vector<int64_t>& saved_steps() const { return saved_steps_; }
+  const std::string& last_dir() const { return last_dir_; }
+  absl::Duration blocked_max() const { return blocked_max_; }
+  absl::Duration blocked_total() const { return blocked_total_; }
+
+ private:
+  void Blocked(absl::Duration d) {
+    blocked_max_ = std::max(blocked_max_, d);
+    blocked_total_ += d;
+  }
+
+  absl::Status Save(int64_t steps_done, StateCopier copy_state) {
+    const int64_t step = options_.first_step + steps_done;
+    const std::string dir = SaveDirFor(command_.save_dir, step);
+    // At most one snapshot is staged: the previous save finishes before
+    // this state is copied.
+    FLATPARAM_RETURN_IF_ERROR(Finish());
+    absl::StatusOr<refmodel::FsdpRankState> state = copy_state();
+    if (!state.ok()) return InSave(dir, state.status());
+    checkpoint::RankState mine;
+    mine.flat_params = std::move(state->flat_params);
+    mine.optim = refmodel::ShardedFromTrainStates(state->optimizer);
+    mine.optim.param_groups.push_back(
+        ParamGroupFor(options_.optimizer,
+                      static_cast<int64_t>(layout_.flat_params().size())));
+    // The extra describes this step: the run's segment ends here.
+    options_.steps = steps_done;
+    mine.extra = {{kTrainExtraKey,
+                   TrainExtra(command_, options_, world_.size(), history_)}};
+    if (async_.has_value()) {
+      FLATPARAM_RETURN_IF_ERROR(InSave(
+          dir, async_->Start(dir, layout_, world_.size(), std::move(mine))));
+      pending_dir_ = dir;
+    } else {
+      // In phases, so that a rank whose content is bad fails every rank
+      // (agreed in Begin) instead of leaving them in the exchange.
+      const int64_t shard_rank = world_.rank() % layout_.options().world_size;
+      absl::StatusOr<checkpoint::RankContent> content =
+          checkpoint::MakeRankContent(layout_, shard_rank, mine);
+      absl::StatusOr<checkpoint::CollectiveWrite> begun =
+          checkpoint::BeginCollectiveWrite(fs_, dir, layout_, world_.size(),
+                                           world_, write_, content.status());
+      if (!begun.ok()) return InSave(dir, begun.status());
+      const absl::Status written =
+          checkpoint::WriteCollectiveRankFiles(fs_, *begun, *content, write_);
+      FLATPARAM_RETURN_IF_ERROR(
+          InSave(dir, checkpoint::FinishCollectiveWrite(fs_, *begun, written,
+                                                        world_, write_)));
+    }
+    saved_steps_.push_back(step);
+    last_dir_ = dir;
+    return absl::OkStatus();
+  }
+
+  checkpoint::FileSystem& fs_;
+  Communicator& world_;
+  const TrainCommandOptions command_;
+  // The run's options; `steps` is set to the steps done at each save.
+  refmodel::FsdpTrainOptions options_;
+  const int64_t steps_;  // the run's
+  const ModelLayout& layout_;
+  const std::vector<TrainSegment> history_;
+  checkpoint::CollectiveWriteOptions write_;
+  std::optional<checkpoint::AsyncCheckpointSaver> async_;
+  std::string pending_dir_;  // the async save in flight's directory
+
+  std::vector<int64_t> saved_steps_;
+  std::string last_dir_;
+  absl::Duration blocked_max_;
+  absl::Duration blocked_total_;
+};
+
+}  // namespace
+
 absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
                                            DeviceOps& device,
                                            const TrainCommandOptions& options,
@@ -590,6 +757,9 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
                              MakeFsdpTrainOptions(command, world_size));
   report.options.first_step = first_step;
   std::optional<ModelLayout> layout;
+  // The loaded state, handed to the trainer after the saver has copied the
+  // options (it needs no copy of the state).
+  std::optional<refmodel::FsdpRankState> initial_state;
   int64_t shard_rank = 0;
   if (reader.has_value() || !options.save_dir.empty()) {
     FLATPARAM_ASSIGN_OR_RETURN(
@@ -597,76 +767,87 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
     shard_rank = world.rank() % layout->options().world_size;
   }
   if (reader.has_value()) {
-    absl::Status fits = reader->CheckFits(*layout, world_size);
-    if (!fits.ok()) {
-      return in_load(absl::Status(
-          fits.code(),
-          absl::StrFormat(
-              "the checkpoint does not fit this job: %s; reshard it for %d "
-              "ranks with `fsdp checkpoint reshard --in=%s --out=DIR2 "
-              "--world-size=%d%s` and load DIR2",
-              fits.message(), world_size, options.load_dir, world_size,
-              IsHybridStrategy(report.options.strategy)
-                  ? absl::StrFormat(
-                        " --strategy=%s --shard-group-size=%d",
-                        ShardingStrategyName(report.options.strategy),
-                        report.options.shard_group_size)
-                  : absl::StrFormat(
-                        " --strategy=%s",
-                        ShardingStrategyName(report.options.strategy)))));
-    }
-    const absl::Status verified = reader->VerifyRank(shard_rank);
-    absl::StatusOr<checkpoint::RankState> state =
-        verified.ok() ? checkpoint::ReadRankState(*reader, shard_rank)
-                      : absl::StatusOr<checkpoint::RankState>(verified);
+    // The rank's own files when the job fits the checkpoint; otherwise
+    // resharded at load time: the byte ranges of the old ranks' files that
+    // this rank's new shards hold (no intermediate files). Either way every
+    // byte read is verified against the manifest, and no rank reads the
+    // others' share.
+    checkpoint::LoadPath path = checkpoint::LoadPath::kOwnRank;
+    absl::StatusOr<checkpoint::RankState> state = checkpoint::LoadRankState(
+        *reader, *layout, world_size, shard_rank, &path);
     // The ranks agree, so that one rank's damaged file fails every rank
     // instead of leaving the others waiting in their first collective.
     FLATPARAM_ASSIGN_OR_RETURN(
         std::vector<std::string> verdicts,
         world.AllGatherBytes(
-            state.ok() ? std::string() : std::string(state.status().message()),
+            state.ok() ? std::string()
+                       : absl::StrCat(static_cast<int>(state.status().code()),
+                                      ":", state.status().message()),
             report.options.collective_options));
     for (size_t r = 0; r < verdicts.size(); ++r) {
       if (verdicts[r].empty()) continue;
-      return in_load(
-          absl::DataLossError(absl::StrFormat("rank %d: %s", r, verdicts[r])));
+      const size_t colon = verdicts[r].find(':');
+      int code = static_cast<int>(absl::StatusCode::kDataLoss);
+      if (colon == std::string::npos ||
+          !absl::SimpleAtoi(verdicts[r].substr(0, colon), &code)) {
+        return in_load(absl::InternalError(
+            absl::StrFormat("rank %d sent a malformed verdict", r)));
+      }
+      return in_load(absl::Status(
+          static_cast<absl::StatusCode>(code),
+          absl::StrFormat("rank %d: %s", r, verdicts[r].substr(colon + 1))));
     }
-    refmodel::FsdpRankState initial;
+    if (path == checkpoint::LoadPath::kResharded) {
+      report.resharded_from = absl::StrFormat(
+          "%d ranks, %s%s", reader->world_size(),
+          ShardingStrategyName(reader->layout().options().strategy),
+          IsHybridStrategy(reader->layout().options().strategy)
+              ? absl::StrFormat(" (shard groups of %d)", reader->num_ranks())
+              : "");
+    }
+    refmodel::FsdpRankState& initial = initial_state.emplace();
     initial.flat_params = std::move(state->flat_params);
     absl::StatusOr<std::vector<refmodel::OptimizerState>> optimizer =
         refmodel::TrainStatesFromSharded(*layout, state->optim);
     if (!optimizer.ok()) return in_load(optimizer.status());
     initial.optimizer = *std::move(optimizer);
-    report.options.initial_state = std::move(initial);
   }
-  FLATPARAM_ASSIGN_OR_RETURN(
-      refmodel::FsdpRankResult result,
-      refmodel::TrainFsdpOnRank(world, device, report.options));
-  // The loaded state is not part of the report.
-  report.options.initial_state.reset();
+  // Every save, mid-run and final, is made by the hook, on the state of its
+  // step.
+  std::optional<RunSaver> saver;
   if (!options.save_dir.empty()) {
-    checkpoint::RankState mine;
-    mine.flat_params = result.state.flat_params;
-    mine.optim = refmodel::ShardedFromTrainStates(result.state.optimizer);
-    mine.optim.param_groups.push_back(
-        ParamGroupFor(report.options.optimizer,
-                      static_cast<int64_t>(layout->flat_params().size())));
-    mine.extra = {{kTrainExtraKey, TrainExtra(command, report.options,
-                                              world_size, report.history)}};
-    FLATPARAM_ASSIGN_OR_RETURN(
-        checkpoint::RankContent content,
-        checkpoint::MakeRankContent(*layout, shard_rank, mine));
-    checkpoint::CollectiveWriteOptions write;
-    write.collective = report.options.collective_options;
-    absl::Status saved = checkpoint::WriteShardedCheckpointCollective(
-        fs, options.save_dir, *layout, world_size, content, world, write);
-    if (!saved.ok()) {
-      return absl::Status(
-          saved.code(),
-          absl::StrCat("--save=", options.save_dir, ": ", saved.message()));
-    }
-    report.saved_to = options.save_dir;
+    saver.emplace(fs, world, command, report.options, *layout, report.history);
+    report.options.after_step = [&saver](int64_t steps_done,
+                                         StateCopier copy_state) {
+      return saver->AfterStep(steps_done, copy_state);
+    };
   }
+  if (initial_state.has_value()) {
+    report.options.initial_state.emplace(*std::move(initial_state));
+  }
+  absl::StatusOr<refmodel::FsdpRankResult> trained =
+      refmodel::TrainFsdpOnRank(world, device, report.options);
+  // Neither the loaded state nor the hook is part of the report.
+  report.options.initial_state.reset();
+  report.options.after_step = nullptr;
+  if (saver.has_value()) {
+    // Also after a failure, a save in flight is finished (collectively:
+    // every save's errors and every collective failure reach every rank,
+    // so the ranks get here alike), and the last good one is published.
+    const absl::Status finished = saver->Finish();
+    if (!trained.ok() && !finished.ok()) {
+      return absl::Status(trained.status().code(),
+                          absl::StrCat(trained.status().message(),
+                                       " (and the save in flight failed: ",
+                                       finished.message(), ")"));
+    }
+    FLATPARAM_RETURN_IF_ERROR(finished);
+    report.saved_steps = saver->saved_steps();
+    report.saved_to = saver->last_dir();
+    report.async_save = command.async_save;
+  }
+  FLATPARAM_RETURN_IF_ERROR(trained.status());
+  const refmodel::FsdpRankResult& result = *trained;
   report.losses = result.losses;
   RankSummary mine;
   mine.rank = world.rank();
@@ -674,11 +855,19 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
   mine.optimizer_state_bytes = result.optimizer_state_bytes;
   mine.comm = result.comm;
   mine.nonzero_padding_grads = result.nonzero_padding_grads;
+  if (saver.has_value()) {
+    mine.save_blocked_max = saver->blocked_max();
+    mine.save_blocked_total = saver->blocked_total();
+  }
   FLATPARAM_ASSIGN_OR_RETURN(
       std::vector<std::string> all,
       world.AllGatherBytes(Serialize(mine), report.options.collective_options));
   for (const std::string& bytes : all) {
     FLATPARAM_ASSIGN_OR_RETURN(RankSummary s, Deserialize(bytes));
+    report.save_blocked_max =
+        std::max(report.save_blocked_max, s.save_blocked_max);
+    report.save_blocked_total =
+        std::max(report.save_blocked_total, s.save_blocked_total);
     report.ranks.push_back(s);
   }
   if (host_device) {
@@ -725,6 +914,12 @@ void PrintTrainReport(const TrainReport& report, std::ostream& out) {
     out << absl::StrFormat(
         "# resumed from %s at step %d (trained before: %s)\n",
         report.loaded_from, o.first_step, DescribeSegments(report.history));
+    if (!report.resharded_from.empty()) {
+      out << absl::StrFormat(
+          "# resharded at load time from %s to this job's layout (each rank "
+          "read its byte ranges of the saved ranks' files)\n",
+          report.resharded_from);
+    }
   }
   out << "step  loss\n";
   for (size_t k = 0; k < report.losses.size(); ++k) {
@@ -780,8 +975,16 @@ void PrintTrainReport(const TrainReport& report, std::ostream& out) {
   if (!report.saved_to.empty()) {
     out << absl::StrFormat(
         "# saved a sharded checkpoint of step %d to %s (written by the "
-        "ranks collectively)\n",
-        o.first_step + o.steps, report.saved_to);
+        "ranks collectively%s)\n",
+        report.saved_steps.back(), report.saved_to,
+        report.async_save ? ", in the background" : "");
+    out << absl::StrFormat(
+        "# saves: %d (steps %s), %s; training blocked by saving: longest "
+        "%s, total %s (slowest rank)\n",
+        report.saved_steps.size(), absl::StrJoin(report.saved_steps, ", "),
+        report.async_save ? "asynchronous" : "synchronous",
+        absl::FormatDuration(report.save_blocked_max),
+        absl::FormatDuration(report.save_blocked_total));
   }
   if (!report.check.has_value()) return;
   const ReferenceCheck& c = *report.check;

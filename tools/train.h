@@ -36,15 +36,40 @@
 // hyperparameters, the global batch, micro-batches, accumulation and mixed
 // precision, and the history of the segments trained so far.
 //
-// --load=DIR resumes from such a checkpoint: every rank reads its own
-// shard-group rank's files (no communication), and training continues at
-// the saved step with the saved settings. Flags for those settings may be
+// Saving mid-run. --save-every=N also saves after every step whose global
+// step count (the data step the checkpoint resumes at) is a multiple of N,
+// from the trainer's after_step hook (FsdpTrainOptions), and still after
+// the last step. Each checkpoint's "extra" describes the state at its own
+// step (this run's segment cut there), so --load of any of them resumes
+// exactly. The literal "{step}" in DIR is replaced by that step
+// (--save=ckpt/step{step}: one checkpoint per save); without it every save
+// replaces DIR crash-safely, so DIR always holds the latest complete one.
+// --async-save writes the saves with AsyncCheckpointSaver
+// (flatparam/checkpoint/async_checkpoint.h): at a save the step is blocked
+// while the previous save finishes (if still writing), the rank's state is
+// copied to a host snapshot and the ranks agree on the temporary
+// directory; each rank's background thread writes its files while
+// training goes on, and the save is published by the next save or at the
+// end of the run (also when training fails). The checkpoints are the same,
+// byte for byte, as synchronous saves, and training is unchanged. The
+// report counts the saves and how long they blocked training.
+//
+// --load=DIR resumes from such a checkpoint, and training continues at the
+// saved step with the saved settings. Flags for those settings may be
 // given only with the saved values (a flag at its default counts as not
-// given). The job's layout (world size,
-// strategy, shard group, alignment, mixed precision) must fit the
-// checkpoint exactly (ShardedCheckpointReader::CheckFits); otherwise the
-// error says to reshard it first (`fsdp checkpoint reshard --world-size=W`),
-// which keeps "extra".
+// given). The job's layout (world size, strategy, shard group, alignment)
+// may differ from the checkpoint's: checkpoint::LoadRankState
+// (flatparam/checkpoint/convert.h) reads each rank's own files when the
+// job fits the checkpoint and otherwise reshards at load time, each rank
+// reading only the byte ranges of the saved ranks' files that its new
+// shards hold -- bit for bit what `fsdp checkpoint reshard` followed by
+// --load gives, without the intermediate checkpoint. Every rank opens the
+// checkpoint for its metadata only, and every byte it reads is verified
+// against the manifest's checksums (per block), so W ranks read the
+// checkpoint about once in total, not W times. The ranks agree on the
+// outcome: one rank's damaged file fails every rank. The model (its
+// config, hence its parameters) and the mixed precision must be the
+// saved ones ("extra" holds them).
 //
 // --check-reference after --load compares with single-process training of
 // ALL steps so far, not just this run's: TrainReference segments are
@@ -74,6 +99,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "comm/communicator.h"
 #include "flatparam/device/device.h"
 #include "flatparam/memory_stats.h"
@@ -109,9 +135,16 @@ struct TrainCommandOptions {
   // Samples per micro-batch over all ranks; 0: 2 per rank.
   int64_t global_batch = 0;
   bool check_reference = false;
-  // --save=DIR / --load=DIR (empty: none); see the file comment.
+  // --save=DIR / --load=DIR (empty: none); see the file comment. DIR of
+  // --save may contain "{step}".
   std::string save_dir;
   std::string load_dir;
+  // --save-every=N (>= 1; needs --save): also save after each global step
+  // count that is a multiple of N. Unset: only after the last step.
+  std::optional<int64_t> save_every;
+  // --async-save (needs --save): write the saves in the background
+  // (AsyncCheckpointSaver).
+  bool async_save = false;
   // --timeout: the CollectiveOptions::timeout of every collective the
   // command issues: the handles' and the rest of the trainer's
   // (FsdpTrainOptions::collective_options), the status exchanges of a
@@ -144,7 +177,8 @@ struct TrainSegment {
 
 // The checkpoint's "extra"[kTrainExtraKey] for a run with `command`
 // options (resolved: global_batch set) of `options` on `world_size` ranks,
-// after `history` and this run.
+// after `history` and this run's options.steps steps (for a save in the
+// middle of the run, pass options with steps = the steps done so far).
 nlohmann::json TrainExtra(const TrainCommandOptions& command,
                           const refmodel::FsdpTrainOptions& options,
                           int world_size,
@@ -165,7 +199,8 @@ absl::StatusOr<ResumePoint> ResumeFromExtra(const TrainCommandOptions& command,
 // InvalidArgument naming the flag for options that make no sense before
 // the world size is known (an unknown backend, strategy, precision or
 // optimizer; steps or micro-batches < 1; a timeout that is not positive
-// and finite; ...).
+// and finite; --save-every < 1; --save-every or --async-save without
+// --save; ...).
 absl::Status ValidateTrainCommandOptions(const TrainCommandOptions& options);
 
 // The trainer's options for `world_size` ranks (defaults resolved; the
@@ -182,6 +217,10 @@ struct RankSummary {
   int64_t optimizer_state_bytes = 0;
   refmodel::CommStats comm;
   int64_t nonzero_padding_grads = 0;
+  // How long this rank's training thread was blocked by saving: the
+  // longest single pause and the sum of them (see TrainReport).
+  absl::Duration save_blocked_max;
+  absl::Duration save_blocked_total;
 };
 
 // The comparison with single-process training.
@@ -220,10 +259,27 @@ struct TrainReport {
   // The formula, on a host compute device.
   std::optional<std::array<int64_t, kNumMemoryCategories>> expected_memory;
   std::optional<ReferenceCheck> check;
-  // Segments before this run (from --load) and the directories involved.
+  // Segments before this run (from --load) and the directories involved
+  // (saved_to: the last save's, "{step}" replaced).
   std::vector<TrainSegment> history;
   std::string loaded_from;
+  // Set when --load resharded the checkpoint at load time: what it was
+  // saved with ("8 ranks, FULL_SHARD").
+  std::string resharded_from;
   std::string saved_to;
+  // The saves this run made, by the global step each holds (their number
+  // is the number of saves), and whether they were asynchronous.
+  std::vector<int64_t> saved_steps;
+  bool async_save = false;
+  // How long saving blocked the training thread, on the slowest rank (the
+  // largest over ranks of each figure). A pause is, synchronously, a whole
+  // save (copying the state and the collective write); asynchronously,
+  // waiting for the previous save to finish and publish, copying the
+  // state, and AsyncCheckpointSaver::Start (last_start_blocked), or, at
+  // the end of the run, the wait for the last save. `max` is the longest
+  // pause, `total` their sum.
+  absl::Duration save_blocked_max;
+  absl::Duration save_blocked_total;
 };
 
 // Compares one rank's result of `options` on `world_size` ranks with

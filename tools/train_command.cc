@@ -1,6 +1,7 @@
 // `fsdp train`: flags in, RunTrainSim/RunTrainMpi, exit code out.
 #include <cstdint>
 #include <iostream>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -32,7 +33,14 @@ ABSL_FLAG(int64_t, global_batch, 0,
           "Samples per micro-batch over all ranks (default: 2 per rank).");
 ABSL_FLAG(std::string, save, "",
           "After the last step, write a sharded checkpoint to this directory "
-          "(collectively; on a file system every rank sees).");
+          "(collectively; on a file system every rank sees); \"{step}\" in "
+          "it is replaced by the step the checkpoint holds.");
+ABSL_FLAG(std::optional<int64_t>, save_every, std::nullopt,
+          "With --save: also save after every global step that is a "
+          "multiple of this (>= 1).");
+ABSL_FLAG(bool, async_save, false,
+          "With --save: write the checkpoints in the background while "
+          "training goes on (AsyncCheckpointSaver).");
 ABSL_FLAG(std::string, load, "",
           "Resume from the sharded checkpoint in this directory.");
 
@@ -66,6 +74,8 @@ int TrainMain(const std::vector<char*>& args) {
   options.check_reference = absl::GetFlag(FLAGS_check_reference);
   options.save_dir = absl::GetFlag(FLAGS_save);
   options.load_dir = absl::GetFlag(FLAGS_load);
+  options.save_every = absl::GetFlag(FLAGS_save_every);
+  options.async_save = absl::GetFlag(FLAGS_async_save);
   options.timeout = absl::GetFlag(FLAGS_timeout).value_or(options.timeout);
   for (const char* flag : {"seed", "optimizer", "lr", "global_batch",
                            "micro_batches", "mixed_precision", "sync"}) {
@@ -91,7 +101,9 @@ constexpr char kHelp[] =
     "                  [--align-addresses] [--seed=S] [--optimizer=adamw|sgd]"
     " [--lr=LR]\n"
     "                  [--global-batch=B] [--check-reference]\n"
-    "                  [--save=DIR] [--load=DIR] [--timeout=DURATION]\n"
+    "                  [--save=DIR [--save-every=N] [--async-save]] "
+    "[--load=DIR]\n"
+    "                  [--timeout=DURATION]\n"
     "       mpirun -np 4 fsdp train [--backend=mpi|nccl] ...\n"
     "\n"
     "Trains the reference model (a per-token MLP language model: vocab 17,\n"
@@ -144,13 +156,24 @@ constexpr char kHelp[] =
     "  --save=DIR               after the last step, write a sharded "
     "checkpoint\n"
     "                           (each rank its own files; with mpi, DIR on a\n"
-    "                           file system every rank sees)\n"
+    "                           file system every rank sees); {step} in DIR\n"
+    "                           is replaced by the step it holds (one\n"
+    "                           checkpoint per save), else each save replaces\n"
+    "                           DIR crash-safely\n"
+    "  --save-every=N           with --save: also save after every step that\n"
+    "                           is a multiple of N (global step count)\n"
+    "  --async-save             with --save: write each checkpoint in the\n"
+    "                           background while training goes on; the next\n"
+    "                           save or the end of the run publishes it. The\n"
+    "                           report shows how long saving blocked "
+    "training\n"
     "  --load=DIR               resume from a sharded checkpoint of fsdp "
     "train:\n"
     "                           its step, seed, optimizer, lr, batch, micro-\n"
-    "                           batches and precision carry over; the job "
-    "must\n"
-    "                           fit it (else: fsdp checkpoint reshard). With\n"
+    "                           batches and precision carry over; another\n"
+    "                           world size, strategy or alignment reshards\n"
+    "                           it at load time (each rank reads its byte\n"
+    "                           ranges of the saved ranks' files). With\n"
     "                           --check-reference, compares with single-"
     "process\n"
     "                           training of all steps so far\n"

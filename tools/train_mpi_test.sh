@@ -51,6 +51,41 @@ MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" train --backend=mpi \
 grep -q 'of all 4 steps .*bitwise equal' "$tmp/out" ||
   fail "mpi resume not bitwise equal to the chained reference"
 
+# Asynchronous saves after every step (one checkpoint per step, each
+# rank's files written by its background thread); the mid-run one resumes
+# bitwise.
+MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" train --backend=mpi \
+  --strategy=HYBRID_SHARD --steps=2 --save="$tmp/async{step}" --save-every=1 \
+  --async-save --timeout=20s >"$tmp/out" 2>"$tmp/err"
+[ $? -eq 0 ] || fail "mpi --async-save failed: $(head -c 2000 "$tmp/err")"
+grep -q '^# saves: 2 (steps 1, 2), asynchronous' "$tmp/out" ||
+  fail "mpi --async-save: no saves line"
+for step in 1 2; do
+  [ -f "$tmp/async$step/manifest.json" ] ||
+    fail "mpi --async-save wrote no checkpoint of step $step"
+done
+MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" train --backend=mpi \
+  --strategy=HYBRID_SHARD --steps=1 --load="$tmp/async1" --check-reference \
+  >"$tmp/out" 2>"$tmp/err"
+[ $? -eq 0 ] || fail "mpi --load of an async save failed: $(head -c 2000 "$tmp/err")"
+grep -q 'of all 2 steps .*bitwise equal' "$tmp/out" ||
+  fail "mpi resume from the async mid-run save not bitwise equal"
+
+# Resharding at load time across processes: a checkpoint saved by 8
+# simulated ranks (FULL_SHARD) loads into 4 MPI ranks (SHARD_GRAD_OP),
+# each reading its byte ranges of the saved ranks' files, and the run is
+# bitwise equal to single-process training of all steps.
+"$fsdp" train --world-size=8 --steps=2 --save="$tmp/sim8" >"$tmp/out" \
+  2>"$tmp/err" || fail "sim --save at 8 ranks failed: $(head -c 2000 "$tmp/err")"
+MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" train --backend=mpi \
+  --strategy=SHARD_GRAD_OP --steps=2 --load="$tmp/sim8" --check-reference \
+  --timeout=20s >"$tmp/out" 2>"$tmp/err"
+[ $? -eq 0 ] || fail "mpi load-time reshard failed: $(head -c 2000 "$tmp/err")"
+grep -q '^# resharded at load time from 8 ranks, FULL_SHARD' "$tmp/out" ||
+  fail "mpi load did not reshard at load time"
+grep -q 'of all 4 steps (chained: steps 0-1 on 8 ranks FULL_SHARD; then this run): 0 .*bitwise equal' "$tmp/out" ||
+  fail "mpi load-time reshard not bitwise equal to the chained reference"
+
 MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" train --backend=nccl \
   --check-reference >"$tmp/out" 2>"$tmp/err"
 status=$?

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # `fsdp train --save` then `--load` end to end on the simulator: the resumed
 # run's losses continue the unbroken run's, its check against single-process
-# training of all steps passes bitwise, a job that does not fit the
-# checkpoint is told to reshard, and a flag that contradicts the checkpoint
-# is named. With `fsdp checkpoint` in the binary, also save -> reshard to
-# another world size -> load --check-reference.
+# training of all steps passes bitwise, a job of another world size or
+# strategy reshards at load time (equal to the offline reshard), and a flag
+# that contradicts the checkpoint is named. Mid-run asynchronous saves (--save-every, --async-save, {step})
+# leave training unchanged and each resumes exactly. With `fsdp checkpoint`
+# in the binary, also save -> reshard to another world size -> load
+# --check-reference.
 # Usage: train_resume_cli_test.sh PATH_TO_CLI_TEST_LIB_SH PATH_TO_FSDP
 set -uo pipefail
 
@@ -37,13 +39,6 @@ grep -q 'single-process training of all 4 steps (chained: steps 0-1 on 4 ranks F
   fail "no bitwise check over all steps"
 grep -q '^# check: passed$' "$tmp/out" || fail "check not passed"
 
-# A job that does not fit is told to reshard.
-expect_exit 1 train --world-size=8 --load="$tmp/ckpt"
-grep -q 'world size: checkpoint 4, job 8' "$tmp/err" || fail "no fit error"
-grep -q 'fsdp checkpoint reshard' "$tmp/err" || fail "no reshard hint"
-expect_exit 1 train --world-size=4 --strategy=SHARD_GRAD_OP --load="$tmp/ckpt"
-grep -q 'strategy: checkpoint FULL_SHARD, job SHARD_GRAD_OP' "$tmp/err" ||
-  fail "no strategy error"
 # A flag that contradicts the checkpoint.
 expect_exit 1 train --world-size=4 --lr=0.5 --load="$tmp/ckpt"
 grep -q -- '--lr=0.5 differs from the checkpoint.s 0.01' "$tmp/err" ||
@@ -62,17 +57,88 @@ b[-1] ^= 0x40
 open(p, "wb").write(bytes(b))
 PY
 expect_exit 1 train --world-size=4 --steps=2 --load="$tmp/damaged" --timeout=20s
-grep -q 'rank 2: .*rank00002.safetensors: xxh3_64 checksum' "$tmp/err" ||
+grep -q 'rank 2: .*rank00002.safetensors: bytes .* (checksum block .*) have xxh3_64' "$tmp/err" ||
   fail "damaged rank file not named: $(cat "$tmp/err")"
 
-# Save -> reshard (fsdp checkpoint) -> load.
-expect_exit 0 checkpoint reshard --in="$tmp/ckpt" --out="$tmp/ckpt8" \
-  --world-size=8
-expect_exit 0 train --world-size=8 --steps=2 --load="$tmp/ckpt8" \
-  --check-reference
-cat "$tmp/out"
-grep -q 'chained: steps 0-1 on 4 ranks FULL_SHARD; then this run): 0 .*bitwise equal' "$tmp/out" ||
-  fail "resharded resume not bitwise equal to the chained reference"
-grep -q '^# check: passed$' "$tmp/out" || fail "resharded check not passed"
+# Mid-run asynchronous saves, one checkpoint per save: step2 and step4. The
+# step-2 checkpoint resumes bitwise over all 4 steps and ends in step4's
+# state (the same rank tensor files).
+mkdir -p "$tmp/mid"
+expect_exit 0 train --world-size=4 --steps=4 --seed=3 --optimizer=sgd \
+  --save="$tmp/mid/step{step}" --save-every=2 --async-save
+grep -q "^# saved a sharded checkpoint of step 4 to $tmp/mid/step4 (written by the ranks collectively, in the background)" "$tmp/out" ||
+  fail "no async save line: $(grep '^# saved' "$tmp/out")"
+grep -q '^# saves: 2 (steps 2, 4), asynchronous; training blocked by saving: longest .*, total ' "$tmp/out" ||
+  fail "no saves line: $(grep '^# saves' "$tmp/out")"
+losses "$tmp/out" | tail -n 2 >"$tmp/mid_tail"
+cmp -s "$tmp/mid_tail" "$tmp/unbroken_tail" ||
+  fail "async saves changed the losses"
+for step in 2 4; do
+  [ -f "$tmp/mid/step$step/manifest.json" ] || fail "no checkpoint step$step"
+done
+for step in 1 3; do
+  [ ! -e "$tmp/mid/step$step" ] || fail "a checkpoint of step $step"
+done
+expect_exit 0 train --world-size=4 --steps=2 --load="$tmp/mid/step2" \
+  --save="$tmp/mid/resumed" --check-reference
+grep -q "^# resumed from $tmp/mid/step2 at step 2" "$tmp/out" ||
+  fail "mid-run checkpoint not resumed at step 2"
+grep -q 'of all 4 steps (chained: steps 0-1 on 4 ranks FULL_SHARD; then this run): 0 .*bitwise equal' "$tmp/out" ||
+  fail "resumed from the mid-run checkpoint: not bitwise over all steps"
+grep -q '^# check: passed$' "$tmp/out" || fail "mid-run resume check not passed"
+for r in 0 1 2 3; do
+  f=rank0000$r.safetensors
+  cmp -s "$tmp/mid/resumed/$f" "$tmp/mid/step4/$f" ||
+    fail "resumed from step2, $f differs from step4's"
+done
+
+# The flags' errors name the values.
+expect_exit 1 train --world-size=4 --save="$tmp/x" --save-every=0
+grep -q -- '--save-every=0: must be >= 1' "$tmp/err" ||
+  fail "--save-every=0 not rejected: $(cat "$tmp/err")"
+expect_exit 1 train --world-size=4 --save-every=2
+grep -q -- '--save-every=2 needs --save=DIR' "$tmp/err" ||
+  fail "--save-every without --save not rejected: $(cat "$tmp/err")"
+expect_exit 1 train --world-size=4 --async-save
+grep -q -- '--async-save needs --save=DIR' "$tmp/err" ||
+  fail "--async-save without --save not rejected: $(cat "$tmp/err")"
+
+# Save -> reshard (fsdp checkpoint) -> load, and the same resharded at load
+# time: both bitwise equal to single-process training, with equal losses.
+for job in "--world-size=8" "--world-size=2" \
+  "--world-size=4 --strategy=HYBRID_SHARD --shard-group-size=2" \
+  "--world-size=2 --strategy=SHARD_GRAD_OP --align-addresses"; do
+  name=$(echo "$job" | tr -c 'a-zA-Z0-9' '_')
+  read -r -a job_flags <<<"$job"
+  strategy=FULL_SHARD
+  for f in "${job_flags[@]}"; do
+    case "$f" in --strategy=*) strategy=${f#--strategy=} ;; esac
+  done
+  offline_flags=()
+  for f in "${job_flags[@]}"; do
+    case "$f" in --world-size=* | --strategy=* | --shard-group-size=*) offline_flags+=("$f") ;; esac
+  done
+  [ "$strategy" = FULL_SHARD ] && offline_flags+=(--strategy=FULL_SHARD)
+  case " ${job_flags[*]} " in *" --align-addresses "*) offline_flags+=(--align-addresses) ;; esac
+  expect_exit 0 checkpoint reshard --in="$tmp/ckpt" --out="$tmp/off_$name" \
+    "${offline_flags[@]}"
+  expect_exit 0 train "${job_flags[@]}" --steps=2 --load="$tmp/off_$name" \
+    --check-reference
+  grep -q '^# check: passed$' "$tmp/out" || fail "$job: offline check not passed"
+  grep -q '^# resharded at load time' "$tmp/out" &&
+    fail "$job: the offline-resharded checkpoint was resharded again"
+  losses "$tmp/out" >"$tmp/off_losses"
+  expect_exit 0 train "${job_flags[@]}" --steps=2 --load="$tmp/ckpt" \
+    --check-reference
+  cat "$tmp/out"
+  grep -q '^# resharded at load time from 4 ranks, FULL_SHARD' "$tmp/out" ||
+    fail "$job: no load-time reshard line"
+  grep -q 'chained: steps 0-1 on 4 ranks FULL_SHARD; then this run): 0 .*bitwise equal' "$tmp/out" ||
+    fail "$job: load-time reshard not bitwise equal to the chained reference"
+  grep -q '^# check: passed$' "$tmp/out" || fail "$job: check not passed"
+  losses "$tmp/out" >"$tmp/direct_losses"
+  cmp -s "$tmp/off_losses" "$tmp/direct_losses" ||
+    fail "$job: losses differ between offline and load-time resharding"
+done
 
 cli_test_finish

@@ -5,6 +5,9 @@
 
 #include <array>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <set>
@@ -31,6 +34,7 @@ namespace tools {
 namespace {
 
 using ::testing::AllOf;
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 using ::testing::IsSupersetOf;
@@ -353,6 +357,174 @@ TEST(RunTrainOnRankTest, ARankLateByMoreThanTheTimeoutFailsTheRun) {
     o.timeout = absl::Seconds(10);
     EXPECT_THAT(RunOnRecordedSim(o, fault, &logs, &statuses), IsOk());
   }
+}
+
+// Every regular file in `dir` by name, with its bytes.
+std::map<std::string, std::string> ReadFiles(const std::string& dir) {
+  std::map<std::string, std::string> files;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (!entry.is_regular_file()) continue;
+    std::ifstream in(entry.path(), std::ios::binary);
+    files[entry.path().filename().string()] =
+        std::string(std::istreambuf_iterator<char>(in), {});
+  }
+  return files;
+}
+
+// Only the rank tensor files.
+std::map<std::string, std::string> RankTensorFiles(const std::string& dir) {
+  std::map<std::string, std::string> files = ReadFiles(dir);
+  for (auto it = files.begin(); it != files.end();) {
+    it = absl::EndsWith(it->first, ".safetensors") ? std::next(it)
+                                                   : files.erase(it);
+  }
+  return files;
+}
+
+TrainCommandOptions SaveOptions(const std::string& strategy, int world) {
+  TrainCommandOptions o = Options(strategy, world);
+  o.steps = 3;
+  o.optimizer = "adamw";
+  o.seed = 5;
+  return o;
+}
+
+// Asynchronous saves after every step (each replacing the same directory)
+// change nothing: the losses are the same bits as a run with only a final
+// synchronous save, the check against single-process training still passes
+// bitwise, and the final checkpoint is the same, file for file, byte for
+// byte.
+TEST(SaveEveryTest, AsyncSavesEveryStepChangeNothing) {
+  for (const char* strategy : {"FULL_SHARD", "HYBRID_SHARD"}) {
+    SCOPED_TRACE(strategy);
+    TrainCommandOptions sync = SaveOptions(strategy, 4);
+    sync.save_dir = TestDir(absl::StrCat("final_sync_", strategy));
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(TrainReport once, TrainOnSim(sync));
+    TrainCommandOptions async = SaveOptions(strategy, 4);
+    async.save_dir = TestDir(absl::StrCat("every_async_", strategy));
+    async.save_every = 1;
+    async.async_save = true;
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(TrainReport every, TrainOnSim(async));
+
+    EXPECT_EQ(every.losses, once.losses);
+    ASSERT_TRUE(every.check.has_value());
+    EXPECT_TRUE(every.check->bitwise_equal);
+    EXPECT_TRUE(every.check->passed);
+    EXPECT_THAT(once.saved_steps, ElementsAre(3));
+    EXPECT_FALSE(once.async_save);
+    EXPECT_THAT(every.saved_steps, ElementsAre(1, 2, 3));
+    EXPECT_TRUE(every.async_save);
+    EXPECT_EQ(every.saved_to, async.save_dir);
+    EXPECT_GT(every.save_blocked_total, absl::ZeroDuration());
+    EXPECT_GE(every.save_blocked_total, every.save_blocked_max);
+    const std::map<std::string, std::string> want = ReadFiles(sync.save_dir);
+    EXPECT_TRUE(want.count("manifest.json") == 1 &&
+                want.count("rank00001.safetensors") == 1);
+    EXPECT_TRUE(ReadFiles(async.save_dir) == want)
+        << "the final checkpoints differ";
+  }
+}
+
+// --save=DIR/step{step} --save-every=2 over 4 steps leaves step2 and step4;
+// step2's "extra" describes step 2, so a run loading it for 2 more steps
+// passes the check over all 4 steps bitwise and ends in step4's state.
+TEST(SaveEveryTest, MidRunCheckpointsResumeExactly) {
+  for (bool async : {false, true}) {
+    SCOPED_TRACE(async ? "async" : "sync");
+    const std::string root =
+        TestDir(absl::StrCat("mid_run_", async ? "async" : "sync"));
+    std::filesystem::create_directories(root);
+    TrainCommandOptions o = SaveOptions("FULL_SHARD", 4);
+    o.steps = 4;
+    o.check_reference = false;
+    o.save_dir = root + "/step{step}";
+    o.save_every = 2;
+    o.async_save = async;
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(TrainReport full, TrainOnSim(o));
+    EXPECT_THAT(full.saved_steps, ElementsAre(2, 4));
+    EXPECT_EQ(full.saved_to, root + "/step4");
+    EXPECT_TRUE(std::filesystem::exists(root + "/step2/manifest.json"));
+    EXPECT_TRUE(std::filesystem::exists(root + "/step4/manifest.json"));
+    EXPECT_FALSE(std::filesystem::exists(root + "/step1"));
+    EXPECT_FALSE(std::filesystem::exists(root + "/step3"));
+
+    TrainCommandOptions resumed = Options("FULL_SHARD", 4);
+    resumed.steps = 2;
+    resumed.load_dir = root + "/step2";
+    resumed.save_dir = root + "/resumed";
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(TrainReport rest, TrainOnSim(resumed));
+    EXPECT_EQ(rest.options.first_step, 2);
+    ASSERT_EQ(rest.history.size(), 1u);
+    EXPECT_EQ(rest.history[0].first_step, 0);
+    EXPECT_EQ(rest.history[0].steps, 2);
+    ASSERT_TRUE(rest.check.has_value());
+    EXPECT_TRUE(rest.check->bitwise_equal);
+    EXPECT_TRUE(rest.check->passed);
+    EXPECT_EQ(rest.losses,
+              std::vector<float>(full.losses.begin() + 2, full.losses.end()));
+    const std::map<std::string, std::string> want =
+        RankTensorFiles(root + "/step4");
+    EXPECT_EQ(want.size(), 4u);
+    EXPECT_TRUE(RankTensorFiles(root + "/resumed") == want)
+        << "resumed training did not end in step4's state";
+  }
+}
+
+// A save that fails stops training on every rank, naming the directory;
+// the save before it is published (with --async-save: finished by the
+// failing save's Start).
+TEST(SaveEveryTest, AFailedSaveStopsTraining) {
+  for (bool async : {false, true}) {
+    SCOPED_TRACE(async ? "async" : "sync");
+    // The checkpoint of step 2 has no parent directory.
+    const std::string root =
+        TestDir(absl::StrCat("failed_save_", async ? "async" : "sync"));
+    for (const char* parent : {"/p1", "/p3", "/p4"}) {
+      std::filesystem::create_directories(root + parent);
+    }
+    TrainCommandOptions o = SaveOptions("FULL_SHARD", 2);
+    o.steps = 4;
+    o.save_every = 1;
+    o.async_save = async;
+    o.save_dir = root + "/p{step}/ckpt";
+    std::ostringstream out;
+    EXPECT_THAT(
+        RunTrainSim(o, out),
+        StatusIs(absl::StatusCode::kNotFound,
+                 AllOf(HasSubstr(absl::StrCat("rank 0: after step 1: --save=",
+                                              root, "/p2/ckpt: ")),
+                       HasSubstr("does not exist"))));
+    EXPECT_TRUE(std::filesystem::exists(root + "/p1/ckpt/manifest.json"));
+    EXPECT_FALSE(std::filesystem::exists(root + "/p3/ckpt"));
+  }
+}
+
+TEST(SaveEveryTest, FlagErrorsNameTheValues) {
+  TrainCommandOptions o = Options("FULL_SHARD");
+  o.save_dir = TestDir("flag_errors");
+  o.save_every = 0;
+  EXPECT_THAT(ValidateTrainCommandOptions(o),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--save-every=0: must be >= 1")));
+  o.save_every = -3;
+  EXPECT_THAT(ValidateTrainCommandOptions(o),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--save-every=-3: must be >= 1")));
+  o.save_every = 2;
+  o.async_save = true;
+  EXPECT_THAT(ValidateTrainCommandOptions(o), IsOk());
+  o.save_dir.clear();
+  EXPECT_THAT(ValidateTrainCommandOptions(o),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--save-every=2 needs --save=DIR")));
+  o.save_every.reset();
+  EXPECT_THAT(ValidateTrainCommandOptions(o),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--async-save needs --save=DIR")));
+  std::ostringstream out;
+  EXPECT_THAT(RunTrainSim(o, out),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--async-save needs --save=DIR")));
 }
 
 }  // namespace
