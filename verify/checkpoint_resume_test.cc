@@ -6,7 +6,10 @@
 // checkpoint written collectively (collective_checkpoint.h, optim_io.h);
 // ReshardCheckpoint (convert.h) turns it into the checkpoint of another
 // world size W2 and strategy; every rank of W2 loads its own shard-group
-// rank's files and trains K more steps (first_step = K). The result
+// rank's files and trains K more steps (first_step = K). The same again
+// with the reshard at load time (LoadRankState straight from the saved
+// checkpoint): the loaded states are equal, bit for bit, and so is the
+// training. The result
 // (per-step losses of the second segment, gathered parameters and optimizer
 // state, on every rank) is bitwise equal to single-process float32 training
 // of 2K steps: TrainReference for K steps with the first run's gradient
@@ -103,21 +106,32 @@ absl::StatusOr<std::vector<FsdpRankResult>> TrainAndSave(
       });
 }
 
-// Every rank's state for `options` on `world_size` ranks, from `dir`.
+// Every rank's state for `options` on `world_size` ranks, from `dir`: its
+// own files, which must fit (`reshard_at_load` false), or resharded at
+// load time by LoadRankState from a checkpoint of any layout, each rank
+// opening it for the metadata only as a job does.
 absl::StatusOr<std::vector<refmodel::FsdpRankState>> Load(
     checkpoint::FileSystem& fs, const std::string& dir,
-    const FsdpTrainOptions& options, int world_size, int64_t* step) {
+    const FsdpTrainOptions& options, int world_size, int64_t* step,
+    bool reshard_at_load = false) {
   FLATPARAM_ASSIGN_OR_RETURN(ModelLayout layout,
                              refmodel::FsdpModelLayout(options, world_size));
+  checkpoint::CheckpointOpenOptions open;
+  if (reshard_at_load) open.ranks.emplace();
   FLATPARAM_ASSIGN_OR_RETURN(
       checkpoint::ShardedCheckpointReader reader,
-      checkpoint::ShardedCheckpointReader::Open(fs, dir));
-  FLATPARAM_RETURN_IF_ERROR(reader.CheckFits(layout, world_size));
+      checkpoint::ShardedCheckpointReader::Open(fs, dir, open));
+  if (!reshard_at_load) {
+    FLATPARAM_RETURN_IF_ERROR(reader.CheckFits(layout, world_size));
+  }
   std::vector<refmodel::FsdpRankState> states;
   for (int r = 0; r < world_size; ++r) {
+    const int64_t shard_rank = r % layout.options().world_size;
     FLATPARAM_ASSIGN_OR_RETURN(
         checkpoint::RankState saved,
-        checkpoint::ReadRankState(reader, r % layout.options().world_size));
+        reshard_at_load
+            ? checkpoint::LoadRankState(reader, layout, world_size, shard_rank)
+            : checkpoint::ReadRankState(reader, shard_rank));
     *step = saved.extra.value("step", -1);
     refmodel::FsdpRankState state;
     state.flat_params = std::move(saved.flat_params);
@@ -164,6 +178,28 @@ TEST_P(CheckpointResumeTest, SaveReshardLoadEqualsSingleProcessTraining) {
                                        return o;
                                      },
                                      c.after.world_size));
+  // And straight from the saved checkpoint, resharded at load time: the
+  // same states, so the same training.
+  int64_t direct_step = -1;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      std::vector<refmodel::FsdpRankState> direct,
+      Load(fs, "/saved", second, c.after.world_size, &direct_step,
+           /*reshard_at_load=*/true));
+  EXPECT_EQ(direct_step, k);
+  ASSERT_EQ(direct.size(), loaded.size());
+  for (size_t r = 0; r < direct.size(); ++r) {
+    EXPECT_EQ(direct[r].flat_params, loaded[r].flat_params) << "rank " << r;
+    EXPECT_TRUE(direct[r].optimizer == loaded[r].optimizer) << "rank " << r;
+  }
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::vector<FsdpRankResult> resumed_direct,
+                                 TrainFsdpPerRankOnSim(
+                                     [&](int r) {
+                                       FsdpTrainOptions o = second;
+                                       o.initial_state = direct[r];
+                                       return o;
+                                     },
+                                     c.after.world_size));
+  resumed.insert(resumed.end(), resumed_direct.begin(), resumed_direct.end());
 
   // The reference: K steps with the first fold, K with the second.
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
