@@ -82,7 +82,16 @@ FlatParamHandle::FlatParamHandle(const FlatParamLayout& layout,
   grad_none_.assign(layout.params().size(), 0);
 }
 
-FlatParamHandle::~FlatParamHandle() = default;
+FlatParamHandle::~FlatParamHandle() {
+  // A collective in flight still uses buffers the handle owns: wait for it
+  // before they are freed (its status no longer matters to anyone).
+  if (pending_unshard_.has_value() && pending_unshard_->work != nullptr) {
+    (void)pending_unshard_->work->Wait();
+  }
+  if (pending_reduce_.has_value() && pending_reduce_->work != nullptr) {
+    (void)pending_reduce_->work->Wait();
+  }
+}
 
 absl::StatusOr<std::unique_ptr<FlatParamHandle>> FlatParamHandle::CreateCommon(
     const FlatParamLayout& layout, Communicator* shard_group,
@@ -246,6 +255,7 @@ absl::Status FlatParamHandle::SetTraining(bool training) {
   if (state_ != HandleTrainingState::kIdle) {
     return WrongState("SetTraining", "IDLE");
   }
+  FLATPARAM_RETURN_IF_ERROR(CheckNoPendingUnshard("SetTraining"));
   if (unsharded_) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "%s: SetTraining: the flat parameter is unsharded (state %s); "
@@ -293,7 +303,8 @@ DType FlatParamHandle::grad_accum_dtype() const {
 }
 
 bool FlatParamHandle::NeedsUnshard() const {
-  return uses_sharded_strategy() && !padded_unsharded().allocated();
+  return uses_sharded_strategy() && !padded_unsharded().allocated() &&
+         !pending_unshard_.has_value();
 }
 
 absl::StatusOr<TrackedBuffer> FlatParamHandle::Alloc(
@@ -332,46 +343,52 @@ absl::StatusOr<BufferRef> FlatParamHandle::LocalShardOnCompute(
 // Unshard / reshard
 
 absl::Status FlatParamHandle::UnshardImpl() {
-  assert(!unsharded_);
+  FLATPARAM_RETURN_IF_ERROR(StartUnshardImpl());
+  return FinishUnshardImpl();
+}
+
+absl::Status FlatParamHandle::StartUnshardImpl() {
+  assert(!unsharded_ && !pending_unshard_.has_value());
   const int64_t unpadded = layout_.unpadded_unsharded_numel();
   const bool low_precision =
       uses_param_mixed_precision() && !force_full_precision();
   if (uses_sharded_strategy()) {
     TrackedBuffer& target = padded_unsharded();
     if (!target.allocated()) {
-      // Pre-unshard: what to all-gather (PyTorch's `pre_unshard`).
-      TrackedBuffer copy;
+      // Pre-unshard: what to all-gather (PyTorch's `pre_unshard`). The
+      // collective reads `source` until it completes, so its buffers (the
+      // offload copy, the low-precision shard) belong to the pending
+      // unshard until FinishUnshardImpl.
+      PendingUnshard pending;
+      pending.target = &target;
       BufferRef source;
       if (low_precision) {
+        TrackedBuffer copy;
         FLATPARAM_ASSIGN_OR_RETURN(BufferRef full, LocalShardOnCompute(&copy));
-        FLATPARAM_ASSIGN_OR_RETURN(
-            mp_shard_, Alloc(MemoryCategory::kLowPrecisionParams, param_dtype_,
-                             full.count));
-        absl::Status cast = device_->Cast(mp_shard_.ref(), full);
+        FLATPARAM_ASSIGN_OR_RETURN(pending.mp_shard,
+                                   Alloc(MemoryCategory::kLowPrecisionParams,
+                                         param_dtype_, full.count));
+        FLATPARAM_RETURN_IF_ERROR(device_->Cast(pending.mp_shard.ref(), full));
+        // Freed at once, as before this became asynchronous: DeviceOps work
+        // runs in issue order on one stream, so a later reuse of the block
+        // comes after the cast that reads it.
         copy.Reset();
-        if (!cast.ok()) {
-          mp_shard_.Reset();
-          return cast;
-        }
-        source = mp_shard_.ref();
+        source = pending.mp_shard.ref();
       } else {
-        FLATPARAM_ASSIGN_OR_RETURN(source, LocalShardOnCompute(&copy));
+        FLATPARAM_ASSIGN_OR_RETURN(source, LocalShardOnCompute(&pending.copy));
       }
-      absl::StatusOr<TrackedBuffer> padded =
+      FLATPARAM_ASSIGN_OR_RETURN(
+          pending.padded,
           Alloc(MemoryCategory::kUnshardedParams, unsharded_dtype(),
-                layout_.padded_unsharded_numel());
-      absl::Status status = padded.status();
-      if (status.ok()) status = device_->Synchronize();
-      if (status.ok() && !options_.fake_all_gather) {
-        status = Wait(shard_group_->AllGather(source, padded->ref(),
-                                              options_.collective_options),
-                      "all-gather of the flat parameter");
+                layout_.padded_unsharded_numel()));
+      // The all-gather reads what the device work above wrote.
+      FLATPARAM_RETURN_IF_ERROR(device_->Synchronize());
+      if (!options_.fake_all_gather) {
+        pending.work = shard_group_->AllGather(source, pending.padded->ref(),
+                                               options_.collective_options);
       }
-      // Post-unshard: the shard copies are no longer needed.
-      copy.Reset();
-      mp_shard_.Reset();
-      if (!status.ok()) return status;
-      target = *std::move(padded);
+      pending_unshard_.emplace(std::move(pending));
+      return absl::OkStatus();
     }
     unsharded_ref_ = target.ref().Slice(0, unpadded);
   } else if (low_precision) {
@@ -397,6 +414,51 @@ absl::Status FlatParamHandle::UnshardImpl() {
   unsharded_ = true;
   ++view_epoch_;
   return absl::OkStatus();
+}
+
+absl::Status FlatParamHandle::FinishUnshardImpl() {
+  if (!pending_unshard_.has_value()) return absl::OkStatus();
+  PendingUnshard pending = std::move(*pending_unshard_);
+  pending_unshard_.reset();
+  absl::Status status = absl::OkStatus();
+  if (pending.work != nullptr) {
+    status = Wait(std::move(pending.work), "all-gather of the flat parameter");
+  }
+  // Post-unshard: the collective is done with its input.
+  pending.copy.Reset();
+  pending.mp_shard.Reset();
+  if (!status.ok()) return status;  // `padded` is freed with `pending`
+  *pending.target = std::move(*pending.padded);
+  unsharded_ref_ =
+      pending.target->ref().Slice(0, layout_.unpadded_unsharded_numel());
+  unsharded_ = true;
+  ++view_epoch_;
+  return absl::OkStatus();
+}
+
+absl::Status FlatParamHandle::StartUnshard() {
+  if (state_ != HandleTrainingState::kIdle &&
+      state_ != HandleTrainingState::kForward &&
+      state_ != HandleTrainingState::kBackwardPre) {
+    return WrongState("StartUnshard", "IDLE, FORWARD or BACKWARD_PRE");
+  }
+  if (unsharded_ || pending_unshard_.has_value()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: StartUnshard: the flat parameter is already %s (state %s)", Name(),
+        unsharded_ ? "unsharded" : "being unsharded",
+        HandleTrainingStateName(state_)));
+  }
+  return StartUnshardImpl();
+}
+
+absl::Status FlatParamHandle::FinishUnshard() { return FinishUnshardImpl(); }
+
+absl::Status FlatParamHandle::CheckNoPendingUnshard(
+    absl::string_view op) const {
+  if (!pending_unshard_.has_value()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrFormat(
+      "%s: %s: an unshard is in flight (StartUnshard); FinishUnshard first",
+      Name(), op));
 }
 
 absl::Status FlatParamHandle::ReshardImpl(bool free_unsharded) {
@@ -425,6 +487,7 @@ absl::Status FlatParamHandle::Unshard() {
         "Reshard first",
         Name(), HandleTrainingStateName(state_)));
   }
+  if (pending_unshard_.has_value()) return FinishUnshardImpl();
   return UnshardImpl();
 }
 
@@ -434,6 +497,7 @@ absl::Status FlatParamHandle::Reshard(bool free_unsharded) {
                       "a state other than SUMMON_FULL_PARAMS (use "
                       "EndSummonFullParams)");
   }
+  FLATPARAM_RETURN_IF_ERROR(CheckNoPendingUnshard("Reshard"));
   if (!unsharded_) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "%s: Reshard: the flat parameter is not unsharded (state %s)", Name(),
@@ -451,7 +515,8 @@ absl::Status FlatParamHandle::PreForward() {
   }
   state_ = HandleTrainingState::kForward;
   if (!unsharded_) {
-    absl::Status status = UnshardImpl();
+    absl::Status status =
+        pending_unshard_.has_value() ? FinishUnshardImpl() : UnshardImpl();
     if (!status.ok()) {
       state_ = HandleTrainingState::kIdle;
       return status;
@@ -464,6 +529,8 @@ absl::Status FlatParamHandle::PostForward(bool is_root) {
   if (state_ != HandleTrainingState::kForward) {
     return WrongState("PostForward", "FORWARD");
   }
+  // A prefetch started during the forward completes before the reshard.
+  FLATPARAM_RETURN_IF_ERROR(FinishUnshardImpl());
   if (unsharded_) {
     FLATPARAM_RETURN_IF_ERROR(
         ReshardImpl(!is_root && ReshardsAfterForward(strategy())));
@@ -478,7 +545,8 @@ absl::Status FlatParamHandle::PreBackward() {
   }
   state_ = HandleTrainingState::kBackwardPre;
   if (!unsharded_) {
-    absl::Status status = UnshardImpl();
+    absl::Status status =
+        pending_unshard_.has_value() ? FinishUnshardImpl() : UnshardImpl();
     if (!status.ok()) {
       state_ = HandleTrainingState::kIdle;
       return status;
@@ -509,9 +577,20 @@ absl::Status FlatParamHandle::PrepareGradientForBackward() {
 }
 
 absl::Status FlatParamHandle::PostBackward(bool sync_gradients) {
+  FLATPARAM_RETURN_IF_ERROR(PostBackwardImpl(sync_gradients, "PostBackward"));
+  return FinishReduceGradImpl();
+}
+
+absl::Status FlatParamHandle::PostBackwardAsync(bool sync_gradients) {
+  return PostBackwardImpl(sync_gradients, "PostBackwardAsync");
+}
+
+absl::Status FlatParamHandle::PostBackwardImpl(bool sync_gradients,
+                                               absl::string_view op) {
   if (state_ != HandleTrainingState::kBackwardPre) {
-    return WrongState("PostBackward", "BACKWARD_PRE");
+    return WrongState(op, "BACKWARD_PRE");
   }
+  FLATPARAM_RETURN_IF_ERROR(FinishUnshardImpl());
   state_ = HandleTrainingState::kBackwardPost;
   if (unsharded_grad_.allocated()) {
     // PyTorch's `_reset_is_grad_none`: a parameter that requires a gradient
@@ -529,7 +608,7 @@ absl::Status FlatParamHandle::PostBackward(bool sync_gradients) {
   if (!sync_gradients || !unsharded_grad_.allocated()) {
     return absl::OkStatus();
   }
-  return ReduceGrad();
+  return StartReduceGradImpl();
 }
 
 absl::Status FlatParamHandle::FinalizeBackward(bool sync_gradients) {
@@ -538,6 +617,13 @@ absl::Status FlatParamHandle::FinalizeBackward(bool sync_gradients) {
                       "a state other than SUMMON_FULL_PARAMS (use "
                       "EndSummonFullParams)");
   }
+  // PyTorch's final callback waits for the post-backward stream: a
+  // reduction in flight completes here, as does a prefetched unshard that
+  // no backward consumed (its parameter is then resharded below).
+  const absl::Status unsharded = FinishUnshardImpl();
+  const absl::Status reduced = FinishReduceGradImpl();
+  FLATPARAM_RETURN_IF_ERROR(unsharded);
+  FLATPARAM_RETURN_IF_ERROR(reduced);
   if (unsharded_) {
     // PyTorch's `_catch_all_reshard`, freeing as `_should_free_in_backward`.
     const bool free = uses_sharded_strategy() &&
@@ -599,11 +685,22 @@ absl::Status FlatParamHandle::ReduceGrad() {
       state_ != HandleTrainingState::kBackwardPost) {
     return WrongState("ReduceGrad", "BACKWARD_PRE or BACKWARD_POST");
   }
+  if (pending_reduce_.has_value()) return FinishReduceGradImpl();
   if (!unsharded_grad_.allocated()) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "%s: ReduceGrad: there is no unsharded gradient to reduce (state %s)",
         Name(), HandleTrainingStateName(state_)));
   }
+  FLATPARAM_RETURN_IF_ERROR(StartReduceGradImpl());
+  return FinishReduceGradImpl();
+}
+
+absl::Status FlatParamHandle::FinishReduceGrad() {
+  return FinishReduceGradImpl();
+}
+
+absl::Status FlatParamHandle::StartReduceGradImpl() {
+  assert(!pending_reduce_.has_value() && unsharded_grad_.allocated());
   TrackedBuffer grad = std::move(unsharded_grad_);
   ++grad_epoch_;
   FLATPARAM_RETURN_IF_ERROR(ZeroUngradedSegments(grad.ref()));
@@ -622,44 +719,59 @@ absl::Status FlatParamHandle::ReduceGrad() {
     FLATPARAM_RETURN_IF_ERROR(
         device_->Scale(grad.ref(), ScaleOp::kDivide, predivide_));
   }
-  ReduceOptions first;
+  PendingReduce pending;
+  ReduceOptions& first = pending.first;
   static_cast<CollectiveOptions&>(first) = options_.collective_options;
   first.op = ReduceOp::kSum;
-  ReduceOptions second = first;
+  pending.second = first;
   if (in_collectives) {
     if (predivide_ > 1) first.pre_divide_factor = predivide_;
     if (postdivide_ > 1) {
-      (hybrid ? second : first).post_divide_factor = postdivide_;
+      (hybrid ? pending.second : first).post_divide_factor = postdivide_;
     }
   }
+  // The collective reads what the device work above wrote.
   FLATPARAM_RETURN_IF_ERROR(device_->Synchronize());
-  TrackedBuffer shard;
   if (uses_sharded_strategy()) {
-    // 3. Reduce-scatter into a new sharded gradient.
+    // 3. Reduce-scatter into a new sharded gradient; `grad` is the
+    // collective's input until it completes.
     FLATPARAM_ASSIGN_OR_RETURN(
-        shard, Alloc(MemoryCategory::kShardedGrads, reduce_dtype_,
-                     layout_.sharded_numel()));
+        pending.shard, Alloc(MemoryCategory::kShardedGrads, reduce_dtype_,
+                             layout_.sharded_numel()));
     if (!options_.fake_reduce) {
-      FLATPARAM_RETURN_IF_ERROR(
-          Wait(shard_group_->ReduceScatter(grad.ref(), shard.ref(), first),
-               "reduce-scatter of the gradient"));
+      pending.work =
+          shard_group_->ReduceScatter(grad.ref(), pending.shard.ref(), first);
     }
-    grad.Reset();
-    // 4. Hybrid: sum the shard group's results across replicas.
-    if (hybrid) {
-      FLATPARAM_RETURN_IF_ERROR(
-          Wait(replicate_group_->AllReduce(shard.ref(), shard.ref(), second),
-               "all-reduce of the gradient over the replicate group"));
-    }
+    pending.input = std::move(grad);
   } else {
+    pending.work = shard_group_->AllReduce(grad.ref(), grad.ref(), first);
+    pending.shard = std::move(grad);
+    pending.shard.Recategorize(MemoryCategory::kShardedGrads);
+  }
+  pending_reduce_.emplace(std::move(pending));
+  return absl::OkStatus();
+}
+
+absl::Status FlatParamHandle::FinishReduceGradImpl() {
+  if (!pending_reduce_.has_value()) return absl::OkStatus();
+  PendingReduce pending = std::move(*pending_reduce_);
+  pending_reduce_.reset();
+  if (pending.work != nullptr) {
     FLATPARAM_RETURN_IF_ERROR(
-        Wait(shard_group_->AllReduce(grad.ref(), grad.ref(), first),
-             "all-reduce of the gradient"));
-    shard = std::move(grad);
-    shard.Recategorize(MemoryCategory::kShardedGrads);
+        Wait(std::move(pending.work), uses_sharded_strategy()
+                                          ? "reduce-scatter of the gradient"
+                                          : "all-reduce of the gradient"));
+  }
+  pending.input.Reset();
+  TrackedBuffer shard = std::move(pending.shard);
+  // 4. Hybrid: sum the shard group's results across replicas.
+  if (IsHybridStrategy(strategy())) {
+    FLATPARAM_RETURN_IF_ERROR(Wait(
+        replicate_group_->AllReduce(shard.ref(), shard.ref(), pending.second),
+        "all-reduce of the gradient over the replicate group"));
   }
   // 5. Post-divide.
-  if (!in_collectives && postdivide_ > 1) {
+  if (!options_.divide_in_collectives && postdivide_ > 1) {
     FLATPARAM_RETURN_IF_ERROR(
         device_->Scale(shard.ref(), ScaleOp::kDivide, postdivide_));
   }
@@ -996,6 +1108,7 @@ absl::Status FlatParamHandle::BeginSummonFullParams(
   if (state_ != HandleTrainingState::kIdle) {
     return WrongState("BeginSummonFullParams", "IDLE");
   }
+  FLATPARAM_RETURN_IF_ERROR(CheckNoPendingUnshard("BeginSummonFullParams"));
   if (unsharded_) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "%s: BeginSummonFullParams: the flat parameter is unsharded (state "

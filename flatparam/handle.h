@@ -124,7 +124,10 @@
 // Device work: the handle runs copies, casts, fills, scales and adds through
 // the DeviceOps and synchronizes it before each collective; every method
 // returns after the device work it issued has completed, so the caller may
-// use the buffers it exposes from any stream.
+// use the buffers it exposes from any stream. The asynchronous calls
+// (StartUnshard, PostBackwardAsync) return before their collective has
+// completed; until the matching finish, the buffers it uses are the
+// pending operation's, not exposed.
 //
 // Thread-safety: a handle is used by one thread at a time (the rank's
 // thread, which also owns its communicators).
@@ -384,6 +387,47 @@ class FlatParamHandle {
   // gradient is left as it was.
   absl::Status ReduceGrad();
 
+  // ---- Asynchronous unshard and gradient reduction ----
+  // The two collectives of an iteration, started and completed apart, so
+  // that communication overlaps the caller's compute (the runtime's
+  // prefetch; flatparam/runtime.h). A start returns once the collective is
+  // issued (every backend makes progress without the caller: the
+  // simulator's and MPI's ranks on their own threads, NCCL on its stream);
+  // the buffers the collective reads and writes belong to the pending
+  // operation -- counted in memory() from the start -- until it completes.
+  // The blocking calls above are a start and a finish in a row. Every rank
+  // of the group must start the same collectives in the same order, as
+  // with the blocking calls; finishing order is free.
+  //
+  // StartUnshard: Unshard's pre-unshard work (copy, cast) and the
+  // all-gather, not awaited. When no collective is needed (NO_SHARD, or an
+  // unsharded parameter kept from before) the unshard completes at once
+  // and nothing is pending. Same states as Unshard; FailedPrecondition when
+  // already unsharded or pending. On an error before the collective is
+  // issued, nothing is pending and the handle stays sharded.
+  absl::Status StartUnshard();
+  bool unshard_pending() const { return pending_unshard_.has_value(); }
+  // Waits for a pending unshard and switches views to the unsharded
+  // parameter (OK, doing nothing, when none is pending). PreForward,
+  // PreBackward, Unshard, PostForward, PostBackward and FinalizeBackward
+  // finish a pending unshard themselves; Reshard, SetTraining and
+  // BeginSummonFullParams refuse to run while one is pending. On a
+  // collective failure the pending buffers are freed and the handle stays
+  // sharded.
+  absl::Status FinishUnshard();
+  // PostBackward whose reduction (ReduceGrad's steps 1-3) is started, not
+  // awaited; the handle is in BACKWARD_POST with the reduction pending.
+  // Until it completes, sharded_grad() is the previous gradient.
+  absl::Status PostBackwardAsync(bool sync_gradients = true);
+  bool reduce_pending() const { return pending_reduce_.has_value(); }
+  // Waits for a pending reduction and runs ReduceGrad's steps 4-7 (the
+  // hybrid all-reduce is issued and awaited here). OK, doing nothing, when
+  // none is pending. FinalizeBackward and ReduceGrad finish a pending
+  // reduction themselves (PyTorch's final callback waits for the
+  // post-backward stream). On a collective failure the gradient being
+  // reduced is dropped and the sharded gradient is left as it was.
+  absl::Status FinishReduceGrad();
+
   // ---- Views ----
   // The current view of parameter `index` (see the file comment).
   // InvalidArgument for a bad index.
@@ -527,7 +571,13 @@ class FlatParamHandle {
   // itself, or (CPU offload) a new copy in `*copy`.
   absl::StatusOr<BufferRef> LocalShardOnCompute(TrackedBuffer* copy);
   absl::Status UnshardImpl();
+  absl::Status StartUnshardImpl();
+  absl::Status FinishUnshardImpl();
+  absl::Status CheckNoPendingUnshard(absl::string_view op) const;
   absl::Status ReshardImpl(bool free_unsharded);
+  absl::Status PostBackwardImpl(bool sync_gradients, absl::string_view op);
+  absl::Status StartReduceGradImpl();
+  absl::Status FinishReduceGradImpl();
   absl::Status UnshardGrad();
   absl::Status PrepareGradientForBackward();
   absl::Status ZeroUngradedSegments(BufferRef grad);
@@ -584,6 +634,28 @@ class FlatParamHandle {
   // SetRequiresGrad) and PyTorch's `_is_grad_none_mask`.
   std::vector<char> requires_grad_;
   std::vector<char> grad_none_;
+
+  // An unshard started and not finished: the all-gather (null when faked),
+  // its output and input buffers, and where the output goes when done.
+  struct PendingUnshard {
+    std::unique_ptr<Work> work;
+    std::optional<TrackedBuffer> padded;
+    TrackedBuffer copy;      // CPU offload: the shard's device copy (input)
+    TrackedBuffer mp_shard;  // mixed precision: the low-precision input
+    TrackedBuffer* target = nullptr;  // full_param_padded_ or full-precision
+  };
+  std::optional<PendingUnshard> pending_unshard_;
+  // A reduction started and not finished: the first collective (null when
+  // faked), its input (sharded strategies) and output, and the options of
+  // the hybrid all-reduce that follows.
+  struct PendingReduce {
+    std::unique_ptr<Work> work;
+    TrackedBuffer input;
+    TrackedBuffer shard;
+    ReduceOptions first;
+    ReduceOptions second;
+  };
+  std::optional<PendingReduce> pending_reduce_;
 
   // Summon bookkeeping.
   SummonOptions summon_;

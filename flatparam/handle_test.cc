@@ -1954,5 +1954,165 @@ TEST(CreateTest, WithLocalShardUsesTheCallersBuffer) {
               IsOk());
 }
 
+// --- Asynchronous unshard and reduction
+// ----------------------------------------
+
+struct AsyncCase {
+  ShardingStrategy strategy;
+  std::optional<DType> param_dtype;
+  bool cpu_offload;
+};
+
+class AsyncTest : public ::testing::TestWithParam<AsyncCase> {};
+
+// Two iterations driven with StartUnshard (before each pre-hook, as a
+// prefetch does) and PostBackwardAsync give, bit for bit, the unsharded
+// parameters and sharded gradients of the blocking calls, with the
+// collectives pending in between and their buffers counted from the start.
+TEST_P(AsyncTest, StartAndFinishEqualTheBlockingCalls) {
+  const AsyncCase c = GetParam();
+  Scenario s = Make(c.strategy, 2);
+  s.options.param_dtype = c.param_dtype;
+  s.options.cpu_offload = c.cpu_offload;
+  s.rounding_values = true;
+  struct Seen {
+    std::vector<std::vector<double>> params;  // per pre-hook
+    std::vector<double> grad;
+  };
+  auto run = [&](bool async, std::vector<Seen>* seen) {
+    seen->assign(s.world_size(), Seen{});
+    return RunWithHandles(s, [&](RankContext& ctx) -> absl::Status {
+      FlatParamHandle& h = ctx.handle;
+      Seen& mine = (*seen)[ctx.world_rank];
+      auto prefetch = [&]() -> absl::Status {
+        if (!async || h.is_unsharded()) return absl::OkStatus();
+        // Only an all-gather is pending: not NO_SHARD's unshard, nor the
+        // reuse of a parameter SHARD_GRAD_OP kept from forward.
+        const bool gathers = h.NeedsUnshard();
+        FLATPARAM_RETURN_IF_ERROR(h.StartUnshard());
+        if (h.unshard_pending() != gathers) {
+          return absl::InternalError("pending iff it all-gathers");
+        }
+        if (h.is_unsharded() == gathers) {
+          return absl::InternalError("unsharded at once iff no all-gather");
+        }
+        if (gathers &&
+            h.memory().current_bytes(MemoryCategory::kUnshardedParams) == 0) {
+          return absl::InternalError("pending all-gather output not counted");
+        }
+        // The all-gather's low-precision input is the pending unshard's
+        // until it completes.
+        if (gathers && h.uses_param_mixed_precision() &&
+            h.memory().current_bytes(MemoryCategory::kLowPrecisionParams) ==
+                0) {
+          return absl::InternalError("pending all-gather input was freed");
+        }
+        // The caller computes meanwhile: memory it allocates and writes
+        // must not be the collective's (with the caching allocator, a block
+        // freed too early comes straight back here).
+        for (DType dtype :
+             {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+          const int64_t n = h.layout().sharded_numel();
+          FLATPARAM_ASSIGN_OR_RETURN(
+              DeviceBuffer scratch,
+              ctx.ops.Allocate(ctx.ops.device(), n * DTypeSize(dtype)));
+          FLATPARAM_RETURN_IF_ERROR(ctx.ops.Fill(scratch.As(dtype), -7.0));
+        }
+        return absl::OkStatus();
+      };
+      for (int iter = 0; iter < 2; ++iter) {
+        FLATPARAM_RETURN_IF_ERROR(prefetch());
+        FLATPARAM_RETURN_IF_ERROR(h.PreForward());
+        if (h.unshard_pending()) return absl::InternalError("still pending");
+        mine.params.push_back(ReadValues(*h.unsharded_flat_param()));
+        FLATPARAM_RETURN_IF_ERROR(h.PostForward());
+        FLATPARAM_RETURN_IF_ERROR(prefetch());
+        FLATPARAM_RETURN_IF_ERROR(h.PreBackward());
+        mine.params.push_back(ReadValues(*h.unsharded_flat_param()));
+        FLATPARAM_RETURN_IF_ERROR(AddGradients(s, ctx, iter));
+        if (async) {
+          FLATPARAM_RETURN_IF_ERROR(h.PostBackwardAsync(true));
+          if (!h.reduce_pending()) return absl::InternalError("not pending");
+          // The reduce-scatter's input is the pending reduction's.
+          if (UsesShardedStrategy(s.strategy) &&
+              h.memory().current_bytes(MemoryCategory::kUnshardedGrads) == 0) {
+            return absl::InternalError("pending reduce-scatter input freed");
+          }
+        } else {
+          FLATPARAM_RETURN_IF_ERROR(h.PostBackward(true));
+        }
+        FLATPARAM_RETURN_IF_ERROR(h.FinalizeBackward(true));
+        if (h.reduce_pending()) return absl::InternalError("still reducing");
+      }
+      mine.grad = ReadValues(*h.sharded_grad());
+      return absl::OkStatus();
+    });
+  };
+  std::vector<Seen> blocking, async;
+  ASSERT_THAT(run(false, &blocking), IsOk());
+  ASSERT_THAT(run(true, &async), IsOk());
+  for (int r = 0; r < s.world_size(); ++r) {
+    EXPECT_EQ(async[r].params, blocking[r].params) << "rank " << r;
+    EXPECT_EQ(async[r].grad, blocking[r].grad) << "rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Strategies, AsyncTest,
+    ::testing::Values(
+        AsyncCase{ShardingStrategy::kFullShard, std::nullopt, false},
+        AsyncCase{ShardingStrategy::kFullShard, DType::kBFloat16, false},
+        AsyncCase{ShardingStrategy::kFullShard, DType::kFloat16, true},
+        AsyncCase{ShardingStrategy::kShardGradOp, std::nullopt, true},
+        AsyncCase{ShardingStrategy::kNoShard, DType::kBFloat16, false},
+        AsyncCase{ShardingStrategy::kHybridShard, std::nullopt, false},
+        AsyncCase{ShardingStrategy::kHybridShardZero2, DType::kBFloat16,
+                  true}));
+
+TEST(AsyncMisuseTest, PendingUnshardBlocksWhatWouldRaceIt) {
+  const Scenario s = Make(ShardingStrategy::kFullShard, 2);
+  ASSERT_THAT(
+      RunWithHandles(
+          s,
+          [&](RankContext& ctx) -> absl::Status {
+            FlatParamHandle& h = ctx.handle;
+            auto fp = [](absl::string_view text) {
+              return StatusIs(absl::StatusCode::kFailedPrecondition,
+                              HasSubstr(std::string(text)));
+            };
+            // Nothing pending: the finishes are no-ops.
+            FLATPARAM_RETURN_IF_ERROR(h.FinishUnshard());
+            FLATPARAM_RETURN_IF_ERROR(h.FinishReduceGrad());
+            EXPECT_TRUE(h.NeedsUnshard());
+            FLATPARAM_RETURN_IF_ERROR(h.StartUnshard());
+            EXPECT_FALSE(h.NeedsUnshard());
+            EXPECT_FALSE(h.is_unsharded());
+            EXPECT_THAT(h.StartUnshard(), fp("already being unsharded"));
+            EXPECT_THAT(h.Reshard(true), fp("an unshard is in flight"));
+            EXPECT_THAT(h.SetTraining(false), fp("an unshard is in flight"));
+            EXPECT_THAT(h.BeginSummonFullParams(false),
+                        fp("an unshard is in flight"));
+            EXPECT_THAT(h.UnshardedParam(0), fp("a.w"));
+            // Unshard completes it.
+            FLATPARAM_RETURN_IF_ERROR(h.Unshard());
+            EXPECT_TRUE(h.is_unsharded());
+            EXPECT_THAT(h.StartUnshard(), fp("already unsharded"));
+            FLATPARAM_RETURN_IF_ERROR(h.Reshard(true));
+            // A prefetch that no forward consumed: the catch-all reshard
+            // completes and frees it.
+            FLATPARAM_RETURN_IF_ERROR(h.StartUnshard());
+            FLATPARAM_RETURN_IF_ERROR(h.FinalizeBackward(true));
+            EXPECT_FALSE(h.unshard_pending());
+            EXPECT_FALSE(h.is_unsharded());
+            EXPECT_EQ(
+                h.memory().current_bytes(MemoryCategory::kUnshardedParams), 0);
+            // Destroyed with an unshard in flight: the destructor waits
+            // for the all-gather before freeing its buffers (ASan would
+            // catch a use after free).
+            return h.StartUnshard();
+          }),
+      IsOk());
+}
+
 }  // namespace
 }  // namespace flatparam
