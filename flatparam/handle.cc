@@ -1,6 +1,7 @@
 #include "flatparam/handle.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cassert>
 #include <cstdio>
 #include <utility>
@@ -9,11 +10,15 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "flatparam/base/status_macros.h"
+#include "flatparam/internal/handle_test_hooks.h"
 
 namespace flatparam {
 namespace {
 
 using internal_handle::TrackedBuffer;
+
+// internal/handle_test_hooks.h.
+std::atomic<bool> skip_sync_before_all_gather{false};
 
 }  // namespace
 
@@ -382,7 +387,9 @@ absl::Status FlatParamHandle::StartUnshardImpl() {
           Alloc(MemoryCategory::kUnshardedParams, unsharded_dtype(),
                 layout_.padded_unsharded_numel()));
       // The all-gather reads what the device work above wrote.
-      FLATPARAM_RETURN_IF_ERROR(device_->Synchronize());
+      if (!skip_sync_before_all_gather.load(std::memory_order_relaxed)) {
+        FLATPARAM_RETURN_IF_ERROR(device_->Synchronize());
+      }
       if (!options_.fake_all_gather) {
         pending.work = shard_group_->AllGather(source, pending.padded->ref(),
                                                options_.collective_options);
@@ -1273,5 +1280,11 @@ absl::Status FlatParamHandle::EndSummonFullParams() {
   if (!status.ok()) return status;
   return reshard;
 }
+
+namespace internal_handle {
+void SetSkipSyncBeforeAllGatherForTesting(bool skip) {
+  skip_sync_before_all_gather.store(skip, std::memory_order_relaxed);
+}
+}  // namespace internal_handle
 
 }  // namespace flatparam

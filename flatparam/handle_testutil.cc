@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/device/device.h"
+#include "sim/sim_device.h"
 
 namespace flatparam {
 namespace testing_handle {
@@ -28,13 +29,15 @@ std::string Scenario::ToString() const {
 std::string Scenario::Options() const {
   return absl::StrFormat(
       "%s %s shard=%d replicate=%d align=%d param_dtype=%s reduce_dtype=%s "
-      "keep_low=%d offload=%d in_collectives=%d fake_device=%d seed=%d",
+      "keep_low=%d offload=%d in_collectives=%d fake_device=%d sim_device=%d "
+      "device_seed=%d seed=%d",
       ShardingStrategyName(strategy), DTypeName(dtype), shard_size,
       replicate_size, align,
       options.param_dtype ? DTypeName(*options.param_dtype) : "-",
       options.reduce_dtype ? DTypeName(*options.reduce_dtype) : "-",
       options.keep_low_precision_grads, options.cpu_offload,
-      options.divide_in_collectives, fake_device, sim_seed);
+      options.divide_in_collectives, fake_device, sim_device, device_seed,
+      sim_seed);
 }
 
 absl::StatusOr<FlatParamLayout> MakeLayout(const Scenario& s) {
@@ -216,22 +219,35 @@ absl::Status RunWithHandles(const Scenario& s, const RankFn& fn,
     std::unique_ptr<Communicator> fake_shard, fake_replicate;
     HostDeviceOps host_ops;
     FakeCudaDeviceOps fake_ops;
+    SimDeviceOps sim_ops(SimDeviceOptions{s.device_seed});
     DeviceOps* ops = &host_ops;
-    if (s.fake_device) {
-      fake_shard = RelabelCudaAsHost(shard);
+    if (s.fake_device || s.sim_device) {
+      auto wrap = [&](Communicator* c) -> std::unique_ptr<Communicator> {
+        if (s.sim_device) {
+          return std::make_unique<StreamCheckedCommunicator>(c, &sim_ops);
+        }
+        return RelabelCudaAsHost(c);
+      };
+      fake_shard = wrap(shard);
       shard = fake_shard.get();
       if (replicate != nullptr) {
-        fake_replicate = RelabelCudaAsHost(replicate);
+        fake_replicate = wrap(replicate);
         replicate = fake_replicate.get();
       }
-      ops = &fake_ops;
+      ops = s.sim_device ? static_cast<DeviceOps*>(&sim_ops) : &fake_ops;
     }
-    FLATPARAM_ASSIGN_OR_RETURN(
-        std::unique_ptr<FlatParamHandle> handle,
-        FlatParamHandle::Create(layout, refs, shard, replicate, ops,
-                                s.options));
-    RankContext ctx{comm, comm.rank(), *handle, layout, *ops};
-    return fn(ctx);
+    absl::Status ran;
+    {
+      FLATPARAM_ASSIGN_OR_RETURN(
+          std::unique_ptr<FlatParamHandle> handle,
+          FlatParamHandle::Create(layout, refs, shard, replicate, ops,
+                                  s.options));
+      RankContext ctx{comm, comm.rank(), *handle, layout, *ops};
+      ran = fn(ctx);
+    }
+    if (!ran.ok() || !s.sim_device) return ran;
+    FLATPARAM_RETURN_IF_ERROR(sim_ops.Synchronize());
+    return sim_ops.CheckNoRaces();
   });
   if (world_out != nullptr) *world_out = std::move(world);
   return status;

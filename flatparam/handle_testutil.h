@@ -46,6 +46,13 @@ struct Scenario {
   // communicators relabelling buffers for the simulator, so that the
   // handle's host <-> device paths run.
   bool fake_device = false;
+  // Run on SimDeviceOps (sim/sim_device.h: device work queued on simulated
+  // streams, executed in an order drawn from `device_seed`, with the stream
+  // race detector) and StreamCheckedCommunicators; RunWithHandles fails
+  // with the detector's reports after the rank function and the handle's
+  // destruction.
+  bool sim_device = false;
+  uint64_t device_seed = 0;
 
   int world_size() const { return shard_size * replicate_size; }
   bool hybrid() const { return IsHybridStrategy(strategy); }

@@ -126,6 +126,63 @@ absl::Status DeviceOps::CheckPlacement(absl::string_view op,
   return absl::OkStatus();
 }
 
+absl::Status DeviceOps::CheckStream(absl::string_view op, Stream stream) const {
+  if (stream.id < 0 || stream.id >= num_streams_) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s (%s ops): stream %d was not created by these ops (they have %d)",
+        op, name(), stream.id, num_streams_));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Stream> DeviceOps::NewStream() {
+  const Stream stream{num_streams_};
+  FLATPARAM_RETURN_IF_ERROR(DoNewStream(stream));
+  ++num_streams_;
+  return stream;
+}
+
+absl::Status DeviceOps::SetStream(Stream stream) {
+  FLATPARAM_RETURN_IF_ERROR(CheckStream("SetStream", stream));
+  FLATPARAM_RETURN_IF_ERROR(DoSetStream(stream));
+  current_ = stream;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Event> DeviceOps::RecordEvent(Stream stream) {
+  FLATPARAM_RETURN_IF_ERROR(CheckStream("RecordEvent", stream));
+  const Event event{next_event_, stream};
+  FLATPARAM_RETURN_IF_ERROR(DoRecordEvent(event));
+  ++next_event_;
+  return event;
+}
+
+absl::Status DeviceOps::WaitEvent(Stream stream, Event event) {
+  FLATPARAM_RETURN_IF_ERROR(CheckStream("WaitEvent", stream));
+  if (event.id < 0 || event.id >= next_event_) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "WaitEvent (%s ops): event %d was not recorded by these ops", name(),
+        event.id));
+  }
+  return DoWaitEvent(stream, event);
+}
+
+absl::Status DeviceOps::SynchronizeEvent(Event event) {
+  if (event.id < 0 || event.id >= next_event_) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "SynchronizeEvent (%s ops): event %d was not recorded by these ops",
+        name(), event.id));
+  }
+  return DoSynchronizeEvent(event);
+}
+
+absl::Status DeviceOps::RecordStream(ConstBufferRef buffer, Stream stream) {
+  FLATPARAM_RETURN_IF_ERROR(CheckStream("RecordStream", stream));
+  FLATPARAM_RETURN_IF_ERROR(CheckBuffer("RecordStream", "buffer", buffer));
+  if (buffer.count == 0) return absl::OkStatus();
+  return DoRecordStream(buffer, stream);
+}
+
 absl::StatusOr<DeviceBuffer> DeviceOps::Allocate(Device device, int64_t bytes,
                                                  bool pinned) {
   if (bytes < 0) {

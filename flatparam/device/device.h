@@ -29,12 +29,29 @@
 //   * Add is `acc += x` (`add_` with alpha 1) in the compute type, rounded
 //     once per element.
 //
-// Ordering. Operations are issued in call order on one stream and may run
+// Ordering. Operations are issued in call order on the current stream
+// (stream 0, the default, unless SetStream chose another) and may run
 // asynchronously on a device; an operation that touches host memory has
 // completed when it returns (HostDeviceOps completes everything before
-// returning). Synchronize() blocks until every issued operation has
-// completed; call it before another agent (a Communicator, the caller's own
-// code) reads or writes memory these operations wrote.
+// returning). Synchronize() blocks until every issued operation on every
+// stream has completed; call it before another agent (a Communicator, the
+// caller's own code) reads or writes memory these operations wrote.
+//
+// Streams and events, CUDA's model. Work on one stream runs in issue
+// order; work on different streams is unordered unless an event orders
+// it: RecordEvent(s) marks the work issued on `s` so far, WaitEvent(t, e)
+// makes work issued on `t` afterwards wait until e's work has completed
+// (a device-side wait: the host does not block), SynchronizeEvent(e)
+// blocks the host until then. Memory belongs to the stream that was
+// current when it was allocated: freeing it makes it reusable by later
+// work on that stream at once (stream order protects it), so a buffer
+// that another stream also used must be declared with RecordStream(buf,
+// other) (PyTorch's `record_stream`) before it is freed, and its memory is
+// not handed out again until the other stream's work issued before the
+// free has completed. Implementations without concurrency (HostDeviceOps)
+// run everything at once, so there every event has passed when recorded;
+// sim/sim_device.h models the streams on the host and reports any access
+// that the rules above leave unordered.
 //
 // Memory: Allocate() returns an owning DeviceBuffer; its destructor frees the
 // memory through the DeviceOps that allocated it, which must outlive it. The
@@ -101,6 +118,21 @@ class DeviceBuffer {
   bool pinned_ = false;
 };
 
+// A stream of one DeviceOps (an id it gave out). Stream 0 is the default
+// stream, which every DeviceOps has.
+struct Stream {
+  int32_t id = 0;
+  friend bool operator==(Stream a, Stream b) { return a.id == b.id; }
+  friend bool operator!=(Stream a, Stream b) { return a.id != b.id; }
+};
+
+// A point in a stream, recorded by DeviceOps::RecordEvent. Copyable; valid
+// for the lifetime of the DeviceOps that recorded it.
+struct Event {
+  int64_t id = -1;
+  Stream stream;
+};
+
 enum class ScaleOp : uint8_t { kDivide, kMultiply };
 
 absl::string_view ScaleOpName(ScaleOp op);
@@ -139,7 +171,42 @@ class DeviceOps {
   // asynchronous error, if any.
   virtual absl::Status Synchronize() = 0;
 
+  // ---- Streams and events (see the file comment) ----
+  // A new stream, distinct from every other of these ops.
+  absl::StatusOr<Stream> NewStream();
+  // Makes `stream` current: later operations (and allocations) are issued
+  // on it. InvalidArgument for a stream these ops did not create.
+  absl::Status SetStream(Stream stream);
+  Stream current_stream() const { return current_; }
+  // Marks the work issued on `stream` so far.
+  absl::StatusOr<Event> RecordEvent(Stream stream);
+  // Work issued on `stream` from now on waits for `event`'s work.
+  absl::Status WaitEvent(Stream stream, Event event);
+  // Blocks the host until `event`'s work has completed.
+  absl::Status SynchronizeEvent(Event event);
+  // Declares that `stream` uses `buffer` (the whole allocation it lies in):
+  // when that allocation is freed, its memory is not reused before the work
+  // issued on `stream` up to the free has completed.
+  absl::Status RecordStream(ConstBufferRef buffer, Stream stream);
+  // The streams created so far, the default included.
+  int32_t num_streams() const { return num_streams_; }
+
  protected:
+  // Streams: the defaults suit implementations that complete every
+  // operation before returning (no concurrency, so nothing to order).
+  virtual absl::Status DoNewStream(Stream stream) { return absl::OkStatus(); }
+  virtual absl::Status DoSetStream(Stream stream) { return absl::OkStatus(); }
+  virtual absl::Status DoRecordEvent(Event event) { return absl::OkStatus(); }
+  virtual absl::Status DoWaitEvent(Stream stream, Event event) {
+    return absl::OkStatus();
+  }
+  virtual absl::Status DoSynchronizeEvent(Event event) {
+    return absl::OkStatus();
+  }
+  virtual absl::Status DoRecordStream(ConstBufferRef buffer, Stream stream) {
+    return absl::OkStatus();
+  }
+
   // The operations after argument checks (done by the public wrappers
   // above). Counts are > 0 and pointers non-null when called.
   virtual absl::StatusOr<void*> DoAllocate(Device device, int64_t bytes,
@@ -154,6 +221,11 @@ class DeviceOps {
  private:
   friend class DeviceBuffer;
   absl::Status CheckPlacement(absl::string_view op, ConstBufferRef b) const;
+  absl::Status CheckStream(absl::string_view op, Stream stream) const;
+
+  Stream current_;
+  int32_t num_streams_ = 1;
+  int64_t next_event_ = 0;
 };
 
 // The host kernels, with PyTorch's CPU arithmetic (see the file comment).

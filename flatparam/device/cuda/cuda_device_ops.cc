@@ -1,5 +1,7 @@
 #include "flatparam/device/cuda/cuda_device_ops.h"
 
+#include <algorithm>
+#include <cassert>
 #include <cstring>
 #include <new>
 #include <utility>
@@ -113,14 +115,87 @@ absl::StatusOr<std::unique_ptr<CudaDeviceOps>> CudaDeviceOps::Create(
 
 CudaDeviceOps::~CudaDeviceOps() {
   DeviceGuard guard(ordinal_);
-  cudaStreamSynchronize(stream_);
-  if (owns_stream_) cudaStreamDestroy(stream_);
+  for (cudaStream_t s : streams_) cudaStreamSynchronize(s);
+  for (auto& [id, e] : events_) cudaEventDestroy(e);
+  for (size_t i = 0; i < streams_.size(); ++i) {
+    if (i > 0 || owns_stream_) cudaStreamDestroy(streams_[i]);
+  }
 }
 
 absl::Status CudaDeviceOps::Synchronize() {
   DeviceGuard guard(ordinal_);
   FLATPARAM_RETURN_IF_ERROR(guard.status());
-  return CudaError(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+  for (cudaStream_t s : streams_) {
+    FLATPARAM_RETURN_IF_ERROR(
+        CudaError(cudaStreamSynchronize(s), "cudaStreamSynchronize"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaDeviceOps::DoNewStream(Stream stream) {
+  DeviceGuard guard(ordinal_);
+  FLATPARAM_RETURN_IF_ERROR(guard.status());
+  cudaStream_t s = nullptr;
+  FLATPARAM_RETURN_IF_ERROR(
+      CudaError(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
+                "cudaStreamCreateWithFlags"));
+  assert(static_cast<size_t>(stream.id) == streams_.size());
+  streams_.push_back(s);
+  return absl::OkStatus();
+}
+
+absl::Status CudaDeviceOps::DoSetStream(Stream stream) {
+  stream_ = streams_[stream.id];
+  return absl::OkStatus();
+}
+
+absl::Status CudaDeviceOps::DoRecordEvent(Event event) {
+  DeviceGuard guard(ordinal_);
+  FLATPARAM_RETURN_IF_ERROR(guard.status());
+  cudaEvent_t e = nullptr;
+  FLATPARAM_RETURN_IF_ERROR(CudaError(
+      cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate"));
+  const absl::Status recorded = CudaError(
+      cudaEventRecord(e, streams_[event.stream.id]), "cudaEventRecord");
+  if (!recorded.ok()) {
+    cudaEventDestroy(e);
+    return recorded;
+  }
+  events_[event.id] = e;
+  return absl::OkStatus();
+}
+
+absl::Status CudaDeviceOps::DoWaitEvent(Stream stream, Event event) {
+  DeviceGuard guard(ordinal_);
+  FLATPARAM_RETURN_IF_ERROR(guard.status());
+  return CudaError(
+      cudaStreamWaitEvent(streams_[stream.id], events_.at(event.id), 0),
+      "cudaStreamWaitEvent");
+}
+
+absl::Status CudaDeviceOps::DoSynchronizeEvent(Event event) {
+  DeviceGuard guard(ordinal_);
+  FLATPARAM_RETURN_IF_ERROR(guard.status());
+  return CudaError(cudaEventSynchronize(events_.at(event.id)),
+                   "cudaEventSynchronize");
+}
+
+absl::Status CudaDeviceOps::DoRecordStream(ConstBufferRef buffer,
+                                           Stream stream) {
+  if (OnHost(buffer)) return absl::OkStatus();  // host memory: no pool
+  char* p = static_cast<char*>(const_cast<void*>(buffer.data));
+  auto it = allocations_.upper_bound(p);
+  if (it == allocations_.begin() ||
+      p >= std::prev(it)->first + std::prev(it)->second.bytes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "RecordStream (cuda ops): %p is not in an allocation of these ops", p));
+  }
+  Allocation& a = std::prev(it)->second;
+  if (stream.id != a.stream && std::find(a.used_by.begin(), a.used_by.end(),
+                                         stream.id) == a.used_by.end()) {
+    a.used_by.push_back(stream.id);
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<void*> CudaDeviceOps::DoAllocate(Device device, int64_t bytes,
@@ -151,6 +226,8 @@ absl::StatusOr<void*> CudaDeviceOps::DoAllocate(Device device, int64_t bytes,
     FLATPARAM_RETURN_IF_ERROR(
         CudaError(cudaMalloc(&p, static_cast<size_t>(bytes)), what));
   }
+  allocations_[static_cast<char*>(p)] =
+      Allocation{bytes, current_stream().id, {}};
   return p;
 }
 
@@ -166,11 +243,28 @@ void CudaDeviceOps::DoFree(void* data, Device device, bool pinned) {
     }
     return;
   }
-  if (async_alloc_) {
-    cudaFreeAsync(data, stream_);
-  } else {
-    cudaFree(data);
+  auto it = allocations_.find(static_cast<char*>(data));
+  assert(it != allocations_.end());
+  const Allocation a = it->second;
+  allocations_.erase(it);
+  if (!async_alloc_) {
+    cudaFree(data);  // synchronizes the device: every stream's use is done
+    return;
   }
+  // Stream-ordered free on the allocating stream, after the work the other
+  // streams that used it had issued by now (PyTorch's record_stream).
+  cudaStream_t owner = streams_[a.stream];
+  for (int32_t user : a.used_by) {
+    cudaEvent_t e = nullptr;
+    if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
+      cudaStreamSynchronize(streams_[user]);  // no event: wait here instead
+      continue;
+    }
+    cudaEventRecord(e, streams_[user]);
+    cudaStreamWaitEvent(owner, e, 0);
+    cudaEventDestroy(e);  // released once the wait no longer needs it
+  }
+  cudaFreeAsync(data, owner);
 }
 
 absl::Status CudaDeviceOps::DoCopy(BufferRef dst, ConstBufferRef src) {

@@ -34,7 +34,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <map>
 #include <memory>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -70,6 +72,19 @@ class CudaDeviceOps final : public DeviceOps {
   absl::Status DoCast(BufferRef dst, ConstBufferRef src) override;
   absl::Status DoScale(BufferRef buf, ScaleOp op, double factor) override;
   absl::Status DoAdd(BufferRef acc, ConstBufferRef x) override;
+  // Streams: NewStream creates a non-blocking CUDA stream; events are CUDA
+  // events (cudaEventDisableTiming); a device allocation remembers the
+  // stream it was allocated on and the streams recorded on it, and is freed
+  // with cudaFreeAsync on its stream after that stream has waited for an
+  // event recorded on each recorded stream (so the pool reuses it only
+  // after their work), or with cudaFree (which synchronizes the device)
+  // without stream-ordered allocation.
+  absl::Status DoNewStream(Stream stream) override;
+  absl::Status DoSetStream(Stream stream) override;
+  absl::Status DoRecordEvent(Event event) override;
+  absl::Status DoWaitEvent(Stream stream, Event event) override;
+  absl::Status DoSynchronizeEvent(Event event) override;
+  absl::Status DoRecordStream(ConstBufferRef buffer, Stream stream) override;
 
  private:
   CudaDeviceOps(int ordinal, cudaStream_t stream, bool owns_stream,
@@ -77,12 +92,26 @@ class CudaDeviceOps final : public DeviceOps {
       : ordinal_(ordinal),
         stream_(stream),
         owns_stream_(owns_stream),
-        async_alloc_(async_alloc) {}
+        async_alloc_(async_alloc),
+        streams_{stream} {}
+
+  struct Allocation {
+    int64_t bytes = 0;
+    int32_t stream = 0;            // current when allocated
+    std::vector<int32_t> used_by;  // RecordStream
+  };
 
   int ordinal_;
+  // The current stream (streams_[current_stream().id]).
   cudaStream_t stream_;
   bool owns_stream_;
   bool async_alloc_;
+  // streams_[0] is the default stream (owned iff owns_stream_); the others
+  // are owned.
+  std::vector<cudaStream_t> streams_;
+  std::map<int64_t, cudaEvent_t> events_;
+  // Device allocations by address.
+  std::map<char*, Allocation> allocations_;
 };
 
 }  // namespace flatparam

@@ -1,0 +1,438 @@
+#include "sim/sim_device.h"
+
+#include <algorithm>
+#include <cassert>
+#include <cstring>
+#include <new>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "flatparam/base/status_macros.h"
+
+namespace flatparam {
+namespace {
+
+ConstBufferRef AsHost(ConstBufferRef b) {
+  if (b.device.type == DeviceType::kCuda) b.device = Device::Host();
+  return b;
+}
+
+BufferRef AsHost(BufferRef b) {
+  if (b.device.type == DeviceType::kCuda) b.device = Device::Host();
+  return b;
+}
+
+std::string Describe(ConstBufferRef b) {
+  return absl::StrFormat("%d x %s at %p", b.count, DTypeName(b.dtype), b.data);
+}
+
+}  // namespace
+
+SimDeviceOps::SimDeviceOps(SimDeviceOptions options)
+    : options_(options), rng_(options.seed), streams_(1) {}
+
+SimDeviceOps::~SimDeviceOps() {
+  RunUntil([] { return false; });
+  for (auto& [p, block] : blocks_) {
+    assert(block.freed && "a SimDeviceOps block outlived its ops");
+    ::operator delete (const_cast<char*>(p), std::align_val_t{64});
+  }
+}
+
+void SimDeviceOps::Join(Clock& into, const Clock& from) {
+  for (const auto& [agent, t] : from) {
+    int64_t& mine = into[agent];
+    mine = std::max(mine, t);
+  }
+}
+
+bool SimDeviceOps::OrderedBefore(const Access& a, const Clock& later) {
+  auto it = later.find(a.agent);
+  return it != later.end() && it->second >= a.time;
+}
+
+std::string SimDeviceOps::AgentName(int64_t agent) const {
+  if (agent == kHost) return "the host";
+  if (agent > 0) return absl::StrCat("stream ", agent - 1);
+  return absl::StrCat("collective #", -agent - 1);
+}
+
+void SimDeviceOps::Report(std::string line) {
+  if (std::find(reports_.begin(), reports_.end(), line) == reports_.end()) {
+    reports_.push_back(std::move(line));
+  }
+}
+
+absl::Status SimDeviceOps::CheckNoRaces() const {
+  if (reports_.empty()) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(reports_.size(),
+                                          " stream ordering problem(s):\n  ",
+                                          absl::StrJoin(reports_, "\n  ")));
+}
+
+SimDeviceOps::Block* SimDeviceOps::Find(const void* p, int64_t bytes,
+                                        int64_t* offset) {
+  const char* c = static_cast<const char*>(p);
+  auto it = blocks_.upper_bound(c);
+  if (it == blocks_.begin()) return nullptr;
+  --it;
+  if (c + bytes > it->first + it->second.bytes) return nullptr;
+  *offset = c - it->first;
+  return &it->second;
+}
+
+void SimDeviceOps::Touch(int64_t agent, const Clock& clock,
+                         absl::string_view what, ConstBufferRef buffer,
+                         bool write) {
+  if (buffer.count == 0 || buffer.device == Device::Host()) return;
+  int64_t offset = 0;
+  Block* block = Find(buffer.data, buffer.bytes(), &offset);
+  if (block == nullptr) return;  // not memory of these ops
+  const std::string me =
+      absl::StrFormat("%s (%s, %s %s)", what, AgentName(agent),
+                      write ? "writes" : "reads", Describe(buffer));
+  if (block->freed) {
+    Report(absl::StrCat("use after free: ", me, " after it was ",
+                        block->freed_by));
+    return;
+  }
+  const int64_t end = offset + buffer.bytes();
+  for (const Access& a : block->accesses) {
+    if (a.agent == agent || (!a.write && !write)) continue;
+    if (a.offset >= end || offset >= a.offset + a.bytes) continue;
+    if (OrderedBefore(a, clock)) continue;
+    Report(absl::StrFormat(
+        "race: %s is not ordered after %s (%s, %s bytes [%d, %d) of the "
+        "block)",
+        me, a.what, AgentName(a.agent), a.write ? "writes" : "reads", a.offset,
+        a.offset + a.bytes));
+  }
+  const int64_t time = clock.at(agent);
+  if (write) {
+    // Accesses this write covers and follows are no longer needed to find
+    // races: anything racing with them races with this write too.
+    block->accesses.erase(
+        std::remove_if(block->accesses.begin(), block->accesses.end(),
+                       [&](const Access& a) {
+                         return a.offset >= offset &&
+                                a.offset + a.bytes <= end &&
+                                (a.agent == agent || OrderedBefore(a, clock));
+                       }),
+        block->accesses.end());
+  }
+  block->accesses.push_back(
+      Access{offset, buffer.bytes(), write, agent, time, std::string(what)});
+}
+
+int64_t SimDeviceOps::CollectiveIssued(absl::string_view what,
+                                       ConstBufferRef input,
+                                       ConstBufferRef output) {
+  const int64_t id = next_collective_++;
+  const int64_t agent = -1 - id;
+  ++host_[kHost];
+  Clock clock = host_;
+  clock[agent] = 1;
+  const std::string name = absl::StrCat(what, " #", id);
+  Touch(agent, clock, name, input, /*write=*/false);
+  Touch(agent, clock, name, output, /*write=*/true);
+  collectives_[agent] = std::move(clock);
+  return id;
+}
+
+void SimDeviceOps::CollectiveDone(int64_t id) {
+  auto it = collectives_.find(-1 - id);
+  if (it == collectives_.end()) return;
+  Join(host_, it->second);
+  collectives_.erase(it);
+}
+
+void SimDeviceOps::HostAccess(absl::string_view what, ConstBufferRef buffer,
+                              bool write) {
+  ++host_[kHost];
+  Touch(kHost, host_, what, buffer, write);
+}
+
+absl::Status SimDeviceOps::Issue(std::string what,
+                                 std::vector<ConstBufferRef> reads,
+                                 std::vector<ConstBufferRef> writes,
+                                 std::function<void()> run) {
+  const int32_t s = current_stream().id;
+  StreamState& stream = streams_[s];
+  const int64_t agent = StreamAgent(s);
+  // Ordered after the stream's earlier work and the host's issuing it.
+  Join(stream.clock, host_);
+  ++stream.clock[agent];
+  for (ConstBufferRef r : reads) Touch(agent, stream.clock, what, r, false);
+  for (ConstBufferRef w : writes) Touch(agent, stream.clock, what, w, true);
+  bool touches_host = false;
+  for (const auto* list : {&reads, &writes}) {
+    for (ConstBufferRef b : *list) touches_host |= b.device == Device::Host();
+  }
+  Op op{std::move(what), std::move(run), std::move(stream.waits)};
+  stream.waits.clear();
+  stream.queue.push_back(std::move(op));
+  ++stream.issued;
+  if (touches_host) {
+    // DeviceOps' rule: an operation on host memory has completed when it
+    // returns; the host is then ordered after it.
+    RunUntil([&] { return streams_[s].done == streams_[s].issued; });
+    Join(host_, streams_[s].clock);
+  }
+  int64_t queued = 0;
+  for (const StreamState& st : streams_) queued += st.queue.size();
+  if (queued > options_.max_queued) {
+    RunUntil([&] {
+      int64_t q = 0;
+      for (const StreamState& st : streams_) q += st.queue.size();
+      return q <= options_.max_queued / 2;
+    });
+  }
+  return absl::OkStatus();
+}
+
+bool SimDeviceOps::Runnable(const StreamState& s) const {
+  if (s.queue.empty()) return false;
+  for (int64_t e : s.queue.front().waits) {
+    const EventState& event = events_.at(e);
+    if (streams_[event.stream].done < event.ops_before) return false;
+  }
+  return true;
+}
+
+void SimDeviceOps::RunUntil(const std::function<bool()>& done) {
+  while (!done()) {
+    std::vector<size_t> runnable;
+    for (size_t i = 0; i < streams_.size(); ++i) {
+      if (Runnable(streams_[i])) runnable.push_back(i);
+    }
+    if (runnable.empty()) return;
+    const size_t pick = runnable[std::uniform_int_distribution<size_t>(
+        0, runnable.size() - 1)(rng_)];
+    StreamState& s = streams_[pick];
+    Op op = std::move(s.queue.front());
+    s.queue.pop_front();
+    op.run();
+    ++s.done;
+    ++executed_;
+  }
+}
+
+absl::Status SimDeviceOps::Synchronize() {
+  RunUntil([] { return false; });
+  for (const StreamState& s : streams_) Join(host_, s.clock);
+  return absl::OkStatus();
+}
+
+absl::Status SimDeviceOps::DoNewStream(Stream stream) {
+  assert(static_cast<size_t>(stream.id) == streams_.size());
+  streams_.emplace_back();
+  return absl::OkStatus();
+}
+
+absl::Status SimDeviceOps::DoRecordEvent(Event event) {
+  const StreamState& s = streams_[event.stream.id];
+  events_[event.id] = EventState{s.clock, event.stream.id, s.issued};
+  return absl::OkStatus();
+}
+
+absl::Status SimDeviceOps::DoWaitEvent(Stream stream, Event event) {
+  StreamState& s = streams_[stream.id];
+  Join(s.clock, events_.at(event.id).clock);
+  s.waits.push_back(event.id);
+  return absl::OkStatus();
+}
+
+absl::Status SimDeviceOps::DoSynchronizeEvent(Event event) {
+  const EventState& e = events_.at(event.id);
+  RunUntil([&] { return streams_[e.stream].done >= e.ops_before; });
+  Join(host_, e.clock);
+  return absl::OkStatus();
+}
+
+absl::Status SimDeviceOps::DoRecordStream(ConstBufferRef buffer,
+                                          Stream stream) {
+  int64_t offset = 0;
+  Block* block = Find(buffer.data, buffer.bytes(), &offset);
+  if (block == nullptr) return absl::OkStatus();  // host memory
+  if (std::find(block->recorded.begin(), block->recorded.end(), stream.id) ==
+      block->recorded.end()) {
+    block->recorded.push_back(stream.id);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<void*> SimDeviceOps::DoAllocate(Device device, int64_t bytes,
+                                               bool pinned) {
+  void* p = ::operator new (static_cast<size_t>(bytes), std::align_val_t{64},
+                            std::nothrow);
+  if (p == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("SimDeviceOps: allocating %d bytes failed", bytes));
+  }
+  if (device == Device::Host()) return p;
+  // Never-written memory reads as NaN in every float dtype.
+  std::memset(p, 0xFF, static_cast<size_t>(bytes));
+  Block& block = blocks_[static_cast<const char*>(p)];
+  block = Block{};
+  block.bytes = bytes;
+  block.stream = current_stream().id;
+  return p;
+}
+
+void SimDeviceOps::DoFree(void* data, Device device, bool pinned) {
+  if (device == Device::Host()) {
+    // Host memory is touched only by operations that completed before
+    // returning, so nothing queued uses it.
+    ::operator delete (data, std::align_val_t{64});
+    return;
+  }
+  const char* p = static_cast<const char*>(data);
+  Block& block = blocks_.at(p);
+  // The caching allocator's reuse: at once on the allocating stream, after
+  // the recorded streams' work issued so far.
+  Clock reuse = streams_[block.stream].clock;
+  Join(reuse, host_);
+  for (int32_t s : block.recorded) Join(reuse, streams_[s].clock);
+  for (const Access& a : block.accesses) {
+    if (OrderedBefore(a, reuse)) continue;
+    Report(absl::StrFormat(
+        "freed while in use: %s (%s, %s bytes [%d, %d)) is not ordered before "
+        "the block's reuse on its stream %d (wait for it, or RecordStream)",
+        a.what, AgentName(a.agent), a.write ? "writes" : "reads", a.offset,
+        a.offset + a.bytes, block.stream));
+  }
+  block.freed = true;
+  block.freed_by = absl::StrFormat("freed (%d bytes of stream %d)", block.bytes,
+                                   block.stream);
+  block.accesses.clear();
+  quarantine_.push_back(p);
+  quarantined_bytes_ += block.bytes;
+  while (quarantined_bytes_ > options_.quarantine_bytes) {
+    // Queued work may still touch the oldest block: let it run first.
+    RunUntil([] { return false; });
+    const char* old = quarantine_.front();
+    quarantine_.pop_front();
+    quarantined_bytes_ -= blocks_.at(old).bytes;
+    blocks_.erase(old);
+    ::operator delete (const_cast<char*>(old), std::align_val_t{64});
+  }
+}
+
+absl::Status SimDeviceOps::DoCopy(BufferRef dst, ConstBufferRef src) {
+  return Issue("copy", {src}, {dst}, [dst, src] {
+    std::memmove(dst.data, src.data, static_cast<size_t>(dst.bytes()));
+  });
+}
+
+absl::Status SimDeviceOps::DoFill(BufferRef dst, double value) {
+  return Issue("fill", {}, {dst}, [dst, value] {
+    HostFill(dst.data, dst.dtype, dst.count, value);
+  });
+}
+
+absl::Status SimDeviceOps::DoCast(BufferRef dst, ConstBufferRef src) {
+  return Issue("cast", {src}, {dst}, [dst, src] {
+    HostCast(dst.data, dst.dtype, src.data, src.dtype, dst.count);
+  });
+}
+
+absl::Status SimDeviceOps::DoScale(BufferRef buf, ScaleOp op, double factor) {
+  return Issue(absl::StrCat("scale (", ScaleOpName(op), ")"), {buf}, {buf},
+               [buf, op, factor] {
+                 HostScale(buf.data, buf.dtype, buf.count, op, factor);
+               });
+}
+
+absl::Status SimDeviceOps::DoAdd(BufferRef acc, ConstBufferRef x) {
+  return Issue("add", {acc, x}, {acc},
+               [acc, x] { HostAdd(acc.data, x.data, acc.dtype, acc.count); });
+}
+
+// ---------------------------------------------------------------------------
+// StreamCheckedCommunicator
+
+namespace {
+
+class CheckedWork final : public Work {
+ public:
+  CheckedWork(std::unique_ptr<Work> inner, SimDeviceOps* ops, int64_t id)
+      : inner_(std::move(inner)), ops_(ops), id_(id) {}
+  absl::Status Wait() override {
+    absl::Status status = inner_->Wait();
+    if (!done_) {
+      done_ = true;
+      ops_->CollectiveDone(id_);
+    }
+    return status;
+  }
+
+ private:
+  std::unique_ptr<Work> inner_;
+  SimDeviceOps* ops_;
+  int64_t id_;
+  bool done_ = false;
+};
+
+}  // namespace
+
+StreamCheckedCommunicator::StreamCheckedCommunicator(Communicator* inner,
+                                                     SimDeviceOps* ops)
+    : inner_(inner), ops_(ops) {}
+
+StreamCheckedCommunicator::StreamCheckedCommunicator(
+    std::unique_ptr<Communicator> inner, SimDeviceOps* ops)
+    : owned_(std::move(inner)), inner_(owned_.get()), ops_(ops) {}
+
+std::unique_ptr<Work> StreamCheckedCommunicator::Wrap(
+    int64_t id, std::unique_ptr<Work> work) {
+  return std::make_unique<CheckedWork>(std::move(work), ops_, id);
+}
+
+std::unique_ptr<Work> StreamCheckedCommunicator::AllGather(
+    ConstBufferRef input, BufferRef output, const CollectiveOptions& options) {
+  const int64_t id = ops_->CollectiveIssued("all_gather", input, output);
+  return Wrap(id, inner_->AllGather(AsHost(input), AsHost(output), options));
+}
+
+std::unique_ptr<Work> StreamCheckedCommunicator::ReduceScatter(
+    ConstBufferRef input, BufferRef output, const ReduceOptions& options) {
+  const int64_t id = ops_->CollectiveIssued("reduce_scatter", input, output);
+  return Wrap(id,
+              inner_->ReduceScatter(AsHost(input), AsHost(output), options));
+}
+
+std::unique_ptr<Work> StreamCheckedCommunicator::AllReduce(
+    ConstBufferRef input, BufferRef output, const ReduceOptions& options) {
+  const int64_t id = ops_->CollectiveIssued("all_reduce", input, output);
+  return Wrap(id, inner_->AllReduce(AsHost(input), AsHost(output), options));
+}
+
+std::unique_ptr<Work> StreamCheckedCommunicator::Broadcast(
+    BufferRef buffer, const BroadcastOptions& options) {
+  const int64_t id = ops_->CollectiveIssued("broadcast", buffer, buffer);
+  return Wrap(id, inner_->Broadcast(AsHost(buffer), options));
+}
+
+absl::StatusOr<std::vector<std::string>>
+StreamCheckedCommunicator::AllGatherBytes(absl::string_view bytes,
+                                          const CollectiveOptions& options) {
+  return inner_->AllGatherBytes(bytes, options);
+}
+
+absl::Status StreamCheckedCommunicator::Barrier(
+    const CollectiveOptions& options) {
+  return inner_->Barrier(options);
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> StreamCheckedCommunicator::Split(
+    int color, int key, const CollectiveOptions& options) {
+  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> split,
+                             inner_->Split(color, key, options));
+  if (split == nullptr) return split;
+  return std::unique_ptr<Communicator>(
+      new StreamCheckedCommunicator(std::move(split), ops_));
+}
+
+}  // namespace flatparam
