@@ -18,7 +18,30 @@ namespace {
 using internal_handle::TrackedBuffer;
 
 // internal/handle_test_hooks.h.
-std::atomic<bool> skip_sync_before_all_gather{false};
+std::atomic<internal_handle::SkippedOrdering> skipped_ordering{
+    internal_handle::SkippedOrdering::kNone};
+
+bool Skipped(internal_handle::SkippedOrdering which) {
+  return skipped_ordering.load(std::memory_order_relaxed) == which;
+}
+
+// Makes `stream` current for the scope, restoring the previous one.
+class OnStream {
+ public:
+  OnStream(DeviceOps* device, Stream stream)
+      : device_(device), previous_(device->current_stream()) {
+    const absl::Status set = device_->SetStream(stream);
+    assert(set.ok());
+    (void)set;
+  }
+  ~OnStream() { (void)device_->SetStream(previous_); }
+  OnStream(const OnStream&) = delete;
+  OnStream& operator=(const OnStream&) = delete;
+
+ private:
+  DeviceOps* device_;
+  Stream previous_;
+};
 
 }  // namespace
 
@@ -330,6 +353,23 @@ absl::Status FlatParamHandle::Wait(std::unique_ptr<Work> work,
                       absl::StrCat(Name(), ": ", what, ": ", status.message()));
 }
 
+absl::Status FlatParamHandle::StreamWaits(Stream waiter, Stream on) {
+  if (waiter == on) return absl::OkStatus();
+  FLATPARAM_ASSIGN_OR_RETURN(Event event, device_->RecordEvent(on));
+  return device_->WaitEvent(waiter, event);
+}
+
+absl::Status FlatParamHandle::HostWaitsFor(Stream stream) {
+  FLATPARAM_ASSIGN_OR_RETURN(Event event, device_->RecordEvent(stream));
+  return device_->SynchronizeEvent(event);
+}
+
+absl::Status FlatParamHandle::UsedBy(const TrackedBuffer& buffer,
+                                     Stream stream) {
+  if (!buffer.allocated()) return absl::OkStatus();
+  return device_->RecordStream(buffer.ref(), stream);
+}
+
 absl::StatusOr<BufferRef> FlatParamHandle::LocalShardOnCompute(
     TrackedBuffer* copy) {
   if (!options_.cpu_offload) return local_shard_ref_;
@@ -357,6 +397,11 @@ absl::Status FlatParamHandle::StartUnshardImpl() {
   const int64_t unpadded = layout_.unpadded_unsharded_numel();
   const bool low_precision =
       uses_param_mixed_precision() && !force_full_precision();
+  const HandleStreams& streams = options_.streams;
+  // The unshard reads the local shard after the compute stream's updates
+  // of it (the optimizer step).
+  FLATPARAM_RETURN_IF_ERROR(StreamWaits(streams.unshard, streams.compute));
+  OnStream on_unshard(device_, streams.unshard);
   if (uses_sharded_strategy()) {
     TrackedBuffer& target = padded_unsharded();
     if (!target.allocated()) {
@@ -386,9 +431,9 @@ absl::Status FlatParamHandle::StartUnshardImpl() {
           pending.padded,
           Alloc(MemoryCategory::kUnshardedParams, unsharded_dtype(),
                 layout_.padded_unsharded_numel()));
-      // The all-gather reads what the device work above wrote.
-      if (!skip_sync_before_all_gather.load(std::memory_order_relaxed)) {
-        FLATPARAM_RETURN_IF_ERROR(device_->Synchronize());
+      // The all-gather reads what the unshard stream's work above wrote.
+      if (!Skipped(internal_handle::SkippedOrdering::kSyncBeforeAllGather)) {
+        FLATPARAM_RETURN_IF_ERROR(HostWaitsFor(streams.unshard));
       }
       if (!options_.fake_all_gather) {
         pending.work = shard_group_->AllGather(source, pending.padded->ref(),
@@ -407,7 +452,9 @@ absl::Status FlatParamHandle::StartUnshardImpl() {
         mp_shard_,
         Alloc(MemoryCategory::kLowPrecisionParams, param_dtype_, full.count));
     absl::Status cast = device_->Cast(mp_shard_.ref(), full);
-    if (cast.ok()) cast = device_->Synchronize();
+    // The compute stream reads the cast shard as the unsharded parameter.
+    if (cast.ok()) cast = StreamWaits(streams.compute, streams.unshard);
+    if (cast.ok()) cast = UsedBy(mp_shard_, streams.compute);
     if (!cast.ok()) {
       mp_shard_.Reset();
       return cast;
@@ -416,7 +463,8 @@ absl::Status FlatParamHandle::StartUnshardImpl() {
   } else {
     FLATPARAM_ASSIGN_OR_RETURN(unsharded_ref_,
                                LocalShardOnCompute(&offload_copy_));
-    FLATPARAM_RETURN_IF_ERROR(device_->Synchronize());
+    FLATPARAM_RETURN_IF_ERROR(StreamWaits(streams.compute, streams.unshard));
+    FLATPARAM_RETURN_IF_ERROR(UsedBy(offload_copy_, streams.compute));
   }
   unsharded_ = true;
   ++view_epoch_;
@@ -435,6 +483,13 @@ absl::Status FlatParamHandle::FinishUnshardImpl() {
   pending.copy.Reset();
   pending.mp_shard.Reset();
   if (!status.ok()) return status;  // `padded` is freed with `pending`
+  // Allocated on the unshard stream, read by the compute stream's work
+  // (issued after this host wait): its reuse must follow that work.
+  if (!Skipped(
+          internal_handle::SkippedOrdering::kRecordUnshardedParamOnCompute)) {
+    FLATPARAM_RETURN_IF_ERROR(
+        UsedBy(*pending.padded, options_.streams.compute));
+  }
   *pending.target = std::move(*pending.padded);
   unsharded_ref_ =
       pending.target->ref().Slice(0, layout_.unpadded_unsharded_numel());
@@ -567,7 +622,11 @@ absl::Status FlatParamHandle::PrepareGradientForBackward() {
       requires_grad_.end()) {
     return absl::OkStatus();
   }
+  // The gradient buffers are the caller's backward's: compute stream.
+  OnStream on_compute(device_, options_.streams.compute);
   if (has_sharded_grad_ && options_.keep_low_precision_grads) {
+    FLATPARAM_RETURN_IF_ERROR(
+        StreamWaits(options_.streams.compute, options_.streams.post_backward));
     FLATPARAM_RETURN_IF_ERROR(CastShardedGradTo(grad_accum_dtype()));
   }
   if (!unsharded_grad_.allocated()) {
@@ -580,7 +639,8 @@ absl::Status FlatParamHandle::PrepareGradientForBackward() {
     ++grad_epoch_;
     FLATPARAM_RETURN_IF_ERROR(device_->Fill(unsharded_grad_.ref(), 0));
   }
-  return device_->Synchronize();
+  // The backward's kernels follow on the compute stream.
+  return absl::OkStatus();
 }
 
 absl::Status FlatParamHandle::PostBackward(bool sync_gradients) {
@@ -655,12 +715,26 @@ absl::Status FlatParamHandle::FinalizeBackward(bool sync_gradients) {
   // neither, so its gradient stays in the reduce dtype.
   const bool has_saved_or_cpu_grad =
       uses_sharded_strategy() || options_.cpu_offload;
+  const HandleStreams& streams = options_.streams;
   if (sync_gradients && has_sharded_grad_ &&
       options_.keep_low_precision_grads && has_saved_or_cpu_grad) {
+    OnStream on_post_backward(device_, streams.post_backward);
     FLATPARAM_RETURN_IF_ERROR(CastShardedGradTo(param_dtype_));
   }
+  // PyTorch's final callback: the computation stream waits for the
+  // post-backward stream, so the optimizer sees the sharded gradient, which
+  // both streams now use.
+  if (!Skipped(
+          internal_handle::SkippedOrdering::kComputeWaitsForPostBackward)) {
+    FLATPARAM_RETURN_IF_ERROR(
+        StreamWaits(streams.compute, streams.post_backward));
+  }
+  for (const TrackedBuffer* g : {&sharded_grad_, &low_prec_cpu_grad_}) {
+    FLATPARAM_RETURN_IF_ERROR(UsedBy(*g, streams.compute));
+    FLATPARAM_RETURN_IF_ERROR(UsedBy(*g, streams.post_backward));
+  }
   state_ = HandleTrainingState::kIdle;
-  return device_->Synchronize();
+  return absl::OkStatus();
 }
 
 // ---------------------------------------------------------------------------
@@ -708,6 +782,17 @@ absl::Status FlatParamHandle::FinishReduceGrad() {
 
 absl::Status FlatParamHandle::StartReduceGradImpl() {
   assert(!pending_reduce_.has_value() && unsharded_grad_.allocated());
+  const HandleStreams& streams = options_.streams;
+  // The reduction reads the gradient the backward wrote on the compute
+  // stream; the compute stream allocated it, so it is recorded for the
+  // post-backward stream before it is freed.
+  if (!Skipped(
+          internal_handle::SkippedOrdering::kPostBackwardWaitsForCompute)) {
+    FLATPARAM_RETURN_IF_ERROR(
+        StreamWaits(streams.post_backward, streams.compute));
+  }
+  FLATPARAM_RETURN_IF_ERROR(UsedBy(unsharded_grad_, streams.post_backward));
+  OnStream on_post_backward(device_, streams.post_backward);
   TrackedBuffer grad = std::move(unsharded_grad_);
   ++grad_epoch_;
   FLATPARAM_RETURN_IF_ERROR(ZeroUngradedSegments(grad.ref()));
@@ -737,8 +822,8 @@ absl::Status FlatParamHandle::StartReduceGradImpl() {
       (hybrid ? pending.second : first).post_divide_factor = postdivide_;
     }
   }
-  // The collective reads what the device work above wrote.
-  FLATPARAM_RETURN_IF_ERROR(device_->Synchronize());
+  // The collective reads what the post-backward stream's work above wrote.
+  FLATPARAM_RETURN_IF_ERROR(HostWaitsFor(streams.post_backward));
   if (uses_sharded_strategy()) {
     // 3. Reduce-scatter into a new sharded gradient; `grad` is the
     // collective's input until it completes.
@@ -770,6 +855,7 @@ absl::Status FlatParamHandle::FinishReduceGradImpl() {
                                           : "all-reduce of the gradient"));
   }
   pending.input.Reset();
+  OnStream on_post_backward(device_, options_.streams.post_backward);
   TrackedBuffer shard = std::move(pending.shard);
   // 4. Hybrid: sum the shard group's results across replicas.
   if (IsHybridStrategy(strategy())) {
@@ -820,7 +906,8 @@ absl::Status FlatParamHandle::AccumulateShardedGrad(TrackedBuffer new_grad) {
         device_->Add(sharded_grad_.ref(), new_grad.ref()));
   }
   has_sharded_grad_ = true;
-  return device_->Synchronize();
+  // The compute stream waits for this in FinalizeBackward.
+  return absl::OkStatus();
 }
 
 absl::Status FlatParamHandle::CastShardedGradTo(DType dtype) {
@@ -876,6 +963,8 @@ absl::Status FlatParamHandle::AccumulateGrad(int index, ConstBufferRef grad) {
         "%s: AccumulateGrad: parameter '%s' has %d elements, the gradient %d",
         Name(), layout_.params()[index].fqn, view.count, grad.count));
   }
+  // The caller's backward: the compute stream.
+  OnStream on_compute(device_, options_.streams.compute);
   TrackedBuffer moved;
   TrackedBuffer cast;
   if (grad.device != view.device) {
@@ -890,12 +979,9 @@ absl::Status FlatParamHandle::AccumulateGrad(int index, ConstBufferRef grad) {
     FLATPARAM_RETURN_IF_ERROR(device_->Cast(cast.ref(), grad));
     grad = cast.ref();
   }
-  FLATPARAM_RETURN_IF_ERROR(device_->Add(view, grad));
-  if (moved.allocated() || cast.allocated()) {
-    // The temporaries are freed on return; let the device finish with them.
-    return device_->Synchronize();
-  }
-  return absl::OkStatus();
+  // The temporaries are the compute stream's: their memory is reused only
+  // by work issued on it later.
+  return device_->Add(view, grad);
 }
 
 std::optional<BufferRef> FlatParamHandle::unsharded_grad() const {
@@ -1282,8 +1368,12 @@ absl::Status FlatParamHandle::EndSummonFullParams() {
 }
 
 namespace internal_handle {
+void SetSkippedOrderingForTesting(SkippedOrdering skip) {
+  skipped_ordering.store(skip, std::memory_order_relaxed);
+}
 void SetSkipSyncBeforeAllGatherForTesting(bool skip) {
-  skip_sync_before_all_gather.store(skip, std::memory_order_relaxed);
+  SetSkippedOrderingForTesting(skip ? SkippedOrdering::kSyncBeforeAllGather
+                                    : SkippedOrdering::kNone);
 }
 }  // namespace internal_handle
 

@@ -121,13 +121,39 @@
 // keeps a copy of the layout; the communicators and the DeviceOps must
 // outlive it.
 //
-// Device work: the handle runs copies, casts, fills, scales and adds through
-// the DeviceOps and synchronizes it before each collective; every method
-// returns after the device work it issued has completed, so the caller may
-// use the buffers it exposes from any stream. The asynchronous calls
-// (StartUnshard, PostBackwardAsync) return before their collective has
-// completed; until the matching finish, the buffers it uses are the
-// pending operation's, not exposed.
+// Device work and streams. The handle runs copies, casts, fills, scales
+// and adds through the DeviceOps on three streams (HandleOptions::streams,
+// PyTorch's): the unshard's casts on the unshard stream, the reduction's on
+// the post-backward stream, everything the caller uses on the compute
+// stream. Every hand-off between them is an event, and every buffer one
+// stream allocated and another used is declared with RecordStream before
+// it is freed:
+//   * an unshard starts after the compute stream's work issued so far (the
+//     optimizer's update of the local shard); the host waits for the
+//     unshard stream's casts before issuing the all-gather (the simulator,
+//     MPI and NCCL here complete collectives on the host), and the
+//     unsharded parameter, allocated on the unshard stream, is recorded
+//     for the compute stream, which reads it;
+//   * the reduction starts after the compute stream's work issued so far
+//     (the backward's gradient), which is recorded for the post-backward
+//     stream; the host waits for the post-backward stream's casts and
+//     divides before issuing the reduce-scatter;
+//   * FinalizeBackward makes the compute stream wait for the post-backward
+//     stream, so the optimizer, issued on the compute stream afterwards,
+//     sees the sharded gradient; the sharded gradient is recorded for both.
+// So the host never waits for the compute stream on these paths (a
+// forward's kernels still run while the next unit's all-gather is
+// prepared), and the caller orders its own work by issuing it on the
+// compute stream: views are valid to use there once PreForward/PreBackward
+// returned, gradients once FinalizeBackward returned. Host code that
+// reads device memory synchronizes first, as with any CUDA stream. The
+// rarer calls (summon, ZeroGrad, SetGradNone) also synchronize the device
+// before returning. sim/sim_device.h checks all of this: the handle's tests
+// run on it with separate streams and its race detector reports nothing,
+// and reports each ordering above when a test switch leaves it out. The
+// asynchronous calls (StartUnshard, PostBackwardAsync) return before their
+// collective has completed; until the matching finish, the buffers it uses
+// are the pending operation's, not exposed.
 //
 // Thread-safety: a handle is used by one thread at a time (the rank's
 // thread, which also owns its communicators).
@@ -176,6 +202,23 @@ bool ReshardsAfterForward(ShardingStrategy strategy);
 // f that fails either test). REQUIRES: world_size >= 1.
 double GradientPredivideFactor(int64_t world_size);
 
+// The streams of the handle's device work (DeviceOps streams; see the file
+// comment). All default to stream 0: one stream, nothing to order.
+struct HandleStreams {
+  // The caller's computation: its forward and backward kernels read the
+  // views and write the gradients, its optimizer updates the local shard
+  // and reads the sharded gradient. The handle's own work for the caller
+  // (gradient buffers, AccumulateGrad, ZeroGrad, summon) runs here.
+  Stream compute;
+  // The unshard: the cast to param_dtype (and the offload copy) before the
+  // all-gather. PyTorch's `_unshard_stream`.
+  Stream unshard;
+  // The gradient reduction: casts and divides around the reduce-scatter
+  // and the accumulation into the sharded gradient. PyTorch's
+  // `_post_backward_stream`.
+  Stream post_backward;
+};
+
 struct HandleOptions {
   // Mixed precision (PyTorch's MixedPrecision.param_dtype / reduce_dtype).
   std::optional<DType> param_dtype;
@@ -206,6 +249,8 @@ struct HandleOptions {
   bool fake_reduce = false;
   // Timeout etc. of every collective the handle issues.
   CollectiveOptions collective_options;
+  // Streams of the DeviceOps (created by the caller, who keeps them).
+  HandleStreams streams;
 };
 
 // How BeginSummonFullParams summons (PyTorch's `summon_full_params`
@@ -584,6 +629,13 @@ class FlatParamHandle {
   absl::Status AccumulateShardedGrad(TrackedBuffer new_grad);
   absl::Status CastShardedGradTo(DType dtype);
   absl::Status Wait(std::unique_ptr<Work> work, absl::string_view what);
+  // Work issued on `waiter` from now on waits for the work issued on `on`
+  // so far (nothing when they are the same stream).
+  absl::Status StreamWaits(Stream waiter, Stream on);
+  // The host waits for the work issued on `stream` so far.
+  absl::Status HostWaitsFor(Stream stream);
+  // RecordStream of `buffer` for `stream` (when allocated).
+  absl::Status UsedBy(const TrackedBuffer& buffer, Stream stream);
 
   const FlatParamLayout layout_;
   Communicator* const shard_group_;

@@ -2071,11 +2071,13 @@ INSTANTIATE_TEST_SUITE_P(
                   true}));
 
 // The same on simulated device streams (sim/sim_device.h), for several
-// execution orders: the stream race detector finds nothing in the shipped
-// handle (RunWithHandles fails on any report), and the results are the
-// host run's, bit for bit. Then the mutation check: with the wait before
-// the all-gather switched off, the detector reports the all-gather racing
-// with the device work that produced its input.
+// execution orders, on one stream and on three (compute, unshard,
+// post-backward), with the caller's own kernels on the compute stream (a
+// forward kernel reading the unsharded parameter, the backward's gradients,
+// an optimizer touching the sharded gradient): the stream race detector
+// finds nothing in the shipped handle (RunWithHandles fails on any report)
+// and the results are the host run's, bit for bit. Then the mutation
+// checks: each ordering of the discipline, switched off, is reported.
 TEST_P(AsyncTest, NoStreamRacesOnSimulatedDevices) {
   const AsyncCase c = GetParam();
   Scenario s = Make(c.strategy, 2);
@@ -2086,9 +2088,18 @@ TEST_P(AsyncTest, NoStreamRacesOnSimulatedDevices) {
     grads->assign(s.world_size(), {});
     return RunWithHandles(s, [&](RankContext& ctx) -> absl::Status {
       FlatParamHandle& h = ctx.handle;
+      DeviceOps& ops = ctx.ops;  // its current stream is the compute stream
       for (int iter = 0; iter < 2; ++iter) {
         FLATPARAM_RETURN_IF_ERROR(h.StartUnshard());
         FLATPARAM_RETURN_IF_ERROR(h.PreForward());
+        {
+          // A forward kernel reads the unsharded parameter.
+          const BufferRef param = *h.unsharded_flat_param();
+          FLATPARAM_ASSIGN_OR_RETURN(DeviceBuffer activations,
+                                     ops.Allocate(param.device, param.bytes()));
+          FLATPARAM_RETURN_IF_ERROR(
+              ops.Copy(activations.As(param.dtype), param));
+        }
         FLATPARAM_RETURN_IF_ERROR(h.PostForward());
         if (!h.is_unsharded()) {
           FLATPARAM_RETURN_IF_ERROR(h.StartUnshard());
@@ -2097,7 +2108,13 @@ TEST_P(AsyncTest, NoStreamRacesOnSimulatedDevices) {
         FLATPARAM_RETURN_IF_ERROR(AddGradients(s, ctx, iter));
         FLATPARAM_RETURN_IF_ERROR(h.PostBackwardAsync(true));
         FLATPARAM_RETURN_IF_ERROR(h.FinalizeBackward(true));
+        // The optimizer reads and writes the sharded gradient (unchanged).
+        FLATPARAM_RETURN_IF_ERROR(
+            ops.Scale(*h.sharded_grad(), ScaleOp::kMultiply, 1.0));
       }
+      // The host reads device memory: it synchronizes first, as on a GPU
+      // (the handle's work is queued on its streams).
+      FLATPARAM_RETURN_IF_ERROR(ops.Synchronize());
       (*grads)[ctx.world_rank] = ReadValues(*h.sharded_grad());
       return absl::OkStatus();
     });
@@ -2105,23 +2122,58 @@ TEST_P(AsyncTest, NoStreamRacesOnSimulatedDevices) {
   std::vector<std::vector<double>> host, simulated;
   ASSERT_THAT(run(&host), IsOk());
   s.sim_device = true;
-  for (uint64_t seed : {0, 1, 2}) {
-    s.device_seed = seed;
-    ASSERT_THAT(run(&simulated), IsOk()) << s.Options();
-    EXPECT_EQ(simulated, host) << s.Options();
+  for (bool streams : {false, true}) {
+    s.separate_streams = streams;
+    for (uint64_t seed : {0, 1, 2}) {
+      s.device_seed = seed;
+      ASSERT_THAT(run(&simulated), IsOk()) << s.Options();
+      EXPECT_EQ(simulated, host) << s.Options();
+    }
   }
-  // Only an all-gather of device-produced input can race: the sharded
-  // strategies with the cast to param_dtype before it (an offload copy
-  // from the host completes before it returns, as DeviceOps says).
-  if (!UsesShardedStrategy(c.strategy) || !c.param_dtype.has_value()) return;
-  internal_handle::SetSkipSyncBeforeAllGatherForTesting(true);
-  const absl::Status broken = run(&simulated);
-  internal_handle::SetSkipSyncBeforeAllGatherForTesting(false);
-  EXPECT_THAT(broken, StatusIs(absl::StatusCode::kInternal,
-                               AllOf(HasSubstr("race: all_gather"),
-                                     HasSubstr("(collective #0, reads"),
-                                     HasSubstr("is not ordered after"))))
-      << s.Options();
+
+  using internal_handle::SkippedOrdering;
+  struct Mutation {
+    SkippedOrdering skip;
+    bool applies;
+    std::vector<std::string> report;
+  };
+  const bool sharded = UsesShardedStrategy(c.strategy);
+  const std::vector<Mutation> mutations = {
+      // Only an all-gather of device-produced input can race: the cast to
+      // param_dtype (an offload copy from the host completes before it
+      // returns, as DeviceOps says).
+      {SkippedOrdering::kSyncBeforeAllGather,
+       sharded && c.param_dtype.has_value(),
+       {"race: all_gather", "is not ordered after cast (stream 1"}},
+      {SkippedOrdering::kPostBackwardWaitsForCompute,
+       true,
+       {"race: ", "is not ordered after add (stream 0"}},
+      // The optimizer's touch of an offloaded gradient is on host memory,
+      // which completes before returning.
+      {SkippedOrdering::kComputeWaitsForPostBackward,
+       !c.cpu_offload,
+       {"race: scale (multiply) (stream 0", "(stream 2, writes"}},
+      // Freed after forward; a parameter kept for the backward is freed
+      // after the gradients' host-to-device copies, which order the host
+      // after the compute stream here.
+      {SkippedOrdering::kRecordUnshardedParamOnCompute,
+       sharded && ReshardsAfterForward(c.strategy),
+       {"freed while in use: copy (stream 0, reads"}},
+  };
+  s.separate_streams = true;
+  s.device_seed = 0;
+  for (const Mutation& m : mutations) {
+    if (!m.applies) continue;
+    internal_handle::SetSkippedOrderingForTesting(m.skip);
+    const absl::Status broken = run(&simulated);
+    internal_handle::SetSkippedOrderingForTesting(SkippedOrdering::kNone);
+    EXPECT_THAT(broken, StatusIs(absl::StatusCode::kInternal))
+        << static_cast<int>(m.skip) << " " << s.Options();
+    for (const std::string& part : m.report) {
+      EXPECT_THAT(std::string(broken.message()), HasSubstr(part))
+          << static_cast<int>(m.skip) << " " << s.Options();
+    }
+  }
 }
 
 TEST(AsyncMisuseTest, PendingUnshardBlocksWhatWouldRaceIt) {

@@ -30,14 +30,14 @@ std::string Scenario::Options() const {
   return absl::StrFormat(
       "%s %s shard=%d replicate=%d align=%d param_dtype=%s reduce_dtype=%s "
       "keep_low=%d offload=%d in_collectives=%d fake_device=%d sim_device=%d "
-      "device_seed=%d seed=%d",
+      "device_seed=%d streams=%d seed=%d",
       ShardingStrategyName(strategy), DTypeName(dtype), shard_size,
       replicate_size, align,
       options.param_dtype ? DTypeName(*options.param_dtype) : "-",
       options.reduce_dtype ? DTypeName(*options.reduce_dtype) : "-",
       options.keep_low_precision_grads, options.cpu_offload,
       options.divide_in_collectives, fake_device, sim_device, device_seed,
-      sim_seed);
+      separate_streams ? 3 : 1, sim_seed);
 }
 
 absl::StatusOr<FlatParamLayout> MakeLayout(const Scenario& s) {
@@ -238,10 +238,16 @@ absl::Status RunWithHandles(const Scenario& s, const RankFn& fn,
     }
     absl::Status ran;
     {
+      HandleOptions options = s.options;
+      if (s.separate_streams) {
+        FLATPARAM_ASSIGN_OR_RETURN(options.streams.unshard, ops->NewStream());
+        FLATPARAM_ASSIGN_OR_RETURN(options.streams.post_backward,
+                                   ops->NewStream());
+      }
       FLATPARAM_ASSIGN_OR_RETURN(
           std::unique_ptr<FlatParamHandle> handle,
           FlatParamHandle::Create(layout, refs, shard, replicate, ops,
-                                  s.options));
+                                  options));
       RankContext ctx{comm, comm.rank(), *handle, layout, *ops};
       ran = fn(ctx);
     }

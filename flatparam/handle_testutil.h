@@ -53,6 +53,9 @@ struct Scenario {
   // destruction.
   bool sim_device = false;
   uint64_t device_seed = 0;
+  // Give the handle its own unshard and post-backward streams (created on
+  // the rank's DeviceOps; stream 0 is the compute stream).
+  bool separate_streams = false;
 
   int world_size() const { return shard_size * replicate_size; }
   bool hybrid() const { return IsHybridStrategy(strategy); }

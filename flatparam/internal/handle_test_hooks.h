@@ -9,10 +9,26 @@
 namespace flatparam {
 namespace internal_handle {
 
-// When set, the handle issues its all-gather without first waiting for the
-// device work that produced its input (the cast to param_dtype, the copy
-// from an offloaded shard): the one ordering between device work and the
-// unshard's collective.
+// One ordering of the handle's stream discipline to leave out.
+enum class SkippedOrdering {
+  kNone,
+  // The host's wait for the device work that produced the all-gather's
+  // input (the cast to param_dtype).
+  kSyncBeforeAllGather,
+  // The post-backward stream's wait for the compute stream before reducing
+  // the gradient the caller's backward wrote there.
+  kPostBackwardWaitsForCompute,
+  // The compute stream's wait for the post-backward stream before the
+  // optimizer reads the sharded gradient (FinalizeBackward).
+  kComputeWaitsForPostBackward,
+  // RecordStream of the unsharded parameter (allocated on the unshard
+  // stream, read by the compute stream) before it is freed.
+  kRecordUnshardedParamOnCompute,
+};
+void SetSkippedOrderingForTesting(SkippedOrdering skip);
+
+// Equivalent to SetSkippedOrderingForTesting(skip ? kSyncBeforeAllGather
+// : kNone).
 void SetSkipSyncBeforeAllGatherForTesting(bool skip);
 
 }  // namespace internal_handle
