@@ -25,6 +25,13 @@ bool CudaDeviceOpsAvailable();
 // for an ordinal out of range.
 absl::StatusOr<std::unique_ptr<DeviceOps>> CreateCudaDeviceOps(int ordinal);
 
+// How many of `ops`' device allocations reached the CUDA driver (the
+// memory pool grew) since it was created: CudaAllocatorStats::
+// device_mallocs of a CudaDeviceOps; -1 for other DeviceOps or without
+// CUDA in the build. For checking that a warm training loop allocates from
+// the cache only.
+int64_t CudaDeviceMallocs(const DeviceOps& ops);
+
 }  // namespace flatparam
 
 #endif  // FLATPARAM_DEVICE_CUDA_CUDA_DEVICE_H_

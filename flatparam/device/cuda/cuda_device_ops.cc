@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cassert>
+#include <cstdint>
 #include <cstring>
 #include <new>
 #include <utility>
@@ -70,6 +71,11 @@ bool OnHost(ConstBufferRef b) { return b.device == Device::Host(); }
 
 bool CudaDeviceOpsAvailable() { return true; }
 
+int64_t CudaDeviceMallocs(const DeviceOps& ops) {
+  const auto* cuda = dynamic_cast<const CudaDeviceOps*>(&ops);
+  return cuda == nullptr ? -1 : cuda->stats().device_mallocs;
+}
+
 absl::StatusOr<std::unique_ptr<DeviceOps>> CreateCudaDeviceOps(int ordinal) {
   FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<CudaDeviceOps> ops,
                              CudaDeviceOps::Create(ordinal));
@@ -77,7 +83,7 @@ absl::StatusOr<std::unique_ptr<DeviceOps>> CreateCudaDeviceOps(int ordinal) {
 }
 
 absl::StatusOr<std::unique_ptr<CudaDeviceOps>> CudaDeviceOps::Create(
-    int ordinal, cudaStream_t stream) {
+    int ordinal, cudaStream_t stream, CudaAllocator* allocator) {
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {
@@ -102,6 +108,19 @@ absl::StatusOr<std::unique_ptr<CudaDeviceOps>> CudaDeviceOps::Create(
                              ordinal) != cudaSuccess) {
     pools = 0;
   }
+  if (pools != 0 && allocator == nullptr) {
+    // Keep freed memory reserved (PyTorch's caching allocator does the
+    // same): the pool otherwise returns it to the driver at every stream
+    // synchronization, and the next iteration's allocations reach the
+    // driver again.
+    cudaMemPool_t pool = nullptr;
+    if (cudaDeviceGetDefaultMemPool(&pool, ordinal) == cudaSuccess) {
+      uint64_t keep = UINT64_MAX;
+      FLATPARAM_RETURN_IF_ERROR(CudaError(
+          cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep),
+          "cudaMemPoolSetAttribute(cudaMemPoolAttrReleaseThreshold)"));
+    }
+  }
   bool owns = false;
   if (stream == nullptr) {
     FLATPARAM_RETURN_IF_ERROR(
@@ -110,7 +129,28 @@ absl::StatusOr<std::unique_ptr<CudaDeviceOps>> CudaDeviceOps::Create(
     owns = true;
   }
   return std::unique_ptr<CudaDeviceOps>(
-      new CudaDeviceOps(ordinal, stream, owns, pools != 0));
+      new CudaDeviceOps(ordinal, stream, owns, pools != 0, allocator));
+}
+
+int64_t CudaDeviceOps::PoolReserved(bool peak) const {
+  if (!async_alloc_ || allocator_ != nullptr) return 0;
+  cudaMemPool_t pool = nullptr;
+  if (cudaDeviceGetDefaultMemPool(&pool, ordinal_) != cudaSuccess) return 0;
+  uint64_t value = 0;
+  if (cudaMemPoolGetAttribute(pool,
+                              peak ? cudaMemPoolAttrReservedMemHigh
+                                   : cudaMemPoolAttrReservedMemCurrent,
+                              &value) != cudaSuccess) {
+    return 0;
+  }
+  return static_cast<int64_t>(value);
+}
+
+CudaAllocatorStats CudaDeviceOps::stats() const {
+  CudaAllocatorStats s = stats_;
+  s.reserved_bytes = PoolReserved(/*peak=*/false);
+  s.peak_reserved_bytes = PoolReserved(/*peak=*/true);
+  return s;
 }
 
 CudaDeviceOps::~CudaDeviceOps() {
@@ -219,15 +259,24 @@ absl::StatusOr<void*> CudaDeviceOps::DoAllocate(Device device, int64_t bytes,
     }
     return p;
   }
-  if (async_alloc_) {
+  if (allocator_ != nullptr) {
+    FLATPARAM_ASSIGN_OR_RETURN(p, allocator_->Allocate(bytes, stream_));
+  } else if (async_alloc_) {
+    const int64_t reserved = PoolReserved(/*peak=*/false);
     FLATPARAM_RETURN_IF_ERROR(CudaError(
         cudaMallocAsync(&p, static_cast<size_t>(bytes), stream_), what));
+    if (PoolReserved(/*peak=*/false) > reserved) ++stats_.device_mallocs;
   } else {
     FLATPARAM_RETURN_IF_ERROR(
         CudaError(cudaMalloc(&p, static_cast<size_t>(bytes)), what));
+    ++stats_.device_mallocs;
   }
   allocations_[static_cast<char*>(p)] =
       Allocation{bytes, current_stream().id, {}};
+  ++stats_.allocations;
+  stats_.allocated_bytes += bytes;
+  stats_.peak_allocated_bytes =
+      std::max(stats_.peak_allocated_bytes, stats_.allocated_bytes);
   return p;
 }
 
@@ -235,8 +284,8 @@ void CudaDeviceOps::DoFree(void* data, Device device, bool pinned) {
   DeviceGuard guard(ordinal_);
   if (device == Device::Host()) {
     if (pinned) {
-      // Asynchronous copies may still read or write it.
-      cudaStreamSynchronize(stream_);
+      // Asynchronous copies on any stream may still read or write it.
+      for (cudaStream_t s : streams_) cudaStreamSynchronize(s);
       cudaFreeHost(data);
     } else {
       ::operator delete (data, std::align_val_t{64});
@@ -247,7 +296,8 @@ void CudaDeviceOps::DoFree(void* data, Device device, bool pinned) {
   assert(it != allocations_.end());
   const Allocation a = it->second;
   allocations_.erase(it);
-  if (!async_alloc_) {
+  stats_.allocated_bytes -= a.bytes;
+  if (!async_alloc_ && allocator_ == nullptr) {
     cudaFree(data);  // synchronizes the device: every stream's use is done
     return;
   }
@@ -264,7 +314,11 @@ void CudaDeviceOps::DoFree(void* data, Device device, bool pinned) {
     cudaStreamWaitEvent(owner, e, 0);
     cudaEventDestroy(e);  // released once the wait no longer needs it
   }
-  cudaFreeAsync(data, owner);
+  if (allocator_ != nullptr) {
+    allocator_->Free(data, owner);
+  } else {
+    cudaFreeAsync(data, owner);
+  }
 }
 
 absl::Status CudaDeviceOps::DoCopy(BufferRef dst, ConstBufferRef src) {

@@ -2,17 +2,24 @@
 // for code with CUDA headers. Most code uses CreateCudaDeviceOps()
 // (cuda_device.h) instead.
 //
-// Stream. Every device operation is enqueued on stream(): a non-blocking
-// stream the ops own, or one the caller passes in. Passing the stream of the
-// NcclCommunicator (NcclCommunicator::stream()) orders device operations and
-// collectives without host synchronization; FlatParamHandle still calls
-// Synchronize() before each collective, so any stream is correct.
+// Streams. Stream 0 (the default) is a non-blocking stream the ops own, or
+// one the caller passes in (its compute stream: the ops then run on the
+// caller's stream, ordered with its own kernels without host syncs);
+// NewStream creates more. Every device operation is enqueued on the current
+// stream (stream()). FlatParamHandle waits on the host only for the stream
+// that produced a collective's input (device.h, handle.h).
 //
-// Memory. Device memory comes from the stream-ordered allocator
-// (cudaMallocAsync / cudaFreeAsync on stream()) where the device supports
-// memory pools, else cudaMalloc / cudaFree; a free is thus ordered after the
-// operations already enqueued on stream(). Pinned host memory comes from
-// cudaMallocHost; its free first synchronizes the stream. Unpinned host
+// Memory. Device memory comes from a stream-ordered allocator: by default
+// the device's memory pool (cudaMallocAsync / cudaFreeAsync), with its
+// release threshold raised so that freed memory stays reserved for reuse,
+// as PyTorch's caching allocator keeps it: after the first iterations no
+// allocation reaches the driver (stats().device_mallocs stops growing). A
+// block is freed on the stream it was allocated on, after that stream has
+// waited for an event on every stream recorded with RecordStream, so the
+// pool hands it out again only after their work. Without memory pools
+// (old devices), cudaMalloc / cudaFree. A trainer can plug in its own
+// stream-ordered allocator (CudaAllocator). Pinned host memory comes from
+// cudaMallocHost; its free first synchronizes the streams. Unpinned host
 // memory is ordinary 64-byte aligned heap memory.
 //
 // Completion. Copies that touch host memory are synchronous (the stream is
@@ -44,12 +51,43 @@
 
 namespace flatparam {
 
+// A trainer's own stream-ordered device allocator (its caching allocator),
+// for CudaDeviceOps to allocate through. Allocate returns memory usable by
+// work enqueued on `stream` from now on; Free makes it reusable by work
+// enqueued on `stream` after the call (cudaMallocAsync's contract).
+// Borrowed by the ops; must outlive them. Called from the ops' thread.
+class CudaAllocator {
+ public:
+  virtual ~CudaAllocator() = default;
+  virtual absl::StatusOr<void*> Allocate(int64_t bytes,
+                                         cudaStream_t stream) = 0;
+  virtual void Free(void* p, cudaStream_t stream) = 0;
+};
+
+// The device allocations of a CudaDeviceOps.
+struct CudaAllocatorStats {
+  int64_t allocated_bytes = 0;  // live DeviceBuffers on the device
+  int64_t peak_allocated_bytes = 0;
+  int64_t allocations = 0;  // Allocate calls for device memory
+  // The default pool only: memory the pool holds from the driver, now and
+  // at its peak, and how many allocations made it grow (the driver calls
+  // on the per-step path; 0 once warm).
+  int64_t reserved_bytes = 0;
+  int64_t peak_reserved_bytes = 0;
+  int64_t device_mallocs = 0;
+};
+
 class CudaDeviceOps final : public DeviceOps {
  public:
-  // Ops on device `ordinal`. `stream`: a stream of that device to use (not
-  // owned; it must outlive the ops), or null for a new non-blocking stream.
+  // Ops on device `ordinal`. `stream`: a stream of that device to use as
+  // stream 0 (not owned; it must outlive the ops), or null for a new
+  // non-blocking stream. `allocator`: the caller's, or null for the
+  // device's memory pool.
   static absl::StatusOr<std::unique_ptr<CudaDeviceOps>> Create(
-      int ordinal, cudaStream_t stream = nullptr);
+      int ordinal, cudaStream_t stream = nullptr,
+      CudaAllocator* allocator = nullptr);
+
+  CudaAllocatorStats stats() const;
 
   // Synchronizes the stream and destroys it if owned. Every DeviceBuffer
   // allocated by these ops must be gone before.
@@ -61,7 +99,9 @@ class CudaDeviceOps final : public DeviceOps {
   absl::string_view name() const override { return "cuda"; }
   absl::Status Synchronize() override;
 
+  // The current stream's CUDA stream.
   cudaStream_t stream() const { return stream_; }
+  cudaStream_t cuda_stream(Stream stream) const { return streams_[stream.id]; }
 
  protected:
   absl::StatusOr<void*> DoAllocate(Device device, int64_t bytes,
@@ -88,12 +128,15 @@ class CudaDeviceOps final : public DeviceOps {
 
  private:
   CudaDeviceOps(int ordinal, cudaStream_t stream, bool owns_stream,
-                bool async_alloc)
+                bool async_alloc, CudaAllocator* allocator)
       : ordinal_(ordinal),
         stream_(stream),
         owns_stream_(owns_stream),
         async_alloc_(async_alloc),
+        allocator_(allocator),
         streams_{stream} {}
+  // The pool's reserved bytes (0 without a pool or with a plug-in).
+  int64_t PoolReserved(bool peak) const;
 
   struct Allocation {
     int64_t bytes = 0;
@@ -106,6 +149,8 @@ class CudaDeviceOps final : public DeviceOps {
   cudaStream_t stream_;
   bool owns_stream_;
   bool async_alloc_;
+  CudaAllocator* allocator_;
+  CudaAllocatorStats stats_;
   // streams_[0] is the default stream (owned iff owns_stream_); the others
   // are owned.
   std::vector<cudaStream_t> streams_;

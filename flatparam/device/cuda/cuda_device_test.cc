@@ -140,6 +140,58 @@ class CudaDeviceOpsTest : public ::testing::Test {
   std::unique_ptr<DeviceOps> ops_;
 };
 
+// Streams and events on the GPU: a producer on its own stream, a consumer
+// on stream 0 that waits for its event, RecordStream before a free.
+TEST_F(CudaDeviceOpsTest, StreamsAndEventsOrderWork) {
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(Stream side, ops_->NewStream());
+  const int64_t n = int64_t{1} << 22;  // long enough to overlap
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer x,
+                                 ops_->Allocate(ops_->device(), n * 4));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer y,
+                                 ops_->Allocate(ops_->device(), n * 4));
+  BufferRef xs = x.As(DType::kFloat32), ys = y.As(DType::kFloat32);
+  ASSERT_THAT(ops_->Fill(ys, 0), IsOk());
+  ASSERT_THAT(ops_->SetStream(side), IsOk());
+  ASSERT_THAT(ops_->Fill(xs, 1), IsOk());
+  for (int i = 0; i < 8; ++i) {
+    ASSERT_THAT(ops_->Scale(xs, ScaleOp::kMultiply, 2), IsOk());
+  }
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(Event produced, ops_->RecordEvent(side));
+  ASSERT_THAT(ops_->SetStream(Stream{0}), IsOk());
+  ASSERT_THAT(ops_->WaitEvent(Stream{0}, produced), IsOk());
+  ASSERT_THAT(ops_->Add(ys, xs), IsOk());
+  ASSERT_THAT(ops_->RecordStream(xs, Stream{0}), IsOk());
+  std::vector<float> host(n);
+  ASSERT_THAT(
+      ops_->Copy(BufferRef{host.data(), n, DType::kFloat32, Device::Host()},
+                 ys),
+      IsOk());
+  for (int64_t i = 0; i < n; i += 4099) ASSERT_EQ(host[i], 256.0f) << i;
+  x.Reset();
+  ASSERT_THAT(ops_->Synchronize(), IsOk());
+}
+
+// After a warm-up round, freeing and reallocating the same sizes never
+// reaches the driver: the pool keeps the memory.
+TEST_F(CudaDeviceOpsTest, WarmAllocationsStayInThePool) {
+  ASSERT_GE(CudaDeviceMallocs(*ops_), 0);
+  int64_t warm = -1;
+  for (int round = 0; round < 3; ++round) {
+    std::vector<DeviceBuffer> buffers;
+    for (int64_t bytes :
+         {int64_t{1} << 20, int64_t{3} << 20, int64_t{64} << 20}) {
+      FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer b,
+                                     ops_->Allocate(ops_->device(), bytes));
+      ASSERT_THAT(ops_->Fill(b.As(DType::kFloat32), 0), IsOk());
+      buffers.push_back(std::move(b));
+    }
+    buffers.clear();
+    ASSERT_THAT(ops_->Synchronize(), IsOk());
+    if (round == 0) warm = CudaDeviceMallocs(*ops_);
+  }
+  EXPECT_EQ(CudaDeviceMallocs(*ops_), warm);
+}
+
 TEST_F(CudaDeviceOpsTest, CopiesBetweenHostPinnedHostAndDevice) {
   std::vector<unsigned char> src = HostBytes(DType::kFloat32, TestValues());
   const int64_t n = static_cast<int64_t>(src.size() / 4);

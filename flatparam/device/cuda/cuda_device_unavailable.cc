@@ -6,6 +6,8 @@ namespace flatparam {
 
 bool CudaDeviceOpsAvailable() { return false; }
 
+int64_t CudaDeviceMallocs(const DeviceOps& ops) { return -1; }
+
 absl::StatusOr<std::unique_ptr<DeviceOps>> CreateCudaDeviceOps(int ordinal) {
   return absl::UnimplementedError(absl::StrFormat(
       "cannot create CUDA DeviceOps on cuda:%d: this build has no CUDA "
