@@ -104,6 +104,17 @@ FlatParamHandle::FlatParamHandle(const FlatParamLayout& layout,
   }
   predivide_ = GradientPredivideFactor(dp_world_size_);
   postdivide_ = dp_world_size_ / predivide_;
+  // The simulator and MPI fold reductions on the host with PyTorch's CPU
+  // arithmetic (comm/host_reduce.h), dividing each contribution exactly as
+  // HostDeviceOps::Scale would: on the host device, dividing inside their
+  // collectives gives the same bits and saves two passes over the gradient.
+  auto host_folds = [](const Communicator* c) {
+    return c == nullptr || c->backend() == "sim" || c->backend() == "mpi";
+  };
+  divide_in_collectives_ =
+      options.divide_in_collectives ||
+      (device->device() == Device::Host() && host_folds(shard_group) &&
+       host_folds(replicate_group));
   for (const ParamInfo& p : layout.params()) {
     requires_grad_.push_back(p.requires_grad ? 1 : 0);
   }
@@ -805,7 +816,7 @@ absl::Status FlatParamHandle::StartReduceGradImpl() {
     grad = std::move(reduced);
   }
   const bool hybrid = IsHybridStrategy(strategy());
-  const bool in_collectives = options_.divide_in_collectives;
+  const bool in_collectives = divide_in_collectives_;
   // 2. Pre-divide (PyTorch's `_div_if_needed`: only factors > 1).
   if (!in_collectives && predivide_ > 1) {
     FLATPARAM_RETURN_IF_ERROR(
@@ -864,7 +875,7 @@ absl::Status FlatParamHandle::FinishReduceGradImpl() {
         "all-reduce of the gradient over the replicate group"));
   }
   // 5. Post-divide.
-  if (!options_.divide_in_collectives && postdivide_ > 1) {
+  if (!divide_in_collectives_ && postdivide_ > 1) {
     FLATPARAM_RETURN_IF_ERROR(
         device_->Scale(shard.ref(), ScaleOp::kDivide, postdivide_));
   }

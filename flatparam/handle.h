@@ -231,7 +231,11 @@ struct HandleOptions {
   // Divide gradients inside the collectives (ReduceOptions' divide factors)
   // instead of with DeviceOps::Scale before and after them. Off by default:
   // the NCCL backend folds both factors into one pre-multiplied sum, which
-  // rounds differently from PyTorch's two `div_` calls.
+  // rounds differently from PyTorch's two `div_` calls. On the host device
+  // with host-reducing communicators (the simulator, MPI) the handle
+  // divides inside the collectives anyway: their folds divide each
+  // contribution exactly as the separate passes would (comm/host_reduce.h),
+  // so the bits are the same and two passes over the gradient are saved.
   bool divide_in_collectives = false;
   // PyTorch's FSDP_USE_FULL_PREC_IN_EVAL=1: in eval mode (SetTraining(false))
   // mixed precision is off, so unshards gather the full-precision parameter
@@ -425,7 +429,8 @@ class FlatParamHandle {
   //      for NO_SHARD with keep_low_precision_grads) if it differs;
   //   7. sharded_grad = s, or sharded_grad += s when a gradient exists
   //      (under CPU offload: copied to the host and added there).
-  // With divide_in_collectives, step 2's factor goes to the reduce-scatter's
+  // With divide_in_collectives (or where it is implied, see HandleOptions),
+  // step 2's factor goes to the reduce-scatter's
   // ReduceOptions::pre_divide_factor and step 5's to the post_divide_factor
   // of the last collective (the replicate all-reduce for hybrid). On a
   // collective failure the unsharded gradient is dropped and the sharded
@@ -649,6 +654,8 @@ class FlatParamHandle {
   DType reduce_dtype_;
   double predivide_ = 1;
   double postdivide_ = 1;
+  // options.divide_in_collectives, or implied where it is bitwise the same.
+  bool divide_in_collectives_ = false;
 
   MemoryTracker tracker_;
   HandleTrainingState state_ = HandleTrainingState::kIdle;
