@@ -128,6 +128,15 @@ HostTensor HostTensor::Flat(DType dtype, int64_t numel) {
   return HostTensor(dtype, {numel});
 }
 
+HostTensor HostTensor::Uninitialized(DType dtype, std::vector<int64_t> shape) {
+  HostTensor t;
+  t.dtype_ = dtype;
+  t.shape_ = std::move(shape);
+  t.numel_ = NumElements(t.shape_);
+  t.bytes_.resize(static_cast<size_t>(t.numel_) * DTypeSize(dtype));
+  return t;
+}
+
 absl::Status Flatten(const FlatParamLayout& layout,
                      absl::Span<const ConstBufferRef> params, BufferRef out) {
   FLATPARAM_RETURN_IF_ERROR(CheckParams(layout, params));

@@ -27,6 +27,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -37,14 +39,42 @@
 
 namespace flatparam {
 
+namespace internal_flatten {
+// std::allocator whose value-less construct() leaves bytes uninitialized,
+// so that a vector can be resized without zeroing what will be overwritten.
+template <typename T>
+struct DefaultInitAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = DefaultInitAllocator<U>;
+  };
+  DefaultInitAllocator() = default;
+  template <typename U>
+  DefaultInitAllocator(const DefaultInitAllocator<U>&) {}  // NOLINT
+  template <typename U>
+  void construct(U* p) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+}  // namespace internal_flatten
+
 // A host tensor that owns its (contiguous, row-major) storage.
 // Movable and copyable; not thread-safe for concurrent mutation.
 class HostTensor {
  public:
   HostTensor() = default;
+  // Zero-filled.
   HostTensor(DType dtype, std::vector<int64_t> shape);
-  // A 1-D tensor of `numel` elements.
+  // A 1-D tensor of `numel` elements, zero-filled.
   static HostTensor Flat(DType dtype, int64_t numel);
+  // Storage left uninitialized, for a tensor about to be overwritten whole
+  // (a read from a file): zero-filling a large tensor first costs as much
+  // as reading it from the page cache.
+  static HostTensor Uninitialized(DType dtype, std::vector<int64_t> shape);
 
   DType dtype() const { return dtype_; }
   const std::vector<int64_t>& shape() const { return shape_; }
@@ -85,7 +115,9 @@ class HostTensor {
   std::vector<int64_t> shape_;
   int64_t numel_ = 0;
   // 16-byte aligned storage (max_align_t) as a byte vector.
-  std::vector<unsigned char> bytes_;
+  std::vector<unsigned char,
+              internal_flatten::DefaultInitAllocator<unsigned char>>
+      bytes_;
 };
 
 // Writes the unsharded flat parameter: `params[i]` is the data of

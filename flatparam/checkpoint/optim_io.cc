@@ -571,7 +571,8 @@ absl::Status FillState(
 
 // Pulls `source` whole, in the writer's chunks.
 absl::StatusOr<HostTensor> PullSource(const TensorSource& source) {
-  HostTensor t(source.dtype, source.shape);
+  // Filled whole below: no zero-fill first.
+  HostTensor t = HostTensor::Uninitialized(source.dtype, source.shape);
   char* data = static_cast<char*>(t.data());
   for (uint64_t done = 0; done < t.nbytes();) {
     const uint64_t n =
@@ -646,16 +647,31 @@ absl::StatusOr<RankState> ReadRankState(const ShardedCheckpointReader& reader,
                              ParseOptimSidecar(doc, sidecar_name));
   const int64_t n = static_cast<int64_t>(reader.layout().flat_params().size());
   FLATPARAM_RETURN_IF_ERROR(CheckRankSidecar(sidecar, file, n, sidecar_name));
+  // Every tensor of the file is needed (CheckRankSidecar: each "optim.*"
+  // one is named by the sidecar): read them in the file's data order, so
+  // that the file is read front to back once -- with per-block
+  // verification, no checksum block is read twice.
+  std::map<std::string, HostTensor> tensors;
+  for (const SafetensorsEntry& e : file.tensors()) {
+    FLATPARAM_ASSIGN_OR_RETURN(HostTensor t, file.ReadHostTensor(e.name));
+    tensors.emplace(e.name, std::move(t));
+  }
+  auto take = [&](const std::string& name) -> absl::StatusOr<HostTensor> {
+    auto it = tensors.find(name);
+    if (it == tensors.end()) {
+      return absl::DataLossError(
+          absl::StrCat(file.name(), ": no tensor '", name, "'"));
+    }
+    HostTensor t = std::move(it->second);
+    tensors.erase(it);
+    return t;
+  };
   RankState state;
   for (int64_t i = 0; i < n; ++i) {
-    FLATPARAM_ASSIGN_OR_RETURN(HostTensor t,
-                               file.ReadHostTensor(FlatParamTensorName(i)));
+    FLATPARAM_ASSIGN_OR_RETURN(HostTensor t, take(FlatParamTensorName(i)));
     state.flat_params.push_back(std::move(t));
   }
-  FLATPARAM_RETURN_IF_ERROR(FillState(
-      sidecar,
-      [&file](const std::string& name) { return file.ReadHostTensor(name); },
-      state.optim));
+  FLATPARAM_RETURN_IF_ERROR(FillState(sidecar, take, state.optim));
   state.extra = std::move(sidecar.extra);
   return state;
 }

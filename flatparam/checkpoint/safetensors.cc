@@ -644,7 +644,8 @@ absl::Status SafetensorsReader::ReadRange(absl::string_view name,
 absl::StatusOr<HostTensor> SafetensorsReader::ReadHostTensor(
     absl::string_view name) const {
   FLATPARAM_ASSIGN_OR_RETURN(const SafetensorsEntry* e, Find(name));
-  HostTensor tensor(e->dtype, e->shape);
+  // Read whole below: no zero-fill first.
+  HostTensor tensor = HostTensor::Uninitialized(e->dtype, e->shape);
   assert(tensor.nbytes() == e->nbytes());
   FLATPARAM_RETURN_IF_ERROR(
       Read(name,
