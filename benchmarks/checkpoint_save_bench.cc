@@ -35,12 +35,11 @@
 #include <thread>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "benchmarks/bench_flags.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/async_checkpoint.h"
@@ -220,28 +219,11 @@ void BM_Save(benchmark::State& state, Mode mode) {
 
 int main(int argc, char** argv) {
   flatparam::Flags& flags = flatparam::GetFlags();
-  int out = 1;
-  for (int i = 1; i < argc; ++i) {
-    absl::string_view arg = argv[i];
-    if (absl::ConsumePrefix(&arg, "--state_mib=")) {
-      if (!absl::SimpleAtoi(arg, &flags.state_mib) || flags.state_mib < 1) {
-        std::fprintf(stderr, "checkpoint_save_bench: bad --state_mib=%s\n",
-                     std::string(arg).c_str());
-        return 2;
-      }
-    } else if (absl::ConsumePrefix(&arg, "--train_ms=")) {
-      if (!absl::SimpleAtoi(arg, &flags.train_ms) || flags.train_ms < 0) {
-        std::fprintf(stderr, "checkpoint_save_bench: bad --train_ms=%s\n",
-                     std::string(arg).c_str());
-        return 2;
-      }
-    } else if (absl::ConsumePrefix(&arg, "--dir=")) {
-      flags.dir = std::string(arg);
-    } else {
-      argv[out++] = argv[i];
-    }
-  }
-  argc = out;
+  flatparam::bench::BenchFlags parser("checkpoint_save_bench");
+  parser.Int64("state_mib", &flags.state_mib, 1);
+  parser.Int64("train_ms", &flags.train_ms, 0);
+  parser.String("dir", &flags.dir);
+  parser.Parse(&argc, argv);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 2;
   using flatparam::Mode;

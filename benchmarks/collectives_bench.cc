@@ -39,9 +39,10 @@
 //
 // MPI and NCCL: every rank must run the same collectives, but Google
 // Benchmark decides on rank 0 alone how many iterations to run. So rank 0
-// broadcasts each benchmark run (op, size, iterations) over MPI_COMM_WORLD
-// before it starts, and the other ranks run exactly that, then report their
-// wrong elements with MPI_Reduce.
+// broadcasts each benchmark run (which one, iterations) over MPI_COMM_WORLD
+// before it starts, and the other ranks run exactly that
+// (benchmarks/mpi_bench_driver.h), then report their wrong elements with
+// MPI_Reduce.
 #include <benchmark/benchmark.h>
 #include <mpi.h>
 
@@ -60,8 +61,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/strip.h"
 #include "benchmarks/collectives_bench_gpu.h"
+#include "benchmarks/mpi_bench_driver.h"
 #include "comm/communicator.h"
 #include "comm/conformance/bandwidth.h"
 #include "comm/conformance/case_values.h"
@@ -84,13 +85,14 @@ constexpr CollectiveKind kKinds[] = {
     CollectiveKind::kReduceScatter,
     CollectiveKind::kAllReduce,
 };
+constexpr char kProgram[] = "collectives_bench";
 constexpr DType kDType = DType::kFloat32;
 constexpr int64_t kMinBytes = int64_t{1} << 10;
 constexpr int64_t kMaxBytes = int64_t{1} << 30;
 
 struct Flags {
   std::string backend = "sim";
-  int ranks = 8;
+  int64_t ranks = 8;
   int64_t max_bytes = 0;  // 0: the backend's default
 };
 
@@ -99,14 +101,6 @@ enum class Impl : int32_t {
   kFlatparam = 0,  // the Communicator
   kRawMpi = 1,     // MPI's own collective on MPI_COMM_WORLD
 };
-
-[[noreturn]] void Die(const absl::Status& status) {
-  std::fprintf(stderr, "collectives_bench: %s\n", status.ToString().c_str());
-  int initialized = 0;
-  MPI_Initialized(&initialized);
-  if (initialized) MPI_Abort(MPI_COMM_WORLD, 1);
-  std::exit(1);
-}
 
 // One benchmark's buffers on one rank, filled with kExact values (sums
 // exact in any order, so every backend's result is checkable).
@@ -235,7 +229,7 @@ void RunSim(benchmark::State& state, CollectiveKind kind, int64_t bytes,
   options.world_size = ranks;
   options.seed = 1;
   absl::StatusOr<std::unique_ptr<SimWorld>> world = SimWorld::Create(options);
-  if (!world.ok()) Die(world.status());
+  if (!world.ok()) Die(kProgram, world.status());
   // Rank 0 publishes, before each collective, whether it is timed; the
   // others read the flag of a collective once it has completed, which needs
   // rank 0 to have issued it. The last one is an untimed extra.
@@ -274,14 +268,8 @@ void RunSim(benchmark::State& state, CollectiveKind kind, int64_t bytes,
 }
 
 // ---------------------------------------------------------------------------
-// MPI and NCCL: rank 0 runs Google Benchmark and broadcasts each run.
-
-struct Command {
-  int32_t kind = -1;  // a CollectiveKind; -1: no more benchmarks
-  int32_t impl = 0;
-  int64_t bytes = 0;
-  int64_t iterations = 0;
-};
+// MPI and NCCL: rank 0 runs Google Benchmark, the other ranks follow
+// (RunMpiBenchmarks).
 
 struct Context {
   Communicator* comm = nullptr;
@@ -290,13 +278,13 @@ struct Context {
   std::function<absl::StatusOr<double>(const IssueFn&)> time;
 };
 
-// Runs `command` on this rank; `state` is rank 0's, null elsewhere.
-void Execute(const Command& command, Context& context,
-             benchmark::State* state) {
-  const CollectiveKind kind = static_cast<CollectiveKind>(command.kind);
-  const bool raw = static_cast<Impl>(command.impl) == Impl::kRawMpi;
+// Runs `iterations` collectives of `kind` and `bytes` by `impl` on this
+// rank; `state` is rank 0's, null elsewhere.
+void Execute(CollectiveKind kind, Impl impl, int64_t bytes, int64_t iterations,
+             Context& context, benchmark::State* state) {
+  const bool raw = impl == Impl::kRawMpi;
   absl::StatusOr<Collective> made =
-      Collective::Make(*context.comm, *context.memory, kind, command.bytes);
+      Collective::Make(*context.comm, *context.memory, kind, bytes);
   // Every rank learns whether every rank could allocate, so none hangs.
   int failed = made.ok() ? 0 : 1;
   int any = 0;
@@ -312,35 +300,24 @@ void Execute(const Command& command, Context& context,
     return;
   }
   Collective& c = *made;
+  double seconds = 0;
   const IssueFn issue = [&c, raw] { return raw ? c.IssueRawMpi() : c.Issue(); };
   auto once = [&]() -> double {
     absl::StatusOr<double> t = context.time(issue);
-    if (!t.ok()) Die(t.status());
+    if (!t.ok()) Die(kProgram, t.status());
+    seconds += *t;
     return *t;
   };
   MPI_Barrier(MPI_COMM_WORLD);
-  double seconds = 0;
-  if (state != nullptr) {
-    for (auto _ : *state) {
-      const double t = once();
-      state->SetIterationTime(t);
-      seconds += t;
-    }
-  } else {
-    for (int64_t i = 0; i < command.iterations; ++i) once();
-  }
+  RunIterations(state, iterations, once);
   absl::StatusOr<int64_t> wrong = c.Wrong();
-  if (!wrong.ok()) Die(wrong.status());
+  if (!wrong.ok()) Die(kProgram, wrong.status());
   int64_t mine = *wrong;
   int64_t total = 0;
   MPI_Reduce(&mine, &total, 1, MPI_INT64_T, MPI_SUM, 0, MPI_COMM_WORLD);
   if (state != nullptr) {
     SetCounters(*state, kind, c.bytes(), context.comm->size(), seconds, total);
   }
-}
-
-void Broadcast(Command& command) {
-  MPI_Bcast(&command, sizeof(command), MPI_BYTE, 0, MPI_COMM_WORLD);
 }
 
 // ---------------------------------------------------------------------------
@@ -356,31 +333,11 @@ std::vector<int64_t> Sizes(int64_t max_bytes) {
 // Removes this binary's own flags from argv; Google Benchmark gets the rest.
 Flags ParseFlags(int* argc, char** argv) {
   Flags flags;
-  int out = 1;
-  for (int i = 1; i < *argc; ++i) {
-    absl::string_view arg = argv[i];
-    bool ok = true;
-    if (absl::ConsumePrefix(&arg, "--backend=")) {
-      flags.backend = std::string(arg);
-      ok = arg == "sim" || arg == "mpi" || arg == "nccl";
-    } else if (absl::ConsumePrefix(&arg, "--ranks=")) {
-      ok = absl::SimpleAtoi(arg, &flags.ranks) && flags.ranks >= 1;
-    } else if (absl::ConsumePrefix(&arg, "--max_bytes=") ||
-               absl::ConsumePrefix(&arg, "--max-bytes=")) {
-      ok = absl::SimpleAtoi(arg, &flags.max_bytes) && flags.max_bytes >= 1;
-    } else {
-      argv[out++] = argv[i];
-      continue;
-    }
-    if (!ok) {
-      std::fprintf(stderr,
-                   "collectives_bench: bad flag %s (expected --backend=sim|"
-                   "mpi|nccl, --ranks=N >= 1, --max_bytes=B >= 1)\n",
-                   argv[i]);
-      std::exit(2);
-    }
-  }
-  *argc = out;
+  BenchFlags parser(kProgram);
+  parser.String("backend", &flags.backend, {"sim", "mpi", "nccl"});
+  parser.Int64("ranks", &flags.ranks, 1);
+  parser.Int64("max_bytes", &flags.max_bytes, 1);
+  parser.Parse(argc, argv);
   if (flags.max_bytes == 0) {
     flags.max_bytes = flags.backend == "sim"   ? int64_t{64} << 20
                       : flags.backend == "mpi" ? int64_t{256} << 20
@@ -397,9 +354,8 @@ int SimMain(const Flags& flags) {
                           conformance::CollectiveKindName(kind), flags.ranks,
                           bytes)
               .c_str(),
-          [kind, bytes, ranks = flags.ranks](benchmark::State& state) {
-            RunSim(state, kind, bytes, ranks);
-          })
+          [kind, bytes, ranks = static_cast<int>(flags.ranks)](
+              benchmark::State& state) { RunSim(state, kind, bytes, ranks); })
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
     }
@@ -417,11 +373,11 @@ int LocalRank() {
 
 int MpiMain(const Flags& flags, int* argc, char*** argv) {
   absl::StatusOr<MpiSession> session = MpiSession::Start(argc, argv);
-  if (!session.ok()) Die(session.status());
+  if (!session.ok()) Die(kProgram, session.status());
   {
     absl::StatusOr<std::unique_ptr<MpiCommunicator>> world =
         MpiCommunicator::CreateWorld();
-    if (!world.ok()) Die(world.status());
+    if (!world.ok()) Die(kProgram, world.status());
     Context context;
     context.comm = world->get();
     context.memory = &conformance::HostMemory();
@@ -451,52 +407,36 @@ int MpiMain(const Flags& flags, int* argc, char*** argv) {
       context.time = gpu.time;
     }
     const int n = context.comm->size();
-    if ((*world)->rank() != 0) {
-      for (;;) {
-        Command command;
-        Broadcast(command);
-        if (command.kind < 0) break;
-        Execute(command, context, nullptr);
-      }
-    } else {
-      std::vector<Impl> impls = {Impl::kFlatparam};
-      if (!nccl) impls.push_back(Impl::kRawMpi);
-      for (CollectiveKind kind : kKinds) {
-        for (Impl impl : impls) {
-          for (int64_t bytes : Sizes(flags.max_bytes)) {
-            const std::string name =
-                impl == Impl::kRawMpi
-                    ? absl::StrFormat("mpi_raw/%s/ranks:%d/bytes:%d",
-                                      conformance::CollectiveKindName(kind), n,
-                                      bytes)
-                    : absl::StrFormat("%s/%s/ranks:%d/bytes:%d", flags.backend,
-                                      conformance::CollectiveKindName(kind), n,
-                                      bytes);
-            benchmark::RegisterBenchmark(
-                name.c_str(),
-                [&context, kind, impl, bytes](benchmark::State& state) {
-                  Command command;
-                  command.kind = static_cast<int32_t>(kind);
-                  command.impl = static_cast<int32_t>(impl);
-                  command.bytes = bytes;
-                  command.iterations = state.max_iterations;
-                  Broadcast(command);
-                  Execute(command, context, &state);
-                })
-                ->UseManualTime()
-                ->Unit(benchmark::kMicrosecond);
-          }
+    std::vector<Impl> impls = {Impl::kFlatparam};
+    if (!nccl) impls.push_back(Impl::kRawMpi);
+    std::vector<MpiBenchmark> benchmarks;
+    for (CollectiveKind kind : kKinds) {
+      for (Impl impl : impls) {
+        for (int64_t bytes : Sizes(flags.max_bytes)) {
+          MpiBenchmark b;
+          b.name = impl == Impl::kRawMpi
+                       ? absl::StrFormat("mpi_raw/%s/ranks:%d/bytes:%d",
+                                         conformance::CollectiveKindName(kind),
+                                         n, bytes)
+                       : absl::StrFormat(
+                             "%s/%s/ranks:%d/bytes:%d", flags.backend,
+                             conformance::CollectiveKindName(kind), n, bytes);
+          b.run = [&context, kind, impl, bytes](benchmark::State* state,
+                                                int64_t iterations) {
+            Execute(kind, impl, bytes, iterations, context, state);
+          };
+          b.configure = [](benchmark::internal::Benchmark* r) {
+            r->UseManualTime()->Unit(benchmark::kMicrosecond);
+          };
+          benchmarks.push_back(std::move(b));
         }
       }
-      benchmark::RunSpecifiedBenchmarks();
-      benchmark::Shutdown();
-      Command done;
-      Broadcast(done);
     }
+    RunMpiBenchmarks(benchmarks);
     gpu = GpuContext();
   }
   const absl::Status finished = session->Finish();
-  if (!finished.ok()) Die(finished);
+  if (!finished.ok()) Die(kProgram, finished);
   return 0;
 }
 

@@ -49,16 +49,14 @@
 // On the simulator ranks take turns, so rank 0's collective finishes only
 // after every rank's share of the work: the time is the whole simulated
 // operation's. Under MPI, rank 0 runs Google Benchmark and broadcasts each
-// run (op, size, iterations) so that every rank runs the same collectives,
-// as benchmarks/collectives_bench.cc does.
+// run (which one, iterations) so that every rank runs the same collectives
+// (benchmarks/mpi_bench_driver.h).
 #include <benchmark/benchmark.h>
 #include <mpi.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <memory>
 #include <string>
 #include <utility>
@@ -66,9 +64,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/strip.h"
+#include "benchmarks/mpi_bench_driver.h"
 #include "comm/communicator.h"
 #include "comm/conformance/bandwidth.h"
 #include "comm/mpi/mpi_communicator.h"
@@ -85,6 +82,7 @@ namespace {
 
 using conformance::CollectiveKind;
 
+constexpr char kProgram[] = "handle_bench";
 constexpr int64_t kMinBytes = int64_t{1} << 20;
 constexpr int64_t kMaxBytes = int64_t{256} << 20;
 
@@ -119,18 +117,10 @@ CollectiveKind KindOf(Op op) {
 
 struct Flags {
   std::string backend = "sim";
-  int ranks = 4;
+  int64_t ranks = 4;
   int64_t max_bytes = kMaxBytes;
   CachingAllocatorOptions cache;
 };
-
-[[noreturn]] void Die(const absl::Status& status) {
-  std::fprintf(stderr, "handle_bench: %s\n", status.ToString().c_str());
-  int initialized = 0;
-  MPI_Initialized(&initialized);
-  if (initialized) MPI_Abort(MPI_COMM_WORLD, 1);
-  std::exit(1);
-}
 
 double Seconds(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
@@ -290,7 +280,7 @@ void RunSim(benchmark::State& state, Op op, int64_t bytes, int ranks,
   options.world_size = ranks;
   options.seed = 1;
   absl::StatusOr<std::unique_ptr<SimWorld>> world = SimWorld::Create(options);
-  if (!world.ok()) Die(world.status());
+  if (!world.ok()) Die(kProgram, world.status());
   // Rank 0 publishes, before each iteration, whether it is timed; the others
   // read the flag once rank 0 has issued the iteration's collective. The
   // last iteration is an untimed extra.
@@ -326,44 +316,27 @@ void RunSim(benchmark::State& state, Op op, int64_t bytes, int ranks,
 }
 
 // ---------------------------------------------------------------------------
-// MPI: rank 0 runs Google Benchmark and broadcasts each run.
+// MPI: rank 0 runs Google Benchmark, the other ranks follow
+// (RunMpiBenchmarks).
 
-struct Command {
-  int32_t op = -1;  // an Op; -1: no more benchmarks
-  int64_t bytes = 0;
-  int64_t iterations = 0;
-};
-
-void Broadcast(Command& command) {
-  MPI_Bcast(&command, sizeof(command), MPI_BYTE, 0, MPI_COMM_WORLD);
-}
-
-// Runs `command` on this rank; `state` is rank 0's, null elsewhere.
-void Execute(const Command& command, Communicator& comm,
+// Runs `iterations` of `op` at `bytes` on this rank; `state` is rank 0's,
+// null elsewhere.
+void Execute(Op op, int64_t bytes, int64_t iterations, Communicator& comm,
              const CachingAllocatorOptions& cache, benchmark::State* state) {
-  const Op op = static_cast<Op>(command.op);
   absl::StatusOr<std::unique_ptr<Unit>> made =
-      Unit::Make(comm, op, command.bytes, cache);
-  if (!made.ok()) Die(made.status());
+      Unit::Make(comm, op, bytes, cache);
+  if (!made.ok()) Die(kProgram, made.status());
   Unit& u = **made;
   MPI_Barrier(MPI_COMM_WORLD);
-  auto once = [&]() -> double {
-    absl::StatusOr<double> t = u.Iterate();
-    if (!t.ok()) Die(t.status());
-    return *t;
-  };
   double seconds = 0;
-  if (state != nullptr) {
-    for (auto _ : *state) {
-      const double t = once();
-      state->SetIterationTime(t);
-      seconds += t;
-    }
-  } else {
-    for (int64_t i = 0; i < command.iterations; ++i) once();
-  }
+  RunIterations(state, iterations, [&]() -> double {
+    absl::StatusOr<double> t = u.Iterate();
+    if (!t.ok()) Die(kProgram, t.status());
+    seconds += *t;
+    return *t;
+  });
   absl::StatusOr<int64_t> wrong = u.Wrong();
-  if (!wrong.ok()) Die(wrong.status());
+  if (!wrong.ok()) Die(kProgram, wrong.status());
   int64_t mine = *wrong;
   int64_t total = 0;
   MPI_Reduce(&mine, &total, 1, MPI_INT64_T, MPI_SUM, 0, MPI_COMM_WORLD);
@@ -385,40 +358,17 @@ std::vector<int64_t> Sizes(int64_t max_bytes) {
 // Removes this binary's own flags from argv; Google Benchmark gets the rest.
 Flags ParseFlags(int* argc, char** argv) {
   Flags flags;
-  int out = 1;
-  for (int i = 1; i < *argc; ++i) {
-    absl::string_view arg = argv[i];
-    bool ok = true;
-    if (absl::ConsumePrefix(&arg, "--backend=")) {
-      flags.backend = std::string(arg);
-      ok = arg == "sim" || arg == "mpi";
-    } else if (absl::ConsumePrefix(&arg, "--ranks=")) {
-      ok = absl::SimpleAtoi(arg, &flags.ranks) && flags.ranks >= 1;
-    } else if (absl::ConsumePrefix(&arg, "--max_bytes=") ||
-               absl::ConsumePrefix(&arg, "--max-bytes=")) {
-      ok = absl::SimpleAtoi(arg, &flags.max_bytes) && flags.max_bytes >= 1;
-    } else if (absl::ConsumePrefix(&arg, "--host_cache_bytes=") ||
-               absl::ConsumePrefix(&arg, "--host-cache-bytes=")) {
-      ok = absl::SimpleAtoi(arg, &flags.cache.max_cached_bytes) &&
-           flags.cache.max_cached_bytes >= 0;
-    } else {
-      argv[out++] = argv[i];
-      continue;
-    }
-    if (!ok) {
-      std::fprintf(stderr,
-                   "handle_bench: bad flag %s (expected --backend=sim|mpi, "
-                   "--ranks=N >= 1, --max_bytes=B >= 1, "
-                   "--host_cache_bytes=B >= 0)\n",
-                   argv[i]);
-      std::exit(2);
-    }
-  }
-  *argc = out;
+  BenchFlags parser(kProgram);
+  parser.String("backend", &flags.backend, {"sim", "mpi"});
+  parser.Int64("ranks", &flags.ranks, 1);
+  parser.Int64("max_bytes", &flags.max_bytes, 1);
+  parser.Int64("host_cache_bytes", &flags.cache.max_cached_bytes, 0);
+  parser.Parse(argc, argv);
   return flags;
 }
 
-std::string Name(const std::string& backend, Op op, int ranks, int64_t bytes) {
+std::string Name(const std::string& backend, Op op, int64_t ranks,
+                 int64_t bytes) {
   return absl::StrFormat("%s/%s/ranks:%d/bytes:%d", backend, OpName(op), ranks,
                          bytes);
 }
@@ -428,7 +378,7 @@ int SimMain(const Flags& flags) {
     for (Op op : kOps) {
       benchmark::RegisterBenchmark(
           Name("sim", op, flags.ranks, bytes).c_str(),
-          [op, bytes, ranks = flags.ranks,
+          [op, bytes, ranks = static_cast<int>(flags.ranks),
            cache = flags.cache](benchmark::State& state) {
             RunSim(state, op, bytes, ranks, cache);
           })
@@ -443,44 +393,31 @@ int SimMain(const Flags& flags) {
 
 int MpiMain(const Flags& flags, int* argc, char*** argv) {
   absl::StatusOr<MpiSession> session = MpiSession::Start(argc, argv);
-  if (!session.ok()) Die(session.status());
+  if (!session.ok()) Die(kProgram, session.status());
   {
     absl::StatusOr<std::unique_ptr<MpiCommunicator>> world =
         MpiCommunicator::CreateWorld();
-    if (!world.ok()) Die(world.status());
+    if (!world.ok()) Die(kProgram, world.status());
     Communicator& comm = **world;
-    if (comm.rank() != 0) {
-      for (;;) {
-        Command command;
-        Broadcast(command);
-        if (command.op < 0) break;
-        Execute(command, comm, flags.cache, nullptr);
+    std::vector<MpiBenchmark> benchmarks;
+    for (int64_t bytes : Sizes(flags.max_bytes)) {
+      for (Op op : kOps) {
+        MpiBenchmark b;
+        b.name = Name("mpi", op, comm.size(), bytes);
+        b.run = [&comm, op, bytes, cache = flags.cache](benchmark::State* state,
+                                                        int64_t iterations) {
+          Execute(op, bytes, iterations, comm, cache, state);
+        };
+        b.configure = [](benchmark::internal::Benchmark* r) {
+          r->UseManualTime()->Unit(benchmark::kMicrosecond);
+        };
+        benchmarks.push_back(std::move(b));
       }
-    } else {
-      for (int64_t bytes : Sizes(flags.max_bytes)) {
-        for (Op op : kOps) {
-          benchmark::RegisterBenchmark(
-              Name("mpi", op, comm.size(), bytes).c_str(),
-              [&comm, op, bytes, cache = flags.cache](benchmark::State& state) {
-                Command command;
-                command.op = static_cast<int32_t>(op);
-                command.bytes = bytes;
-                command.iterations = state.max_iterations;
-                Broadcast(command);
-                Execute(command, comm, cache, &state);
-              })
-              ->UseManualTime()
-              ->Unit(benchmark::kMicrosecond);
-        }
-      }
-      benchmark::RunSpecifiedBenchmarks();
-      benchmark::Shutdown();
-      Command done;
-      Broadcast(done);
     }
+    RunMpiBenchmarks(benchmarks);
   }
   const absl::Status finished = session->Finish();
-  if (!finished.ok()) Die(finished);
+  if (!finished.ok()) Die(kProgram, finished);
   return 0;
 }
 

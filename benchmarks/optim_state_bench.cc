@@ -54,7 +54,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
-#include "absl/strings/strip.h"
+#include "benchmarks/bench_flags.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
@@ -304,28 +304,11 @@ void BM_Convert(benchmark::State& state, Op op) {
 int main(int argc, char** argv) {
   using flatparam::Op;
   flatparam::Flags& flags = flatparam::GetFlags();
-  int out = 1;
-  for (int i = 1; i < argc; ++i) {
-    absl::string_view arg = argv[i];
-    if (absl::ConsumePrefix(&arg, "--state_mib=")) {
-      if (!absl::SimpleAtoi(arg, &flags.state_mib) || flags.state_mib < 1) {
-        std::fprintf(stderr, "optim_state_bench: bad --state_mib=%s\n",
-                     std::string(arg).c_str());
-        return 2;
-      }
-    } else if (absl::ConsumePrefix(&arg, "--chunk_kib=")) {
-      if (!absl::SimpleAtoi(arg, &flags.chunk_kib) || flags.chunk_kib < 1) {
-        std::fprintf(stderr, "optim_state_bench: bad --chunk_kib=%s\n",
-                     std::string(arg).c_str());
-        return 2;
-      }
-    } else if (absl::ConsumePrefix(&arg, "--dir=")) {
-      flags.dir = std::string(arg);
-    } else {
-      argv[out++] = argv[i];
-    }
-  }
-  argc = out;
+  flatparam::bench::BenchFlags parser("optim_state_bench");
+  parser.Int64("state_mib", &flags.state_mib, 1);
+  parser.Int64("chunk_kib", &flags.chunk_kib, 1);
+  parser.String("dir", &flags.dir);
+  parser.Parse(&argc, argv);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 2;
   const std::pair<const char*, Op> runs[] = {

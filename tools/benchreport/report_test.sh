@@ -19,6 +19,8 @@ expect "| all_gather | 1 KiB | 1 | 4 | 0.25 | 0 |"
 expect "| reduce_grad | reduce_scatter | 4 | 1 MiB | 0.5 | 2 | 0.25 | 0 |"
 expect "| unshard_reshard | all_gather | 4 | 1 MiB | 3 | 2 | 1.50 | 0 |"
 expect "not run (no optim_state.json)"
+# Aggregates-only output: the medians are the rows.
+expect "| checkpoint_load/ranks:4/saved:4/cache:cold/load | 256.0 MiB | 1.01 | 0.7 s | 1.14 |"
 
 if python3 "${report}" /nonexistent-dir 2>/dev/null; then
   echo "report.py accepted a missing directory" >&2
@@ -27,7 +29,8 @@ fi
 
 dry="$(bash "${runner}" --dry-run --out=/tmp/x)"
 for run in flatparam_bench sim_bench "collectives_bench --backend=mpi" \
-    "handle_bench --backend=sim" "handle_bench --backend=mpi" optim_state_bench; do
+    "handle_bench --backend=sim" "handle_bench --backend=mpi" optim_state_bench \
+    checkpoint_load_bench; do
   if ! grep -qF -- "${run}" <<<"${dry}"; then
     echo "run_benchmarks.sh --dry-run does not run ${run}:" >&2
     echo "${dry}" >&2

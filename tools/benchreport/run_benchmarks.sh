@@ -9,9 +9,12 @@
 # --benchmark_out=DIR/<name>.json (MPI benchmarks under mpirun, 4 ranks;
 # NCCL ones only where `nvidia-smi -L` lists a GPU), then runs report.py on
 # DIR. --quick shortens every run (--benchmark_min_time=0.01, smaller
-# optimizer-state model): for checking the script, not for figures.
-# --only limits the runs to the named benchmarks (flatparam, sim,
-# collectives_mpi, handle_sim, handle_mpi, optim_state, collectives_nccl).
+# optimizer-state model and checkpoint, one repetition): for checking the
+# script, not for figures. --only limits the runs to the named benchmarks
+# (flatparam, sim, collectives_mpi, handle_sim, handle_mpi, optim_state,
+# checkpoint_load, collectives_nccl). Not run here: checkpoint_save_bench
+# (one process, no baseline to take a ratio to) and the W = 1..8 sweep of
+# checkpoint_load (benchmarks/checkpoint_load_sweep.sh); see BENCHMARKS.md.
 # --dry-run prints the commands without building or running anything.
 #
 # Exit status: non-zero if a build or any benchmark run fails (the report of
@@ -39,13 +42,18 @@ fi
 
 min_time=()
 optim_args=()
+load_args=()
 if (( quick )); then
   min_time=(--benchmark_min_time=0.01)
   optim_args=(--state_mib=16)
+  load_args=(--total_mib=64 --reps=1)
 fi
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 mpirun=(mpirun --oversubscribe --bind-to none -np 4)
+# Where the binaries are. After the build it is asked of bazel: the
+# bazel-bin symlink follows the workspace's last build, which need not be
+# -c opt (another build may have run since).
 bin="${root}/bazel-bin/benchmarks"
 
 have_gpu=0
@@ -61,6 +69,7 @@ runs=(
   "handle_sim|${bin}/handle_bench --backend=sim ${min_time[*]:---benchmark_min_time=0.5}"
   "handle_mpi|${mpirun[*]} ${bin}/handle_bench --backend=mpi ${min_time[*]:---benchmark_min_time=0.5}"
   "optim_state|${bin}/optim_state_bench ${optim_args[*]:-} ${min_time[*]:-}"
+  "checkpoint_load|${mpirun[*]} ${bin}/checkpoint_load_bench ${load_args[*]:-}"
 )
 if (( have_gpu )); then
   gpus="$(nvidia-smi -L | grep -c '^GPU')"
@@ -87,12 +96,14 @@ mkdir -p "${out}"
 cd "${root}"
 echo "== building benchmarks (-c opt)" >&2
 bazel build -c opt //benchmarks:all >&2
+opt_bin="$(bazel info -c opt bazel-bin)/benchmarks"
 
 failed=0
 for run in "${runs[@]}"; do
   name="${run%%|*}"
   selected "${name}" || continue
   cmd="${run#*|}"
+  cmd="${cmd//${bin}\//${opt_bin}/}"
   echo "== ${name}: ${cmd}" >&2
   # shellcheck disable=SC2086  # the command is a word list on purpose
   if ! ${cmd} --benchmark_color=false --benchmark_out="${out}/${name}.json" \
