@@ -171,9 +171,9 @@ struct Range {
 // opened (while recording is on: the baseline replays them) and the time
 // spent in them (always: the load's I/O share). Counting is the shared
 // CountingFileSystem's job, underneath. Thread-safe.
-class RecordingFileSystem : public FileSystem {
+class RecordingFileSystem : public checkpoint::ForwardingFileSystem {
  public:
-  explicit RecordingFileSystem(FileSystem& base) : base_(base) {}
+  explicit RecordingFileSystem(FileSystem& base) : ForwardingFileSystem(base) {}
 
   // Clears the record and the time; records from now on iff `record`.
   void Reset(bool record) {
@@ -191,44 +191,12 @@ class RecordingFileSystem : public FileSystem {
     return io_s_;
   }
 
-  absl::StatusOr<std::unique_ptr<checkpoint::WritableFile>> NewWritableFile(
-      const std::string& path) override {
-    return base_.NewWritableFile(path);
-  }
   absl::StatusOr<std::unique_ptr<RandomAccessFile>> NewRandomAccessFile(
       const std::string& path) override {
     FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file,
-                               base_.NewRandomAccessFile(path));
+                               base().NewRandomAccessFile(path));
     return std::unique_ptr<RandomAccessFile>(
         new File(this, std::move(file), path));
-  }
-  absl::StatusOr<uint64_t> GetFileSize(const std::string& path) override {
-    return base_.GetFileSize(path);
-  }
-  absl::StatusOr<bool> Exists(const std::string& path) override {
-    return base_.Exists(path);
-  }
-  absl::StatusOr<bool> IsDirectory(const std::string& path) override {
-    return base_.IsDirectory(path);
-  }
-  absl::StatusOr<std::vector<std::string>> GetChildren(
-      const std::string& path) override {
-    return base_.GetChildren(path);
-  }
-  absl::Status CreateDir(const std::string& path) override {
-    return base_.CreateDir(path);
-  }
-  absl::Status RemoveFile(const std::string& path) override {
-    return base_.RemoveFile(path);
-  }
-  absl::Status RemoveDir(const std::string& path) override {
-    return base_.RemoveDir(path);
-  }
-  absl::Status Rename(const std::string& from, const std::string& to) override {
-    return base_.Rename(from, to);
-  }
-  absl::Status SyncDir(const std::string& path) override {
-    return base_.SyncDir(path);
   }
 
  private:
@@ -260,7 +228,6 @@ class RecordingFileSystem : public FileSystem {
     if (record_) ranges_.push_back({path, offset, length});
   }
 
-  FileSystem& base_;
   mutable absl::Mutex mu_;
   bool record_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<Range> ranges_ ABSL_GUARDED_BY(mu_);

@@ -137,10 +137,10 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Forwards to `base`, failing the creation of files whose path contains
 // `fail_on` (one rank's view of a full disk or a lost mount).
-class FailingFileSystem : public FileSystem {
+class FailingFileSystem : public ForwardingFileSystem {
  public:
   FailingFileSystem(FileSystem* base, std::string fail_on)
-      : base_(base), fail_on_(std::move(fail_on)) {}
+      : ForwardingFileSystem(*base), fail_on_(std::move(fail_on)) {}
 
   absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(
       const std::string& path) override {
@@ -148,43 +148,10 @@ class FailingFileSystem : public FileSystem {
       return absl::ResourceExhaustedError(
           absl::StrCat(path, ": no space left on device"));
     }
-    return base_->NewWritableFile(path);
-  }
-  absl::StatusOr<std::unique_ptr<RandomAccessFile>> NewRandomAccessFile(
-      const std::string& path) override {
-    return base_->NewRandomAccessFile(path);
-  }
-  absl::StatusOr<uint64_t> GetFileSize(const std::string& path) override {
-    return base_->GetFileSize(path);
-  }
-  absl::StatusOr<bool> Exists(const std::string& path) override {
-    return base_->Exists(path);
-  }
-  absl::StatusOr<bool> IsDirectory(const std::string& path) override {
-    return base_->IsDirectory(path);
-  }
-  absl::StatusOr<std::vector<std::string>> GetChildren(
-      const std::string& path) override {
-    return base_->GetChildren(path);
-  }
-  absl::Status CreateDir(const std::string& path) override {
-    return base_->CreateDir(path);
-  }
-  absl::Status RemoveFile(const std::string& path) override {
-    return base_->RemoveFile(path);
-  }
-  absl::Status RemoveDir(const std::string& path) override {
-    return base_->RemoveDir(path);
-  }
-  absl::Status Rename(const std::string& from, const std::string& to) override {
-    return base_->Rename(from, to);
-  }
-  absl::Status SyncDir(const std::string& path) override {
-    return base_->SyncDir(path);
+    return ForwardingFileSystem::NewWritableFile(path);
   }
 
  private:
-  FileSystem* base_;
   std::string fail_on_;
 };
 

@@ -110,6 +110,57 @@ class FileSystem {
   virtual absl::Status SyncDir(const std::string& path) = 0;
 };
 
+// A FileSystem that forwards every call to `base`, for wrappers that
+// change a few (counting or recording reads, injecting delays): override
+// those. Borrows `base`, which must outlive it; as thread-safe as `base`.
+class ForwardingFileSystem : public FileSystem {
+ public:
+  explicit ForwardingFileSystem(FileSystem& base) : base_(base) {}
+
+  absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(
+      const std::string& path) override {
+    return base_.NewWritableFile(path);
+  }
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> NewRandomAccessFile(
+      const std::string& path) override {
+    return base_.NewRandomAccessFile(path);
+  }
+  absl::StatusOr<uint64_t> GetFileSize(const std::string& path) override {
+    return base_.GetFileSize(path);
+  }
+  absl::StatusOr<bool> Exists(const std::string& path) override {
+    return base_.Exists(path);
+  }
+  absl::StatusOr<bool> IsDirectory(const std::string& path) override {
+    return base_.IsDirectory(path);
+  }
+  absl::StatusOr<std::vector<std::string>> GetChildren(
+      const std::string& path) override {
+    return base_.GetChildren(path);
+  }
+  absl::Status CreateDir(const std::string& path) override {
+    return base_.CreateDir(path);
+  }
+  absl::Status RemoveFile(const std::string& path) override {
+    return base_.RemoveFile(path);
+  }
+  absl::Status RemoveDir(const std::string& path) override {
+    return base_.RemoveDir(path);
+  }
+  absl::Status Rename(const std::string& from, const std::string& to) override {
+    return base_.Rename(from, to);
+  }
+  absl::Status SyncDir(const std::string& path) override {
+    return base_.SyncDir(path);
+  }
+
+ protected:
+  FileSystem& base() { return base_; }
+
+ private:
+  FileSystem& base_;
+};
+
 // The process-wide POSIX file system. Never destroyed; thread-safe.
 FileSystem& PosixFileSystem();
 

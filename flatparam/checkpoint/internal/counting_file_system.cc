@@ -29,7 +29,7 @@ class CountingFileSystem::File : public RandomAccessFile {
 absl::StatusOr<std::unique_ptr<RandomAccessFile>>
 CountingFileSystem::NewRandomAccessFile(const std::string& path) {
   FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file,
-                             base_.NewRandomAccessFile(path));
+                             base().NewRandomAccessFile(path));
   return std::unique_ptr<RandomAccessFile>(
       new File(this, std::move(file), Basename(path)));
 }

@@ -24,9 +24,9 @@ namespace flatparam {
 namespace checkpoint {
 namespace internal_checkpoint {
 
-class CountingFileSystem : public FileSystem {
+class CountingFileSystem : public ForwardingFileSystem {
  public:
-  explicit CountingFileSystem(FileSystem& base) : base_(base) {}
+  explicit CountingFileSystem(FileSystem& base) : ForwardingFileSystem(base) {}
 
   // Bytes read since construction or Reset from files named `name` (the
   // last path component), and from all files. A failed read counts too:
@@ -36,46 +36,13 @@ class CountingFileSystem : public FileSystem {
   std::map<std::string, int64_t> read_by_file() const;
   void Reset();
 
-  absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(
-      const std::string& path) override {
-    return base_.NewWritableFile(path);
-  }
   absl::StatusOr<std::unique_ptr<RandomAccessFile>> NewRandomAccessFile(
       const std::string& path) override;
-  absl::StatusOr<uint64_t> GetFileSize(const std::string& path) override {
-    return base_.GetFileSize(path);
-  }
-  absl::StatusOr<bool> Exists(const std::string& path) override {
-    return base_.Exists(path);
-  }
-  absl::StatusOr<bool> IsDirectory(const std::string& path) override {
-    return base_.IsDirectory(path);
-  }
-  absl::StatusOr<std::vector<std::string>> GetChildren(
-      const std::string& path) override {
-    return base_.GetChildren(path);
-  }
-  absl::Status CreateDir(const std::string& path) override {
-    return base_.CreateDir(path);
-  }
-  absl::Status RemoveFile(const std::string& path) override {
-    return base_.RemoveFile(path);
-  }
-  absl::Status RemoveDir(const std::string& path) override {
-    return base_.RemoveDir(path);
-  }
-  absl::Status Rename(const std::string& from, const std::string& to) override {
-    return base_.Rename(from, to);
-  }
-  absl::Status SyncDir(const std::string& path) override {
-    return base_.SyncDir(path);
-  }
 
  private:
   class File;
   void Count(const std::string& name, int64_t n);
 
-  FileSystem& base_;
   mutable absl::Mutex mu_;
   std::map<std::string, int64_t> read_ ABSL_GUARDED_BY(mu_);
 };
