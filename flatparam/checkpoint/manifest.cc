@@ -106,7 +106,7 @@ std::string ChecksumHex(uint64_t checksum) {
 
 uint64_t ChecksumBlockBytes(uint64_t file_size) {
   constexpr uint64_t kMaxBlocks = 16384;
-  uint64_t block = uint64_t{256} << 10;
+  uint64_t block = uint64_t{64} << 10;
   while (file_size / block >= kMaxBlocks) block *= 2;
   return block;
 }

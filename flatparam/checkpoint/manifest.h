@@ -9,7 +9,7 @@
 //     "files": [
 //       {"path": "model.safetensors", "size": 1234,
 //        "xxh3_64": "0123456789abcdef",            16 lowercase hex digits
-//        "block_size": 262144,                     optional, with:
+//        "block_size": 65536,                      optional, with:
 //        "block_xxh3_64": ["...", ...]},           one per block
 //       ...                                        sorted by path
 //     ]
@@ -78,10 +78,11 @@ struct ManifestEntry {
   }
 };
 
-// The block size for a file of `file_size` bytes: 256 KiB, doubled until
+// The block size for a file of `file_size` bytes: 64 KiB, doubled until
 // the file has at most 16384 blocks, so that a range read costs at most
-// two partial blocks and the manifest stays small (about 20 bytes per
-// block: 21 MB for a 1 TB checkpoint in 64 files).
+// two partial blocks of a file's 1/16384 (64 KiB up to 1 GiB files) and the
+// manifest stays small (about 20 bytes per block: 330 KB per file at most,
+// 21 MB for a 1 TB checkpoint in 64 files).
 uint64_t ChecksumBlockBytes(uint64_t file_size);
 
 struct Manifest {

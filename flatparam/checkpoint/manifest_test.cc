@@ -216,9 +216,11 @@ TEST_F(ManifestVerifyTest, CatchesMissingOrCorruptManifestAndWrongKind) {
 // --- Block checksums ---------------------------------------------------------
 
 TEST(BlockChecksumTest, BlockSizeKeepsTheBlockCountBounded) {
-  EXPECT_EQ(ChecksumBlockBytes(0), uint64_t{256} << 10);
-  EXPECT_EQ(ChecksumBlockBytes(uint64_t{1} << 30), uint64_t{256} << 10);
-  for (uint64_t size : {uint64_t{4} << 30, uint64_t{17} << 30,
+  EXPECT_EQ(ChecksumBlockBytes(0), uint64_t{64} << 10);
+  EXPECT_EQ(ChecksumBlockBytes((uint64_t{1} << 30) - 1), uint64_t{64} << 10);
+  EXPECT_EQ(ChecksumBlockBytes(uint64_t{1} << 30), uint64_t{128} << 10);
+  EXPECT_EQ(ChecksumBlockBytes(uint64_t{4} << 30), uint64_t{512} << 10);
+  for (uint64_t size : {uint64_t{2} << 30, uint64_t{17} << 30,
                         uint64_t{1} << 40, (uint64_t{1} << 40) + 1}) {
     const uint64_t b = ChecksumBlockBytes(size);
     EXPECT_LE(size / b, 16384u) << size;

@@ -5,13 +5,14 @@
 // checksumming whole files first and reading them again.
 //
 // Every ReadAt reads the checksum blocks that cover the requested range:
-// blocks wholly inside it straight into the caller's buffer, partial ones
+// the run of blocks wholly inside it in one read straight into the caller's
+// buffer, partial ones
 // into a small cache of the last kCachedBlocks partial blocks (so a
 // sequential reader, such as a safetensors header followed by its tensors,
 // reads every block once, and so does one that reads the tensors' pieces
 // in another order than the file's, as a resharding load does, as long as
 // the pieces that share a block are read close together). Memory: at most
-// kCachedBlocks blocks per open file (512 KiB for files up to 4 GiB). A block
+// kCachedBlocks blocks per open file (128 KiB for files up to 1 GiB). A block
 // whose checksum differs fails the read with DataLoss naming the file, the
 // block and both checksums; nothing of an unverified block reaches the caller.
 // A range read therefore costs its own bytes plus at most two partial
@@ -58,6 +59,8 @@ class BlockVerifiedFile : public RandomAccessFile {
                     ManifestEntry entry);
   // Reads block `k` whole into `out` (its size) and checks it.
   absl::Status ReadBlock(uint64_t k, absl::Span<char> out) const;
+  // DataLoss unless `bytes` (block `k`, whole) match its checksum.
+  absl::Status CheckBlock(uint64_t k, absl::string_view bytes) const;
 
   std::unique_ptr<RandomAccessFile> base_;
   const ManifestEntry entry_;
