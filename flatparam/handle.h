@@ -147,8 +147,9 @@
 // compute stream: views are valid to use there once PreForward/PreBackward
 // returned, gradients once FinalizeBackward returned. Host code that
 // reads device memory synchronizes first, as with any CUDA stream. The
-// rarer calls (summon, ZeroGrad, SetGradNone) also synchronize the device
-// before returning. sim/sim_device.h checks all of this: the handle's tests
+// rarer calls (summon, SetGradNone, ZeroGrad without set_to_none) also
+// synchronize the device before returning; ZeroGrad(set_to_none) only
+// frees, and the streams that used those gradients were recorded. sim/sim_device.h checks all of this: the handle's tests
 // run on it with separate streams and its race detector reports nothing,
 // and reports each ordering above when a test switch leaves it out. The
 // asynchronous calls (StartUnshard, PostBackwardAsync) return before their

@@ -170,9 +170,7 @@ absl::Status SimDeviceOps::Issue(std::string what,
   for (const auto* list : {&reads, &writes}) {
     for (ConstBufferRef b : *list) touches_host |= b.device == Device::Host();
   }
-  Op op{std::move(what), std::move(run), std::move(stream.waits)};
-  stream.waits.clear();
-  stream.queue.push_back(std::move(op));
+  stream.queue.push_back(Op{std::move(what), std::move(run), {}});
   ++stream.issued;
   if (touches_host) {
     // DeviceOps' rule: an operation on host memory has completed when it
@@ -240,7 +238,12 @@ absl::Status SimDeviceOps::DoRecordEvent(Event event) {
 absl::Status SimDeviceOps::DoWaitEvent(Stream stream, Event event) {
   StreamState& s = streams_[stream.id];
   Join(s.clock, events_.at(event.id).clock);
-  s.waits.push_back(event.id);
+  // The wait is itself stream-ordered work: everything issued on the
+  // stream after it (operations, and events recorded there) runs after the
+  // waited-for work, as cudaStreamWaitEvent orders the stream.
+  s.queue.push_back(
+      Op{absl::StrCat("wait for event ", event.id), [] {}, {event.id}});
+  ++s.issued;
   return absl::OkStatus();
 }
 

@@ -141,6 +141,7 @@ class SimDeviceOps final : public DeviceOps {
     std::string freed_by;
     std::vector<Access> accesses;
   };
+  // Queued work: an operation, or a stream's wait for events (no-op run).
   struct Op {
     std::string what;
     std::function<void()> run;
@@ -155,10 +156,8 @@ class SimDeviceOps final : public DeviceOps {
   struct StreamState {
     Clock clock;
     std::deque<Op> queue;
-    int64_t issued = 0;
+    int64_t issued = 0;  // operations and waits queued so far
     int64_t done = 0;
-    // Events this stream waits on for work issued from now on.
-    std::vector<int64_t> waits;
   };
 
   static void Join(Clock& into, const Clock& from);

@@ -71,6 +71,27 @@ TEST(SimDeviceTest, AMissingWaitIsARaceForEverySeed) {
   EXPECT_GT(wrong, 0) << "no seed ran the consumer first";
 }
 
+// A wait orders what the stream does next even when that is only an event
+// (helper-found: an event recorded right after a wait, then synchronized,
+// must cover the waited-for work).
+TEST(SimDeviceTest, AnEventAfterAWaitCoversTheWaitedForWork) {
+  for (uint64_t seed = 0; seed < 8; ++seed) {
+    SimDeviceOps ops({seed});
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(Stream side, ops.NewStream());
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer x,
+                                   ops.Allocate(ops.device(), 16));
+    ASSERT_THAT(ops.Fill(x.As(DType::kFloat32), 5), IsOk());
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(Event filled, ops.RecordEvent(Stream{0}));
+    ASSERT_THAT(ops.WaitEvent(side, filled), IsOk());
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(Event after, ops.RecordEvent(side));
+    ASSERT_THAT(ops.SynchronizeEvent(after), IsOk());
+    const float* p = static_cast<const float*>(x.data());
+    EXPECT_EQ(p[0], 5.0f) << seed;  // not the 0xFF fill (NaN)
+    ops.HostAccess("host read", x.As(DType::kFloat32), /*write=*/false);
+    EXPECT_THAT(ops.reports(), IsEmpty()) << seed;
+  }
+}
+
 TEST(SimDeviceTest, HostSynchronizationOrdersToo) {
   SimDeviceOps ops;
   FLATPARAM_ASSERT_OK_AND_ASSIGN(Stream side, ops.NewStream());
