@@ -9,6 +9,7 @@
 #include "comm/communicator.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/handle.h"
+#include "flatparam/runtime.h"
 
 namespace flatparam {
 namespace refmodel {
@@ -21,119 +22,6 @@ absl::Status WithContext(const absl::Status& status, absl::string_view what) {
   return absl::Status(status.code(),
                       absl::StrFormat("%s: %s", what, status.message()));
 }
-
-// ---------------------------------------------------------------------------
-// Counting the handles' traffic.
-
-// Forwards every call to `inner` and counts the buffer collectives in
-// `stats`. Neither is owned.
-class CountingCommunicator final : public Communicator {
- public:
-  CountingCommunicator(Communicator* inner, CommStats* stats)
-      : inner_(inner), stats_(stats) {}
-
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  absl::string_view backend() const override { return inner_->backend(); }
-
-  std::unique_ptr<Work> AllGather(ConstBufferRef input, BufferRef output,
-                                  const CollectiveOptions& options) override {
-    Count(stats_->all_gather, output.bytes(), 1);
-    return inner_->AllGather(input, output, options);
-  }
-  std::unique_ptr<Work> ReduceScatter(ConstBufferRef input, BufferRef output,
-                                      const ReduceOptions& options) override {
-    Count(stats_->reduce_scatter, input.bytes(), 1);
-    return inner_->ReduceScatter(input, output, options);
-  }
-  std::unique_ptr<Work> AllReduce(ConstBufferRef input, BufferRef output,
-                                  const ReduceOptions& options) override {
-    Count(stats_->all_reduce, input.bytes(), 2);
-    return inner_->AllReduce(input, output, options);
-  }
-  std::unique_ptr<Work> Broadcast(BufferRef buffer,
-                                  const BroadcastOptions& options) override {
-    return inner_->Broadcast(buffer, options);
-  }
-  absl::StatusOr<std::vector<std::string>> AllGatherBytes(
-      absl::string_view bytes, const CollectiveOptions& options) override {
-    return inner_->AllGatherBytes(bytes, options);
-  }
-  absl::Status Barrier(const CollectiveOptions& options) override {
-    return inner_->Barrier(options);
-  }
-  absl::StatusOr<std::unique_ptr<Communicator>> Split(
-      int color, int key, const CollectiveOptions& options) override {
-    return inner_->Split(color, key, options);
-  }
-
- private:
-  // nccl-tests' bus factor: `factor` * (n - 1) / n.
-  void Count(CollectiveTraffic& t, int64_t bytes, int factor) const {
-    const int n = inner_->size();
-    ++t.calls;
-    t.bytes += bytes;
-    t.sent_bytes += bytes * factor * (n - 1) / n;
-  }
-
-  Communicator* inner_;
-  CommStats* stats_;
-};
-
-// ---------------------------------------------------------------------------
-// The rank's memory over all handles.
-
-// Only the handle being called allocates or frees, so during a call the
-// rank's bytes of a category are the other handles' (constant) current
-// bytes plus the called handle's, whose peak during the call its own
-// tracker records once its peaks are reset before the call.
-class RankMemory {
- public:
-  void Add(const FlatParamHandle* handle) {
-    handles_.push_back(handle);
-    Observe(nullptr);
-  }
-
-  template <typename F>
-  absl::Status Track(FlatParamHandle& handle, F&& call) {
-    handle.ResetPeakMemory();
-    absl::Status status = call();
-    Observe(&handle);
-    return status;
-  }
-
-  const MemoryStats& stats() const { return stats_; }
-
- private:
-  void Observe(const FlatParamHandle* called) {
-    MemoryStats others;
-    for (const FlatParamHandle* h : handles_) {
-      if (h == called) continue;
-      const MemoryStats& m = h->memory();
-      for (int c = 0; c < kNumMemoryCategories; ++c) {
-        others.current[c] += m.current[c];
-      }
-      others.compute_current += m.compute_current;
-      others.offload_current += m.offload_current;
-    }
-    const MemoryStats mine =
-        called != nullptr ? called->memory() : MemoryStats{};
-    for (int c = 0; c < kNumMemoryCategories; ++c) {
-      stats_.current[c] = others.current[c] + mine.current[c];
-      stats_.peak[c] =
-          std::max(stats_.peak[c], others.current[c] + mine.peak[c]);
-    }
-    stats_.compute_current = others.compute_current + mine.compute_current;
-    stats_.offload_current = others.offload_current + mine.offload_current;
-    stats_.compute_peak = std::max(stats_.compute_peak,
-                                   others.compute_current + mine.compute_peak);
-    stats_.offload_peak = std::max(stats_.offload_peak,
-                                   others.offload_current + mine.offload_peak);
-  }
-
-  std::vector<const FlatParamHandle*> handles_;
-  MemoryStats stats_;
-};
 
 // ---------------------------------------------------------------------------
 // Host staging.
@@ -248,75 +136,56 @@ absl::Status UnflattenInto(const FlatParamLayout& layout,
 }
 
 // ---------------------------------------------------------------------------
-// The ParamAccess over the handles.
+// The ParamAccess over the runtime.
 
-struct ParamSlot {
-  int unit = 0;
-  int index = 0;
-};
-
-class HandleParamAccess final : public ParamAccess {
+// The model's units are the runtime's: each BeginUnit/EndUnit is one of its
+// hooks, and parameters and gradients are its views by fqn.
+class RuntimeParamAccess final : public ParamAccess {
  public:
-  HandleParamAccess(
-      const std::vector<std::unique_ptr<FlatParamHandle>>& handles,
-      const std::map<std::string, int>& units,
-      const std::map<std::string, ParamSlot>& slots, DeviceOps& device,
-      RankMemory& memory, bool sync)
-      : handles_(handles),
-        units_(units),
-        slots_(slots),
-        device_(device),
-        memory_(memory),
-        sync_(sync) {}
+  RuntimeParamAccess(FsdpRuntime& runtime, DeviceOps& device)
+      : runtime_(runtime), device_(device) {}
 
   absl::StatusOr<const float*> Param(absl::string_view fqn) override {
-    FLATPARAM_ASSIGN_OR_RETURN(const ParamSlot slot, Slot(fqn));
-    FlatParamHandle& h = *handles_[slot.unit];
-    FLATPARAM_ASSIGN_OR_RETURN(OrigParamView view, h.Param(slot.index));
+    FLATPARAM_ASSIGN_OR_RETURN(const ParamLocation loc, runtime_.Find(fqn));
+    FLATPARAM_ASSIGN_OR_RETURN(OrigParamView view, runtime_.Param(fqn));
     if (view.sharded) {
-      return absl::FailedPreconditionError(
-          absl::StrFormat("parameter \"%s\" is not unsharded (handle state %s)",
-                          fqn, HandleTrainingStateName(h.training_state())));
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "parameter \"%s\" is not unsharded (handle state %s)", fqn,
+          HandleTrainingStateName(runtime_.handle(loc.unit).training_state())));
     }
     if (IsHostFloat(view.data)) {
       return static_cast<const float*>(view.data.data);
     }
     Staged& staged = params_[std::string(fqn)];
-    staged.unit = slot.unit;
+    staged.unit = loc.unit;
     FLATPARAM_RETURN_IF_ERROR(ToHostFloat(device_, view.data, staged.data));
     return staged.data.data();
   }
 
   absl::StatusOr<float*> Grad(absl::string_view fqn) override {
-    FLATPARAM_ASSIGN_OR_RETURN(const ParamSlot slot, Slot(fqn));
-    FLATPARAM_ASSIGN_OR_RETURN(BufferRef view,
-                               handles_[slot.unit]->GradView(slot.index));
+    FLATPARAM_ASSIGN_OR_RETURN(const ParamLocation loc, runtime_.Find(fqn));
+    FLATPARAM_ASSIGN_OR_RETURN(BufferRef view, runtime_.GradView(fqn));
     if (IsHostFloat(view)) return static_cast<float*>(view.data);
     auto [it, fresh] = grads_.try_emplace(std::string(fqn));
     if (fresh) {
-      it->second.unit = slot.unit;
+      it->second.unit = loc.unit;
       it->second.data.assign(view.count, 0.0f);
     }
     return it->second.data.data();
   }
 
   absl::Status BeginUnit(absl::string_view unit, Phase phase) override {
-    FLATPARAM_ASSIGN_OR_RETURN(const int u, Unit(unit));
-    FlatParamHandle& h = *handles_[u];
-    return memory_.Track(h, [&] {
-      return phase == Phase::kForward ? h.PreForward() : h.PreBackward();
-    });
+    FLATPARAM_ASSIGN_OR_RETURN(const int u, runtime_.FindUnit(unit));
+    return phase == Phase::kForward ? runtime_.PreForward(u)
+                                    : runtime_.PreBackward(u);
   }
 
   absl::Status EndUnit(absl::string_view unit, Phase phase) override {
-    FLATPARAM_ASSIGN_OR_RETURN(const int u, Unit(unit));
-    FlatParamHandle& h = *handles_[u];
+    FLATPARAM_ASSIGN_OR_RETURN(const int u, runtime_.FindUnit(unit));
     Drop(params_, u);
-    if (phase == Phase::kForward) {
-      return memory_.Track(h, [&] { return h.PostForward(unit.empty()); });
-    }
+    if (phase == Phase::kForward) return runtime_.PostForward(u);
     FLATPARAM_RETURN_IF_ERROR(FlushGrads(u));
-    return memory_.Track(h, [&] { return h.PostBackward(sync_); });
+    return runtime_.PostBackward(u);
   }
 
  private:
@@ -329,24 +198,6 @@ class HandleParamAccess final : public ParamAccess {
     return b.device == Device::Host() && b.dtype == DType::kFloat32;
   }
 
-  absl::StatusOr<ParamSlot> Slot(absl::string_view fqn) const {
-    auto it = slots_.find(std::string(fqn));
-    if (it == slots_.end()) {
-      return absl::NotFoundError(
-          absl::StrFormat("no flat parameter holds \"%s\"", fqn));
-    }
-    return it->second;
-  }
-
-  absl::StatusOr<int> Unit(absl::string_view unit) const {
-    auto it = units_.find(std::string(unit));
-    if (it == units_.end()) {
-      return absl::NotFoundError(
-          absl::StrFormat("no flat parameter for unit \"%s\"", unit));
-    }
-    return it->second;
-  }
-
   static void Drop(std::map<std::string, Staged>& staged, int unit) {
     for (auto it = staged.begin(); it != staged.end();) {
       it = it->second.unit == unit ? staged.erase(it) : std::next(it);
@@ -357,11 +208,9 @@ class HandleParamAccess final : public ParamAccess {
   // gradient's dtype on the host, moved to its device, then AccumulateGrad
   // (which then needs no temporary of its own).
   absl::Status FlushGrads(int unit) {
-    FlatParamHandle& h = *handles_[unit];
     for (auto& [fqn, staged] : grads_) {
       if (staged.unit != unit) continue;
-      const ParamSlot slot = slots_.at(fqn);
-      FLATPARAM_ASSIGN_OR_RETURN(BufferRef view, h.GradView(slot.index));
+      FLATPARAM_ASSIGN_OR_RETURN(BufferRef view, runtime_.GradView(fqn));
       std::vector<unsigned char> host(view.bytes());
       HostCast(host.data(), view.dtype, staged.data.data(), DType::kFloat32,
                view.count);
@@ -374,19 +223,14 @@ class HandleParamAccess final : public ParamAccess {
         FLATPARAM_RETURN_IF_ERROR(device_.Copy(d, grad));
         grad = d;
       }
-      FLATPARAM_RETURN_IF_ERROR(
-          memory_.Track(h, [&] { return h.AccumulateGrad(slot.index, grad); }));
+      FLATPARAM_RETURN_IF_ERROR(runtime_.AccumulateGrad(fqn, grad));
     }
     Drop(grads_, unit);
     return absl::OkStatus();
   }
 
-  const std::vector<std::unique_ptr<FlatParamHandle>>& handles_;
-  const std::map<std::string, int>& units_;
-  const std::map<std::string, ParamSlot>& slots_;
+  FsdpRuntime& runtime_;
   DeviceOps& device_;
-  RankMemory& memory_;
-  const bool sync_;
   std::map<std::string, Staged> params_;
   std::map<std::string, Staged> grads_;
 };
@@ -407,7 +251,7 @@ float FoldLosses(const std::vector<float>& losses, int world, int64_t m_count) {
   return total / static_cast<float>(m_count);
 }
 
-// One rank's training, with its groups and handles.
+// One rank's training, with its runtime.
 class RankTrainer {
  public:
   RankTrainer(Communicator& world, DeviceOps& device,
@@ -427,7 +271,7 @@ class RankTrainer {
     if (options_.initial_state.has_value()) {
       states_ = options_.initial_state->optimizer;
     }
-    states_.resize(handles_.size());
+    states_.resize(runtime_->num_units());
     for (int64_t k = 0; k < options_.steps; ++k) {
       const int64_t step = options_.first_step + k;
       FLATPARAM_RETURN_IF_ERROR(WithContext(Step(k, step, *optimizer),
@@ -442,7 +286,7 @@ class RankTrainer {
     if (options_.gather_results) {
       FLATPARAM_RETURN_IF_ERROR(GatherResults());
     }
-    result_.memory = memory_.stats();
+    result_.memory = runtime_->memory();
     for (const OptimizerState& state : states_) {
       for (const auto& [name, t] : state.tensors) {
         result_.optimizer_state_bytes += static_cast<int64_t>(t.nbytes());
@@ -478,27 +322,20 @@ class RankTrainer {
   }
 
   absl::Status Setup() {
-    Communicator* shard = &world_;
-    Communicator* replicate = nullptr;
-    if (IsHybridStrategy(options_.strategy)) {
-      FLATPARAM_ASSIGN_OR_RETURN(
-          groups_, MakeHybridGroups(world_, options_.shard_group_size,
-                                    options_.collective_options));
-      shard = groups_.shard.get();
-      replicate = groups_.replicate.get();
-    }
-    shard_ = shard;
-    counted_shard_ =
-        std::make_unique<CountingCommunicator>(shard, &result_.comm);
-    if (replicate != nullptr) {
-      counted_replicate_ =
-          std::make_unique<CountingCommunicator>(replicate, &result_.comm);
-    }
     HandleOptions handle_options;
     handle_options.param_dtype = options_.param_dtype;
     handle_options.reduce_dtype = options_.reduce_dtype;
     handle_options.cpu_offload = options_.cpu_offload;
     handle_options.collective_options = options_.collective_options;
+    RuntimeOptions runtime_options;
+    runtime_options.forward_prefetch = options_.forward_prefetch;
+    runtime_options.backward_prefetch = options_.backward_prefetch;
+    runtime_options.prefetch_depth = options_.prefetch_depth;
+    runtime_options.limit_all_gathers = options_.limit_all_gathers;
+    // The reference model runs its units in one fixed order: a deviation
+    // would be a bug of this trainer, not something to warn about.
+    runtime_options.exec_order = ExecOrderCheck::kError;
+    runtime_options.collective_options = options_.collective_options;
 
     const TensorMap params = options_.initial_params.has_value()
                                  ? *options_.initial_params
@@ -507,33 +344,25 @@ class RankTrainer {
     if (options_.initial_state.has_value()) {
       FLATPARAM_RETURN_IF_ERROR(CheckInitialState(*options_.initial_state));
     }
-    for (const FlatParamLayout& layout : layout_.flat_params()) {
-      const int u = static_cast<int>(handles_.size());
-      units_[layout.unit()] = u;
-      std::vector<ConstBufferRef> refs;
-      for (size_t i = 0; i < layout.params().size(); ++i) {
-        const std::string& fqn = layout.params()[i].fqn;
-        slots_[fqn] = ParamSlot{u, static_cast<int>(i)};
-        refs.push_back(params.at(fqn).cref());
-      }
-      FLATPARAM_ASSIGN_OR_RETURN(
-          std::unique_ptr<FlatParamHandle> handle,
-          FlatParamHandle::Create(layout, refs, counted_shard_.get(),
-                                  counted_replicate_.get(), &device_,
-                                  handle_options));
+    std::map<std::string, ConstBufferRef> named;
+    for (const auto& [fqn, t] : params) named.emplace(fqn, t.cref());
+    FLATPARAM_ASSIGN_OR_RETURN(runtime_, FsdpRuntime::CreateFromNamedParams(
+                                             layout_, named, &world_, &device_,
+                                             handle_options, runtime_options));
+    const int shard_rank = runtime_->shard_group().rank();
+    for (int u = 0; u < runtime_->num_units(); ++u) {
+      const BufferRef shard_param = runtime_->handle(u).sharded_param();
       if (options_.initial_state.has_value()) {
         const HostTensor& mine = options_.initial_state->flat_params[u];
         FLATPARAM_RETURN_IF_ERROR(
             FromHost(device_,
                      ConstBufferRef{mine.data(), mine.numel(), mine.dtype(),
                                     Device::Host()},
-                     handle->sharded_param()));
+                     shard_param));
       }
-      handles_.push_back(std::move(handle));
-      memory_.Add(handles_.back().get());
       if (options_.padding_fill.has_value()) {
-        const BufferRef shard_param = handles_.back()->sharded_param();
-        for (const auto& [lo, hi] : PaddingRanges(layout, shard->rank())) {
+        for (const auto& [lo, hi] :
+             PaddingRanges(layout_.flat_params()[u], shard_rank)) {
           FLATPARAM_RETURN_IF_ERROR(device_.Fill(shard_param.Slice(lo, hi - lo),
                                                  *options_.padding_fill));
         }
@@ -546,9 +375,10 @@ class RankTrainer {
   // A host copy of the rank's sharded parameters and optimizer state.
   absl::StatusOr<FsdpRankState> CopyState() const {
     FsdpRankState state;
-    for (const auto& handle : handles_) {
+    for (int u = 0; u < runtime_->num_units(); ++u) {
       FLATPARAM_ASSIGN_OR_RETURN(
-          HostTensor shard, ToHostTensor(device_, handle->sharded_param()));
+          HostTensor shard,
+          ToHostTensor(device_, runtime_->handle(u).sharded_param()));
       state.flat_params.push_back(std::move(shard));
     }
     state.optimizer = states_;
@@ -568,29 +398,32 @@ class RankTrainer {
       const Batch batch =
           MakeBatch(options_.data_seed, options_.model.vocab, step, m,
                     world_.rank() * local_batch, local_batch);
-      HandleParamAccess access(handles_, units_, slots_, device_, memory_,
-                               sync);
+      // Read at the iteration's first PreForward (no_sync).
+      runtime_->SetRequireGradientSync(sync);
+      RuntimeParamAccess access(*runtime_, device_);
       absl::StatusOr<float> loss = model_.ForwardBackward(batch, access);
       absl::Status status = loss.status();
-      for (size_t u = 0; status.ok() && u < handles_.size(); ++u) {
-        FlatParamHandle& h = *handles_[u];
-        status = memory_.Track(h, [&] { return h.FinalizeBackward(sync); });
-      }
+      if (status.ok()) status = runtime_->FinalizeBackward();
       FLATPARAM_RETURN_IF_ERROR(
           WithContext(status, absl::StrFormat("micro-batch %d", m)));
       local_losses[m] = *loss;
     }
+    // The handles communicate only in the hooks above; the gathers below
+    // and at the end use the runtime's (counted) shard group too, so the
+    // handles' traffic is taken here.
+    result_.comm = runtime_->comm_stats();
 
     const bool last = k == options_.steps - 1;
-    for (size_t u = 0; u < handles_.size(); ++u) {
-      FlatParamHandle& h = *handles_[u];
+    const int shard_rank = runtime_->shard_group().rank();
+    for (int u = 0; u < runtime_->num_units(); ++u) {
+      FlatParamHandle& h = runtime_->handle(u);
       const FlatParamLayout& layout = layout_.flat_params()[u];
       const std::optional<BufferRef> grad = h.sharded_grad();
       std::optional<HostTensor> host_grad;
       if (grad.has_value()) {
         FLATPARAM_ASSIGN_OR_RETURN(host_grad, ToHostTensor(device_, *grad));
         const float* g = host_grad->data_as<float>();
-        for (const auto& [lo, hi] : PaddingRanges(layout, shard_->rank())) {
+        for (const auto& [lo, hi] : PaddingRanges(layout, shard_rank)) {
           for (int64_t i = lo; i < hi; ++i) {
             result_.nonzero_padding_grads += g[i] != 0.0f;
           }
@@ -605,11 +438,7 @@ class RankTrainer {
           StepOptimizer(h, host_grad, optimizer, states_[u]),
           absl::StrFormat("optimizer step of unit \"%s\"", layout.unit())));
     }
-    for (auto& handle : handles_) {
-      FlatParamHandle& h = *handle;
-      FLATPARAM_RETURN_IF_ERROR(
-          memory_.Track(h, [&] { return h.ZeroGrad(/*set_to_none=*/true); }));
-    }
+    FLATPARAM_RETURN_IF_ERROR(runtime_->ZeroGrad(/*set_to_none=*/true));
 
     std::vector<float> all(static_cast<size_t>(world) * m_count);
     FLATPARAM_RETURN_IF_ERROR(
@@ -655,7 +484,7 @@ class RankTrainer {
     HostTensor flat =
         HostTensor::Flat(shard.dtype, layout.padded_unsharded_numel());
     FLATPARAM_RETURN_IF_ERROR(AllGatherHost(
-        *shard_, device_,
+        runtime_->shard_group(), device_,
         ConstBufferRef{shard.data, shard.count, shard.dtype, Device::Host()},
         BufferRef{flat.data(), flat.numel(), flat.dtype(), Device::Host()},
         options_.collective_options,
@@ -664,11 +493,11 @@ class RankTrainer {
   }
 
   absl::Status GatherResults() {
-    for (size_t u = 0; u < handles_.size(); ++u) {
+    for (int u = 0; u < runtime_->num_units(); ++u) {
       const FlatParamLayout& layout = layout_.flat_params()[u];
       FLATPARAM_ASSIGN_OR_RETURN(
           HostTensor shard,
-          ToHostTensor(device_, handles_[u]->sharded_param()));
+          ToHostTensor(device_, runtime_->handle(u).sharded_param()));
       FLATPARAM_ASSIGN_OR_RETURN(HostTensor flat,
                                  GatherFlat(layout, shard.cref()));
       FLATPARAM_RETURN_IF_ERROR(UnflattenInto(layout, flat, result_.params));
@@ -700,15 +529,8 @@ class RankTrainer {
   const ReferenceModel& model_;
   const ModelLayout layout_;
 
-  HybridGroups groups_;
-  Communicator* shard_ = nullptr;
-  std::unique_ptr<CountingCommunicator> counted_shard_;
-  std::unique_ptr<CountingCommunicator> counted_replicate_;
-  std::vector<std::unique_ptr<FlatParamHandle>> handles_;
-  std::map<std::string, int> units_;
-  std::map<std::string, ParamSlot> slots_;
+  std::unique_ptr<FsdpRuntime> runtime_;
   std::vector<OptimizerState> states_;
-  RankMemory memory_;
   FsdpRankResult result_;
 };
 
@@ -749,6 +571,15 @@ absl::Status ValidateFsdpTrainOptions(const FsdpTrainOptions& o,
         "a shard group size (%d) is only meaningful for HYBRID_SHARD and "
         "HYBRID_SHARD_ZERO2, not %s",
         o.shard_group_size, ShardingStrategyName(o.strategy)));
+  }
+  if (o.prefetch_depth < 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "prefetch depth must be >= 1, got %d", o.prefetch_depth));
+  }
+  if (o.limit_all_gathers < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "limit_all_gathers must be >= 0 (0 = unlimited), got %d",
+        o.limit_all_gathers));
   }
   for (const auto& [what, dtype] :
        {std::make_pair("param dtype", o.param_dtype),
@@ -822,16 +653,40 @@ absl::StatusOr<std::array<int64_t, kNumMemoryCategories>> ExpectedPeakMemory(
   const bool sharded = UsesShardedStrategy(options.strategy);
   const bool raf = ReshardsAfterForward(options.strategy);
   const bool offload = options.cpu_offload;
-  const bool once = options.micro_batches == 1 ||
-                    options.accumulation == AccumulationMode::kNoSync;
+  const bool no_sync = options.accumulation == AccumulationMode::kNoSync;
+  const bool once = options.micro_batches == 1 || no_sync;
 
-  // Units in layout order: the root first, then layers 0..L-1.
+  // Prefetch. k: how far the limited (all-gathering) prefetches reach.
+  const int64_t depth = options.prefetch_depth;
+  const int64_t k = options.limit_all_gathers == 0
+                        ? depth
+                        : std::min<int64_t>(depth, options.limit_all_gathers);
+  const bool pre = options.backward_prefetch == BackwardPrefetch::kBackwardPre;
+  const bool post =
+      options.backward_prefetch == BackwardPrefetch::kBackwardPost;
+  // Forward prefetch follows the order recorded in the first iteration, so
+  // it acts from the second one on, and only on a forward that unshards:
+  // every forward of FULL_SHARD/HYBRID_SHARD (layers are freed after it)
+  // and NO_SHARD (a cast or copy each time), but SHARD_GRAD_OP and
+  // HYBRID_SHARD_ZERO2 keep their parameters through a backward without
+  // sync, so only a step's first micro-batch, or any after a synchronizing
+  // one, all-gathers.
+  const bool fwd =
+      options.forward_prefetch &&
+      (sharded && !raf
+           ? options.steps >= 2 || (options.micro_batches >= 2 &&
+                                    options.accumulation ==
+                                        AccumulationMode::kShardedAccumulation)
+           : options.steps * options.micro_batches >= 2);
+
+  // Units in layout order: the root first, then layers 1..L.
   std::vector<int64_t> ns, np;
   for (const FlatParamLayout& l : layout.flat_params()) {
     ns.push_back(l.sharded_numel());
     np.push_back(l.padded_unsharded_numel());
   }
   const size_t units = ns.size();
+  const int64_t last_layer = static_cast<int64_t>(units) - 1;
   auto sum = [](const std::vector<int64_t>& v, int64_t scale) {
     int64_t s = 0;
     for (int64_t x : v) s += x * scale;
@@ -842,6 +697,40 @@ absl::StatusOr<std::array<int64_t, kNumMemoryCategories>> ExpectedPeakMemory(
     int64_t m = 0;
     for (size_t u = first; u < v.size(); ++u) m = std::max(m, v[u] * scale);
     return m;
+  };
+  // The largest sum of x * scale over n consecutive layers among 1..last
+  // (runs ending at a layer < n are shorter).
+  auto window = [](const std::vector<int64_t>& x, int64_t n, int64_t last,
+                   int64_t scale) {
+    int64_t best = 0;
+    for (int64_t i = 1; i <= last; ++i) {
+      int64_t s = 0;
+      for (int64_t j = i; j >= 1 && j > i - n; --j) s += x[j] * scale;
+      best = std::max(best, s);
+    }
+    return best;
+  };
+  // Sharded strategies: what the pending prefetches hold (each its input:
+  // the cast shard, or the offloaded shard's compute copy), at most k
+  // consecutive layers; a blocking unshard holds its own while none is
+  // pending.
+  auto pending = [&](const std::vector<int64_t>& x, int64_t scale) {
+    int64_t m = max_from(x, 0, scale);
+    if (fwd || (raf && pre)) m = std::max(m, window(x, k, last_layer, scale));
+    if (raf && post) m = std::max(m, window(x, k, last_layer - 1, scale));
+    return m;
+  };
+  // NO_SHARD: the root's unsharded copy or cast (from its pre- to its
+  // post-hook) plus the running layer's and those prefetched ahead of it;
+  // NO_SHARD prefetches need no all-gather, so the limit does not apply.
+  auto held = [&](const std::vector<int64_t>& x, int64_t scale) {
+    int64_t layers = max_from(x, 1, scale);
+    if (fwd || pre) {
+      layers = std::max(layers, window(x, depth + 1, last_layer, scale));
+    }
+    if (post)
+      layers = std::max(layers, window(x, depth, last_layer - 1, scale));
+    return x[0] * scale + layers;
   };
   // The backward's reduction order: the last layer first, the root last.
   std::vector<size_t> order;
@@ -854,51 +743,64 @@ absl::StatusOr<std::array<int64_t, kNumMemoryCategories>> ExpectedPeakMemory(
   };
 
   at(MemoryCategory::kShardedParams) =
-      sum(ns, b_o) + (offload && sharded ? max_from(ns, 0, b_o) : 0);
+      sum(ns, b_o) +
+      (offload && sharded ? (mp ? max_from(ns, 0, b_o) : pending(ns, b_o)) : 0);
 
   if (sharded) {
-    at(MemoryCategory::kUnshardedParams) =
-        raf ? np[0] * b_p + max_from(np, 1, b_p) : sum(np, b_p);
+    if (raf) {
+      int64_t layers = max_from(np, 1, b_p);
+      if (fwd || pre) {
+        layers = std::max(layers, window(np, k + 1, last_layer, b_p));
+      }
+      if (post) layers = std::max(layers, window(np, k, last_layer - 1, b_p));
+      at(MemoryCategory::kUnshardedParams) = np[0] * b_p + layers;
+    } else {
+      at(MemoryCategory::kUnshardedParams) = sum(np, b_p);
+    }
   } else if (offload) {
     at(MemoryCategory::kUnshardedParams) =
-        mp ? max_from(np, 0, b_o) : np[0] * b_o + max_from(np, 1, b_o);
+        mp ? max_from(np, 0, b_o) : held(np, b_o);
   }
 
   if (mp) {
     at(MemoryCategory::kLowPrecisionParams) =
-        sharded ? max_from(ns, 0, b_p) : np[0] * b_p + max_from(np, 1, b_p);
+        sharded ? pending(ns, b_p) : held(np, b_p);
   }
 
   auto G = [&](size_t u) { return np[u] * b_p; };
   auto X = [&](size_t u) { return reduce != param ? np[u] * b_r : 0; };
+  // What a started reduction holds in this category until the next
+  // unit's PostBackward (or FinalizeBackward) finishes it: its input, the
+  // reduce-dtype copy or else the gradient itself (NO_SHARD's input is
+  // the reduced buffer, a sharded gradient).
+  auto I = [&](size_t u) { return !sharded ? 0 : X(u) > 0 ? X(u) : G(u); };
+  auto in_flight = [&](size_t j) { return j == 0 ? 0 : I(order[j - 1]); };
   int64_t& unsharded_grads = at(MemoryCategory::kUnshardedGrads);
-  if (options.micro_batches >= 2 &&
-      options.accumulation == AccumulationMode::kNoSync) {
-    for (size_t k = 0; k < order.size(); ++k) {
-      int64_t held = 0;
-      for (size_t j = k; j < order.size(); ++j) held += G(order[j]);
-      unsharded_grads = std::max(unsharded_grads, held + X(order[k]));
+  for (size_t j = 0; j < order.size(); ++j) {
+    const size_t u = order[j];
+    int64_t live = 0;
+    if (options.micro_batches >= 2 && no_sync) {
+      for (size_t i = j; i < order.size(); ++i) live += G(order[i]);
+    } else {
+      live = G(u) + (u != 0 ? G(0) : 0);
     }
-  } else {
-    int64_t layers = 0;
-    for (size_t u = 1; u < units; ++u) layers = std::max(layers, G(u) + X(u));
-    unsharded_grads = std::max(G(0) + layers, G(0) + X(0));
+    unsharded_grads = std::max(unsharded_grads, live + X(u) + in_flight(j));
   }
 
+  // c(u): a finishing reduction's new shard and its float32 cast; pend(u):
+  // a started reduction's new shard, alive while the previous finishes.
   auto c = [&](size_t u) {
     return ns[u] * b_r + (reduce != orig ? ns[u] * b_o : 0);
   };
-  int64_t max_c = 0;
-  for (size_t u = 0; u < units; ++u) max_c = std::max(max_c, c(u));
+  auto next_pend = [&](size_t j) {
+    return j + 1 < order.size() ? ns[order[j + 1]] * b_r : 0;
+  };
   int64_t& sharded_grads = at(MemoryCategory::kShardedGrads);
-  if (offload || !once) {
-    sharded_grads = sum(ns, b_o) + max_c;
-  } else {
-    int64_t held = 0;
-    for (size_t u : order) {
-      sharded_grads = std::max(sharded_grads, held + c(u));
-      held += ns[u] * b_o;
-    }
+  int64_t held_grads = offload || !once ? sum(ns, b_o) : 0;
+  for (size_t j = 0; j < order.size(); ++j) {
+    sharded_grads =
+        std::max(sharded_grads, held_grads + c(order[j]) + next_pend(j));
+    if (!(offload || !once)) held_grads += ns[order[j]] * b_o;
   }
   return peak;
 }

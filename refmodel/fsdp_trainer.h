@@ -1,7 +1,8 @@
 // Sharded (FSDP) training of the reference model (refmodel/model.h)
-// with one FlatParamHandle per unit, on any Communicator backend: the
-// system under test of the proof that sharded training equals unsharded
-// training (TrainReference, refmodel/reference_trainer.h).
+// through the model-level runtime (FsdpRuntime, flatparam/runtime.h), on
+// any Communicator backend: the system under test of the proof that sharded
+// training equals unsharded training (TrainReference,
+// refmodel/reference_trainer.h).
 //
 //   // On every rank of `world` (the simulator, MPI, NCCL, ...):
 //   FsdpTrainOptions options;
@@ -19,51 +20,56 @@
 //
 // What one rank does, as PyTorch FSDP does it:
 //   * Layout: ModelLayout of the model's spec (units "" and "layers.i") for
-//     the shard group's size (the hybrid strategies: `shard_group_size`,
-//     groups from MakeHybridGroups; otherwise the world), the strategy,
-//     `align_addresses`, and alignment for param_dtype.
-//   * One FlatParamHandle per unit, created from the model's InitParams()
-//     (every rank computes the same full parameters and keeps its shard).
-//   * Each micro-batch m of step k: the rank's local batch is
-//     MakeBatch(data_seed, vocab, k, m, rank * B, B) with B = global_batch /
-//     W, and ReferenceModel::ForwardBackward runs through a ParamAccess that
-//     maps the model's units onto the handles' hooks:
-//         BeginUnit(u, forward)   PreForward
-//         EndUnit(u, forward)     PostForward(is_root = (u == ""))
-//         BeginUnit(u, backward)  PreBackward
-//         EndUnit(u, backward)    PostBackward(sync)
-//     so the root stays unsharded from its forward through its backward,
-//     and then FinalizeBackward(sync) on every handle (FSDP's final
-//     callback). `sync` is true for every micro-batch with
-//     kShardedAccumulation and only for the last with kNoSync (no_sync).
-//     Param() is a view of the unsharded flat parameter (float32 on the host:
-//     in place; otherwise a float32 host copy); Grad() is the handle's
-//     GradView (float32 on the host: in place), or a zeroed float32 host
-//     buffer whose contents EndUnit casts to param_dtype and adds with
-//     AccumulateGrad, as autograd accumulates a low-precision gradient.
-//   * After the micro-batches: the optimizer steps each handle's sharded
-//     parameter with its sharded gradient and its own state (1-D tensors of
-//     the shard's size, "step" 0-d), then ZeroGrad(set_to_none).
+//     the shard group's size (the hybrid strategies: `shard_group_size`;
+//     otherwise the world), the strategy, `align_addresses`, and alignment
+//     for param_dtype.
+//   * One FsdpRuntime over the layout (FsdpRuntime::CreateFromNamedParams
+//     from the model's InitParams(): every rank computes the same full
+//     parameters and keeps its shard; the runtime splits the world into
+//     shard and replicate groups for the hybrid strategies), with the
+//     prefetch settings of FsdpTrainOptions.
+//   * Each micro-batch m of step k is one runtime iteration: the rank's
+//     local batch is MakeBatch(data_seed, vocab, k, m, rank * B, B) with B =
+//     global_batch / W, and ReferenceModel::ForwardBackward runs through a
+//     ParamAccess that maps the model's units onto the runtime's hooks:
+//         BeginUnit(u, forward)   PreForward(u)    (may prefetch)
+//         EndUnit(u, forward)     PostForward(u)   (the root "" stays
+//                                                   unsharded)
+//         BeginUnit(u, backward)  PreBackward(u)   (may prefetch)
+//         EndUnit(u, backward)    PostBackward(u)  (starts u's reduction,
+//                                                   finishes the previous)
+//     and then FinalizeBackward() (FSDP's final callback, on every unit).
+//     Gradient sync (SetRequireGradientSync) is on for every micro-batch
+//     with kShardedAccumulation and only for the last with kNoSync
+//     (no_sync). Param() is the runtime's view of the unsharded parameter
+//     (float32 on the host: in place; otherwise a float32 host copy);
+//     Grad() is its GradView (float32 on the host: in place), or a zeroed
+//     float32 host buffer whose contents EndUnit casts to param_dtype and
+//     adds with AccumulateGrad, as autograd accumulates a low-precision
+//     gradient.
+//   * After the micro-batches: the optimizer steps each of the runtime's
+//     handles' sharded parameter with its sharded gradient and its own state
+//     (1-D tensors of the shard's size, "step" 0-d), then the runtime's
+//     ZeroGrad(set_to_none).
 //   * The step's loss: the ranks' per-micro-batch losses are all-gathered
 //     over the world and folded in rank order as TrainReference defines it.
 //   * At the end, every sharded parameter and state tensor is all-gathered
 //     over the shard group and unflattened per original parameter
 //     (alignment and right padding dropped), in TrainResult's format.
 //
-// Memory: per-rank peak memory by category, over all handles at once. The
-// handles account their own buffers (MemoryStats); this trainer wraps every
-// handle call and adds, at each call, the other handles' current bytes to
-// the called handle's peak during the call, which is the rank's exact
-// peak since only the called handle allocates or frees. ExpectedPeakMemory()
-// is the closed form of that peak; see there.
+// Memory and traffic are the runtime's (FsdpRuntime::memory(), the rank's
+// exact per-category peak over all handles; comm_stats(), the handles'
+// collectives). ExpectedPeakMemory() is the closed form of that peak; see
+// there.
 //
 // Accuracy (proven by verify/training_equivalence_test.cc, which states the
 // bounds in full): on the simulator and MPI, float32 runs equal
 // ReferenceOptionsFor()'s TrainReference bit for bit, and so do bf16/fp16
-// runs, whose reference emulates the same mixed precision. Against float32
-// training a mixed-precision run's one-step gradient stays within
-// (gamma_K(u_low) + gamma_K(2^-24)) * sum |local gradients| / W per element
-// (K = 2M + W + 2 roundings), and its AdamW parameters within
+// runs, whose reference emulates the same mixed precision, whatever the
+// prefetch settings (prefetching moves collectives, not arithmetic).
+// Against float32 training a mixed-precision run's one-step gradient stays
+// within (gamma_K(u_low) + gamma_K(2^-24)) * sum |local gradients| / W per
+// element (K = 2M + W + 2 roundings), and its AdamW parameters within
 // AdamWDivergenceBound (refmodel/optimizer.h).
 //
 // Thread-safety: TrainFsdpOnRank runs on its rank's thread and shares
@@ -89,6 +95,7 @@
 #include "flatparam/layout.h"
 #include "flatparam/memory_stats.h"
 #include "flatparam/model.h"
+#include "flatparam/runtime.h"
 #include "refmodel/model.h"
 #include "refmodel/optimizer.h"
 #include "refmodel/reference_trainer.h"
@@ -122,6 +129,18 @@ struct FsdpTrainOptions {
   std::optional<DType> param_dtype;
   std::optional<DType> reduce_dtype;
   bool cpu_offload = false;
+
+  // The runtime's prefetching (RuntimeOptions, flatparam/runtime.h), with
+  // PyTorch's defaults: BACKWARD_PRE, no forward prefetch, one unit ahead,
+  // at most two prefetched all-gathers in flight. They change when
+  // parameters are all-gathered and how many are unsharded at once (see
+  // ExpectedPeakMemory), never the results.
+  bool forward_prefetch = false;
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
+  // Units a prefetch reaches ahead (>= 1).
+  int prefetch_depth = 1;
+  // Prefetched all-gathers not yet consumed (>= 0; 0 = unlimited).
+  int limit_all_gathers = 2;
 
   int64_t steps = 1;
   // Samples per micro-batch over all ranks; a multiple of the world size.
@@ -178,10 +197,11 @@ struct FsdpTrainOptions {
       after_step;
 
   // The options (timeout) of every collective the trainer issues: the
-  // handles' (HandleOptions::collective_options), the hybrid strategies'
-  // group splits (MakeHybridGroups), the losses' all-gather and the final
-  // gathers. A rank that waits longer for a peer fails with the backend's
-  // DeadlineExceeded, which names the rank and the op.
+  // handles' (HandleOptions::collective_options), the runtime's
+  // (RuntimeOptions::collective_options: the hybrid strategies' group
+  // splits), the losses' all-gather and the final gathers. A rank that waits
+  // longer for a peer fails with the backend's DeadlineExceeded, which names
+  // the rank and the op.
   CollectiveOptions collective_options;
 };
 
@@ -190,8 +210,8 @@ struct FsdpTrainOptions {
 // multiple of world_size; micro_batches < 1; a shard_group_size that is
 // not >= 1 and a divisor of world_size for a hybrid strategy, or not 0 for
 // another; a non-floating param/reduce dtype; a bad model config;
-// first_step < 0. (initial_state is checked against the layout when
-// training starts.)
+// first_step < 0; prefetch_depth < 1; limit_all_gathers < 0. (initial_state is
+// checked against the layout when training starts.)
 absl::Status ValidateFsdpTrainOptions(const FsdpTrainOptions& options,
                                       int world_size);
 
@@ -215,31 +235,6 @@ absl::StatusOr<ModelLayout> FsdpModelLayout(const FsdpTrainOptions& options,
 absl::StatusOr<TrainOptions> ReferenceOptionsFor(
     const FsdpTrainOptions& options, int world_size);
 
-// Collective traffic of one rank's handles (not the loss and final
-// gathers). `bytes` is nccl-tests' size (all-gather output, reduce-scatter
-// input, all-reduce buffer); `sent_bytes` what a ring algorithm sends per
-// rank: bytes * (n-1)/n for all-gather and reduce-scatter, 2(n-1)/n for
-// all-reduce.
-struct CollectiveTraffic {
-  int64_t calls = 0;
-  int64_t bytes = 0;
-  int64_t sent_bytes = 0;
-};
-
-struct CommStats {
-  CollectiveTraffic all_gather;
-  CollectiveTraffic reduce_scatter;
-  CollectiveTraffic all_reduce;
-
-  int64_t total_bytes() const {
-    return all_gather.bytes + reduce_scatter.bytes + all_reduce.bytes;
-  }
-  int64_t total_sent_bytes() const {
-    return all_gather.sent_bytes + reduce_scatter.sent_bytes +
-           all_reduce.sent_bytes;
-  }
-};
-
 // What one rank computed. The losses and the gathered tensors are the same
 // on every rank.
 struct FsdpRankResult {
@@ -252,6 +247,8 @@ struct FsdpRankResult {
   MemoryStats memory;
   // This rank's optimizer state (host memory, not in `memory`).
   int64_t optimizer_state_bytes = 0;
+  // The handles' collectives (FsdpRuntime::comm_stats(); not the loss and
+  // final gathers).
   CommStats comm;
   // Gathered after the last step, in TrainResult's format: the non-tied
   // parameters by fqn with their shapes; the optimizer state by fqn
@@ -283,7 +280,8 @@ absl::StatusOr<FsdpRankResult> TrainFsdpOnRank(Communicator& world,
 // TrainFsdpOnRank measures, in closed form, for steps >= 1 on a host
 // compute device (HostDeviceOps: with CPU offload, a device adds staging
 // copies). Every rank gets the same value. With units u = 0 (the root) and
-// 1..L (the layers), reduced in the backward in the order L, ..., 1, 0:
+// 1..L (the layers), reduced in the backward in the order u_1..u_{L+1} =
+// L, ..., 1, 0:
 //
 //   n_s(u) = layout.sharded_numel()  (the whole flat parameter for
 //            NO_SHARD), n_p(u) = layout.padded_unsharded_numel();
@@ -292,41 +290,73 @@ absl::StatusOr<FsdpRankResult> TrainFsdpOnRank(Communicator& world,
 //   raf = the strategy reshards after forward (FULL_SHARD, HYBRID_SHARD);
 //   once = gradients are reduced once per step (micro_batches == 1 or
 //          kNoSync), else once per micro-batch.
+//   Prefetch (flatparam/runtime.h): d = prefetch_depth; k = d, or
+//     min(d, limit_all_gathers) when that is > 0 (how far the all-gathering
+//     prefetches reach); pre/post = BACKWARD_PRE/BACKWARD_POST; fwd =
+//     forward_prefetch acting: from the second iteration on (the order is
+//     recorded in the first), on a forward that unshards: steps * M >= 2
+//     for FULL_SHARD, HYBRID_SHARD and NO_SHARD; for SHARD_GRAD_OP and
+//     HYBRID_SHARD_ZERO2, which keep their parameters through a backward
+//     without sync, steps >= 2 or (M >= 2 and kShardedAccumulation).
+//   W_n^m(x) = the largest sum of x over n consecutive layers among 1..m
+//     (0 when m < 1): the running layer with those prefetched after it.
 //
 //   sharded_params   = sum_u n_s(u) b_o
-//                      + (offload && sharded ? max_u n_s(u) b_o : 0)
-//       the local shards, plus the transient compute copy an offloaded
-//       shard needs to be all-gathered.
-//   unsharded_params = sharded && raf:  n_p(0) b_p + max_{u>=1} n_p(u) b_p
+//                      + (offload && sharded ? (mp ? max_u n_s(u) b_o
+//                                                  : Pend(n_s b_o)) : 0)
+//       the local shards, plus the compute copies offloaded shards need to
+//       be all-gathered: transient before a cast under mixed precision,
+//       else held by each pending prefetch, with
+//       Pend(x) = max(max_u x(u), fwd || (raf && pre) ? W_k^L(x) : 0,
+//                     raf && post ? W_k^{L-1}(x) : 0)
+//       (at most k prefetched layers pending; a blocking unshard holds its
+//       own while none is).
+//   unsharded_params = sharded && raf:  n_p(0) b_p + max(max_{u>=1} P(u),
+//                          fwd || pre ? W_{k+1}^L(P) : 0,
+//                          post ? W_k^{L-1}(P) : 0),  P(u) = n_p(u) b_p
 //                      sharded && !raf: sum_u n_p(u) b_p
 //                      NO_SHARD: offload ? (mp ? max_u n_p(u) b_o
-//                                              : n_p(0) b_o + max_{u>=1} ..)
+//                                              : H(n_p b_o))
 //                                        : 0
 //       FULL_SHARD frees each layer after its forward and backward, so the
-//       root (kept from its forward to its backward) and one layer are
-//       unsharded at once; SHARD_GRAD_OP keeps every unit from forward to
-//       backward. NO_SHARD needs memory only for the offloaded shard's
-//       compute copy (transient before a cast under mixed precision).
+//       root (kept from its forward to its backward), the running layer
+//       and the k prefetched after it (forward, BACKWARD_PRE), or the k
+//       prefetched after a layer's backward freed it (BACKWARD_POST; the
+//       last layer is gathered on demand) are unsharded at once;
+//       SHARD_GRAD_OP keeps every unit from forward to backward. NO_SHARD
+//       needs memory only for the offloaded shard's compute copy (transient
+//       before a cast under mixed precision), with
+//       H(y) = y(0) + max(max_{u>=1} y(u), fwd || pre ? W_{d+1}^L(y) : 0,
+//                         post ? W_d^{L-1}(y) : 0)
+//       (NO_SHARD's prefetches all-gather nothing, so the limit does not
+//       apply: d, not k).
 //   low_precision_params (mp only)
-//                    = sharded ? max_u n_s(u) b_p (the cast shard, freed
-//                                                  after the all-gather)
-//                              : n_p(0) b_p + max_{u>=1} n_p(u) b_p
-//                                (the cast parameter, freed at reshard)
-//   unsharded_grads, with G(u) = n_p(u) b_p and X(u) = n_p(u) b_r when
-//       reduce_dtype != param_dtype (the reduce-dtype copy), else 0:
-//         M >= 2 with kNoSync: max_k (sum_{j>=k} G(u_j) + X(u_k)) over the
-//           reduction order u_1..u_{L+1}: every unit keeps its gradient
-//           until the last micro-batch reduces it;
-//         otherwise: max(G(0) + max_{u>=1} (G(u) + X(u)), G(0) + X(0)): the
-//           root's gradient lives through the whole backward, a layer's
-//           until its reduction.
+//                    = sharded ? Pend(n_s b_p) (the cast shard, held until
+//                                               the all-gather is consumed)
+//                              : H(n_p b_p)    (the cast parameter, freed at
+//                                               reshard)
+//   unsharded_grads, with G(u) = n_p(u) b_p, X(u) = n_p(u) b_r when
+//       reduce_dtype != param_dtype (the reduce-dtype copy, which replaces
+//       the gradient when the reduction starts), else 0, and I(u) = what a
+//       started reduction holds until the next unit's PostBackward finishes
+//       it: sharded ? (X(u) > 0 ? X(u) : G(u)) : 0 (NO_SHARD reduces in
+//       place, a sharded gradient), with I(u_0) = 0:
+//         M >= 2 with kNoSync: max_k (sum_{j>=k} G(u_j) + X(u_k)
+//           + I(u_{k-1})): every unit keeps its gradient until the last
+//           micro-batch reduces it;
+//         otherwise: max_k (G(u_k) + (u_k != 0 ? G(0) : 0) + X(u_k)
+//           + I(u_{k-1})): the root's gradient lives through the whole
+//           backward, a layer's until its reduction has started, and one
+//           reduction overlaps the next unit's backward.
 //   sharded_grads, with c(u) = n_s(u) b_r + (reduce_dtype != float32 ?
-//       n_s(u) b_o : 0) (a reduction's new shard and its float32 cast):
-//         offload:  sum_u n_s(u) b_o + max_u c(u)  (`_cpu_grad` is
-//                   allocated at creation);
-//         once:     max_k (sum_{j<k} n_s(u_j) b_o + c(u_k)): the units
-//                   reduced before u_k hold their gradients;
-//         else:     sum_u n_s(u) b_o + max_u c(u).
+//       n_s(u) b_o : 0) (a finishing reduction's new shard and its float32
+//       cast) and q(k) = n_s(u_{k+1}) b_r (the next reduction's new shard,
+//       started before u_k's finishes; q(L+1) = 0):
+//         offload:  sum_u n_s(u) b_o + max_k (c(u_k) + q(k))  (`_cpu_grad`
+//                   is allocated at creation);
+//         once:     max_k (sum_{j<k} n_s(u_j) b_o + c(u_k) + q(k)): the
+//                   units reduced before u_k hold their gradients;
+//         else:     sum_u n_s(u) b_o + max_k (c(u_k) + q(k)).
 // InvalidArgument as ValidateFsdpTrainOptions.
 absl::StatusOr<std::array<int64_t, kNumMemoryCategories>> ExpectedPeakMemory(
     const FsdpTrainOptions& options, int world_size);

@@ -427,7 +427,27 @@ absl::StatusOr<StepPrediction> PredictStep(absl::Span<const UnitSpec> units,
     return s.Issue(std::move(op), seconds, {dep});
   };
 
-  // The gradient reduction of unit u after its backward op `after`.
+  // The gradient reduction of unit u after its backward op `after`. As the
+  // runtime (flatparam/runtime.h) overlaps them, a reduction is started in
+  // its unit's post-backward and finished in the next unit's, after that
+  // one's has started (the last one in FinalizeBackward, at its end): until
+  // then it holds its input (the reduce-dtype copy, else the gradient;
+  // NO_SHARD reduces in place, its buffer becoming the sharded gradient)
+  // and its new shard, which is cast to b_o when it finishes.
+  int started = -1;  // the unit of the reduction started and not finished
+  auto finish = [&](int u, int op, bool at_start) {
+    auto at = [&](MemoryKind kind, int64_t delta) {
+      at_start ? s.AtStart(op, kind, delta) : s.AtEnd(op, kind, delta);
+    };
+    if (cast_reduced) {
+      at(MemoryKind::kShardedGrads, ns(u) * b_o);
+      at(MemoryKind::kShardedGrads, -ns(u) * b_r);
+    }
+    if (sharded) {
+      at(MemoryKind::kUnshardedGrads,
+         -(copy_for_reduce ? np(u) * b_r : np(u) * b_p));
+    }
+  };
   auto reduce = [&](int u, int after) {
     const int64_t grad = np(u) * b_p;
     const int64_t copy = copy_for_reduce ? np(u) * b_r : 0;
@@ -444,10 +464,15 @@ absl::StatusOr<StepPrediction> PredictStep(absl::Span<const UnitSpec> units,
       }
     }
     s.AtStart(first, MemoryKind::kUnshardedGrads, copy);
-    s.AtStart(first, MemoryKind::kShardedGrads,
-              ns(u) * b_r + (cast_reduced ? ns(u) * b_o : 0));
-    s.AtEnd(final, MemoryKind::kUnshardedGrads, -(grad + copy));
-    if (cast_reduced) s.AtEnd(final, MemoryKind::kShardedGrads, -ns(u) * b_r);
+    if (copy_for_reduce) s.AtStart(first, MemoryKind::kUnshardedGrads, -grad);
+    if (!sharded) {
+      s.AtStart(first, MemoryKind::kUnshardedGrads,
+                -(copy_for_reduce ? copy : grad));
+    }
+    s.AtStart(first, MemoryKind::kShardedGrads, ns(u) * b_r);
+    if (started >= 0) finish(started, first, /*at_start=*/true);
+    started = u;
+    return final;
   };
 
   const double tokens = o.tokens_per_rank;
@@ -491,6 +516,10 @@ absl::StatusOr<StepPrediction> PredictStep(absl::Span<const UnitSpec> units,
   const int b_root_post =
       compute(0, "backward", 2 * forward_flops(0) / 2, " (after layers)", -1);
   s.AtStart(b_root_post, MemoryKind::kUnshardedGrads, np(0) * b_p);
+  // NO_SHARD under mixed precision casts a layer for its backward; with
+  // backward_prefetch the cast is the prefetch, made as the op before it
+  // (the previous layer's backward, or the root's) starts.
+  int cast_with = b_root_post;
   for (int u = last; u >= 1; --u) {
     ensure_unsharded(u);
     if (o.backward_prefetch) ensure_unsharded(u - 1);
@@ -498,9 +527,11 @@ absl::StatusOr<StepPrediction> PredictStep(absl::Span<const UnitSpec> units,
         compute(u, "backward", 2 * forward_flops(u), "", ag_backward[u]);
     s.AtStart(b, MemoryKind::kUnshardedGrads, np(u) * b_p);
     if (!sharded && mp) {
-      s.AtStart(b, MemoryKind::kLowPrecisionParams, np(u) * b_p);
+      s.AtStart(o.backward_prefetch ? cast_with : b,
+                MemoryKind::kLowPrecisionParams, np(u) * b_p);
       s.AtEnd(b, MemoryKind::kLowPrecisionParams, -np(u) * b_p);
     }
+    cast_with = b;
     if (sharded) {
       s.AtEnd(b, MemoryKind::kUnshardedParams, -np(u) * b_p);
       frees.push_back(b);
@@ -514,7 +545,7 @@ absl::StatusOr<StepPrediction> PredictStep(absl::Span<const UnitSpec> units,
   } else if (mp) {
     s.AtEnd(b_root_pre, MemoryKind::kLowPrecisionParams, -np(0) * b_p);
   }
-  reduce(0, b_root_pre);
+  finish(0, reduce(0, b_root_pre), /*at_start=*/false);
 
   // Times.
   out.ops = std::move(s.ops());

@@ -66,22 +66,32 @@
 //                      weights);
 //   unsharded_params   n_p(u) b_p from an all-gather's start to its reshard;
 //   sharded_grads      from the first reduction on, the reduced shards in
-//                      b_o, plus each reduction's new shard n_s b_r and its
-//                      cast to b_o while it runs;
-//   unsharded_grads    n_p(u) b_p from B(u)'s start to the end of its
-//                      reduction, and the reduce-dtype copy n_p(u) b_r while
-//                      it runs when reduce dtype != param dtype;
+//                      b_o, plus each reduction's new shard n_s b_r from its
+//                      start until it is finished, when it is cast to b_o;
+//   unsharded_grads    n_p(u) b_p from B(u)'s start; when reduce dtype !=
+//                      param dtype the reduction's copy n_p(u) b_r replaces
+//                      it at the reduction's start; the reduction holds its
+//                      input (the copy or the gradient) until it is
+//                      finished (NO_SHARD reduces in place: its input becomes
+//                      the sharded gradient at the start);
 //   low_precision_params  mixed precision: the cast shard n_s b_p during
 //                      each all-gather; NO_SHARD: the cast parameter n_p b_p
-//                      from each F/B's start to its reshard;
+//                      from each F/B's start (with backward_prefetch, a
+//                      layer's backward cast from the start of the op
+//                      before it, as a prefetch) to its reshard;
 //   optimizer_state    optimizer_state_bytes_per_element * sum_u n_s(u),
 //                      all step long (steady state: step >= 2).
+// A reduction is finished as flatparam's runtime (flatparam/runtime.h)
+// finishes it: when the next one starts (the next unit's post-backward
+// starts its own first), the last at its own end (FinalizeBackward). So one
+// reduction's buffers overlap the next unit's backward.
 // Gradients are set to None by the previous step's zero_grad (PyTorch's
 // default), so they build up during the backward. With overlap = false,
-// backward_prefetch = false, max_inflight_all_gathers = 1 and host dtypes
-// the first five categories' peaks equal refmodel::ExpectedPeakMemory's closed
-// form for the reference model (tested); with overlap the prefetched unit
-// adds one unsharded parameter and gradient lifetimes overlap.
+// max_inflight_all_gathers = 1 and host dtypes the first five categories'
+// peaks equal refmodel::ExpectedPeakMemory's closed form for the reference
+// model run without forward prefetch, backward_prefetch = false being
+// BackwardPrefetch NONE and true BACKWARD_PRE one unit ahead (tested); with
+// overlap, lifetimes follow the times of the ops instead.
 //
 // Thread-safety: pure functions; values are plain and copyable.
 #ifndef FLATPARAM_SIM_COST_MODEL_H_

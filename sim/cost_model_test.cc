@@ -16,6 +16,7 @@
 #include "flatparam/layout.h"
 #include "flatparam/memory_stats.h"
 #include "flatparam/model.h"
+#include "flatparam/runtime.h"
 #include "refmodel/fsdp_trainer.h"
 
 namespace flatparam {
@@ -311,7 +312,8 @@ TEST(PredictionTraceJsonTest, IsValidChromeTrace) {
 }
 
 // With the host runtime's sequential schedule the timeline's peaks equal
-// the runtime's measured-memory closed form, category by category.
+// the runtime's measured-memory closed form, category by category, without
+// backward prefetch and with BACKWARD_PRE one unit ahead.
 TEST(PredictStepTest, AgreesWithTheRuntimesExpectedPeakMemory) {
   struct Case {
     ShardingStrategy strategy;
@@ -333,39 +335,45 @@ TEST(PredictStepTest, AgreesWithTheRuntimesExpectedPeakMemory) {
        std::nullopt},
   };
   for (const Case& c : cases) {
-    refmodel::FsdpTrainOptions t;
-    t.model.vocab = 7;
-    t.model.dims = {3, 5, 4};
-    t.strategy = c.strategy;
-    t.shard_group_size = c.group;
-    t.param_dtype = c.param_dtype;
-    t.reduce_dtype = c.reduce_dtype;
-    t.global_batch = c.world;
-    FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelLayout layout,
-                                   refmodel::FsdpModelLayout(t, c.world));
-    FLATPARAM_ASSERT_OK_AND_ASSIGN(auto want,
-                                   refmodel::ExpectedPeakMemory(t, c.world));
-    std::vector<UnitSpec> units;
-    for (const FlatParamLayout& l : layout.flat_params()) {
-      units.push_back({l.unit(), l.param_numel(), l.padded_unsharded_numel(),
-                       l.sharded_numel()});
-    }
-    StepOptions o;
-    o.strategy = c.strategy;
-    const int group = IsHybridStrategy(c.strategy) ? c.group : c.world;
-    o.link = OneNode(group, 1e9, 1e-6);
-    o.link.nodes = c.world / group;
-    o.orig_dtype = DType::kFloat32;
-    o.param_dtype = c.param_dtype.value_or(DType::kFloat32);
-    o.reduce_dtype = c.reduce_dtype.value_or(o.param_dtype);
-    o.overlap = false;
-    o.backward_prefetch = false;
-    o.max_inflight_all_gathers = 1;
-    FLATPARAM_ASSERT_OK_AND_ASSIGN(StepPrediction p, PredictStep(units, o));
-    for (int k = 0; k < kNumMemoryCategories; ++k) {
-      EXPECT_EQ(p.peak_by_kind[k], want[k])
-          << ShardingStrategyName(c.strategy) << " W=" << c.world << " "
-          << MemoryCategoryName(static_cast<MemoryCategory>(k));
+    for (const bool prefetch : {false, true}) {
+      refmodel::FsdpTrainOptions t;
+      t.backward_prefetch =
+          prefetch ? BackwardPrefetch::kBackwardPre : BackwardPrefetch::kNone;
+      t.prefetch_depth = 1;
+      t.model.vocab = 7;
+      t.model.dims = {3, 5, 4};
+      t.strategy = c.strategy;
+      t.shard_group_size = c.group;
+      t.param_dtype = c.param_dtype;
+      t.reduce_dtype = c.reduce_dtype;
+      t.global_batch = c.world;
+      FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelLayout layout,
+                                     refmodel::FsdpModelLayout(t, c.world));
+      FLATPARAM_ASSERT_OK_AND_ASSIGN(auto want,
+                                     refmodel::ExpectedPeakMemory(t, c.world));
+      std::vector<UnitSpec> units;
+      for (const FlatParamLayout& l : layout.flat_params()) {
+        units.push_back({l.unit(), l.param_numel(), l.padded_unsharded_numel(),
+                         l.sharded_numel()});
+      }
+      StepOptions o;
+      o.strategy = c.strategy;
+      const int group = IsHybridStrategy(c.strategy) ? c.group : c.world;
+      o.link = OneNode(group, 1e9, 1e-6);
+      o.link.nodes = c.world / group;
+      o.orig_dtype = DType::kFloat32;
+      o.param_dtype = c.param_dtype.value_or(DType::kFloat32);
+      o.reduce_dtype = c.reduce_dtype.value_or(o.param_dtype);
+      o.overlap = false;
+      o.backward_prefetch = prefetch;
+      o.max_inflight_all_gathers = 1;
+      FLATPARAM_ASSERT_OK_AND_ASSIGN(StepPrediction p, PredictStep(units, o));
+      for (int k = 0; k < kNumMemoryCategories; ++k) {
+        EXPECT_EQ(p.peak_by_kind[k], want[k])
+            << ShardingStrategyName(c.strategy) << " W=" << c.world
+            << (prefetch ? " BACKWARD_PRE " : " NONE ")
+            << MemoryCategoryName(static_cast<MemoryCategory>(k));
+      }
     }
   }
 }

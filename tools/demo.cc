@@ -17,6 +17,7 @@
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/layout.h"
 #include "flatparam/model.h"
+#include "flatparam/runtime.h"
 #include "refmodel/fsdp_trainer.h"
 
 namespace flatparam {
@@ -217,8 +218,9 @@ void PrintDemoReport(const DemoResult& result, std::ostream& out) {
   const refmodel::FsdpTrainOptions& o = result.first.options;
   out << absl::StrFormat(
       "\n# fsdp demo: the reference model (vocab %d, dims [%s]), AdamW, "
-      "global batch %d, on the deterministic simulator\n",
-      o.model.vocab, absl::StrJoin(o.model.dims, ", "), o.global_batch);
+      "global batch %d, %s, on the deterministic simulator\n",
+      o.model.vocab, absl::StrJoin(o.model.dims, ", "), o.global_batch,
+      DescribePrefetch(o));
 
   out << "\nstep  ranks  strategy             loss\n";
   for (const TrainReport* r : phases) {
@@ -246,7 +248,7 @@ void PrintDemoReport(const DemoResult& result, std::ostream& out) {
   out << "phase                 all_gather     reduce_scatter  all_reduce     "
          "sent, all ranks\n";
   for (const TrainReport* r : phases) {
-    refmodel::CommStats total;
+    CommStats total;
     int64_t sent = 0;
     for (const RankSummary& s : r->ranks) {
       total.all_gather.bytes += s.comm.all_gather.bytes;

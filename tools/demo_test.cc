@@ -50,6 +50,9 @@ TEST(DemoTest, EveryCheckPassesAndEveryFileIsWritten) {
   EXPECT_THAT(report.str(), HasSubstr("demo PASSED"));
   EXPECT_THAT(report.str(), HasSubstr("HYBRID_SHARD 2x2"));
   EXPECT_THAT(report.str(), HasSubstr("FULL_SHARD x8"));
+  EXPECT_THAT(
+      report.str(),
+      HasSubstr("prefetch BACKWARD_PRE (depth 1, limit_all_gathers 2)"));
   EXPECT_THAT(report.str(), Not(HasSubstr("[FAIL]")));
   EXPECT_THAT(progress.str(), HasSubstr("[5/5]"));
 }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <type_traits>
 #include <utility>
@@ -116,7 +117,7 @@ std::string Serialize(const RankSummary& s) {
     v.push_back(s.memory.peak[c]);
     v.push_back(s.memory.current[c]);
   }
-  for (const refmodel::CollectiveTraffic* t :
+  for (const CollectiveTraffic* t :
        {&s.comm.all_gather, &s.comm.reduce_scatter, &s.comm.all_reduce}) {
     v.insert(v.end(), {t->calls, t->bytes, t->sent_bytes});
   }
@@ -146,7 +147,7 @@ absl::StatusOr<RankSummary> Deserialize(const std::string& bytes) {
     s.memory.peak[c] = v[i++];
     s.memory.current[c] = v[i++];
   }
-  for (refmodel::CollectiveTraffic* t :
+  for (CollectiveTraffic* t :
        {&s.comm.all_gather, &s.comm.reduce_scatter, &s.comm.all_reduce}) {
     t->calls = v[i++];
     t->bytes = v[i++];
@@ -279,6 +280,20 @@ absl::StatusOr<refmodel::TrainResult> ChainedReference(
 }
 
 }  // namespace
+
+std::string DescribePrefetch(const refmodel::FsdpTrainOptions& o) {
+  std::vector<std::string> kinds;
+  if (o.forward_prefetch) kinds.push_back("forward");
+  if (o.backward_prefetch != BackwardPrefetch::kNone) {
+    kinds.push_back(std::string(BackwardPrefetchName(o.backward_prefetch)));
+  }
+  if (kinds.empty()) return "prefetch none";
+  return absl::StrFormat("prefetch %s (depth %d, limit_all_gathers %s)",
+                         absl::StrJoin(kinds, " + "), o.prefetch_depth,
+                         o.limit_all_gathers == 0
+                             ? std::string("0: unlimited")
+                             : absl::StrCat(o.limit_all_gathers));
+}
 
 json TrainExtra(const TrainCommandOptions& command,
                 const refmodel::FsdpTrainOptions& options, int world_size,
@@ -422,6 +437,24 @@ absl::Status ValidateTrainCommandOptions(const TrainCommandOptions& o) {
         absl::StrFormat("--mixed-precision=%s: expected bf16, fp16 or none",
                         o.mixed_precision));
   }
+  if (o.backward_prefetch != "none" && o.backward_prefetch != "pre" &&
+      o.backward_prefetch != "post") {
+    return Bad(absl::StrFormat(
+        "--backward-prefetch=%s: expected none, pre (BACKWARD_PRE) or post "
+        "(BACKWARD_POST)",
+        o.backward_prefetch));
+  }
+  // The runtime takes ints.
+  constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
+  if (o.prefetch_depth < 1 || o.prefetch_depth > kMaxInt) {
+    return Bad(absl::StrFormat("--prefetch-depth=%d: must be in [1, %d]",
+                               o.prefetch_depth, kMaxInt));
+  }
+  if (o.limit_all_gathers < 0 || o.limit_all_gathers > kMaxInt) {
+    return Bad(absl::StrFormat(
+        "--limit-all-gathers=%d: must be in [0, %d] (0: unlimited)",
+        o.limit_all_gathers, kMaxInt));
+  }
   if (o.optimizer != "adamw" && o.optimizer != "sgd") {
     return Bad(
         absl::StrFormat("--optimizer=%s: expected adamw or sgd", o.optimizer));
@@ -472,6 +505,13 @@ absl::StatusOr<refmodel::FsdpTrainOptions> MakeFsdpTrainOptions(
   }
   o.align_addresses = c.align_addresses;
   o.cpu_offload = c.cpu_offload;
+  o.backward_prefetch = c.backward_prefetch == "none" ? BackwardPrefetch::kNone
+                        : c.backward_prefetch == "post"
+                            ? BackwardPrefetch::kBackwardPost
+                            : BackwardPrefetch::kBackwardPre;
+  o.forward_prefetch = c.forward_prefetch;
+  o.prefetch_depth = static_cast<int>(c.prefetch_depth);
+  o.limit_all_gathers = static_cast<int>(c.limit_all_gathers);
   if (c.mixed_precision == "bf16") o.param_dtype = DType::kBFloat16;
   if (c.mixed_precision == "fp16") o.param_dtype = DType::kFloat16;
   o.steps = c.steps;
@@ -888,14 +928,14 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
 void PrintTrainReport(const TrainReport& report, std::ostream& out) {
   const refmodel::FsdpTrainOptions& o = report.options;
   out << absl::StrFormat(
-      "# fsdp train: backend %s, %d ranks, %s%s, seed %d\n", report.backend,
+      "# fsdp train: backend %s, %d ranks, %s%s, seed %d; %s\n", report.backend,
       report.world_size, ShardingStrategyName(o.strategy),
       IsHybridStrategy(o.strategy)
           ? absl::StrFormat(" (shard groups of %d ranks, %d replicas)",
                             o.shard_group_size,
                             report.world_size / o.shard_group_size)
           : "",
-      o.data_seed);
+      o.data_seed, DescribePrefetch(o));
   out << absl::StrFormat(
       "# model: vocab %d, dims [%s]; %d steps, global batch %d (%d per "
       "rank), %d micro-batch%s (%s), %s\n",

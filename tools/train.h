@@ -1,9 +1,16 @@
-// `fsdp train`: trains the reference model (refmodel/model.h) with
-// one FlatParamHandle per unit (refmodel/fsdp_trainer.h) on the
-// simulator, MPI or NCCL, and prints the per-step loss, every rank's peak
-// memory by category next to the closed-form formula, the handles'
-// communication, and, when asked, the comparison with single-process
-// training (TrainReference).
+// `fsdp train`: trains the reference model (refmodel/model.h) through the
+// model-level runtime (FsdpRuntime, flatparam/runtime.h; the trainer is
+// refmodel/fsdp_trainer.h) on the simulator, MPI or NCCL, and prints the
+// per-step loss, every rank's peak memory by category next to the
+// closed-form formula, the handles' communication, and, when asked, the
+// comparison with single-process training (TrainReference).
+//
+// Prefetching. --backward-prefetch=none|pre|post (default pre, PyTorch's
+// BACKWARD_PRE), --forward-prefetch, --prefetch-depth=N (default 1) and
+// --limit-all-gathers=N (default 2; 0: unlimited) are the runtime's
+// RuntimeOptions. They change when parameters are all-gathered and so the
+// peak memory (the formula follows them), never the results; a resumed
+// run does not take them from the checkpoint.
 //
 //   fsdp train --world-size=8 --strategy=FULL_SHARD --steps=3 --check-reference
 //   fsdp train --strategy=HYBRID_SHARD --shard-group-size=4
@@ -103,6 +110,7 @@
 #include "comm/communicator.h"
 #include "flatparam/device/device.h"
 #include "flatparam/memory_stats.h"
+#include "flatparam/runtime.h"
 #include "refmodel/fsdp_trainer.h"
 
 namespace flatparam {
@@ -127,6 +135,13 @@ struct TrainCommandOptions {
   std::string mixed_precision = "none";
   bool cpu_offload = false;
   bool align_addresses = false;
+  // The runtime's prefetching (see the file comment): "none", "pre" or
+  // "post"; forward prefetch; units ahead (>= 1); prefetched all-gathers in
+  // flight (>= 0, 0: unlimited).
+  std::string backward_prefetch = "pre";
+  bool forward_prefetch = false;
+  int64_t prefetch_depth = 1;
+  int64_t limit_all_gathers = 2;
   // Seeds the model's initialisation, the data and the simulator.
   uint64_t seed = 0;
   // "adamw" or "sgd" (momentum 0.9), with this learning rate.
@@ -197,8 +212,9 @@ absl::StatusOr<ResumePoint> ResumeFromExtra(const TrainCommandOptions& command,
                                             const nlohmann::json& extra);
 
 // InvalidArgument naming the flag for options that make no sense before
-// the world size is known (an unknown backend, strategy, precision or
-// optimizer; steps or micro-batches < 1; a timeout that is not positive
+// the world size is known (an unknown backend, strategy, precision,
+// backward prefetch or optimizer; steps, micro-batches or the prefetch
+// depth < 1; a negative all-gather limit; a timeout that is not positive
 // and finite; --save-every < 1; --save-every or --async-save without
 // --save; ...).
 absl::Status ValidateTrainCommandOptions(const TrainCommandOptions& options);
@@ -215,7 +231,7 @@ struct RankSummary {
   int rank = 0;
   MemoryStats memory;
   int64_t optimizer_state_bytes = 0;
-  refmodel::CommStats comm;
+  CommStats comm;
   int64_t nonzero_padding_grads = 0;
   // How long this rank's training thread was blocked by saving: the
   // longest single pause and the sum of them (see TrainReport).
@@ -307,8 +323,14 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
                                            const TrainCommandOptions& options,
                                            bool host_device);
 
-// The output: a header, the loss per step, the per-rank memory table with
-// the formula's row, communication, and the check.
+// The prefetch settings in words: "prefetch BACKWARD_PRE (depth 1,
+// limit_all_gathers 2)", "prefetch forward + BACKWARD_POST (depth 2,
+// limit_all_gathers 0: unlimited)", "prefetch none".
+std::string DescribePrefetch(const refmodel::FsdpTrainOptions& options);
+
+// The output: a header (with the prefetch settings), the loss per step,
+// the per-rank memory table with the formula's row, communication, and the
+// check.
 void PrintTrainReport(const TrainReport& report, std::ostream& out);
 
 // OK without a check or when it passed; FailedPrecondition saying what

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `fsdp train` end to end on the simulator: bitwise equality with
-# single-process training, the mixed-precision check, non-zero exit codes
-# for inconsistent options, and --timeout's validation.
+# single-process training, the mixed-precision check, the prefetch flags,
+# non-zero exit codes for inconsistent options, and --timeout's validation.
 # Usage: train_cli_test.sh PATH_TO_CLI_TEST_LIB_SH PATH_TO_FSDP
 set -uo pipefail
 
@@ -30,6 +30,25 @@ grep -q '(bfloat16 emulated): 0 .*; bitwise equal' "$tmp/out" ||
   fail "bf16 not bitwise equal to its emulation"
 grep -q 'within the bound' "$tmp/out" || fail "bf16 bound not reported"
 
+# Prefetch flags: bitwise equal whatever they are, named in the header,
+# the formula following them; bad values exit 1 naming the flag.
+expect_exit 0 train --world-size=4 --strategy=FULL_SHARD --steps=2 \
+  --forward-prefetch --backward-prefetch=post --prefetch-depth=2 \
+  --limit-all-gathers=1 --check-reference
+grep -q '^# fsdp train: backend sim, 4 ranks, FULL_SHARD, seed 0; prefetch forward + BACKWARD_POST (depth 2, limit_all_gathers 1)$' "$tmp/out" ||
+  fail "prefetch settings not in the header: $(head -1 "$tmp/out")"
+grep -q 'every rank matches it' "$tmp/out" || fail "memory formula (prefetch)"
+grep -q '^# check: passed$' "$tmp/out" || fail "prefetch run failed"
+expect_exit 1 train --backward-prefetch=sideways
+grep -q -- '--backward-prefetch=sideways: expected none, pre' "$tmp/err" ||
+  fail "bad --backward-prefetch not named"
+expect_exit 1 train --limit-all-gathers=-1
+grep -q -- '--limit-all-gathers=-1: must be in \[0, ' "$tmp/err" ||
+  fail "bad --limit-all-gathers not named"
+expect_exit 1 train --prefetch-depth=0
+grep -q -- '--prefetch-depth=0: must be in \[1, ' "$tmp/err" ||
+  fail "bad --prefetch-depth not named"
+
 # Equal seeds, equal output.
 expect_exit 0 train --world-size=4 --strategy=SHARD_GRAD_OP --seed=7
 cp "$tmp/out" "$tmp/first"
@@ -57,6 +76,10 @@ grep -q -- '--timeout=-1m: expected a positive' "$tmp/err" ||
   fail "--timeout=-1m not rejected by name"
 expect_exit 0 train --help
 grep -q -- '--timeout=DURATION' "$tmp/out" || fail "help lacks --timeout"
+grep -q -- '--backward-prefetch=B' "$tmp/out" ||
+  fail "help lacks --backward-prefetch"
+grep -q -- '--limit-all-gathers=N' "$tmp/out" ||
+  fail "help lacks --limit-all-gathers"
 expect_exit 1 train --no-such-flag
 expect_exit 2 train extra-argument
 

@@ -25,6 +25,17 @@ ABSL_FLAG(std::string, mixed_precision, "none",
           "forward, backward and reduction.");
 ABSL_FLAG(bool, cpu_offload, false,
           "Keep the sharded parameters and gradients on the host.");
+ABSL_FLAG(std::string, backward_prefetch, "pre",
+          "none, pre or post: the runtime's backward prefetch (PyTorch's "
+          "BackwardPrefetch: None, BACKWARD_PRE, BACKWARD_POST).");
+ABSL_FLAG(bool, forward_prefetch, false,
+          "Prefetch the next units' parameters in the forward (from the "
+          "second iteration on, in the order the first one recorded).");
+ABSL_FLAG(int64_t, prefetch_depth, 1,
+          "How many units ahead a prefetch reaches (>= 1).");
+ABSL_FLAG(int64_t, limit_all_gathers, 2,
+          "The most prefetched all-gathers in flight (>= 0; 0: unlimited; "
+          "PyTorch's limit_all_gathers=True allows 2).");
 ABSL_FLAG(bool, check_reference, false,
           "Compare with single-process training; exit 1 if the check fails.");
 ABSL_FLAG(std::string, optimizer, "adamw", "adamw or sgd (momentum 0.9).");
@@ -67,6 +78,10 @@ int TrainMain(const std::vector<char*>& args) {
   options.mixed_precision = absl::GetFlag(FLAGS_mixed_precision);
   options.cpu_offload = absl::GetFlag(FLAGS_cpu_offload);
   options.align_addresses = absl::GetFlag(FLAGS_align_addresses);
+  options.backward_prefetch = absl::GetFlag(FLAGS_backward_prefetch);
+  options.forward_prefetch = absl::GetFlag(FLAGS_forward_prefetch);
+  options.prefetch_depth = absl::GetFlag(FLAGS_prefetch_depth);
+  options.limit_all_gathers = absl::GetFlag(FLAGS_limit_all_gathers);
   options.seed = absl::GetFlag(FLAGS_seed);
   options.optimizer = absl::GetFlag(FLAGS_optimizer);
   options.lr = absl::GetFlag(FLAGS_lr);
@@ -100,6 +115,9 @@ constexpr char kHelp[] =
     "                  [--mixed-precision=bf16|fp16|none] [--cpu-offload]\n"
     "                  [--align-addresses] [--seed=S] [--optimizer=adamw|sgd]"
     " [--lr=LR]\n"
+    "                  [--backward-prefetch=none|pre|post] "
+    "[--forward-prefetch]\n"
+    "                  [--prefetch-depth=N] [--limit-all-gathers=N]\n"
     "                  [--global-batch=B] [--check-reference]\n"
     "                  [--save=DIR [--save-every=N] [--async-save]] "
     "[--load=DIR]\n"
@@ -107,10 +125,14 @@ constexpr char kHelp[] =
     "       mpirun -np 4 fsdp train [--backend=mpi|nccl] ...\n"
     "\n"
     "Trains the reference model (a per-token MLP language model: vocab 17,\n"
-    "widths 13, 37, 29; units \"\" and layers.0-2) with one FlatParamHandle\n"
-    "per unit, and prints the loss per step, every rank's peak memory by\n"
-    "category with the closed-form formula's row, and the handles'\n"
-    "communication.\n"
+    "widths 13, 37, 29; units \"\" and layers.0-2) through the FSDP runtime\n"
+    "(FsdpRuntime: one FlatParamHandle per unit, prefetching, reductions\n"
+    "overlapping the backward), and prints the loss per step, every rank's\n"
+    "peak memory by category with the closed-form formula's row, and the\n"
+    "handles' communication.\n"
+    "\n"
+    "The prefetch flags change when parameters are all-gathered, hence the\n"
+    "peak memory (the formula follows them), never the results.\n"
     "\n"
     "--check-reference compares the result with single-process training\n"
     "(TrainReference) on the same global batch and prints the maximum\n"
@@ -147,6 +169,16 @@ constexpr char kHelp[] =
     "host\n"
     "  --align-addresses        16-byte aligned parameters "
     "(use_orig_params=True)\n"
+    "  --backward-prefetch=B    none, pre (default; BACKWARD_PRE: gather the\n"
+    "                           next unit before a unit's backward) or post\n"
+    "                           (BACKWARD_POST: after it)\n"
+    "  --forward-prefetch       gather the next units during the forward "
+    "(from\n"
+    "                           the second iteration on)\n"
+    "  --prefetch-depth=N       units a prefetch reaches ahead (default 1)\n"
+    "  --limit-all-gathers=N    most prefetched all-gathers in flight "
+    "(default 2;\n"
+    "                           0: unlimited)\n"
     "  --seed=S                 model initialisation, data and simulator "
     "(default 0)\n"
     "  --optimizer=adamw|sgd    default adamw (sgd: momentum 0.9)\n"

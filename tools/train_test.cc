@@ -23,6 +23,7 @@
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/device/device.h"
 #include "flatparam/memory_stats.h"
+#include "flatparam/runtime.h"
 #include "refmodel/fsdp_trainer.h"
 #include "refmodel/reference_trainer.h"
 #include "sim/fault.h"
@@ -225,6 +226,85 @@ TEST(MakeFsdpTrainOptionsTest, NamesTheInconsistentFlag) {
   EXPECT_THAT(
       ValidateTrainCommandOptions(c),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--steps=0")));
+}
+
+TEST(MakeFsdpTrainOptionsTest, PrefetchFlags) {
+  TrainCommandOptions c = Options("FULL_SHARD");
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(refmodel::FsdpTrainOptions o,
+                                 MakeFsdpTrainOptions(c, 8));
+  // PyTorch's defaults.
+  EXPECT_EQ(o.backward_prefetch, BackwardPrefetch::kBackwardPre);
+  EXPECT_FALSE(o.forward_prefetch);
+  EXPECT_EQ(o.prefetch_depth, 1);
+  EXPECT_EQ(o.limit_all_gathers, 2);
+  c.backward_prefetch = "post";
+  c.forward_prefetch = true;
+  c.prefetch_depth = 3;
+  c.limit_all_gathers = 0;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(o, MakeFsdpTrainOptions(c, 8));
+  EXPECT_EQ(o.backward_prefetch, BackwardPrefetch::kBackwardPost);
+  EXPECT_TRUE(o.forward_prefetch);
+  EXPECT_EQ(o.prefetch_depth, 3);
+  EXPECT_EQ(o.limit_all_gathers, 0);
+  c.backward_prefetch = "none";
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(o, MakeFsdpTrainOptions(c, 8));
+  EXPECT_EQ(o.backward_prefetch, BackwardPrefetch::kNone);
+
+  c = Options("FULL_SHARD");
+  c.backward_prefetch = "BACKWARD_PRE";
+  EXPECT_THAT(ValidateTrainCommandOptions(c),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--backward-prefetch=BACKWARD_PRE: expected "
+                                 "none, pre")));
+  c = Options("FULL_SHARD");
+  c.prefetch_depth = 0;
+  EXPECT_THAT(ValidateTrainCommandOptions(c),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--prefetch-depth=0: must be in [1, ")));
+  c = Options("FULL_SHARD");
+  c.limit_all_gathers = -1;
+  EXPECT_THAT(ValidateTrainCommandOptions(c),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--limit-all-gathers=-1: must be in [0, ")));
+  c.limit_all_gathers = int64_t{1} << 40;
+  EXPECT_THAT(ValidateTrainCommandOptions(c),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--limit-all-gathers=1099511627776")));
+}
+
+// Every prefetch setting trains bitwise equal to single-process training,
+// the memory formula follows it, and the header names it.
+TEST(RunTrainSimTest, EveryPrefetchSettingIsBitwiseEqual) {
+  struct Case {
+    const char* backward;
+    bool forward;
+    int64_t depth, limit;
+    const char* header;
+  };
+  for (const Case& k :
+       {Case{"pre", false, 1, 2,
+             "; prefetch BACKWARD_PRE (depth 1, limit_all_gathers 2)\n"},
+        Case{"none", false, 1, 2, "; prefetch none\n"},
+        Case{"post", true, 2, 0,
+             "; prefetch forward + BACKWARD_POST (depth 2, "
+             "limit_all_gathers 0: unlimited)\n"},
+        Case{"none", true, 3, 1,
+             "; prefetch forward (depth 3, limit_all_gathers 1)\n"}}) {
+    SCOPED_TRACE(k.header);
+    TrainCommandOptions o = Options("HYBRID_SHARD", 4);
+    o.backward_prefetch = k.backward;
+    o.forward_prefetch = k.forward;
+    o.prefetch_depth = k.depth;
+    o.limit_all_gathers = k.limit;
+    o.mixed_precision = "bf16";
+    std::ostringstream out;
+    EXPECT_THAT(RunTrainSim(o, out), IsOk());
+    const std::string text = out.str();
+    EXPECT_THAT(text, HasSubstr(k.header));
+    EXPECT_THAT(text, HasSubstr("; bitwise equal\n"));
+    EXPECT_THAT(text, HasSubstr("every rank matches it"));
+    EXPECT_THAT(text, HasSubstr("# check: passed\n"));
+  }
 }
 
 TEST(MakeFsdpTrainOptionsTest, TheTimeoutIsEveryCollectivesTimeout) {

@@ -1,12 +1,12 @@
 // Sharded training equals unsharded training.
 //
-// Sharded training (refmodel/fsdp_trainer.h: one FlatParamHandle per
-// unit, the simulator's collectives) is compared with single-process
-// training (TrainReference, refmodel/reference_trainer.h) on the
-// options ReferenceOptionsFor() derives. What is proven, for random model
-// shapes, world sizes 1..8, every strategy, alignment on and off, CPU
+// Sharded training (refmodel/fsdp_trainer.h: FsdpRuntime, one
+// FlatParamHandle per unit, the simulator's collectives) is compared with
+// single-process training (TrainReference, refmodel/reference_trainer.h)
+// on the options ReferenceOptionsFor() derives. What is proven, for random
+// model shapes, world sizes 1..8, every strategy, alignment on and off, CPU
 // offload on and off, 1..3 micro-batches in both accumulation modes, SGD
-// and AdamW, 1..3 steps:
+// and AdamW, 1..3 steps, every prefetch setting (GenTrainingCase):
 //
 //   * float32: every rank's per-step losses, the gathered parameters and the
 //     gathered optimizer state are bitwise identical to TrainReference with
@@ -41,7 +41,8 @@
 //     2 gamma_K(2^-24) T (the same argument in float32).
 //   * Peak memory: every rank's measured per-category peak equals
 //     ExpectedPeakMemory's closed form, for every strategy, with mixed
-//     precision, offload, micro-batches and both accumulation modes.
+//     precision, offload, micro-batches, both accumulation modes and every
+//     prefetch setting.
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 

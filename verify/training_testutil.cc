@@ -82,7 +82,8 @@ std::string Describe(const TrainingCase& c) {
   return absl::StrFormat(
       "{world %d, %s%s, vocab %d, dims [%s], model seed %d, align %d, "
       "param_dtype %s, reduce_dtype %s, offload %d, steps %d, global batch "
-      "%d, micro-batches %d (%s), %s, data seed %d%s}",
+      "%d, micro-batches %d (%s), %s, data seed %d, prefetch forward %d "
+      "backward %s depth %d limit %d%s}",
       c.world_size, ShardingStrategyName(o.strategy),
       IsHybridStrategy(o.strategy)
           ? absl::StrFormat(" (shard group %d)", o.shard_group_size)
@@ -94,7 +95,9 @@ std::string Describe(const TrainingCase& c) {
       o.cpu_offload, o.steps, o.global_batch, o.micro_batches,
       o.accumulation == refmodel::AccumulationMode::kNoSync ? "no_sync"
                                                             : "sharded",
-      DescribeOptimizer(o.optimizer), o.data_seed,
+      DescribeOptimizer(o.optimizer), o.data_seed, o.forward_prefetch,
+      BackwardPrefetchName(o.backward_prefetch), o.prefetch_depth,
+      o.limit_all_gathers,
       o.padding_fill.has_value()
           ? absl::StrFormat(", padding %g", *o.padding_fill)
           : "");
@@ -163,6 +166,12 @@ rc::Gen<TrainingCase> GenTrainingCase() {
            o.global_batch = c.world_size * *UniformInRange<int64_t>(1, 3);
            o.optimizer = *GenOptimizerOptions();
            o.data_seed = *rc::gen::arbitrary<uint64_t>();
+           o.forward_prefetch = *rc::gen::arbitrary<bool>();
+           o.backward_prefetch = *rc::gen::element(
+               BackwardPrefetch::kNone, BackwardPrefetch::kBackwardPre,
+               BackwardPrefetch::kBackwardPost);
+           o.prefetch_depth = *UniformInRange(1, 4);
+           o.limit_all_gathers = *UniformInRange(0, 3);
            return c;
          })
       .as("training case");
