@@ -149,12 +149,13 @@
 // reads device memory synchronizes first, as with any CUDA stream. The
 // rarer calls (summon, SetGradNone, ZeroGrad without set_to_none) also
 // synchronize the device before returning; ZeroGrad(set_to_none) only
-// frees, and the streams that used those gradients were recorded. sim/sim_device.h checks all of this: the handle's tests
-// run on it with separate streams and its race detector reports nothing,
-// and reports each ordering above when a test switch leaves it out. The
-// asynchronous calls (StartUnshard, PostBackwardAsync) return before their
-// collective has completed; until the matching finish, the buffers it uses
-// are the pending operation's, not exposed.
+// frees, and the streams that used those gradients were recorded.
+// sim/sim_device.h checks all of this: the handle's tests run on it with
+// separate streams and its race detector reports nothing, and reports each
+// ordering above when a test switch leaves it out. The asynchronous calls
+// (StartUnshard, PostBackwardAsync) return before their collective has
+// completed; until the matching finish, the buffers it uses are the pending
+// operation's, not exposed.
 //
 // Thread-safety: a handle is used by one thread at a time (the rank's
 // thread, which also owns its communicators).
