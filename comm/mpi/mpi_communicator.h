@@ -34,13 +34,22 @@
 // library and the process layout. Data moves as raw elements (MPI_FLOAT,
 // MPI_DOUBLE, or MPI_UINT16_T for 16-bit floats) and every reduction is the
 // left fold in rank order of comm/host_reduce.h, done locally, so results
-// are bitwise identical to HostReduce() and to the simulator:
-//   all_gather        MPI_Iallgather.
-//   reduce_scatter    MPI_Ialltoall of the count-element slices (rank i
-//                     receives slice i of every rank), then a local fold.
-//   all_reduce        the same over size() near-equal chunks
-//                     (MPI_Ialltoallv), then MPI_Iallgatherv of the reduced
-//                     chunks.
+// are bitwise identical to HostReduce() and to the simulator. The data
+// collectives are linear exchanges of point-to-point messages
+// (MPI_Irecv from every other rank, then MPI_Isend to every other rank, on
+// the communicator with one reserved tag): measured with Open MPI 4.1 on
+// one node, they ran at 1.0-1.5x MPI's blocking collectives where its
+// nonblocking ones (MPI_Iallgather & co.) ran at 0.45-1.0x. Every rank
+// exchanges with every other: across many nodes a ring or a tree would use
+// the network better.
+//   all_gather        every rank's input to every rank.
+//   reduce_scatter    slice i of every rank's input to rank i (an
+//                     all-to-all), then a local fold.
+//   all_reduce        the same over size() near-equal chunks, then an
+//                     all-gather of the reduced chunks in place in the
+//                     output; while the size() inputs total at most 64 KiB,
+//                     every rank's whole input to every rank and a local
+//                     fold (one exchange: latency dominates there).
 //   broadcast         MPI_Ibcast.
 //   barrier           MPI_Ibarrier.
 //   all_gather_bytes  MPI_Iallgather of the lengths, then MPI_Iallgatherv.
@@ -48,32 +57,74 @@
 // MPI counts are ints: a collective whose per-rank element count (or
 // all_gather_bytes' total length) exceeds INT_MAX fails with Unimplemented.
 //
-// Memory. Each collective stages its data in buffers owned by its Work: the
-// input is copied when the collective is issued and the output is written
-// when Wait() sees it complete. So once Wait() has returned, even with
-// DeadlineExceeded, MPI never reads or writes the caller's buffers again. The
-// price is one extra host copy each way and staging memory of about the
-// input plus the output size while the collective runs.
+// Memory. By default all_gather, reduce_scatter, all_reduce and broadcast
+// are zero-copy: MPI sends straight from the caller's input and receives
+// straight into the caller's output (all_gather, broadcast, all_reduce's
+// all-gather phase; all_gather copies this rank's own block locally unless
+// in place). reduce_scatter and all_reduce receive the other ranks'
+// contributions into a receive buffer the collective owns (pooled; about the
+// input's size) and fold them straight into the caller's output. As
+// comm/communicator.h says, the caller keeps every buffer alive and untouched
+// until Wait() has returned; once it returned OK, nothing touches them any
+// more. After Wait() returned DeadlineExceeded (or an MPI error), MPI may still
+// read the input and write the output later, when the late peers arrive: MPI
+// cannot cancel a collective. The process must then keep those buffers alive
+// and not reuse them (or exit); the error message says so. Callers that cannot
+// give that guarantee set MpiOptions::stage_buffers: each collective then
+// copies its input into buffers it owns when issued and copies the result
+// out before its Wait() returns, so that once Wait() has returned, even with
+// DeadlineExceeded, nothing touches the caller's buffers again; the price is
+// one extra host copy each way and staging memory of about the input plus
+// the output size. MpiStagedBytes() counts the bytes copied that way.
 //
-// Progress. MPI advances nonblocking collectives only inside MPI calls.
-// Wait() polls MPI_Test, spinning briefly and then sleeping with exponential
-// backoff up to 1 ms. A collective's first MPI step starts when it is
-// issued; later steps (all_reduce's all-gather, the data step of a checked
-// collective) start inside Wait(). Issue collectives and wait on them in the
-// same order on every rank.
+// Progress. MPI advances nonblocking collectives only inside MPI calls, so
+// every process has one progress engine for all its communicators. A thread
+// blocked in Wait() drives it: it tests every collective in flight back to
+// back (MPI itself yields the CPU on an oversubscribed node) and, after
+// 10 ms without a completion, with naps doubling up to 0.25 ms. While no
+// thread waits -- the rank computes between issuing a collective and
+// waiting on it -- a progress thread drives it instead, so that the
+// collective completes and this rank's peers are not held up: it polls with
+// naps of at most 0.2 ms while collectives are in flight, sleeps otherwise,
+// and looks for new collectives every millisecond (after a quiet spell, the
+// next collective wakes it). Whoever drives also runs the later steps of
+// multi-step collectives (reduce_scatter's fold, all_reduce's fold and
+// all-gather, the data step of a checked collective), so a collective can
+// be complete before Wait() is called. The progress thread exists only when
+// MPI provides MPI_THREAD_MULTIPLE (MpiSession::Start and CreateWorld ask
+// for it; Debian's OpenMPI 4.1 provides it; MpiHasProgressThread() tells).
+// With less (a program that initialised MPI itself with
+// MPI_THREAD_FUNNELED or SERIALIZED), flatparam calls MPI only on the
+// threads that call flatparam, and collectives progress only inside Wait()
+// and the calls that issue them. MPI_Finalize stops the thread (through an
+// attribute on MPI_COMM_SELF), also when the program finalises MPI itself.
+//
+// Ordering. MPI matches collectives on a communicator by the order in which
+// they are started. Each collective starts all its steps before the next
+// collective issued on the same communicator starts its first one: a
+// collective issued while the one before it is part-way waits in a queue
+// (NCCL serialises collectives on a communicator the same way), and each
+// step starts as soon as the previous one completes. So MPI sees the same
+// order on every rank however the completions interleave with the ranks'
+// calls: issue collectives in the same order on every rank, and Wait() on
+// them in any order.
 //
 // Timeouts and failures. A collective's deadline is its issue time plus
 // options.timeout. When Wait() passes it, Wait() returns DeadlineExceeded and
 // marks the communicator broken: every later collective on it, and the later
-// steps of collectives already issued, fail at once with Aborted and do not
-// communicate, because which collectives the peers have matched is unknown
-// and anything further could pair mismatched operations. The library never
-// calls MPI_Abort, which would kill every process of the job; a caller that
-// wants that calls MPI_Abort itself. The timed-out MPI request and its
-// staging buffers are kept alive (MPI forbids freeing an active collective
-// request) until MPI completes them: they do if the missing peers call the
-// collective late (PendingAbandonedMpiRequests() counts those still
-// pending), and FinalizeMpi() waits a grace period for them. MPI errors (the
+// steps of collectives already issued (and those still queued), fail at once
+// with Aborted and do not communicate, because which collectives the peers
+// have matched is unknown and anything further could pair mismatched
+// operations. Only Wait() enforces the deadline: a collective that completed
+// in the background before its Wait() is OK even if its deadline has passed.
+// The library never calls MPI_Abort, which would kill every process of the
+// job; a caller that wants that calls MPI_Abort itself. The timed-out MPI
+// request and the memory it owns are kept alive (MPI forbids freeing an
+// active collective request) and tested by the engine until MPI completes
+// them (zero-copy, MPI then writes the caller's output: see Memory); they
+// complete if the missing peers call the collective late
+// (PendingAbandonedMpiRequests() counts those still pending), and
+// FinalizeMpi() waits a grace period for them. MPI errors (the
 // communicators use MPI_ERRORS_RETURN) become Internal with MPI_Error_string's
 // text and also mark the communicator broken. When a peer process dies, mpirun
 // by default kills the whole job (OpenMPI 4 has no fault tolerance); when the
@@ -100,15 +151,21 @@
 // Sequence numbers count every collective call on a communicator, starting
 // at 0, including calls that fail; error messages name them as "op #seq".
 //
-// Thread-safety: as Communicator, one thread at a time per communicator.
-// Different communicators may be used from different threads concurrently
-// when MPI provides MPI_THREAD_MULTIPLE (Debian's OpenMPI 4.1 does);
-// MpiSession and FinalizeMpi are not thread-safe.
+// Thread-safety: as Communicator, one thread at a time per communicator, and
+// its Works are waited on from that thread. Different communicators may be
+// used from different threads concurrently when MPI provides
+// MPI_THREAD_MULTIPLE (Debian's OpenMPI 4.1 does). The progress thread is
+// internal: from the issuing call until its Wait() returns, a collective's
+// buffers (the caller's and its own) belong to whichever thread drives the
+// engine; the engine's mutex orders every hand-over (a collective is marked
+// done under it after its last write, and Wait() returns after reading that
+// mark under it). MpiSession and FinalizeMpi are not thread-safe.
 #ifndef FLATPARAM_COMM_MPI_MPI_COMMUNICATOR_H_
 #define FLATPARAM_COMM_MPI_MPI_COMMUNICATOR_H_
 
 #include <mpi.h>
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -132,6 +189,11 @@ struct MpiOptions {
   bool check_collectives = false;
   // How long CreateWorld()/Wrap() wait for the collective MPI_Comm_idup.
   absl::Duration create_timeout = kDefaultCollectiveTimeout;
+  // Stage every collective's data through buffers it owns instead of
+  // reading and writing the caller's buffers in place (see Memory above):
+  // for callers that cannot keep their buffers alive and unused after a
+  // timeout. Costs one host copy each way. Inherited by Split().
+  bool stage_buffers = false;
 };
 
 // Waits up to `grace` for collectives abandoned after a timeout to
@@ -145,6 +207,17 @@ absl::Status FinalizeMpi(absl::Duration grace = absl::Seconds(1));
 // How many collectives abandoned after a timeout MPI has not completed yet
 // (each is tested once now). They complete when the missing peers join.
 int PendingAbandonedMpiRequests();
+
+// Bytes this process's collectives have copied between callers' buffers and
+// staging buffers (MpiOptions::stage_buffers, or an all_gather whose input
+// overlaps its output other than in place). Zero-copy collectives add
+// nothing. For tests and benchmarks.
+int64_t MpiStagedBytes();
+
+// Whether a progress thread advances this process's collectives while no
+// thread waits on them (see Progress above): MPI is initialised with
+// MPI_THREAD_MULTIPLE and not finalised.
+bool MpiHasProgressThread();
 
 // Owns MPI's initialisation for a scope: Start() initialises MPI unless it
 // already is, and the session that initialised it finalises it (FinalizeMpi)
@@ -220,8 +293,9 @@ class MpiCommunicator final : public Communicator {
       int color, int key, const CollectiveOptions& options) override;
 
   // This communicator's own MPI communicator (for interoperation, such as
-  // bootstrapping NCCL). Owned by this object; do not free it, and do not
-  // change its error handler.
+  // bootstrapping NCCL). Owned by this object; do not free it, do not
+  // change its error handler, and send no point-to-point messages on it
+  // (the collectives' exchanges use its point-to-point traffic).
   MPI_Comm mpi_comm() const;
   // OK while usable; otherwise the error (a timeout or an MPI error) that
   // broke it.
