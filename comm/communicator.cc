@@ -13,6 +13,10 @@ class DoneWork final : public Work {
  public:
   explicit DoneWork(absl::Status status) : status_(std::move(status)) {}
   absl::Status Wait() override { return status_; }
+  // Already finished (or failed before it started): nothing to wait for.
+  absl::Status WaitStream(const DeviceStream&) override {
+    return absl::OkStatus();
+  }
 
  private:
   absl::Status status_;
@@ -116,6 +120,13 @@ absl::string_view ReduceOpName(ReduceOp op) {
       return "min";
   }
   return "unknown";
+}
+
+absl::Status Work::WaitStream(const DeviceStream& stream) {
+  return absl::UnimplementedError(absl::StrFormat(
+      "WaitStream(%s): this backend completes collectives on the host; "
+      "Wait() instead",
+      DeviceName(stream.device)));
 }
 
 std::unique_ptr<Work> CompletedWork(absl::Status status) {

@@ -19,6 +19,30 @@
 // too, so a call never throws and the returned Work is never null. Waiting
 // on a Work twice returns the same status.
 //
+// Stream-ordered completion (NCCL's and c10d's model, for device buffers).
+// A backend whose SupportsStreams(device) is true runs collectives on a
+// device queue of its own, and can order them with the caller's device
+// streams without the host waiting:
+//   * CollectiveOptions::stream: the collective starts only after the work
+//     issued on that stream before the call (a device-side wait; c10d's
+//     NCCL stream waiting for the current stream), so the caller need not
+//     wait on the host for the kernels that produce the input;
+//   * Work::WaitStream(s): work issued on `s` after this call runs after
+//     the collective (cudaStreamWaitEvent on the collective's end event;
+//     c10d's `work.wait()`), so the consumer of the output need not wait
+//     on the host either.
+// Buffer ownership then follows the streams: the caller keeps the buffers
+// alive and untouched until the collective is done, which a stream knows
+// once it has passed a WaitStream (memory freed stream-ordered on such a
+// stream after the WaitStream is safe to reuse). Wait() may still be
+// called, and should be before the result is trusted on the host: it is
+// where a timeout, a peer's failure or corrupted data is reported (a
+// stream wait cannot fail). Backends that complete collectives on the host
+// (the simulator, MPI) return false from SupportsStreams; a `stream` in
+// their options is ignored and WaitStream is Unimplemented, so callers use
+// the host path there: wait on the host for the producing stream before
+// issuing, and Wait() before using the output.
+//
 // Errors carry the rank, the operation, its sequence number in the group
 // and the sizes involved: InvalidArgument for mismatched arguments,
 // Unimplemented for an unsupported dtype/device on a backend,
@@ -33,6 +57,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -79,6 +104,12 @@ struct CollectiveOptions {
   // abort the group on a timeout, as NCCL's watchdog does, so later
   // collectives fail fast instead of hanging.
   absl::Duration timeout = kDefaultCollectiveTimeout;
+  // Stream-ordered issue (see the file comment): the collective runs after
+  // the work issued on this stream so far. Only for backends whose
+  // SupportsStreams(stream->device) is true, where a stream of another
+  // device (or another simulated device) is InvalidArgument; ignored by
+  // the others.
+  std::optional<DeviceStream> stream;
 };
 
 struct ReduceOptions : CollectiveOptions {
@@ -102,6 +133,14 @@ class Work {
   // Blocks until the collective has finished (or its timeout passed) and
   // returns its status. Later calls return the same status at once.
   virtual absl::Status Wait() = 0;
+  // Makes the work issued on `stream` from now on run after the collective,
+  // without blocking the host (see the file comment). May be called for
+  // several streams, before or after Wait(). Unimplemented for backends
+  // that complete on the host (the default); InvalidArgument for a stream
+  // the backend cannot order with. A collective that fails still releases
+  // the waiting streams (its output is then garbage): Wait() reports the
+  // failure.
+  virtual absl::Status WaitStream(const DeviceStream& stream);
 };
 
 // A Work that is already finished with `status`.
@@ -116,6 +155,12 @@ class Communicator {
   virtual int size() const = 0;
   // The backend's name: "sim", "mpi" or "nccl".
   virtual absl::string_view backend() const = 0;
+  // Whether collectives on buffers of `device` can be ordered with device
+  // streams (CollectiveOptions::stream, Work::WaitStream; see the file
+  // comment). False unless a backend says otherwise: NCCL for its CUDA
+  // device, sim/sim_device.h's StreamCheckedCommunicator in its
+  // stream-ordered mode.
+  virtual bool SupportsStreams(Device device) const { return false; }
 
   // All-gather. `input` holds `count` elements on every rank; `output` holds
   // `size() * count`. Rank i's input lands at output offset `i * count`.

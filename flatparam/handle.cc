@@ -119,6 +119,17 @@ FlatParamHandle::FlatParamHandle(const FlatParamLayout& layout,
     requires_grad_.push_back(p.requires_grad ? 1 : 0);
   }
   grad_none_.assign(layout.params().size(), 0);
+  // Stream-ordered collectives need both groups to order with the device's
+  // streams, and the streams to have native handles.
+  const Device d = device->device();
+  const HandleStreams& st = options.streams;
+  stream_ordered_ =
+      options.stream_ordered && d != Device::Host() &&
+      shard_group->SupportsStreams(d) &&
+      (replicate_group == nullptr || replicate_group->SupportsStreams(d)) &&
+      device->NativeStream(st.compute).has_value() &&
+      device->NativeStream(st.unshard).has_value() &&
+      device->NativeStream(st.post_backward).has_value();
 }
 
 FlatParamHandle::~FlatParamHandle() {
@@ -130,6 +141,7 @@ FlatParamHandle::~FlatParamHandle() {
   if (pending_reduce_.has_value() && pending_reduce_->work != nullptr) {
     (void)pending_reduce_->work->Wait();
   }
+  (void)CheckCollectives();
 }
 
 absl::StatusOr<std::unique_ptr<FlatParamHandle>> FlatParamHandle::CreateCommon(
@@ -364,6 +376,38 @@ absl::Status FlatParamHandle::Wait(std::unique_ptr<Work> work,
                       absl::StrCat(Name(), ": ", what, ": ", status.message()));
 }
 
+absl::Status FlatParamHandle::StreamWaitsFor(std::unique_ptr<Work> work,
+                                             Stream stream,
+                                             absl::string_view what) {
+  absl::Status status = work->WaitStream(*Native(stream));
+  if (status.ok()) {
+    unchecked_.emplace_back(std::move(work), std::string(what));
+    return status;
+  }
+  // The stream is not ordered after the collective: the host waits for it
+  // instead, so that its buffers may be freed.
+  (void)work->Wait();
+  return absl::Status(status.code(),
+                      absl::StrCat(Name(), ": ", what, ": ", status.message()));
+}
+
+absl::Status FlatParamHandle::CheckCollectives() {
+  absl::Status first = absl::OkStatus();
+  for (auto& [work, what] : unchecked_) {
+    absl::Status status = work->Wait();
+    if (!status.ok() && first.ok()) {
+      first = absl::Status(status.code(), absl::StrCat(Name(), ": ", what, ": ",
+                                                       status.message()));
+    }
+  }
+  unchecked_.clear();
+  return first;
+}
+
+std::optional<DeviceStream> FlatParamHandle::Native(Stream stream) const {
+  return device_->NativeStream(stream);
+}
+
 absl::Status FlatParamHandle::StreamWaits(Stream waiter, Stream on) {
   if (waiter == on) return absl::OkStatus();
   FLATPARAM_ASSIGN_OR_RETURN(Event event, device_->RecordEvent(on));
@@ -410,8 +454,12 @@ absl::Status FlatParamHandle::StartUnshardImpl() {
       uses_param_mixed_precision() && !force_full_precision();
   const HandleStreams& streams = options_.streams;
   // The unshard reads the local shard after the compute stream's updates
-  // of it (the optimizer step).
-  FLATPARAM_RETURN_IF_ERROR(StreamWaits(streams.unshard, streams.compute));
+  // of it (the optimizer step), once per iteration.
+  if (local_shard_written_ &&
+      !Skipped(internal_handle::SkippedOrdering::kUnshardWaitsForCompute)) {
+    FLATPARAM_RETURN_IF_ERROR(StreamWaits(streams.unshard, streams.compute));
+  }
+  local_shard_written_ = false;
   OnStream on_unshard(device_, streams.unshard);
   if (uses_sharded_strategy()) {
     TrackedBuffer& target = padded_unsharded();
@@ -442,13 +490,20 @@ absl::Status FlatParamHandle::StartUnshardImpl() {
           pending.padded,
           Alloc(MemoryCategory::kUnshardedParams, unsharded_dtype(),
                 layout_.padded_unsharded_numel()));
-      // The all-gather reads what the unshard stream's work above wrote.
+      // The all-gather reads what the unshard stream's work above wrote:
+      // it is issued after that work (stream-ordered), or the host waits
+      // for it.
+      CollectiveOptions options = options_.collective_options;
       if (!Skipped(internal_handle::SkippedOrdering::kSyncBeforeAllGather)) {
-        FLATPARAM_RETURN_IF_ERROR(HostWaitsFor(streams.unshard));
+        if (stream_ordered_) {
+          options.stream = Native(streams.unshard);
+        } else {
+          FLATPARAM_RETURN_IF_ERROR(HostWaitsFor(streams.unshard));
+        }
       }
       if (!options_.fake_all_gather) {
-        pending.work = shard_group_->AllGather(source, pending.padded->ref(),
-                                               options_.collective_options);
+        pending.work =
+            shard_group_->AllGather(source, pending.padded->ref(), options);
       }
       pending_unshard_.emplace(std::move(pending));
       return absl::OkStatus();
@@ -488,7 +543,22 @@ absl::Status FlatParamHandle::FinishUnshardImpl() {
   pending_unshard_.reset();
   absl::Status status = absl::OkStatus();
   if (pending.work != nullptr) {
-    status = Wait(std::move(pending.work), "all-gather of the flat parameter");
+    constexpr absl::string_view kWhat = "all-gather of the flat parameter";
+    if (stream_ordered_) {
+      // The unshard stream waits for the all-gather, so the inputs below
+      // are freed after it on the stream that allocated them, and the
+      // compute stream waits for the unshard stream before reading the
+      // output.
+      status = StreamWaitsFor(std::move(pending.work), options_.streams.unshard,
+                              kWhat);
+      if (status.ok() &&
+          !Skipped(internal_handle::SkippedOrdering::kComputeWaitsForUnshard)) {
+        status =
+            StreamWaits(options_.streams.compute, options_.streams.unshard);
+      }
+    } else {
+      status = Wait(std::move(pending.work), kWhat);
+    }
   }
   // Post-unshard: the collective is done with its input.
   pending.copy.Reset();
@@ -745,7 +815,11 @@ absl::Status FlatParamHandle::FinalizeBackward(bool sync_gradients) {
     FLATPARAM_RETURN_IF_ERROR(UsedBy(*g, streams.post_backward));
   }
   state_ = HandleTrainingState::kIdle;
-  return absl::OkStatus();
+  // The optimizer updates the local shard next, on the compute stream.
+  local_shard_written_ = true;
+  // Stream-ordered collectives: report any failure before the optimizer
+  // trusts the gradients.
+  return CheckCollectives();
 }
 
 // ---------------------------------------------------------------------------
@@ -823,7 +897,7 @@ absl::Status FlatParamHandle::StartReduceGradImpl() {
         device_->Scale(grad.ref(), ScaleOp::kDivide, predivide_));
   }
   PendingReduce pending;
-  ReduceOptions& first = pending.first;
+  ReduceOptions first;
   static_cast<CollectiveOptions&>(first) = options_.collective_options;
   first.op = ReduceOp::kSum;
   pending.second = first;
@@ -833,8 +907,15 @@ absl::Status FlatParamHandle::StartReduceGradImpl() {
       (hybrid ? pending.second : first).post_divide_factor = postdivide_;
     }
   }
-  // The collective reads what the post-backward stream's work above wrote.
-  FLATPARAM_RETURN_IF_ERROR(HostWaitsFor(streams.post_backward));
+  // The collective reads what the post-backward stream's work above wrote:
+  // it is issued after that work (stream-ordered), or the host waits for
+  // it.
+  if (stream_ordered_) {
+    first.stream = Native(streams.post_backward);
+    pending.second.stream = first.stream;
+  } else {
+    FLATPARAM_RETURN_IF_ERROR(HostWaitsFor(streams.post_backward));
+  }
   if (uses_sharded_strategy()) {
     // 3. Reduce-scatter into a new sharded gradient; `grad` is the
     // collective's input until it completes.
@@ -846,6 +927,20 @@ absl::Status FlatParamHandle::StartReduceGradImpl() {
           shard_group_->ReduceScatter(grad.ref(), pending.shard.ref(), first);
     }
     pending.input = std::move(grad);
+    if (stream_ordered_ && hybrid) {
+      // 4. Stream-ordered, the all-reduce over the replicate group follows
+      // on the post-backward stream at once, as PyTorch issues it in the
+      // post-backward hook (host-completed, it waits for FinishReduceGrad).
+      if (pending.work != nullptr) {
+        absl::Status waited =
+            StreamWaitsFor(std::move(pending.work), streams.post_backward,
+                           "reduce-scatter of the gradient");
+        if (!waited.ok()) return waited;
+      }
+      pending.work = replicate_group_->AllReduce(
+          pending.shard.ref(), pending.shard.ref(), pending.second);
+      pending.all_reduce_issued = true;
+    }
   } else {
     pending.work = shard_group_->AllReduce(grad.ref(), grad.ref(), first);
     pending.shard = std::move(grad);
@@ -859,20 +954,32 @@ absl::Status FlatParamHandle::FinishReduceGradImpl() {
   if (!pending_reduce_.has_value()) return absl::OkStatus();
   PendingReduce pending = std::move(*pending_reduce_);
   pending_reduce_.reset();
+  const Stream post_backward = options_.streams.post_backward;
+  // Stream-ordered, the post-backward stream waits for each collective and
+  // runs everything after it; the input (recorded for that stream) is then
+  // freed after the reduction.
+  auto complete = [&](std::unique_ptr<Work> work, absl::string_view what) {
+    return stream_ordered_
+               ? StreamWaitsFor(std::move(work), post_backward, what)
+               : Wait(std::move(work), what);
+  };
+  constexpr absl::string_view kReplicated =
+      "all-reduce of the gradient over the replicate group";
   if (pending.work != nullptr) {
-    FLATPARAM_RETURN_IF_ERROR(
-        Wait(std::move(pending.work), uses_sharded_strategy()
-                                          ? "reduce-scatter of the gradient"
-                                          : "all-reduce of the gradient"));
+    FLATPARAM_RETURN_IF_ERROR(complete(std::move(pending.work),
+                                       pending.all_reduce_issued ? kReplicated
+                                       : uses_sharded_strategy()
+                                           ? "reduce-scatter of the gradient"
+                                           : "all-reduce of the gradient"));
   }
   pending.input.Reset();
-  OnStream on_post_backward(device_, options_.streams.post_backward);
+  OnStream on_post_backward(device_, post_backward);
   TrackedBuffer shard = std::move(pending.shard);
   // 4. Hybrid: sum the shard group's results across replicas.
-  if (IsHybridStrategy(strategy())) {
-    FLATPARAM_RETURN_IF_ERROR(Wait(
+  if (IsHybridStrategy(strategy()) && !pending.all_reduce_issued) {
+    FLATPARAM_RETURN_IF_ERROR(complete(
         replicate_group_->AllReduce(shard.ref(), shard.ref(), pending.second),
-        "all-reduce of the gradient over the replicate group"));
+        kReplicated));
   }
   // 5. Post-divide.
   if (!divide_in_collectives_ && postdivide_ > 1) {
@@ -1346,6 +1453,8 @@ absl::Status FlatParamHandle::EndSummonFullParams() {
     return WrongState("EndSummonFullParams", "SUMMON_FULL_PARAMS");
   }
   absl::Status status;
+  // The caller may have written the local shard while summoning.
+  local_shard_written_ = true;
   if (summon_writeback_) {
     // PyTorch's `_writeback_to_local_shard`: this rank's unpadded chunk.
     const int64_t unpadded = layout_.unpadded_unsharded_numel();
@@ -1382,6 +1491,7 @@ namespace internal_handle {
 void SetSkippedOrderingForTesting(SkippedOrdering skip) {
   skipped_ordering.store(skip, std::memory_order_relaxed);
 }
+bool IsSkippedForTesting(SkippedOrdering which) { return Skipped(which); }
 void SetSkipSyncBeforeAllGatherForTesting(bool skip) {
   SetSkippedOrderingForTesting(skip ? SkippedOrdering::kSyncBeforeAllGather
                                     : SkippedOrdering::kNone);

@@ -128,20 +128,41 @@
 // stream. Every hand-off between them is an event, and every buffer one
 // stream allocated and another used is declared with RecordStream before
 // it is freed:
-//   * an unshard starts after the compute stream's work issued so far (the
-//     optimizer's update of the local shard); the host waits for the
-//     unshard stream's casts before issuing the all-gather (the simulator,
-//     MPI and NCCL here complete collectives on the host), and the
-//     unsharded parameter, allocated on the unshard stream, is recorded
-//     for the compute stream, which reads it;
+//   * the first unshard after the handle's creation, a FinalizeBackward or
+//     a summon's writeback starts after the compute stream's work issued
+//     so far (the optimizer's or the caller's update of the local shard),
+//     unless the caller already made the unshard stream wait for it
+//     (NoteUnshardStreamWaitedForCompute, which FsdpRuntime calls once per
+//     iteration, as PyTorch's root pre-forward does); later unshards of
+//     the iteration do not wait for the compute stream, so an all-gather
+//     overlaps the kernels issued before it;
+//   * the unsharded parameter, allocated on the unshard stream, is
+//     recorded for the compute stream, which reads it;
 //   * the reduction starts after the compute stream's work issued so far
 //     (the backward's gradient), which is recorded for the post-backward
-//     stream; the host waits for the post-backward stream's casts and
-//     divides before issuing the reduce-scatter;
+//     stream;
 //   * FinalizeBackward makes the compute stream wait for the post-backward
 //     stream, so the optimizer, issued on the compute stream afterwards,
 //     sees the sharded gradient; the sharded gradient is recorded for both.
-// So the host never waits for the compute stream on these paths (a
+// Collectives are ordered with the streams in one of two ways:
+//   * stream-ordered (NCCL; comm/communicator.h), when the communicators
+//     SupportsStreams(device) and the DeviceOps has NativeStreams (and
+//     HandleOptions::stream_ordered is on): the all-gather is issued
+//     ordered after the unshard stream's casts (CollectiveOptions::stream),
+//     and finishing the unshard makes the unshard stream wait for it
+//     (Work::WaitStream) and the compute stream wait for the unshard
+//     stream; the reduce-scatter is issued after the post-backward
+//     stream's work, and finishing it makes the post-backward stream wait
+//     for it, which also issues the hybrid all-reduce on that stream. The
+//     host never waits for a collective on these paths; it waits for each
+//     of them once, in FinalizeBackward (and the destructor), to report a
+//     timeout or a peer's failure before the optimizer uses the results
+//     (c10d leaves that to its watchdog).
+//   * host-completed (the simulator, MPI; NCCL with stream_ordered off):
+//     the host waits for the producing stream before issuing the
+//     collective (its input must be there) and for the collective before
+//     finishing (Work::Wait); device work issued afterwards follows.
+// Either way the host never waits for the compute stream on these paths (a
 // forward's kernels still run while the next unit's all-gather is
 // prepared), and the caller orders its own work by issuing it on the
 // compute stream: views are valid to use there once PreForward/PreBackward
@@ -150,12 +171,12 @@
 // rarer calls (summon, SetGradNone, ZeroGrad without set_to_none) also
 // synchronize the device before returning; ZeroGrad(set_to_none) only
 // frees, and the streams that used those gradients were recorded.
-// sim/sim_device.h checks all of this: the handle's tests run on it with
-// separate streams and its race detector reports nothing, and reports each
-// ordering above when a test switch leaves it out. The asynchronous calls
-// (StartUnshard, PostBackwardAsync) return before their collective has
-// completed; until the matching finish, the buffers it uses are the pending
-// operation's, not exposed.
+// sim/sim_device.h checks all of this, on both paths: the handle's tests
+// run on it with separate streams and its race detector reports nothing,
+// and reports each ordering above when a test switch leaves it out. The
+// asynchronous calls (StartUnshard, PostBackwardAsync) return before their
+// collective has completed; until the matching finish, the buffers it uses
+// are the pending operation's, not exposed.
 //
 // Thread-safety: a handle is used by one thread at a time (the rank's
 // thread, which also owns its communicators).
@@ -166,6 +187,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -257,6 +279,10 @@ struct HandleOptions {
   CollectiveOptions collective_options;
   // Streams of the DeviceOps (created by the caller, who keeps them).
   HandleStreams streams;
+  // Order collectives with the streams on the device, without host waits,
+  // where the communicators and the DeviceOps support it (see "Device work
+  // and streams"); off makes every collective host-completed.
+  bool stream_ordered = true;
 };
 
 // How BeginSummonFullParams summons (PyTorch's `summon_full_params`
@@ -478,7 +504,24 @@ class FlatParamHandle {
   // reduction themselves (PyTorch's final callback waits for the
   // post-backward stream). On a collective failure the gradient being
   // reduced is dropped and the sharded gradient is left as it was.
+  // Stream-ordered, "waits" is the post-backward stream's, the hybrid
+  // all-reduce was already issued by PostBackwardAsync (right after the
+  // reduce-scatter, as PyTorch's post-backward hook issues it), steps 5-7
+  // are issued on that stream, and a failure is reported by
+  // FinalizeBackward.
   absl::Status FinishReduceGrad();
+
+  // Whether collectives are stream-ordered (see "Device work and
+  // streams").
+  bool stream_ordered() const { return stream_ordered_; }
+  // Declares that the unshard stream already waits for every update of the
+  // local shard the caller issued on the compute stream (the caller
+  // recorded an event on the compute stream after its last write and made
+  // the unshard stream wait for it), so the next unshard need not make it
+  // wait again. FsdpRuntime does this once per iteration for all its
+  // handles (PyTorch's `_wait_for_computation_stream` in the root's
+  // pre-forward).
+  void NoteUnshardStreamWaitedForCompute() { local_shard_written_ = false; }
 
   // ---- Views ----
   // The current view of parameter `index` (see the file comment).
@@ -636,6 +679,15 @@ class FlatParamHandle {
   absl::Status AccumulateShardedGrad(TrackedBuffer new_grad);
   absl::Status CastShardedGradTo(DType dtype);
   absl::Status Wait(std::unique_ptr<Work> work, absl::string_view what);
+  // Stream-ordered: makes `stream` wait for `work` and keeps the work for
+  // the host's check in CheckCollectives.
+  absl::Status StreamWaitsFor(std::unique_ptr<Work> work, Stream stream,
+                              absl::string_view what);
+  // The host waits for every collective kept by StreamWaitsFor; the first
+  // failure, named.
+  absl::Status CheckCollectives();
+  // CollectiveOptions::stream for `stream` (stream-ordered only).
+  std::optional<DeviceStream> Native(Stream stream) const;
   // Work issued on `waiter` from now on waits for the work issued on `on`
   // so far (nothing when they are the same stream).
   absl::Status StreamWaits(Stream waiter, Stream on);
@@ -658,6 +710,14 @@ class FlatParamHandle {
   double postdivide_ = 1;
   // options.divide_in_collectives, or implied where it is bitwise the same.
   bool divide_in_collectives_ = false;
+  // See "Device work and streams".
+  bool stream_ordered_ = false;
+  // The local shard may have been written on the compute stream since the
+  // unshard stream last waited for it.
+  bool local_shard_written_ = true;
+  // Stream-ordered collectives the host has not waited for yet, and what
+  // they were.
+  std::vector<std::pair<std::unique_ptr<Work>, std::string>> unchecked_;
 
   MemoryTracker tracker_;
   HandleTrainingState state_ = HandleTrainingState::kIdle;
@@ -706,15 +766,16 @@ class FlatParamHandle {
     TrackedBuffer* target = nullptr;  // full_param_padded_ or full-precision
   };
   std::optional<PendingUnshard> pending_unshard_;
-  // A reduction started and not finished: the first collective (null when
-  // faked), its input (sharded strategies) and output, and the options of
-  // the hybrid all-reduce that follows.
+  // A reduction started and not finished: the last collective issued (null
+  // when faked), its input (sharded strategies) and output, and the options
+  // of the hybrid all-reduce that follows the reduce-scatter, and whether
+  // that is issued already (stream-ordered: `work` is then the all-reduce).
   struct PendingReduce {
     std::unique_ptr<Work> work;
     TrackedBuffer input;
     TrackedBuffer shard;
-    ReduceOptions first;
     ReduceOptions second;
+    bool all_reduce_issued = false;
   };
   std::optional<PendingReduce> pending_reduce_;
 

@@ -2089,6 +2089,7 @@ TEST_P(AsyncTest, NoStreamRacesOnSimulatedDevices) {
     return RunWithHandles(s, [&](RankContext& ctx) -> absl::Status {
       FlatParamHandle& h = ctx.handle;
       DeviceOps& ops = ctx.ops;  // its current stream is the compute stream
+      EXPECT_EQ(h.stream_ordered(), s.sim_device && s.stream_ordered_comm);
       for (int iter = 0; iter < 2; ++iter) {
         FLATPARAM_RETURN_IF_ERROR(h.StartUnshard());
         FLATPARAM_RETURN_IF_ERROR(h.PreForward());
@@ -2108,9 +2109,12 @@ TEST_P(AsyncTest, NoStreamRacesOnSimulatedDevices) {
         FLATPARAM_RETURN_IF_ERROR(AddGradients(s, ctx, iter));
         FLATPARAM_RETURN_IF_ERROR(h.PostBackwardAsync(true));
         FLATPARAM_RETURN_IF_ERROR(h.FinalizeBackward(true));
-        // The optimizer reads and writes the sharded gradient (unchanged).
+        // The optimizer reads and writes the sharded gradient and the
+        // local shard (both unchanged).
         FLATPARAM_RETURN_IF_ERROR(
             ops.Scale(*h.sharded_grad(), ScaleOp::kMultiply, 1.0));
+        FLATPARAM_RETURN_IF_ERROR(
+            ops.Scale(h.sharded_param(), ScaleOp::kMultiply, 1.0));
       }
       // The host reads device memory: it synchronizes first, as on a GPU
       // (the handle's work is queued on its streams).
@@ -2122,48 +2126,96 @@ TEST_P(AsyncTest, NoStreamRacesOnSimulatedDevices) {
   std::vector<std::vector<double>> host, simulated;
   ASSERT_THAT(run(&host), IsOk());
   s.sim_device = true;
-  for (bool streams : {false, true}) {
-    s.separate_streams = streams;
-    for (uint64_t seed : {0, 1, 2}) {
-      s.device_seed = seed;
-      ASSERT_THAT(run(&simulated), IsOk()) << s.Options();
-      EXPECT_EQ(simulated, host) << s.Options();
+  // Host-completed collectives, then stream-ordered ones (a simulated
+  // NCCL: the handle never waits for a collective on the host).
+  for (bool ordered : {false, true}) {
+    s.stream_ordered_comm = ordered;
+    for (bool streams : {false, true}) {
+      s.separate_streams = streams;
+      for (uint64_t seed : {0, 1, 2}) {
+        s.device_seed = seed;
+        ASSERT_THAT(run(&simulated), IsOk()) << s.Options();
+        EXPECT_EQ(simulated, host) << s.Options();
+      }
     }
   }
 
   using internal_handle::SkippedOrdering;
   struct Mutation {
     SkippedOrdering skip;
+    bool ordered;  // stream-ordered collectives
     bool applies;
     std::vector<std::string> report;
   };
   const bool sharded = UsesShardedStrategy(c.strategy);
+  const bool mp = c.param_dtype.has_value();
   const std::vector<Mutation> mutations = {
       // Only an all-gather of device-produced input can race: the cast to
       // param_dtype (an offload copy from the host completes before it
       // returns, as DeviceOps says).
       {SkippedOrdering::kSyncBeforeAllGather,
-       sharded && c.param_dtype.has_value(),
+       false,
+       sharded && mp,
        {"race: all_gather", "is not ordered after cast (stream 1"}},
+      // Stream-ordered, the all-gather is then ordered after nothing the
+      // device did: not the cast, not the optimizer's update of the local
+      // shard (unless that is on the host).
+      {SkippedOrdering::kSyncBeforeAllGather,
+       true,
+       sharded && (mp || !c.cpu_offload),
+       {"race: all_gather"}},
       {SkippedOrdering::kPostBackwardWaitsForCompute,
+       false,
+       true,
+       {"race: ", "is not ordered after add (stream 0"}},
+      {SkippedOrdering::kPostBackwardWaitsForCompute,
+       true,
        true,
        {"race: ", "is not ordered after add (stream 0"}},
       // The optimizer's touch of an offloaded gradient is on host memory,
       // which completes before returning.
       {SkippedOrdering::kComputeWaitsForPostBackward,
+       false,
+       !c.cpu_offload,
+       {"race: scale (multiply) (stream 0", "(stream 2, writes"}},
+      {SkippedOrdering::kComputeWaitsForPostBackward,
+       true,
        !c.cpu_offload,
        {"race: scale (multiply) (stream 0", "(stream 2, writes"}},
       // Freed after forward; a parameter kept for the backward is freed
       // after the gradients' host-to-device copies, which order the host
       // after the compute stream here.
       {SkippedOrdering::kRecordUnshardedParamOnCompute,
+       false,
        sharded && ReshardsAfterForward(c.strategy),
        {"freed while in use: copy (stream 0, reads"}},
+      {SkippedOrdering::kRecordUnshardedParamOnCompute,
+       true,
+       sharded && ReshardsAfterForward(c.strategy),
+       {"freed while in use: copy (stream 0, reads"}},
+      // The optimizer's update of the local shard on the compute stream
+      // against the next iteration's cast or all-gather of it (a device
+      // local shard only).
+      {SkippedOrdering::kUnshardWaitsForCompute,
+       false,
+       !c.cpu_offload && (sharded || mp),
+       {"race: ", "is not ordered after scale (multiply) (stream 0"}},
+      {SkippedOrdering::kUnshardWaitsForCompute,
+       true,
+       !c.cpu_offload && (sharded || mp),
+       {"race: ", "is not ordered after scale (multiply) (stream 0"}},
+      // Stream-ordered only: the forward's kernel reads the all-gather's
+      // output without waiting for it.
+      {SkippedOrdering::kComputeWaitsForUnshard,
+       true,
+       sharded,
+       {"race: copy (stream 0, reads", "all_gather"}},
   };
   s.separate_streams = true;
   s.device_seed = 0;
   for (const Mutation& m : mutations) {
     if (!m.applies) continue;
+    s.stream_ordered_comm = m.ordered;
     internal_handle::SetSkippedOrderingForTesting(m.skip);
     const absl::Status broken = run(&simulated);
     internal_handle::SetSkippedOrderingForTesting(SkippedOrdering::kNone);

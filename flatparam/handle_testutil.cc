@@ -30,14 +30,14 @@ std::string Scenario::Options() const {
   return absl::StrFormat(
       "%s %s shard=%d replicate=%d align=%d param_dtype=%s reduce_dtype=%s "
       "keep_low=%d offload=%d in_collectives=%d fake_device=%d sim_device=%d "
-      "device_seed=%d streams=%d seed=%d",
+      "device_seed=%d streams=%d stream_ordered=%d seed=%d",
       ShardingStrategyName(strategy), DTypeName(dtype), shard_size,
       replicate_size, align,
       options.param_dtype ? DTypeName(*options.param_dtype) : "-",
       options.reduce_dtype ? DTypeName(*options.reduce_dtype) : "-",
       options.keep_low_precision_grads, options.cpu_offload,
       options.divide_in_collectives, fake_device, sim_device, device_seed,
-      separate_streams ? 3 : 1, sim_seed);
+      separate_streams ? 3 : 1, stream_ordered_comm, sim_seed);
 }
 
 absl::StatusOr<FlatParamLayout> MakeLayout(const Scenario& s) {
@@ -224,7 +224,8 @@ absl::Status RunWithHandles(const Scenario& s, const RankFn& fn,
     if (s.fake_device || s.sim_device) {
       auto wrap = [&](Communicator* c) -> std::unique_ptr<Communicator> {
         if (s.sim_device) {
-          return std::make_unique<StreamCheckedCommunicator>(c, &sim_ops);
+          return std::make_unique<StreamCheckedCommunicator>(
+              c, &sim_ops, s.stream_ordered_comm);
         }
         return RelabelCudaAsHost(c);
       };

@@ -56,6 +56,10 @@ struct Scenario {
   // Give the handle its own unshard and post-backward streams (created on
   // the rank's DeviceOps; stream 0 is the compute stream).
   bool separate_streams = false;
+  // With sim_device: the StreamCheckedCommunicators are stream-ordered (a
+  // simulated NCCL), so the handle orders its collectives with the streams
+  // instead of waiting on the host.
+  bool stream_ordered_comm = false;
 
   int world_size() const { return shard_size * replicate_size; }
   bool hybrid() const { return IsHybridStrategy(strategy); }

@@ -8,64 +8,46 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "comm/forwarding_communicator.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_macros.h"
+#include "flatparam/internal/handle_test_hooks.h"
 
 namespace flatparam {
 namespace {
 
 // Forwards every call to `inner` and counts the buffer collectives in
 // `stats`. Neither is owned.
-class CountingCommunicator final : public Communicator {
+class CountingCommunicator final : public ForwardingCommunicator {
  public:
   CountingCommunicator(Communicator* inner, CommStats* stats)
-      : inner_(inner), stats_(stats) {}
-
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  absl::string_view backend() const override { return inner_->backend(); }
+      : ForwardingCommunicator(inner), stats_(stats) {}
 
   std::unique_ptr<Work> AllGather(ConstBufferRef input, BufferRef output,
                                   const CollectiveOptions& options) override {
     Count(stats_->all_gather, output.bytes(), 1);
-    return inner_->AllGather(input, output, options);
+    return inner().AllGather(input, output, options);
   }
   std::unique_ptr<Work> ReduceScatter(ConstBufferRef input, BufferRef output,
                                       const ReduceOptions& options) override {
     Count(stats_->reduce_scatter, input.bytes(), 1);
-    return inner_->ReduceScatter(input, output, options);
+    return inner().ReduceScatter(input, output, options);
   }
   std::unique_ptr<Work> AllReduce(ConstBufferRef input, BufferRef output,
                                   const ReduceOptions& options) override {
     Count(stats_->all_reduce, input.bytes(), 2);
-    return inner_->AllReduce(input, output, options);
-  }
-  std::unique_ptr<Work> Broadcast(BufferRef buffer,
-                                  const BroadcastOptions& options) override {
-    return inner_->Broadcast(buffer, options);
-  }
-  absl::StatusOr<std::vector<std::string>> AllGatherBytes(
-      absl::string_view bytes, const CollectiveOptions& options) override {
-    return inner_->AllGatherBytes(bytes, options);
-  }
-  absl::Status Barrier(const CollectiveOptions& options) override {
-    return inner_->Barrier(options);
-  }
-  absl::StatusOr<std::unique_ptr<Communicator>> Split(
-      int color, int key, const CollectiveOptions& options) override {
-    return inner_->Split(color, key, options);
+    return inner().AllReduce(input, output, options);
   }
 
  private:
   // nccl-tests' bus factor: `factor` * (n - 1) / n.
   void Count(CollectiveTraffic& t, int64_t bytes, int factor) const {
-    const int n = inner_->size();
+    const int n = size();
     ++t.calls;
     t.bytes += bytes;
     t.sent_bytes += bytes * factor * (n - 1) / n;
   }
 
-  Communicator* inner_;
   CommStats* stats_;
 };
 
@@ -391,6 +373,26 @@ void FsdpRuntime::ResetPeakMemory() {
 // ---------------------------------------------------------------------------
 // Iterations and the execution order
 
+absl::Status FsdpRuntime::Limited(
+    int unit, const std::function<absl::Status(FlatParamHandle&)>& call) {
+  FlatParamHandle& h = *handles_[unit];
+  const size_t limit = static_cast<size_t>(options_.limit_all_gathers);
+  if (limit > 0 && !h.is_unsharded() && h.NeedsUnshard() &&
+      free_events_.size() >= limit) {
+    const Event oldest = free_events_.front();
+    free_events_.pop_front();
+    FLATPARAM_RETURN_IF_ERROR(device_->SynchronizeEvent(oldest));
+  }
+  const bool held = h.uses_sharded_strategy() && !h.NeedsUnshard();
+  FLATPARAM_RETURN_IF_ERROR(Track(unit, call));
+  if (limit > 0 && held && h.NeedsUnshard()) {
+    FLATPARAM_ASSIGN_OR_RETURN(
+        Event freed, device_->RecordEvent(h.options().streams.compute));
+    free_events_.push_back(freed);
+  }
+  return absl::OkStatus();
+}
+
 void FsdpRuntime::BeginIteration() {
   phase_ = Phase::kForward;
   // PyTorch reads `_sync_gradients` in each hook; fixing it per iteration
@@ -446,9 +448,22 @@ absl::Status FsdpRuntime::PreForward(int unit) {
       }
     }
   }
-  if (phase_ == Phase::kIdle) BeginIteration();
+  if (phase_ == Phase::kIdle) {
+    BeginIteration();
+    // The optimizer's (and the caller's) updates of the local shards come
+    // before any unshard of the iteration: one wait for every unit.
+    const HandleStreams& streams = handles_[0]->options().streams;
+    if (streams.unshard != streams.compute &&
+        !internal_handle::IsSkippedForTesting(
+            internal_handle::SkippedOrdering::kUnshardWaitsForCompute)) {
+      FLATPARAM_ASSIGN_OR_RETURN(Event updated,
+                                 device_->RecordEvent(streams.compute));
+      FLATPARAM_RETURN_IF_ERROR(device_->WaitEvent(streams.unshard, updated));
+    }
+    for (auto& h : handles_) h->NoteUnshardStreamWaitedForCompute();
+  }
   FLATPARAM_RETURN_IF_ERROR(
-      WithUnit(Track(unit, [](FlatParamHandle& h) { return h.PreForward(); }),
+      WithUnit(Limited(unit, [](FlatParamHandle& h) { return h.PreForward(); }),
                "PreForward", unit));
   // The pre-hook consumes a prefetch, a recompute's too.
   prefetched_.erase(std::remove(prefetched_.begin(), prefetched_.end(), unit),
@@ -479,8 +494,8 @@ absl::Status FsdpRuntime::PostForward(int unit) {
   FLATPARAM_RETURN_IF_ERROR(CheckUnit("PostForward", unit));
   const bool is_root = root_.has_value() && *root_ == unit;
   FLATPARAM_RETURN_IF_ERROR(WithUnit(
-      Track(unit,
-            [is_root](FlatParamHandle& h) { return h.PostForward(is_root); }),
+      Limited(unit,
+              [is_root](FlatParamHandle& h) { return h.PostForward(is_root); }),
       "PostForward", unit));
   if (phase_ == Phase::kForward && post_forward_index_[unit] < 0) {
     post_forward_index_[unit] = static_cast<int>(post_forward_order_.size());
@@ -497,9 +512,9 @@ absl::Status FsdpRuntime::PreBackward(int unit) {
         "(PreForward begins one, FinalizeBackward ends it)",
         UnitName(unit)));
   }
-  FLATPARAM_RETURN_IF_ERROR(
-      WithUnit(Track(unit, [](FlatParamHandle& h) { return h.PreBackward(); }),
-               "PreBackward", unit));
+  FLATPARAM_RETURN_IF_ERROR(WithUnit(
+      Limited(unit, [](FlatParamHandle& h) { return h.PreBackward(); }),
+      "PreBackward", unit));
   phase_ = Phase::kBackward;
   ran_pre_backward_[unit] = 1;
   prefetched_.erase(std::remove(prefetched_.begin(), prefetched_.end(), unit),
@@ -522,8 +537,8 @@ absl::Status FsdpRuntime::PostBackward(int unit) {
   FLATPARAM_RETURN_IF_ERROR(CheckUnit("PostBackward", unit));
   const bool sync = sync_;
   FLATPARAM_RETURN_IF_ERROR(WithUnit(
-      Track(unit,
-            [sync](FlatParamHandle& h) { return h.PostBackwardAsync(sync); }),
+      Limited(unit,
+              [sync](FlatParamHandle& h) { return h.PostBackwardAsync(sync); }),
       "PostBackward", unit));
   std::vector<int> earlier;
   earlier.swap(reducing_);
@@ -562,9 +577,9 @@ absl::Status FsdpRuntime::Prefetch(const std::vector<int>& candidates) {
       ++stats_.prefetches_over_limit;
       break;
     }
-    FLATPARAM_RETURN_IF_ERROR(
-        WithUnit(Track(v, [](FlatParamHandle& h) { return h.StartUnshard(); }),
-                 "prefetch", v));
+    FLATPARAM_RETURN_IF_ERROR(WithUnit(
+        Limited(v, [](FlatParamHandle& h) { return h.StartUnshard(); }),
+        "prefetch", v));
     ++stats_.prefetches;
     if (h.unshard_pending()) {
       ++stats_.prefetched_all_gathers;
@@ -582,8 +597,8 @@ absl::Status FsdpRuntime::FinalizeBackward() {
   absl::Status first = absl::OkStatus();
   for (int u = 0; u < num_units(); ++u) {
     absl::Status status = WithUnit(
-        Track(u,
-              [sync](FlatParamHandle& h) { return h.FinalizeBackward(sync); }),
+        Limited(
+            u, [sync](FlatParamHandle& h) { return h.FinalizeBackward(sync); }),
         "FinalizeBackward", u);
     if (first.ok()) first = status;
   }

@@ -80,6 +80,25 @@
 //   BACKWARD_PRE hold at most the root's, the running unit's and k more
 //   units' unsharded parameters (runtime_test.cc derives the peak).
 //
+// Rate limiting (PyTorch's `_FreeEventQueue`). On a device whose streams
+// run behind the host (CUDA, with stream-ordered collectives the host
+// never waits for a collective), the host could issue every unit's
+// all-gather far ahead of the kernels that free the earlier units'
+// parameters, and device memory would grow without bound. So, with
+// limit_all_gathers = L > 0, every reshard that frees an unsharded
+// parameter records an event on the compute stream, and before an
+// all-gather the host waits for the event of the free L frees back (the
+// oldest of the last L) if there are L. Where the host already waits for
+// every collective (the host-completed path) the event has passed and
+// nothing blocks.
+//
+// Streams. The unshard stream waits for the compute stream once per
+// iteration, at its first PreForward (PyTorch's root pre-forward
+// `_wait_for_computation_stream`: the optimizer's updates of the local
+// shards come first), and the handles are told so
+// (FlatParamHandle::NoteUnshardStreamWaitedForCompute); within an
+// iteration an all-gather therefore overlaps the kernels issued before it.
+//
 // Reductions. PostBackward(u) starts u's reduction (PostBackwardAsync), then
 // finishes every earlier one still pending, so one reduction at a time
 // overlaps the next unit's backward while the unsharded gradients of
@@ -120,6 +139,7 @@
 #define FLATPARAM_RUNTIME_H_
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -157,9 +177,10 @@ struct RuntimeOptions {
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
   // How many units ahead a prefetch reaches (>= 1).
   int prefetch_depth = 1;
-  // Most prefetched all-gathers not yet consumed by their unit's pre-hook
-  // (>= 0; 0 = unlimited). PyTorch's limit_all_gathers=True (its default)
-  // allows two in flight.
+  // Most prefetched all-gathers not yet consumed by their unit's pre-hook,
+  // and the rate limiter's depth (see the file comment) (>= 0; 0 =
+  // unlimited). PyTorch's limit_all_gathers=True (its default) allows two
+  // in flight.
   int limit_all_gathers = 2;
   ExecOrderCheck exec_order = ExecOrderCheck::kWarn;
   // The runtime's own collectives: the hybrid groups' splits and
@@ -413,6 +434,12 @@ class FsdpRuntime {
   // The deviation of `unit` at the current forward position, if any.
   std::optional<std::string> OrderDeviation(int unit) const;
   absl::Status Prefetch(const std::vector<int>& candidates);
+  // Runs `call` on unit's handle (Track) with the rate limiter around it:
+  // before, if the call will all-gather, the host waits for the oldest
+  // free event when there are limit_all_gathers of them; after, if it
+  // freed the unsharded parameter, a free event is recorded.
+  absl::Status Limited(
+      int unit, const std::function<absl::Status(FlatParamHandle&)>& call);
   absl::Status AllReduceScalar(float* value, ReduceOp op);
 
   const ModelLayout layout_;
@@ -449,6 +476,9 @@ class FsdpRuntime {
   // (started first first).
   std::vector<int> prefetched_;
   std::vector<int> reducing_;
+
+  // The rate limiter's free events, oldest first (compute stream).
+  std::deque<Event> free_events_;
 
   // Memory: the model-wide peaks.
   MemoryStats peak_;

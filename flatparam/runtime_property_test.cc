@@ -18,7 +18,8 @@
 // What one property run proves, for the generated case:
 //   (a) On SimDeviceOps with three streams per rank (compute 0, the
 //       handles' unshard and post-backward streams) and
-//       StreamCheckedCommunicators, the race detector reports nothing on
+//       StreamCheckedCommunicators -- host-completed, or stream-ordered as
+//       NCCL's (drawn per case) -- the race detector reports nothing on
 //       any rank (CheckNoRaces). The detector works on vector clocks, so
 //       this holds whatever order the simulated device runs work in; the
 //       device seed draws one, so (b) also checks that the bytes do not
@@ -108,6 +109,9 @@ struct Case {
   std::vector<int> micro_batches;
   uint64_t sim_seed = 0;
   uint64_t device_seed = 0;
+  // The collectives order with the streams on the device (a simulated
+  // NCCL) instead of completing on the host.
+  bool stream_ordered = false;
 
   int world_size() const {
     return static_cast<int>(layout.world_size) * replicas;
@@ -132,7 +136,7 @@ void showValue(const Case& c, std::ostream& os) {
      << ", limit_all_gathers=" << c.runtime.limit_all_gathers
      << ", micro_batches=[" << absl::StrJoin(c.micro_batches, ", ")
      << "], sim_seed=" << c.sim_seed << ", device_seed=" << c.device_seed
-     << "}";
+     << ", stream_ordered=" << c.stream_ordered << "}";
 }
 
 // (shard group size, replicas) with at most 4 ranks in all.
@@ -201,6 +205,8 @@ rc::Gen<Case> GenCase() {
                                   .as("micro-batches per step");
            c.sim_seed = *gen::arbitrary<uint64_t>().as("simulator seed");
            c.device_seed = *gen::arbitrary<uint64_t>().as("device seed");
+           c.stream_ordered =
+               *gen::arbitrary<bool>().as("stream-ordered collectives");
            return c;
          })
       .as("runtime case");
@@ -561,7 +567,7 @@ absl::Status RunRuntime(const Case& c, const ModelLayout& layout,
     device_options.seed = c.device_seed + rank;
     device_options.max_queued = kSimMaxQueued;
     SimDeviceOps ops(device_options);
-    StreamCheckedCommunicator comm(&sim, &ops);
+    StreamCheckedCommunicator comm(&sim, &ops, c.stream_ordered);
     HandleOptions handle_options = c.handle;
     FLATPARAM_ASSIGN_OR_RETURN(handle_options.streams.unshard, ops.NewStream());
     FLATPARAM_ASSIGN_OR_RETURN(handle_options.streams.post_backward,
@@ -1117,6 +1123,18 @@ RC_GTEST_PROP(RuntimeProperties, DetectorReportsASkippedOrdering, ()) {
       !s.plan.order.empty()) {
     applicable.emplace_back(SkippedOrdering::kRecordUnshardedParamOnCompute,
                             "kRecordUnshardedParamOnCompute");
+  }
+  // The optimizer's update of a device local shard against the next
+  // iteration's cast or all-gather of it.
+  if (!c.handle.cpu_offload && !s.plan.order.empty() &&
+      (UsesShardedStrategy(c.layout.strategy) || c.mixed_precision())) {
+    applicable.emplace_back(SkippedOrdering::kUnshardWaitsForCompute,
+                            "kUnshardWaitsForCompute");
+  }
+  if (c.stream_ordered && UsesShardedStrategy(c.layout.strategy) &&
+      !s.plan.order.empty()) {
+    applicable.emplace_back(SkippedOrdering::kComputeWaitsForUnshard,
+                            "kComputeWaitsForUnshard");
   }
   RC_PRE(!applicable.empty());
   const int pick =

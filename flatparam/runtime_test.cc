@@ -28,6 +28,7 @@
 #include "flatparam/layout.h"
 #include "flatparam/memory_stats.h"
 #include "flatparam/model.h"
+#include "refmodel/synthetic_step.h"
 #include "sim/sim.h"
 #include "sim/sim_device.h"
 
@@ -760,6 +761,75 @@ INSTANTIATE_TEST_SUITE_P(Limits, LimitTest, ::testing::ValuesIn(LimitCases()),
 // ---------------------------------------------------------------------------
 // (3) Conditional computation: FinalizeBackward finalizes units that took no
 // part in the backward (or the forward), including mistargeted prefetches.
+
+// PyTorch's rate limiter on a device that runs behind the host: with
+// stream-ordered collectives (a simulated NCCL) the host never waits for
+// a collective, so in the forward it would race ahead; limit_all_gathers =
+// L makes it wait, before each all-gather, for the free L frees back.
+// Every unit's forward kernel lasts 10 us (the root's in two halves around
+// the layers) and collectives 1 us, so unlimited, layer k's forward ends at
+// 16 + 10 (k - 1) us. With L = 2 the host issues layer 3's all-gather once
+// layer 1 is freed (16 us); with L = 1 it issues layer 2's then (which
+// delays layer 2's forward to [17, 27] us) and layer 3's once layer 2 is
+// freed (27 us); without a limit it never waits.
+TEST(RateLimitTest, TheHostWaitsForTheFreeLimitFreesBack) {
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ModelLayout layout, MakeModel(ShardingStrategy::kFullShard, false));
+  const std::map<std::string, HostTensor> init = InitialTensors(layout.spec());
+  for (int limit : {0, 1, 2}) {
+    SimOptions options;
+    options.world_size = kWorld;
+    options.cost.latency = absl::Microseconds(1);
+    options.cost.bytes_per_second = 1e18;
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(std::unique_ptr<SimWorld> world,
+                                   SimWorld::Create(options));
+    std::vector<std::vector<absl::Duration>> issued(kWorld);
+    ASSERT_THAT(world->Run([&](SimCommunicator& sim) -> absl::Status {
+      SimRankClock clock(&sim);
+      SimDeviceOptions device_options;
+      device_options.host_clock = &clock;
+      SimDeviceOps ops(device_options);
+      StreamCheckedCommunicator comm(&sim, &ops, /*stream_ordered=*/true);
+      HandleOptions handle_options;
+      FLATPARAM_ASSIGN_OR_RETURN(handle_options.streams.unshard,
+                                 ops.NewStream());
+      FLATPARAM_ASSIGN_OR_RETURN(handle_options.streams.post_backward,
+                                 ops.NewStream());
+      RuntimeOptions runtime_options;
+      runtime_options.limit_all_gathers = limit;
+      {
+        FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<FsdpRuntime> rt,
+                                   FsdpRuntime::CreateFromNamedParams(
+                                       layout, Refs(init), &comm, &ops,
+                                       handle_options, runtime_options));
+        const std::vector<absl::Duration> forward(rt->num_units(),
+                                                  absl::Microseconds(10));
+        FLATPARAM_RETURN_IF_ERROR(refmodel::RunSyntheticStep(
+            *rt, forward,
+            [&](const refmodel::KernelCall& call) -> absl::Status {
+              if (!call.backward &&
+                  call.name.find("after") == std::string::npos) {
+                issued[sim.rank()].push_back(sim.Now());
+              }
+              return ops.Kernel(call.name,
+                                {*call.handle->unsharded_flat_param()}, {},
+                                call.duration);
+            }));
+      }
+      FLATPARAM_RETURN_IF_ERROR(ops.Synchronize());
+      return ops.CheckNoRaces();
+    }),
+                IsOk());
+    const auto us = [](int64_t n) { return absl::Microseconds(n); };
+    const std::vector<absl::Duration> want =
+        limit == 0   ? std::vector<absl::Duration>{us(0), us(0), us(0), us(0)}
+        : limit == 1 ? std::vector<absl::Duration>{us(0), us(0), us(16), us(27)}
+                     : std::vector<absl::Duration>{us(0), us(0), us(0), us(16)};
+    for (int r = 0; r < kWorld; ++r) {
+      EXPECT_EQ(issued[r], want) << "limit " << limit << " rank " << r;
+    }
+  }
+}
 
 TEST(ConditionalTest, SkippedUnitsAreFinalizedAndResharded) {
   // Iteration 2 skips layer 2 (unit 2)'s backward and layer 3 entirely.

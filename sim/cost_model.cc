@@ -4,6 +4,7 @@
 #include <cassert>
 #include <cmath>
 #include <deque>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -175,6 +176,43 @@ CollectiveCost CollectiveTime(Collective c, int64_t bytes,
                                 static_cast<double>(n) / cost.seconds;
   }
   return cost;
+}
+
+absl::Duration SimulatedCollectiveTime(const LinkSpec& link, CollectiveOp op,
+                                       int64_t bytes,
+                                       const std::vector<int>& world_ranks) {
+  Collective c;
+  switch (op) {
+    case CollectiveOp::kAllGather:
+    case CollectiveOp::kBroadcast:
+      c = Collective::kAllGather;
+      break;
+    case CollectiveOp::kReduceScatter:
+      c = Collective::kReduceScatter;
+      break;
+    case CollectiveOp::kAllReduce:
+      c = Collective::kAllReduce;
+      break;
+    default:
+      return absl::ZeroDuration();
+  }
+  std::map<int, int> per_node;
+  for (int r : world_ranks) ++per_node[r / std::max(1, link.gpus_per_node)];
+  CommGroup group;
+  group.nodes = static_cast<int>(per_node.size());
+  for (const auto& [node, ranks] : per_node) {
+    group.ranks_per_node = std::max(group.ranks_per_node, ranks);
+  }
+  return absl::Seconds(CollectiveTime(c, bytes, group, link).seconds);
+}
+
+std::vector<UnitSpec> UnitsOf(const ModelLayout& layout) {
+  std::vector<UnitSpec> units;
+  for (const FlatParamLayout& l : layout.flat_params()) {
+    units.push_back({l.unit(), l.param_numel(), l.padded_unsharded_numel(),
+                     l.sharded_numel()});
+  }
+  return units;
 }
 
 absl::string_view MemoryKindName(MemoryKind kind) {
@@ -503,13 +541,14 @@ absl::StatusOr<StepPrediction> PredictStep(absl::Span<const UnitSpec> units,
   }
   compute(0, "forward", forward_flops(0) / 2, " (after layers)", -1);
 
-  // Backward.
-  // A layer's backward all-gather refills the buffer its forward freed, so
-  // it waits for that forward.
+  // Backward. A layer's backward all-gather waits for nothing but the comm
+  // stream and the rate limiter: it fills a new block (the caching
+  // allocator does not hand out the one its forward freed before that
+  // forward has run), so no stream orders it after its forward.
   std::vector<int> ag_backward(units.size(), -1);
   auto ensure_unsharded = [&](int u) {
     if (raf && u >= 1 && ag_backward[u] < 0) {
-      ag_backward[u] = all_gather(u, forward_op[u]);
+      ag_backward[u] = all_gather(u, -1);
     }
   };
   if (o.backward_prefetch) ensure_unsharded(last);

@@ -48,8 +48,9 @@
 //             B(root, pre), reduction(0). With backward_prefetch
 //             (BACKWARD_PRE), AG(u-1) is issued before B(u), so the comm
 //             stream runs AG(u-1), RS(u) while B(u) computes. A layer's
-//             backward all-gather waits for its forward (it refills the
-//             buffer that forward freed).
+//             backward all-gather does not wait for its forward (as in
+//             PyTorch and flatparam's runtime, it fills a new block; the
+//             caching allocator keeps the freed one until the forward ran).
 //   rate limit PyTorch's limit_all_gathers: an all-gather waits for the
 //             free (reshard) issued max_inflight_all_gathers frees ago.
 //   reduction FULL_SHARD, SHARD_GRAD_OP: reduce-scatter over the world;
@@ -104,9 +105,12 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "comm/communicator.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/layout.h"
+#include "flatparam/model.h"
 
 namespace flatparam {
 namespace cost {
@@ -178,6 +182,18 @@ struct CollectiveCost {
 // link, group sizes >= 1.
 CollectiveCost CollectiveTime(Collective c, int64_t bytes,
                               const CommGroup& group, const LinkSpec& link);
+
+// The same for the simulator (SimOptions::cost.collective_time), so that a
+// simulated run prices collectives as the plan does: `op` over the world
+// ranks `world_ranks` of a world laid out as link.gpus_per_node
+// consecutive ranks per node (the group spans the nodes its ranks are on,
+// with the most ranks any node has). The buffer collectives are priced by
+// CollectiveTime (a broadcast as an all-gather of its buffer); the rest
+// (barrier, split, all_gather_bytes) cost nothing: they are bookkeeping
+// outside the step the plan models.
+absl::Duration SimulatedCollectiveTime(const LinkSpec& link, CollectiveOp op,
+                                       int64_t bytes,
+                                       const std::vector<int>& world_ranks);
 
 // One FSDP unit's flat parameter, in elements.
 struct UnitSpec {
@@ -276,6 +292,11 @@ struct StepPrediction {
 
   int64_t comm_sent_bytes() const;
 };
+
+// The units of `layout` as `fsdp plan` prices them: per flat parameter, in
+// layout order, its unit name, parameter count, padded unsharded and
+// sharded numels.
+std::vector<UnitSpec> UnitsOf(const ModelLayout& layout);
 
 // Predicts one steady-state step. InvalidArgument, naming the value, for
 // no units, a negative numel, sharded_numel > unsharded_numel, a bad link,

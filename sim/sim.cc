@@ -152,6 +152,8 @@ struct SimWorld::Op {
   std::vector<std::string> gathered;
   int flipped_sender = -1;
   std::string flipped_original;
+  // No longer pending: executed or failed.
+  bool finished = false;
 };
 
 struct SimWorld::Group {
@@ -175,7 +177,12 @@ struct SimWorld::Rank {
   int runnable_index = -1;
   absl::Duration clock;
   absl::Duration stream_free;  // end of the rank's last operation
-  int64_t ops = 0;             // collective calls so far
+  // SimCommunicator::ArriveNextAt's time for the next collective.
+  std::optional<absl::Duration> next_arrival;
+  // one_stream_per_rank: the operations this rank joined, oldest first
+  // (finished ones are dropped from the front).
+  std::deque<std::shared_ptr<Op>> in_order;
+  int64_t ops = 0;  // collective calls so far
   Op* wait_op = nullptr;
   int wait_member = -1;
   bool dead = false;
@@ -196,6 +203,12 @@ class SimWorld::SimWork final : public Work {
 
   absl::Status Wait() override {
     return world_->WaitFor(world_rank_, *op_, member_);
+  }
+  absl::Duration WaitOnDevice() {
+    absl::Duration end;
+    world_->WaitFor(world_rank_, *op_, member_, /*device_wait=*/true, &end)
+        .IgnoreError();  // a stream wait cannot fail; Wait() reports it
+    return end;
   }
 
  private:
@@ -450,6 +463,18 @@ absl::Status SimCommunicator::Compute(absl::Duration duration) {
 }
 
 absl::Duration SimCommunicator::Now() const { return world_->Now(world_rank_); }
+
+void SimCommunicator::ArriveNextAt(absl::Duration t) {
+  world_->ArriveNextAt(world_rank_, t);
+}
+
+absl::Duration SimCommunicator::WaitOnDevice(Work& work) {
+  if (auto* sim = dynamic_cast<SimWorld::SimWork*>(&work)) {
+    return sim->WaitOnDevice();
+  }
+  work.Wait().IgnoreError();  // a stream wait cannot fail; Wait() reports it
+  return Now();
+}
 
 // ---------------------------------------------------------------------------
 // SimWorld: creation and running.
@@ -755,6 +780,7 @@ void SimWorld::BreakDeadlock() {
         group->pending.begin()->first);
   }
   for (auto& op : stuck) FailOp(*op, absl::StatusCode::kInternal, text);
+  ExecuteUnblocked();
   assert(!runnable_.empty());
 }
 
@@ -818,6 +844,10 @@ SimWorld::Issued SimWorld::IssueOp(SimCommunicator& comm, Call call) {
   m.rank_op = rank_op;
   m.bytes = SizeBytes(call, n);
   m.arrive = m.start = m.end = r.clock;
+  if (r.next_arrival.has_value()) {
+    m.arrive = m.start = m.end = std::max(r.clock, *r.next_arrival);
+    r.next_arrival.reset();
+  }
   m.call = std::move(call);
   // Calls that fail without joining an operation.
   const absl::Status early = EarlyFailure(r, g, m.call.kind, seq, rank_op);
@@ -825,6 +855,7 @@ SimWorld::Issued SimWorld::IssueOp(SimCommunicator& comm, Call call) {
     m.status = early;
     m.done = true;
     Record(m, g, me, seq);
+    ExecuteUnblocked();
     PassBaton(lock, &r);
     return {nullptr, -1, early};
   }
@@ -857,7 +888,15 @@ SimWorld::Issued SimWorld::IssueOp(SimCommunicator& comm, Call call) {
     }
     if (options_.checksum) mine.sent_hashes = Checksums(mine.call, n, me);
   }
-  if (++op->arrived == n) Execute(*op);
+  if (options_.one_stream_per_rank) r.in_order.push_back(op);
+  if (++op->arrived == n) {
+    if (!options_.one_stream_per_rank || AtFront(*op)) {
+      Execute(*op);
+    } else {
+      blocked_ops_.push_back(op);
+    }
+  }
+  ExecuteUnblocked();
   PassBaton(lock, &r);
   return {op, me, absl::OkStatus()};
 }
@@ -897,7 +936,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> SimWorld::IssueSplit(
       static_cast<int>(groups_[m.new_group]->members.size())));
 }
 
-absl::Status SimWorld::WaitFor(int world_rank, Op& op, int member) {
+absl::Status SimWorld::WaitFor(int world_rank, Op& op, int member,
+                               bool device_wait, absl::Duration* end) {
   std::unique_lock<std::mutex> lock(mu_);
   Rank& r = *ranks_[world_rank];
   if (tls_rank != &r) {
@@ -914,7 +954,8 @@ absl::Status SimWorld::WaitFor(int world_rank, Op& op, int member) {
     PassBaton(lock, &r);
     assert(m.done);
   }
-  if (!m.waited) {
+  if (end != nullptr) *end = m.end;
+  if (!device_wait && !m.waited) {
     m.waited = true;
     r.clock = std::max(r.clock, m.end);
   }
@@ -948,6 +989,11 @@ absl::Status SimWorld::Compute(int world_rank, absl::Duration duration) {
 absl::Duration SimWorld::Now(int world_rank) const {
   std::lock_guard<std::mutex> lock(mu_);
   return ranks_[world_rank]->clock;
+}
+
+void SimWorld::ArriveNextAt(int world_rank, absl::Duration t) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ranks_[world_rank]->next_arrival = t;
 }
 
 // ---------------------------------------------------------------------------
@@ -1073,7 +1119,7 @@ std::optional<absl::Duration> SimWorld::StartOrTimeOut(Op& op) {
         absl::DeadlineExceededError(absl::StrCat(Where(op, i), ": ", text)),
         ms[i].arrive, end);
   }
-  op.group->pending.erase(op.seq);
+  Finish(op);
   AbortGroup(*op.group, absl::StrFormat("operation #%d timed out", op.seq));
   return std::nullopt;
 }
@@ -1297,10 +1343,17 @@ void SimWorld::Execute(Op& op) {
 
   std::vector<OpMember>& ms = op.members;
   const int n = static_cast<int>(ms.size());
-  const absl::Duration end = *start + options_.cost.latency +
-                             absl::Seconds(static_cast<double>(ms[0].bytes) *
-                                           BusFactor(delivery->kind, n) /
-                                           options_.cost.bytes_per_second);
+  absl::Duration duration;
+  if (options_.cost.collective_time) {
+    duration = options_.cost.collective_time(delivery->kind, ms[0].bytes,
+                                             op.group->members);
+  } else {
+    duration =
+        options_.cost.latency + absl::Seconds(static_cast<double>(ms[0].bytes) *
+                                              BusFactor(delivery->kind, n) /
+                                              options_.cost.bytes_per_second);
+  }
+  const absl::Duration end = *start + duration;
   for (int i = 0; i < n; ++i) {
     ranks_[ms[i].world_rank]->stream_free = end;
     Complete(op, i,
@@ -1309,7 +1362,7 @@ void SimWorld::Execute(Op& op) {
                                       Where(op, i), ": ", corruption)),
              *start, end);
   }
-  op.group->pending.erase(op.seq);
+  Finish(op);
 }
 
 void SimWorld::Complete(Op& op, int member, absl::Status status,
@@ -1332,6 +1385,40 @@ void SimWorld::Complete(Op& op, int member, absl::Status status,
   }
 }
 
+void SimWorld::Finish(Op& op) {
+  op.group->pending.erase(op.seq);
+  op.finished = true;
+  if (!options_.one_stream_per_rank) return;
+  for (const OpMember& m : op.members) {
+    std::deque<std::shared_ptr<Op>>& q = ranks_[m.world_rank]->in_order;
+    while (!q.empty() && q.front()->finished) q.pop_front();
+  }
+}
+
+bool SimWorld::AtFront(Op& op) {
+  for (const OpMember& m : op.members) {
+    std::deque<std::shared_ptr<Op>>& q = ranks_[m.world_rank]->in_order;
+    while (!q.empty() && q.front()->finished) q.pop_front();
+    if (q.empty() || q.front().get() != &op) return false;
+  }
+  return true;
+}
+
+void SimWorld::ExecuteUnblocked() {
+  bool progress = true;
+  while (progress) {
+    progress = false;
+    for (size_t i = 0; i < blocked_ops_.size(); ++i) {
+      std::shared_ptr<Op> op = blocked_ops_[i];
+      if (!op->finished && !AtFront(*op)) continue;
+      blocked_ops_.erase(blocked_ops_.begin() + static_cast<ptrdiff_t>(i));
+      if (!op->finished) Execute(*op);
+      progress = true;
+      break;
+    }
+  }
+}
+
 void SimWorld::FailOp(Op& op, absl::StatusCode code, absl::string_view text) {
   for (int i = 0; i < static_cast<int>(op.members.size()); ++i) {
     OpMember& m = op.members[i];
@@ -1339,7 +1426,7 @@ void SimWorld::FailOp(Op& op, absl::StatusCode code, absl::string_view text) {
     Complete(op, i, absl::Status(code, absl::StrCat(Where(op, i), ": ", text)),
              m.arrive, m.arrive);
   }
-  op.group->pending.erase(op.seq);
+  Finish(op);
 }
 
 void SimWorld::AbortGroup(Group& group, absl::string_view reason) {

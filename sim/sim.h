@@ -108,6 +108,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -136,6 +137,15 @@ struct CostModel {
   double bytes_per_second = 100e9;
   // Virtual compute time every rank spends before each collective it issues.
   absl::Duration compute_per_op = absl::ZeroDuration();
+  // When set, the duration of every collective, instead of latency + bytes
+  // * bus factor / bytes_per_second: called (under the simulator's lock,
+  // so it must not call back into the simulator) with the operation, its
+  // nccl-tests size in bytes and the world ranks of its group in group-rank
+  // order -- e.g. sim/cost_model.h's CollectiveTime on a topology, so that
+  // a simulated run and `fsdp plan` price collectives alike.
+  std::function<absl::Duration(CollectiveOp op, int64_t bytes,
+                               const std::vector<int>& world_ranks)>
+      collective_time;
 };
 
 struct SimOptions {
@@ -156,6 +166,16 @@ struct SimOptions {
   // Stack size of each rank's thread: small, so that thousands of ranks are
   // cheap; raise it for rank functions with large stack frames.
   size_t stack_bytes = 1 << 20;
+  // Every rank's collectives, over all its groups, run in the order the
+  // rank issued them, as NCCL's do on one CUDA stream: an operation starts
+  // only once it is the oldest unfinished operation of each of its
+  // members, so its start on the virtual clock follows each member's
+  // previously issued operation (see "Virtual time"). Ranks that issue the
+  // collectives of different groups in orders that cannot be reconciled
+  // then deadlock, as they would under NCCL, and the deadlock is reported.
+  // Off, an operation runs as soon as all its members have issued it, and
+  // a rank's communication stream serves operations in that order.
+  bool one_stream_per_rank = false;
   // Run every rank's thread on one CPU, the one Run() is called on. Only one
   // rank runs at a time anyway, and handing the baton to a thread on the
   // same CPU is an order of magnitude cheaper than waking one on another
@@ -227,6 +247,17 @@ class SimCommunicator final : public Communicator {
   absl::Status Compute(absl::Duration duration);
   // This rank's virtual clock.
   absl::Duration Now() const;
+  // For device-queued collectives (sim/sim_device.h's stream-ordered
+  // mode): the next collective this rank issues, on any of its
+  // communicators, arrives at the later of `t` and the rank's clock, which
+  // does not move (a device queue issues it, not the host).
+  void ArriveNextAt(absl::Duration t);
+  // Waits for `work` (a Work of this rank's communicators) as a device
+  // stream would: blocks until the operation is done and returns its end
+  // on the virtual clock, leaving the rank's clock alone (a later Wait()
+  // advances it as usual). A Work of another backend is simply waited on;
+  // its end is then the rank's clock.
+  absl::Duration WaitOnDevice(Work& work);
 
  private:
   friend class SimWorld;
@@ -323,11 +354,16 @@ class SimWorld {
       SimCommunicator& comm, Call call);
   absl::StatusOr<std::unique_ptr<Communicator>> IssueSplit(
       SimCommunicator& comm, Call call);
-  absl::Status WaitFor(int world_rank, Op& op, int member);
+  // Blocks until the member is done; the first host wait (not
+  // `device_wait`) advances the rank's clock to the operation's end, which
+  // `*end` receives.
+  absl::Status WaitFor(int world_rank, Op& op, int member,
+                       bool device_wait = false, absl::Duration* end = nullptr);
   void Abandon(Op& op, int member);
   void Yield(int world_rank);
   absl::Status Compute(int world_rank, absl::Duration duration);
   absl::Duration Now(int world_rank) const;
+  void ArriveNextAt(int world_rank, absl::Duration t);
   void ThreadMain(int world_rank);
   static void* ThreadEntry(void* arg);
 
@@ -358,6 +394,12 @@ class SimWorld {
   void MakeSubgroups(Op& op);
   void Complete(Op& op, int member, absl::Status status, absl::Duration start,
                 absl::Duration end);
+  // Marks `op` finished (no longer pending in its group).
+  void Finish(Op& op);
+  // one_stream_per_rank: whether `op` is the oldest unfinished operation of
+  // each member, and running the operations that became so.
+  bool AtFront(Op& op);
+  void ExecuteUnblocked();
   void FailOp(Op& op, absl::StatusCode code, absl::string_view text);
   void AbortGroup(Group& group, absl::string_view reason);
   void Record(const OpMember& member, const Group& group, int group_rank,
@@ -379,6 +421,9 @@ class SimWorld {
   bool start_failed_ = false;  // a thread could not be created
   RankFn fn_;
   std::vector<char> scratch_;  // reduction accumulator
+  // one_stream_per_rank: operations every member issued that wait for an
+  // older operation of one of them.
+  std::vector<std::shared_ptr<Op>> blocked_ops_;
 
   std::vector<absl::Status> rank_statuses_;
   std::vector<TraceEvent> trace_;

@@ -30,8 +30,41 @@ std::string Describe(ConstBufferRef b) {
 
 }  // namespace
 
+void SimRankClock::AdvanceTo(absl::Duration t) {
+  const absl::Duration now = comm_->Now();
+  if (t > now) comm_->Compute(t - now).IgnoreError();  // finite, positive
+}
+
 SimDeviceOps::SimDeviceOps(SimDeviceOptions options)
     : options_(options), rng_(options.seed), streams_(1) {}
+
+absl::Duration SimDeviceOps::HostNow() const {
+  return options_.host_clock != nullptr ? options_.host_clock->Now()
+                                        : own_clock_;
+}
+
+void SimDeviceOps::AdvanceHost(absl::Duration t) {
+  if (options_.host_clock != nullptr) {
+    options_.host_clock->AdvanceTo(t);
+  } else {
+    own_clock_ = std::max(own_clock_, t);
+  }
+}
+
+absl::Duration SimDeviceOps::StreamBusy(Stream stream) const {
+  if (stream.id < 0 || stream.id >= static_cast<int32_t>(streams_.size())) {
+    return absl::ZeroDuration();
+  }
+  return streams_[stream.id].busy;
+}
+
+std::optional<DeviceStream> SimDeviceOps::DoNativeStream(Stream stream) const {
+  DeviceStream out;
+  out.device = device();
+  out.owner = this;
+  out.handle = static_cast<uintptr_t>(stream.id);
+  return out;
+}
 
 SimDeviceOps::~SimDeviceOps() {
   RunUntil([] { return false; });
@@ -141,11 +174,74 @@ int64_t SimDeviceOps::CollectiveIssued(absl::string_view what,
   return id;
 }
 
+absl::StatusOr<int64_t> SimDeviceOps::CollectiveIssuedAfter(
+    absl::string_view what, Stream after, ConstBufferRef input,
+    ConstBufferRef output, absl::Duration* arrival) {
+  if (after.id < 0 || after.id >= static_cast<int32_t>(streams_.size())) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "sim device: %s ordered after stream %d, which these ops (%d "
+        "streams) did not create",
+        what, after.id, streams_.size()));
+  }
+  // The simulated collective moves data when its last member arrives: run
+  // the work it is ordered after first.
+  const int64_t target = streams_[after.id].issued;
+  RunUntil([&] { return streams_[after.id].done >= target; });
+  *arrival = std::max(HostNow(), streams_[after.id].free_at);
+  const int64_t id = next_collective_++;
+  const int64_t agent = -1 - id;
+  ++host_[kHost];
+  Clock clock = host_;
+  Join(clock, streams_[after.id].clock);
+  clock[agent] = 1;
+  const std::string name =
+      absl::StrCat(what, " #", id, " (after stream ", after.id, ")");
+  Touch(agent, clock, name, input, /*write=*/false);
+  Touch(agent, clock, name, output, /*write=*/true);
+  collectives_[agent] = std::move(clock);
+  return id;
+}
+
 void SimDeviceOps::CollectiveDone(int64_t id) {
   auto it = collectives_.find(-1 - id);
   if (it == collectives_.end()) return;
   Join(host_, it->second);
   collectives_.erase(it);
+}
+
+absl::Status SimDeviceOps::CollectiveWaitedOn(
+    int64_t id, Stream stream, std::function<absl::Duration()> end) {
+  if (stream.id < 0 || stream.id >= static_cast<int32_t>(streams_.size())) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "sim device: a wait for collective #%d on stream %d, which these ops "
+        "(%d streams) did not create",
+        id, stream.id, streams_.size()));
+  }
+  StreamState& s = streams_[stream.id];
+  // Once the host waited for it (CollectiveDone) the host's clock, which
+  // the stream joins below, holds the collective's.
+  auto it = collectives_.find(-1 - id);
+  if (it != collectives_.end()) Join(s.clock, it->second);
+  QueueWait(stream.id, absl::StrCat("wait for collective #", id), {},
+            std::move(end));
+  return absl::OkStatus();
+}
+
+absl::Status SimDeviceOps::Kernel(std::string what,
+                                  std::vector<ConstBufferRef> reads,
+                                  std::vector<BufferRef> writes,
+                                  absl::Duration duration,
+                                  std::function<void()> run) {
+  if (duration < absl::ZeroDuration() || duration == absl::InfiniteDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("sim device: kernel '%s' with duration %s: must be "
+                        "finite and non-negative",
+                        what, absl::FormatDuration(duration)));
+  }
+  std::vector<ConstBufferRef> w(writes.begin(), writes.end());
+  return Issue(
+      std::move(what), std::move(reads), std::move(w),
+      run ? std::move(run) : [] {}, duration);
 }
 
 void SimDeviceOps::HostAccess(absl::string_view what, ConstBufferRef buffer,
@@ -157,7 +253,8 @@ void SimDeviceOps::HostAccess(absl::string_view what, ConstBufferRef buffer,
 absl::Status SimDeviceOps::Issue(std::string what,
                                  std::vector<ConstBufferRef> reads,
                                  std::vector<ConstBufferRef> writes,
-                                 std::function<void()> run) {
+                                 std::function<void()> run,
+                                 absl::Duration duration) {
   const int32_t s = current_stream().id;
   StreamState& stream = streams_[s];
   const int64_t agent = StreamAgent(s);
@@ -167,16 +264,32 @@ absl::Status SimDeviceOps::Issue(std::string what,
   for (ConstBufferRef r : reads) Touch(agent, stream.clock, what, r, false);
   for (ConstBufferRef w : writes) Touch(agent, stream.clock, what, w, true);
   bool touches_host = false;
+  int64_t bytes = 0;
   for (const auto* list : {&reads, &writes}) {
-    for (ConstBufferRef b : *list) touches_host |= b.device == Device::Host();
+    for (ConstBufferRef b : *list) {
+      touches_host |= b.device == Device::Host();
+      bytes += b.bytes();
+    }
   }
-  stream.queue.push_back(Op{std::move(what), std::move(run), {}});
+  if (duration < absl::ZeroDuration()) {
+    duration = options_.memory_bytes_per_second > 0
+                   ? absl::Seconds(static_cast<double>(bytes) /
+                                   options_.memory_bytes_per_second)
+                   : absl::ZeroDuration();
+  }
+  Op op;
+  op.what = std::move(what);
+  op.run = std::move(run);
+  op.issued_at = HostNow();
+  op.duration = duration;
+  stream.queue.push_back(std::move(op));
   ++stream.issued;
   if (touches_host) {
     // DeviceOps' rule: an operation on host memory has completed when it
     // returns; the host is then ordered after it.
     RunUntil([&] { return streams_[s].done == streams_[s].issued; });
     Join(host_, streams_[s].clock);
+    AdvanceHost(streams_[s].free_at);
   }
   int64_t queued = 0;
   for (const StreamState& st : streams_) queued += st.queue.size();
@@ -208,18 +321,35 @@ void SimDeviceOps::RunUntil(const std::function<bool()>& done) {
     if (runnable.empty()) return;
     const size_t pick = runnable[std::uniform_int_distribution<size_t>(
         0, runnable.size() - 1)(rng_)];
-    StreamState& s = streams_[pick];
-    Op op = std::move(s.queue.front());
-    s.queue.pop_front();
+    Op op = std::move(streams_[pick].queue.front());
+    streams_[pick].queue.pop_front();
+    absl::Duration start = std::max(op.issued_at, streams_[pick].free_at);
+    for (int64_t e : op.waits) start = std::max(start, *events_.at(e).time);
+    // May block the rank's thread (a wait for a collective); other ranks
+    // run meanwhile, but nothing of these ops does.
+    if (op.ready) start = std::max(start, op.ready());
     op.run();
+    StreamState& s = streams_[pick];
+    s.free_at = start + op.duration;
+    s.busy += op.duration;
     ++s.done;
+    while (!s.unresolved_events.empty() &&
+           s.unresolved_events.front().first <= s.done) {
+      events_.at(s.unresolved_events.front().second).time = s.free_at;
+      s.unresolved_events.pop_front();
+    }
     ++executed_;
   }
 }
 
 absl::Status SimDeviceOps::Synchronize() {
   RunUntil([] { return false; });
-  for (const StreamState& s : streams_) Join(host_, s.clock);
+  absl::Duration end = HostNow();
+  for (const StreamState& s : streams_) {
+    Join(host_, s.clock);
+    end = std::max(end, s.free_at);
+  }
+  AdvanceHost(end);
   return absl::OkStatus();
 }
 
@@ -230,9 +360,29 @@ absl::Status SimDeviceOps::DoNewStream(Stream stream) {
 }
 
 absl::Status SimDeviceOps::DoRecordEvent(Event event) {
-  const StreamState& s = streams_[event.stream.id];
-  events_[event.id] = EventState{s.clock, event.stream.id, s.issued};
+  StreamState& s = streams_[event.stream.id];
+  EventState& e = events_[event.id];
+  e = EventState{s.clock, event.stream.id, s.issued, std::nullopt};
+  if (s.done == s.issued) {
+    e.time = s.free_at;
+  } else {
+    s.unresolved_events.emplace_back(s.issued, event.id);
+  }
   return absl::OkStatus();
+}
+
+void SimDeviceOps::QueueWait(int32_t stream, std::string what,
+                             std::vector<int64_t> events,
+                             std::function<absl::Duration()> ready) {
+  StreamState& s = streams_[stream];
+  Op op;
+  op.what = std::move(what);
+  op.run = [] {};
+  op.waits = std::move(events);
+  op.issued_at = HostNow();
+  op.ready = std::move(ready);
+  s.queue.push_back(std::move(op));
+  ++s.issued;
 }
 
 absl::Status SimDeviceOps::DoWaitEvent(Stream stream, Event event) {
@@ -241,9 +391,8 @@ absl::Status SimDeviceOps::DoWaitEvent(Stream stream, Event event) {
   // The wait is itself stream-ordered work: everything issued on the
   // stream after it (operations, and events recorded there) runs after the
   // waited-for work, as cudaStreamWaitEvent orders the stream.
-  s.queue.push_back(
-      Op{absl::StrCat("wait for event ", event.id), [] {}, {event.id}});
-  ++s.issued;
+  QueueWait(stream.id, absl::StrCat("wait for event ", event.id), {event.id},
+            nullptr);
   return absl::OkStatus();
 }
 
@@ -251,6 +400,7 @@ absl::Status SimDeviceOps::DoSynchronizeEvent(Event event) {
   const EventState& e = events_.at(event.id);
   RunUntil([&] { return streams_[e.stream].done >= e.ops_before; });
   Join(host_, e.clock);
+  AdvanceHost(*e.time);
   return absl::OkStatus();
 }
 
@@ -360,8 +510,15 @@ namespace {
 
 class CheckedWork final : public Work {
  public:
-  CheckedWork(std::unique_ptr<Work> inner, SimDeviceOps* ops, int64_t id)
-      : inner_(std::move(inner)), ops_(ops), id_(id) {}
+  // `sim`: the inner communicator when it is the simulator's, for the
+  // virtual clock. `ordered`: issued stream-ordered.
+  CheckedWork(std::unique_ptr<Work> inner, SimDeviceOps* ops, int64_t id,
+              SimCommunicator* sim, bool stream_ordered)
+      : inner_(std::move(inner)),
+        ops_(ops),
+        id_(id),
+        sim_(sim),
+        stream_ordered_(stream_ordered) {}
   absl::Status Wait() override {
     absl::Status status = inner_->Wait();
     if (!done_) {
@@ -370,52 +527,103 @@ class CheckedWork final : public Work {
     }
     return status;
   }
+  absl::Status WaitStream(const DeviceStream& stream) override {
+    if (!stream_ordered_) return Work::WaitStream(stream);
+    if (stream.owner != ops_) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "WaitStream: a stream of another device (%s), not of these "
+          "simulated ops",
+          DeviceName(stream.device)));
+    }
+    // The queued wait may run after this Work is gone: it shares the
+    // inner one.
+    std::shared_ptr<Work> inner = inner_;
+    SimCommunicator* sim = sim_;
+    SimDeviceOps* ops = ops_;
+    return ops_->CollectiveWaitedOn(
+        id_, Stream{static_cast<int32_t>(stream.handle)},
+        [inner, sim, ops]() -> absl::Duration {
+          if (sim != nullptr) return sim->WaitOnDevice(*inner);
+          inner->Wait().IgnoreError();  // Wait() reports failures
+          return ops->HostNow();
+        });
+  }
 
  private:
-  std::unique_ptr<Work> inner_;
+  std::shared_ptr<Work> inner_;
   SimDeviceOps* ops_;
   int64_t id_;
+  SimCommunicator* sim_;
+  bool stream_ordered_;
   bool done_ = false;
 };
 
 }  // namespace
 
 StreamCheckedCommunicator::StreamCheckedCommunicator(Communicator* inner,
-                                                     SimDeviceOps* ops)
-    : inner_(inner), ops_(ops) {}
+                                                     SimDeviceOps* ops,
+                                                     bool stream_ordered)
+    : inner_(inner), ops_(ops), stream_ordered_(stream_ordered) {}
 
 StreamCheckedCommunicator::StreamCheckedCommunicator(
-    std::unique_ptr<Communicator> inner, SimDeviceOps* ops)
-    : owned_(std::move(inner)), inner_(owned_.get()), ops_(ops) {}
+    std::unique_ptr<Communicator> inner, SimDeviceOps* ops, bool stream_ordered)
+    : owned_(std::move(inner)),
+      inner_(owned_.get()),
+      ops_(ops),
+      stream_ordered_(stream_ordered) {}
 
-std::unique_ptr<Work> StreamCheckedCommunicator::Wrap(
-    int64_t id, std::unique_ptr<Work> work) {
-  return std::make_unique<CheckedWork>(std::move(work), ops_, id);
+std::unique_ptr<Work> StreamCheckedCommunicator::Checked(
+    absl::string_view what, ConstBufferRef input, ConstBufferRef output,
+    const CollectiveOptions& options,
+    const std::function<std::unique_ptr<Work>()>& issue) {
+  auto* sim = dynamic_cast<SimCommunicator*>(inner_);
+  const bool ordered = stream_ordered_ && options.stream.has_value();
+  int64_t id = 0;
+  if (ordered) {
+    if (options.stream->owner != ops_) {
+      return CompletedWork(absl::InvalidArgumentError(absl::StrFormat(
+          "%s: CollectiveOptions::stream is a stream of another device (%s), "
+          "not of these simulated ops",
+          what, DeviceName(options.stream->device))));
+    }
+    absl::Duration arrival;
+    absl::StatusOr<int64_t> issued = ops_->CollectiveIssuedAfter(
+        what, Stream{static_cast<int32_t>(options.stream->handle)}, input,
+        output, &arrival);
+    if (!issued.ok()) return CompletedWork(issued.status());
+    id = *issued;
+    if (sim != nullptr) sim->ArriveNextAt(arrival);
+  } else {
+    id = ops_->CollectiveIssued(what, input, output);
+  }
+  return std::make_unique<CheckedWork>(issue(), ops_, id, sim, stream_ordered_);
 }
 
 std::unique_ptr<Work> StreamCheckedCommunicator::AllGather(
     ConstBufferRef input, BufferRef output, const CollectiveOptions& options) {
-  const int64_t id = ops_->CollectiveIssued("all_gather", input, output);
-  return Wrap(id, inner_->AllGather(AsHost(input), AsHost(output), options));
+  return Checked("all_gather", input, output, options, [&] {
+    return inner_->AllGather(AsHost(input), AsHost(output), options);
+  });
 }
 
 std::unique_ptr<Work> StreamCheckedCommunicator::ReduceScatter(
     ConstBufferRef input, BufferRef output, const ReduceOptions& options) {
-  const int64_t id = ops_->CollectiveIssued("reduce_scatter", input, output);
-  return Wrap(id,
-              inner_->ReduceScatter(AsHost(input), AsHost(output), options));
+  return Checked("reduce_scatter", input, output, options, [&] {
+    return inner_->ReduceScatter(AsHost(input), AsHost(output), options);
+  });
 }
 
 std::unique_ptr<Work> StreamCheckedCommunicator::AllReduce(
     ConstBufferRef input, BufferRef output, const ReduceOptions& options) {
-  const int64_t id = ops_->CollectiveIssued("all_reduce", input, output);
-  return Wrap(id, inner_->AllReduce(AsHost(input), AsHost(output), options));
+  return Checked("all_reduce", input, output, options, [&] {
+    return inner_->AllReduce(AsHost(input), AsHost(output), options);
+  });
 }
 
 std::unique_ptr<Work> StreamCheckedCommunicator::Broadcast(
     BufferRef buffer, const BroadcastOptions& options) {
-  const int64_t id = ops_->CollectiveIssued("broadcast", buffer, buffer);
-  return Wrap(id, inner_->Broadcast(AsHost(buffer), options));
+  return Checked("broadcast", buffer, buffer, options,
+                 [&] { return inner_->Broadcast(AsHost(buffer), options); });
 }
 
 absl::StatusOr<std::vector<std::string>>
@@ -435,7 +643,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> StreamCheckedCommunicator::Split(
                              inner_->Split(color, key, options));
   if (split == nullptr) return split;
   return std::unique_ptr<Communicator>(
-      new StreamCheckedCommunicator(std::move(split), ops_));
+      new StreamCheckedCommunicator(std::move(split), ops_, stream_ordered_));
 }
 
 }  // namespace flatparam

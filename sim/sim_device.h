@@ -43,6 +43,34 @@
 // buys); otherwise "freed while in use" is reported. An access to a freed
 // block is a use after free.
 //
+// Virtual time, also independent of the seed. Every operation has a
+// duration: Kernel() takes one (the caller's forward or backward, from a
+// FLOP count or a measured cost), the memory operations (Copy, Fill, Cast,
+// Scale, Add) last the bytes they read and write over
+// SimDeviceOptions::memory_bytes_per_second (instantaneous by default),
+// waits last nothing. An operation starts at the latest of: the host's
+// clock when it was issued, the end of the stream's previous operation,
+// the times of the events it waits for, and (a stream's wait for a
+// collective) the collective's end; it ends a duration later. An event's
+// time is the end of the work it marks. When the host synchronizes
+// (Synchronize, SynchronizeEvent, an operation on host memory, a wait on a
+// collective) its clock moves forward to the end of what it waited for.
+// The host's clock is SimDeviceOptions::host_clock: in a SimWorld, the
+// rank's virtual clock (SimRankClock), which the simulator's collectives
+// also advance, so a rank's device streams, its collectives (the
+// simulator's one communication stream per rank) and its host share one
+// timeline, the one sim/cost_model.h predicts.
+//
+// Stream-ordered collectives. StreamCheckedCommunicator's stream-ordered
+// mode behaves as NCCL does (comm/communicator.h): a collective issued with
+// CollectiveOptions::stream is ordered after that stream's work issued so
+// far, not after a host wait, and Work::WaitStream orders a stream after
+// the collective. The detector gives such a collective the stream's clock
+// (joined with the host's at the issue) and joins its clock into the
+// waiting stream's. In virtual time the collective arrives (SimWorld's
+// arrival, from which its start is computed across the group) when that
+// stream's work has ended, without moving the host's clock.
+//
 // Ownership: the ops own every block they allocate; all must be freed
 // before the ops are destroyed (DeviceBuffer does it). Thread-safety: one
 // thread at a time (the rank's), like every DeviceOps.
@@ -54,6 +82,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -61,11 +90,34 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "comm/communicator.h"
 #include "flatparam/base/buffer.h"
 #include "flatparam/device/device.h"
+#include "sim/sim.h"
 
 namespace flatparam {
+
+// The host's clock as a SimDeviceOps sees it (see "Virtual time").
+class SimHostClock {
+ public:
+  virtual ~SimHostClock() = default;
+  virtual absl::Duration Now() const = 0;
+  // Moves the clock forward to `t`; nothing when `t` is not later.
+  virtual void AdvanceTo(absl::Duration t) = 0;
+};
+
+// The virtual clock of a SimWorld rank (SimCommunicator::Now and Compute).
+// Borrows `comm`; used on its rank's thread.
+class SimRankClock final : public SimHostClock {
+ public:
+  explicit SimRankClock(SimCommunicator* comm) : comm_(comm) {}
+  absl::Duration Now() const override { return comm_->Now(); }
+  void AdvanceTo(absl::Duration t) override;
+
+ private:
+  SimCommunicator* comm_;
+};
 
 struct SimDeviceOptions {
   // The order in which runnable work of different streams executes.
@@ -74,6 +126,13 @@ struct SimDeviceOptions {
   int max_queued = 64;
   // Bytes of freed blocks kept allocated to catch uses after free.
   int64_t quarantine_bytes = int64_t{256} << 20;
+  // Virtual time of the memory operations: bytes read plus bytes written
+  // per second; 0 makes them instantaneous.
+  double memory_bytes_per_second = 0;
+  // The host's clock (borrowed; must outlive the ops), or null for a clock
+  // of the ops' own that starts at zero and moves only when the host
+  // synchronizes.
+  SimHostClock* host_clock = nullptr;
 };
 
 class SimDeviceOps final : public DeviceOps {
@@ -88,12 +147,39 @@ class SimDeviceOps final : public DeviceOps {
   // Runs every queued operation; the host is then ordered after all of it.
   absl::Status Synchronize() override;
 
+  // A kernel of the caller's (a forward or backward) on the current
+  // stream: it reads `reads`, writes `writes` (checked like every
+  // operation), lasts `duration` of virtual time and calls `run`, if any,
+  // when it executes. InvalidArgument for a negative or infinite duration.
+  absl::Status Kernel(std::string what, std::vector<ConstBufferRef> reads,
+                      std::vector<BufferRef> writes, absl::Duration duration,
+                      std::function<void()> run = nullptr);
+
   // A collective that the host issues now on `input`/`output` (either may
   // be empty) and that may access them until CollectiveDone(id); checked
   // like any other agent's accesses. `what` names it in reports.
   int64_t CollectiveIssued(absl::string_view what, ConstBufferRef input,
                            ConstBufferRef output);
+  // The same for a stream-ordered collective (see the file comment),
+  // ordered after the work issued on `after` so far: that work is run
+  // first (the simulated collective moves data when its last member
+  // arrives), and the time it ends (or the host's clock, if later) is
+  // returned as the collective's arrival. InvalidArgument for a stream
+  // these ops did not create.
+  absl::StatusOr<int64_t> CollectiveIssuedAfter(absl::string_view what,
+                                                Stream after,
+                                                ConstBufferRef input,
+                                                ConstBufferRef output,
+                                                absl::Duration* arrival);
+  // The host waited for collective `id`: the host is ordered after it.
   void CollectiveDone(int64_t id);
+  // Work issued on `stream` from now on runs after collective `id`: a wait
+  // is queued there whose execution calls `end` (which may block the
+  // rank's thread until the collective is done) for the collective's end
+  // on the virtual clock. InvalidArgument for a stream these ops did not
+  // create.
+  absl::Status CollectiveWaitedOn(int64_t id, Stream stream,
+                                  std::function<absl::Duration()> end);
   // The caller's own read or write of device memory from the host.
   void HostAccess(absl::string_view what, ConstBufferRef buffer, bool write);
 
@@ -103,6 +189,12 @@ class SimDeviceOps final : public DeviceOps {
   absl::Status CheckNoRaces() const;
   // Operations executed so far (each queued operation runs once).
   int64_t executed() const { return executed_; }
+
+  // ---- Virtual time (see the file comment) ----
+  // The host's clock.
+  absl::Duration HostNow() const;
+  // The sum of the durations of the work `stream` executed so far.
+  absl::Duration StreamBusy(Stream stream) const;
 
  protected:
   absl::StatusOr<void*> DoAllocate(Device device, int64_t bytes,
@@ -118,6 +210,8 @@ class SimDeviceOps final : public DeviceOps {
   absl::Status DoWaitEvent(Stream stream, Event event) override;
   absl::Status DoSynchronizeEvent(Event event) override;
   absl::Status DoRecordStream(ConstBufferRef buffer, Stream stream) override;
+  // {cuda:0, this, id}.
+  std::optional<DeviceStream> DoNativeStream(Stream stream) const override;
 
  private:
   // Agent ids: kHost, then stream s is 1 + s, collectives count down.
@@ -147,17 +241,30 @@ class SimDeviceOps final : public DeviceOps {
     std::function<void()> run;
     // Event ids whose work must have run first.
     std::vector<int64_t> waits;
+    // Virtual time: the host's clock at the issue, the duration, and (a
+    // wait for a collective) the collective's end, known when it runs.
+    absl::Duration issued_at;
+    absl::Duration duration;
+    std::function<absl::Duration()> ready;
   };
   struct EventState {
     Clock clock;
     int32_t stream = 0;
     int64_t ops_before = 0;  // ops issued on the stream before the record
+    // The end of the work it marks, once that work has run.
+    std::optional<absl::Duration> time;
   };
   struct StreamState {
     Clock clock;
     std::deque<Op> queue;
     int64_t issued = 0;  // operations and waits queued so far
     int64_t done = 0;
+    // Virtual time: the end of the last operation run, the sum of the
+    // durations, and the events whose work has not run yet (ops_before,
+    // event id), in recording order.
+    absl::Duration free_at;
+    absl::Duration busy;
+    std::deque<std::pair<int64_t, int64_t>> unresolved_events;
   };
 
   static void Join(Clock& into, const Clock& from);
@@ -169,10 +276,16 @@ class SimDeviceOps final : public DeviceOps {
   void Touch(int64_t agent, const Clock& clock, absl::string_view what,
              ConstBufferRef buffer, bool write);
   void Report(std::string line);
-  // Queues `op` on the current stream, accessing `reads` and `writes`.
+  // Queues `op` on the current stream, accessing `reads` and `writes`;
+  // `duration` < 0 means the memory operations' bandwidth cost.
   absl::Status Issue(std::string what, std::vector<ConstBufferRef> reads,
                      std::vector<ConstBufferRef> writes,
-                     std::function<void()> run);
+                     std::function<void()> run,
+                     absl::Duration duration = -absl::Nanoseconds(1));
+  // Queues a no-op on `stream` that waits for `events` (and `ready`).
+  void QueueWait(int32_t stream, std::string what, std::vector<int64_t> events,
+                 std::function<absl::Duration()> ready);
+  void AdvanceHost(absl::Duration t);
   bool Runnable(const StreamState& s) const;
   // Runs queued work (PRNG-ordered) until `done` holds or nothing runs.
   void RunUntil(const std::function<bool()>& done);
@@ -189,22 +302,36 @@ class SimDeviceOps final : public DeviceOps {
   int64_t quarantined_bytes_ = 0;
   int64_t executed_ = 0;
   std::vector<std::string> reports_;
+  // The host's clock when options_.host_clock is null.
+  absl::Duration own_clock_;
 };
 
 // A Communicator that passes the buffers of `ops` (labelled cuda:0) to
 // `inner` as host buffers and reports each collective's accesses to `ops`
 // (CollectiveIssued at the call, CollectiveDone when Wait returns), so that
-// the race detector sees the collectives as agents. Borrows `inner` and
-// `ops`; split communicators wrap the split the same way.
+// the race detector sees the collectives as agents. With `stream_ordered`
+// it is a simulated NCCL: SupportsStreams(cuda:0) is true, a collective
+// issued with CollectiveOptions::stream (a stream of `ops`) is ordered
+// after that stream (CollectiveIssuedAfter) and Work::WaitStream orders a
+// stream of `ops` after the collective (CollectiveWaitedOn); without it
+// those are ignored / Unimplemented, as for a host backend. When `inner` is
+// a SimCommunicator, stream-ordered collectives arrive on the virtual
+// clock when their stream is ready (SimCommunicator::ArriveNextAt) and
+// stream waits end when the collective does (WaitOnDevice). Borrows
+// `inner` and `ops`; split communicators wrap the split the same way.
 class StreamCheckedCommunicator final : public Communicator {
  public:
-  StreamCheckedCommunicator(Communicator* inner, SimDeviceOps* ops);
+  StreamCheckedCommunicator(Communicator* inner, SimDeviceOps* ops,
+                            bool stream_ordered = false);
   StreamCheckedCommunicator(std::unique_ptr<Communicator> inner,
-                            SimDeviceOps* ops);
+                            SimDeviceOps* ops, bool stream_ordered = false);
 
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
   absl::string_view backend() const override { return inner_->backend(); }
+  bool SupportsStreams(Device device) const override {
+    return stream_ordered_ && device == ops_->device();
+  }
   std::unique_ptr<Work> AllGather(ConstBufferRef input, BufferRef output,
                                   const CollectiveOptions& options) override;
   std::unique_ptr<Work> ReduceScatter(ConstBufferRef input, BufferRef output,
@@ -219,12 +346,20 @@ class StreamCheckedCommunicator final : public Communicator {
   absl::StatusOr<std::unique_ptr<Communicator>> Split(
       int color, int key, const CollectiveOptions& options) override;
 
+  bool stream_ordered() const { return stream_ordered_; }
+
  private:
-  std::unique_ptr<Work> Wrap(int64_t id, std::unique_ptr<Work> work);
+  // Issues `issue` (the inner collective) as collective `what` of `ops_` on
+  // `input`/`output`, stream-ordered when options.stream asks for it.
+  std::unique_ptr<Work> Checked(
+      absl::string_view what, ConstBufferRef input, ConstBufferRef output,
+      const CollectiveOptions& options,
+      const std::function<std::unique_ptr<Work>()>& issue);
 
   std::unique_ptr<Communicator> owned_;
   Communicator* inner_;
   SimDeviceOps* ops_;
+  bool stream_ordered_;
 };
 
 }  // namespace flatparam

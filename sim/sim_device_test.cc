@@ -4,8 +4,12 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <memory>
+#include <string>
 #include <vector>
 
+#include "absl/time/time.h"
+#include "comm/communicator.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/base/status_matchers.h"
@@ -18,6 +22,7 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
+using ::testing::Not;
 
 std::vector<float> Read(SimDeviceOps& ops, const DeviceBuffer& b) {
   EXPECT_THAT(ops.Synchronize(), IsOk());
@@ -204,6 +209,178 @@ TEST(SimDeviceTest, CollectivesAreAgents) {
       }
     }
   }
+}
+
+// ---------------------------------------------------------------------------
+// Virtual time.
+
+TEST(SimDeviceTest, KernelsAndEventsOnTheVirtualClock) {
+  for (uint64_t seed : {0, 1, 2}) {
+    SimDeviceOps ops({seed});
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(Stream side, ops.NewStream());
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer x,
+                                   ops.Allocate(ops.device(), 16));
+    const BufferRef xs = x.As(DType::kFloat32);
+    // Stream 1: 10 us producing x; stream 0 waits, then 5 us reading it.
+    ASSERT_THAT(ops.SetStream(side), IsOk());
+    ASSERT_THAT(ops.Kernel("produce", {}, {xs}, absl::Microseconds(10),
+                           [xs] { static_cast<float*>(xs.data)[0] = 1; }),
+                IsOk());
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(Event produced, ops.RecordEvent(side));
+    ASSERT_THAT(ops.SetStream(Stream{0}), IsOk());
+    ASSERT_THAT(ops.WaitEvent(Stream{0}, produced), IsOk());
+    ASSERT_THAT(ops.Kernel("consume", {xs}, {}, absl::Microseconds(5)), IsOk());
+    // Also 3 us of independent work on stream 0 before nothing: it queues
+    // behind the consumer.
+    ASSERT_THAT(ops.Kernel("more", {}, {}, absl::Microseconds(3)), IsOk());
+    // Nothing has run yet: the host's clock has not moved.
+    EXPECT_EQ(ops.HostNow(), absl::ZeroDuration());
+    ASSERT_THAT(ops.SynchronizeEvent(produced), IsOk());
+    EXPECT_EQ(ops.HostNow(), absl::Microseconds(10));
+    ASSERT_THAT(ops.Synchronize(), IsOk());
+    EXPECT_EQ(ops.HostNow(), absl::Microseconds(18));
+    EXPECT_EQ(ops.StreamBusy(side), absl::Microseconds(10));
+    EXPECT_EQ(ops.StreamBusy(Stream{0}), absl::Microseconds(8));
+    // Work issued now starts at the host's clock.
+    ASSERT_THAT(ops.Kernel("late", {}, {}, absl::Microseconds(2)), IsOk());
+    ASSERT_THAT(ops.Synchronize(), IsOk());
+    EXPECT_EQ(ops.HostNow(), absl::Microseconds(20));
+    EXPECT_THAT(ops.reports(), IsEmpty());
+  }
+}
+
+TEST(SimDeviceTest, MemoryOperationsCostTheirBytes) {
+  SimDeviceOptions options;
+  options.memory_bytes_per_second = 1e9;  // 1 byte per ns
+  SimDeviceOps ops(options);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer a,
+                                 ops.Allocate(ops.device(), 4000));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer b,
+                                 ops.Allocate(ops.device(), 4000));
+  ASSERT_THAT(ops.Fill(a.As(DType::kFloat32), 1), IsOk());  // writes 4000
+  ASSERT_THAT(ops.Copy(b.As(DType::kFloat32), a.As(DType::kFloat32)),
+              IsOk());  // reads and writes 4000
+  ASSERT_THAT(ops.Synchronize(), IsOk());
+  EXPECT_EQ(ops.HostNow(), absl::Nanoseconds(12000));
+  EXPECT_THAT(ops.Kernel("bad", {}, {}, -absl::Microseconds(1)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("must be finite and non-negative")));
+}
+
+// Two ranks; each produces its all-gather input with a kernel on stream 1
+// (rank r: 10 + 10 r us), issues the all-gather ordered after that stream
+// (a simulated NCCL), makes stream 0 wait for it and reads the result
+// there. The host never waits: its clock stays at zero until it
+// synchronizes. The collective starts when the slower rank's stream is
+// ready (20 us) and lasts 1 us; the reader's 5 us follow.
+TEST(SimDeviceTest, StreamOrderedCollectivesOnTheVirtualClock) {
+  for (bool order_input : {true, false}) {
+    for (bool wait_output : {true, false}) {
+      SimOptions options;
+      options.world_size = 2;
+      options.cost.latency = absl::Microseconds(1);
+      options.cost.bytes_per_second = 1e18;
+      FLATPARAM_ASSERT_OK_AND_ASSIGN(std::unique_ptr<SimWorld> world,
+                                     SimWorld::Create(options));
+      std::vector<std::vector<std::string>> reports(2);
+      std::vector<std::vector<float>> out(2);
+      std::vector<absl::Duration> at_issue(2), at_end(2);
+      ASSERT_THAT(world->Run([&](SimCommunicator& comm) -> absl::Status {
+        SimRankClock clock(&comm);
+        SimDeviceOptions device_options;
+        device_options.host_clock = &clock;
+        SimDeviceOps ops(device_options);
+        StreamCheckedCommunicator checked(&comm, &ops, /*stream_ordered=*/true);
+        if (!checked.SupportsStreams(ops.device()) ||
+            checked.SupportsStreams(Device::Host())) {
+          return absl::InternalError("SupportsStreams");
+        }
+        FLATPARAM_ASSIGN_OR_RETURN(Stream side, ops.NewStream());
+        FLATPARAM_ASSIGN_OR_RETURN(DeviceBuffer in,
+                                   ops.Allocate(ops.device(), 8));
+        FLATPARAM_ASSIGN_OR_RETURN(DeviceBuffer gathered,
+                                   ops.Allocate(ops.device(), 16));
+        const BufferRef ins = in.As(DType::kFloat32);
+        const BufferRef gs = gathered.As(DType::kFloat32);
+        FLATPARAM_RETURN_IF_ERROR(ops.SetStream(side));
+        const float value = 1.0f + comm.rank();
+        FLATPARAM_RETURN_IF_ERROR(
+            ops.Kernel("produce", {}, {ins},
+                       absl::Microseconds(10 + 10 * comm.rank()), [ins, value] {
+                         float* p = static_cast<float*>(ins.data);
+                         for (int64_t i = 0; i < ins.count; ++i) p[i] = value;
+                       }));
+        FLATPARAM_RETURN_IF_ERROR(ops.SetStream(Stream{0}));
+        CollectiveOptions co;
+        if (order_input) co.stream = ops.NativeStream(side);
+        std::unique_ptr<Work> work = checked.AllGather(ins, gs, co);
+        at_issue[comm.rank()] = comm.Now();
+        if (wait_output) {
+          FLATPARAM_RETURN_IF_ERROR(
+              work->WaitStream(*ops.NativeStream(Stream{0})));
+        }
+        FLATPARAM_RETURN_IF_ERROR(
+            ops.Kernel("consume", {gs}, {}, absl::Microseconds(5)));
+        FLATPARAM_RETURN_IF_ERROR(ops.Synchronize());
+        at_end[comm.rank()] = comm.Now();
+        FLATPARAM_RETURN_IF_ERROR(work->Wait());
+        const float* p = static_cast<const float*>(gathered.data());
+        out[comm.rank()].assign(p, p + 4);
+        reports[comm.rank()] = ops.reports();
+        return absl::OkStatus();
+      }),
+                  IsOk());
+      for (int r = 0; r < 2; ++r) {
+        EXPECT_EQ(at_issue[r], absl::ZeroDuration()) << "the host waited";
+        if (order_input && wait_output) {
+          EXPECT_THAT(reports[r], IsEmpty());
+          EXPECT_THAT(out[r], ElementsAre(1, 1, 2, 2));
+          EXPECT_EQ(at_end[r], absl::Microseconds(26)) << r;
+        } else {
+          ASSERT_THAT(reports[r], Not(IsEmpty())) << order_input << wait_output;
+          EXPECT_THAT(reports[r][0],
+                      HasSubstr(order_input ? "race: consume (stream 0"
+                                            : "race: all_gather #0"));
+        }
+      }
+    }
+  }
+}
+
+TEST(SimDeviceTest, StreamOrderedMisuseIsRejected) {
+  SimOptions options;
+  options.world_size = 1;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::unique_ptr<SimWorld> world,
+                                 SimWorld::Create(options));
+  ASSERT_THAT(world->Run([&](SimCommunicator& comm) -> absl::Status {
+    SimDeviceOps ops, other;
+    StreamCheckedCommunicator ordered(&comm, &ops, /*stream_ordered=*/true);
+    StreamCheckedCommunicator host(&comm, &ops);
+    FLATPARAM_ASSIGN_OR_RETURN(DeviceBuffer in, ops.Allocate(ops.device(), 8));
+    FLATPARAM_ASSIGN_OR_RETURN(DeviceBuffer out, ops.Allocate(ops.device(), 8));
+    const BufferRef ins = in.As(DType::kFloat32);
+    const BufferRef outs = out.As(DType::kFloat32);
+    CollectiveOptions co;
+    co.stream = other.NativeStream(Stream{0});
+    EXPECT_THAT(ordered.AllGather(ins, outs, co)->Wait(),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("a stream of another device")));
+    co.stream = DeviceStream{ops.device(), &ops, 7};
+    EXPECT_THAT(ordered.AllGather(ins, outs, co)->Wait(),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("stream 7, which these ops")));
+    // A host-completed communicator ignores the stream and has no stream
+    // waits, as a host backend.
+    EXPECT_FALSE(host.SupportsStreams(ops.device()));
+    co.stream = ops.NativeStream(Stream{0});
+    std::unique_ptr<Work> work = host.AllGather(ins, outs, co);
+    EXPECT_THAT(work->WaitStream(*ops.NativeStream(Stream{0})),
+                StatusIs(absl::StatusCode::kUnimplemented));
+    EXPECT_THAT(work->Wait(), IsOk());
+    FLATPARAM_RETURN_IF_ERROR(ops.Synchronize());
+    return absl::OkStatus();
+  }),
+              IsOk());
 }
 
 TEST(SimDeviceTest, StreamArgumentsAreChecked) {

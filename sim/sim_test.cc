@@ -474,6 +474,114 @@ TEST(SimClockTest, AsyncCollectivesOverlapComputeButShareOneStream) {
   EXPECT_EQ(after_wait, absl::Milliseconds(2));
 }
 
+// Two groups over the same two ranks (the world and a split copy of it);
+// rank 0 issues A (world) then B (copy), rank 1 issues B then A. Without
+// one_stream_per_rank each operation runs when both members issued it;
+// with it, as on NCCL's one stream, they wait for each other's older
+// operation and the deadlock is reported.
+TEST(SimClockTest, OneStreamPerRankRunsEachRanksCollectivesInIssueOrder) {
+  for (bool one_stream : {false, true}) {
+    SimOptions options;
+    options.world_size = 2;
+    options.one_stream_per_rank = one_stream;
+    auto world = MakeWorld(options);
+    std::vector<absl::Status> statuses(2);
+    const absl::Status run =
+        world->Run([&](SimCommunicator& comm) -> absl::Status {
+          FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> copy,
+                                     comm.Split(0, comm.rank(), {}));
+          std::vector<float> a(1), b(1);
+          Communicator* first = comm.rank() == 0 ? &comm : copy.get();
+          Communicator* second = comm.rank() == 0 ? copy.get() : &comm;
+          auto w1 = first->AllReduce(Ref(a), Ref(a), {});
+          auto w2 = second->AllReduce(Ref(b), Ref(b), {});
+          absl::Status s1 = w1->Wait();
+          absl::Status s2 = w2->Wait();
+          statuses[comm.rank()] = s1.ok() ? s2 : s1;
+          return statuses[comm.rank()];
+        });
+    if (!one_stream) {
+      EXPECT_THAT(run, IsOk());
+    } else {
+      EXPECT_THAT(run,
+                  StatusIs(absl::StatusCode::kInternal, HasSubstr("deadlock")));
+    }
+  }
+}
+
+// With one_stream_per_rank a rank's collectives of different groups start
+// in its issue order. Groups P = {0, 1} and Q = {0, 2} (splits, 1 ms each,
+// so everything below starts at 2 ms); rank 0 issues P then Q, rank 1
+// computes 5 ms before its P, rank 2 issues Q at once. With the option, Q
+// waits for rank 0's older P ([7, 8] ms): [8, 9] ms, whatever the
+// interleaving. Without it, rank 0's stream serves Q and P in the order
+// their last members happened to issue them: Q at [2, 3] ms under some
+// interleavings.
+TEST(SimClockTest, OneStreamPerRankOrdersTheVirtualClockByIssue) {
+  int early = 0;
+  for (uint64_t seed = 0; seed < 16; ++seed) {
+    for (bool one_stream : {false, true}) {
+      SimOptions options;
+      options.world_size = 3;
+      options.seed = seed;
+      options.one_stream_per_rank = one_stream;
+      options.cost.latency = absl::Milliseconds(1);
+      options.cost.bytes_per_second = 1e18;
+      auto world = MakeWorld(options);
+      std::vector<absl::Duration> ends(3);
+      FLATPARAM_ASSERT_OK(
+          world->Run([&](SimCommunicator& comm) -> absl::Status {
+            const int r = comm.rank();
+            FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> p,
+                                       comm.Split(r == 2 ? -1 : 0, r, {}));
+            FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> q,
+                                       comm.Split(r == 1 ? -1 : 0, r, {}));
+            std::vector<float> a(1), b(1);
+            std::unique_ptr<Work> wp, wq;
+            if (r == 1)
+              FLATPARAM_RETURN_IF_ERROR(comm.Compute(absl::Milliseconds(5)));
+            if (r != 2) wp = p->AllReduce(Ref(a), Ref(a), {});
+            if (r != 1) wq = q->AllReduce(Ref(b), Ref(b), {});
+            if (wq != nullptr) FLATPARAM_RETURN_IF_ERROR(wq->Wait());
+            if (wp != nullptr) FLATPARAM_RETURN_IF_ERROR(wp->Wait());
+            ends[r] = comm.Now();
+            return absl::OkStatus();
+          }));
+      EXPECT_EQ(ends[1], absl::Milliseconds(8)) << one_stream;
+      if (one_stream) {
+        EXPECT_EQ(ends[2], absl::Milliseconds(9)) << seed;
+        EXPECT_EQ(ends[0], absl::Milliseconds(9)) << seed;
+      } else {
+        early += ends[2] == absl::Milliseconds(3);
+      }
+    }
+  }
+  EXPECT_GT(early, 0) << "no interleaving ran Q before P";
+}
+
+TEST(SimClockTest, CollectiveTimeCanBePluggedIn) {
+  SimOptions options;
+  options.world_size = 4;
+  std::vector<std::pair<CollectiveOp, int64_t>> priced;
+  options.cost.collective_time = [&](CollectiveOp op, int64_t bytes,
+                                     const std::vector<int>& ranks) {
+    priced.emplace_back(op, bytes);
+    return absl::Microseconds(7 * static_cast<int64_t>(ranks.size()));
+  };
+  auto world = MakeWorld(options);
+  std::vector<absl::Duration> ends(4);
+  FLATPARAM_ASSERT_OK(world->Run([&](SimCommunicator& comm) -> absl::Status {
+    std::vector<float> in(2), out(8);
+    FLATPARAM_RETURN_IF_ERROR(comm.AllGather(CRef(in), Ref(out), {})->Wait());
+    ends[comm.rank()] = comm.Now();
+    return absl::OkStatus();
+  }));
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(ends[r], absl::Microseconds(28));
+  ASSERT_EQ(priced.size(), 1u);
+  EXPECT_EQ(priced[0].first, CollectiveOp::kAllGather);
+  EXPECT_EQ(priced[0].second, 32);  // the output: 8 floats
+}
+
 TEST(SimClockTest, ComputeRejectsNegativeDurations) {
   auto world = MakeWorld(1);
   FLATPARAM_ASSERT_OK(world->Run([&](SimCommunicator& comm) -> absl::Status {

@@ -283,11 +283,7 @@ absl::StatusOr<Plan> MakePlan(const PlanOptions& options) {
     sp.grad_bytes = per.grads * (shard_states ? sharded : whole);
     sp.optimizer_bytes = per.optimizer * (shard_states ? sharded : whole);
 
-    std::vector<cost::UnitSpec> units;
-    for (const FlatParamLayout& l : layout.flat_params()) {
-      units.push_back({l.unit(), l.param_numel(), l.padded_unsharded_numel(),
-                       l.sharded_numel()});
-    }
+    const std::vector<cost::UnitSpec> units = cost::UnitsOf(layout);
     cost::StepOptions step;
     step.strategy = strategy;
     step.link = link;

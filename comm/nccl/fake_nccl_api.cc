@@ -140,6 +140,11 @@ FakeNcclApi::CommInfo FakeNcclApi::comm_info(ncclComm_t comm) const {
   return c == nullptr ? CommInfo() : c->info;
 }
 
+std::vector<FakeNcclApi::StreamWait> FakeNcclApi::stream_waits() const {
+  absl::MutexLock lock(&mu_);
+  return stream_waits_;
+}
+
 std::vector<FakeNcclApi::Stream> FakeNcclApi::streams() const {
   absl::MutexLock lock(&mu_);
   std::vector<Stream> result;
@@ -708,6 +713,34 @@ cudaError_t FakeNcclApi::CudaEventRecord(cudaEvent_t event,
   }
   e->recorded = true;
   e->pending_queries = event_pending_queries_;
+  e->recorded_on = stream;
+  e->recorded_at = static_cast<int>(calls_.size()) - 1;
+  return cudaSuccess;
+}
+
+cudaError_t FakeNcclApi::CudaStreamWaitEvent(cudaStream_t stream,
+                                             cudaEvent_t event,
+                                             unsigned int flags) {
+  absl::MutexLock lock(&mu_);
+  int code = 0;
+  if (Begin("cudaStreamWaitEvent", &code)) {
+    return static_cast<cudaError_t>(code);
+  }
+  const Event* e = Find(events_, event);
+  const Stream* s = Find(streams_, stream);
+  if (e == nullptr || e->destroyed || s == nullptr || s->destroyed) {
+    Misuse("cudaStreamWaitEvent: unknown or destroyed event or stream");
+    return cudaErrorInvalidResourceHandle;
+  }
+  if (flags != 0) {
+    Misuse(absl::StrFormat("cudaStreamWaitEvent: flags %u", flags));
+    return cudaErrorInvalidValue;
+  }
+  // Waiting for an event never recorded is a no-op in CUDA; record it as
+  // such (recorded_at -1).
+  stream_waits_.push_back(StreamWait{
+      stream, e->recorded ? e->recorded_on : nullptr,
+      e->recorded ? e->recorded_at : -1, static_cast<int>(calls_.size()) - 1});
   return cudaSuccess;
 }
 

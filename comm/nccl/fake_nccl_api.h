@@ -13,6 +13,8 @@
 //   rank this is exactly NCCL's result.
 // - Events complete after a configurable number of cudaEventQuery calls (0
 //   by default, -1 for never), which is how tests make a collective hang.
+//   cudaStreamWaitEvent is recorded (stream_waits(): which stream waited
+//   for which recording) so that tests can check the stream ordering.
 // - Non-blocking communicators can be made to report ncclInProgress for a
 //   number of ncclCommGetAsyncError polls after each call.
 // - Faults: FailNext makes the next call of a given name return an error
@@ -90,6 +92,16 @@ class FakeNcclApi final : public NcclApi {
     bool destroyed = false;
   };
 
+  // One cudaStreamWaitEvent: `stream` waits for the work that was on
+  // `recorded_on` when the event was recorded (call index `recorded_at` in
+  // calls()); the wait itself is call `call`.
+  struct StreamWait {
+    cudaStream_t stream = nullptr;
+    cudaStream_t recorded_on = nullptr;
+    int recorded_at = -1;
+    int call = -1;
+  };
+
   explicit FakeNcclApi(int device_count = 1);
   ~FakeNcclApi() override;
 
@@ -123,6 +135,7 @@ class FakeNcclApi final : public NcclApi {
   std::vector<CommInfo> comms() const;  // In creation order.
   CommInfo comm_info(ncclComm_t comm) const;
   std::vector<Stream> streams() const;
+  std::vector<StreamWait> stream_waits() const;
   std::vector<std::string> misuse() const;
   int live_events() const;
   int live_allocations() const;
@@ -173,6 +186,8 @@ class FakeNcclApi final : public NcclApi {
                                        unsigned int flags) override;
   cudaError_t CudaEventRecord(cudaEvent_t event, cudaStream_t stream) override;
   cudaError_t CudaEventQuery(cudaEvent_t event) override;
+  cudaError_t CudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event,
+                                  unsigned int flags) override;
   cudaError_t CudaEventDestroy(cudaEvent_t event) override;
   cudaError_t CudaPointerGetAttributes(cudaPointerAttributes* attributes,
                                        const void* ptr) override;
@@ -194,6 +209,8 @@ class FakeNcclApi final : public NcclApi {
     bool recorded = false;
     int pending_queries = 0;
     bool destroyed = false;
+    cudaStream_t recorded_on = nullptr;
+    int recorded_at = -1;  // index in calls_
   };
   struct Allocation {
     std::vector<char> bytes;
@@ -237,6 +254,7 @@ class FakeNcclApi final : public NcclApi {
   std::vector<std::string> calls_ ABSL_GUARDED_BY(mu_);
   std::vector<Collective> collectives_ ABSL_GUARDED_BY(mu_);
   std::vector<PreMulSum> premul_ops_ ABSL_GUARDED_BY(mu_);
+  std::vector<StreamWait> stream_waits_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> misuse_ ABSL_GUARDED_BY(mu_);
   // Handles are the addresses of these objects, kept until the fake dies.
   std::vector<std::unique_ptr<Comm>> comms_ ABSL_GUARDED_BY(mu_);

@@ -108,6 +108,10 @@ class RealApi final : public NcclApi {
   cudaError_t CudaEventQuery(cudaEvent_t event) override {
     return cudaEventQuery(event);
   }
+  cudaError_t CudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event,
+                                  unsigned int flags) override {
+    return cudaStreamWaitEvent(stream, event, flags);
+  }
   cudaError_t CudaEventDestroy(cudaEvent_t event) override {
     return cudaEventDestroy(event);
   }

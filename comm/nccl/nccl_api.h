@@ -83,6 +83,9 @@ class NcclApi {
   virtual cudaError_t CudaEventRecord(cudaEvent_t event,
                                       cudaStream_t stream) = 0;
   virtual cudaError_t CudaEventQuery(cudaEvent_t event) = 0;
+  virtual cudaError_t CudaStreamWaitEvent(cudaStream_t stream,
+                                          cudaEvent_t event,
+                                          unsigned int flags) = 0;
   virtual cudaError_t CudaEventDestroy(cudaEvent_t event) = 0;
   virtual cudaError_t CudaPointerGetAttributes(
       cudaPointerAttributes* attributes, const void* ptr) = 0;

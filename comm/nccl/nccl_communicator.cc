@@ -162,6 +162,26 @@ std::string OpContext(const CommState& s, absl::string_view op, int64_t seq,
                          s.device);
 }
 
+// CollectiveOptions::stream and Work::WaitStream take CUDA streams of the
+// communicator's device only.
+absl::Status CheckStream(const CommState& s, const DeviceStream& stream,
+                         absl::string_view context) {
+  if (stream.owner == nullptr && stream.device == Device::Cuda(s.device)) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "%s: the stream to order with is %s%s, not a CUDA stream of this "
+      "communicator's device cuda:%d",
+      context, stream.owner != nullptr ? "a simulated stream of " : "",
+      DeviceName(stream.device), s.device));
+}
+
+// The options of a collective that the host waits for (internal ones).
+CollectiveOptions HostOrdered(CollectiveOptions options) {
+  options.stream.reset();
+  return options;
+}
+
 absl::Status AbortedError(const CommState& s, absl::string_view context) {
   return absl::AbortedError(
       absl::StrFormat("%s: the NCCL communicator was aborted earlier: %s",
@@ -264,6 +284,22 @@ class NcclWork final : public Work {
       done_ = true;
     }
     return status_;
+  }
+
+  // cudaStreamWaitEvent on the event recorded after the collective: the
+  // stream's later work runs after it, and the host does not wait.
+  absl::Status WaitStream(const DeviceStream& stream) override {
+    CommState& s = *state_;
+    NcclApi& api = *s.api;
+    const std::string context = absl::StrCat(context_, ": WaitStream");
+    FLATPARAM_RETURN_IF_ERROR(CheckStream(s, stream, context));
+    DeviceGuard guard(api);
+    FLATPARAM_RETURN_IF_ERROR(guard.Set(s.device, context));
+    return CudaStatus(
+        api,
+        api.CudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream.handle),
+                                event_, 0),
+        absl::StrCat(context, ": cudaStreamWaitEvent"));
   }
 
  private:
@@ -397,19 +433,55 @@ absl::Status CheckCudaPair(const CommState& s, absl::string_view op,
 using NcclCall = absl::FunctionRef<ncclResult_t(
     ncclComm_t comm, cudaStream_t stream, ncclRedOp_t op)>;
 
+// Makes the communicator's stream wait for the work issued on the caller's
+// `after` stream so far (CollectiveOptions::stream): an event recorded
+// there, waited for, and destroyed (the wait keeps what it captured).
+absl::Status WaitForCallerStream(CommState& s, const DeviceStream& after,
+                                 absl::string_view context) {
+  NcclApi& api = *s.api;
+  cudaEvent_t event = nullptr;
+  FLATPARAM_RETURN_IF_ERROR(CudaStatus(
+      api, api.CudaEventCreateWithFlags(&event, cudaEventDisableTiming),
+      absl::StrCat(context, ": cudaEventCreateWithFlags (stream order)")));
+  absl::Status st = CudaStatus(
+      api,
+      api.CudaEventRecord(event, reinterpret_cast<cudaStream_t>(after.handle)),
+      absl::StrCat(context, ": cudaEventRecord on the caller's stream"));
+  if (st.ok()) {
+    st = CudaStatus(api, api.CudaStreamWaitEvent(s.stream->stream, event, 0),
+                    absl::StrCat(context, ": cudaStreamWaitEvent"));
+  }
+  api.CudaEventDestroy(event);
+  return st;
+}
+
 // Enqueues `call` on the communicator's stream (creating and destroying a
 // pre-multiplied sum operator around it when `op` asks for one) and returns
 // a Work that waits for it.
 std::unique_ptr<Work> Issue(const std::shared_ptr<CommState>& state,
                             const std::string& context, absl::Time deadline,
-                            absl::Duration timeout, const ResolvedOp* op,
-                            NcclCall call) {
+                            const CollectiveOptions& options,
+                            const ResolvedOp* op, NcclCall call) {
   CommState& s = *state;
   NcclApi& api = *s.api;
+  const absl::Duration timeout = options.timeout;
   if (s.aborted) return CompletedWork(AbortedError(s, context));
+  if (options.stream.has_value()) {
+    if (absl::Status st = CheckStream(s, *options.stream, context); !st.ok()) {
+      return CompletedWork(std::move(st));
+    }
+  }
   DeviceGuard guard(api);
   if (absl::Status st = guard.Set(s.device, context); !st.ok()) {
     return CompletedWork(std::move(st));
+  }
+  // Stream-ordered: the collective's input comes from the caller's stream.
+  // Nothing is enqueued yet, so a failure leaves nothing in flight.
+  if (options.stream.has_value()) {
+    if (absl::Status st = WaitForCallerStream(s, *options.stream, context);
+        !st.ok()) {
+      return CompletedWork(std::move(st));
+    }
   }
   // Created before anything is enqueued, so that a failure leaves nothing
   // in flight.
@@ -692,6 +764,10 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::FromComm(
       new NcclCommunicator(std::move(state)));
 }
 
+bool NcclCommunicator::SupportsStreams(Device device) const {
+  return device == Device::Cuda(state_->device);
+}
+
 int NcclCommunicator::rank() const { return state_->rank; }
 int NcclCommunicator::size() const { return state_->size; }
 int NcclCommunicator::device() const { return state_->device; }
@@ -727,7 +803,7 @@ std::unique_ptr<Work> NcclCommunicator::AllGather(
     return CompletedWork(std::move(st));
   }
   if (input.count == 0) return CompletedWork(absl::OkStatus());
-  return Issue(state_, context, deadline, options.timeout, nullptr,
+  return Issue(state_, context, deadline, options, nullptr,
                [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t) {
                  return s.api->AllGather(input.data, output.data, input.count,
                                          NcclDType(input.dtype), comm, stream);
@@ -757,7 +833,7 @@ std::unique_ptr<Work> NcclCommunicator::ReduceScatter(
   absl::StatusOr<ResolvedOp> op = ResolveOp(s, kOp, seq, options, input.dtype);
   if (!op.ok()) return CompletedWork(op.status());
   if (output.count == 0) return CompletedWork(absl::OkStatus());
-  return Issue(state_, context, deadline, options.timeout, &*op,
+  return Issue(state_, context, deadline, options, &*op,
                [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t redop) {
                  return s.api->ReduceScatter(
                      input.data, output.data, output.count,
@@ -786,7 +862,7 @@ std::unique_ptr<Work> NcclCommunicator::AllReduce(
   absl::StatusOr<ResolvedOp> op = ResolveOp(s, kOp, seq, options, input.dtype);
   if (!op.ok()) return CompletedWork(op.status());
   if (input.count == 0) return CompletedWork(absl::OkStatus());
-  return Issue(state_, context, deadline, options.timeout, &*op,
+  return Issue(state_, context, deadline, options, &*op,
                [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t redop) {
                  return s.api->AllReduce(input.data, output.data, input.count,
                                          NcclDType(input.dtype), redop, comm,
@@ -813,7 +889,7 @@ std::unique_ptr<Work> NcclCommunicator::Broadcast(
     return CompletedWork(std::move(st));
   }
   if (buffer.count == 0) return CompletedWork(absl::OkStatus());
-  return Issue(state_, context, deadline, options.timeout, nullptr,
+  return Issue(state_, context, deadline, options, nullptr,
                [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t) {
                  return s.api->Broadcast(buffer.data, buffer.data, buffer.count,
                                          NcclDType(buffer.dtype), options.root,
@@ -843,7 +919,7 @@ absl::StatusOr<std::vector<std::string>> NcclCommunicator::AllGatherBytes(
   FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, my_slot, &my_length, sizeof(int64_t),
                                       cudaMemcpyHostToDevice, context));
   FLATPARAM_RETURN_IF_ERROR(
-      Issue(state_, context, deadline, options.timeout, nullptr,
+      Issue(state_, context, deadline, HostOrdered(options), nullptr,
             [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t) {
               return api.AllGather(my_slot, lengths.get(), 1, ncclInt64, comm,
                                    stream);
@@ -875,7 +951,7 @@ absl::StatusOr<std::vector<std::string>> NcclCommunicator::AllGatherBytes(
   FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, my_bytes, bytes.data(), bytes.size(),
                                       cudaMemcpyHostToDevice, context));
   FLATPARAM_RETURN_IF_ERROR(
-      Issue(state_, context, deadline, options.timeout, nullptr,
+      Issue(state_, context, deadline, HostOrdered(options), nullptr,
             [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t) {
               return api.AllGather(my_bytes, data.get(), stride, ncclUint8,
                                    comm, stream);
@@ -911,7 +987,7 @@ absl::Status NcclCommunicator::Barrier(const CollectiveOptions& options) {
                                         sizeof(float), cudaMemcpyHostToDevice,
                                         context));
   }
-  return Issue(state_, context, deadline, options.timeout, nullptr,
+  return Issue(state_, context, deadline, HostOrdered(options), nullptr,
                [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t) {
                  return api.AllReduce(s.barrier_scratch, s.barrier_scratch, 1,
                                       ncclFloat32, ncclSum, comm, stream);

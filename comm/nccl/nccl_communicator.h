@@ -52,13 +52,19 @@
 //
 // Ordering and completion. Collectives are enqueued on stream() in call
 // order; NCCL reads the inputs when the collective runs on that stream, so
-// work that produces them on another stream must be ordered before it by the
-// caller (cudaStreamWaitEvent, or a synchronous copy). The returned Work
-// records a CUDA event after the collective; Work::Wait() blocks the host
-// until that event has completed, polling cudaEventQuery and
-// ncclCommGetAsyncError. A collective's timeout runs from the call that
-// issued it. Work may outlive the communicator: the NCCL communicator is
-// released when the last of them is gone.
+// work that produces them on another stream must be ordered before it:
+// with CollectiveOptions::stream (a CUDA stream of this device: an event is
+// recorded there and stream() waits for it, cudaStreamWaitEvent, before the
+// collective is enqueued -- c10d's NCCL stream waiting for the current
+// stream), or by the caller (a host synchronization). The returned Work
+// records a CUDA event after the collective; Work::WaitStream(s) makes
+// stream `s` wait for that event (no host wait: c10d's `work.wait()`), and
+// Work::Wait() blocks the host until it has completed, polling
+// cudaEventQuery and ncclCommGetAsyncError -- the only place a timeout or
+// an asynchronous error is seen, so call it before trusting the results.
+// A collective's timeout runs from the call that issued it. Work may
+// outlive the communicator: the NCCL communicator is released when the
+// last of them is gone.
 //
 // Failure. When a collective does not finish within its timeout, or NCCL
 // reports an asynchronous error (ncclCommGetAsyncError: a peer or the
@@ -144,6 +150,10 @@ class NcclCommunicator final : public Communicator {
   int rank() const override;
   int size() const override;
   absl::string_view backend() const override { return "nccl"; }
+  // True for this communicator's CUDA device: collectives take
+  // CollectiveOptions::stream and their Work takes WaitStream (see
+  // "Ordering and completion").
+  bool SupportsStreams(Device device) const override;
 
   std::unique_ptr<Work> AllGather(ConstBufferRef input, BufferRef output,
                                   const CollectiveOptions& options) override;

@@ -84,6 +84,114 @@ class NcclCommunicatorTest : public ::testing::Test {
 };
 
 // ---------------------------------------------------------------------------
+// Stream-ordered completion (CollectiveOptions::stream, Work::WaitStream).
+
+// Index of the first call named `name` in `calls`, or -1.
+int IndexOf(const std::vector<std::string>& calls, absl::string_view name) {
+  auto it = std::find(calls.begin(), calls.end(), name);
+  return it == calls.end() ? -1 : static_cast<int>(it - calls.begin());
+}
+
+TEST_F(NcclCommunicatorTest, SupportsStreamsOfItsDeviceOnly) {
+  std::unique_ptr<NcclCommunicator> nccl = Make(1, 0);
+  EXPECT_TRUE(nccl->SupportsStreams(Device::Cuda(0)));
+  EXPECT_FALSE(nccl->SupportsStreams(Device::Cuda(1)));
+  EXPECT_FALSE(nccl->SupportsStreams(Device::Host()));
+}
+
+TEST_F(NcclCommunicatorTest, StreamOrderedCollectiveWaitsForTheCallersStream) {
+  std::unique_ptr<NcclCommunicator> nccl = Make(2, 0);
+  cudaStream_t caller = nullptr;
+  ASSERT_EQ(api_.CudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking),
+            cudaSuccess);
+  const DeviceStream stream{Device::Cuda(0), nullptr,
+                            reinterpret_cast<uintptr_t>(caller)};
+  const BufferRef in = Alloc(4);
+  const BufferRef out = Alloc(8);
+  CollectiveOptions options;
+  options.stream = stream;
+  std::unique_ptr<Work> work = nccl->AllGather(in, out, options);
+  const std::vector<std::string> calls = api_.calls();
+  const int gather = IndexOf(calls, "ncclAllGather");
+  ASSERT_GE(gather, 0);
+  // Before the collective was enqueued, the communicator's stream waited
+  // for an event recorded on the caller's stream; the host did not wait.
+  std::vector<FakeNcclApi::StreamWait> waits = api_.stream_waits();
+  ASSERT_EQ(waits.size(), 1u);
+  EXPECT_EQ(waits[0].stream, nccl->stream());
+  EXPECT_EQ(waits[0].recorded_on, caller);
+  EXPECT_LT(waits[0].call, gather);
+  EXPECT_LT(waits[0].recorded_at, waits[0].call);
+  EXPECT_EQ(api_.CallCount("cudaEventQuery"), 0);
+  EXPECT_EQ(api_.CallCount("cudaStreamSynchronize"), 0);
+
+  // The consumer's stream waits for the event recorded after it.
+  ASSERT_THAT(work->WaitStream(stream), IsOk());
+  waits = api_.stream_waits();
+  ASSERT_EQ(waits.size(), 2u);
+  EXPECT_EQ(waits[1].stream, caller);
+  EXPECT_EQ(waits[1].recorded_on, nccl->stream());
+  EXPECT_GT(waits[1].recorded_at, gather);
+  EXPECT_EQ(api_.CallCount("cudaEventQuery"), 0);
+  // The host's check still reports the collective's status.
+  EXPECT_THAT(work->Wait(), IsOk());
+  work.reset();
+  EXPECT_EQ(api_.CudaStreamDestroy(caller), cudaSuccess);
+}
+
+TEST_F(NcclCommunicatorTest, WithoutAStreamNothingWaitsOnTheDevice) {
+  std::unique_ptr<NcclCommunicator> nccl = Make(2, 0);
+  const BufferRef in = Alloc(4);
+  const BufferRef out = Alloc(8);
+  EXPECT_THAT(nccl->AllGather(in, out, {})->Wait(), IsOk());
+  EXPECT_THAT(api_.stream_waits(), IsEmpty());
+}
+
+TEST_F(NcclCommunicatorTest, StreamsOfAnotherDeviceOrASimulatorAreRejected) {
+  std::unique_ptr<NcclCommunicator> nccl = Make(2, 0);
+  const BufferRef in = Alloc(4);
+  const BufferRef out = Alloc(8);
+  int dummy = 0;
+  for (const DeviceStream& bad : {DeviceStream{Device::Cuda(1), nullptr, 0},
+                                  DeviceStream{Device::Host(), nullptr, 0},
+                                  DeviceStream{Device::Cuda(0), &dummy, 1}}) {
+    CollectiveOptions options;
+    options.stream = bad;
+    EXPECT_THAT(nccl->AllGather(in, out, options)->Wait(),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("not a CUDA stream of this communicator's "
+                                   "device cuda:0")));
+  }
+  EXPECT_EQ(api_.CallCount("ncclAllGather"), 0);
+  std::unique_ptr<Work> work = nccl->AllGather(in, out, {});
+  EXPECT_THAT(work->WaitStream(DeviceStream{Device::Cuda(1), nullptr, 0}),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(work->Wait(), IsOk());
+  EXPECT_THAT(api_.stream_waits(), IsEmpty());
+}
+
+TEST_F(NcclCommunicatorTest, AFailedStreamWaitEnqueuesNothing) {
+  std::unique_ptr<NcclCommunicator> nccl = Make(2, 0);
+  cudaStream_t caller = nullptr;
+  ASSERT_EQ(api_.CudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking),
+            cudaSuccess);
+  const BufferRef in = Alloc(4);
+  const BufferRef out = Alloc(8);
+  CollectiveOptions options;
+  options.stream = DeviceStream{Device::Cuda(0), nullptr,
+                                reinterpret_cast<uintptr_t>(caller)};
+  api_.FailNext("cudaStreamWaitEvent", cudaErrorInvalidResourceHandle);
+  EXPECT_THAT(
+      nccl->AllGather(in, out, options)->Wait(),
+      StatusIs(absl::StatusCode::kInternal, HasSubstr("cudaStreamWaitEvent")));
+  EXPECT_EQ(api_.CallCount("ncclAllGather"), 0);
+  EXPECT_FALSE(nccl->aborted());
+  // Still usable.
+  EXPECT_THAT(nccl->AllGather(in, out, options)->Wait(), IsOk());
+  EXPECT_EQ(api_.CudaStreamDestroy(caller), cudaSuccess);
+}
+
+// ---------------------------------------------------------------------------
 // Creation from a bootstrap group.
 
 TEST_F(NcclCommunicatorTest, CreateSharesTheIdAndMakesANonBlockingComm) {

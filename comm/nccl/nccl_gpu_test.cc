@@ -144,6 +144,60 @@ TEST_F(NcclGpuTest, EveryOpOnOneRank) {
   EXPECT_THAT(nccl->Barrier({}), IsOk());
 }
 
+// Stream-ordered completion with real streams: the input is written on the
+// caller's stream behind a long copy, the all-gather is ordered after that
+// stream (CollectiveOptions::stream) and the read-back after the collective
+// (Work::WaitStream), with no host synchronization between them. Without
+// the orderings the collective would read the stale input (zeros).
+TEST_F(NcclGpuTest, StreamOrderedCollectiveWithoutHostWaits) {
+  std::unique_ptr<NcclCommunicator> nccl = CreateOne(0);
+  ASSERT_THAT(nccl, NotNull());
+  ASSERT_TRUE(nccl->SupportsStreams(Device::Cuda(0)));
+  cudaSetDevice(0);
+  cudaStream_t caller = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking),
+            cudaSuccess);
+  constexpr int64_t kCount = 1 << 20;
+  DeviceArray in(0, kCount, DType::kFloat32);
+  DeviceArray out(0, kCount, DType::kFloat32);
+  in.Set(std::vector<double>(kCount, 0.0));
+  // A long copy on the caller's stream first (512 MiB device to device).
+  constexpr size_t kBusy = size_t{512} << 20;
+  void* busy_src = nullptr;
+  void* busy_dst = nullptr;
+  ASSERT_EQ(cudaMalloc(&busy_src, kBusy), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&busy_dst, kBusy), cudaSuccess);
+  float* host = nullptr;
+  ASSERT_EQ(cudaMallocHost(&host, kCount * sizeof(float)), cudaSuccess);
+  for (int64_t i = 0; i < kCount; ++i) host[i] = static_cast<float>(i % 97);
+  ASSERT_EQ(cudaMemcpyAsync(busy_dst, busy_src, kBusy, cudaMemcpyDeviceToDevice,
+                            caller),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpyAsync(in.ref().data, host, kCount * sizeof(float),
+                            cudaMemcpyHostToDevice, caller),
+            cudaSuccess);
+  const DeviceStream stream{Device::Cuda(0), nullptr,
+                            reinterpret_cast<uintptr_t>(caller)};
+  CollectiveOptions options;
+  options.stream = stream;
+  std::unique_ptr<Work> work = nccl->AllGather(in.ref(), out.ref(), options);
+  ASSERT_THAT(work->WaitStream(stream), IsOk());
+  ASSERT_EQ(cudaMemcpyAsync(host, out.ref().data, kCount * sizeof(float),
+                            cudaMemcpyDeviceToHost, caller),
+            cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(caller), cudaSuccess);
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < kCount; ++i) {
+    wrong += host[i] != static_cast<float>(i % 97) ? 1 : 0;
+  }
+  EXPECT_EQ(wrong, 0);
+  EXPECT_THAT(work->Wait(), IsOk());
+  cudaFreeHost(host);
+  cudaFree(busy_src);
+  cudaFree(busy_dst);
+  cudaStreamDestroy(caller);
+}
+
 TEST_F(NcclGpuTest, DivideFactorsInEveryDtype) {
   std::unique_ptr<NcclCommunicator> nccl = CreateOne(0);
   ASSERT_THAT(nccl, NotNull());

@@ -35,6 +35,20 @@ struct Device {
 // "host" or "cuda:N".
 std::string DeviceName(Device device);
 
+// A queue of work on a device (a CUDA stream), named so that a collective
+// can be ordered with it without the host waiting: CollectiveOptions::stream
+// and Work::WaitStream (comm/communicator.h) take one, and
+// DeviceOps::NativeStream (flatparam/device/device.h) makes one from a
+// DeviceOps stream. For CUDA, `handle` is the cudaStream_t and `owner`
+// null; for the simulated device (sim/sim_device.h), `owner` is the
+// SimDeviceOps and `handle` the stream's id. A plain value; the stream
+// belongs to whoever made it and must outlive every use.
+struct DeviceStream {
+  Device device;
+  const void* owner = nullptr;
+  uintptr_t handle = 0;
+};
+
 // A read-only buffer of `count` elements of `dtype` at `data` on `device`.
 struct ConstBufferRef {
   const void* data = nullptr;

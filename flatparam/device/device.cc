@@ -135,6 +135,11 @@ absl::Status DeviceOps::CheckStream(absl::string_view op, Stream stream) const {
   return absl::OkStatus();
 }
 
+std::optional<DeviceStream> DeviceOps::NativeStream(Stream stream) const {
+  if (stream.id < 0 || stream.id >= num_streams_) return std::nullopt;
+  return DoNativeStream(stream);
+}
+
 absl::StatusOr<Stream> DeviceOps::NewStream() {
   const Stream stream{num_streams_};
   FLATPARAM_RETURN_IF_ERROR(DoNewStream(stream));

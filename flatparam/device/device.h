@@ -64,6 +64,7 @@
 #define FLATPARAM_DEVICE_DEVICE_H_
 
 #include <cstdint>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -190,6 +191,12 @@ class DeviceOps {
   absl::Status RecordStream(ConstBufferRef buffer, Stream stream);
   // The streams created so far, the default included.
   int32_t num_streams() const { return num_streams_; }
+  // `stream` as a collective backend orders with it (base/buffer.h's
+  // DeviceStream; comm/communicator.h's stream-ordered completion): the
+  // CUDA stream for CudaDeviceOps, the simulated stream for SimDeviceOps.
+  // nullopt for implementations without device streams (HostDeviceOps)
+  // and for a stream these ops did not create.
+  std::optional<DeviceStream> NativeStream(Stream stream) const;
 
  protected:
   // Streams: the defaults suit implementations that complete every
@@ -205,6 +212,10 @@ class DeviceOps {
   }
   virtual absl::Status DoRecordStream(ConstBufferRef buffer, Stream stream) {
     return absl::OkStatus();
+  }
+  // NativeStream for a valid stream; none by default.
+  virtual std::optional<DeviceStream> DoNativeStream(Stream stream) const {
+    return std::nullopt;
   }
 
   // The operations after argument checks (done by the public wrappers

@@ -24,8 +24,20 @@ enum class SkippedOrdering {
   // RecordStream of the unsharded parameter (allocated on the unshard
   // stream, read by the compute stream) before it is freed.
   kRecordUnshardedParamOnCompute,
+  // The unshard stream's wait for the compute stream (the optimizer's
+  // update of the local shard) before the first unshard of an iteration:
+  // the handle's, and FsdpRuntime's once-per-iteration wait.
+  kUnshardWaitsForCompute,
+  // Stream-ordered collectives: the compute stream's wait for the unshard
+  // stream once that waited for the all-gather (FinishUnshard). With
+  // host-completed collectives the host's wait orders it and this switch
+  // changes nothing.
+  kComputeWaitsForUnshard,
 };
 void SetSkippedOrderingForTesting(SkippedOrdering skip);
+// Whether `which` is the ordering left out (for FsdpRuntime's own
+// orderings).
+bool IsSkippedForTesting(SkippedOrdering which);
 
 // Equivalent to SetSkippedOrderingForTesting(skip ? kSyncBeforeAllGather
 // : kNone).

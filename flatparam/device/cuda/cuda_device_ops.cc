@@ -220,6 +220,13 @@ absl::Status CudaDeviceOps::DoSynchronizeEvent(Event event) {
                    "cudaEventSynchronize");
 }
 
+std::optional<DeviceStream> CudaDeviceOps::DoNativeStream(Stream stream) const {
+  DeviceStream out;
+  out.device = device();
+  out.handle = reinterpret_cast<uintptr_t>(streams_[stream.id]);
+  return out;
+}
+
 absl::Status CudaDeviceOps::DoRecordStream(ConstBufferRef buffer,
                                            Stream stream) {
   if (OnHost(buffer)) return absl::OkStatus();  // host memory: no pool

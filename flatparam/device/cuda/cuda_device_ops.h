@@ -125,6 +125,8 @@ class CudaDeviceOps final : public DeviceOps {
   absl::Status DoWaitEvent(Stream stream, Event event) override;
   absl::Status DoSynchronizeEvent(Event event) override;
   absl::Status DoRecordStream(ConstBufferRef buffer, Stream stream) override;
+  // The cudaStream_t, for NCCL to order its collectives with.
+  std::optional<DeviceStream> DoNativeStream(Stream stream) const override;
 
  private:
   CudaDeviceOps(int ordinal, cudaStream_t stream, bool owns_stream,
