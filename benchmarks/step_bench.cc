@@ -19,6 +19,10 @@
 //               runtime's defaults, PyTorch's;
 //   overlap:0   no prefetch and every reduction finished at once: one
 //               collective or kernel at a time.
+//   fake        overlap:1 with the all-gathers and reduce-scatters skipped
+//               (HandleOptions::fake_all_gather / fake_reduce, PyTorch's
+//               FSDP_USE_FAKE_*): compute plus the host work alone, which
+//               splits the exposed time into host work and communication.
 //
 // Each benchmark iteration is one step (after an untimed first step, which
 // records the execution order), timed on every rank between barriers; the
@@ -207,7 +211,7 @@ absl::StatusOr<cost::StepPrediction> Plan(const Setup& s, bool overlap) {
   return cost::PredictStep(cost::UnitsOf(s.layout), o);
 }
 
-void Run(const Setup& s, Communicator& comm, bool overlap,
+void Run(const Setup& s, Communicator& comm, bool overlap, bool fake,
          benchmark::State* state, int64_t iterations) {
   std::map<std::string, ConstBufferRef> refs;
   for (const auto& [fqn, t] : s.init) refs[fqn] = t.cref();
@@ -215,9 +219,12 @@ void Run(const Setup& s, Communicator& comm, bool overlap,
   RuntimeOptions options;
   options.backward_prefetch =
       overlap ? BackwardPrefetch::kBackwardPre : BackwardPrefetch::kNone;
+  HandleOptions handle_options;
+  handle_options.fake_all_gather = fake;
+  handle_options.fake_reduce = fake;
   absl::StatusOr<std::unique_ptr<FsdpRuntime>> rt =
-      FsdpRuntime::CreateFromNamedParams(s.layout, refs, &comm, &ops, {},
-                                         options);
+      FsdpRuntime::CreateFromNamedParams(s.layout, refs, &comm, &ops,
+                                         handle_options, options);
   if (!rt.ok()) Die(kProgram, rt.status());
   const bool spin = s.flags.kernel == "spin";
   const refmodel::KernelFn kernel =
@@ -269,14 +276,19 @@ int Main(int argc, char** argv) {
     absl::StatusOr<Setup> setup = MakeSetup(flags, comm);
     if (!setup.ok()) Die(kProgram, setup.status());
     std::vector<MpiBenchmark> benchmarks;
-    for (bool overlap : {true, false}) {
+    for (const auto& [overlap, fake] :
+         {std::make_pair(true, false), std::make_pair(false, false),
+          std::make_pair(true, true)}) {
       MpiBenchmark b;
-      b.name = absl::StrFormat("mpi/step/%s/%s/ranks:%d/kernel:%s/overlap:%d",
-                               flags.model, flags.strategy, comm.size(),
-                               flags.kernel, overlap);
-      b.run = [&comm, &setup, overlap](benchmark::State* state,
-                                       int64_t iterations) {
-        Run(*setup, comm, overlap, state, iterations);
+      b.name =
+          absl::StrFormat("mpi/step/%s/%s/ranks:%d/kernel:%s/%s", flags.model,
+                          flags.strategy, comm.size(), flags.kernel,
+                          fake      ? "fake"
+                          : overlap ? "overlap:1"
+                                    : "overlap:0");
+      b.run = [&comm, &setup, overlap = overlap, fake = fake](
+                  benchmark::State* state, int64_t iterations) {
+        Run(*setup, comm, overlap, fake, state, iterations);
       };
       b.configure = [](benchmark::internal::Benchmark* r) {
         r->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(5);

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "comm/forwarding_communicator.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/device/device.h"
 #include "sim/sim_device.h"
@@ -125,43 +126,30 @@ absl::Status FakeCudaDeviceOps::DoAdd(BufferRef acc, ConstBufferRef x) {
 
 namespace {
 
-class RelabellingCommunicator final : public Communicator {
+class RelabellingCommunicator final : public ForwardingCommunicator {
  public:
-  RelabellingCommunicator(std::unique_ptr<Communicator> owned,
-                          Communicator* inner)
-      : owned_(std::move(owned)), inner_(inner) {}
-
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  absl::string_view backend() const override { return inner_->backend(); }
+  using ForwardingCommunicator::ForwardingCommunicator;
 
   std::unique_ptr<Work> AllGather(ConstBufferRef input, BufferRef output,
                                   const CollectiveOptions& options) override {
-    return inner_->AllGather(Host(input), Host(output), options);
+    return inner().AllGather(Host(input), Host(output), options);
   }
   std::unique_ptr<Work> ReduceScatter(ConstBufferRef input, BufferRef output,
                                       const ReduceOptions& options) override {
-    return inner_->ReduceScatter(Host(input), Host(output), options);
+    return inner().ReduceScatter(Host(input), Host(output), options);
   }
   std::unique_ptr<Work> AllReduce(ConstBufferRef input, BufferRef output,
                                   const ReduceOptions& options) override {
-    return inner_->AllReduce(Host(input), Host(output), options);
+    return inner().AllReduce(Host(input), Host(output), options);
   }
   std::unique_ptr<Work> Broadcast(BufferRef buffer,
                                   const BroadcastOptions& options) override {
-    return inner_->Broadcast(Host(buffer), options);
-  }
-  absl::StatusOr<std::vector<std::string>> AllGatherBytes(
-      absl::string_view bytes, const CollectiveOptions& options) override {
-    return inner_->AllGatherBytes(bytes, options);
-  }
-  absl::Status Barrier(const CollectiveOptions& options) override {
-    return inner_->Barrier(options);
+    return inner().Broadcast(Host(buffer), options);
   }
   absl::StatusOr<std::unique_ptr<Communicator>> Split(
       int color, int key, const CollectiveOptions& options) override {
     FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> child,
-                               inner_->Split(color, key, options));
+                               inner().Split(color, key, options));
     if (child == nullptr) return child;
     return RelabelCudaAsHost(std::move(child));
   }
@@ -179,21 +167,17 @@ class RelabellingCommunicator final : public Communicator {
     }
     return b;
   }
-
-  std::unique_ptr<Communicator> owned_;
-  Communicator* inner_;
 };
 
 }  // namespace
 
 std::unique_ptr<Communicator> RelabelCudaAsHost(
     std::unique_ptr<Communicator> inner) {
-  Communicator* raw = inner.get();
-  return std::make_unique<RelabellingCommunicator>(std::move(inner), raw);
+  return std::make_unique<RelabellingCommunicator>(std::move(inner));
 }
 
 std::unique_ptr<Communicator> RelabelCudaAsHost(Communicator* inner) {
-  return std::make_unique<RelabellingCommunicator>(nullptr, inner);
+  return std::make_unique<RelabellingCommunicator>(inner);
 }
 
 absl::Status RunWithHandles(const Scenario& s, const RankFn& fn,

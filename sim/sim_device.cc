@@ -563,12 +563,13 @@ class CheckedWork final : public Work {
 StreamCheckedCommunicator::StreamCheckedCommunicator(Communicator* inner,
                                                      SimDeviceOps* ops,
                                                      bool stream_ordered)
-    : inner_(inner), ops_(ops), stream_ordered_(stream_ordered) {}
+    : ForwardingCommunicator(inner),
+      ops_(ops),
+      stream_ordered_(stream_ordered) {}
 
 StreamCheckedCommunicator::StreamCheckedCommunicator(
     std::unique_ptr<Communicator> inner, SimDeviceOps* ops, bool stream_ordered)
-    : owned_(std::move(inner)),
-      inner_(owned_.get()),
+    : ForwardingCommunicator(std::move(inner)),
       ops_(ops),
       stream_ordered_(stream_ordered) {}
 
@@ -576,7 +577,7 @@ std::unique_ptr<Work> StreamCheckedCommunicator::Checked(
     absl::string_view what, ConstBufferRef input, ConstBufferRef output,
     const CollectiveOptions& options,
     const std::function<std::unique_ptr<Work>()>& issue) {
-  auto* sim = dynamic_cast<SimCommunicator*>(inner_);
+  auto* sim = dynamic_cast<SimCommunicator*>(&inner());
   const bool ordered = stream_ordered_ && options.stream.has_value();
   int64_t id = 0;
   if (ordered) {
@@ -602,45 +603,34 @@ std::unique_ptr<Work> StreamCheckedCommunicator::Checked(
 std::unique_ptr<Work> StreamCheckedCommunicator::AllGather(
     ConstBufferRef input, BufferRef output, const CollectiveOptions& options) {
   return Checked("all_gather", input, output, options, [&] {
-    return inner_->AllGather(AsHost(input), AsHost(output), options);
+    return inner().AllGather(AsHost(input), AsHost(output), options);
   });
 }
 
 std::unique_ptr<Work> StreamCheckedCommunicator::ReduceScatter(
     ConstBufferRef input, BufferRef output, const ReduceOptions& options) {
   return Checked("reduce_scatter", input, output, options, [&] {
-    return inner_->ReduceScatter(AsHost(input), AsHost(output), options);
+    return inner().ReduceScatter(AsHost(input), AsHost(output), options);
   });
 }
 
 std::unique_ptr<Work> StreamCheckedCommunicator::AllReduce(
     ConstBufferRef input, BufferRef output, const ReduceOptions& options) {
   return Checked("all_reduce", input, output, options, [&] {
-    return inner_->AllReduce(AsHost(input), AsHost(output), options);
+    return inner().AllReduce(AsHost(input), AsHost(output), options);
   });
 }
 
 std::unique_ptr<Work> StreamCheckedCommunicator::Broadcast(
     BufferRef buffer, const BroadcastOptions& options) {
   return Checked("broadcast", buffer, buffer, options,
-                 [&] { return inner_->Broadcast(AsHost(buffer), options); });
-}
-
-absl::StatusOr<std::vector<std::string>>
-StreamCheckedCommunicator::AllGatherBytes(absl::string_view bytes,
-                                          const CollectiveOptions& options) {
-  return inner_->AllGatherBytes(bytes, options);
-}
-
-absl::Status StreamCheckedCommunicator::Barrier(
-    const CollectiveOptions& options) {
-  return inner_->Barrier(options);
+                 [&] { return inner().Broadcast(AsHost(buffer), options); });
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> StreamCheckedCommunicator::Split(
     int color, int key, const CollectiveOptions& options) {
   FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> split,
-                             inner_->Split(color, key, options));
+                             inner().Split(color, key, options));
   if (split == nullptr) return split;
   return std::unique_ptr<Communicator>(
       new StreamCheckedCommunicator(std::move(split), ops_, stream_ordered_));

@@ -92,6 +92,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "comm/communicator.h"
+#include "comm/forwarding_communicator.h"
 #include "flatparam/base/buffer.h"
 #include "flatparam/device/device.h"
 #include "sim/sim.h"
@@ -319,16 +320,13 @@ class SimDeviceOps final : public DeviceOps {
 // clock when their stream is ready (SimCommunicator::ArriveNextAt) and
 // stream waits end when the collective does (WaitOnDevice). Borrows
 // `inner` and `ops`; split communicators wrap the split the same way.
-class StreamCheckedCommunicator final : public Communicator {
+class StreamCheckedCommunicator final : public ForwardingCommunicator {
  public:
   StreamCheckedCommunicator(Communicator* inner, SimDeviceOps* ops,
                             bool stream_ordered = false);
   StreamCheckedCommunicator(std::unique_ptr<Communicator> inner,
                             SimDeviceOps* ops, bool stream_ordered = false);
 
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  absl::string_view backend() const override { return inner_->backend(); }
   bool SupportsStreams(Device device) const override {
     return stream_ordered_ && device == ops_->device();
   }
@@ -340,9 +338,6 @@ class StreamCheckedCommunicator final : public Communicator {
                                   const ReduceOptions& options) override;
   std::unique_ptr<Work> Broadcast(BufferRef buffer,
                                   const BroadcastOptions& options) override;
-  absl::StatusOr<std::vector<std::string>> AllGatherBytes(
-      absl::string_view bytes, const CollectiveOptions& options) override;
-  absl::Status Barrier(const CollectiveOptions& options) override;
   absl::StatusOr<std::unique_ptr<Communicator>> Split(
       int color, int key, const CollectiveOptions& options) override;
 
@@ -356,8 +351,6 @@ class StreamCheckedCommunicator final : public Communicator {
       const CollectiveOptions& options,
       const std::function<std::unique_ptr<Work>()>& issue);
 
-  std::unique_ptr<Communicator> owned_;
-  Communicator* inner_;
   SimDeviceOps* ops_;
   bool stream_ordered_;
 };

@@ -18,6 +18,7 @@
 #include "comm/communicator.h"
 #include "comm/conformance/case_values.h"
 #include "comm/conformance/device_memory.h"
+#include "comm/forwarding_communicator.h"
 #include "flatparam/base/status_matchers.h"
 #include "sim/sim.h"
 
@@ -48,41 +49,29 @@ class HookedWork final : public Work {
 
 // Forwards to `inner`; on rank `bad_rank`, `corrupt(input, output)` runs
 // after each buffer collective finishes.
-class CorruptingCommunicator final : public Communicator {
+class CorruptingCommunicator final : public ForwardingCommunicator {
  public:
   using Corrupt = std::function<void(ConstBufferRef, BufferRef)>;
   CorruptingCommunicator(Communicator& inner, int bad_rank, Corrupt corrupt)
-      : inner_(inner), bad_rank_(bad_rank), corrupt_(std::move(corrupt)) {}
+      : ForwardingCommunicator(&inner),
+        bad_rank_(bad_rank),
+        corrupt_(std::move(corrupt)) {}
 
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  absl::string_view backend() const override { return inner_.backend(); }
   std::unique_ptr<Work> AllGather(ConstBufferRef input, BufferRef output,
                                   const CollectiveOptions& options) override {
-    return Hook(inner_.AllGather(input, output, options), input, output);
+    return Hook(inner().AllGather(input, output, options), input, output);
   }
   std::unique_ptr<Work> ReduceScatter(ConstBufferRef input, BufferRef output,
                                       const ReduceOptions& options) override {
-    return Hook(inner_.ReduceScatter(input, output, options), input, output);
+    return Hook(inner().ReduceScatter(input, output, options), input, output);
   }
   std::unique_ptr<Work> AllReduce(ConstBufferRef input, BufferRef output,
                                   const ReduceOptions& options) override {
-    return Hook(inner_.AllReduce(input, output, options), input, output);
+    return Hook(inner().AllReduce(input, output, options), input, output);
   }
   std::unique_ptr<Work> Broadcast(BufferRef buffer,
                                   const BroadcastOptions& options) override {
-    return Hook(inner_.Broadcast(buffer, options), buffer, buffer);
-  }
-  absl::StatusOr<std::vector<std::string>> AllGatherBytes(
-      absl::string_view bytes, const CollectiveOptions& options) override {
-    return inner_.AllGatherBytes(bytes, options);
-  }
-  absl::Status Barrier(const CollectiveOptions& options) override {
-    return inner_.Barrier(options);
-  }
-  absl::StatusOr<std::unique_ptr<Communicator>> Split(
-      int color, int key, const CollectiveOptions& options) override {
-    return inner_.Split(color, key, options);
+    return Hook(inner().Broadcast(buffer, options), buffer, buffer);
   }
 
  private:
@@ -93,7 +82,6 @@ class CorruptingCommunicator final : public Communicator {
         std::move(work), [this, input, output] { corrupt_(input, output); });
   }
 
-  Communicator& inner_;
   int bad_rank_;
   Corrupt corrupt_;
 };

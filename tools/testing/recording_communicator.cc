@@ -9,11 +9,11 @@ namespace tools {
 
 RecordingCommunicator::RecordingCommunicator(Communicator* inner,
                                              std::vector<RecordedCall>* log)
-    : inner_(inner), log_(log) {}
+    : ForwardingCommunicator(inner), log_(log) {}
 
 RecordingCommunicator::RecordingCommunicator(
     std::unique_ptr<Communicator> inner, std::vector<RecordedCall>* log)
-    : owned_(std::move(inner)), inner_(owned_.get()), log_(log) {}
+    : ForwardingCommunicator(std::move(inner)), log_(log) {}
 
 void RecordingCommunicator::Record(absl::string_view op,
                                    const CollectiveOptions& options) {
@@ -23,43 +23,43 @@ void RecordingCommunicator::Record(absl::string_view op,
 std::unique_ptr<Work> RecordingCommunicator::AllGather(
     ConstBufferRef input, BufferRef output, const CollectiveOptions& options) {
   Record("all_gather", options);
-  return inner_->AllGather(input, output, options);
+  return inner().AllGather(input, output, options);
 }
 
 std::unique_ptr<Work> RecordingCommunicator::ReduceScatter(
     ConstBufferRef input, BufferRef output, const ReduceOptions& options) {
   Record("reduce_scatter", options);
-  return inner_->ReduceScatter(input, output, options);
+  return inner().ReduceScatter(input, output, options);
 }
 
 std::unique_ptr<Work> RecordingCommunicator::AllReduce(
     ConstBufferRef input, BufferRef output, const ReduceOptions& options) {
   Record("all_reduce", options);
-  return inner_->AllReduce(input, output, options);
+  return inner().AllReduce(input, output, options);
 }
 
 std::unique_ptr<Work> RecordingCommunicator::Broadcast(
     BufferRef buffer, const BroadcastOptions& options) {
   Record("broadcast", options);
-  return inner_->Broadcast(buffer, options);
+  return inner().Broadcast(buffer, options);
 }
 
 absl::StatusOr<std::vector<std::string>> RecordingCommunicator::AllGatherBytes(
     absl::string_view bytes, const CollectiveOptions& options) {
   Record("all_gather_bytes", options);
-  return inner_->AllGatherBytes(bytes, options);
+  return inner().AllGatherBytes(bytes, options);
 }
 
 absl::Status RecordingCommunicator::Barrier(const CollectiveOptions& options) {
   Record("barrier", options);
-  return inner_->Barrier(options);
+  return inner().Barrier(options);
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> RecordingCommunicator::Split(
     int color, int key, const CollectiveOptions& options) {
   Record("split", options);
   absl::StatusOr<std::unique_ptr<Communicator>> child =
-      inner_->Split(color, key, options);
+      inner().Split(color, key, options);
   if (!child.ok() || *child == nullptr) return child;
   return std::unique_ptr<Communicator>(
       std::make_unique<RecordingCommunicator>(*std::move(child), log_));

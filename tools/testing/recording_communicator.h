@@ -24,6 +24,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "comm/communicator.h"
+#include "comm/forwarding_communicator.h"
 
 namespace flatparam {
 namespace tools {
@@ -35,15 +36,11 @@ struct RecordedCall {
   absl::Duration timeout;
 };
 
-class RecordingCommunicator final : public Communicator {
+class RecordingCommunicator final : public ForwardingCommunicator {
  public:
   RecordingCommunicator(Communicator* inner, std::vector<RecordedCall>* log);
   RecordingCommunicator(std::unique_ptr<Communicator> inner,
                         std::vector<RecordedCall>* log);
-
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  absl::string_view backend() const override { return inner_->backend(); }
 
   std::unique_ptr<Work> AllGather(ConstBufferRef input, BufferRef output,
                                   const CollectiveOptions& options) override;
@@ -63,8 +60,6 @@ class RecordingCommunicator final : public Communicator {
  private:
   void Record(absl::string_view op, const CollectiveOptions& options);
 
-  std::unique_ptr<Communicator> owned_;
-  Communicator* inner_;
   std::vector<RecordedCall>* log_;
 };
 
