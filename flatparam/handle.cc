@@ -382,7 +382,19 @@ absl::Status FlatParamHandle::StreamWaitsFor(std::unique_ptr<Work> work,
   absl::Status status = work->WaitStream(*Native(stream));
   if (status.ok()) {
     unchecked_.emplace_back(std::move(work), std::string(what));
-    return status;
+    // Loops without a FinalizeBackward (evaluation) would keep every work:
+    // the oldest, long finished in practice, are checked now.
+    absl::Status older = absl::OkStatus();
+    while (unchecked_.size() > kMaxUncheckedCollectives) {
+      absl::Status s = unchecked_.front().first->Wait();
+      if (!s.ok() && older.ok()) {
+        older = absl::Status(
+            s.code(), absl::StrCat(Name(), ": ", unchecked_.front().second,
+                                   ": ", s.message()));
+      }
+      unchecked_.pop_front();
+    }
+    return older;
   }
   // The stream is not ordered after the collective: the host waits for it
   // instead, so that its buffers may be freed.

@@ -157,7 +157,9 @@
 //     host never waits for a collective on these paths; it waits for each
 //     of them once, in FinalizeBackward (and the destructor), to report a
 //     timeout or a peer's failure before the optimizer uses the results
-//     (c10d leaves that to its watchdog).
+//     (c10d leaves that to its watchdog), and for the oldest when more
+//     than four are unchecked (a forward-only loop never finalizes); such
+//     a failure is reported by the call that checked it.
 //   * host-completed (the simulator, MPI; NCCL with stream_ordered off):
 //     the host waits for the producing stream before issuing the
 //     collective (its input must be there) and for the collective before
@@ -184,6 +186,7 @@
 #define FLATPARAM_HANDLE_H_
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
@@ -716,8 +719,9 @@ class FlatParamHandle {
   // unshard stream last waited for it.
   bool local_shard_written_ = true;
   // Stream-ordered collectives the host has not waited for yet, and what
-  // they were.
-  std::vector<std::pair<std::unique_ptr<Work>, std::string>> unchecked_;
+  // they were, oldest first; at most kMaxUncheckedCollectives.
+  static constexpr size_t kMaxUncheckedCollectives = 4;
+  std::deque<std::pair<std::unique_ptr<Work>, std::string>> unchecked_;
 
   MemoryTracker tracker_;
   HandleTrainingState state_ = HandleTrainingState::kIdle;

@@ -19,6 +19,7 @@
 #include "flatparam/flatten.h"
 #include "flatparam/handle_testutil.h"
 #include "flatparam/internal/handle_test_hooks.h"
+#include "sim/fault.h"
 #include "sim/sim.h"
 
 namespace flatparam {
@@ -2226,6 +2227,82 @@ TEST_P(AsyncTest, NoStreamRacesOnSimulatedDevices) {
           << static_cast<int>(m.skip) << " " << s.Options();
     }
   }
+}
+
+// Stream-ordered, the host never waits for a collective during the
+// iteration, so a collective that times out (rank 1 arrives 10 s late for
+// its first all-gather, on the virtual clock, with a 1 s timeout) is not
+// seen by the hooks; FinalizeBackward waits for every collective of the
+// iteration on the host and reports it, before the optimizer would use
+// the gradients. Host-completed, PreForward itself fails.
+TEST(AsyncFailureTest, StreamOrderedFailuresAreReportedByFinalizeBackward) {
+  for (bool ordered : {true, false}) {
+    Scenario s = Make(ShardingStrategy::kFullShard, 2);
+    s.sim_device = true;
+    s.separate_streams = true;
+    s.stream_ordered_comm = ordered;
+    s.options.collective_options.timeout = absl::Seconds(1);
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(s.faults,
+                                   ParseFaultSpecs("delay:rank=1:seconds=10"));
+    std::vector<absl::Status> forward(2), finalized(2);
+    const absl::Status run =
+        RunWithHandles(s, [&](RankContext& ctx) -> absl::Status {
+          FlatParamHandle& h = ctx.handle;
+          forward[ctx.world_rank] = h.PreForward();
+          if (!forward[ctx.world_rank].ok()) return absl::OkStatus();
+          FLATPARAM_RETURN_IF_ERROR(h.PostForward());
+          FLATPARAM_RETURN_IF_ERROR(h.PreBackward());
+          FLATPARAM_RETURN_IF_ERROR(AddGradients(s, ctx, 0));
+          FLATPARAM_RETURN_IF_ERROR(h.PostBackward(true));
+          finalized[ctx.world_rank] = h.FinalizeBackward(true);
+          return absl::OkStatus();
+        });
+    ASSERT_THAT(run, IsOk()) << ordered;
+    for (int r = 0; r < 2; ++r) {
+      const absl::Status& failed = ordered ? finalized[r] : forward[r];
+      EXPECT_THAT(failed,
+                  StatusIs(absl::StatusCode::kDeadlineExceeded,
+                           HasSubstr("all-gather of the flat parameter")))
+          << "rank " << r << " stream_ordered " << ordered;
+      if (ordered) {
+        EXPECT_THAT(forward[r], IsOk());
+      }
+    }
+  }
+}
+
+// A forward-only loop never calls FinalizeBackward: the handle keeps at
+// most four unchecked collectives and checks the oldest beyond that, so the
+// failure still surfaces, a few forwards later.
+TEST(AsyncFailureTest, ForwardOnlyLoopsStillReportAFailure) {
+  Scenario s = Make(ShardingStrategy::kFullShard, 2);
+  s.sim_device = true;
+  s.separate_streams = true;
+  s.stream_ordered_comm = true;
+  s.options.collective_options.timeout = absl::Seconds(1);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(s.faults,
+                                 ParseFaultSpecs("delay:rank=1:seconds=10"));
+  std::vector<int> failed_at(2, -1);
+  ASSERT_THAT(
+      RunWithHandles(s,
+                     [&](RankContext& ctx) -> absl::Status {
+                       FlatParamHandle& h = ctx.handle;
+                       for (int i = 0; i < 8; ++i) {
+                         absl::Status st = h.PreForward();
+                         if (st.ok()) st = h.PostForward();
+                         if (!st.ok()) {
+                           EXPECT_THAT(
+                               st, StatusIs(absl::StatusCode::kDeadlineExceeded,
+                                            HasSubstr("all-gather")));
+                           failed_at[ctx.world_rank] = i;
+                           break;
+                         }
+                       }
+                       return absl::OkStatus();
+                     }),
+      IsOk());
+  // The first all-gather is checked when the fifth is kept.
+  EXPECT_EQ(failed_at, std::vector<int>({4, 4}));
 }
 
 TEST(AsyncMisuseTest, PendingUnshardBlocksWhatWouldRaceIt) {

@@ -189,6 +189,7 @@ absl::Status RunWithHandles(const Scenario& s, const RankFn& fn,
   SimOptions options;
   options.world_size = s.world_size();
   options.seed = s.sim_seed;
+  options.faults = s.faults;
   FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<SimWorld> world,
                              SimWorld::Create(options));
   absl::Status status = world->Run([&](SimCommunicator& comm) -> absl::Status {

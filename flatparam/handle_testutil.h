@@ -60,6 +60,8 @@ struct Scenario {
   // simulated NCCL), so the handle orders its collectives with the streams
   // instead of waiting on the host.
   bool stream_ordered_comm = false;
+  // Faults injected into the simulator (sim/fault.h).
+  std::vector<FaultSpec> faults;
 
   int world_size() const { return shard_size * replicate_size; }
   bool hybrid() const { return IsHybridStrategy(strategy); }

@@ -1124,9 +1124,9 @@ RC_GTEST_PROP(RuntimeProperties, DetectorReportsASkippedOrdering, ()) {
     applicable.emplace_back(SkippedOrdering::kRecordUnshardedParamOnCompute,
                             "kRecordUnshardedParamOnCompute");
   }
-  // The optimizer's update of a device local shard against the next
-  // iteration's cast or all-gather of it.
-  if (!c.handle.cpu_offload && !s.plan.order.empty() &&
+  // The optimizer's update of a device local shard (made when a gradient
+  // exists) against the next iteration's cast or all-gather of it.
+  if (has_grad && !c.handle.cpu_offload && !s.plan.order.empty() &&
       (UsesShardedStrategy(c.layout.strategy) || c.mixed_precision())) {
     applicable.emplace_back(SkippedOrdering::kUnshardWaitsForCompute,
                             "kUnshardWaitsForCompute");

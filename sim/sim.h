@@ -80,12 +80,17 @@
 //
 // Virtual time. Each rank has a virtual clock. Before each collective it
 // advances by CostModel::compute_per_op (plus any delay fault); that is the
-// rank's arrival time. Each rank has one communication stream: an operation
-// starts at the latest of its members' arrivals and the ends of their
-// previous operations, and lasts latency + bytes * bus_factor /
+// rank's arrival time (or, for a collective a device queue issues, the
+// later time SimCommunicator::ArriveNextAt gave). Each rank has one
+// communication stream: an operation starts at the latest of its members'
+// arrivals and the ends of their previous operations -- previous in issue
+// order with SimOptions::one_stream_per_rank, in the order operations
+// became complete otherwise -- and lasts latency + bytes * bus_factor /
 // bytes_per_second (nccl-tests' bytes and bus factors, so a measured busbw
-// can be plugged in). Wait() advances the rank's clock to the operation's
-// end. SimCommunicator::Compute() models computation between collectives.
+// can be plugged in), or CostModel::collective_time. Wait() advances the
+// rank's clock to the operation's end. SimCommunicator::Compute() models
+// computation between collectives; sim/sim_device.h models device streams
+// on the same clock.
 //
 // Trace. Every collective call gives one TraceEvent per rank (failed ones
 // too, with their status), and ChromeTraceJson() renders them as Chrome
