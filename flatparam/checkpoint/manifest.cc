@@ -219,7 +219,8 @@ absl::StatusOr<ManifestEntry> ManifestEntryFromJson(const json& f,
   };
   // 16 lowercase hex digits, as ChecksumHex writes them.
   auto parse_hex = [](const json& v, uint64_t* out) {
-    const std::string hex = v.is_string() ? v.get<std::string>() : "";
+    if (!v.is_string()) return false;
+    const std::string& hex = v.get_ref<const std::string&>();
     return hex.size() == 16 &&
            std::all_of(hex.begin(), hex.end(),
                        [](char c) {
