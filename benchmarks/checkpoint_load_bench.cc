@@ -75,6 +75,14 @@
 //                      and copies into the reader's buffers), max over
 //                      ranks; the rest of the load is checksums, parsing
 //                      and the loader's own copies
+//   load_cpu_s, baseline_cpu_s
+//                      CPU time (user + system, of the thread doing the
+//                      work: getrusage(RUSAGE_THREAD)) of the load and of
+//                      the baseline, summed over ranks
+//   cpu_load_over_baseline  load_cpu_s / baseline_cpu_s: the work the
+//                      load adds, which time waiting for a core does not
+//                      blur (with more ranks than cores, or other jobs on
+//                      the machine, the wall times include that wait)
 //   open_s             Open + ReadRankJson(0), max over ranks
 //   resident_before    see above
 // bytes_per_second is the job's: total_bytes per load time.
@@ -91,6 +99,7 @@
 #include <fcntl.h>
 #include <mpi.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -155,6 +164,14 @@ struct Flags {
 double Seconds(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
       .count();
+}
+
+// User + system CPU seconds of the calling thread so far.
+double ThreadCpuSeconds() {
+  struct rusage usage;
+  if (getrusage(RUSAGE_THREAD, &usage) != 0) return 0;
+  auto seconds = [](const timeval& t) { return t.tv_sec + 1e-6 * t.tv_usec; };
+  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
 }
 
 // ---------------------------------------------------------------------------
@@ -511,6 +528,12 @@ double MaxOverRanks(double v) {
   return out;
 }
 
+double SumOverRanks(double v) {
+  double out = 0;
+  MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+  return out;
+}
+
 int64_t MaxOverRanks(int64_t v) {
   int64_t out = 0;
   MPI_Allreduce(&v, &out, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
@@ -521,6 +544,8 @@ int64_t MaxOverRanks(int64_t v) {
 struct Sample {
   double load_s = 0;
   double baseline_s = 0;
+  double load_cpu_s = 0;      // summed over ranks
+  double baseline_cpu_s = 0;  // summed over ranks
   double io_s = 0;
   double open_s = 0;
   int64_t read_bytes = 0;
@@ -549,18 +574,24 @@ Sample Iterate(Rank& rank, Mode mode, Cache cache) {
   rank.fs.Reset(/*record=*/false);
   Splits splits;
   MPI_Barrier(MPI_COMM_WORLD);
+  double cpu = ThreadCpuSeconds();
   auto start = std::chrono::steady_clock::now();
   CheckOk(Load(rank, mode, &splits));
-  s.load_s = MaxOverRanks(Seconds(start));
+  const double load_s = Seconds(start);
+  s.load_cpu_s = SumOverRanks(ThreadCpuSeconds() - cpu);
+  s.load_s = MaxOverRanks(load_s);
   s.read_bytes = MaxOverRanks(rank.counting.total());
   s.io_s = MaxOverRanks(rank.fs.io_seconds());
   s.open_s = MaxOverRanks(splits.open_s);
 
   PrepareCache(rank, mode, cache);
+  cpu = ThreadCpuSeconds();
   start = std::chrono::steady_clock::now();
   const int64_t bytes =
       PlainReadIntoMemory(needed, static_cast<int64_t>(rank.buffer.size()));
-  s.baseline_s = MaxOverRanks(Seconds(start));
+  const double baseline_s = Seconds(start);
+  s.baseline_cpu_s = SumOverRanks(ThreadCpuSeconds() - cpu);
+  s.baseline_s = MaxOverRanks(baseline_s);
   s.needed_bytes = MaxOverRanks(bytes);
   return s;
 }
@@ -588,6 +619,8 @@ void Run(Rank& rank, Mode mode, Cache cache, Row* row, benchmark::State* state,
     if (row != nullptr) row->samples.push_back(s);
     sum.load_s += s.load_s;
     sum.baseline_s += s.baseline_s;
+    sum.load_cpu_s += s.load_cpu_s;
+    sum.baseline_cpu_s += s.baseline_cpu_s;
     sum.io_s += s.io_s;
     sum.open_s += s.open_s;
     sum.read_bytes += s.read_bytes;
@@ -611,6 +644,9 @@ void Run(Rank& rank, Mode mode, Cache cache, Row* row, benchmark::State* state,
   c["read_over_needed"] = read / needed;
   c["baseline_s"] = sum.baseline_s / n;
   c["load_over_baseline"] = sum.load_s / sum.baseline_s;
+  c["load_cpu_s"] = sum.load_cpu_s / n;
+  c["baseline_cpu_s"] = sum.baseline_cpu_s / n;
+  c["cpu_load_over_baseline"] = sum.load_cpu_s / sum.baseline_cpu_s;
   c["io_s"] = sum.io_s / n;
   c["open_s"] = sum.open_s / n;
   c["resident_before"] = sum.resident_before;
@@ -628,19 +664,22 @@ void PrintSummary(const Rank& rank, const std::vector<Row>& rows) {
   std::printf(
       "| W | saved on | cache | mode | total | total/W | read per rank (max) "
       "| read / (total/W) | needed per rank | load | baseline | load / "
-      "baseline | load: in reads | load: open | cached before |\n");
+      "baseline | load: in reads | load: open | cached before | CPU: load / "
+      "baseline |\n");
   std::printf(
       "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | "
-      "--- | --- | --- | --- |\n");
+      "--- | --- | --- | --- | --- |\n");
   for (const Row& row : rows) {
     if (row.samples.empty()) continue;
-    std::vector<double> load, base, read, needed, ratio, io, open, resident;
+    std::vector<double> load, base, read, needed, ratio, io, open, resident,
+        cpu_ratio;
     for (const Sample& s : row.samples) {
       load.push_back(s.load_s);
       base.push_back(s.baseline_s);
       read.push_back(static_cast<double>(s.read_bytes));
       needed.push_back(static_cast<double>(s.needed_bytes));
       ratio.push_back(s.load_s / s.baseline_s);
+      cpu_ratio.push_back(s.load_cpu_s / s.baseline_cpu_s);
       io.push_back(s.io_s);
       open.push_back(s.open_s);
       resident.push_back(s.resident_before);
@@ -648,12 +687,12 @@ void PrintSummary(const Rank& rank, const std::vector<Row>& rows) {
     const double share = static_cast<double>(rank.total_bytes) / rank.world;
     std::printf(
         "| %d | %d | %s | %s | %s | %s | %s | %.2f | %s | %.3f s | %.3f s | "
-        "%.2f | %.3f s | %.3f s | %.0f%% |\n",
+        "%.2f | %.3f s | %.3f s | %.0f%% | %.2f |\n",
         rank.world, static_cast<int>(rank.saved_world), CacheName(row.cache),
         ModeName(row.mode), Mib(rank.total_bytes).c_str(), Mib(share).c_str(),
         Mib(Median(read)).c_str(), Median(read) / share,
         Mib(Median(needed)).c_str(), Median(load), Median(base), Median(ratio),
-        Median(io), Median(open), 100 * Median(resident));
+        Median(io), Median(open), 100 * Median(resident), Median(cpu_ratio));
   }
   std::fflush(stdout);
 }

@@ -2,6 +2,28 @@
 
 #include <xxhash.h>
 
+// libxxhash's run-time dispatch: XXH3_64bits_dispatch and
+// XXH3_64bits_update_dispatch pick the widest vector code the CPU has
+// (AVX2, AVX-512) and give the same values as XXH3_64bits and
+// XXH3_64bits_update, whose code the library's build fixes (SSE2 on a
+// generic x86-64 build such as Debian's). Declared weak: a libxxhash built
+// without dispatch (its DISPATCH=1 make option) leaves them null and
+// Xxh3 uses the plain functions.
+#if defined(__x86_64__) && defined(__has_include)
+#if __has_include(<xxh_x86dispatch.h>)
+#define XXH_DISPATCH_DISABLE_REPLACE 1
+#include <xxh_x86dispatch.h>
+#define FLATPARAM_XXH3_DISPATCH 1
+extern "C" {
+XXH64_hash_t XXH3_64bits_dispatch(const void* input, size_t len)
+    __attribute__((weak));
+XXH_errorcode XXH3_64bits_update_dispatch(XXH3_state_t* state,
+                                          const void* input, size_t len)
+    __attribute__((weak));
+}
+#endif
+#endif
+
 #include <algorithm>
 #include <cassert>
 #include <set>
@@ -87,6 +109,12 @@ Xxh3Hasher::Xxh3Hasher() : state_(std::make_unique<State>()) {
 Xxh3Hasher::~Xxh3Hasher() { XXH3_freeState(state_->state); }
 
 void Xxh3Hasher::Update(absl::string_view bytes) {
+#ifdef FLATPARAM_XXH3_DISPATCH
+  if (XXH3_64bits_update_dispatch != nullptr) {
+    XXH3_64bits_update_dispatch(state_->state, bytes.data(), bytes.size());
+    return;
+  }
+#endif
   XXH3_64bits_update(state_->state, bytes.data(), bytes.size());
 }
 
@@ -97,6 +125,11 @@ uint64_t Xxh3Hasher::Digest() const {
 }
 
 uint64_t Xxh3(absl::string_view bytes) {
+#ifdef FLATPARAM_XXH3_DISPATCH
+  if (XXH3_64bits_dispatch != nullptr) {
+    return XXH3_64bits_dispatch(bytes.data(), bytes.size());
+  }
+#endif
   return XXH3_64bits(bytes.data(), bytes.size());
 }
 
@@ -186,7 +219,8 @@ absl::StatusOr<ManifestEntry> ManifestEntryFromJson(const json& f,
   };
   // 16 lowercase hex digits, as ChecksumHex writes them.
   auto parse_hex = [](const json& v, uint64_t* out) {
-    const std::string hex = v.is_string() ? v.get<std::string>() : "";
+    if (!v.is_string()) return false;
+    const std::string& hex = v.get_ref<const std::string&>();
     return hex.size() == 16 &&
            std::all_of(hex.begin(), hex.end(),
                        [](char c) {

@@ -35,6 +35,35 @@ TEST(Xxh3Test, KnownValueAndStreamingAgree) {
   EXPECT_EQ(ChecksumHex(1), "0000000000000001");
 }
 
+TEST(Xxh3Test, LongInputsHashAsXxHashsPortableCode) {
+  // XXH3_64bits of bytes i * 31 + 7, computed by libxxhash 0.8.1's
+  // XXH3_64bits (its SSE2 code, which wrote every manifest before Xxh3 used
+  // the run-time dispatch): the vector code Xxh3 picks must agree, from
+  // the sizes where XXH3 changes code paths (240, 241) to many stripes.
+  struct Known {
+    size_t size;
+    uint64_t xxh3;
+  };
+  const Known kKnown[] = {{240, 0xCCC7375172C41F03u},
+                          {241, 0x0B3B630948CE4A00u},
+                          {1024, 0x23BC880EBF0D29C6u},
+                          {100003, 0xE0950E66CF107FE8u},
+                          {1048581, 0xCD50EAFEA5A559C6u}};
+  std::string data(1048581, '\0');
+  for (size_t i = 0; i < data.size(); ++i) {
+    data[i] = static_cast<char>(i * 31 + 7);
+  }
+  for (const Known& k : kKnown) {
+    const absl::string_view bytes = absl::string_view(data).substr(0, k.size);
+    EXPECT_EQ(Xxh3(bytes), k.xxh3) << k.size;
+    Xxh3Hasher hasher;
+    for (size_t at = 0; at < bytes.size(); at += 65537) {
+      hasher.Update(bytes.substr(at, 65537));
+    }
+    EXPECT_EQ(hasher.Digest(), k.xxh3) << k.size;
+  }
+}
+
 TEST(ManifestJsonTest, RoundTrips) {
   Manifest m;
   m.kind = CheckpointKind::kSharded;

@@ -12,21 +12,27 @@ namespace checkpoint {
 namespace internal_checkpoint {
 
 absl::StatusOr<std::unique_ptr<RandomAccessFile>> BlockVerifiedFile::Open(
-    std::unique_ptr<RandomAccessFile> base, ManifestEntry entry) {
+    std::unique_ptr<RandomAccessFile> base, ManifestEntry entry,
+    uint64_t read_piece_bytes) {
   assert(entry.has_blocks());
+  assert(read_piece_bytes > 0);
   FLATPARAM_ASSIGN_OR_RETURN(const uint64_t size, base->Size());
   if (size != entry.size) {
     return absl::DataLossError(
         absl::StrFormat("%s: size is %d bytes, %s says %d", base->name(), size,
                         kManifestFileName, entry.size));
   }
-  return std::unique_ptr<RandomAccessFile>(
-      new BlockVerifiedFile(std::move(base), std::move(entry)));
+  return std::unique_ptr<RandomAccessFile>(new BlockVerifiedFile(
+      std::move(base), std::move(entry), read_piece_bytes));
 }
 
 BlockVerifiedFile::BlockVerifiedFile(std::unique_ptr<RandomAccessFile> base,
-                                     ManifestEntry entry)
-    : base_(std::move(base)), entry_(std::move(entry)) {}
+                                     ManifestEntry entry,
+                                     uint64_t read_piece_bytes)
+    : base_(std::move(base)),
+      entry_(std::move(entry)),
+      piece_blocks_(
+          std::max<uint64_t>(1, read_piece_bytes / entry_.block_size)) {}
 
 absl::Status BlockVerifiedFile::ReadBlock(uint64_t k,
                                           absl::Span<char> out) const {
@@ -69,21 +75,26 @@ absl::Status BlockVerifiedFile::ReadAt(uint64_t offset,
     const uint64_t block_end = std::min(size, block_begin + b);
     char* dst = out.data() + (pos - offset);
     if (pos == block_begin && end >= block_end) {
-      // The run of blocks wholly inside the request: read in one call
-      // straight into the caller's buffer and verified there. On a
-      // mismatch the caller gets an error, so the bytes it holds are moot.
-      // Up to the last block boundary in the request (the file's end
-      // closes the last, shorter block).
+      // The run of blocks wholly inside the request, up to the last block
+      // boundary in it (the file's end closes the last, shorter block):
+      // read straight into the caller's buffer a piece at a time, each
+      // piece verified there right after its read, while it is still in
+      // cache. On a mismatch the caller gets an error, so the bytes it
+      // holds are moot.
       const uint64_t last = end == size ? size : end - end % b;
       assert(last >= block_end);
-      FLATPARAM_RETURN_IF_ERROR(
-          base_->ReadAt(pos, absl::MakeSpan(dst, last - pos)));
-      for (uint64_t at = pos; at < last; at += b) {
-        const uint64_t n = std::min(b, last - at);
+      while (pos < last) {
+        const uint64_t piece_end = std::min(last, pos + piece_blocks_ * b);
+        char* piece = out.data() + (pos - offset);
         FLATPARAM_RETURN_IF_ERROR(
-            CheckBlock(at / b, absl::string_view(dst + (at - pos), n)));
+            base_->ReadAt(pos, absl::MakeSpan(piece, piece_end - pos)));
+        for (uint64_t at = pos; at < piece_end; at += b) {
+          const uint64_t n = std::min(b, piece_end - at);
+          FLATPARAM_RETURN_IF_ERROR(
+              CheckBlock(at / b, absl::string_view(piece + (at - pos), n)));
+        }
+        pos = piece_end;
       }
-      pos = last;
       continue;
     }
     const uint64_t n = std::min(end, block_end) - pos;

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/checkpoint/file_system.h"
@@ -19,6 +21,24 @@ namespace {
 
 using ::testing::HasSubstr;
 constexpr absl::StatusCode kDataLoss = absl::StatusCode::kDataLoss;
+
+// Forwards to `base`, appending each ReadAt's (offset, length) to `reads`.
+class RecordingFile : public RandomAccessFile {
+ public:
+  RecordingFile(std::unique_ptr<RandomAccessFile> base,
+                std::vector<std::pair<uint64_t, uint64_t>>* reads)
+      : base_(std::move(base)), reads_(reads) {}
+  absl::Status ReadAt(uint64_t offset, absl::Span<char> out) const override {
+    reads_->emplace_back(offset, out.size());
+    return base_->ReadAt(offset, out);
+  }
+  absl::StatusOr<uint64_t> Size() const override { return base_->Size(); }
+  const std::string& name() const override { return base_->name(); }
+
+ private:
+  std::unique_ptr<RandomAccessFile> base_;
+  std::vector<std::pair<uint64_t, uint64_t>>* reads_;
+};
 
 class BlockVerifiedFileTest : public ::testing::Test {
  protected:
@@ -34,10 +54,19 @@ class BlockVerifiedFileTest : public ::testing::Test {
                                    DescribeFile(disk_, "", "f", {}, kBlock));
   }
 
-  std::unique_ptr<RandomAccessFile> Open() {
+  // With `reads` set, records the (offset, length) of every read of the
+  // underlying file.
+  std::unique_ptr<RandomAccessFile> Open(
+      uint64_t read_piece_bytes = BlockVerifiedFile::kReadPieceBytes,
+      std::vector<std::pair<uint64_t, uint64_t>>* reads = nullptr) {
     auto base = counting_.NewRandomAccessFile("f");
     EXPECT_THAT(base.status(), IsOk());
-    auto file = BlockVerifiedFile::Open(*std::move(base), entry_);
+    std::unique_ptr<RandomAccessFile> under = *std::move(base);
+    if (reads != nullptr) {
+      under = std::make_unique<RecordingFile>(std::move(under), reads);
+    }
+    auto file =
+        BlockVerifiedFile::Open(std::move(under), entry_, read_piece_bytes);
     EXPECT_THAT(file.status(), IsOk());
     return *std::move(file);
   }
@@ -101,6 +130,45 @@ TEST_F(BlockVerifiedFileTest, ADamagedBlockFailsExactlyTheReadsThatTouchIt) {
   EXPECT_THAT(Read(*f, 0, 1050), damaged_block);
   // A failed block is not cached as good.
   EXPECT_THAT(Read(*f, 520, 1), damaged_block);
+}
+
+TEST_F(BlockVerifiedFileTest, ReadsARunOfWholeBlocksInPieces) {
+  using Reads = std::vector<std::pair<uint64_t, uint64_t>>;
+  Reads reads;
+  // 250 bytes: pieces of 2 blocks.
+  std::unique_ptr<RandomAccessFile> f = Open(250, &reads);
+  EXPECT_THAT(Read(*f, 0, 1050), IsOkAndHolds(data_));
+  EXPECT_EQ(reads, (Reads{{0, 200},
+                          {200, 200},
+                          {400, 200},
+                          {600, 200},
+                          {800, 200},
+                          {1000, 50}}));
+  // From a block boundary; the partial blocks at the ends read whole.
+  reads.clear();
+  std::unique_ptr<RandomAccessFile> g = Open(250, &reads);
+  EXPECT_THAT(Read(*g, 50, 660), IsOkAndHolds(data_.substr(50, 660)));
+  EXPECT_EQ(reads,
+            (Reads{{0, 100}, {100, 200}, {300, 200}, {500, 200}, {700, 100}}));
+  // A piece smaller than a block is one block.
+  reads.clear();
+  std::unique_ptr<RandomAccessFile> h = Open(1, &reads);
+  EXPECT_THAT(Read(*h, 800, 250), IsOkAndHolds(data_.substr(800)));
+  EXPECT_EQ(reads, (Reads{{800, 100}, {900, 100}, {1000, 50}}));
+}
+
+TEST_F(BlockVerifiedFileTest, ADamagedBlockStopsTheReadAtItsPiece) {
+  std::string damaged = data_;
+  damaged[523] ^= 0x10;
+  ASSERT_THAT(WriteFileDurably(disk_, "f", damaged), IsOk());
+  std::unique_ptr<RandomAccessFile> f = Open(250);
+  counting_.Reset();
+  EXPECT_THAT(
+      Read(*f, 0, 1050),
+      StatusIs(kDataLoss, HasSubstr("f: bytes [500, 600) (checksum block 5 of "
+                                    "11) have xxh3_64 ")));
+  // Pieces [0, 200), [200, 400), [400, 600): nothing after the damage.
+  EXPECT_EQ(counting_.total(), 600);
 }
 
 TEST_F(BlockVerifiedFileTest, RejectsAFileOfAnotherSize) {
