@@ -18,6 +18,13 @@
 //                     iterations, as SHARD_GRAD_OP keeps it under no_sync).
 //   reduce_scatter    Communicator::ReduceScatter of the same sizes into a
 //                     preallocated buffer.
+// Both reduce ops start their timed part after the same untimed
+// preparation: the input freshly written (reduce_grad: zeroed and filled
+// as a backward writes the gradient; reduce_scatter: filled), then a
+// barrier. Without the barrier, a rank still preparing would be timed;
+// without the write, the bare reduce-scatter would send a clean buffer
+// (cheaper for the peer's copy out of this process) that a gradient never
+// is.
 // Sizes are nccl-tests': the all-gather output / reduce-scatter input, i.e.
 // the padded unsharded flat parameter. Counters: bytes_per_second
 // (SetBytesProcessed), algbw and busbw (nccl-tests' factors, bytes per
@@ -186,6 +193,9 @@ class Unit {
         FLATPARAM_RETURN_IF_ERROR(h->ZeroGrad(/*set_to_none=*/true));
         FLATPARAM_RETURN_IF_ERROR(h->PreBackward());
         FLATPARAM_RETURN_IF_ERROR(device_.Fill(*h->unsharded_grad(), 1.0));
+        // Every rank's untimed preparation is done before the clock starts
+        // (on 2 cores a rank still filling would otherwise be timed).
+        FLATPARAM_RETURN_IF_ERROR(comm_->Barrier({}));
         start = std::chrono::steady_clock::now();
         FLATPARAM_RETURN_IF_ERROR(h->ReduceGrad());
         const double t = Seconds(start);
@@ -194,6 +204,10 @@ class Unit {
         return t;
       }
       case Op::kReduceScatter:
+        // As reduce_grad: the input freshly written (as a backward writes
+        // the gradient) and every rank starting the timed part together.
+        FLATPARAM_RETURN_IF_ERROR(device_.Fill(full_ref(), 1.0));
+        FLATPARAM_RETURN_IF_ERROR(comm_->Barrier({}));
         start = std::chrono::steady_clock::now();
         FLATPARAM_RETURN_IF_ERROR(
             comm_->ReduceScatter(full_ref(), shard_ref(), {})->Wait());

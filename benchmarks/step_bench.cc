@@ -14,9 +14,14 @@
 // FsdpRuntime drives the handles in PyTorch's hook order on HostDeviceOps
 // over the MPI backend:
 //
-//   overlap:1   BACKWARD_PRE prefetch (depth 1, limit_all_gathers 2) and
-//               reductions finished in the next unit's post-backward: the
-//               runtime's defaults, PyTorch's;
+//   overlap:1   forward prefetch and BACKWARD_PRE prefetch (depth 1,
+//               limit_all_gathers 2), reductions finished in the next
+//               unit's post-backward. Forward prefetch because here the
+//               kernels run on the host thread: the host cannot run ahead
+//               of them as a CPU runs ahead of a GPU, which is what gives
+//               the plan's forward (and a GPU trainer's, without forward
+//               prefetch) its overlap; PyTorch offers forward_prefetch for
+//               the same reason (CPU-bound forwards);
 //   overlap:0   no prefetch and every reduction finished at once: one
 //               collective or kernel at a time.
 //   fake        overlap:1 with the all-gathers and reduce-scatters skipped
@@ -217,6 +222,7 @@ void Run(const Setup& s, Communicator& comm, bool overlap, bool fake,
   for (const auto& [fqn, t] : s.init) refs[fqn] = t.cref();
   HostDeviceOps ops;
   RuntimeOptions options;
+  options.forward_prefetch = overlap;
   options.backward_prefetch =
       overlap ? BackwardPrefetch::kBackwardPre : BackwardPrefetch::kNone;
   HandleOptions handle_options;

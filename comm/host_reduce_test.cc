@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -143,6 +144,68 @@ TEST(HostReduceTest, ZeroCountTouchesNothing) {
   std::vector<const void*> ptrs = {&a, &b};
   HostReduce(ptrs, &out, 0, DType::kFloat32, Op(ReduceOp::kAvg, 2, 2), 2);
   EXPECT_EQ(out, 7);
+}
+
+// Powers of two divide by multiplying with the exact reciprocal; the bits
+// must be those of a true division, for every dtype, for values across the
+// range (subnormal results, overflow to infinity, NaN, signed zeros) and
+// for factors that are not powers of two too.
+TEST(HostReduceTest, DividingByPowersOfTwoIsBitwiseADivision) {
+  std::vector<float> values;
+  for (float v : {0.0f, -0.0f, 1.0f, -1.5f, 3.14159f, 1e-38f, 1.17549e-38f,
+                  1e-44f, 3.4e38f, -2.5e38f, 65504.0f, 70000.0f, 6e-8f,
+                  std::nanf(""), INFINITY, -INFINITY}) {
+    values.push_back(v);
+  }
+  uint32_t bits = 12345;
+  for (int i = 0; i < 2000; ++i) {
+    bits = bits * 1664525u + 1013904223u;
+    float v;
+    std::memcpy(&v, &bits, 4);
+    values.push_back(v);
+  }
+  const int64_t n = static_cast<int64_t>(values.size());
+  for (DType dtype :
+       {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16}) {
+    std::vector<unsigned char> x(n * DTypeSize(dtype));
+    for (int64_t i = 0; i < n; ++i)
+      StoreFromDouble(x.data(), dtype, i, values[i]);
+    for (double factor : {2.0, 4.0, 1024.0, 0.125, 0x1p100, 0x1p-100, 3.0, 6.0,
+                          0x1p126, 0x1p127}) {
+      // Reference: each element divided in the compute type (float32 for the
+      // 16-bit dtypes), through volatile so that no division is rewritten.
+      std::vector<unsigned char> want(x.size());
+      for (int64_t i = 0; i < n; ++i) {
+        const double v = LoadAsDouble(x.data(), dtype, i);
+        if (dtype == DType::kFloat64) {
+          volatile double f = factor;
+          StoreFromDouble(want.data(), dtype, i, v / f);
+        } else {
+          volatile float f = static_cast<float>(factor);
+          StoreFromDouble(want.data(), dtype, i, static_cast<float>(v) / f);
+        }
+      }
+      ReduceOptions pre;
+      pre.pre_divide_factor = factor;
+      std::vector<unsigned char> got(x.size());
+      HostReduceStep(got.data(), x.data(), n, dtype, pre, /*first=*/true);
+      ReduceOptions post;
+      post.post_divide_factor = factor;
+      std::vector<unsigned char> finished = x;
+      HostReduceFinish(finished.data(), n, dtype, post, 1);
+      for (int64_t i = 0; i < n; ++i) {
+        const double w = LoadAsDouble(want.data(), dtype, i);
+        for (const auto* out : {&got, &finished}) {
+          const double g = LoadAsDouble(out->data(), dtype, i);
+          const bool same =
+              std::isnan(w) ? std::isnan(g)
+                            : (g == w && std::signbit(g) == std::signbit(w));
+          ASSERT_TRUE(same) << DTypeName(dtype) << " " << values[i] << " / "
+                            << factor << ": " << g << " != " << w;
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

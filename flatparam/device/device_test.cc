@@ -203,6 +203,54 @@ TEST(HostDeviceOpsTest, CastRoundsToNearestEven) {
                        HasSubstr("differ in count")));
 }
 
+// Dividing by a power of two multiplies by its exact reciprocal: the bits
+// must be a true division's, also where the result is subnormal or
+// overflows, and for NaN and signed zeros.
+TEST(HostDeviceOpsTest, DividingByAPowerOfTwoIsBitwiseADivision) {
+  std::vector<double> values = {0.0,   -0.0,   1e-38,   1.1754e-38,
+                                1e-44, 3.4e38, -2.5e38, 65504,
+                                6e-8,  1.5,    -3.25};
+  values.push_back(std::numeric_limits<double>::quiet_NaN());
+  values.push_back(std::numeric_limits<double>::infinity());
+  uint32_t bits = 777;
+  for (int i = 0; i < 1000; ++i) {
+    bits = bits * 1664525u + 1013904223u;
+    float v;
+    std::memcpy(&v, &bits, 4);
+    values.push_back(v);
+  }
+  for (DType dtype : kFloatDTypes) {
+    for (double factor : {2.0, 64.0, 0.25, 0x1p100, 0x1p-100, 0x1p126}) {
+      std::vector<double> want;
+      for (double v : values) {
+        const double x = RoundTo(dtype, v);
+        if (dtype == DType::kFloat64) {
+          volatile double f = factor;
+          want.push_back(x / f);
+        } else {
+          volatile float f = static_cast<float>(factor);
+          want.push_back(RoundTo(dtype, static_cast<float>(x) / f));
+        }
+      }
+      std::vector<unsigned char> buf(values.size() * DTypeSize(dtype));
+      for (size_t i = 0; i < values.size(); ++i) {
+        StoreFromDouble(buf.data(), dtype, i, values[i]);
+      }
+      HostScale(buf.data(), dtype, static_cast<int64_t>(values.size()),
+                ScaleOp::kDivide, factor);
+      for (size_t i = 0; i < values.size(); ++i) {
+        const double got = LoadAsDouble(buf.data(), dtype, i);
+        const bool same =
+            std::isnan(want[i])
+                ? std::isnan(got)
+                : got == want[i] && std::signbit(got) == std::signbit(want[i]);
+        ASSERT_TRUE(same) << DTypeName(dtype) << " " << values[i] << " / "
+                          << factor << ": " << got << " != " << want[i];
+      }
+    }
+  }
+}
+
 TEST(HostDeviceOpsTest, ScaleUsesTheComputeTypeAndRoundsOnce) {
   HostDeviceOps ops;
   for (DType dtype : kFloatDTypes) {
