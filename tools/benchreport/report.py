@@ -5,7 +5,8 @@
 
 DIR holds the files run_benchmarks.sh writes, <run>.json for each run:
 flatparam, sim, collectives_mpi, handle_sim, handle_mpi, optim_state,
-checkpoint_load, collectives_nccl. Missing files are reported as "not run". Every figure is
+checkpoint_load, step, collectives_nccl. Missing files are reported as
+"not run". Every figure is
 shown next to the baseline measured in the same run, as a ratio:
 
   flatparam          each copy's bytes/s over BM_Memcpy's at the same size
@@ -16,6 +17,9 @@ shown next to the baseline measured in the same run, as a ratio:
   checkpoint_load    bytes read per rank over total / W, and load time over
                      a plain pread of the same bytes (the benchmark's own
                      counters; medians over its repetitions)
+  step               a whole training step's time over `fsdp plan`'s
+                     prediction on the link measured in the same run, with
+                     the exposed communication of both
   collectives_nccl   busbw over the link's line rate (--line-rate-gbps, in
                      GB/s; without it busbw alone)
   sim                absolute figures (the simulator has no baseline)
@@ -221,6 +225,19 @@ def report_checkpoint_load(ctx, rows):
                   "plain read", "load / plain read"], out)
 
 
+def report_step(ctx, rows):
+    out = []
+    for b in rows:
+        step_ms = b.get("real_time", 0)  # the benchmark reports milliseconds
+        out.append([short(b["name"]), "%.0f ms" % step_ms,
+                    "%.0f ms" % b.get("exposed_ms", 0),
+                    "%.0f ms" % b.get("plan_step_ms", 0),
+                    "%.0f ms" % b.get("plan_exposed_ms", 0),
+                    "%.2f" % b.get("step_vs_plan", 0)])
+    return table(["benchmark", "step", "exposed", "plan step",
+                  "plan exposed", "step / plan"], out)
+
+
 def report_nccl(ctx, rows, line_rate):
     out = []
     for b in rows:
@@ -243,6 +260,7 @@ SECTIONS = [
     ("checkpoint_load", "checkpoint_load_bench: bytes read per rank and load "
      "time against a plain read of the same bytes (goals: about 1, <= 1.2)",
      report_checkpoint_load),
+    ("step", "step_bench: a whole step against fsdp plan", report_step),
 ]
 
 

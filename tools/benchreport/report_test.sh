@@ -19,6 +19,7 @@ expect "| all_gather | 1 KiB | 1 | 4 | 0.25 | 0 |"
 expect "| reduce_grad | reduce_scatter | 4 | 1 MiB | 0.5 | 2 | 0.25 | 0 |"
 expect "| unshard_reshard | all_gather | 4 | 1 MiB | 3 | 2 | 1.50 | 0 |"
 expect "not run (no optim_state.json)"
+expect "| mpi/step/gpt2/FULL_SHARD/ranks:2/kernel:sleep/overlap:1 | 2064 ms | 153 ms | 1967 ms | 56 ms | 1.05 |"
 # Aggregates-only output: the medians are the rows.
 expect "| checkpoint_load/ranks:4/saved:4/cache:cold/load | 256.0 MiB | 1.01 | 0.7 s | 1.14 |"
 
@@ -30,7 +31,7 @@ fi
 dry="$(bash "${runner}" --dry-run --out=/tmp/x)"
 for run in flatparam_bench sim_bench "collectives_bench --backend=mpi" \
     "handle_bench --backend=sim" "handle_bench --backend=mpi" optim_state_bench \
-    checkpoint_load_bench; do
+    checkpoint_load_bench step_bench; do
   if ! grep -qF -- "${run}" <<<"${dry}"; then
     echo "run_benchmarks.sh --dry-run does not run ${run}:" >&2
     echo "${dry}" >&2

@@ -12,7 +12,7 @@
 # optimizer-state model and checkpoint, one repetition): for checking the
 # script, not for figures. --only limits the runs to the named benchmarks
 # (flatparam, sim, collectives_mpi, handle_sim, handle_mpi, optim_state,
-# checkpoint_load, collectives_nccl). Not run here: checkpoint_save_bench
+# checkpoint_load, step, collectives_nccl); step_bench runs on 2 ranks. Not run here: checkpoint_save_bench
 # (one process, no baseline to take a ratio to) and the W = 1..8 sweep of
 # checkpoint_load (benchmarks/checkpoint_load_sweep.sh); see BENCHMARKS.md.
 # --dry-run prints the commands without building or running anything.
@@ -43,14 +43,17 @@ fi
 min_time=()
 optim_args=()
 load_args=()
+step_args=(--benchmark_repetitions=3)
 if (( quick )); then
   min_time=(--benchmark_min_time=0.01)
   optim_args=(--state_mib=16)
   load_args=(--total_mib=64 --reps=1)
+  step_args=(--model=gpt2 --tokens=8 --gflops=100000)
 fi
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 mpirun=(mpirun --oversubscribe --bind-to none -np 4)
+mpirun2=(mpirun --oversubscribe --bind-to none -np 2)
 # Where the binaries are. After the build it is asked of bazel: the
 # bazel-bin symlink follows the workspace's last build, which need not be
 # -c opt (another build may have run since).
@@ -70,6 +73,7 @@ runs=(
   "handle_mpi|${mpirun[*]} ${bin}/handle_bench --backend=mpi ${min_time[*]:---benchmark_min_time=0.5}"
   "optim_state|${bin}/optim_state_bench ${optim_args[*]:-} ${min_time[*]:-}"
   "checkpoint_load|${mpirun[*]} ${bin}/checkpoint_load_bench ${load_args[*]:-}"
+  "step|${mpirun2[*]} ${bin}/step_bench ${step_args[*]:-}"
 )
 if (( have_gpu )); then
   gpus="$(nvidia-smi -L | grep -c '^GPU')"
