@@ -2229,6 +2229,19 @@ TEST_P(AsyncTest, NoStreamRacesOnSimulatedDevices) {
   }
 }
 
+// FULL_SHARD on 2 simulated ranks with device streams, whose first
+// all-gather times out: rank 1 arrives 10 s late on the virtual clock with
+// a 1 s timeout.
+Scenario LateRankScenario(bool stream_ordered) {
+  Scenario s = Make(ShardingStrategy::kFullShard, 2);
+  s.sim_device = true;
+  s.separate_streams = true;
+  s.stream_ordered_comm = stream_ordered;
+  s.options.collective_options.timeout = absl::Seconds(1);
+  s.faults = *ParseFaultSpecs("delay:rank=1:seconds=10");
+  return s;
+}
+
 // Stream-ordered, the host never waits for a collective during the
 // iteration, so a collective that times out (rank 1 arrives 10 s late for
 // its first all-gather, on the virtual clock, with a 1 s timeout) is not
@@ -2237,13 +2250,7 @@ TEST_P(AsyncTest, NoStreamRacesOnSimulatedDevices) {
 // the gradients. Host-completed, PreForward itself fails.
 TEST(AsyncFailureTest, StreamOrderedFailuresAreReportedByFinalizeBackward) {
   for (bool ordered : {true, false}) {
-    Scenario s = Make(ShardingStrategy::kFullShard, 2);
-    s.sim_device = true;
-    s.separate_streams = true;
-    s.stream_ordered_comm = ordered;
-    s.options.collective_options.timeout = absl::Seconds(1);
-    FLATPARAM_ASSERT_OK_AND_ASSIGN(s.faults,
-                                   ParseFaultSpecs("delay:rank=1:seconds=10"));
+    const Scenario s = LateRankScenario(ordered);
     std::vector<absl::Status> forward(2), finalized(2);
     const absl::Status run =
         RunWithHandles(s, [&](RankContext& ctx) -> absl::Status {
@@ -2275,13 +2282,7 @@ TEST(AsyncFailureTest, StreamOrderedFailuresAreReportedByFinalizeBackward) {
 // most four unchecked collectives and checks the oldest beyond that, so the
 // failure still surfaces, a few forwards later.
 TEST(AsyncFailureTest, ForwardOnlyLoopsStillReportAFailure) {
-  Scenario s = Make(ShardingStrategy::kFullShard, 2);
-  s.sim_device = true;
-  s.separate_streams = true;
-  s.stream_ordered_comm = true;
-  s.options.collective_options.timeout = absl::Seconds(1);
-  FLATPARAM_ASSERT_OK_AND_ASSIGN(s.faults,
-                                 ParseFaultSpecs("delay:rank=1:seconds=10"));
+  const Scenario s = LateRankScenario(/*stream_ordered=*/true);
   std::vector<int> failed_at(2, -1);
   ASSERT_THAT(
       RunWithHandles(s,
