@@ -6,8 +6,10 @@
 // one the caller passes in (its compute stream: the ops then run on the
 // caller's stream, ordered with its own kernels without host syncs);
 // NewStream creates more. Every device operation is enqueued on the current
-// stream (stream()). FlatParamHandle waits on the host only for the stream
-// that produced a collective's input (device.h, handle.h).
+// stream (stream()). NativeStream gives the cudaStream_t of each, so that
+// NCCL orders its collectives with them and FlatParamHandle never waits on
+// the host for a collective (comm/communicator.h's stream-ordered
+// completion, handle.h).
 //
 // Memory. Device memory comes from a stream-ordered allocator: by default
 // the device's memory pool (cudaMallocAsync / cudaFreeAsync), with its
