@@ -368,51 +368,42 @@ absl::StatusOr<TrackedBuffer> FlatParamHandle::Alloc(
                                  /*pinned=*/offload);
 }
 
-absl::Status FlatParamHandle::Wait(std::unique_ptr<Work> work,
-                                   absl::string_view what) {
-  absl::Status status = work->Wait();
+absl::Status FlatParamHandle::Named(const absl::Status& status,
+                                    absl::string_view what) const {
   if (status.ok()) return status;
   return absl::Status(status.code(),
                       absl::StrCat(Name(), ": ", what, ": ", status.message()));
 }
 
+absl::Status FlatParamHandle::Wait(std::unique_ptr<Work> work,
+                                   absl::string_view what) {
+  return Named(work->Wait(), what);
+}
+
 absl::Status FlatParamHandle::StreamWaitsFor(std::unique_ptr<Work> work,
                                              Stream stream,
                                              absl::string_view what) {
-  absl::Status status = work->WaitStream(*Native(stream));
-  if (status.ok()) {
-    unchecked_.emplace_back(std::move(work), std::string(what));
-    // Loops without a FinalizeBackward (evaluation) would keep every work:
-    // the oldest, long finished in practice, are checked now.
-    absl::Status older = absl::OkStatus();
-    while (unchecked_.size() > kMaxUncheckedCollectives) {
-      absl::Status s = unchecked_.front().first->Wait();
-      if (!s.ok() && older.ok()) {
-        older = absl::Status(
-            s.code(), absl::StrCat(Name(), ": ", unchecked_.front().second,
-                                   ": ", s.message()));
-      }
-      unchecked_.pop_front();
-    }
-    return older;
+  const absl::Status status = work->WaitStream(*Native(stream));
+  if (!status.ok()) {
+    // The stream is not ordered after the collective: the host waits for
+    // it instead, so that its buffers may be freed.
+    (void)work->Wait();
+    return Named(status, what);
   }
-  // The stream is not ordered after the collective: the host waits for it
-  // instead, so that its buffers may be freed.
-  (void)work->Wait();
-  return absl::Status(status.code(),
-                      absl::StrCat(Name(), ": ", what, ": ", status.message()));
+  unchecked_.emplace_back(std::move(work), std::string(what));
+  // Loops without a FinalizeBackward (evaluation) would keep every work:
+  // the oldest, long finished in practice, are checked now.
+  return CheckCollectives(kMaxUncheckedCollectives);
 }
 
-absl::Status FlatParamHandle::CheckCollectives() {
+absl::Status FlatParamHandle::CheckCollectives(size_t keep) {
   absl::Status first = absl::OkStatus();
-  for (auto& [work, what] : unchecked_) {
-    absl::Status status = work->Wait();
-    if (!status.ok() && first.ok()) {
-      first = absl::Status(status.code(), absl::StrCat(Name(), ": ", what, ": ",
-                                                       status.message()));
-    }
+  while (unchecked_.size() > keep) {
+    const absl::Status status =
+        Named(unchecked_.front().first->Wait(), unchecked_.front().second);
+    if (first.ok()) first = status;
+    unchecked_.pop_front();
   }
-  unchecked_.clear();
   return first;
 }
 

@@ -686,9 +686,11 @@ class FlatParamHandle {
   // the host's check in CheckCollectives.
   absl::Status StreamWaitsFor(std::unique_ptr<Work> work, Stream stream,
                               absl::string_view what);
-  // The host waits for every collective kept by StreamWaitsFor; the first
-  // failure, named.
-  absl::Status CheckCollectives();
+  // The host waits for the oldest collectives kept by StreamWaitsFor until
+  // at most `keep` remain; the first failure, named.
+  absl::Status CheckCollectives(size_t keep = 0);
+  // `status` prefixed with the handle's name and `what` (OK stays OK).
+  absl::Status Named(const absl::Status& status, absl::string_view what) const;
   // CollectiveOptions::stream for `stream` (stream-ordered only).
   std::optional<DeviceStream> Native(Stream stream) const;
   // Work issued on `waiter` from now on waits for the work issued on `on`

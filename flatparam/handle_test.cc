@@ -2090,7 +2090,8 @@ TEST_P(AsyncTest, NoStreamRacesOnSimulatedDevices) {
     return RunWithHandles(s, [&](RankContext& ctx) -> absl::Status {
       FlatParamHandle& h = ctx.handle;
       DeviceOps& ops = ctx.ops;  // its current stream is the compute stream
-      EXPECT_EQ(h.stream_ordered(), s.sim_device && s.stream_ordered_comm);
+      EXPECT_EQ(h.stream_ordered(), s.sim_device && s.stream_ordered_comm &&
+                                        s.options.stream_ordered);
       for (int iter = 0; iter < 2; ++iter) {
         FLATPARAM_RETURN_IF_ERROR(h.StartUnshard());
         FLATPARAM_RETURN_IF_ERROR(h.PreForward());
@@ -2140,6 +2141,13 @@ TEST_P(AsyncTest, NoStreamRacesOnSimulatedDevices) {
       }
     }
   }
+  // HandleOptions::stream_ordered off: a stream-ordered communicator is
+  // used the host-completed way.
+  s.stream_ordered_comm = true;
+  s.options.stream_ordered = false;
+  ASSERT_THAT(run(&simulated), IsOk()) << s.Options();
+  EXPECT_EQ(simulated, host) << s.Options();
+  s.options.stream_ordered = true;
 
   using internal_handle::SkippedOrdering;
   struct Mutation {

@@ -52,10 +52,7 @@ void SimDeviceOps::AdvanceHost(absl::Duration t) {
 }
 
 absl::Duration SimDeviceOps::StreamBusy(Stream stream) const {
-  if (stream.id < 0 || stream.id >= static_cast<int32_t>(streams_.size())) {
-    return absl::ZeroDuration();
-  }
-  return streams_[stream.id].busy;
+  return HasStream(stream) ? streams_[stream.id].busy : absl::ZeroDuration();
 }
 
 std::optional<DeviceStream> SimDeviceOps::DoNativeStream(Stream stream) const {
@@ -162,22 +159,34 @@ void SimDeviceOps::Touch(int64_t agent, const Clock& clock,
 int64_t SimDeviceOps::CollectiveIssued(absl::string_view what,
                                        ConstBufferRef input,
                                        ConstBufferRef output) {
+  return AddCollective(what, "", nullptr, input, output);
+}
+
+int64_t SimDeviceOps::AddCollective(absl::string_view what,
+                                    absl::string_view suffix,
+                                    const Clock* after, ConstBufferRef input,
+                                    ConstBufferRef output) {
   const int64_t id = next_collective_++;
   const int64_t agent = -1 - id;
   ++host_[kHost];
   Clock clock = host_;
+  if (after != nullptr) Join(clock, *after);
   clock[agent] = 1;
-  const std::string name = absl::StrCat(what, " #", id);
+  const std::string name = absl::StrCat(what, " #", id, suffix);
   Touch(agent, clock, name, input, /*write=*/false);
   Touch(agent, clock, name, output, /*write=*/true);
   collectives_[agent] = std::move(clock);
   return id;
 }
 
+bool SimDeviceOps::HasStream(Stream stream) const {
+  return stream.id >= 0 && stream.id < static_cast<int32_t>(streams_.size());
+}
+
 absl::StatusOr<int64_t> SimDeviceOps::CollectiveIssuedAfter(
     absl::string_view what, Stream after, ConstBufferRef input,
     ConstBufferRef output, absl::Duration* arrival) {
-  if (after.id < 0 || after.id >= static_cast<int32_t>(streams_.size())) {
+  if (!HasStream(after)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "sim device: %s ordered after stream %d, which these ops (%d "
         "streams) did not create",
@@ -188,18 +197,8 @@ absl::StatusOr<int64_t> SimDeviceOps::CollectiveIssuedAfter(
   const int64_t target = streams_[after.id].issued;
   RunUntil([&] { return streams_[after.id].done >= target; });
   *arrival = std::max(HostNow(), streams_[after.id].free_at);
-  const int64_t id = next_collective_++;
-  const int64_t agent = -1 - id;
-  ++host_[kHost];
-  Clock clock = host_;
-  Join(clock, streams_[after.id].clock);
-  clock[agent] = 1;
-  const std::string name =
-      absl::StrCat(what, " #", id, " (after stream ", after.id, ")");
-  Touch(agent, clock, name, input, /*write=*/false);
-  Touch(agent, clock, name, output, /*write=*/true);
-  collectives_[agent] = std::move(clock);
-  return id;
+  return AddCollective(what, absl::StrCat(" (after stream ", after.id, ")"),
+                       &streams_[after.id].clock, input, output);
 }
 
 void SimDeviceOps::CollectiveDone(int64_t id) {
@@ -211,7 +210,7 @@ void SimDeviceOps::CollectiveDone(int64_t id) {
 
 absl::Status SimDeviceOps::CollectiveWaitedOn(
     int64_t id, Stream stream, std::function<absl::Duration()> end) {
-  if (stream.id < 0 || stream.id >= static_cast<int32_t>(streams_.size())) {
+  if (!HasStream(stream)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "sim device: a wait for collective #%d on stream %d, which these ops "
         "(%d streams) did not create",

@@ -277,6 +277,13 @@ class SimDeviceOps final : public DeviceOps {
   void Touch(int64_t agent, const Clock& clock, absl::string_view what,
              ConstBufferRef buffer, bool write);
   void Report(std::string line);
+  // Whether these ops created `stream`.
+  bool HasStream(Stream stream) const;
+  // Registers a collective the host issues now, ordered after the host and
+  // (when set) `after`'s clock; its name is `what` #id `suffix`.
+  int64_t AddCollective(absl::string_view what, absl::string_view suffix,
+                        const Clock* after, ConstBufferRef input,
+                        ConstBufferRef output);
   // Queues `op` on the current stream, accessing `reads` and `writes`;
   // `duration` < 0 means the memory operations' bandwidth cost.
   absl::Status Issue(std::string what, std::vector<ConstBufferRef> reads,

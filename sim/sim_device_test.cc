@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -391,9 +392,17 @@ TEST(SimDeviceTest, StreamArgumentsAreChecked) {
   EXPECT_THAT(ops.WaitEvent(Stream{0}, Event{3, Stream{0}}),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("event 3 was not recorded")));
+  // Native streams: the simulated ones name these ops; the host has none;
+  // a stream nobody created has none either.
+  const std::optional<DeviceStream> native = ops.NativeStream(Stream{0});
+  ASSERT_TRUE(native.has_value());
+  EXPECT_EQ(native->owner, &ops);
+  EXPECT_EQ(native->device, Device::Cuda(0));
+  EXPECT_FALSE(ops.NativeStream(Stream{1}).has_value());
   HostDeviceOps host;
   FLATPARAM_ASSERT_OK_AND_ASSIGN(Stream s, host.NewStream());
   EXPECT_EQ(s.id, 1);
+  EXPECT_FALSE(host.NativeStream(s).has_value());
   FLATPARAM_ASSERT_OK_AND_ASSIGN(Event e, host.RecordEvent(s));
   EXPECT_THAT(host.WaitEvent(Stream{0}, e), IsOk());
   EXPECT_THAT(host.SynchronizeEvent(e), IsOk());

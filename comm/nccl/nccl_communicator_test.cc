@@ -187,7 +187,15 @@ TEST_F(NcclCommunicatorTest, AFailedStreamWaitEnqueuesNothing) {
   EXPECT_EQ(api_.CallCount("ncclAllGather"), 0);
   EXPECT_FALSE(nccl->aborted());
   // Still usable.
-  EXPECT_THAT(nccl->AllGather(in, out, options)->Wait(), IsOk());
+  std::unique_ptr<Work> work = nccl->AllGather(in, out, options);
+  // A stream wait that fails says so; the collective itself is fine.
+  api_.FailNext("cudaStreamWaitEvent", cudaErrorInvalidResourceHandle);
+  EXPECT_THAT(work->WaitStream(*options.stream),
+              StatusIs(absl::StatusCode::kInternal,
+                       AllOf(HasSubstr("WaitStream"),
+                             HasSubstr("cudaStreamWaitEvent"))));
+  EXPECT_THAT(work->Wait(), IsOk());
+  work.reset();
   EXPECT_EQ(api_.CudaStreamDestroy(caller), cudaSuccess);
 }
 
