@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "comm/conformance/collective_cases.h"
 #include "flatparam/base/dtype.h"
+#include "flatparam/base/status_macros.h"
 #include "tools/collectives.h"
 #include "tools/common_flags.h"
 #include "tools/subcommand.h"
@@ -85,7 +86,10 @@ int CollectivesMain(const std::vector<char*>& args) {
   }
   std::cout.flush();
   if (!status.ok()) {
-    std::cerr << "fsdp collectives: " << status.message() << "\n";
+    // Under mpirun the error was printed as it happened.
+    if (!IsReported(status)) {
+      std::cerr << "fsdp collectives: " << status.message() << "\n";
+    }
     return kExitError;
   }
   return std::cout.good() ? kExitOk : kExitError;

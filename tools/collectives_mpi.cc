@@ -53,8 +53,10 @@ absl::Status RunOnWorld(MpiCommunicator& world,
 
 absl::Status RunCollectivesMpi(const CollectivesOptions& options,
                                std::ostream& out) {
-  MpiOptions mpi;
-  mpi.create_timeout = options.timeout;
+  MpiWorldOptions mpi;
+  mpi.comm.create_timeout = options.timeout;
+  mpi.timeout = options.timeout;
+  mpi.program = "fsdp collectives";
   return RunOnMpiWorld(
       [&](MpiCommunicator& world) { return RunOnWorld(world, options, out); },
       mpi);

@@ -10,6 +10,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
 #include "absl/status/status.h"
+#include "flatparam/base/status_macros.h"
 #include "tools/collectives.h"
 #include "tools/common_flags.h"
 #include "tools/subcommand.h"
@@ -101,7 +102,10 @@ int TrainMain(const std::vector<char*>& args) {
                                   : RunTrainMpi(options, std::cout);
   std::cout.flush();
   if (!status.ok()) {
-    std::cerr << "fsdp train: " << status.message() << "\n";
+    // Under mpirun the error was printed as it happened.
+    if (!IsReported(status)) {
+      std::cerr << "fsdp train: " << status.message() << "\n";
+    }
     return kExitError;
   }
   return std::cout.good() ? kExitOk : kExitError;

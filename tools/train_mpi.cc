@@ -55,8 +55,10 @@ absl::Status RunOnWorld(MpiCommunicator& world,
 absl::Status RunTrainMpi(const TrainCommandOptions& options,
                          std::ostream& out) {
   FLATPARAM_RETURN_IF_ERROR(ValidateTrainCommandOptions(options));
-  MpiOptions mpi;
-  mpi.create_timeout = options.timeout;
+  MpiWorldOptions mpi;
+  mpi.comm.create_timeout = options.timeout;
+  mpi.timeout = options.timeout;
+  mpi.program = "fsdp train";
   return RunOnMpiWorld(
       [&](MpiCommunicator& world) { return RunOnWorld(world, options, out); },
       mpi);

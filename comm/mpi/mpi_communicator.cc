@@ -1,15 +1,19 @@
 #include "comm/mpi/mpi_communicator.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cassert>
 #include <chrono>
 #include <climits>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <iostream>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -440,12 +444,16 @@ struct Step {
   // their requests) and returns the first error's code; the step completes
   // when all have.
   std::function<int(Requests*)> post;
+  // Whether `post` is a PostExchange: its first size - 1 requests receive
+  // from the ranks below this one, nearest first. A timeout then names the
+  // ranks whose data never came (MissingSenders).
+  bool exchange = false;
 };
 
 // A step of point-to-point operations (PostExchange).
 Step ExchangeStep(const char* call, std::function<int(Requests*)> post,
                   std::function<absl::Status()> finish) {
-  return {call, nullptr, std::move(finish), std::move(post)};
+  return {call, nullptr, std::move(finish), std::move(post), true};
 }
 
 // Where an Op is in its life. Transitions happen under Engine::mu_.
@@ -638,6 +646,13 @@ class Engine {
       // it keeps "after Wait returned, nothing writes the caller's
       // buffers" true for staged collectives.
       if (now >= op.deadline && op.phase != Phase::kFinishing) {
+        // Naming the missing peers reads the requests' states, which only
+        // the driver may touch: wait for the driving thread to let go
+        // (the end of one poll).
+        if (driving_ && op.phase == Phase::kInFlight) {
+          done_cv_.wait_until(lock, absl::ToChronoTime(now + kDriverWait));
+          continue;
+        }
         TimeOutLocked(op);
         break;
       }
@@ -1012,10 +1027,96 @@ class Engine {
     if (waiters_ > 0) done_cv_.notify_all();
   }
 
+  // Who `o`'s current step is still waiting for, as a timeout message says
+  // it: the peers whose part of an exchange never arrived (its receives are
+  // still open), or that MPI's own collectives do not tell.
+  // Called with mu_ held and no thread driving (only the driver touches the
+  // requests; MPI_Request_get_status neither completes nor frees them).
+  std::string MissingPeersLocked(const Op& o) {
+    constexpr absl::string_view kUnknown =
+        "a peer did not call it, is too slow, or is stuck elsewhere";
+    if (o.phase != Phase::kInFlight || o.comm == nullptr) {
+      return std::string(kUnknown);
+    }
+    const CommState& c = *o.comm;
+    const Step& step = o.steps[o.step];
+    const size_t peers = static_cast<size_t>(c.size - 1);
+    if (!step.exchange || o.requests.size() < 2 * peers) {
+      return absl::StrFormat(
+          "%s (%s does not tell which: the rank that reports no timeout is "
+          "the one)",
+          kUnknown, step.call);
+    }
+    std::vector<int> missing;  // No data from them.
+    std::vector<int> unread;   // They did not take this rank's data.
+    for (size_t k = 1; k <= peers; ++k) {
+      const int below = (c.rank - static_cast<int>(k) + c.size) % c.size;
+      const int above = (c.rank + static_cast<int>(k)) % c.size;
+      if (!RequestDone(o.requests[k - 1])) missing.push_back(below);
+      if (!RequestDone(o.requests[peers + k - 1])) unread.push_back(above);
+    }
+    if (missing.empty() && unread.empty()) return std::string(kUnknown);
+    std::sort(missing.begin(), missing.end());
+    std::sort(unread.begin(), unread.end());
+    if (missing.empty()) {
+      return absl::StrFormat(
+          "every peer's data arrived, but %s not taken this rank's (too "
+          "slow, or the link is lost)",
+          RankList(c, unread, "has", "have"));
+    }
+    const bool one = missing.size() == 1;
+    return absl::StrFormat(
+        "no data arrived from %s: %s not reached this collective (stopped, "
+        "dead, or stuck before it) or %s messages are lost on the way; this "
+        "rank is at %s #%d, and which collective %s in cannot be learned from "
+        "here",
+        RankList(c, missing, "", ""), one ? "it has" : "they have",
+        one ? "its" : "their", OpName(static_cast<int32_t>(o.info.code)),
+        o.info.seq, one ? "it is" : "they are");
+  }
+
+  static bool RequestDone(MPI_Request request) {
+    if (request == MPI_REQUEST_NULL) return true;
+    int flag = 0;
+    return MPI_Request_get_status(request, &flag, MPI_STATUS_IGNORE) ==
+               MPI_SUCCESS &&
+           flag != 0;
+  }
+
+  // "rank 2", "ranks 1 and 3", with world ranks where `c` is a subgroup:
+  // "rank 1 (world rank 5)". `has`/`have`: a verb to follow, or empty.
+  static std::string RankList(const CommState& c, const std::vector<int>& ranks,
+                              absl::string_view has, absl::string_view have) {
+    std::vector<int> world(ranks.size(), MPI_UNDEFINED);
+    int world_size = 0;
+    MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+    if (world_size != c.size) {
+      MPI_Group group = MPI_GROUP_NULL;
+      MPI_Group world_group = MPI_GROUP_NULL;
+      if (MPI_Comm_group(c.comm, &group) == MPI_SUCCESS &&
+          MPI_Comm_group(MPI_COMM_WORLD, &world_group) == MPI_SUCCESS) {
+        MPI_Group_translate_ranks(group, static_cast<int>(ranks.size()),
+                                  ranks.data(), world_group, world.data());
+      }
+      if (group != MPI_GROUP_NULL) MPI_Group_free(&group);
+      if (world_group != MPI_GROUP_NULL) MPI_Group_free(&world_group);
+    }
+    std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      if (i > 0) out += i + 1 == ranks.size() ? " and " : ", ";
+      absl::StrAppend(&out, ranks[i]);
+      if (world[i] != MPI_UNDEFINED && world[i] != ranks[i]) {
+        absl::StrAppend(&out, " (world rank ", world[i], ")");
+      }
+    }
+    const absl::string_view verb = ranks.size() == 1 ? has : have;
+    if (!verb.empty()) absl::StrAppend(&out, " ", verb);
+    return out;
+  }
+
   void TimeOutLocked(Op& o) {
     const std::string tail = absl::StrFormat(
-        ": a peer did not call it, is too slow, or is stuck elsewhere; the "
-        "communicator is now broken and later calls on it fail with "
+        "; the communicator is now broken and later calls on it fail with "
         "Aborted%s",
         o.zero_copy ? "; MPI may still read this collective's input and "
                       "write its output, so keep both alive and unused "
@@ -1023,24 +1124,30 @@ class Engine {
                     : "");
     if (o.phase == Phase::kQueued) {
       std::string ahead = "an earlier collective";
+      std::string who =
+          "a peer did not call it, is too slow, or is stuck elsewhere";
       if (o.comm != nullptr) {
         auto& q = o.comm->unstarted;
         const auto it = std::find_if(
             q.begin(), q.end(),
             [&o](const std::shared_ptr<Op>& p) { return p.get() == &o; });
-        if (it != q.begin() && it != q.end()) ahead = q.front()->Where();
+        if (it != q.begin() && it != q.end()) {
+          ahead = q.front()->Where();
+          // The front op's requests are the driver's while one drives.
+          if (!driving_) who = MissingPeersLocked(*q.front());
+        }
         if (it != q.end()) q.erase(it);
       }
       o.status = absl::DeadlineExceededError(absl::StrFormat(
           "%s timed out after %s before it started, queued behind %s on "
-          "this communicator, which had not completed%s",
-          o.Where(), absl::FormatDuration(o.timeout), ahead, tail));
+          "this communicator, which had not completed: %s%s",
+          o.Where(), absl::FormatDuration(o.timeout), ahead, who, tail));
       o.phase = Phase::kDone;
     } else {
       o.status = absl::DeadlineExceededError(absl::StrFormat(
-          "%s timed out after %s in %s (step %d of %d)%s", o.Where(),
+          "%s timed out after %s in %s (step %d of %d): %s%s", o.Where(),
           absl::FormatDuration(o.timeout), o.steps[o.step].call, o.step + 1,
-          o.steps.size(), tail));
+          o.steps.size(), MissingPeersLocked(o), tail));
       o.phase = Phase::kAbandoned;
       ++abandoned_;
       PopLocked(o);
@@ -1835,20 +1942,203 @@ int NodeLocalRank() {
   return 0;
 }
 
+namespace {
+
+void FlushOutput() {
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+}
+
+// Prints "<program>: <message>" to stderr and flushes everything.
+void PrintNow(absl::string_view program, absl::string_view message) {
+  FlushOutput();
+  std::fprintf(stderr, "%s: %s\n", std::string(program).c_str(),
+               std::string(message).c_str());
+  FlushOutput();
+}
+
+// Ends the process with `_exit(1)` after printing `message` (as PrintNow)
+// unless destroyed within `timeout`: for waits that involve other processes
+// and have no deadline of their own (MPI_Init_thread, MPI_Finalize,
+// MPI_Abort). _exit, not exit: other threads may be inside MPI, and static
+// destructors could block on them. mpirun ends the rest of the job when a
+// process exits with an error.
+class Watchdog {
+ public:
+  Watchdog(absl::Duration timeout, std::string program, std::string message)
+      : thread_([this, timeout, program = std::move(program),
+                 message = std::move(message)] {
+          std::unique_lock<std::mutex> lock(mu_);
+          const auto deadline =
+              std::chrono::steady_clock::now() +
+              absl::ToChronoNanoseconds(std::min(timeout, absl::Hours(24)));
+          if (cv_.wait_until(lock, deadline, [this] { return disarmed_; })) {
+            return;
+          }
+          PrintNow(program, message);
+          _exit(1);
+        }) {}
+  Watchdog(const Watchdog&) = delete;
+  Watchdog& operator=(const Watchdog&) = delete;
+  ~Watchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      disarmed_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool disarmed_ = false;
+  std::thread thread_;  // Last: started after the fields it reads.
+};
+
+// This process's rank in the job before MPI can tell it, from the
+// launcher's environment; -1 when none says.
+int LauncherRank() {
+  for (const char* name :
+       {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"}) {
+    int rank = 0;
+    const char* value = std::getenv(name);
+    if (value != nullptr && absl::SimpleAtoi(value, &rank) && rank >= 0) {
+      return rank;
+    }
+  }
+  return -1;
+}
+
+// Errors after which the peers cannot be trusted to reach any further
+// collective: a timeout, a broken or aborted communicator, a lost peer, an
+// MPI error.
+bool EndsCommunication(const absl::Status& status) {
+  return absl::IsDeadlineExceeded(status) || absl::IsAborted(status) ||
+         absl::IsUnavailable(status) || absl::IsInternal(status);
+}
+
+// Prints why, then ends every process of the job. Does not return.
+[[noreturn]] void AbortJob(absl::string_view program, absl::string_view who,
+                           absl::string_view why) {
+  PrintNow(program,
+           absl::StrFormat("%s: ending the MPI job (MPI_Abort) %s", who, why));
+  Watchdog fallback(
+      absl::Seconds(2), std::string(program),
+      absl::StrFormat("%s: MPI_Abort did not end this process within 2s; "
+                      "exiting",
+                      who));
+  // The progress thread may be inside MPI_Test on an abandoned request;
+  // MPI_Abort tears MPI down under it.
+  Engine::Get().StopThread();
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  _exit(1);
+}
+
+}  // namespace
+
 absl::Status RunOnMpiWorld(
     const std::function<absl::Status(MpiCommunicator&)>& fn,
     const MpiOptions& options) {
-  FLATPARAM_ASSIGN_OR_RETURN(MpiSession session,
-                             MpiSession::Start(nullptr, nullptr));
+  MpiWorldOptions world;
+  world.comm = options;
+  world.timeout = options.create_timeout;
+  return RunOnMpiWorld(fn, world);
+}
+
+absl::Status RunOnMpiWorld(
+    const std::function<absl::Status(MpiCommunicator&)>& fn,
+    const MpiWorldOptions& options) {
+  const std::string& program = options.program;
+  const std::string timeout = absl::FormatDuration(options.timeout);
+  std::string who = LauncherRank() >= 0
+                        ? absl::StrFormat("rank %d", LauncherRank())
+                        : std::string("this process");
+  absl::StatusOr<MpiSession> session = [&] {
+    Watchdog start(
+        options.timeout, program,
+        absl::StrFormat(
+            "%s: MPI did not start within %s: MPI_Init waits for every "
+            "process of the job, and at least one has not reached it "
+            "(stopped, still starting, or not launched); exiting, so that "
+            "mpirun ends the job",
+            who, timeout));
+    return MpiSession::Start(nullptr, nullptr);
+  }();
+  if (!session.ok()) return session.status();
+  {
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    who = absl::StrFormat("rank %d", rank);
+  }
   absl::Status status;
+  bool broken = false;
+  // The exit handshake's own communicator: `fn` may have left the world's
+  // collectives part-way on some ranks, and a handshake there could pair
+  // with them.
+  std::unique_ptr<MpiCommunicator> exit_comm;
   {
     // Communicators go before MPI is finalised.
     absl::StatusOr<std::unique_ptr<MpiCommunicator>> world =
-        MpiCommunicator::CreateWorld(options);
-    status = world.ok() ? fn(**world) : world.status();
+        MpiCommunicator::CreateWorld(options.comm);
+    if (world.ok()) {
+      MpiOptions exit_options;
+      exit_options.create_timeout = options.comm.create_timeout;
+      // After a timeout, MPI writes nothing into this frame's buffers.
+      exit_options.stage_buffers = true;
+      absl::StatusOr<std::unique_ptr<MpiCommunicator>> made =
+          MpiCommunicator::Wrap(MPI_COMM_WORLD, exit_options);
+      if (made.ok()) exit_comm = *std::move(made);
+      status = made.ok() ? fn(**world) : made.status();
+      broken = !(*world)->health().ok();
+    } else {
+      status = world.status();
+    }
   }
-  const absl::Status finished = session.Finish();
-  return status.ok() ? finished : status;
+  if (!status.ok()) {
+    PrintNow(program, status.message());
+    status = MarkReported(std::move(status));
+    if (broken || exit_comm == nullptr || EndsCommunication(status)) {
+      AbortJob(program, who,
+               "after the error above, so that no process waits for a peer "
+               "that may never come");
+    }
+  }
+  // Every rank says how it ended; a rank that does not arrive is named.
+  double code = static_cast<double>(status.code());
+  std::vector<double> codes(exit_comm->size());
+  CollectiveOptions handshake;
+  handshake.timeout = options.timeout;
+  const absl::Status met =
+      exit_comm
+          ->AllGather(
+              ConstBufferRef{&code, 1, DType::kFloat64},
+              BufferRef{codes.data(), exit_comm->size(), DType::kFloat64},
+              handshake)
+          ->Wait();
+  if (!met.ok()) {
+    AbortJob(program, who,
+             absl::StrFormat("because the ranks did not all reach the end of "
+                             "the run within %s: %s",
+                             timeout, met.message()));
+  }
+  exit_comm.reset();
+  absl::Status finished;
+  {
+    Watchdog finalize(
+        options.timeout, program,
+        absl::StrFormat("%s: MPI_Finalize did not complete within %s: a "
+                        "peer stopped after the end of the run; exiting",
+                        who, timeout));
+    finished = session->Finish();
+  }
+  if (!status.ok()) return status;
+  if (!finished.ok()) {
+    PrintNow(program, finished.message());
+    finished = MarkReported(std::move(finished));
+  }
+  return finished;
 }
 
 }  // namespace flatparam

@@ -117,9 +117,9 @@
 // have matched is unknown and anything further could pair mismatched
 // operations. Only Wait() enforces the deadline: a collective that completed
 // in the background before its Wait() is OK even if its deadline has passed.
-// The library never calls MPI_Abort, which would kill every process of the
-// job; a caller that wants that calls MPI_Abort itself. The timed-out MPI
-// request and the memory it owns are kept alive (MPI forbids freeing an
+// The communicator never calls MPI_Abort, which would kill every process of
+// the job; RunOnMpiWorld does, after such an error (see there). The timed-out
+// MPI request and the memory it owns are kept alive (MPI forbids freeing an
 // active collective request) and tested by the engine until MPI completes
 // them (zero-copy, MPI then writes the caller's output: see Memory); they
 // complete if the missing peers call the collective late
@@ -176,6 +176,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "comm/communicator.h"
+#include "flatparam/base/status_macros.h"  // IsReported
 
 namespace flatparam {
 
@@ -308,9 +309,55 @@ class MpiCommunicator final : public Communicator {
   std::shared_ptr<internal_mpi::CommState> state_;
 };
 
+// How RunOnMpiWorld starts and ends an MPI job.
+struct MpiWorldOptions {
+  // The world communicator's options (its create_timeout bounds the
+  // world's creation).
+  MpiOptions comm;
+  // Bounds every wait of the job's start and end that involves the other
+  // processes: MPI_Init_thread, the exit handshake and MPI_Finalize.
+  absl::Duration timeout = kDefaultCollectiveTimeout;
+  // Prefixes what RunOnMpiWorld prints: "<program>: <message>".
+  std::string program = "flatparam";
+};
+
 // Starts MPI (if this process has not), runs `fn` on a world communicator,
-// destroys the communicator and finalises what it started: the whole life
-// of an MPI program's main(). Returns fn's error, else finalisation's.
+// destroys the communicator and ends the job: the whole life of an MPI
+// program's main(). It never waits without a deadline for a peer that may
+// never come (a stopped or killed process, a cut link):
+//
+//  - Start. A watchdog bounds MPI_Init_thread by options.timeout: MPI's
+//    start waits for every process of the job, so a process that never
+//    reaches it (stopped, not launched) would hold the others forever. When
+//    it fires, the process prints "<program>: rank R: MPI did not start
+//    within T ..." and ends with _exit(1), which makes mpirun end the job.
+//  - An error from `fn` is printed to stderr at once ("<program>:
+//    <message>", flushed with stdout), before anything that may wait, so a
+//    log always holds it, even if the job is killed afterwards. The status
+//    returned then is marked so (IsReported() in
+//    flatparam/base/status_macros.h), so the caller does not print it again.
+//  - An error that leaves communication unusable (DeadlineExceeded, Aborted,
+//    Unavailable or Internal, or a world communicator that `fn` broke) ends
+//    the whole job at once: MPI_Abort on MPI_COMM_WORLD (every process of
+//    the job is killed; mpirun prints its abort banner), with _exit(1) as a
+//    fallback should MPI_Abort itself not return within 2 s. It never waits
+//    in MPI_Finalize for a peer that may never arrive.
+//  - Otherwise (success, or an error every rank can report on its own, such
+//    as InvalidArgument) the ranks meet in an exit handshake, an all-gather
+//    on a communicator of its own bounded by options.timeout, and finalise
+//    MPI under a watchdog with the same bound. A rank that does not arrive
+//    (it failed elsewhere, or it hangs) is named in the error, and the job
+//    is aborted as above.
+//
+// So after a fault every process exits within about options.timeout of the
+// collective that waited for the faulty peer (plus the MPI_Abort's spread).
+// Returns fn's error, else the handshake's or finalisation's; on the abort
+// paths it does not return.
+absl::Status RunOnMpiWorld(
+    const std::function<absl::Status(MpiCommunicator&)>& fn,
+    const MpiWorldOptions& options);
+// The same with default MpiWorldOptions but for the communicator's options;
+// options.create_timeout also bounds the start and the end.
 absl::Status RunOnMpiWorld(
     const std::function<absl::Status(MpiCommunicator&)>& fn,
     const MpiOptions& options = {});

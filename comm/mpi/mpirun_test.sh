@@ -42,8 +42,11 @@ command=(mpirun --allow-run-as-root --oversubscribe --bind-to none
 echo "${command[*]}"
 
 status=0
+SECONDS=0
 timeout --kill-after=10 "${limit}" "${command[@]}" || status=$?
-if [[ ${status} -eq 124 || ${status} -eq 137 ]]; then
+# 137 is also mpirun's own status when a rank was killed (128 + SIGKILL):
+# only a run that lasted the limit timed out.
+if [[ (${status} -eq 124 || ${status} -eq 137) && ${SECONDS} -ge ${limit} ]]; then
   echo "FAILED: mpirun did not finish within ${limit} s" >&2
 elif [[ ${status} -ne 0 ]]; then
   echo "FAILED: mpirun exited with status ${status} (a rank failed)" >&2

@@ -414,8 +414,11 @@ int main(int argc, char** argv) {
         return Run(world, dir);
       });
   if (!status.ok()) {
-    std::fprintf(stderr, "trainer: rank %d: %s\n", rank,
-                 status.ToString().c_str());
+    // RunOnMpiWorld printed it as it happened, before ending the job.
+    if (!flatparam::IsReported(status)) {
+      std::fprintf(stderr, "trainer: rank %d: %s\n", rank,
+                   status.ToString().c_str());
+    }
     return 1;
   }
   if (rank == 0) std::printf("trainer: OK\n");

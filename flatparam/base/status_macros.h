@@ -7,7 +7,10 @@
 //   FLATPARAM_RETURN_IF_ERROR(DoThing());
 //   FLATPARAM_ASSIGN_OR_RETURN(auto layout, BuildLayout(spec));
 //
-// Thread-safety: macros only; no state.
+// It also marks errors that were already printed (MarkReported/IsReported),
+// so that a program's main() does not print them twice.
+//
+// Thread-safety: macros and pure functions; no state.
 #ifndef FLATPARAM_BASE_STATUS_MACROS_H_
 #define FLATPARAM_BASE_STATUS_MACROS_H_
 
@@ -15,6 +18,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/cord.h"
+#include "absl/strings/string_view.h"
 
 #define FLATPARAM_INTERNAL_CONCAT_IMPL(a, b) a##b
 #define FLATPARAM_INTERNAL_CONCAT(a, b) FLATPARAM_INTERNAL_CONCAT_IMPL(a, b)
@@ -37,5 +42,24 @@
   auto tmp = (rexpr);                                        \
   if (!tmp.ok()) return std::move(tmp).status();             \
   lhs = std::move(tmp).value()
+
+namespace flatparam {
+
+inline constexpr absl::string_view kReportedPayloadUrl =
+    "type.googleapis.com/flatparam.Reported";
+
+// Returns `status` marked as already printed to the user (a payload; the
+// code and message are unchanged). An OK status stays OK.
+inline absl::Status MarkReported(absl::Status status) {
+  if (!status.ok()) status.SetPayload(kReportedPayloadUrl, absl::Cord("1"));
+  return status;
+}
+
+// Whether MarkReported marked `status`: its message was printed already.
+inline bool IsReported(const absl::Status& status) {
+  return status.GetPayload(kReportedPayloadUrl).has_value();
+}
+
+}  // namespace flatparam
 
 #endif  // FLATPARAM_BASE_STATUS_MACROS_H_

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# `fsdp train` and `fsdp collectives` under mpirun with 4 ranks, one rank
+# stopped (kill -STOP) or killed (kill -9) from outside while the job runs:
+# the job ends within --timeout plus a slack, with the timeout printed and
+# the stopped rank named, and no process left behind. Before the fix every
+# stopped-rank run below hung in MPI_Finalize until the stopped rank went
+# on (issue: "a hung or cut-off peer ends the job within the timeout").
+#
+# Usage: mpi_fault_cli_test.sh PATH_TO_CLI_TEST_LIB_SH PATH_TO_MPIRUN_TEST_SH PATH_TO_FSDP
+set -uo pipefail
+
+# shellcheck source=tools/testing/cli_test_lib.sh
+source "$1"
+mpirun_test=$2
+cli_test_init "$3"
+
+timeout_s=4
+# Beyond the timeout: see comm/mpi/mpi_fault_test.sh.
+slack_s=${MPI_FAULT_SLACK_S:-15}
+limit_s=90
+
+now_ms() { date +%s%3N; }
+
+# The pid of rank $1 of the running job whose command line contains $2.
+rank_pid() {
+  local pid
+  for pid in $(pgrep -f -- "$2"); do
+    if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null |
+      grep -qx "OMPI_COMM_WORLD_RANK=$1"; then
+      echo "$pid"
+      return 0
+    fi
+  done
+  return 1
+}
+
+# fault_run NAME SIGNAL RANK FSDP_ARGS...: starts the job, waits until its
+# ranks have worked for a while, sends SIGNAL to RANK, and waits for the
+# job's end; sets $status and $elapsed_ms (from the signal to the end).
+# The job runs fsdp through a link named for the run, so that its processes
+# can be found (and none left behind).
+fault_run() {
+  local name=$1 signal=$2 rank=$3
+  shift 3
+  local program="$tmp/fsdp-fault-$name"
+  ln -sf "$(realpath "$fsdp")" "$program"
+  MPI_TEST_TIMEOUT_S=$limit_s "$mpirun_test" "$program" "$@" \
+    --timeout="${timeout_s}s" >"$tmp/out" 2>"$tmp/err" &
+  local job=$!
+  local pid="" i
+  for i in $(seq 1 300); do
+    pid=$(rank_pid "$rank" "$program") && break
+    sleep 0.1
+  done
+  if [ -z "$pid" ]; then
+    fail "$name: rank $rank never started: $(head -c 2000 "$tmp/err")"
+    wait "$job"
+    return
+  fi
+  sleep 3  # Past the start: the ranks train (or sweep).
+  kill "-$signal" "$pid"
+  local start
+  start=$(now_ms)
+  wait "$job"
+  status=$?
+  elapsed_ms=$(($(now_ms) - start))
+  echo "$name: SIG$signal to rank $rank: exit $status after ${elapsed_ms} ms"
+  local left
+  left=$(pgrep -f -- "$program" || true)
+  if [ -n "$left" ]; then
+    fail "$name: processes left behind: $left"
+    kill -KILL $left 2>/dev/null
+  fi
+  [ "$status" -ne 0 ] || fail "$name: the job succeeded"
+  ! grep -q 'mpirun did not finish within' "$tmp/err" ||
+    fail "$name: the job hung until the ${limit_s} s limit"
+  [ "$elapsed_ms" -le $(((timeout_s + slack_s) * 1000)) ] ||
+    fail "$name: the job ended ${elapsed_ms} ms after SIG$signal"
+}
+
+expect_err() {  # NAME PATTERN WHAT
+  grep -qE -- "$2" "$tmp/err" ||
+    fail "$1: stderr lacks $3: $(head -c 3000 "$tmp/err")"
+}
+
+# Rank 2 stopped while the ranks train: the others time out, name it, and
+# end the job.
+fault_run train-stop STOP 2 train --backend=mpi --steps=1000000
+expect_err train-stop '^fsdp train: .*rank [013]: all_gather #[0-9]+ .*timed out after 4s' \
+  "a timeout"
+expect_err train-stop 'no data arrived from rank 2' "the stopped rank named"
+expect_err train-stop 'ending the MPI job \(MPI_Abort\)' "the job's end"
+
+# The same during the collectives' sweep.
+fault_run collectives-stop STOP 2 collectives --backend=mpi --conformance=false \
+  --iterations=1000000 --max-bytes=65536
+expect_err collectives-stop '^fsdp collectives: rank [013] of 4: .*timed out after 4s' \
+  "a timeout"
+expect_err collectives-stop 'no data arrived from rank 2' \
+  "the stopped rank named"
+expect_err collectives-stop 'ending the MPI job \(MPI_Abort\)' "the job's end"
+
+# A killed rank: mpirun ends the job at once.
+fault_run train-kill KILL 1 train --backend=mpi --steps=1000000
+
+cli_test_finish
