@@ -204,6 +204,15 @@ class Communicator {
   // as with MPI_UNDEFINED / NCCL_SPLIT_NOCOLOR.
   virtual absl::StatusOr<std::unique_ptr<Communicator>> Split(
       int color, int key, const CollectiveOptions& options) = 0;
+
+  // Ends this communicator because the job failed, here or on another rank,
+  // so that neither later calls nor its destruction wait for peers that may
+  // never come. NCCL aborts (ncclCommAbort, as c10d's watchdog does)
+  // instead of the ncclCommFinalize its destructor otherwise waits in until
+  // every rank is quiescent. Later collectives fail with Aborted quoting
+  // `reason`. Idempotent. The default does nothing, for backends whose
+  // destruction never waits for peers (MPI, the simulator).
+  virtual void Abort(absl::Status reason) {}
 };
 
 // The hybrid-sharding groups of a world of `size()` ranks laid out as nodes

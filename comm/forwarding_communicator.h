@@ -77,6 +77,7 @@ class ForwardingCommunicator : public Communicator {
       int color, int key, const CollectiveOptions& options) override {
     return inner_->Split(color, key, options);
   }
+  void Abort(absl::Status reason) override { inner_->Abort(std::move(reason)); }
 
  protected:
   Communicator& inner() const { return *inner_; }

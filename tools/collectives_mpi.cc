@@ -42,9 +42,15 @@ absl::Status RunOnWorld(MpiCommunicator& world,
   }
   const absl::Time origin = absl::Now();
   const Clock clock = [origin] { return absl::Now() - origin; };
-  FLATPARAM_ASSIGN_OR_RETURN(
-      CollectivesReport report,
-      RunCollectivesOnRank(*comm, *memory, options, clock));
+  absl::StatusOr<CollectivesReport> ran =
+      RunCollectivesOnRank(*comm, *memory, options, clock);
+  if (!ran.ok()) {
+    // An NCCL communicator's destruction must not wait for peers that may
+    // have failed too.
+    comm->Abort(ran.status());
+    return ran.status();
+  }
+  const CollectivesReport& report = *ran;
   if (world.rank() == 0) PrintCollectivesReport(report, options, out);
   return CollectivesVerdict(report);
 }

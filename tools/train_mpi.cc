@@ -39,8 +39,14 @@ absl::Status RunOnWorld(MpiCommunicator& world,
         CreateNcclCommunicator(world, gpu, nccl_options));
     FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<DeviceOps> device,
                                CreateCudaDeviceOps(gpu));
-    FLATPARAM_ASSIGN_OR_RETURN(
-        report, RunTrainOnRank(*nccl, *device, options, /*host_device=*/false));
+    absl::StatusOr<TrainReport> trained =
+        RunTrainOnRank(*nccl, *device, options, /*host_device=*/false);
+    if (!trained.ok()) {
+      // Its destruction must not wait for peers that may have failed too.
+      nccl->Abort(trained.status());
+      return trained.status();
+    }
+    report = *std::move(trained);
   } else {
     HostDeviceOps device;
     FLATPARAM_ASSIGN_OR_RETURN(

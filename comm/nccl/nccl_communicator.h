@@ -182,8 +182,9 @@ class NcclCommunicator final : public Communicator {
   bool aborted() const;
   absl::Status abort_status() const;
   // Aborts the communicator (ncclCommAbort) with `reason`, e.g. when another
-  // group failed; idempotent. Later calls return Aborted quoting `reason`.
-  void Abort(absl::Status reason);
+  // group failed; idempotent. Later calls return Aborted quoting `reason`,
+  // and destruction does not finalize (Communicator::Abort).
+  void Abort(absl::Status reason) override;
 
  private:
   NcclCommunicator(std::shared_ptr<internal_nccl::CommState> state);

@@ -232,6 +232,28 @@ TEST_F(NcclCommunicatorTest, CreateSharesTheIdAndMakesANonBlockingComm) {
   EXPECT_TRUE(api_.streams()[0].destroyed);
 }
 
+// After a failure elsewhere in the job, the caller aborts through the
+// Communicator interface, and destruction then never waits in
+// ncclCommFinalize for peers that may be gone.
+TEST_F(NcclCommunicatorTest, AbortThroughTheInterfaceSkipsFinalize) {
+  std::vector<std::unique_ptr<Communicator>> group = MakeThreadGroup(1);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<NcclCommunicator> nccl,
+      NcclCommunicator::Create(api_, *group[0], /*cuda_device=*/0));
+  std::unique_ptr<Communicator> comm = std::move(nccl);
+  comm->Abort(absl::DeadlineExceededError("rank 2 timed out elsewhere"));
+  comm->Abort(absl::InternalError("a second abort changes nothing"));
+  BufferRef b = Alloc(4);
+  EXPECT_THAT(
+      comm->AllReduce(b, b, {})->Wait(),
+      StatusIs(absl::StatusCode::kAborted, HasSubstr("rank 2 timed out")));
+  comm.reset();
+  ASSERT_EQ(api_.comms().size(), 1u);
+  EXPECT_TRUE(api_.comms()[0].aborted);
+  EXPECT_FALSE(api_.comms()[0].finalized);
+  EXPECT_EQ(api_.CallCount("ncclCommFinalize"), 0);
+}
+
 TEST_F(NcclCommunicatorTest, CreateOnThreeThreadsJoinsOneCommunicator) {
   FakeNcclApi api(/*device_count=*/3);
   std::vector<std::unique_ptr<Communicator>> group = MakeThreadGroup(3);
