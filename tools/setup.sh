@@ -8,8 +8,10 @@
 # What it installs:
 #   Debian: Bazel 4 (bazel-bootstrap), Abseil, GoogleTest/GoogleMock, Google
 #           Benchmark, RapidCheck, nlohmann-json, xxHash, OpenMPI, pkg-config,
-#           clang-format, and python3-numpy (the independent safetensors
-#           reader of //tools:hf_cli_test).
+#           clang-format, python3-numpy (the independent safetensors
+#           reader of //tools:hf_cli_test), and iproute2 and nftables (the
+#           test hosts of //tools:train_hosts_test: network namespaces, and
+#           packet loss on their links).
 #   npm:    buildifier (the @bazel/buildifier package ships its binaries).
 # CUDA/NCCL are optional and detected at build time (/usr/local/cuda or
 # $CUDA_PATH); this script does not install them.
@@ -29,6 +31,8 @@ APT_PACKAGES=(
   pkgconf
   clang-format
   python3-numpy
+  iproute2
+  nftables
   nodejs
   npm
 )

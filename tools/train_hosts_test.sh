@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# `fsdp train` across real hosts: network namespaces joined by a switch,
+# ranks launched into them by mpirun over TCP (tools/testing/netns_hosts.sh).
+#  - Training across 2 and 4 hosts is bitwise equal to single-process
+#    training, as on one host.
+#  - A rank stopped or killed on another host, and a cut link, end the job
+#    within --timeout plus a slack, with no process left on any host.
+#  - A link that loses packets for a while but recovers within the timeout
+#    does not fail the run, which stays bitwise equal.
+# Skips with a message where network namespaces cannot be made.
+#
+# Usage: train_hosts_test.sh PATH_TO_CLI_TEST_LIB_SH PATH_TO_NETNS_HOSTS_SH PATH_TO_FSDP
+set -uo pipefail
+
+# shellcheck source=tools/testing/cli_test_lib.sh
+source "$1"
+# shellcheck source=tools/testing/netns_hosts.sh
+source "$2"
+cli_test_init "$3"
+fsdp=$(realpath "$fsdp")
+
+if ! command -v mpirun >/dev/null 2>&1; then
+  fail "mpirun not found on PATH ($PATH); install openmpi-bin"
+  cli_test_finish
+fi
+hosts_init 4 || exit 0
+
+timeout_s=4
+# Beyond the timeout: see comm/mpi/mpi_fault_test.sh.
+slack_s=${MPI_FAULT_SLACK_S:-15}
+export HOSTS_MPIRUN_LIMIT_S=90
+
+now_ms() { date +%s%3N; }
+
+# Bitwise equal across hosts: 2 hosts of 2 ranks (HYBRID_SHARD, a shard
+# group per host) and 4 hosts of one.
+hosts_mpirun 2 2 "$fsdp" train --backend=mpi --strategy=HYBRID_SHARD \
+  --shard-group-size=2 --check-reference >"$tmp/out" 2>"$tmp/err"
+status=$?
+cat "$tmp/out"
+[ "$status" -eq 0 ] || fail "2 hosts x 2 ranks exited $status: $(head -c 2000 "$tmp/err")"
+grep -q 'bitwise equal' "$tmp/out" || fail "2 hosts x 2 ranks: not bitwise equal"
+hosts_mpirun 4 1 "$fsdp" train --backend=mpi --strategy=FULL_SHARD \
+  --check-reference >"$tmp/out" 2>"$tmp/err"
+status=$?
+[ "$status" -eq 0 ] || fail "4 hosts exited $status: $(head -c 2000 "$tmp/err")"
+grep -q 'bitwise equal' "$tmp/out" || fail "4 hosts: not bitwise equal"
+
+# host_fault NAME ACTION: trains on 4 hosts (one rank each) until ACTION
+# ("stop R", "kill R" or "cut H") hits, then checks that the job ends
+# within the bound and leaves nothing behind.
+host_fault() {
+  local name=$1 action=$2 target=$3 timeout_s=${4:-$timeout_s}
+  hosts_mpirun 4 1 "$fsdp" train --backend=mpi --steps=1000000 \
+    --timeout="${timeout_s}s" >"$tmp/out" 2>"$tmp/err" &
+  local job=$! pid="" i
+  for i in $(seq 1 300); do
+    pid=$(hosts_rank_pid 3) && break
+    sleep 0.1
+  done
+  [ -n "$pid" ] || fail "$name: rank 3 never started: $(head -c 2000 "$tmp/err")"
+  sleep 3  # Past the start: the ranks train.
+  case $action in
+    stop) kill -STOP "$(hosts_rank_pid "$target")" ;;
+    kill) kill -KILL "$(hosts_rank_pid "$target")" ;;
+    cut) hosts_link "$target" down ;;
+  esac
+  local start
+  start=$(now_ms)
+  wait "$job"
+  status=$?
+  local elapsed_ms=$(($(now_ms) - start))
+  echo "$name: $action $target: exit $status after ${elapsed_ms} ms"
+  [ "$action" != cut ] || hosts_link "$target" up
+  # The launcher's daemons go a moment after mpirun.
+  local left=""
+  hosts_wait_empty 3 || left=$(hosts_pids)
+  if [ -n "$left" ]; then
+    fail "$name: processes left behind: $(ps -o pid,stat,args -p "$(echo $left | tr ' ' ',')")"
+    kill -KILL $left 2>/dev/null
+  fi
+  [ "$status" -ne 0 ] || fail "$name: the job succeeded"
+  [ "$status" -ne 124 ] || fail "$name: the job hung until the limit"
+  [ "$elapsed_ms" -le $(((timeout_s + slack_s) * 1000)) ] ||
+    fail "$name: the job ended ${elapsed_ms} ms after the fault"
+}
+
+host_fault stop stop 3
+grep -qE 'timed out after 4s.*no data arrived from rank 3' "$tmp/err" ||
+  fail "stop: no timeout naming rank 3: $(head -c 3000 "$tmp/err")"
+host_fault kill kill 3
+# A cut link: the launcher's keepalive (netns_hosts.sh: about 6 s) must
+# notice the lost host before the ranks' timeout ends the job, since an
+# abort cannot reach a host behind a cut link; so --timeout=10s here.
+host_fault cut cut 2 10
+# Open MPI's launcher reports the lost host (its words vary: "lost
+# communication with a remote daemon", or a misleading "unable to reliably
+# start one or more daemons").
+grep -qE 'lost communication with a remote daemon|unable to reliably start one or more daemons|no data arrived from rank 2' \
+  "$tmp/err" || fail "cut: the lost host is not reported: $(head -c 3000 "$tmp/err")"
+
+# A link that loses packets for 3 s and then recovers, well within the
+# timeout: TCP retransmits, and the run succeeds bitwise.
+hosts_mpirun 4 1 "$fsdp" train --backend=mpi --steps=200 --check-reference \
+  --timeout=30s >"$tmp/out" 2>"$tmp/err" &
+job=$!
+for i in $(seq 1 300); do
+  hosts_rank_pid 3 >/dev/null && break
+  sleep 0.1
+done
+sleep 0.5
+hosts_loss 1 10
+sleep 3
+hosts_loss 1 off
+wait "$job"
+status=$?
+echo "lossy link: exit $status"
+[ "$status" -eq 0 ] || fail "lossy link: exit $status: $(head -c 2000 "$tmp/err")"
+grep -q 'bitwise equal' "$tmp/out" || fail "lossy link: not bitwise equal"
+
+hosts_finish
+cli_test_finish
