@@ -9,6 +9,7 @@
 #include <utility>
 #include <variant>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -34,6 +35,10 @@
 namespace flatparam {
 namespace tools {
 namespace {
+
+// --save and --load: stands for the global step in a directory name.
+constexpr char kStepPlaceholder[] = "{step}";
+constexpr size_t kStepPlaceholderSize = sizeof(kStepPlaceholder) - 1;
 
 using TensorMap = std::map<std::string, HostTensor>;
 using json = nlohmann::json;
@@ -222,22 +227,32 @@ json SegmentJson(const TrainSegment& s) {
           {"steps", s.steps},
           {"world_size", s.world_size},
           {"strategy", std::string(ShardingStrategyName(s.strategy))},
-          {"shard_group_size", s.shard_group_size}};
+          {"shard_group_size", s.shard_group_size},
+          {"global_batch", s.global_batch},
+          {"micro_batches", s.micro_batches}};
 }
 
 TrainSegment SegmentOf(const refmodel::FsdpTrainOptions& o, int world_size) {
-  return {o.first_step, o.steps, world_size, o.strategy, o.shard_group_size};
+  return {o.first_step,       o.steps,        world_size,     o.strategy,
+          o.shard_group_size, o.global_batch, o.micro_batches};
 }
 
-std::string DescribeSegments(const std::vector<TrainSegment>& segments) {
+// The segments, with their batch where it differs from `o`'s (this run's).
+std::string DescribeSegments(const std::vector<TrainSegment>& segments,
+                             const refmodel::FsdpTrainOptions& o) {
   std::vector<std::string> parts;
   for (const TrainSegment& s : segments) {
     parts.push_back(absl::StrFormat(
-        "steps %d-%d on %d ranks %s%s", s.first_step,
+        "steps %d-%d on %d ranks %s%s%s", s.first_step,
         s.first_step + s.steps - 1, s.world_size,
         ShardingStrategyName(s.strategy),
         IsHybridStrategy(s.strategy)
             ? absl::StrFormat(" (groups of %d)", s.shard_group_size)
+            : "",
+        s.global_batch != o.global_batch || s.micro_batches != o.micro_batches
+            ? absl::StrFormat(" with %d micro-batch%s of %d samples",
+                              s.micro_batches, s.micro_batches == 1 ? "" : "es",
+                              s.global_batch)
             : ""));
   }
   return absl::StrJoin(parts, "; ");
@@ -269,6 +284,8 @@ absl::StatusOr<refmodel::TrainResult> ChainedReference(
     refmodel::TrainOptions o = base;
     o.first_step = s.first_step;
     o.steps = s.steps;
+    o.global_batch = s.global_batch;
+    o.micro_batches = s.micro_batches;
     o.reduction = IsHybridStrategy(s.strategy)
                       ? refmodel::GradientReduction::Hybrid(s.world_size,
                                                             s.shard_group_size)
@@ -366,9 +383,25 @@ absl::StatusOr<ResumePoint> ResumeFromExtra(const TrainCommandOptions& command,
       }
       segment.strategy = *strategy;
       segment.shard_group_size = s.at("shard_group_size").get<int>();
+      // Checkpoints written before segments recorded their batch trained
+      // every segment with the settings' batch.
+      segment.global_batch =
+          s.value("global_batch",
+                  extra.at("settings").at("global_batch").get<int64_t>());
+      segment.micro_batches =
+          s.value("micro_batches",
+                  extra.at("settings").at("micro_batches").get<int64_t>());
       point.history.push_back(segment);
     }
     const json& settings = extra.at("settings");
+    // The batch may change from here on (a restart on fewer or more
+    // ranks): the new segment trains with the given value.
+    const auto take_or_change = [&](const std::string& flag, const char* key,
+                                    int64_t& field) {
+      if (command.given_flags.count(flag) == 0) {
+        field = settings.at(key).get<int64_t>();
+      }
+    };
     const auto take = [&](const std::string& flag, const char* key,
                           auto& field) -> absl::Status {
       using T = std::decay_t<decltype(field)>;
@@ -382,10 +415,8 @@ absl::StatusOr<ResumePoint> ResumeFromExtra(const TrainCommandOptions& command,
     FLATPARAM_RETURN_IF_ERROR(take("seed", "seed", c.seed));
     FLATPARAM_RETURN_IF_ERROR(take("optimizer", "optimizer", c.optimizer));
     FLATPARAM_RETURN_IF_ERROR(take("lr", "lr", c.lr));
-    FLATPARAM_RETURN_IF_ERROR(
-        take("global_batch", "global_batch", c.global_batch));
-    FLATPARAM_RETURN_IF_ERROR(
-        take("micro_batches", "micro_batches", c.micro_batches));
+    take_or_change("global_batch", "global_batch", c.global_batch);
+    take_or_change("micro_batches", "micro_batches", c.micro_batches);
     FLATPARAM_RETURN_IF_ERROR(
         take("mixed_precision", "mixed_precision", c.mixed_precision));
     const bool saved_no_sync = settings.at("no_sync").get<bool>();
@@ -527,6 +558,19 @@ absl::StatusOr<refmodel::FsdpTrainOptions> MakeFsdpTrainOptions(
   }
   o.global_batch = c.global_batch != 0 ? c.global_batch : 2 * world_size;
   if (o.global_batch % world_size != 0) {
+    if (c.given_flags.count("global_batch") == 0 && !c.load_dir.empty()) {
+      // Taken over from the checkpoint, for another world size.
+      const int64_t below = o.global_batch / world_size * world_size;
+      const int64_t above = below + world_size;
+      return Bad(absl::StrFormat(
+          "the checkpoint trained with a global batch of %d, which %d ranks "
+          "cannot split evenly: give --global-batch=%s to train on with "
+          "that batch from here on (the checkpoint's history records the "
+          "change, and --check-reference replays it)",
+          o.global_batch, world_size,
+          below > 0 ? absl::StrFormat("%d or %d", below, above)
+                    : absl::StrCat(above)));
+    }
     return Bad(absl::StrFormat(
         "--global-batch=%d must be a multiple of the world size %d",
         o.global_batch, world_size));
@@ -611,7 +655,7 @@ using StateCopier =
 
 // --save's directory for the checkpoint of global step `step`.
 std::string SaveDirFor(const std::string& dir, int64_t step) {
-  return absl::StrReplaceAll(dir, {{"{step}", absl::StrCat(step)}});
+  return absl::StrReplaceAll(dir, {{kStepPlaceholder, absl::StrCat(step)}});
 }
 
 absl::Status InSave(const std::string& dir, const absl::Status& s) {
@@ -749,6 +793,56 @@ class RunSaver {
 
 }  // namespace
 
+absl::StatusOr<std::string> ResolveLoadDir(checkpoint::FileSystem& fs,
+                                           const std::string& pattern,
+                                           int* candidates) {
+  if (candidates != nullptr) *candidates = 0;
+  const size_t at = pattern.find(kStepPlaceholder);
+  if (at == std::string::npos) return pattern;
+  const size_t slash = pattern.rfind('/', at);
+  const std::string parent =
+      slash == std::string::npos ? "." : pattern.substr(0, slash);
+  const std::string base_prefix =
+      pattern.substr(slash == std::string::npos ? 0 : slash + 1,
+                     at - (slash == std::string::npos ? 0 : slash + 1));
+  const std::string suffix = pattern.substr(at + kStepPlaceholderSize);
+  if (suffix.find('/') != std::string::npos ||
+      suffix.find(kStepPlaceholder) != std::string::npos) {
+    return Bad(absl::StrFormat(
+        "--load=%s: \"{step}\" must stand in the last path component, once",
+        pattern));
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(std::vector<std::string> children,
+                             fs.GetChildren(parent));
+  std::vector<std::pair<int64_t, std::string>> steps;
+  for (const std::string& name : children) {
+    if (name.size() <= base_prefix.size() + suffix.size() ||
+        !absl::StartsWith(name, base_prefix) || !absl::EndsWith(name, suffix)) {
+      continue;
+    }
+    const absl::string_view digits = absl::string_view(name).substr(
+        base_prefix.size(), name.size() - base_prefix.size() - suffix.size());
+    int64_t step = 0;
+    if (!std::all_of(digits.begin(), digits.end(),
+                     [](char c) { return c >= '0' && c <= '9'; }) ||
+        !absl::SimpleAtoi(digits, &step)) {
+      continue;
+    }
+    steps.emplace_back(step, absl::StrCat(parent, "/", name));
+  }
+  if (candidates != nullptr) *candidates = static_cast<int>(steps.size());
+  std::sort(steps.rbegin(), steps.rend());
+  for (const auto& [step, dir] : steps) {
+    absl::StatusOr<bool> published =
+        fs.Exists(absl::StrCat(dir, "/manifest.json"));
+    if (published.ok() && *published) return dir;
+  }
+  return absl::NotFoundError(absl::StrFormat(
+      "--load=%s: no published checkpoint (a directory with a "
+      "manifest.json) matches it in %s (%d directories matched the name)",
+      pattern, parent, steps.size()));
+}
+
 absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
                                            DeviceOps& device,
                                            const TrainCommandOptions& options,
@@ -766,13 +860,21 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
         s.code(), absl::StrCat("--load=", options.load_dir, ": ", s.message()));
   };
   if (!options.load_dir.empty()) {
+    // "{step}": every rank picks the newest published checkpoint itself
+    // (the ranks see one file system, so they pick the same).
+    int candidates = 0;
+    FLATPARAM_ASSIGN_OR_RETURN(
+        report.load_resolved_from,
+        ResolveLoadDir(fs, options.load_dir, &candidates));
+    report.load_candidates = candidates;
+    report.load_pattern = options.load_dir;
     // Every rank opens the checkpoint itself (metadata only: manifest,
     // layout and the small sidecars, so they all fail alike on those), and
     // verifies and reads only its own rank's tensors below.
     checkpoint::CheckpointOpenOptions metadata_only;
     metadata_only.ranks.emplace();  // no rank's tensors yet
     absl::StatusOr<checkpoint::ShardedCheckpointReader> opened =
-        checkpoint::ShardedCheckpointReader::Open(fs, options.load_dir,
+        checkpoint::ShardedCheckpointReader::Open(fs, report.load_resolved_from,
                                                   metadata_only);
     if (!opened.ok()) return in_load(opened.status());
     reader.emplace(*std::move(opened));
@@ -953,7 +1055,12 @@ void PrintTrainReport(const TrainReport& report, std::ostream& out) {
   if (!report.loaded_from.empty()) {
     out << absl::StrFormat(
         "# resumed from %s at step %d (trained before: %s)\n",
-        report.loaded_from, o.first_step, DescribeSegments(report.history));
+        report.loaded_from, o.first_step, DescribeSegments(report.history, o));
+    if (report.load_candidates > 0) {
+      out << absl::StrFormat(
+          "# the newest published checkpoint of %d matching --load=%s\n",
+          report.load_candidates, report.load_pattern);
+    }
     if (!report.resharded_from.empty()) {
       out << absl::StrFormat(
           "# resharded at load time from %s to this job's layout (each rank "
@@ -1033,7 +1140,7 @@ void PrintTrainReport(const TrainReport& report, std::ostream& out) {
           ? std::string()
           : absl::StrFormat(" of all %d steps (chained: %s; then this run)",
                             o.first_step + o.steps,
-                            DescribeSegments(report.history));
+                            DescribeSegments(report.history, o));
   const std::string against =
       (c.mixed_precision
            ? absl::StrFormat("single-process training with the same mixed "

@@ -108,6 +108,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "comm/communicator.h"
+#include "flatparam/checkpoint/file_system.h"
 #include "flatparam/device/device.h"
 #include "flatparam/memory_stats.h"
 #include "flatparam/runtime.h"
@@ -153,6 +154,8 @@ struct TrainCommandOptions {
   // --save=DIR / --load=DIR (empty: none); see the file comment. DIR of
   // --save may contain "{step}".
   std::string save_dir;
+  // DIR of --load may contain "{step}": the newest published checkpoint
+  // whose name matches (ResolveLoadDir).
   std::string load_dir;
   // --save-every=N (>= 1; needs --save): also save after each global step
   // count that is a multiple of N. Unset: only after the last step.
@@ -181,13 +184,16 @@ inline constexpr char kTrainExtraKey[] = "fsdp_train";
 // A stretch of training done by one run: the data steps [first_step,
 // first_step + steps) on `world_size` ranks with `strategy` (and
 // `shard_group_size` for the hybrid strategies), which fixes its gradient
-// fold.
+// fold, with `global_batch` samples per micro-batch and `micro_batches`
+// per step (a resumed run may change both).
 struct TrainSegment {
   int64_t first_step = 0;
   int64_t steps = 0;
   int world_size = 1;
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
   int shard_group_size = 0;
+  int64_t global_batch = 0;
+  int64_t micro_batches = 1;
 };
 
 // The checkpoint's "extra"[kTrainExtraKey] for a run with `command`
@@ -201,8 +207,11 @@ nlohmann::json TrainExtra(const TrainCommandOptions& command,
 
 // What --load takes from a checkpoint: `command` with the saved settings
 // filled in, the step to start at, and the history. InvalidArgument naming
-// the flag and both values when a given flag differs from the checkpoint;
-// DataLoss when the extra object is missing or malformed.
+// the flag and both values when a given flag differs from the checkpoint
+// (except --global-batch and --micro-batches, which a resumed run may
+// change: the new segment trains with them); DataLoss when the extra
+// object is missing or malformed. Checkpoints written before segments
+// recorded their batch take the saved settings' batch for every segment.
 struct ResumePoint {
   TrainCommandOptions command;
   int64_t first_step = 0;
@@ -210,6 +219,16 @@ struct ResumePoint {
 };
 absl::StatusOr<ResumePoint> ResumeFromExtra(const TrainCommandOptions& command,
                                             const nlohmann::json& extra);
+
+// --load's directory: `pattern` itself, or, when it contains "{step}", the
+// matching directory (the step as decimal digits, nothing else) with the
+// highest step among those holding a published checkpoint (a manifest.json:
+// saves publish it last, atomically, so a save cut off by a crash has
+// none). `*candidates`, when set, receives how many directories matched.
+// NotFound when none holds a checkpoint.
+absl::StatusOr<std::string> ResolveLoadDir(checkpoint::FileSystem& fs,
+                                           const std::string& pattern,
+                                           int* candidates = nullptr);
 
 // InvalidArgument naming the flag for options that make no sense before
 // the world size is known (an unknown backend, strategy, precision,
@@ -279,6 +298,11 @@ struct TrainReport {
   // (saved_to: the last save's, "{step}" replaced).
   std::vector<TrainSegment> history;
   std::string loaded_from;
+  // --load as given and the directory it named (ResolveLoadDir), and how
+  // many directories matched a "{step}" pattern (0 without one).
+  std::string load_pattern;
+  std::string load_resolved_from;
+  int load_candidates = 0;
   // Set when --load resharded the checkpoint at load time: what it was
   // saved with ("8 ranks, FULL_SHARD").
   std::string resharded_from;

@@ -118,5 +118,33 @@ echo "lossy link: exit $status"
 [ "$status" -eq 0 ] || fail "lossy link: exit $status: $(head -c 2000 "$tmp/err")"
 grep -q 'bitwise equal' "$tmp/out" || fail "lossy link: not bitwise equal"
 
+# Restart after losing a host: train on 4 hosts saving every step in the
+# background, kill one host's rank mid-run, and resume from the newest
+# published checkpoint on the 3 hosts left (one command), with the batch
+# changed to one that 3 ranks split; the continued training is bitwise
+# equal to single-process training of every step.
+hosts_mpirun 4 1 "$fsdp" train --backend=mpi --steps=1000000 \
+  --save="$tmp/elastic{step}" --save-every=1 --async-save \
+  --timeout="${timeout_s}s" >"$tmp/out" 2>"$tmp/err" &
+job=$!
+for i in $(seq 1 300); do
+  [ -f "$tmp/elastic3/manifest.json" ] && break
+  sleep 0.1
+done
+kill -KILL "$(hosts_rank_pid 2)"
+wait "$job"
+echo "elastic: the 4-host run ended with $? after losing rank 2"
+hosts_wait_empty 3 || fail "elastic: processes left behind"
+hosts_mpirun 3 1 "$fsdp" train --backend=mpi --steps=2 \
+  --load="$tmp/elastic{step}" --global-batch=6 --check-reference \
+  >"$tmp/out" 2>"$tmp/err"
+status=$?
+cat "$tmp/out"
+[ "$status" -eq 0 ] || fail "elastic: the restart exited $status: $(head -c 2000 "$tmp/err")"
+grep -q '^# the newest published checkpoint of ' "$tmp/out" ||
+  fail "elastic: not resumed from the newest checkpoint"
+grep -qE 'on 4 ranks FULL_SHARD with 1 micro-batch of 8 samples; then this run\): 0 .*bitwise equal' \
+  "$tmp/out" || fail "elastic: the restart is not bitwise equal"
+
 hosts_finish
 cli_test_finish
