@@ -372,10 +372,11 @@ absl::StatusOr<HfCheckpointReader> HfCheckpointReader::Open(
       }
       for (const std::string& name : names) {
         if (!file->Contains(name)) {
+          // The index's own problems go unprefixed: ToStatus names it.
           problems.Add(absl::StrFormat(
-              "%s: the weight_map puts tensor '%s' in %s, which has no such "
+              "the weight_map puts tensor '%s' in %s, which has no such "
               "tensor",
-              index_path, name, f));
+              name, f));
         }
       }
       reader.files_.push_back(*std::move(file));

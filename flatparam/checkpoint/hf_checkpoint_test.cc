@@ -696,6 +696,12 @@ TEST(HfCheckpointTest, IndexChecks) {
     } else {
       EXPECT_THAT(r, StatusIs(c.code, HasSubstr(c.message)));
       EXPECT_FALSE(*fs.Exists("/x"));
+      // Each path once: no "index: index: ..." (a reported message).
+      const std::string message(r.status().message());
+      const size_t first = message.find(index);
+      EXPECT_TRUE(first == std::string::npos ||
+                  message.find(index, first + 1) == std::string::npos)
+          << message;
     }
   }
 }
