@@ -793,6 +793,60 @@ class RunSaver {
 
 }  // namespace
 
+namespace {
+
+// Exchanges every rank's `mine` and returns OK if all are, `mine` if every
+// rank failed alike, else the lowest failing rank's error, "rank R: ...",
+// with its code; when other ranks
+// found what it did not (NotFound), says that the ranks see different file
+// systems.
+absl::Status AgreeOnLoad(Communicator& world, const absl::Status& mine,
+                         const CollectiveOptions& options) {
+  FLATPARAM_ASSIGN_OR_RETURN(
+      std::vector<std::string> verdicts,
+      world.AllGatherBytes(mine.ok()
+                               ? std::string()
+                               : absl::StrCat(static_cast<int>(mine.code()),
+                                              ":", mine.message()),
+                           options));
+  std::vector<int> ok_ranks;
+  for (size_t r = 0; r < verdicts.size(); ++r) {
+    if (verdicts[r].empty()) ok_ranks.push_back(static_cast<int>(r));
+  }
+  // The same error everywhere (a flag that disagrees with the checkpoint)
+  // is this rank's own, without naming a rank.
+  if (!mine.ok() &&
+      std::all_of(verdicts.begin(), verdicts.end(),
+                  [&](const std::string& v) { return v == verdicts[0]; })) {
+    return mine;
+  }
+  for (size_t r = 0; r < verdicts.size(); ++r) {
+    if (verdicts[r].empty()) continue;
+    const size_t colon = verdicts[r].find(':');
+    int code = static_cast<int>(absl::StatusCode::kDataLoss);
+    if (colon == std::string::npos ||
+        !absl::SimpleAtoi(verdicts[r].substr(0, colon), &code)) {
+      return absl::InternalError(
+          absl::StrFormat("rank %d sent a malformed verdict", r));
+    }
+    std::string message =
+        absl::StrFormat("rank %d: %s", r, verdicts[r].substr(colon + 1));
+    if (static_cast<absl::StatusCode>(code) == absl::StatusCode::kNotFound &&
+        !ok_ranks.empty()) {
+      absl::StrAppendFormat(
+          &message,
+          " (rank %d found it: a checkpoint must be on a file system that "
+          "every rank sees, such as a shared or parallel one; ranks with "
+          "only local disks cannot load one)",
+          ok_ranks[0]);
+    }
+    return absl::Status(static_cast<absl::StatusCode>(code), message);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::string> ResolveLoadDir(checkpoint::FileSystem& fs,
                                            const std::string& pattern,
                                            int* candidates) {
@@ -860,35 +914,41 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
         s.code(), absl::StrCat("--load=", options.load_dir, ": ", s.message()));
   };
   if (!options.load_dir.empty()) {
-    // "{step}": every rank picks the newest published checkpoint itself
-    // (the ranks see one file system, so they pick the same).
-    int candidates = 0;
-    FLATPARAM_ASSIGN_OR_RETURN(
-        report.load_resolved_from,
-        ResolveLoadDir(fs, options.load_dir, &candidates));
-    report.load_candidates = candidates;
-    report.load_pattern = options.load_dir;
     // Every rank opens the checkpoint itself (metadata only: manifest,
-    // layout and the small sidecars, so they all fail alike on those), and
-    // verifies and reads only its own rank's tensors below.
-    checkpoint::CheckpointOpenOptions metadata_only;
-    metadata_only.ranks.emplace();  // no rank's tensors yet
-    absl::StatusOr<checkpoint::ShardedCheckpointReader> opened =
-        checkpoint::ShardedCheckpointReader::Open(fs, report.load_resolved_from,
-                                                  metadata_only);
-    if (!opened.ok()) return in_load(opened.status());
-    reader.emplace(*std::move(opened));
-    absl::StatusOr<json> sidecar = reader->ReadRankJson(0);
-    if (!sidecar.ok()) return in_load(sidecar.status());
-    const json extra = sidecar->value("extra", json::object());
-    if (!extra.contains(kTrainExtraKey)) {
-      return in_load(absl::FailedPreconditionError(
-          absl::StrCat("rank00000.json has no \"extra\".", kTrainExtraKey,
-                       ": not a checkpoint of fsdp train")));
-    }
-    absl::StatusOr<ResumePoint> point =
-        ResumeFromExtra(options, extra[kTrainExtraKey]);
-    if (!point.ok()) return in_load(point.status());
+    // layout and the small sidecars), and verifies and reads only its own
+    // rank's tensors below. "{step}": every rank picks the newest published
+    // checkpoint itself (the ranks see one file system, so they pick the
+    // same).
+    absl::StatusOr<ResumePoint> point = [&]() -> absl::StatusOr<ResumePoint> {
+      int candidates = 0;
+      FLATPARAM_ASSIGN_OR_RETURN(
+          report.load_resolved_from,
+          ResolveLoadDir(fs, options.load_dir, &candidates));
+      report.load_candidates = candidates;
+      report.load_pattern = options.load_dir;
+      checkpoint::CheckpointOpenOptions metadata_only;
+      metadata_only.ranks.emplace();  // no rank's tensors yet
+      FLATPARAM_ASSIGN_OR_RETURN(
+          checkpoint::ShardedCheckpointReader opened,
+          checkpoint::ShardedCheckpointReader::Open(
+              fs, report.load_resolved_from, metadata_only));
+      reader.emplace(std::move(opened));
+      FLATPARAM_ASSIGN_OR_RETURN(json sidecar, reader->ReadRankJson(0));
+      const json extra = sidecar.value("extra", json::object());
+      if (!extra.contains(kTrainExtraKey)) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("rank00000.json has no \"extra\".", kTrainExtraKey,
+                         ": not a checkpoint of fsdp train"));
+      }
+      return ResumeFromExtra(options, extra[kTrainExtraKey]);
+    }();
+    // The ranks agree before anything else: a rank that cannot open the
+    // checkpoint (it is not on a file system every rank sees) fails every
+    // rank at once instead of leaving the others in their next collective.
+    CollectiveOptions agree;
+    agree.timeout = options.timeout;
+    const absl::Status agreed = AgreeOnLoad(world, point.status(), agree);
+    if (!agreed.ok()) return in_load(agreed);
     command = point->command;
     first_step = point->first_step;
     report.history = point->history;
@@ -919,26 +979,9 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
         *reader, *layout, world_size, shard_rank, &path);
     // The ranks agree, so that one rank's damaged file fails every rank
     // instead of leaving the others waiting in their first collective.
-    FLATPARAM_ASSIGN_OR_RETURN(
-        std::vector<std::string> verdicts,
-        world.AllGatherBytes(
-            state.ok() ? std::string()
-                       : absl::StrCat(static_cast<int>(state.status().code()),
-                                      ":", state.status().message()),
-            report.options.collective_options));
-    for (size_t r = 0; r < verdicts.size(); ++r) {
-      if (verdicts[r].empty()) continue;
-      const size_t colon = verdicts[r].find(':');
-      int code = static_cast<int>(absl::StatusCode::kDataLoss);
-      if (colon == std::string::npos ||
-          !absl::SimpleAtoi(verdicts[r].substr(0, colon), &code)) {
-        return in_load(absl::InternalError(
-            absl::StrFormat("rank %d sent a malformed verdict", r)));
-      }
-      return in_load(absl::Status(
-          static_cast<absl::StatusCode>(code),
-          absl::StrFormat("rank %d: %s", r, verdicts[r].substr(colon + 1))));
-    }
+    const absl::Status loaded =
+        AgreeOnLoad(world, state.status(), report.options.collective_options);
+    if (!loaded.ok()) return in_load(loaded);
     if (path == checkpoint::LoadPath::kResharded) {
       report.resharded_from = absl::StrFormat(
           "%d ranks, %s%s", reader->world_size(),

@@ -146,5 +146,27 @@ grep -q '^# the newest published checkpoint of ' "$tmp/out" ||
 grep -qE 'on 4 ranks FULL_SHARD with 1 micro-batch of 8 samples; then this run\): 0 .*bitwise equal' \
   "$tmp/out" || fail "elastic: the restart is not bitwise equal"
 
+# Hosts without a shared file system: each has only its own disk at the
+# same path. A save across them fails on every rank, saying that a
+# checkpoint needs a directory every rank sees, and leaves rank 0's disk
+# without a partial checkpoint; a checkpoint on host 0's disk alone does
+# not load on 2 hosts, and the error says why.
+hosts_mpirun 2 1 "$fsdp" train --backend=mpi --steps=1 \
+  --save="$hosts_disk/local" >"$tmp/out" 2>"$tmp/err"
+status=$?
+[ "$status" -eq 1 ] || fail "local disks: the save exited $status, want 1"
+grep -q 'rank 1: this rank does not see .*every rank sees' "$tmp/err" ||
+  fail "local disks: the save's error does not say why: $(head -c 2000 "$tmp/err")"
+[ -z "$(ls -A "$(hosts_disk_of 0)")" ] ||
+  fail "local disks: host 0's disk keeps $(ls -A "$(hosts_disk_of 0)")"
+"$fsdp" train --world-size=2 --steps=1 --save="$(hosts_disk_of 0)/ckpt" \
+  >/dev/null 2>"$tmp/err" || fail "sim save to host 0's disk: $(cat "$tmp/err")"
+hosts_mpirun 2 1 "$fsdp" train --backend=mpi --steps=1 \
+  --load="$hosts_disk/ckpt" >"$tmp/out" 2>"$tmp/err"
+status=$?
+[ "$status" -eq 1 ] || fail "local disks: the load exited $status, want 1"
+grep -q 'rank 1: .*(rank 0 found it: a checkpoint must be on a file system that every rank sees' \
+  "$tmp/err" || fail "local disks: the load's error does not say why: $(head -c 2000 "$tmp/err")"
+
 hosts_finish
 cli_test_finish

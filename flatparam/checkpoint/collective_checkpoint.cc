@@ -220,6 +220,20 @@ absl::Status WriteCollectiveRankFiles(FileSystem& fs, CollectiveWrite& w,
   // b. The first shard group writes its rank files.
   w.entries = json::array();
   if (w.rank >= w.layout->options().world_size) return absl::OkStatus();
+  if (w.rank != 0) {
+    // Ranks with only a local disk each would write where rank 0 never
+    // looks; say so rather than fail on a missing directory.
+    absl::StatusOr<bool> visible = fs.IsDirectory(w.tmp);
+    if (!visible.ok() || !*visible) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "this rank does not see %s, the temporary directory that rank 0 "
+          "made for the checkpoint: a collective checkpoint needs a "
+          "directory that every rank sees (a shared or parallel file "
+          "system); ranks that each have only a local disk cannot write one "
+          "checkpoint together",
+          w.tmp));
+    }
+  }
   return WriteMyFiles(fs, w.tmp, *w.layout, w.world_size, w.rank, mine,
                       options.write, w.entries);
 }

@@ -24,6 +24,7 @@ namespace flatparam {
 namespace checkpoint {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
@@ -182,6 +183,31 @@ TEST(CollectiveCheckpointFaultTest, OneRanksFailedWriteFailsEveryRank) {
     EXPECT_THAT(ListDir(disk, "/ckpts"), ElementsAre("a"))
         << "temporary dir left";
   }
+}
+
+// Hosts without a shared file system: every rank fails alike, saying why,
+// and rank 0's disk keeps its previous checkpoint and no temporary
+// directory.
+TEST(CollectiveCheckpointFaultTest, RanksWithoutASharedFileSystemAreTold) {
+  const ModelLayout layout = MakeLayout(ShardingStrategy::kFullShard, 4);
+  std::vector<FaultInjectionFileSystem> disks(4);
+  for (FaultInjectionFileSystem& disk : disks) {
+    FLATPARAM_ASSERT_OK(disk.CreateDir("/ckpts"));
+  }
+  ShardedFixture v1 = MakeShardedFixture(layout, 4, 1);
+  FLATPARAM_ASSERT_OK(WriteShardedCheckpoint(disks[0], "/ckpts/a", v1.content));
+  ShardedFixture v2 = MakeShardedFixture(layout, 4, 2);
+  const std::vector<absl::Status> statuses = WriteOnSim(
+      [&](int r) -> FileSystem& { return disks[r]; }, "/ckpts/a", layout, 4,
+      [&](int r) -> const RankContent& { return v2.content.ranks[r]; });
+  ExpectAllEqual(statuses);
+  EXPECT_THAT(statuses[0],
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("rank 1: this rank does not see"),
+                             HasSubstr("every rank sees"))));
+  EXPECT_EQ(VersionAt(disks[0], "/ckpts/a"), 1);
+  EXPECT_THAT(ListDir(disks[0], "/ckpts"), ElementsAre("a"))
+      << "temporary dir left";
 }
 
 TEST(CollectiveCheckpointFaultTest, BadContentOnOneRankFailsEveryRank) {

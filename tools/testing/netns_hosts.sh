@@ -16,7 +16,9 @@
 # at exit. A job's rank 0 and mpirun run on host 0; mpirun starts the other
 # hosts' daemons through an agent (--mca plm_rsh_agent) that runs them in
 # the host's namespace, as ssh would on a real machine. The file system is
-# the machine's, shared by every host, but each host has its own TMPDIR.
+# the machine's, shared by every host, but each host has its own TMPDIR and
+# its own local disk at $hosts_disk (hosts_disk_of I: host I's, seen from
+# outside).
 #
 # The launch flags that bound the job's end across machines (the README's
 # "Reliability" section recommends them): TCP keepalives of a few seconds
@@ -64,23 +66,34 @@ hosts_init() {
     ip -n "${hosts_tag}sw" link set "${hosts_tag}p$i" master br0 || return 1
     ip -n "${hosts_tag}sw" link set "${hosts_tag}p$i" up || return 1
     echo "$(hosts_ip "$i") $ns" >>"$hosts_dir/map"
+    mkdir -p "$hosts_dir/disk-$ns"
   done
+  # A host's shell: in its network namespace (and the mount namespace `ip
+  # netns exec` makes), with its own TMPDIR (the daemons share topology
+  # files there) and $hosts_dir/disk bound to its own local disk
+  # $hosts_dir/disk-NS: "hostshell.sh NS COMMAND_STRING".
+  hosts_disk="$hosts_dir/disk"
+  mkdir -p "$hosts_disk"
+  cat >"$hosts_dir/hostshell.sh" <<EOF
+#!/bin/bash
+mkdir -p "$hosts_dir/tmp-\$1" "$hosts_dir/disk-\$1"
+mount --bind "$hosts_dir/disk-\$1" "$hosts_dir/disk" || exit 1
+TMPDIR="$hosts_dir/tmp-\$1" exec /bin/sh -c "\$2"
+EOF
   # The agent mpirun runs instead of ssh: "agent HOST COMMAND...".
   cat >"$hosts_dir/agent.sh" <<EOF
 #!/bin/bash
 ns=\$(awk -v h="\$1" '\$1 == h { print \$2 }' "$hosts_dir/map")
 shift
 [ -n "\$ns" ] || { echo "agent: unknown host" >&2; exit 1; }
-# Each host its own temporary directory, as on separate machines (the
-# daemons share topology files there).
-mkdir -p "$hosts_dir/tmp-\$ns"
-TMPDIR="$hosts_dir/tmp-\$ns" exec ip netns exec "\$ns" /bin/sh -c "\$*"
+exec ip netns exec "\$ns" "$hosts_dir/hostshell.sh" "\$ns" "\$*"
 EOF
-  chmod +x "$hosts_dir/agent.sh"
+  chmod +x "$hosts_dir/agent.sh" "$hosts_dir/hostshell.sh"
   echo "hosts: $hosts_n namespaces ${hosts_tag}h0..$((hosts_n - 1)) on bridge ${hosts_tag}sw"
 }
 
 hosts_ip() { echo "10.77.0.$(($1 + 1))"; }
+hosts_disk_of() { echo "$hosts_dir/disk-$(hosts_ns "$1")"; }
 hosts_ns() { echo "${hosts_tag}h$1"; }
 
 # hosts_mpirun HOSTS RANKS_PER_HOST PROGRAM ARGS...: runs one job over
@@ -93,18 +106,20 @@ hosts_mpirun() {
   for i in $(seq 0 $((hosts - 1))); do
     hostlist+="${hostlist:+,}$(hosts_ip "$i"):$per_host"
   done
-  mkdir -p "$hosts_dir/tmp-$(hosts_ns 0)"
-  TMPDIR="$hosts_dir/tmp-$(hosts_ns 0)" ASAN_OPTIONS="detect_leaks=0${ASAN_OPTIONS:+:$ASAN_OPTIONS}" \
+  local mpirun=(mpirun --allow-run-as-root --oversubscribe --bind-to none
+    -np $((per_host * hosts)) --host "$hostlist"
+    --mca plm_rsh_agent "$hosts_dir/agent.sh"
+    --mca btl tcp,self --mca btl_tcp_if_include 10.77.0.0/24
+    --mca oob_tcp_if_include 10.77.0.0/24
+    --mca oob_tcp_keepalive_time 1 --mca oob_tcp_keepalive_intvl 1
+    --mca oob_tcp_keepalive_probes 5 --mca odls_base_sigkill_timeout 0
+    -x ASAN_OPTIONS "$@")
+  local command
+  printf -v command '%q ' "${mpirun[@]}"
+  ASAN_OPTIONS="detect_leaks=0${ASAN_OPTIONS:+:$ASAN_OPTIONS}" \
     timeout --kill-after=10 "${HOSTS_MPIRUN_LIMIT_S:-120}" \
-    ip netns exec "$(hosts_ns 0)" \
-    mpirun --allow-run-as-root --oversubscribe --bind-to none \
-    -np $((per_host * hosts)) --host "$hostlist" \
-    --mca plm_rsh_agent "$hosts_dir/agent.sh" \
-    --mca btl tcp,self --mca btl_tcp_if_include 10.77.0.0/24 \
-    --mca oob_tcp_if_include 10.77.0.0/24 \
-    --mca oob_tcp_keepalive_time 1 --mca oob_tcp_keepalive_intvl 1 \
-    --mca oob_tcp_keepalive_probes 5 --mca odls_base_sigkill_timeout 0 \
-    -x ASAN_OPTIONS "$@"
+    ip netns exec "$(hosts_ns 0)" "$hosts_dir/hostshell.sh" "$(hosts_ns 0)" \
+    "exec $command"
 }
 
 # hosts_link I up|down: restores or cuts host I's link to the switch. On
