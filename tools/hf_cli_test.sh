@@ -152,4 +152,42 @@ grep -q 'applies to Hugging Face checkpoints only' "$tmp/err" ||
 expect_exit 0 checkpoint --help
 grep -q 'fsdp checkpoint export' "$tmp/out" || fail "help lacks export"
 
+# No command deletes what it did not write. An export into a directory
+# holding a model's config and tokenizer is refused and leaves them; so is
+# an export back into the original download (its shards and config.json);
+# an export replaces its own earlier export.
+mkdir -p "$tmp/user"
+echo '{"model_type": "tiny"}' >"$tmp/user/config.json"
+echo '{}' >"$tmp/user/tokenizer.json"
+expect_exit 1 checkpoint export --in="$tmp/h6" --out="$tmp/user"
+grep -q 'holds 2 files that no Hugging Face export written here has: config.json, tokenizer.json' \
+  "$tmp/err" || fail "export into a user's directory: $(cat "$tmp/err")"
+[ "$(ls "$tmp/user")" = "$(printf 'config.json\ntokenizer.json')" ] ||
+  fail "export into a user's directory changed it: $(ls "$tmp/user")"
+echo '{}' >"$tmp/hf/config.json"
+before=$(cd "$tmp/hf" && md5sum ./*)
+expect_exit 1 checkpoint export --in="$tmp/h6" --out="$tmp/hf"
+grep -q 'holds a file that no Hugging Face export written here has: config.json' \
+  "$tmp/err" || fail "export into the download: $(cat "$tmp/err")"
+[ "$(cd "$tmp/hf" && md5sum ./*)" = "$before" ] ||
+  fail "export into the download changed it"
+expect_exit 0 checkpoint export --in="$tmp/h6" --out="$tmp/out150"
+np check --dir="$tmp/out150" --max-shard-size=1000000000 --files=1 --tensors=7
+# The same rule for the other commands that write a directory.
+expect_exit 1 checkpoint reshard --in="$tmp/s4" --world-size=2 --out="$tmp/user"
+grep -q 'refusing to write a sharded checkpoint there' "$tmp/err" ||
+  fail "reshard into a user's directory: $(cat "$tmp/err")"
+expect_exit 1 checkpoint consolidate --in="$tmp/s4" --out="$tmp/user"
+grep -q 'refusing to write a full checkpoint there' "$tmp/err" ||
+  fail "consolidate into a user's directory: $(cat "$tmp/err")"
+expect_exit 1 checkpoint shard --in="$tmp/hf" --model="$tiny" \
+  --world-size=2 --out="$tmp/user"
+grep -q 'refusing to write a sharded checkpoint there' "$tmp/err" ||
+  fail "shard into a user's directory: $(cat "$tmp/err")"
+expect_exit 1 train --steps=1 --save="$tmp/user"
+grep -q 'refusing to write a sharded checkpoint there' "$tmp/err" ||
+  fail "train --save into a user's directory: $(cat "$tmp/err")"
+[ "$(ls "$tmp/user")" = "$(printf 'config.json\ntokenizer.json')" ] ||
+  fail "a command changed the user's directory: $(ls "$tmp/user")"
+
 cli_test_finish

@@ -195,9 +195,109 @@ PendingFile JsonFile(std::string name, std::string text) {
           [text = std::move(text)](WritableFile& f) { return f.Append(text); }};
 }
 
+namespace {
+
+absl::string_view DirKindName(DirKind kind) {
+  switch (kind) {
+    case DirKind::kFull:
+      return "full checkpoint";
+    case DirKind::kSharded:
+      return "sharded checkpoint";
+    case DirKind::kHfExport:
+      return "Hugging Face export";
+  }
+  return "checkpoint";
+}
+
+// model.safetensors, model.safetensors.index.json, or
+// model-NNNNN-of-NNNNN.safetensors (any number of digits).
+bool IsHfExportName(absl::string_view name) {
+  if (name == "model.safetensors" || name == "model.safetensors.index.json") {
+    return true;
+  }
+  if (!absl::ConsumePrefix(&name, "model-") ||
+      !absl::ConsumeSuffix(&name, ".safetensors")) {
+    return false;
+  }
+  const size_t of = name.find("-of-");
+  if (of == absl::string_view::npos || of == 0 || of + 4 == name.size()) {
+    return false;
+  }
+  const auto digits = [](absl::string_view s) {
+    return std::all_of(s.begin(), s.end(), absl::ascii_isdigit);
+  };
+  return digits(name.substr(0, of)) && digits(name.substr(of + 4));
+}
+
+// PrepareCheckpointWrite's check that replacing `dir` deletes nothing the
+// writers of `kind` did not write.
+absl::Status CheckReplaceable(FileSystem& fs, const std::string& dir,
+                              DirKind kind) {
+  FLATPARAM_ASSIGN_OR_RETURN(const bool exists, fs.Exists(dir));
+  if (!exists) return absl::OkStatus();
+  FLATPARAM_ASSIGN_OR_RETURN(const bool is_dir, fs.IsDirectory(dir));
+  if (!is_dir) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s exists and is not a directory: refusing to replace it with a %s",
+        dir, DirKindName(kind)));
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(std::vector<std::string> children,
+                             fs.GetChildren(dir));
+  if (children.empty()) return absl::OkStatus();
+  std::set<std::string> known;
+  std::string other_kind;
+  if (kind == DirKind::kHfExport) {
+    for (const std::string& c : children) {
+      if (IsHfExportName(c)) known.insert(c);
+    }
+  } else if (std::find(children.begin(), children.end(), kManifestFileName) !=
+             children.end()) {
+    absl::StatusOr<std::string> text = ReadFileToString(
+        fs, JoinPath(dir, kManifestFileName), kMaxManifestBytes);
+    absl::StatusOr<Manifest> manifest =
+        text.ok() ? ParseManifestJson(*text, kManifestFileName)
+                  : absl::StatusOr<Manifest>(text.status());
+    const CheckpointKind want = kind == DirKind::kFull
+                                    ? CheckpointKind::kFull
+                                    : CheckpointKind::kSharded;
+    if (manifest.ok() && manifest->kind != want) {
+      other_kind =
+          absl::StrCat("a ", CheckpointKindName(manifest->kind), " checkpoint");
+    } else if (manifest.ok()) {
+      known.insert(kManifestFileName);
+      for (const ManifestEntry& e : manifest->files) known.insert(e.path);
+    }
+  }
+  std::vector<std::string> foreign;
+  for (const std::string& c : children) {
+    if (known.count(c) == 0) foreign.push_back(c);
+  }
+  if (other_kind.empty() && foreign.empty()) return absl::OkStatus();
+  std::sort(foreign.begin(), foreign.end());
+  constexpr size_t kNamed = 5;
+  std::string holds = other_kind;
+  if (other_kind.empty()) {
+    holds = absl::StrCat(
+        foreign.size() == 1 ? "a file" : absl::StrCat(foreign.size(), " files"),
+        " that no ", DirKindName(kind), " written here has: ",
+        absl::StrJoin(foreign.begin(),
+                      foreign.begin() + std::min(kNamed, foreign.size()), ", "),
+        foreign.size() > kNamed
+            ? absl::StrFormat(" and %d more", foreign.size() - kNamed)
+            : "");
+  }
+  return absl::FailedPreconditionError(absl::StrFormat(
+      "%s holds %s: refusing to write a %s there, since it replaces the "
+      "directory whole and that would delete what it did not write; write "
+      "to a new or empty directory (and copy other files next to it after)",
+      dir, holds, DirKindName(kind)));
+}
+
+}  // namespace
+
 absl::StatusOr<std::string> PrepareCheckpointWrite(
     FileSystem& fs, const std::string& dir_arg,
-    const CheckpointWriteOptions& options) {
+    const CheckpointWriteOptions& options, DirKind kind) {
   const std::string dir = NormalizeDir(dir_arg);
   FLATPARAM_RETURN_IF_ERROR(CheckDirName(dir));
   if (options.chunk_bytes == 0) {
@@ -210,6 +310,7 @@ absl::StatusOr<std::string> PrepareCheckpointWrite(
                                             parent, " does not exist"));
   }
   FLATPARAM_RETURN_IF_ERROR(RecoverCheckpointDir(fs, dir));
+  FLATPARAM_RETURN_IF_ERROR(CheckReplaceable(fs, dir, kind));
   return dir;
 }
 
@@ -316,9 +417,12 @@ absl::Status WriteCheckpointFiles(FileSystem& fs, const std::string& dir_arg,
                                   CheckpointKind kind,
                                   const std::vector<PendingFile>& files,
                                   const CheckpointWriteOptions& options) {
-  FLATPARAM_ASSIGN_OR_RETURN(
-      const std::string dir,
-      internal_checkpoint::PrepareCheckpointWrite(fs, dir_arg, options));
+  FLATPARAM_ASSIGN_OR_RETURN(const std::string dir,
+                             internal_checkpoint::PrepareCheckpointWrite(
+                                 fs, dir_arg, options,
+                                 kind == CheckpointKind::kFull
+                                     ? internal_checkpoint::DirKind::kFull
+                                     : internal_checkpoint::DirKind::kSharded));
   const std::string tmp = internal_checkpoint::NewTempDirFor(dir);
   absl::Status status = WriteFilesAndSwap(fs, dir, tmp, kind, files, options);
   if (!status.ok()) {

@@ -67,6 +67,12 @@
 // early or only at the fsyncs; checkpoint_dir_test checks it at every
 // operation of a write with FaultInjectionFileSystem.
 //
+// Since step 5 removes the previous DIR whole, step 0 refuses (with
+// FailedPrecondition, before anything is written) an existing DIR that holds
+// anything but a checkpoint of the kind being written: the files its
+// manifest lists and manifest.json. No write deletes a file it did not
+// write.
+//
 // One writer per DIR at a time; readers must not run while DIR is being
 // written (step 5 removes B from under a reader that fell back to it).
 //
@@ -149,7 +155,8 @@ struct FullCheckpointContent {
 };
 
 // Writes a full checkpoint to `dir` (replacing one there, crash-safely; see
-// the file comment). The parent of `dir` must exist. InvalidArgument for
+// the file comment; FailedPrecondition when `dir` holds anything else). The
+// parent of `dir` must exist. InvalidArgument for
 // content that does not fit the format (naming the tensor or document); the
 // file system's errors otherwise. On error `dir` is unchanged (a stale
 // `dir`.tmp-* may remain until the next write).

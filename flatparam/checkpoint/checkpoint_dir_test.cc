@@ -36,6 +36,7 @@ namespace flatparam {
 namespace checkpoint {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using json = nlohmann::json;
@@ -268,6 +269,59 @@ TEST(FullCheckpointTest, SourceErrorsLeaveTheOldCheckpoint) {
                                  "[0, 20): gpu copy failed")));
   EXPECT_THAT(FullVersion(fs, "ckpt", spec), IsOkAndHolds(1));
   EXPECT_THAT(ListDir(fs, "/"), ElementsAre("ckpt"));  // temporary removed
+}
+
+// A write replaces its directory whole, so it refuses a directory holding
+// anything it did not write, before writing anything: the files survive.
+TEST(FullCheckpointTest, NeverReplacesADirectoryWithFilesItDidNotWrite) {
+  FaultInjectionFileSystem fs;
+  const ModelSpec spec = TinyModelSpec();
+  const FullFixture v1 = MakeFullFixture(spec, 1);
+  const auto put = [&](const std::string& path, const std::string& text) {
+    FLATPARAM_ASSERT_OK(WriteFileDurably(fs, path, text));
+  };
+  // An unrelated directory.
+  FLATPARAM_ASSERT_OK(fs.CreateDir("mine"));
+  put("mine/config.json", "{}");
+  put("mine/tokenizer.json", "{}");
+  EXPECT_THAT(WriteFullCheckpoint(fs, "mine", v1.content),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("mine holds 2 files that no full "
+                                       "checkpoint written here has: "
+                                       "config.json, tokenizer.json"),
+                             HasSubstr("refusing"))));
+  EXPECT_THAT(ListDir(fs, "mine"),
+              ElementsAre("config.json", "tokenizer.json"));
+  EXPECT_THAT(ListDir(fs, "/"), ElementsAre("mine"));  // nothing written
+  // A file where the directory would go.
+  put("plain", "data");
+  EXPECT_THAT(WriteFullCheckpoint(fs, "plain", v1.content),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("plain exists and is not a directory")));
+  // An empty directory is fine, and so is replacing a checkpoint of the
+  // same kind.
+  FLATPARAM_ASSERT_OK(fs.CreateDir("empty"));
+  EXPECT_THAT(WriteFullCheckpoint(fs, "empty", v1.content), IsOk());
+  const FullFixture v2 = MakeFullFixture(spec, 2);
+  EXPECT_THAT(WriteFullCheckpoint(fs, "empty", v2.content), IsOk());
+  EXPECT_THAT(FullVersion(fs, "empty", spec), IsOkAndHolds(2));
+  // ... but not one with a file added next to it.
+  put("empty/notes.txt", "keep me");
+  EXPECT_THAT(WriteFullCheckpoint(fs, "empty", v1.content),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("empty holds a file that no full checkpoint "
+                                 "written here has: notes.txt")));
+  EXPECT_THAT(ReadFileToString(fs, "empty/notes.txt", 100),
+              IsOkAndHolds("keep me"));
+  // Nor a checkpoint of the other kind.
+  FLATPARAM_ASSERT_OK(fs.RemoveFile("empty/notes.txt"));
+  const ModelLayout layout = MakeTestLayout(spec, TestLayoutOptions(2));
+  const ShardedFixture sharded = MakeShardedFixture(layout, 2, 1);
+  EXPECT_THAT(WriteShardedCheckpoint(fs, "empty", sharded.content),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("empty holds a full checkpoint: refusing to "
+                                 "write a sharded checkpoint there")));
+  EXPECT_THAT(FullVersion(fs, "empty", spec), IsOkAndHolds(2));
 }
 
 TEST(FullCheckpointTest, CheckFitsModelNamesTheDifference) {

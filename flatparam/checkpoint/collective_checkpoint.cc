@@ -179,7 +179,8 @@ absl::StatusOr<CollectiveWrite> BeginCollectiveWrite(
   }
   if (w.rank == 0 && status.ok()) {
     absl::StatusOr<std::string> prepared =
-        internal_checkpoint::PrepareCheckpointWrite(fs, dir, options.write);
+        internal_checkpoint::PrepareCheckpointWrite(
+            fs, dir, options.write, internal_checkpoint::DirKind::kSharded);
     status = prepared.status();
     if (status.ok()) {
       w.target = *prepared;

@@ -763,7 +763,8 @@ absl::Status WriteDirectory(FileSystem& fs, const std::string& dir_arg,
                             const CheckpointWriteOptions& options) {
   FLATPARAM_ASSIGN_OR_RETURN(
       const std::string dir,
-      internal_checkpoint::PrepareCheckpointWrite(fs, dir_arg, options));
+      internal_checkpoint::PrepareCheckpointWrite(
+          fs, dir_arg, options, internal_checkpoint::DirKind::kHfExport));
   const std::string tmp = internal_checkpoint::NewTempDirFor(dir);
   const std::string parent = Dirname(dir);
   const auto write = [&]() -> absl::Status {

@@ -50,12 +50,29 @@ absl::StatusOr<std::string> DumpJson(const nlohmann::json& doc,
                                      absl::string_view what);
 PendingFile JsonFile(std::string name, std::string text);
 
+// What a write puts into its directory, so that step 0 can tell a
+// directory it may replace from one it must not touch.
+enum class DirKind {
+  kFull,     // a full checkpoint (manifest.json of kind "full")
+  kSharded,  // a sharded checkpoint (manifest.json of kind "sharded")
+  kHfExport  // a Hugging Face export: model.safetensors, or
+             // model-NNNNN-of-NNNNN.safetensors with
+             // model.safetensors.index.json (no manifest)
+};
+
 // Step 0. Returns the normalised directory name. InvalidArgument for a
 // nameless directory or chunk_bytes 0, NotFound for a missing parent, the
-// file system's errors from the recovery.
+// file system's errors from the recovery. A write replaces its directory
+// whole, so an existing directory must be empty or hold exactly a
+// checkpoint of `kind` (for kFull and kSharded: the files its manifest
+// lists and manifest.json; for kHfExport: files of the export's names):
+// anything else is FailedPrecondition naming the directory and what it
+// holds, before anything is written, so that no write deletes a file it
+// did not write (a model's config.json beside an export, another kind of
+// checkpoint, any unrelated directory).
 absl::StatusOr<std::string> PrepareCheckpointWrite(
     FileSystem& fs, const std::string& dir,
-    const CheckpointWriteOptions& options);
+    const CheckpointWriteOptions& options, DirKind kind);
 
 // "DIR.tmp-<16 random hex digits>" for a normalised `dir`.
 std::string NewTempDirFor(const std::string& dir);
