@@ -6,13 +6,14 @@
 # stopped-rank run below hung in MPI_Finalize until the stopped rank went
 # on (issue: "a hung or cut-off peer ends the job within the timeout").
 #
-# Usage: mpi_fault_cli_test.sh PATH_TO_CLI_TEST_LIB_SH PATH_TO_MPIRUN_TEST_SH PATH_TO_FSDP
+# Usage: mpi_fault_cli_test.sh PATH_TO_CLI_TEST_LIB_SH PATH_TO_MPIRUN_TEST_SH PATH_TO_FSDP PATH_TO_STOP_ON_OPEN_SO
 set -uo pipefail
 
 # shellcheck source=tools/testing/cli_test_lib.sh
 source "$1"
 mpirun_test=$2
 cli_test_init "$3"
+stop_on_open=$(realpath "$4")
 
 timeout_s=4
 # Beyond the timeout: see comm/mpi/mpi_fault_test.sh.
@@ -88,7 +89,8 @@ expect_err() {  # NAME PATTERN WHAT
 fault_run train-stop STOP 2 train --backend=mpi --steps=1000000
 expect_err train-stop '^fsdp train: .*rank [013]: all_gather #[0-9]+ .*timed out after 4s' \
   "a timeout"
-expect_err train-stop 'no data arrived from rank 2' "the stopped rank named"
+expect_err train-stop 'no data arrived from rank 2|rank 2 has not taken this rank' \
+  "the stopped rank named"
 expect_err train-stop 'ending the MPI job \(MPI_Abort\)' "the job's end"
 
 # The same during the collectives' sweep.
@@ -96,11 +98,40 @@ fault_run collectives-stop STOP 2 collectives --backend=mpi --conformance=false 
   --iterations=1000000 --max-bytes=65536
 expect_err collectives-stop '^fsdp collectives: rank [013] of 4: .*timed out after 4s' \
   "a timeout"
-expect_err collectives-stop 'no data arrived from rank 2' \
+expect_err collectives-stop 'no data arrived from rank 2|rank 2 has not taken this rank' \
   "the stopped rank named"
 expect_err collectives-stop 'ending the MPI job \(MPI_Abort\)' "the job's end"
 
 # A killed rank: mpirun ends the job at once.
 fault_run train-kill KILL 1 train --backend=mpi --steps=1000000
+
+# Rank 2 stopped while it loads its shard of a checkpoint (an LD_PRELOAD
+# library stops it at the open of its rank file): the others time out in
+# the load's exchange and end the job.
+"$fsdp" train --world-size=4 --steps=1 --save="$tmp/ck4" >/dev/null 2>"$tmp/err" ||
+  fail "saving the checkpoint to load: $(head -c 2000 "$tmp/err")"
+LD_PRELOAD="$stop_on_open" STOP_ON_OPEN=ck4/rank00002.safetensors \
+  STOP_ON_OPEN_RANK=2 ASAN_OPTIONS="verify_asan_link_order=0" \
+  MPI_TEST_TIMEOUT_S=$limit_s "$mpirun_test" "$fsdp" train --backend=mpi \
+  --load="$tmp/ck4" --steps=1000000 --timeout="${timeout_s}s" \
+  >"$tmp/out" 2>"$tmp/err"
+status=$?
+end_ms=$(now_ms)
+stopped_ms=$(sed -n 's/^stop_on_open: rank 2: stopped at open of .* at \([0-9]*\)$/\1/p' "$tmp/err")
+if [ -z "$stopped_ms" ]; then
+  fail "load-stop: rank 2 was not stopped at its rank file: $(head -c 2000 "$tmp/err")"
+else
+  elapsed_ms=$((end_ms - stopped_ms))
+  echo "load-stop: rank 2 stopped at its rank file: exit $status after ${elapsed_ms} ms"
+  [ "$elapsed_ms" -le $(((timeout_s + slack_s) * 1000)) ] ||
+    fail "load-stop: the job ended ${elapsed_ms} ms after the stop"
+fi
+[ "$status" -ne 0 ] || fail "load-stop: the job succeeded"
+! grep -q 'mpirun did not finish within' "$tmp/err" ||
+  fail "load-stop: the job hung until the ${limit_s} s limit"
+expect_err load-stop '^fsdp train: --load=.*rank [013]: .*timed out after 4s.*rank 2' \
+  "a timeout of the load naming rank 2"
+left=$(pgrep -f -- "$fsdp train --backend=mpi --load=$tmp/ck4" || true)
+[ -z "$left" ] || { fail "load-stop: processes left behind: $left"; kill -KILL $left; }
 
 cli_test_finish

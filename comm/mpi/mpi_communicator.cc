@@ -1060,8 +1060,9 @@ class Engine {
     std::sort(unread.begin(), unread.end());
     if (missing.empty()) {
       return absl::StrFormat(
-          "every peer's data arrived, but %s not taken this rank's (too "
-          "slow, or the link is lost)",
+          "every peer's data arrived, but %s not taken this rank's "
+          "(stopped, dead, or stuck before this collective, or the link is "
+          "lost)",
           RankList(c, unread, "has", "have"));
     }
     const bool one = missing.size() == 1;
@@ -1814,7 +1815,6 @@ absl::StatusOr<std::vector<std::string>> MpiCommunicator::AllGatherBytes(
   header.seq = info.seq;
   header.op = static_cast<int32_t>(info.code);
   header.pre_divide = header.post_divide = 1.0;
-  const MPI_Comm comm = st.comm;
   const int size = st.size;
   std::vector<std::string> result;
   std::vector<std::string>* out = &result;
@@ -1830,50 +1830,70 @@ absl::StatusOr<std::vector<std::string>> MpiCommunicator::AllGatherBytes(
         m->lengths.resize(size);
         m->send = Alloc(m->length);
         CopyBytes(m->send.get(), bytes.data(), m->length);
-        op.steps.push_back(
-            {"MPI_Iallgather (lengths)",
-             [=](MPI_Request* request) {
-               return MPI_Iallgather(&m->length, 1, MPI_INT64_T,
-                                     m->lengths.data(), 1, MPI_INT64_T, comm,
-                                     request);
-             },
-             [=]() {
-               int64_t total = 0;
-               for (int64_t length : m->lengths) total += length;
-               if (total > INT_MAX) {
-                 return absl::UnimplementedError(absl::StrFormat(
-                     "%s: the ranks' strings total %d bytes (lengths %s), "
-                     "over MPI's int count limit %d",
-                     info.Describe(), total, absl::StrJoin(m->lengths, ","),
-                     INT_MAX));
-               }
-               m->counts.resize(size);
-               m->displs.resize(size);
-               for (int r = 0, offset = 0; r < size; ++r) {
-                 m->counts[r] = static_cast<int>(m->lengths[r]);
-                 m->displs[r] = offset;
-                 offset += m->counts[r];
-               }
-               m->recv = Alloc(total);
-               return absl::OkStatus();
-             }});
+        m->lengths[m->rank] = m->length;
+        // Point-to-point exchanges, as the data collectives, so that a
+        // timeout names the ranks whose part never came.
+        op.steps.push_back(ExchangeStep(
+            "MPI_Isend/MPI_Irecv (lengths)",
+            [m](Requests* requests) {
+              m->type = MPI_INT64_T;
+              return PostExchange(
+                  *m,
+                  [m](int r) {
+                    return std::pair<void*, int>(&m->lengths[r], 1);
+                  },
+                  [m](int) {
+                    return std::pair<const void*, int>(&m->length, 1);
+                  },
+                  requests);
+            },
+            [=]() {
+              int64_t total = 0;
+              for (int64_t length : m->lengths) total += length;
+              if (total > INT_MAX) {
+                return absl::UnimplementedError(absl::StrFormat(
+                    "%s: the ranks' strings total %d bytes (lengths %s), "
+                    "over MPI's int count limit %d",
+                    info.Describe(), total, absl::StrJoin(m->lengths, ","),
+                    INT_MAX));
+              }
+              m->counts.resize(size);
+              m->displs.resize(size);
+              for (int r = 0, offset = 0; r < size; ++r) {
+                m->counts[r] = static_cast<int>(m->lengths[r]);
+                m->displs[r] = offset;
+                offset += m->counts[r];
+              }
+              m->recv = Alloc(total);
+              CopyBytes(m->recv.get() + m->displs[m->rank], m->send.get(),
+                        m->length);
+              return absl::OkStatus();
+            }));
         // `out` is written before Wait() below returns OK; after a
         // timeout this step's finish never runs.
-        op.steps.push_back({"MPI_Iallgatherv",
-                            [=](MPI_Request* request) {
-                              return MPI_Iallgatherv(
-                                  m->send.get(), static_cast<int>(m->length),
-                                  MPI_BYTE, m->recv.get(), m->counts.data(),
-                                  m->displs.data(), MPI_BYTE, comm, request);
-                            },
-                            [=]() {
-                              out->clear();
-                              for (int r = 0; r < size; ++r) {
-                                out->emplace_back(m->recv.get() + m->displs[r],
-                                                  m->counts[r]);
-                              }
-                              return absl::OkStatus();
-                            }});
+        op.steps.push_back(ExchangeStep(
+            "MPI_Isend/MPI_Irecv (strings)",
+            [m](Requests* requests) {
+              m->type = MPI_BYTE;
+              return PostExchange(
+                  *m,
+                  [m](int r) {
+                    return std::pair<void*, int>(m->recv.get() + m->displs[r],
+                                                 m->counts[r]);
+                  },
+                  [m](int) {
+                    return std::pair<const void*, int>(
+                        m->send.get(), static_cast<int>(m->length));
+                  },
+                  requests);
+            },
+            [=]() {
+              out->clear();
+              for (int r = 0; r < size; ++r) {
+                out->emplace_back(m->recv.get() + m->displs[r], m->counts[r]);
+              }
+              return absl::OkStatus();
+            }));
       });
   FLATPARAM_RETURN_IF_ERROR(work->Wait());
   return result;
