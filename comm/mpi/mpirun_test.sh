@@ -4,7 +4,8 @@
 #   mpirun_test.sh BINARY [ARGS...]
 #
 # Environment: MPI_TEST_RANKS (default 4), MPI_TEST_TIMEOUT_S (default 50,
-# under the 60 s of a small test).
+# under the 60 s of a small test), MPI_TEST_RANK_ENV (NAME=VALUE words set
+# for the ranks alone, not for mpirun: an LD_PRELOAD, say).
 #
 # What this sets up, and why:
 # - TMPDIR and the shared-memory backing directory point into this test's
@@ -37,8 +38,12 @@ export ASAN_OPTIONS="detect_leaks=0${ASAN_OPTIONS:+:${ASAN_OPTIONS}}"
 
 ranks="${MPI_TEST_RANKS:-4}"
 limit="${MPI_TEST_TIMEOUT_S:-50}"
+rank_env=()
+for setting in ${MPI_TEST_RANK_ENV:-}; do
+  rank_env+=(-x "${setting}")
+done
 command=(mpirun --allow-run-as-root --oversubscribe --bind-to none
-  -np "${ranks}" -x ASAN_OPTIONS "${binary}" "$@")
+  -np "${ranks}" -x ASAN_OPTIONS "${rank_env[@]}" "${binary}" "$@")
 echo "${command[*]}"
 
 status=0
