@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `fsdp train` and `fsdp collectives` under mpirun with 4 ranks, one rank
-# stopped (kill -STOP) or killed (kill -9) from outside while the job runs:
+# stopped (kill -STOP) or killed (kill -9) from outside while the job runs,
+# or while it loads a checkpoint:
 # the job ends within --timeout plus a slack, with the timeout printed and
 # the stopped rank named, and no process left behind. Before the fix every
 # stopped-rank run below hung in MPI_Finalize until the stopped rank went
@@ -104,35 +105,43 @@ expect_err collectives-stop 'ending the MPI job \(MPI_Abort\)' "the job's end"
 
 # A killed rank: mpirun ends the job at once.
 fault_run train-kill KILL 1 train --backend=mpi --steps=1000000
+fault_run collectives-kill KILL 1 collectives --backend=mpi --conformance=false \
+  --iterations=1000000 --max-bytes=65536
 
-# Rank 2 stopped while it loads its shard of a checkpoint (an LD_PRELOAD
-# library stops it at the open of its rank file): the others time out in
-# the load's exchange and end the job.
+# Rank 2 stopped, or killed, while it loads its shard of a checkpoint (an
+# LD_PRELOAD library signals it at the open of its rank file): the others
+# time out in the load's exchange, or mpirun ends the job.
 "$fsdp" train --world-size=4 --steps=1 --save="$tmp/ck4" >/dev/null 2>"$tmp/err" ||
   fail "saving the checkpoint to load: $(head -c 2000 "$tmp/err")"
-# (An ASan build's runtime then does not come first: allowed.)
-MPI_TEST_RANK_ENV="LD_PRELOAD=$stop_on_open STOP_ON_OPEN=ck4/rank00002.safetensors STOP_ON_OPEN_RANK=2" \
-  ASAN_OPTIONS="verify_asan_link_order=0" \
-  MPI_TEST_TIMEOUT_S=$limit_s "$mpirun_test" "$fsdp" train --backend=mpi \
-  --load="$tmp/ck4" --steps=1000000 --timeout="${timeout_s}s" \
-  >"$tmp/out" 2>"$tmp/err"
-status=$?
-end_ms=$(now_ms)
-stopped_ms=$(sed -n 's/^stop_on_open: rank 2: stopped at open of .* at \([0-9]*\)$/\1/p' "$tmp/err")
-if [ -z "$stopped_ms" ]; then
-  fail "load-stop: rank 2 was not stopped at its rank file: $(head -c 2000 "$tmp/err")"
-else
-  elapsed_ms=$((end_ms - stopped_ms))
-  echo "load-stop: rank 2 stopped at its rank file: exit $status after ${elapsed_ms} ms"
-  [ "$elapsed_ms" -le $(((timeout_s + slack_s) * 1000)) ] ||
-    fail "load-stop: the job ended ${elapsed_ms} ms after the stop"
-fi
-[ "$status" -ne 0 ] || fail "load-stop: the job succeeded"
-! grep -q 'mpirun did not finish within' "$tmp/err" ||
-  fail "load-stop: the job hung until the ${limit_s} s limit"
+load_fault() {  # NAME STOP|KILL
+  local name=$1 signal=$2
+  # (An ASan build's runtime then does not come first: allowed.)
+  MPI_TEST_RANK_ENV="LD_PRELOAD=$stop_on_open STOP_ON_OPEN=ck4/rank00002.safetensors STOP_ON_OPEN_RANK=2 STOP_ON_OPEN_SIGNAL=$signal" \
+    ASAN_OPTIONS="verify_asan_link_order=0" \
+    MPI_TEST_TIMEOUT_S=$limit_s "$mpirun_test" "$fsdp" train --backend=mpi \
+    --load="$tmp/ck4" --steps=1000000 --timeout="${timeout_s}s" \
+    >"$tmp/out" 2>"$tmp/err"
+  status=$?
+  local end_ms stopped_ms elapsed_ms left
+  end_ms=$(now_ms)
+  stopped_ms=$(sed -n 's/^stop_on_open: rank 2: stopped at open of .* at \([0-9]*\)$/\1/p' "$tmp/err")
+  if [ -z "$stopped_ms" ]; then
+    fail "$name: rank 2 was not signalled at its rank file: $(head -c 2000 "$tmp/err")"
+  else
+    elapsed_ms=$((end_ms - stopped_ms))
+    echo "$name: SIG$signal to rank 2 at its rank file: exit $status after ${elapsed_ms} ms"
+    [ "$elapsed_ms" -le $(((timeout_s + slack_s) * 1000)) ] ||
+      fail "$name: the job ended ${elapsed_ms} ms after the signal"
+  fi
+  [ "$status" -ne 0 ] || fail "$name: the job succeeded"
+  ! grep -q 'mpirun did not finish within' "$tmp/err" ||
+    fail "$name: the job hung until the ${limit_s} s limit"
+  left=$(pgrep -f -- "$fsdp train --backend=mpi --load=$tmp/ck4" || true)
+  [ -z "$left" ] || { fail "$name: processes left behind: $left"; kill -KILL $left; }
+}
+load_fault load-stop STOP
 expect_err load-stop '^fsdp train: --load=.*rank [013]: .*timed out after 4s.*rank 2' \
   "a timeout of the load naming rank 2"
-left=$(pgrep -f -- "$fsdp train --backend=mpi --load=$tmp/ck4" || true)
-[ -z "$left" ] || { fail "load-stop: processes left behind: $left"; kill -KILL $left; }
+load_fault load-kill KILL
 
 cli_test_finish

@@ -46,12 +46,15 @@ status=$?
 [ "$status" -eq 0 ] || fail "4 hosts exited $status: $(head -c 2000 "$tmp/err")"
 grep -q 'bitwise equal' "$tmp/out" || fail "4 hosts: not bitwise equal"
 
-# host_fault NAME ACTION: trains on 4 hosts (one rank each) until ACTION
-# ("stop R", "kill R" or "cut H") hits, then checks that the job ends
-# within the bound and leaves nothing behind.
+# host_fault NAME ACTION TARGET [TIMEOUT_S [FSDP_ARGS...]]: runs fsdp (by
+# default training) on 4 hosts, one rank each, until ACTION hits TARGET
+# (stop or kill rank TARGET, or cut host TARGET's link), then checks that
+# the job ends within the bound and leaves nothing behind.
 host_fault() {
   local name=$1 action=$2 target=$3 timeout_s=${4:-$timeout_s}
-  hosts_mpirun 4 1 "$fsdp" train --backend=mpi --steps=1000000 \
+  local command=("${@:5}")
+  [ "${#command[@]}" -gt 0 ] || command=(train --backend=mpi --steps=1000000)
+  hosts_mpirun 4 1 "$fsdp" "${command[@]}" \
     --timeout="${timeout_s}s" >"$tmp/out" 2>"$tmp/err" &
   local job=$! pid="" i
   for i in $(seq 1 300); do
@@ -98,6 +101,8 @@ host_fault cut cut 2 10
 # start one or more daemons").
 grep -qE 'lost communication with a remote daemon|unable to reliably start one or more daemons|no data arrived from rank 2' \
   "$tmp/err" || fail "cut: the lost host is not reported: $(head -c 3000 "$tmp/err")"
+host_fault collectives-cut cut 2 10 collectives --backend=mpi \
+  --conformance=false --iterations=1000000 --max-bytes=65536
 
 # A link that loses packets for 3 s and then recovers, well within the
 # timeout: TCP retransmits, and the run succeeds bitwise.

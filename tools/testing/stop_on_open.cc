@@ -1,10 +1,11 @@
-// A test-only LD_PRELOAD library that stops one MPI rank (SIGSTOP) at a
-// precise point of its work, without a hook in the product: when the rank
-// whose OMPI_COMM_WORLD_RANK equals $STOP_ON_OPEN_RANK first opens a file
-// whose path contains $STOP_ON_OPEN. It prints
-// "stop_on_open: rank R: stopped at open of PATH at T" (T: Unix time in
-// milliseconds) to stderr first, so a test can time the job's end from the
-// fault. Without both variables it only forwards open() and open64().
+// A test-only LD_PRELOAD library that stops one MPI rank (SIGSTOP, or
+// SIGKILL with STOP_ON_OPEN_SIGNAL=KILL) at a precise point of its work,
+// without a hook in the product: when the rank whose OMPI_COMM_WORLD_RANK
+// equals $STOP_ON_OPEN_RANK first opens a file whose path contains
+// $STOP_ON_OPEN. It prints "stop_on_open: rank R: stopped at open of PATH
+// at T" (T: Unix time in milliseconds) to stderr first, so a test can time
+// the job's end from the fault. Without both variables it only forwards
+// open() and open64().
 //
 // Used by //tools:mpi_fault_cli_test to stop a rank while it loads its
 // checkpoint shard.
@@ -33,14 +34,15 @@ void MaybeStop(const char* path) {
       std::strstr(path, pattern) == nullptr || g_stopped.exchange(true)) {
     return;
   }
-  const long long ms =
-      std::chrono::duration_cast<std::chrono::milliseconds>(
-          std::chrono::system_clock::now().time_since_epoch())
-          .count();
+  const long long ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                           std::chrono::system_clock::now().time_since_epoch())
+                           .count();
   std::fprintf(stderr, "stop_on_open: rank %s: stopped at open of %s at %lld\n",
                me, path, ms);
   std::fflush(stderr);
-  raise(SIGSTOP);
+  const char* signal = std::getenv("STOP_ON_OPEN_SIGNAL");
+  raise(signal != nullptr && std::strcmp(signal, "KILL") == 0 ? SIGKILL
+                                                              : SIGSTOP);
 }
 
 using OpenFn = int (*)(const char*, int, ...);
