@@ -23,6 +23,7 @@
 #include "flatparam/checkpoint/collective_checkpoint.h"
 #include "flatparam/checkpoint/convert.h"
 #include "flatparam/checkpoint/file_system.h"
+#include "flatparam/checkpoint/manifest.h"
 #include "flatparam/checkpoint/optim_io.h"
 #include "flatparam/layout.h"
 #include "refmodel/model.h"
@@ -847,9 +848,9 @@ absl::Status AgreeOnLoad(Communicator& world, const absl::Status& mine,
 
 }  // namespace
 
-absl::StatusOr<std::string> ResolveLoadDir(checkpoint::FileSystem& fs,
-                                           const std::string& pattern,
-                                           int* candidates) {
+absl::StatusOr<std::string> ResolveLoadDir(
+    checkpoint::FileSystem& fs, const std::string& pattern, int* candidates,
+    std::vector<std::string>* skipped_out) {
   if (candidates != nullptr) *candidates = 0;
   const size_t at = pattern.find(kStepPlaceholder);
   if (at == std::string::npos) return pattern;
@@ -886,15 +887,25 @@ absl::StatusOr<std::string> ResolveLoadDir(checkpoint::FileSystem& fs,
   }
   if (candidates != nullptr) *candidates = static_cast<int>(steps.size());
   std::sort(steps.rbegin(), steps.rend());
+  std::vector<std::string> skipped;
   for (const auto& [step, dir] : steps) {
-    absl::StatusOr<bool> published =
-        fs.Exists(absl::StrCat(dir, "/manifest.json"));
-    if (published.ok() && *published) return dir;
+    // Published, and every listed file there at its size (a cheap check;
+    // the load verifies the checksums of every byte it reads).
+    checkpoint::VerifyOptions sizes_only;
+    sizes_only.verify_checksums = false;
+    const absl::Status verified =
+        checkpoint::VerifyManifest(fs, dir, sizes_only).status();
+    if (verified.ok()) {
+      if (skipped_out != nullptr) *skipped_out = std::move(skipped);
+      return dir;
+    }
+    skipped.push_back(absl::StrCat(dir, " (", verified.message(), ")"));
   }
   return absl::NotFoundError(absl::StrFormat(
-      "--load=%s: no published checkpoint (a directory with a "
-      "manifest.json) matches it in %s (%d directories matched the name)",
-      pattern, parent, steps.size()));
+      "--load=%s: no complete checkpoint matches it in %s (%d directories "
+      "matched the name%s%s)",
+      pattern, parent, steps.size(),
+      skipped.empty() ? "" : "; skipped: ", absl::StrJoin(skipped, "; ")));
 }
 
 absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
@@ -923,7 +934,8 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
       int candidates = 0;
       FLATPARAM_ASSIGN_OR_RETURN(
           report.load_resolved_from,
-          ResolveLoadDir(fs, options.load_dir, &candidates));
+          ResolveLoadDir(fs, options.load_dir, &candidates,
+                         &report.load_skipped));
       report.load_candidates = candidates;
       report.load_pattern = options.load_dir;
       checkpoint::CheckpointOpenOptions metadata_only;
@@ -1101,8 +1113,11 @@ void PrintTrainReport(const TrainReport& report, std::ostream& out) {
         report.loaded_from, o.first_step, DescribeSegments(report.history, o));
     if (report.load_candidates > 0) {
       out << absl::StrFormat(
-          "# the newest published checkpoint of %d matching --load=%s\n",
+          "# the newest complete checkpoint of %d matching --load=%s\n",
           report.load_candidates, report.load_pattern);
+      for (const std::string& skipped : report.load_skipped) {
+        out << "# skipped, incomplete or damaged: " << skipped << "\n";
+      }
     }
     if (!report.resharded_from.empty()) {
       out << absl::StrFormat(

@@ -222,13 +222,16 @@ absl::StatusOr<ResumePoint> ResumeFromExtra(const TrainCommandOptions& command,
 
 // --load's directory: `pattern` itself, or, when it contains "{step}", the
 // matching directory (the step as decimal digits, nothing else) with the
-// highest step among those holding a published checkpoint (a manifest.json:
-// saves publish it last, atomically, so a save cut off by a crash has
-// none). `*candidates`, when set, receives how many directories matched.
-// NotFound when none holds a checkpoint.
-absl::StatusOr<std::string> ResolveLoadDir(checkpoint::FileSystem& fs,
-                                           const std::string& pattern,
-                                           int* candidates = nullptr);
+// highest step among those holding a complete checkpoint: a manifest.json
+// (saves publish it last, atomically, so a save cut off by a crash has
+// none) whose files are all there at their sizes (checksums are left to
+// the load, which verifies every byte it reads). `*candidates`, when set,
+// receives how many directories matched, and `*skipped` the newer ones
+// passed over, each with why. NotFound when none holds a complete
+// checkpoint.
+absl::StatusOr<std::string> ResolveLoadDir(
+    checkpoint::FileSystem& fs, const std::string& pattern,
+    int* candidates = nullptr, std::vector<std::string>* skipped = nullptr);
 
 // InvalidArgument naming the flag for options that make no sense before
 // the world size is known (an unknown backend, strategy, precision,
@@ -303,6 +306,7 @@ struct TrainReport {
   std::string load_pattern;
   std::string load_resolved_from;
   int load_candidates = 0;
+  std::vector<std::string> load_skipped;
   // Set when --load resharded the checkpoint at load time: what it was
   // saved with ("8 ranks, FULL_SHARD").
   std::string resharded_from;

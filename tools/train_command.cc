@@ -211,7 +211,7 @@ constexpr char kHelp[] =
     "                           them); another world size, strategy or\n"
     "                           alignment reshards it at load time (each rank\n"
     "                           reads its byte ranges of the saved ranks'\n"
-    "                           files). {step} in DIR: the newest published\n"
+    "                           files). {step} in DIR: the newest complete\n"
     "                           checkpoint that matches (after a crash, the\n"
     "                           same DIR as --save). With --check-reference,\n"
     "                           compares with single-process training of all\n"

@@ -146,7 +146,7 @@ hosts_mpirun 3 1 "$fsdp" train --backend=mpi --steps=2 \
 status=$?
 cat "$tmp/out"
 [ "$status" -eq 0 ] || fail "elastic: the restart exited $status: $(head -c 2000 "$tmp/err")"
-grep -q '^# the newest published checkpoint of ' "$tmp/out" ||
+grep -q '^# the newest complete checkpoint of ' "$tmp/out" ||
   fail "elastic: not resumed from the newest checkpoint"
 grep -qE 'on 4 ranks FULL_SHARD with 1 micro-batch of 8 samples; then this run\): 0 .*bitwise equal' \
   "$tmp/out" || fail "elastic: the restart is not bitwise equal"

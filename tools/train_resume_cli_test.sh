@@ -144,16 +144,22 @@ done
 # A restart on another number of ranks from the newest published
 # checkpoint of a run that saved every step: --load takes the same
 # "{step}" pattern as --save and skips a save cut off before publishing
-# (no manifest.json). The saved global batch (8) carries over when the new
+# (no manifest.json) and a damaged one (a truncated file). The saved global batch (8) carries over when the new
 # world size divides it, and otherwise must be changed on request; the
 # reference replays each segment with its own batch.
 expect_exit 0 train --world-size=4 --steps=3 --save-every=1 --save="$tmp/every{step}"
 mkdir -p "$tmp/every9"  # a save that never published
+cp -r "$tmp/every3" "$tmp/every5"  # a published one, since damaged
+truncate -s 10 "$tmp/every5/rank00001.safetensors"
 expect_exit 0 train --world-size=2 --steps=1 --load="$tmp/every{step}" --check-reference
 grep -q "^# resumed from $tmp/every3 at step 3" "$tmp/out" ||
   fail "{step}: not resumed from the newest published checkpoint: $(head -c 2000 "$tmp/out")"
-grep -q '^# the newest published checkpoint of 4 matching' "$tmp/out" ||
+grep -q '^# the newest complete checkpoint of 5 matching' "$tmp/out" ||
   fail "{step}: the choice is not reported"
+grep -q "^# skipped, incomplete or damaged: $tmp/every9 (.*manifest" "$tmp/out" ||
+  fail "{step}: the unpublished save is not reported as skipped"
+grep -q "^# skipped, incomplete or damaged: $tmp/every5 (.*rank00001.safetensors" "$tmp/out" ||
+  fail "{step}: the damaged checkpoint is not reported as skipped"
 grep -q 'bitwise equal' "$tmp/out" || fail "{step}: W=2 not bitwise equal"
 expect_exit 1 train --world-size=3 --steps=1 --load="$tmp/every{step}"
 grep -q 'cannot split evenly: give --global-batch=6 or 9' "$tmp/err" ||
@@ -163,7 +169,7 @@ expect_exit 0 train --world-size=3 --steps=2 --load="$tmp/every{step}" \
 grep -q 'chained: steps 0-2 on 4 ranks FULL_SHARD with 1 micro-batch of 8 samples; then this run): 0 .*bitwise equal' \
   "$tmp/out" || fail "W=3, batch 6: not bitwise equal: $(head -c 2000 "$tmp/out")"
 expect_exit 1 train --world-size=3 --load="$tmp/none{step}"
-grep -q 'no published checkpoint' "$tmp/err" ||
+grep -q 'no complete checkpoint matches it' "$tmp/err" ||
   fail "{step} with no match: $(head -c 2000 "$tmp/err")"
 
 cli_test_finish
