@@ -1,8 +1,15 @@
 #include "tools/common_flags.h"
 
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
+#include "absl/strings/strip.h"
 
 ABSL_FLAG(std::string, model, "",
           "A model preset (gpt2, llama2-7b, ...) or a model JSON file.");
@@ -36,7 +43,35 @@ ABSL_FLAG(std::optional<absl::Duration>, timeout, std::nullopt,
 namespace flatparam {
 namespace tools {
 
+namespace {
+
+// Set once by SetGivenFlags, on the main thread, before any reader.
+std::optional<std::set<std::string>>& GivenFlags() {
+  static auto* given = new std::optional<std::set<std::string>>;
+  return *given;
+}
+
+}  // namespace
+
+void SetGivenFlags(const std::vector<std::string>& args) {
+  std::set<std::string> names;
+  for (const std::string& arg : args) {
+    if (arg == "--") break;
+    absl::string_view name = arg;
+    if (!absl::ConsumePrefix(&name, "--") && !absl::ConsumePrefix(&name, "-")) {
+      continue;
+    }
+    name = name.substr(0, name.find('='));
+    names.emplace(name);
+    if (absl::ConsumePrefix(&name, "no")) names.emplace(name);
+  }
+  GivenFlags() = std::move(names);
+}
+
 bool FlagChanged(absl::string_view name) {
+  if (GivenFlags().has_value()) {
+    return GivenFlags()->count(std::string(name)) != 0;
+  }
   const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
   return flag != nullptr && flag->CurrentValue() != flag->DefaultValue();
 }

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/flags/declare.h"
 #include "absl/strings/string_view.h"
@@ -35,7 +36,15 @@ ABSL_DECLARE_FLAG(std::optional<absl::Duration>, timeout);
 namespace flatparam {
 namespace tools {
 
-// True when flag `name` (underscored) was given a non-default value.
+// Records the flags given on the command line (underscored names, as
+// fsdp_main.cc passes them to absl; "--noX" records X too), for
+// FlagChanged. fsdp_main.cc calls it once, before the subcommand runs.
+void SetGivenFlags(const std::vector<std::string>& args);
+
+// True when flag `name` (underscored) was given on the command line,
+// whatever its value (so `--world-size=8` counts although 8 is the
+// default). Without SetGivenFlags (a test that sets flags itself): when
+// its value differs from the default.
 bool FlagChanged(absl::string_view name);
 
 // The layout flags as a request (not yet validated).

@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "tools/common_flags.h"
 #include "tools/subcommand.h"
 
 namespace flatparam {
@@ -107,6 +108,8 @@ int Main(int argc, char** argv) {
   // absl parses as if the subcommand were the program: "fsdp inspect".
   std::vector<std::string> args = NormalizeFlagNames(argc - 1, argv + 1);
   args[0] = absl::StrCat("fsdp ", name);
+  // What was given, whatever its value: an explicit default still counts.
+  SetGivenFlags(args);
   std::vector<char*> arg_ptrs;
   for (std::string& a : args) arg_ptrs.push_back(a.data());
   absl::SetProgramUsageMessage(absl::StrCat("fsdp ", name, ": ",

@@ -29,7 +29,12 @@ MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" train --backend=mpi \
 grep -q -- '--timeout=0: expected a positive' "$tmp/err" ||
   fail "--timeout=0s under mpirun not rejected by name: $(head -c 2000 "$tmp/err")"
 
-# --world-size must agree with mpirun's.
+# --world-size must agree with mpirun's, also when it is the default (8).
+MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" train --backend=mpi \
+  --world-size=8 >"$tmp/out" 2>"$tmp/err"
+[ $? -ne 0 ] || fail "--world-size=8 under 4 ranks succeeded"
+grep -q -- '--world-size=8, but the MPI job has 4 ranks' "$tmp/err" ||
+  fail "explicit default world size mismatch not refused: $(head -c 2000 "$tmp/err")"
 MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" train --backend=mpi \
   --world-size=2 >"$tmp/out" 2>"$tmp/err"
 [ $? -ne 0 ] || fail "--world-size=2 under 4 ranks succeeded"
