@@ -35,6 +35,16 @@ grep -q 'unknown subcommand "frobnicate"' "$tmp/err" ||
   fail "unknown subcommand not named"
 expect_exit 2 inspect --model=gpt2 extra-argument
 
+# An unknown flag: exit 2, naming the command and the closest flag.
+expect_exit 2 inspect --model=gpt2 --worldsize=4
+grep -q '^fsdp inspect: unknown flag --worldsize; did you mean --world-size?' \
+  "$tmp/err" || fail "unknown flag: $(cat "$tmp/err")"
+expect_exit 2 train --no-such-thing
+grep -q '^fsdp train: unknown flag --no-such-thing' "$tmp/err" ||
+  fail "unknown flag without a near one: $(cat "$tmp/err")"
+grep -q 'did you mean' "$tmp/err" && fail "a far flag suggested: $(cat "$tmp/err")"
+expect_exit 0 train --steps=1 --no-sync --nocheck-reference
+
 # Help goes to stdout with exit 0.
 expect_exit 0 --help
 grep -q 'inspect' "$tmp/out" || fail "--help does not list inspect"
@@ -48,6 +58,6 @@ grep -q 'world-size' "$tmp/err" || fail "world size error not reported"
 expect_exit 1 inspect --model=no-such-model.json
 grep -q 'no-such-model.json' "$tmp/err" || fail "missing file not named"
 expect_exit 1 inspect --model=gpt2 --strategy=ZERO3
-expect_exit 1 inspect --model=gpt2 --no-such-flag
+expect_exit 2 inspect --model=gpt2 --no-such-flag
 
 cli_test_finish

@@ -1,19 +1,24 @@
 // The `fsdp` command-line tool: `fsdp SUBCOMMAND [--flags...]`.
 //
-// Exit codes: 0 success; 1 the command failed (message on stderr; absl's
-// flag parser also exits 1 on an unknown flag); 2 no or unknown subcommand,
-// or a malformed command line.
+// Exit codes: 0 success; 1 the command failed (message on stderr); 2 no or
+// unknown subcommand, an unknown flag (with the closest known one), or a
+// malformed command line.
 #include <algorithm>
 #include <iostream>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
 
+#include "absl/flags/commandlineflag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "tools/common_flags.h"
 #include "tools/subcommand.h"
 
@@ -77,6 +82,69 @@ std::vector<std::string> NormalizeFlagNames(int argc, char** argv) {
   return out;
 }
 
+// Levenshtein distance, for suggesting the flag a user meant.
+size_t EditDistance(absl::string_view a, absl::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1,
+                         diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+// The first flag of `args` (underscored, as absl sees them) that no
+// command knows, with a suggestion, for exit 2 instead of absl's exit 1.
+// `typed` holds the arguments as the user typed them, index for index.
+std::optional<std::string> UnknownFlag(absl::string_view command,
+                                       const std::vector<std::string>& args,
+                                       char** typed) {
+  const auto flags = absl::GetAllFlags();
+  for (size_t i = 1; i < args.size(); ++i) {
+    absl::string_view name = args[i];
+    if (name == "--") break;
+    if (!absl::ConsumePrefix(&name, "--") && !absl::ConsumePrefix(&name, "-")) {
+      continue;
+    }
+    name = name.substr(0, name.find('='));
+    absl::string_view positive = name;
+    if (flags.contains(name) ||
+        (absl::ConsumePrefix(&positive, "no") && flags.contains(positive))) {
+      continue;
+    }
+    std::string best;
+    size_t best_distance = std::string::npos;
+    for (const auto& [flag_name, flag] : flags) {
+      if (flag->IsRetired() || absl::StrContains(flag->Filename(), "absl/")) {
+        continue;
+      }
+      const size_t d = EditDistance(name, flag_name);
+      if (d < best_distance || (d == best_distance && flag_name < best)) {
+        best_distance = d;
+        best = std::string(flag_name);
+      }
+    }
+    absl::string_view as_typed = typed[i];
+    as_typed = as_typed.substr(0, as_typed.find('='));
+    std::string message =
+        absl::StrCat("fsdp ", command, ": unknown flag ", as_typed);
+    if (!best.empty() &&
+        best_distance <= std::max<size_t>(2, name.size() / 3)) {
+      std::replace(best.begin(), best.end(), '_', '-');
+      absl::StrAppend(&message, "; did you mean --", best, "?");
+    }
+    absl::StrAppend(&message, " (fsdp ", command, " --help lists its flags)");
+    return message;
+  }
+  return std::nullopt;
+}
+
 int Main(int argc, char** argv) {
   if (argc < 2) {
     PrintUsage(std::cerr);
@@ -110,6 +178,10 @@ int Main(int argc, char** argv) {
   args[0] = absl::StrCat("fsdp ", name);
   // What was given, whatever its value: an explicit default still counts.
   SetGivenFlags(args);
+  if (std::optional<std::string> unknown = UnknownFlag(name, args, argv + 1)) {
+    std::cerr << *unknown << "\n";
+    return kExitUsage;
+  }
   std::vector<char*> arg_ptrs;
   for (std::string& a : args) arg_ptrs.push_back(a.data());
   absl::SetProgramUsageMessage(absl::StrCat("fsdp ", name, ": ",
