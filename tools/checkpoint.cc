@@ -20,6 +20,7 @@
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/hf_checkpoint.h"
 #include "flatparam/checkpoint/manifest.h"
+#include "flatparam/presets.h"
 
 namespace flatparam {
 namespace tools {
@@ -283,6 +284,20 @@ absl::Status RunCheckpoint(const CheckpointCommand& c, std::ostream& out,
                                          resolved.layout.options(),
                                          resolved.world_size, c.out, import);
       status = r.status();
+      // A Hugging Face checkpoint against a preset with the model's own
+      // names: point at the preset with Hugging Face's names.
+      const std::string hf_preset = absl::StrCat(c.layout.model, "-hf");
+      if (!status.ok() &&
+          absl::StrContains(status.message(), "unexpected tensor") &&
+          IsPresetName(c.layout.model) && IsPresetName(hf_preset)) {
+        status = absl::Status(
+            status.code(),
+            absl::StrFormat("did you mean --model=%s? %s is a Hugging Face "
+                            "checkpoint, whose parameter names are those of "
+                            "%s, not of %s: %s",
+                            hf_preset, c.in, hf_preset, c.layout.model,
+                            status.message()));
+      }
       if (r.ok()) {
         lines.push_back(absl::StrFormat(
             "%s: imported %d tensors of %d Hugging Face file%s into model "

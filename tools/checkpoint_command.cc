@@ -132,7 +132,9 @@ constexpr char kHelp[] =
     "  --max-shard-size=S       export: bytes of tensors per file (5GB)\n"
     "layout flags (shard, reshard; --model also for init):\n";
 
-void PrintHelp(std::ostream& out) { out << kHelp << kLayoutFlagsHelp; }
+void PrintHelp(std::ostream& out) {
+  out << kHelp << kLayoutFlagsHelp << "\n" << PresetsHelp();
+}
 
 }  // namespace
 

@@ -9,7 +9,9 @@
 #include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "flatparam/presets.h"
 
 ABSL_FLAG(std::string, model, "",
           "A model preset (gpt2, llama2-7b, ...) or a model JSON file.");
@@ -100,6 +102,20 @@ LayoutRequest LayoutRequestFromFlags() {
   r.dtype = absl::GetFlag(FLAGS_dtype);
   r.shard_group_size = absl::GetFlag(FLAGS_shard_group_size);
   return r;
+}
+
+std::string PresetsHelp() {
+  std::string out;
+  std::string line = "presets (--model=NAME):";
+  for (const std::string& name : PresetNames()) {
+    if (line.size() + name.size() + 2 > 76) {
+      absl::StrAppend(&out, line, "\n");
+      line = " ";
+    }
+    absl::StrAppend(&line, " ", name);
+  }
+  absl::StrAppend(&out, line, "\n");
+  return out;
 }
 
 }  // namespace tools

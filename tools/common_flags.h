@@ -53,6 +53,10 @@ LayoutRequest LayoutRequestFromFlags();
 // Help text for the layout flags, one per line, for subcommand help.
 extern const char kLayoutFlagsHelp[];
 
+// "presets: gpt2, gpt2-medium, ..." wrapped at 76 columns, every preset
+// --model accepts (PresetNames()), for subcommand help.
+std::string PresetsHelp();
+
 }  // namespace tools
 }  // namespace flatparam
 

@@ -45,6 +45,19 @@ grep -q '^fsdp train: unknown flag --no-such-thing' "$tmp/err" ||
 grep -q 'did you mean' "$tmp/err" && fail "a far flag suggested: $(cat "$tmp/err")"
 expect_exit 0 train --steps=1 --no-sync --nocheck-reference
 
+# Every preset --model accepts is listed in --help.
+expect_exit 0 inspect --help
+for preset in gpt2 gpt2-xl llama2-13b llama3-70b llama2-7b-hf llama3-70b-hf; do
+  grep -qw -- "$preset" "$tmp/out" || fail "inspect --help lacks preset $preset"
+done
+expect_exit 1 inspect --model=not-a-preset
+for preset in $(sed -n 's/.*is not a preset (\([^)]*\)).*/\1/p' "$tmp/err" | tr -d ','); do
+  for command in inspect plan checkpoint; do
+    expect_exit 0 "$command" --help
+    grep -qw -- "$preset" "$tmp/out" || fail "$command --help lacks preset $preset"
+  done
+done
+
 # Help goes to stdout with exit 0.
 expect_exit 0 --help
 grep -q 'inspect' "$tmp/out" || fail "--help does not list inspect"

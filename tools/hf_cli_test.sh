@@ -152,6 +152,17 @@ grep -q 'applies to Hugging Face checkpoints only' "$tmp/err" ||
 expect_exit 0 checkpoint --help
 grep -q 'fsdp checkpoint export' "$tmp/out" || fail "help lacks export"
 
+# Hugging Face names against a preset with the model's own names: the
+# error points at the preset with Hugging Face's names.
+cat >"$tmp/hfnames.json" <<'EOF'
+{"params": [{"fqn": "model.embed_tokens.weight", "shape": [2, 2]}]}
+EOF
+np make --spec="$tmp/hfnames.json" --out="$tmp/hfnames" --shards=1 --seed=1
+expect_exit 1 checkpoint shard --in="$tmp/hfnames" --model=llama2-7b \
+  --world-size=2 --out="$tmp/x"
+grep -q 'did you mean --model=llama2-7b-hf?' "$tmp/err" ||
+  fail "no preset suggestion: $(head -c 2000 "$tmp/err")"
+
 # No command deletes what it did not write. An export into a directory
 # holding a model's config and tokenizer is refused and leaves them; so is
 # an export back into the original download (its shards and config.json);

@@ -44,7 +44,8 @@ constexpr char kHelp[] =
 
 void PrintHelp(std::ostream& out) {
   out << kHelp << kLayoutFlagsHelp
-      << "  --format=table|json      output format (default table)\n";
+      << "  --format=table|json      output format (default table)\n\n"
+      << PresetsHelp();
 }
 
 }  // namespace

@@ -155,7 +155,7 @@ constexpr char kHelp[] =
     "                           trace-event JSON: compute and comm threads,\n"
     "                           memory counters; one process per strategy)\n";
 
-void PrintHelp(std::ostream& out) { out << kHelp; }
+void PrintHelp(std::ostream& out) { out << kHelp << "\n" << PresetsHelp(); }
 
 }  // namespace
 
