@@ -80,7 +80,7 @@ grep -q -- '--backward-prefetch=B' "$tmp/out" ||
   fail "help lacks --backward-prefetch"
 grep -q -- '--limit-all-gathers=N' "$tmp/out" ||
   fail "help lacks --limit-all-gathers"
-expect_exit 1 train --no-such-flag
+expect_exit 2 train --no-such-flag
 expect_exit 2 train extra-argument
 
 cli_test_finish
