@@ -18,7 +18,7 @@ stop_on_open=$(realpath "$4")
 
 timeout_s=4
 # Beyond the timeout: see comm/mpi/mpi_fault_test.sh.
-slack_s=${MPI_FAULT_SLACK_S:-15}
+slack_s=$((${MPI_FAULT_SLACK_S:-15} * ${FLATPARAM_TEST_TIME_SCALE:-1}))
 limit_s=90
 
 now_ms() { date +%s%3N; }

@@ -27,7 +27,7 @@ hosts_init 4 || exit 0
 
 timeout_s=4
 # Beyond the timeout: see comm/mpi/mpi_fault_test.sh.
-slack_s=${MPI_FAULT_SLACK_S:-15}
+slack_s=$((${MPI_FAULT_SLACK_S:-15} * ${FLATPARAM_TEST_TIME_SCALE:-1}))
 export HOSTS_MPIRUN_LIMIT_S=90
 
 now_ms() { date +%s%3N; }

@@ -19,7 +19,7 @@ timeout_s=4
 # goal, measured on a quiet machine, is 2 s (README, "Reliability"); this
 # bound holds on a loaded 2-core CI machine with sanitizers and still
 # fails a hang, which the limit below turns into status 124.
-slack_s=${MPI_FAULT_SLACK_S:-15}
+slack_s=$((${MPI_FAULT_SLACK_S:-15} * ${FLATPARAM_TEST_TIME_SCALE:-1}))
 limit_s=60
 
 fail() {

@@ -4,7 +4,8 @@
 #   mpirun_test.sh BINARY [ARGS...]
 #
 # Environment: MPI_TEST_RANKS (default 4), MPI_TEST_TIMEOUT_S (default 50,
-# under the 60 s of a small test), MPI_TEST_RANK_ENV (NAME=VALUE words set
+# under the 60 s of a small test; times FLATPARAM_TEST_TIME_SCALE, which
+# the sanitizer configs set), MPI_TEST_RANK_ENV (NAME=VALUE words set
 # for the ranks alone, not for mpirun: an LD_PRELOAD, say).
 #
 # What this sets up, and why:
@@ -37,7 +38,8 @@ export OMPI_MCA_btl_vader_backing_directory="${scratch}"
 export ASAN_OPTIONS="detect_leaks=0${ASAN_OPTIONS:+:${ASAN_OPTIONS}}"
 
 ranks="${MPI_TEST_RANKS:-4}"
-limit="${MPI_TEST_TIMEOUT_S:-50}"
+# Sanitized builds scale wall-clock limits (.bazelrc).
+limit=$((${MPI_TEST_TIMEOUT_S:-50} * ${FLATPARAM_TEST_TIME_SCALE:-1}))
 rank_env=()
 for setting in ${MPI_TEST_RANK_ENV:-}; do
   rank_env+=(-x "${setting}")

@@ -29,12 +29,14 @@ fail() {
 
 # expect_exit CODE ARGS...: runs fsdp with ARGS, checks the exit code, and
 # leaves stdout/stderr in $tmp/out and $tmp/err. With CLI_TEST_TIMEOUT_S set,
-# a run that takes longer is killed (and exits 124).
+# a run that takes longer (times FLATPARAM_TEST_TIME_SCALE, which the
+# sanitizer configs set) is killed (and exits 124).
 expect_exit() {
   local want=$1
   shift
   if [ -n "${CLI_TEST_TIMEOUT_S:-}" ]; then
-    timeout "$CLI_TEST_TIMEOUT_S" "$fsdp" "$@" >"$tmp/out" 2>"$tmp/err"
+    timeout $((CLI_TEST_TIMEOUT_S * ${FLATPARAM_TEST_TIME_SCALE:-1})) \
+      "$fsdp" "$@" >"$tmp/out" 2>"$tmp/err"
   else
     "$fsdp" "$@" >"$tmp/out" 2>"$tmp/err"
   fi

@@ -98,7 +98,8 @@ hosts_ns() { echo "${hosts_tag}h$1"; }
 
 # hosts_mpirun HOSTS RANKS_PER_HOST PROGRAM ARGS...: runs one job over
 # hosts 0..HOSTS-1, rank r on host r / RANKS_PER_HOST; bounded by
-# $HOSTS_MPIRUN_LIMIT_S (default 120) with `timeout`.
+# $HOSTS_MPIRUN_LIMIT_S (default 120) times FLATPARAM_TEST_TIME_SCALE with
+# `timeout`.
 hosts_mpirun() {
   local hosts=$1 per_host=$2
   shift 2
@@ -117,7 +118,8 @@ hosts_mpirun() {
   local command
   printf -v command '%q ' "${mpirun[@]}"
   ASAN_OPTIONS="detect_leaks=0${ASAN_OPTIONS:+:$ASAN_OPTIONS}" \
-    timeout --kill-after=10 "${HOSTS_MPIRUN_LIMIT_S:-120}" \
+    timeout --kill-after=10 \
+    $((${HOSTS_MPIRUN_LIMIT_S:-120} * ${FLATPARAM_TEST_TIME_SCALE:-1})) \
     ip netns exec "$(hosts_ns 0)" "$hosts_dir/hostshell.sh" "$(hosts_ns 0)" \
     "exec $command"
 }
