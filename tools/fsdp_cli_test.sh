@@ -45,6 +45,18 @@ grep -q '^fsdp train: unknown flag --no-such-thing' "$tmp/err" ||
 grep -q 'did you mean' "$tmp/err" && fail "a far flag suggested: $(cat "$tmp/err")"
 expect_exit 0 train --steps=1 --no-sync --nocheck-reference
 
+# Under `bazel run` (BUILD_WORKING_DIRECTORY set), relative paths mean the
+# user's directory, not the runfiles directory.
+mkdir -p "$tmp/wd"
+cp "$(dirname "$fsdp")/testdata/tiny_model.json" "$tmp/wd/my_model.json" 2>/dev/null ||
+  echo '{"params": [{"fqn": "w", "shape": [3, 5]}]}' >"$tmp/wd/my_model.json"
+BUILD_WORKING_DIRECTORY="$tmp/wd" expect_exit 0 inspect --model=my_model.json \
+  --world-size=2
+BUILD_WORKING_DIRECTORY="$tmp/wd" expect_exit 0 checkpoint init \
+  --model=my_model.json --out=relative_ckpt
+[ -f "$tmp/wd/relative_ckpt/manifest.json" ] ||
+  fail "a relative --out under bazel run did not land in the working directory"
+
 # Every preset --model accepts is listed in --help.
 expect_exit 0 inspect --help
 for preset in gpt2 gpt2-xl llama2-13b llama3-70b llama2-7b-hf llama3-70b-hf; do

@@ -3,7 +3,12 @@
 // Exit codes: 0 success; 1 the command failed (message on stderr); 2 no or
 // unknown subcommand, an unknown flag (with the closest known one), or a
 // malformed command line.
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <optional>
 #include <ostream>
@@ -146,6 +151,15 @@ std::optional<std::string> UnknownFlag(absl::string_view command,
 }
 
 int Main(int argc, char** argv) {
+  // Under `bazel run` the tool starts in its runfiles directory; relative
+  // paths (--model=my_model.json, --out=dir) mean the user's directory, as
+  // with Bazel's own tools.
+  if (const char* dir = std::getenv("BUILD_WORKING_DIRECTORY");
+      dir != nullptr && *dir != '\0' && chdir(dir) != 0) {
+    std::cerr << "fsdp: cannot change to BUILD_WORKING_DIRECTORY " << dir
+              << ": " << std::strerror(errno) << "\n";
+    return kExitError;
+  }
   if (argc < 2) {
     PrintUsage(std::cerr);
     return kExitUsage;
