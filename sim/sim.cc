@@ -1182,9 +1182,14 @@ std::optional<SimWorld::Delivery> SimWorld::PrepareDelivery(Op& op) {
     }
     if (bit < 0 || bit >= bits) {
       FailOp(op, absl::StatusCode::kFailedPrecondition,
-             absl::StrFormat("fault %s cannot apply: rank %d's payload in this "
-                             "operation has %d bits",
-                             f->ToString(), ms[sender].world_rank, bits));
+             absl::StrFormat(
+                 "fault %s cannot apply: rank %d's payload in this operation "
+                 "(%s #%d) has %d bits; a flip needs an op whose payload is "
+                 "not empty (not a barrier, a split, or a collective of count "
+                 "0, such as the conformance suite's first cases) and a bit "
+                 "below its size: --trace shows what each op number is",
+                 f->ToString(), ms[sender].world_rank, KindName(d.kind), op.seq,
+                 bits));
       return std::nullopt;
     }
     d.flipped.assign(d.src[sender], d.src[sender] + d.payload[sender]);

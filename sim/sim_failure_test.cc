@@ -598,8 +598,9 @@ TEST(SimFaultTest, FlipWithoutPayloadIsReported) {
   for (const absl::Status& s : statuses) {
     EXPECT_THAT(s, StatusIs(absl::StatusCode::kFailedPrecondition,
                             HasSubstr("fault flip:rank=0:op=0 cannot apply: "
-                                      "rank 0's payload in this operation has "
-                                      "0 bits")));
+                                      "rank 0's payload in this operation "
+                                      "(barrier #0) has 0 bits; a flip needs "
+                                      "an op whose payload is not empty")));
   }
   world = MakeWorld(2, "flip:rank=1:op=0:bit=64");
   statuses = RunAll(*world, [](Communicator& comm) -> absl::Status {
