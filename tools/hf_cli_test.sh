@@ -152,6 +152,14 @@ grep -q 'applies to Hugging Face checkpoints only' "$tmp/err" ||
 expect_exit 0 checkpoint --help
 grep -q 'fsdp checkpoint export' "$tmp/out" || fail "help lacks export"
 
+# One shard file of an indexed checkpoint: the error points at the
+# directory.
+shard_file=$(ls "$tmp/hf"/model-*.safetensors | head -n 1)
+expect_exit 1 checkpoint shard --in="$shard_file" --model="$tiny" \
+  --world-size=2 --out="$tmp/x"
+grep -q 'is one shard of the checkpoint that .*model.safetensors.index.json indexes: point --in at the directory' \
+  "$tmp/err" || fail "a shard file as --in: $(head -c 2000 "$tmp/err")"
+
 # Hugging Face names against a preset with the model's own names: the
 # error points at the preset with Hugging Face's names.
 cat >"$tmp/hfnames.json" <<'EOF'

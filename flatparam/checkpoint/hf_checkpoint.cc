@@ -269,6 +269,16 @@ absl::StatusOr<HfCheckpointReader> HfCheckpointReader::Open(
     if (absl::EndsWith(path, ".json")) {
       reader.index_path_ = path;
     } else {
+      // One shard of an index-sharded checkpoint holds part of the model.
+      const std::string sibling_index = JoinPath(reader.dir_, kHfIndexFileName);
+      absl::StatusOr<bool> indexed = fs.Exists(sibling_index);
+      if (absl::StartsWith(Basename(path), "model-") && indexed.ok() &&
+          *indexed) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "%s is one shard of the checkpoint that %s indexes: point --in at "
+            "the directory %s (or at the index file) to import all of it",
+            path, sibling_index, reader.dir_));
+      }
       single_path = path;
     }
   }
