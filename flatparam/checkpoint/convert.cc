@@ -18,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/internal/checkpoint_write.h"
@@ -586,6 +587,60 @@ class ReshardedRanks {
   json sidecar_json_;
 };
 
+std::string DescribeParam(const ParamSpec& p) {
+  if (!p.tied_to.empty()) return absl::StrCat("tied to '", p.tied_to, "'");
+  return absl::StrFormat("[%s] %s%s", absl::StrJoin(p.shape, ", "),
+                         DTypeName(p.dtype), p.requires_grad ? "" : ", frozen");
+}
+
+// The first difference between two models' parameters and units, in a
+// user's words ("parameter 'layers.0.weight' is [13, 37] float32 in the
+// checkpoint's model and [13, 38] float32 in the job's"); empty when they
+// have the same ones.
+std::string DescribeModelDifference(const ModelSpec& saved,
+                                    const ModelSpec& job) {
+  std::map<std::string, const ParamSpec*> job_params;
+  for (const ParamSpec& p : job.params) job_params[p.fqn] = &p;
+  std::map<std::string, const ParamSpec*> saved_params;
+  for (const ParamSpec& p : saved.params) saved_params[p.fqn] = &p;
+  for (const ParamSpec& p : saved.params) {
+    auto it = job_params.find(p.fqn);
+    if (it == job_params.end()) {
+      return absl::StrFormat(
+          "parameter '%s' (%s) of the checkpoint's model is not in the "
+          "job's",
+          p.fqn, DescribeParam(p));
+    }
+    if (DescribeParam(p) != DescribeParam(*it->second)) {
+      return absl::StrFormat(
+          "parameter '%s' is %s in the checkpoint's model and %s in the "
+          "job's",
+          p.fqn, DescribeParam(p), DescribeParam(*it->second));
+    }
+  }
+  for (const ParamSpec& p : job.params) {
+    if (saved_params.count(p.fqn) == 0) {
+      return absl::StrFormat(
+          "parameter '%s' (%s) of the job's model is not in the checkpoint's",
+          p.fqn, DescribeParam(p));
+    }
+  }
+  for (size_t i = 0; i < saved.params.size(); ++i) {
+    if (saved.params[i].fqn != job.params[i].fqn) {
+      return absl::StrFormat(
+          "the parameters come in another order: #%d is '%s' in the "
+          "checkpoint's model and '%s' in the job's",
+          i, saved.params[i].fqn, job.params[i].fqn);
+    }
+  }
+  if (saved.wrap != job.wrap) {
+    return absl::StrFormat(
+        "the units differ: the checkpoint's model wraps [%s], the job's [%s]",
+        absl::StrJoin(saved.wrap, ", "), absl::StrJoin(job.wrap, ", "));
+  }
+  return "";
+}
+
 // FailedPrecondition unless `layout` is the checkpoint's model under
 // `layout`'s options (the same units, parameters, shapes and dtypes).
 absl::StatusOr<ModelLayout> SameModelLayout(
@@ -601,6 +656,13 @@ absl::StatusOr<ModelLayout> SameModelLayout(
   b.erase("model");
   const json patch = json::diff(a, b);
   if (!patch.empty()) {
+    const std::string difference =
+        DescribeModelDifference(reader.spec(), layout.spec());
+    if (!difference.empty()) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "the job's model is not the checkpoint's (model '%s'): %s",
+          reader.spec().name, difference));
+    }
     const std::string path = patch[0].value("path", std::string());
     const json::json_pointer pointer(path);
     return absl::FailedPreconditionError(absl::StrFormat(

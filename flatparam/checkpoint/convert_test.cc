@@ -479,10 +479,27 @@ TEST(LoadRankStateTest, FitsReadsTheRankAndRefusesAnotherModel) {
   o.world_size = 3;
   FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelLayout theirs,
                                  ModelLayout::Create(other, o));
+  // Said in a user's words: which parameter differs, and how.
   EXPECT_THAT(
       LoadRankState(reader, theirs, 3, 0).status(),
       StatusIs(kMismatch, HasSubstr("the job's model is not the checkpoint's "
-                                    "(model 'tiny'): at /flat_params/0")));
+                                    "(model 'tiny'): parameter 'c.w' is [5] "
+                                    "float32 in the checkpoint's model and [6] "
+                                    "float32 in the job's")));
+  other = Spec();
+  other.params.pop_back();
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(theirs, ModelLayout::Create(other, o));
+  EXPECT_THAT(LoadRankState(reader, theirs, 3, 0).status(),
+              StatusIs(kMismatch, HasSubstr("parameter 'c.w' ([5] float32) of "
+                                            "the checkpoint's model is not in "
+                                            "the job's")));
+  other = Spec();
+  other.wrap = {};
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(theirs, ModelLayout::Create(other, o));
+  EXPECT_THAT(
+      LoadRankState(reader, theirs, 3, 0).status(),
+      StatusIs(kMismatch, HasSubstr("the units differ: the checkpoint's model "
+                                    "wraps [a], the job's []")));
 }
 
 }  // namespace
