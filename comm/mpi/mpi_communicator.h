@@ -340,8 +340,8 @@ struct MpiWorldOptions {
 //    Unavailable or Internal, or a world communicator that `fn` broke) ends
 //    the whole job at once: MPI_Abort on MPI_COMM_WORLD (every process of
 //    the job is killed; mpirun prints its abort banner), with _exit(1) as a
-//    fallback should MPI_Abort itself not return within 2 s. It never waits
-//    in MPI_Finalize for a peer that may never arrive.
+//    fallback should MPI_Abort not end this process within 2 s. It never
+//    waits in MPI_Finalize for a peer that may never arrive.
 //  - Otherwise (success, or an error every rank can report on its own, such
 //    as InvalidArgument) the ranks meet in an exit handshake, an all-gather
 //    on a communicator of its own bounded by options.timeout, and finalise
@@ -352,7 +352,7 @@ struct MpiWorldOptions {
 // So after a fault every process exits within about options.timeout of the
 // collective that waited for the faulty peer (plus the MPI_Abort's spread).
 // Returns fn's error, else the handshake's or finalisation's; on the abort
-// paths it does not return.
+// paths it does not return. Call it once per process, from main's thread.
 absl::Status RunOnMpiWorld(
     const std::function<absl::Status(MpiCommunicator&)>& fn,
     const MpiWorldOptions& options);
