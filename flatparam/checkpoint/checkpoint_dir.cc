@@ -229,12 +229,14 @@ bool IsHfExportName(absl::string_view name) {
   return digits(name.substr(0, of)) && digits(name.substr(of + 4));
 }
 
-// PrepareCheckpointWrite's check that replacing `dir` deletes nothing the
-// writers of `kind` did not write.
-absl::Status CheckReplaceable(FileSystem& fs, const std::string& dir,
-                              DirKind kind) {
-  FLATPARAM_ASSIGN_OR_RETURN(const bool exists, fs.Exists(dir));
-  if (!exists) return absl::OkStatus();
+}  // namespace
+
+absl::StatusOr<DirContents> InspectCheckpointDir(
+    FileSystem& fs, const std::string& dir, DirKind kind,
+    const std::map<std::string, std::string>& identical) {
+  DirContents contents;
+  FLATPARAM_ASSIGN_OR_RETURN(contents.exists, fs.Exists(dir));
+  if (!contents.exists) return contents;
   FLATPARAM_ASSIGN_OR_RETURN(const bool is_dir, fs.IsDirectory(dir));
   if (!is_dir) {
     return absl::FailedPreconditionError(absl::StrFormat(
@@ -243,15 +245,14 @@ absl::Status CheckReplaceable(FileSystem& fs, const std::string& dir,
   }
   FLATPARAM_ASSIGN_OR_RETURN(std::vector<std::string> children,
                              fs.GetChildren(dir));
-  if (children.empty()) return absl::OkStatus();
+  std::sort(children.begin(), children.end());
   std::set<std::string> known;
-  std::string other_kind;
   if (kind == DirKind::kHfExport) {
     for (const std::string& c : children) {
       if (IsHfExportName(c)) known.insert(c);
     }
-  } else if (std::find(children.begin(), children.end(), kManifestFileName) !=
-             children.end()) {
+  } else if (std::binary_search(children.begin(), children.end(),
+                                kManifestFileName)) {
     absl::StatusOr<std::string> text = ReadFileToString(
         fs, JoinPath(dir, kManifestFileName), kMaxManifestBytes);
     absl::StatusOr<Manifest> manifest =
@@ -261,43 +262,74 @@ absl::Status CheckReplaceable(FileSystem& fs, const std::string& dir,
                                     ? CheckpointKind::kFull
                                     : CheckpointKind::kSharded;
     if (manifest.ok() && manifest->kind != want) {
-      other_kind =
+      contents.other_kind =
           absl::StrCat("a ", CheckpointKindName(manifest->kind), " checkpoint");
     } else if (manifest.ok()) {
       known.insert(kManifestFileName);
       for (const ManifestEntry& e : manifest->files) known.insert(e.path);
     }
   }
-  std::vector<std::string> foreign;
   for (const std::string& c : children) {
-    if (known.count(c) == 0) foreign.push_back(c);
+    bool ours = known.count(c) > 0;
+    auto same = identical.find(c);
+    if (!ours && same != identical.end()) {
+      // A side file this write writes: the same bytes are not a replacement.
+      absl::StatusOr<uint64_t> size = fs.GetFileSize(JoinPath(dir, c));
+      if (size.ok() && *size == same->second.size()) {
+        absl::StatusOr<std::string> text =
+            ReadFileToString(fs, JoinPath(dir, c), *size);
+        ours = text.ok() && *text == same->second;
+      }
+    }
+    (ours ? contents.ours : contents.foreign).push_back(c);
   }
-  if (other_kind.empty() && foreign.empty()) return absl::OkStatus();
-  std::sort(foreign.begin(), foreign.end());
+  return contents;
+}
+
+namespace {
+
+// PrepareCheckpointWrite's refusal of a directory holding `contents`.
+absl::Status RefuseToReplace(const std::string& dir, const DirContents& c,
+                             DirKind kind, bool overwrite) {
   constexpr size_t kNamed = 5;
-  std::string holds = other_kind;
-  if (other_kind.empty()) {
+  std::string holds = c.other_kind;
+  if (holds.empty()) {
     holds = absl::StrCat(
-        foreign.size() == 1 ? "a file" : absl::StrCat(foreign.size(), " files"),
+        c.foreign.size() == 1 ? "a file"
+                              : absl::StrCat(c.foreign.size(), " files"),
         " that no ", DirKindName(kind), " written here has: ",
-        absl::StrJoin(foreign.begin(),
-                      foreign.begin() + std::min(kNamed, foreign.size()), ", "),
-        foreign.size() > kNamed
-            ? absl::StrFormat(" and %d more", foreign.size() - kNamed)
+        absl::StrJoin(c.foreign.begin(),
+                      c.foreign.begin() + std::min(kNamed, c.foreign.size()),
+                      ", "),
+        c.foreign.size() > kNamed
+            ? absl::StrFormat(" and %d more", c.foreign.size() - kNamed)
             : "");
+  }
+  if (kind == DirKind::kHfExport) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s holds %s: refusing to write a %s there, since it replaces the "
+        "directory whole and that would delete what it did not write; write "
+        "to a new or empty directory, or give overwrite (--overwrite) to "
+        "write into this one, keeping those files and replacing same-named "
+        "ones",
+        dir, holds, DirKindName(kind)));
   }
   return absl::FailedPreconditionError(absl::StrFormat(
       "%s holds %s: refusing to write a %s there, since it replaces the "
-      "directory whole and that would delete what it did not write; write "
+      "directory whole and that would delete what it did not write%s; write "
       "to a new or empty directory (and copy other files next to it after)",
-      dir, holds, DirKindName(kind)));
+      dir, holds, DirKindName(kind),
+      overwrite ? " (overwrite cannot keep them: a checkpoint's readers "
+                  "reject any file its manifest does not list)"
+                : ""));
 }
 
 }  // namespace
 
 absl::StatusOr<std::string> PrepareCheckpointWrite(
     FileSystem& fs, const std::string& dir_arg,
-    const CheckpointWriteOptions& options, DirKind kind) {
+    const CheckpointWriteOptions& options, DirKind kind,
+    const std::map<std::string, std::string>& identical) {
   const std::string dir = NormalizeDir(dir_arg);
   FLATPARAM_RETURN_IF_ERROR(CheckDirName(dir));
   if (options.chunk_bytes == 0) {
@@ -310,7 +342,12 @@ absl::StatusOr<std::string> PrepareCheckpointWrite(
                                             parent, " does not exist"));
   }
   FLATPARAM_RETURN_IF_ERROR(RecoverCheckpointDir(fs, dir));
-  FLATPARAM_RETURN_IF_ERROR(CheckReplaceable(fs, dir, kind));
+  FLATPARAM_ASSIGN_OR_RETURN(const DirContents contents,
+                             InspectCheckpointDir(fs, dir, kind, identical));
+  const bool clean = contents.foreign.empty() && contents.other_kind.empty();
+  if (!clean && !(options.overwrite && kind == DirKind::kHfExport)) {
+    return RefuseToReplace(dir, contents, kind, options.overwrite);
+  }
   return dir;
 }
 
@@ -333,20 +370,17 @@ absl::StatusOr<ManifestEntry> WritePendingFile(
   return file.entry(f.name);
 }
 
-absl::Status PublishCheckpoint(FileSystem& fs, const std::string& dir,
-                               const std::string& tmp, Manifest manifest) {
+absl::Status SwapInDirectory(FileSystem& fs, const std::string& dir,
+                             const std::string& tmp,
+                             DirWriteOutcome* outcome) {
   const std::string parent = Dirname(dir);
-  std::sort(manifest.files.begin(), manifest.files.end(),
-            [](const ManifestEntry& a, const ManifestEntry& b) {
-              return a.path < b.path;
-            });
-  // 2. The files' names, then the manifest.
-  FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(tmp));
-  FLATPARAM_RETURN_IF_ERROR(WriteManifest(fs, tmp, manifest));
   // 3. The previous checkpoint out of the way.
   const std::string backup = BackupDirFor(dir);
   FLATPARAM_ASSIGN_OR_RETURN(const bool replacing, fs.Exists(dir));
+  std::vector<std::string> previous;
   if (replacing) {
+    FLATPARAM_ASSIGN_OR_RETURN(previous, fs.GetChildren(dir));
+    std::sort(previous.begin(), previous.end());
     FLATPARAM_RETURN_IF_ERROR(fs.Rename(dir, backup));
     FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(parent));
   }
@@ -358,7 +392,26 @@ absl::Status PublishCheckpoint(FileSystem& fs, const std::string& dir,
     FLATPARAM_RETURN_IF_ERROR(RemoveRecursively(fs, backup));
     FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(parent));
   }
+  if (outcome != nullptr) {
+    outcome->dir = dir;
+    outcome->replaced = std::move(previous);
+    outcome->kept.clear();
+  }
   return absl::OkStatus();
+}
+
+absl::Status PublishCheckpoint(FileSystem& fs, const std::string& dir,
+                               const std::string& tmp, Manifest manifest,
+                               DirWriteOutcome* outcome) {
+  std::sort(manifest.files.begin(), manifest.files.end(),
+            [](const ManifestEntry& a, const ManifestEntry& b) {
+              return a.path < b.path;
+            });
+  // 2. The files' names, then the manifest.
+  FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(tmp));
+  FLATPARAM_RETURN_IF_ERROR(WriteManifest(fs, tmp, manifest));
+  // 3-5.
+  return SwapInDirectory(fs, dir, tmp, outcome);
 }
 
 }  // namespace internal_checkpoint
@@ -409,8 +462,8 @@ absl::Status WriteFilesAndSwap(FileSystem& fs, const std::string& dir,
   }
   if (options.progress && total == 0) options.progress(0, 0);
   // 2-5.
-  return internal_checkpoint::PublishCheckpoint(fs, dir, tmp,
-                                                std::move(manifest));
+  return internal_checkpoint::PublishCheckpoint(
+      fs, dir, tmp, std::move(manifest), options.outcome);
 }
 
 absl::Status WriteCheckpointFiles(FileSystem& fs, const std::string& dir_arg,

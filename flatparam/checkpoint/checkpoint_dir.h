@@ -135,11 +135,40 @@ absl::StatusOr<std::string> ResolveCheckpointDir(FileSystem& fs,
 // recovery itself is crash-safe.
 absl::Status RecoverCheckpointDir(FileSystem& fs, const std::string& dir);
 
+// What a write did to what its directory held before, for a summary.
+struct DirWriteOutcome {
+  // The directory written, normalised.
+  std::string dir;
+  // The files it held that the write replaced or removed, sorted: a
+  // previous checkpoint of the same kind (whole), and with `overwrite` the
+  // same-named files.
+  std::vector<std::string> replaced;
+  // With `overwrite`: the files it held that the write left as they were,
+  // sorted.
+  std::vector<std::string> kept;
+};
+
 struct CheckpointWriteOptions {
   // Tensor bytes are pulled from TensorSources in chunks of at most this.
   uint64_t chunk_bytes = kDefaultChunkBytes;
   // Bytes written so far of the total of every file but manifest.json.
   ProgressCallback progress;
+  // A write replaces its directory whole, so by default a directory that
+  // holds anything but a checkpoint of the same kind is refused before
+  // anything is written (FailedPrecondition naming the files). With
+  // `overwrite`, a Hugging Face export (hf_checkpoint.h) writes into such a
+  // directory instead: it replaces the previous export's files and the
+  // same-named ones, and keeps every other file (a model's README.md,
+  // .gitattributes). Not crash-atomic as a whole: the previous export's
+  // index (or single file) is removed first and the new one put in last,
+  // so a crash leaves a directory that does not load, never a mix of old
+  // and new shards that does. For flatparam's own checkpoints `overwrite`
+  // changes nothing: their readers reject any file the manifest does not
+  // list, so they cannot share a directory, and such a write is refused
+  // saying so.
+  bool overwrite = false;
+  // When not null, set by a successful write.
+  DirWriteOutcome* outcome = nullptr;
 };
 
 // What a full checkpoint holds. TensorSources are pulled during the write,

@@ -322,6 +322,23 @@ TEST(FullCheckpointTest, NeverReplacesADirectoryWithFilesItDidNotWrite) {
                        HasSubstr("empty holds a full checkpoint: refusing to "
                                  "write a sharded checkpoint there")));
   EXPECT_THAT(FullVersion(fs, "empty", spec), IsOkAndHolds(2));
+  // overwrite cannot help: the readers reject files the manifest does not
+  // list, so the refusal stays, saying why.
+  CheckpointWriteOptions overwrite;
+  overwrite.overwrite = true;
+  EXPECT_THAT(WriteFullCheckpoint(fs, "mine", v1.content, overwrite),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("overwrite cannot keep them")));
+  EXPECT_THAT(ListDir(fs, "mine"),
+              ElementsAre("config.json", "tokenizer.json"));
+  // What a write replaced is reported.
+  DirWriteOutcome outcome;
+  CheckpointWriteOptions report;
+  report.outcome = &outcome;
+  EXPECT_THAT(WriteFullCheckpoint(fs, "empty/", v2.content, report), IsOk());
+  EXPECT_EQ(outcome.dir, "empty");
+  EXPECT_EQ(outcome.replaced, ListDir(fs, "empty"));
+  EXPECT_THAT(outcome.kept, ElementsAre());
 }
 
 TEST(FullCheckpointTest, CheckFitsModelNamesTheDifference) {

@@ -262,8 +262,8 @@ absl::Status FinishCollectiveWrite(FileSystem& fs, const CollectiveWrite& w,
     absl::StatusOr<Manifest> manifest = CollectManifest(*written);
     status = manifest.status();
     if (status.ok()) {
-      status = internal_checkpoint::PublishCheckpoint(fs, w.target, w.tmp,
-                                                      *std::move(manifest));
+      status = internal_checkpoint::PublishCheckpoint(
+          fs, w.target, w.tmp, *std::move(manifest), options.write.outcome);
     }
     if (!status.ok()) AbandonCollectiveWrite(fs, w);
   }

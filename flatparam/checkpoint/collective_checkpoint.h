@@ -57,7 +57,8 @@ namespace checkpoint {
 
 struct CollectiveWriteOptions {
   // Chunk size of the tensor writes; `progress` reports this rank's own
-  // bytes (its rank files; rank 0 also layout.json).
+  // bytes (its rank files; rank 0 also layout.json); `outcome` is set on
+  // rank 0 only (the rank that publishes).
   CheckpointWriteOptions write;
   // Timeout of each status exchange (the ranks wait there for the slowest
   // writer, so it must cover a rank's whole write).

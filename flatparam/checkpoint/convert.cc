@@ -63,6 +63,8 @@ CheckpointWriteOptions WriteOptions(const ConvertOptions& options) {
   CheckpointWriteOptions w;
   w.chunk_bytes = ChunkBytes(options.chunk_bytes);
   w.progress = options.progress;
+  w.overwrite = options.overwrite;
+  w.outcome = options.outcome;
   return w;
 }
 

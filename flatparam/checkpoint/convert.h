@@ -89,6 +89,10 @@ struct ConvertOptions {
   uint64_t chunk_bytes = kDefaultChunkBytes;  // streaming granularity
   ProgressCallback progress;                  // (done, total) bytes written
   bool verify_checksums = true;               // when opening the input
+  // The output directory's handling and report: CheckpointWriteOptions'
+  // `overwrite` and `outcome`.
+  bool overwrite = false;
+  DirWriteOutcome* outcome = nullptr;
 };
 
 // Sharded dir -> full dir.

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -17,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "flatparam/base/json_limits.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
@@ -159,6 +161,17 @@ std::string CleanTensorName(absl::string_view name) {
   return absl::StrJoin(parts, ".");
 }
 
+const std::vector<std::string>& HfSideFileNames() {
+  static const auto* names = new std::vector<std::string>{
+      "config.json",           "generation_config.json",
+      "tokenizer.json",        "tokenizer.model",
+      "tokenizer_config.json", "special_tokens_map.json",
+      "added_tokens.json",     "vocab.json",
+      "vocab.txt",             "merges.txt",
+      "chat_template.jinja",   "preprocessor_config.json"};
+  return *names;
+}
+
 absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text) {
   const auto error = [&](absl::string_view why) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -222,7 +235,7 @@ absl::StatusOr<bool> IsHfCheckpoint(FileSystem& fs, const std::string& path) {
 // HfCheckpointReader
 
 absl::StatusOr<HfCheckpointReader> HfCheckpointReader::Open(
-    FileSystem& fs, const std::string& path_arg) {
+    FileSystem& fs, const std::string& path_arg, const HfNameOptions& names) {
   const std::string path = StripSlashes(path_arg);
   FLATPARAM_ASSIGN_OR_RETURN(const bool exists, fs.Exists(path));
   if (!exists) {
@@ -411,7 +424,11 @@ absl::StatusOr<HfCheckpointReader> HfCheckpointReader::Open(
     const SafetensorsReader& file = reader.files_[f];
     for (const SafetensorsEntry& e : file.tensors()) {
       Tensor t;
-      t.name = CleanTensorName(e.name);
+      absl::string_view cleaned = (t.name = CleanTensorName(e.name));
+      if (!names.strip_prefix.empty()) {
+        absl::ConsumePrefix(&cleaned, names.strip_prefix);
+      }
+      t.name = absl::StrCat(names.add_prefix, cleaned);
       t.stored_name = e.name;
       t.file = f;
       t.dtype = e.dtype;
@@ -606,7 +623,7 @@ absl::StatusOr<HfImportReport> ImportHfCheckpoint(
   FLATPARAM_ASSIGN_OR_RETURN(ModelLayout layout,
                              ModelLayout::Create(spec, layout_options));
   FLATPARAM_ASSIGN_OR_RETURN(HfCheckpointReader ckpt,
-                             HfCheckpointReader::Open(fs, in));
+                             HfCheckpointReader::Open(fs, in, options.names));
   FLATPARAM_RETURN_IF_ERROR(CheckDistinct(ckpt.dir(), out_dir));
   if (!options.weights_only) {
     FLATPARAM_ASSIGN_OR_RETURN(std::vector<std::string> children,
@@ -699,6 +716,8 @@ absl::StatusOr<HfImportReport> ImportHfCheckpoint(
   CheckpointWriteOptions write;
   write.chunk_bytes = chunk;
   write.progress = options.convert.progress;
+  write.overwrite = options.convert.overwrite;
+  write.outcome = options.convert.outcome;
   FLATPARAM_RETURN_IF_ERROR(
       WriteShardedCheckpoint(fs, out_dir, content, write));
   return report;
@@ -766,17 +785,80 @@ TensorSource ExportSource(const ExportTensor& t, DType out_dtype) {
   return src;
 }
 
+// With overwrite: moves the files written into `tmp` into `dir`, which
+// holds files the export did not write (CheckpointWriteOptions::overwrite).
+// The previous export's entry points go first and the new one comes last,
+// so that no crash leaves an index (or a model.safetensors) beside shards
+// of the other export.
+absl::Status MergeIntoDirectory(FileSystem& fs, const std::string& dir,
+                                const std::string& tmp,
+                                const std::vector<PendingFile>& files,
+                                const internal_checkpoint::DirContents& before,
+                                DirWriteOutcome* outcome) {
+  std::set<std::string> written;
+  for (const PendingFile& f : files) written.insert(f.name);
+  const std::string entry = written.count(kHfIndexFileName) > 0
+                                ? kHfIndexFileName
+                                : kSingleFileName;
+  std::set<std::string> replaced;
+  // The previous export's entry points, then the rest of it (files of the
+  // export's names: a previous export or the original download's weights).
+  for (const char* name : {kHfIndexFileName, kSingleFileName}) {
+    if (std::find(before.ours.begin(), before.ours.end(), name) ==
+        before.ours.end()) {
+      continue;
+    }
+    FLATPARAM_RETURN_IF_ERROR(fs.RemoveFile(JoinPath(dir, name)));
+    replaced.insert(name);
+  }
+  FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(dir));
+  for (const std::string& name : before.ours) {
+    if (replaced.count(name) > 0) continue;
+    replaced.insert(name);
+    if (written.count(name) > 0) continue;  // replaced by the rename below
+    FLATPARAM_RETURN_IF_ERROR(fs.RemoveFile(JoinPath(dir, name)));
+  }
+  std::vector<std::string> kept;
+  for (const std::string& name : before.foreign) {
+    if (written.count(name) > 0) {
+      replaced.insert(name);
+    } else {
+      kept.push_back(name);
+    }
+  }
+  // The new files, the entry point last.
+  for (const PendingFile& f : files) {
+    if (f.name == entry) continue;
+    FLATPARAM_RETURN_IF_ERROR(
+        fs.Rename(JoinPath(tmp, f.name), JoinPath(dir, f.name)));
+  }
+  FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(dir));
+  FLATPARAM_RETURN_IF_ERROR(
+      fs.Rename(JoinPath(tmp, entry), JoinPath(dir, entry)));
+  FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(dir));
+  FLATPARAM_RETURN_IF_ERROR(fs.RemoveDir(tmp));
+  FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(Dirname(dir)));
+  if (outcome != nullptr) {
+    outcome->dir = dir;
+    outcome->replaced.assign(replaced.begin(), replaced.end());
+    outcome->kept = std::move(kept);
+  }
+  return absl::OkStatus();
+}
+
 // Writes `files` into a new temporary directory and swaps it in as `dir`,
-// as checkpoint_dir.h does, but without a manifest.
+// as checkpoint_dir.h does, but without a manifest; with overwrite, into a
+// directory holding other files, MergeIntoDirectory. `identical`: the side
+// files' names and content.
 absl::Status WriteDirectory(FileSystem& fs, const std::string& dir_arg,
                             const std::vector<PendingFile>& files,
+                            const std::map<std::string, std::string>& identical,
                             const CheckpointWriteOptions& options) {
+  constexpr auto kKind = internal_checkpoint::DirKind::kHfExport;
   FLATPARAM_ASSIGN_OR_RETURN(
-      const std::string dir,
-      internal_checkpoint::PrepareCheckpointWrite(
-          fs, dir_arg, options, internal_checkpoint::DirKind::kHfExport));
+      const std::string dir, internal_checkpoint::PrepareCheckpointWrite(
+                                 fs, dir_arg, options, kKind, identical));
   const std::string tmp = internal_checkpoint::NewTempDirFor(dir);
-  const std::string parent = Dirname(dir);
   const auto write = [&]() -> absl::Status {
     uint64_t total = 0;
     for (const PendingFile& f : files) total += f.size;
@@ -791,23 +873,51 @@ absl::Status WriteDirectory(FileSystem& fs, const std::string& dir_arg,
           internal_checkpoint::WritePendingFile(fs, tmp, f, on_bytes).status());
     }
     FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(tmp));
-    const std::string backup = BackupDirFor(dir);
-    FLATPARAM_ASSIGN_OR_RETURN(const bool replacing, fs.Exists(dir));
-    if (replacing) {
-      FLATPARAM_RETURN_IF_ERROR(fs.Rename(dir, backup));
-      FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(parent));
+    // What `dir` holds now, not at the start of a long write.
+    FLATPARAM_ASSIGN_OR_RETURN(
+        const internal_checkpoint::DirContents before,
+        internal_checkpoint::InspectCheckpointDir(fs, dir, kKind, identical));
+    if (before.foreign.empty()) {
+      return internal_checkpoint::SwapInDirectory(fs, dir, tmp,
+                                                  options.outcome);
     }
-    FLATPARAM_RETURN_IF_ERROR(fs.Rename(tmp, dir));
-    FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(parent));
-    if (replacing) {
-      FLATPARAM_RETURN_IF_ERROR(RemoveRecursively(fs, backup));
-      FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(parent));
+    if (!options.overwrite) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "%s: %s appeared during the export; nothing was replaced", dir,
+          before.foreign.front()));
     }
-    return absl::OkStatus();
+    return MergeIntoDirectory(fs, dir, tmp, files, before, options.outcome);
   };
   absl::Status status = write();
   if (!status.ok()) RecoverCheckpointDir(fs, dir).IgnoreError();
   return status;
+}
+
+// The side files of `copy_from` (HfExportOptions), by name.
+absl::StatusOr<std::map<std::string, std::string>> ReadSideFiles(
+    FileSystem& fs, const std::string& copy_from) {
+  constexpr uint64_t kMaxSideFileBytes = uint64_t{1} << 30;
+  FLATPARAM_ASSIGN_OR_RETURN(const bool is_dir, IsDir(fs, copy_from));
+  if (!is_dir) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "copy-from: ", copy_from, " is not a directory (give the original "
+        "model's directory, which holds its config.json)"));
+  }
+  std::map<std::string, std::string> side;
+  for (const std::string& name : HfSideFileNames()) {
+    const std::string path = JoinPath(copy_from, name);
+    FLATPARAM_ASSIGN_OR_RETURN(const bool exists, fs.Exists(path));
+    if (!exists) continue;
+    FLATPARAM_ASSIGN_OR_RETURN(std::string text,
+                               ReadFileToString(fs, path, kMaxSideFileBytes));
+    side.emplace(name, std::move(text));
+  }
+  if (side.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "copy-from: ", copy_from, " holds none of the files it copies (",
+        absl::StrJoin(HfSideFileNames(), ", "), ")"));
+  }
+  return side;
 }
 
 }  // namespace
@@ -823,6 +933,11 @@ absl::StatusOr<HfExportReport> ExportHfCheckpoint(
     return absl::InvalidArgumentError(
         absl::StrCat("cannot export to ", DTypeName(*options.dtype),
                      ": only floating-point dtypes"));
+  }
+  std::map<std::string, std::string> side_files;
+  if (!options.copy_from.empty()) {
+    FLATPARAM_ASSIGN_OR_RETURN(side_files,
+                               ReadSideFiles(fs, options.copy_from));
   }
   FLATPARAM_ASSIGN_OR_RETURN(const std::string path,
                              ResolveCheckpointDir(fs, in_dir));
@@ -932,10 +1047,19 @@ absl::StatusOr<HfExportReport> ExportHfCheckpoint(
     files.push_back(internal_checkpoint::JsonFile(kHfIndexFileName, text));
     report.files.push_back(kHfIndexFileName);
   }
+  for (const std::string& name : HfSideFileNames()) {
+    auto it = side_files.find(name);
+    if (it == side_files.end()) continue;
+    files.push_back(internal_checkpoint::JsonFile(name, it->second));
+    report.copied.push_back(name);
+  }
   CheckpointWriteOptions write;
   write.chunk_bytes = chunk;
   write.progress = options.convert.progress;
-  FLATPARAM_RETURN_IF_ERROR(WriteDirectory(fs, out_dir, files, write));
+  write.overwrite = options.convert.overwrite;
+  write.outcome = options.convert.outcome;
+  FLATPARAM_RETURN_IF_ERROR(
+      WriteDirectory(fs, out_dir, files, side_files, write));
   return report;
 }
 

@@ -137,12 +137,24 @@ absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text);
 // readers fall back to a checkpoint's backup). Only looks at names.
 absl::StatusOr<bool> IsHfCheckpoint(FileSystem& fs, const std::string& path);
 
+// How tensor names of a Hugging Face checkpoint become the model's, after
+// CleanTensorName: for published files saved from another class than the
+// model's (gpt2's were saved from the bare GPT2Model, without
+// GPT2LMHeadModel's "transformer." prefix).
+struct HfNameOptions {
+  // Removed from the start of every name that has it (others unchanged).
+  std::string strip_prefix;
+  // Then put before every name.
+  std::string add_prefix;
+};
+
 // A validated Hugging Face checkpoint (single file or index-sharded; the
 // file comment lists the checks). Owns its open files; movable.
 class HfCheckpointReader {
  public:
   struct Tensor {
-    std::string name;         // cleaned (CleanTensorName)
+    std::string name;         // cleaned (CleanTensorName), then renamed
+                              // (HfNameOptions)
     std::string stored_name;  // as in the file
     int file = 0;             // index into files()
     DType dtype = DType::kFloat32;
@@ -150,8 +162,8 @@ class HfCheckpointReader {
     uint64_t nbytes = 0;
   };
 
-  static absl::StatusOr<HfCheckpointReader> Open(FileSystem& fs,
-                                                 const std::string& path);
+  static absl::StatusOr<HfCheckpointReader> Open(
+      FileSystem& fs, const std::string& path, const HfNameOptions& names = {});
 
   HfCheckpointReader(HfCheckpointReader&&) = default;
   HfCheckpointReader& operator=(HfCheckpointReader&&) = default;
@@ -191,7 +203,10 @@ struct HfImportOptions {
   bool weights_only = false;
   // Tensors whose cleaned names end in one of these are non-parameter
   // buffers the model recomputes; they are checked as tensors and skipped.
+  // gpt2's published files need ".attn.bias" and ".attn.masked_bias" too.
   std::vector<std::string> ignored_suffixes = {".rotary_emb.inv_freq"};
+  // Renaming of the file's tensors, applied before anything is matched.
+  HfNameOptions names;
 };
 
 // What an import read.
@@ -227,18 +242,39 @@ absl::StatusOr<HfImportReport> ImportHfCheckpoint(
     const LayoutOptions& layout_options, int64_t world_size,
     const std::string& out_dir, const HfImportOptions& options = {});
 
+// The files besides the weights that `transformers` and its tokenizers
+// load from a model directory, which --copy-from copies: config.json,
+// generation_config.json, the tokenizer's files (tokenizer.json,
+// tokenizer.model, tokenizer_config.json, special_tokens_map.json,
+// added_tokens.json, vocab.json, vocab.txt, merges.txt, chat_template.jinja)
+// and preprocessor_config.json.
+const std::vector<std::string>& HfSideFileNames();
+
 struct HfExportOptions {
   ConvertOptions convert;
   // The most tensor bytes in one file (>= 1); a larger tensor gets its own.
   uint64_t max_shard_bytes = kHfDefaultMaxShardBytes;
   // Cast every floating-point tensor to this dtype.
   std::optional<DType> dtype;
+  // A directory (the original model's) whose HfSideFileNames() files are
+  // written into the export with the weights, in the same atomic write, so
+  // that the export loads with from_pretrained as it is. At least one must
+  // be there (InvalidArgument otherwise). Their content is copied as it
+  // is: config.json's "torch_dtype" keeps the original's value after a
+  // --dtype cast. An existing file of the output that has exactly the
+  // copied content does not count as foreign (a re-export of the same
+  // model needs no `overwrite`).
+  std::string copy_from;
+  // convert.write.overwrite and convert.write.outcome: see
+  // CheckpointWriteOptions.
 };
 
 // What an export wrote.
 struct HfExportReport {
   // The safetensors files, in order, then the index (if any).
   std::vector<std::string> files;
+  // The files copied from `copy_from`, in HfSideFileNames() order.
+  std::vector<std::string> copied;
   int64_t tensors = 0;
   // The sum of the tensors' byte sizes (the index's total_size).
   uint64_t total_size = 0;

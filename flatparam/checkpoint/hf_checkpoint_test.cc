@@ -14,12 +14,14 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
@@ -382,6 +384,255 @@ TEST(HfCheckpointTest, ExportSplitsAtTensorBoundariesWithAnIndex) {
   FLATPARAM_ASSERT_OK(
       ExportHfCheckpoint(fs, "/full", "/out", options).status());
   EXPECT_THAT(ListDir(fs, "/out"), ElementsAre("model.safetensors"));
+}
+
+// Published files saved from another class than the model's (gpt2's, from
+// the bare GPT2Model: no "transformer." prefix, plus attn.bias buffers)
+// import with a prefix added and the buffers ignored.
+TEST(HfCheckpointTest, NameOptionsRenameBeforeMatching) {
+  FaultInjectionFileSystem fs;
+  ModelSpec spec;
+  spec.name = "gpt2ish";
+  spec.params = {{"transformer.wte.weight", {4, 2}},
+                 {"transformer.h.0.attn.c_attn.bias", {6}},
+                 {"lm_head.weight", {4, 2}}};
+  spec.params[2].tied_to = "transformer.wte.weight";
+  std::vector<Named> bare;
+  for (const Named& w : Weights(spec, DType::kFloat32)) {
+    bare.push_back(
+        {std::string(absl::StripPrefix(w.name, "transformer.")), w.tensor});
+  }
+  bare.push_back({"h.0.attn.bias", HostTensor(DType::kFloat32, {1, 1, 2, 2})});
+  MakeDir(fs, "/hf");
+  FLATPARAM_ASSERT_OK(WriteFile(fs, "/hf/model.safetensors", bare));
+  EXPECT_THAT(
+      ImportHfCheckpoint(fs, "/hf", spec, TestLayoutOptions(2), 0, "/x"),
+      StatusIs(kMismatch, HasSubstr("unexpected tensor 'wte.weight'")));
+  HfImportOptions options;
+  options.names.add_prefix = "transformer.";
+  options.ignored_suffixes.push_back(".attn.bias");
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      HfImportReport report,
+      ImportHfCheckpoint(fs, "/hf", spec, TestLayoutOptions(2), 0, "/s",
+                         options));
+  EXPECT_EQ(report.imported, 2);
+  EXPECT_EQ(report.ignored, 1);
+  // The same as the files with the model's names.
+  std::vector<Named> named = Weights(spec, DType::kFloat32);
+  MakeDir(fs, "/hf2");
+  FLATPARAM_ASSERT_OK(WriteFile(fs, "/hf2/model.safetensors", named));
+  FLATPARAM_ASSERT_OK(
+      ImportHfCheckpoint(fs, "/hf2", spec, TestLayoutOptions(2), 0, "/ref")
+          .status());
+  ExpectSameFiles(fs, "/ref", "/s");
+  // Stripping goes first, and leaves names without the prefix alone.
+  HfNameOptions swap;
+  swap.strip_prefix = "h.";
+  swap.add_prefix = "x.";
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(HfCheckpointReader r,
+                                 HfCheckpointReader::Open(fs, "/hf", swap));
+  EXPECT_EQ(r.tensors().count("x.0.attn.c_attn.bias"), 1u);
+  EXPECT_EQ(r.tensors().count("x.wte.weight"), 1u);
+  EXPECT_EQ(r.tensors().at("x.wte.weight").stored_name, "wte.weight");
+}
+
+// Which of `versions` the Hugging Face checkpoint at `dir` holds: its
+// index + 1, 0 when it does not open, -1 for a mix (or anything else).
+int WhichWeights(FileSystem& fs, const std::string& dir,
+                 const std::vector<std::vector<Named>>& versions) {
+  absl::StatusOr<HfCheckpointReader> r = HfCheckpointReader::Open(fs, dir);
+  if (!r.ok()) return 0;
+  for (size_t v = 0; v < versions.size(); ++v) {
+    bool same = r->tensors().size() == versions[v].size();
+    for (const Named& w : versions[v]) {
+      auto it = r->tensors().find(w.name);
+      if (!same || it == r->tensors().end() ||
+          it->second.nbytes != w.tensor.nbytes()) {
+        same = false;
+        break;
+      }
+      std::string bytes(w.tensor.nbytes(), '\0');
+      same = r->ReadRange(it->second, 0, absl::MakeSpan(bytes)).ok() &&
+             std::memcmp(bytes.data(), w.tensor.data(), bytes.size()) == 0;
+    }
+    if (same) return static_cast<int>(v) + 1;
+  }
+  return -1;
+}
+
+// No export deletes or replaces a file it did not write, unless told to;
+// told to (overwrite), it keeps every file but the previous export's and
+// the same-named ones, and says which it replaced and kept.
+TEST(HfCheckpointTest, ExportOverwriteKeepsOtherFilesAndSaysWhatItReplaced) {
+  FaultInjectionFileSystem fs;
+  const ModelSpec spec = TinyModelSpec();
+  const std::vector<Named> old_weights = Weights(spec, DType::kFloat32, 1);
+  const std::vector<Named> new_weights = Weights(spec, DType::kFloat32, 2);
+  WriteFull(fs, "/old", old_weights);
+  WriteFull(fs, "/new", new_weights);
+  // A download: the old weights in 4 shards with an index, and the model's
+  // other files.
+  HfExportOptions sharded;
+  sharded.max_shard_bytes = 100;
+  FLATPARAM_ASSERT_OK(ExportHfCheckpoint(fs, "/old", "/dl", sharded).status());
+  WriteText(fs, "/dl/README.md", "# the model card");
+  WriteText(fs, "/dl/config.json", "{\"model_type\": \"tiny\"}");
+  const std::vector<std::string> shards = {
+      "model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors",
+      "model-00003-of-00004.safetensors", "model-00004-of-00004.safetensors",
+      kHfIndexFileName};
+
+  // Refused without overwrite, naming the files and the way out; nothing
+  // changes.
+  EXPECT_THAT(
+      ExportHfCheckpoint(fs, "/new", "/dl"),
+      StatusIs(kMismatch, AllOf(HasSubstr("/dl holds 2 files that no Hugging "
+                                          "Face export written here has: "
+                                          "README.md, config.json"),
+                                HasSubstr("--overwrite"))));
+  EXPECT_EQ(WhichWeights(fs, "/dl", {old_weights, new_weights}), 1);
+
+  // With overwrite: the previous export's files are replaced (a single
+  // file now), the others kept byte for byte.
+  DirWriteOutcome outcome;
+  HfExportOptions overwrite;
+  overwrite.convert.overwrite = true;
+  overwrite.convert.outcome = &outcome;
+  FLATPARAM_ASSERT_OK(
+      ExportHfCheckpoint(fs, "/new", "/dl", overwrite).status());
+  EXPECT_THAT(ListDir(fs, "/dl"),
+              ElementsAre("README.md", "config.json", "model.safetensors"));
+  EXPECT_EQ(WhichWeights(fs, "/dl", {old_weights, new_weights}), 2);
+  EXPECT_EQ(ReadWholeFile(fs, "/dl/README.md"), "# the model card");
+  EXPECT_EQ(ReadWholeFile(fs, "/dl/config.json"), "{\"model_type\": \"tiny\"}");
+  EXPECT_EQ(outcome.dir, "/dl");
+  EXPECT_EQ(outcome.replaced, shards);
+  EXPECT_THAT(outcome.kept, ElementsAre("README.md", "config.json"));
+  // No temporary directory is left behind.
+  EXPECT_THAT(ListDir(fs, "/"), ElementsAre("dl", "new", "old"));
+
+  // --copy-from brings the original's config and tokenizer along; a
+  // different config.json already there is replaced (and said so).
+  MakeDir(fs, "/orig");
+  WriteText(fs, "/orig/config.json", "{\"model_type\": \"llama\"}");
+  WriteText(fs, "/orig/tokenizer.json", "{\"version\": \"1.0\"}");
+  WriteText(fs, "/orig/model.safetensors", "not copied");
+  HfExportOptions copy = overwrite;
+  copy.copy_from = "/orig";
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(HfExportReport report,
+                                 ExportHfCheckpoint(fs, "/old", "/dl", copy));
+  EXPECT_THAT(report.copied, ElementsAre("config.json", "tokenizer.json"));
+  EXPECT_THAT(ListDir(fs, "/dl"),
+              ElementsAre("README.md", "config.json", "model.safetensors",
+                          "tokenizer.json"));
+  EXPECT_EQ(ReadWholeFile(fs, "/dl/config.json"),
+            "{\"model_type\": \"llama\"}");
+  EXPECT_EQ(WhichWeights(fs, "/dl", {old_weights, new_weights}), 1);
+  EXPECT_THAT(outcome.replaced,
+              ElementsAre("config.json", "model.safetensors"));
+  EXPECT_THAT(outcome.kept, ElementsAre("README.md"));
+}
+
+TEST(HfCheckpointTest, ExportCopyFromMakesALoadableDirectory) {
+  FaultInjectionFileSystem fs;
+  const ModelSpec spec = TinyModelSpec();
+  const std::vector<Named> weights = Weights(spec, DType::kFloat32);
+  WriteFull(fs, "/full", weights);
+  MakeDir(fs, "/orig");
+  WriteText(fs, "/orig/config.json", "{\"model_type\": \"llama\"}");
+  WriteText(fs, "/orig/generation_config.json", "{}");
+  WriteText(fs, "/orig/tokenizer.model", std::string("\0\1spm", 5));
+  WriteText(fs, "/orig/optimizer.pt", "not copied");
+  HfExportOptions copy;
+  copy.copy_from = "/orig";
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(HfExportReport report,
+                                 ExportHfCheckpoint(fs, "/full", "/out", copy));
+  EXPECT_THAT(
+      report.copied,
+      ElementsAre("config.json", "generation_config.json", "tokenizer.model"));
+  EXPECT_THAT(ListDir(fs, "/out"),
+              ElementsAre("config.json", "generation_config.json",
+                          "model.safetensors", "tokenizer.model"));
+  EXPECT_EQ(ReadWholeFile(fs, "/out/tokenizer.model"),
+            std::string("\0\1spm", 5));
+  EXPECT_EQ(WhichWeights(fs, "/out", {weights}), 1);
+  // Exporting again with the same files needs no overwrite: the copied
+  // files there are exactly what it writes.
+  FLATPARAM_ASSERT_OK(ExportHfCheckpoint(fs, "/full", "/out", copy).status());
+  // A config.json edited since is the user's: refused, and kept.
+  WriteText(fs, "/out/config.json", "{\"model_type\": \"edited\"}");
+  EXPECT_THAT(ExportHfCheckpoint(fs, "/full", "/out", copy),
+              StatusIs(kMismatch, HasSubstr("holds a file that no Hugging "
+                                            "Face export written here has: "
+                                            "config.json")));
+  EXPECT_EQ(ReadWholeFile(fs, "/out/config.json"),
+            "{\"model_type\": \"edited\"}");
+  // A directory with none of the files is a mistake, said before writing.
+  MakeDir(fs, "/empty");
+  EXPECT_THAT(
+      ExportHfCheckpoint(
+          fs, "/full", "/out2",
+          HfExportOptions{{}, kHfDefaultMaxShardBytes, std::nullopt, "/empty"}),
+      StatusIs(kInvalid, HasSubstr("/empty holds none of the files "
+                                   "it copies (config.json, ")));
+  EXPECT_FALSE(*fs.Exists("/out2"));
+}
+
+// An overwrite is not atomic, but a crash at any point of it (each
+// mutating operation failing, then a power cut, then a partial loss) leaves
+// the directory
+// holding the old weights, the new ones, or nothing that opens: never a
+// mix that opens. The other files always survive.
+TEST(HfCheckpointTest, CrashDuringAnOverwriteNeverLeavesAMixThatOpens) {
+  const ModelSpec spec = TinyModelSpec();
+  const std::vector<Named> old_weights = Weights(spec, DType::kFloat32, 1);
+  const std::vector<Named> new_weights = Weights(spec, DType::kFloat32, 2);
+  std::set<int> seen;
+  for (const uint64_t old_cap : {uint64_t{100}, kHfDefaultMaxShardBytes}) {
+    for (const uint64_t new_cap :
+         {uint64_t{100}, uint64_t{150}, kHfDefaultMaxShardBytes}) {
+      for (int64_t n = 0;; ++n) {
+        FaultInjectionFileSystem fs;
+        WriteFull(fs, "/old", old_weights);
+        WriteFull(fs, "/new", new_weights);
+        HfExportOptions first;
+        first.max_shard_bytes = old_cap;
+        FLATPARAM_ASSERT_OK(
+            ExportHfCheckpoint(fs, "/old", "/dl", first).status());
+        WriteText(fs, "/dl/README.md", "card");
+        FLATPARAM_ASSERT_OK(fs.SyncDir("/dl"));
+        HfExportOptions overwrite;
+        overwrite.max_shard_bytes = new_cap;
+        overwrite.convert.overwrite = true;
+        fs.FailOperationsFrom(n);
+        const absl::Status status =
+            ExportHfCheckpoint(fs, "/new", "/dl", overwrite).status();
+        const bool failed = fs.failed();
+        // The process dies at the failure; then the power goes, losing what
+        // was not synced; then a partial loss.
+        for (int stop = 0; stop < 3; ++stop) {
+          if (stop == 1) fs.Crash();
+          if (stop == 2) fs.CrashKeepingSome(n);
+          const int which = WhichWeights(fs, "/dl", {old_weights, new_weights});
+          ASSERT_GE(which, 0) << "a mix opens after failing operation " << n
+                              << " (stop " << stop << "):\n"
+                              << fs.DebugString();
+          if (status.ok()) {
+            ASSERT_EQ(which, 2) << fs.DebugString();
+          }
+          ASSERT_EQ(ReadWholeFile(fs, "/dl/README.md"), "card");
+          seen.insert(which);
+        }
+        // The next overwrite recovers and leaves no temporary directory.
+        FLATPARAM_ASSERT_OK(
+            ExportHfCheckpoint(fs, "/new", "/dl", overwrite).status());
+        ASSERT_EQ(WhichWeights(fs, "/dl", {old_weights, new_weights}), 2);
+        ASSERT_THAT(ListDir(fs, "/"), ElementsAre("dl", "new", "old"));
+        if (!failed) break;
+      }
+    }
+  }
+  EXPECT_EQ(seen, (std::set<int>{0, 1, 2}));
 }
 
 // bf16 <-> float32 casts round to nearest even, both on import (--cast) and

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -60,19 +61,38 @@ enum class DirKind {
              // model.safetensors.index.json (no manifest)
 };
 
+// What an existing directory holds, seen by a write of `kind`.
+struct DirContents {
+  bool exists = false;
+  // Files a write of `kind` may replace: a checkpoint of `kind` (for kFull
+  // and kSharded: the files its manifest lists and manifest.json; for
+  // kHfExport: files of the export's names), and files named in
+  // `identical` whose content is that text.
+  std::vector<std::string> ours;
+  // Every other entry, sorted.
+  std::vector<std::string> foreign;
+  // "a full checkpoint" when the manifest is of another kind, else empty.
+  std::string other_kind;
+};
+absl::StatusOr<DirContents> InspectCheckpointDir(
+    FileSystem& fs, const std::string& dir, DirKind kind,
+    const std::map<std::string, std::string>& identical = {});
+
 // Step 0. Returns the normalised directory name. InvalidArgument for a
 // nameless directory or chunk_bytes 0, NotFound for a missing parent, the
 // file system's errors from the recovery. A write replaces its directory
-// whole, so an existing directory must be empty or hold exactly a
-// checkpoint of `kind` (for kFull and kSharded: the files its manifest
-// lists and manifest.json; for kHfExport: files of the export's names):
-// anything else is FailedPrecondition naming the directory and what it
-// holds, before anything is written, so that no write deletes a file it
-// did not write (a model's config.json beside an export, another kind of
-// checkpoint, any unrelated directory).
+// whole, so an existing directory must be empty or hold only what
+// InspectCheckpointDir calls ours (`identical`: side files this write
+// writes with exactly that content); anything else is FailedPrecondition
+// naming the directory and what it holds, before anything is written, so
+// that no write deletes a file it did not write (a model's config.json
+// beside an export, another kind of checkpoint, any unrelated directory).
+// With options.overwrite a kHfExport write accepts such a directory (it
+// then merges, keeping the foreign files).
 absl::StatusOr<std::string> PrepareCheckpointWrite(
     FileSystem& fs, const std::string& dir,
-    const CheckpointWriteOptions& options, DirKind kind);
+    const CheckpointWriteOptions& options, DirKind kind,
+    const std::map<std::string, std::string>& identical = {});
 
 // "DIR.tmp-<16 random hex digits>" for a normalised `dir`.
 std::string NewTempDirFor(const std::string& dir);
@@ -86,9 +106,16 @@ absl::StatusOr<ManifestEntry> WritePendingFile(
 
 // Steps 2-5: syncs `tmp`, writes its manifest (`manifest.files` are sorted
 // by path here), and swaps `tmp` in as `dir` (normalised), removing the
-// previous checkpoint.
+// previous checkpoint. `outcome` (may be null) is filled on success.
 absl::Status PublishCheckpoint(FileSystem& fs, const std::string& dir,
-                               const std::string& tmp, Manifest manifest);
+                               const std::string& tmp, Manifest manifest,
+                               DirWriteOutcome* outcome = nullptr);
+
+// Steps 3-5 for any directory: swaps the synced `tmp` in as `dir`, moving
+// a previous `dir` to BackupDirFor(dir) and removing it after. Sets
+// `outcome->replaced` (may be null) to what `dir` held.
+absl::Status SwapInDirectory(FileSystem& fs, const std::string& dir,
+                             const std::string& tmp, DirWriteOutcome* outcome);
 
 // W for a sharded checkpoint of `layout` on `world_size` ranks (0: the
 // layout's own); InvalidArgument when it does not fit the strategy.
