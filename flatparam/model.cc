@@ -1,13 +1,18 @@
 #include "flatparam/model.h"
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "flatparam/base/status_macros.h"
 
 namespace flatparam {
@@ -23,7 +28,97 @@ std::string Label(const std::string& unit) {
   return unit.empty() ? "<root>" : "\"" + unit + "\"";
 }
 
+// Whether `text` matches the one-component glob `pattern` ('*': any run of
+// characters, `text` holding no '.'). Backtracks to the last '*' only, so
+// it is linear in practice and O(|pattern| * |text|) at worst.
+bool GlobMatch(absl::string_view pattern, absl::string_view text) {
+  size_t p = 0, t = 0;
+  size_t star = absl::string_view::npos, star_t = 0;
+  while (t < text.size()) {
+    if (p < pattern.size() && pattern[p] == '*') {
+      star = p++;
+      star_t = t;
+    } else if (p < pattern.size() && pattern[p] == text[t]) {
+      ++p;
+      ++t;
+    } else if (star != absl::string_view::npos) {
+      p = star + 1;
+      t = ++star_t;
+    } else {
+      return false;
+    }
+  }
+  while (p < pattern.size() && pattern[p] == '*') ++p;
+  return p == pattern.size();
+}
+
+// The prefix of `fqn` that the glob's components `pattern` match, if `fqn`
+// has more components than the glob (the prefix is then a module).
+std::optional<std::string> GlobPrefix(
+    const std::vector<absl::string_view>& pattern, const std::string& fqn) {
+  std::vector<absl::string_view> parts = absl::StrSplit(fqn, '.');
+  if (parts.size() <= pattern.size()) return std::nullopt;
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    if (!GlobMatch(pattern[i], parts[i])) return std::nullopt;
+  }
+  parts.resize(pattern.size());
+  return absl::StrJoin(parts, ".");
+}
+
 }  // namespace
+
+bool IsWrapGlob(absl::string_view entry) {
+  return absl::StrContains(entry, '*');
+}
+
+absl::StatusOr<ModelSpec> ExpandWrapPatterns(const ModelSpec& spec) {
+  ModelSpec out = spec;
+  out.wrap.clear();
+  // Each prefix -> the entry that gave it, for the duplicate's message.
+  absl::flat_hash_map<std::string, std::string> source;
+  for (const std::string& entry : spec.wrap) {
+    if (entry.empty() || entry.front() == '.' || entry.back() == '.') {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "wrap prefix \"%s\" is not a module name (the root is always a "
+          "unit and is not listed)",
+          entry));
+    }
+    std::vector<std::string> prefixes;
+    if (!IsWrapGlob(entry)) {
+      prefixes.push_back(entry);
+    } else {
+      const std::vector<absl::string_view> pattern = absl::StrSplit(entry, '.');
+      absl::flat_hash_set<std::string> seen;
+      for (const ParamSpec& p : spec.params) {
+        std::optional<std::string> prefix = GlobPrefix(pattern, p.fqn);
+        if (prefix && seen.insert(*prefix).second) {
+          prefixes.push_back(*std::move(prefix));
+        }
+      }
+      if (prefixes.empty()) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "wrap glob \"%s\" matches no module: no parameter fqn has %d "
+            "leading components matching it and more after them",
+            entry, pattern.size()));
+      }
+    }
+    for (std::string& prefix : prefixes) {
+      auto [it, inserted] = source.emplace(prefix, entry);
+      if (!inserted) {
+        if (it->second == entry) {
+          return absl::InvalidArgumentError(
+              absl::StrFormat("wrap prefix \"%s\" is listed twice", entry));
+        }
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "wrap prefix \"%s\" is listed twice: by \"%s\" and by \"%s\" "
+            "(each unit must come from one wrap entry)",
+            prefix, it->second, entry));
+      }
+      out.wrap.push_back(std::move(prefix));
+    }
+  }
+  return out;
+}
 
 std::string OwningUnit(const std::string& fqn,
                        const std::vector<std::string>& wrap) {
@@ -34,25 +129,13 @@ std::string OwningUnit(const std::string& fqn,
   return best;
 }
 
-absl::StatusOr<ModelLayout> ModelLayout::Create(const ModelSpec& spec,
+absl::StatusOr<ModelLayout> ModelLayout::Create(const ModelSpec& given,
                                                 const LayoutOptions& options) {
-  if (spec.params.empty()) {
+  if (given.params.empty()) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("model \"%s\" has no parameters", spec.name));
+        absl::StrFormat("model \"%s\" has no parameters", given.name));
   }
-  absl::flat_hash_set<std::string> prefixes;
-  for (const std::string& p : spec.wrap) {
-    if (p.empty() || p.front() == '.' || p.back() == '.') {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "wrap prefix \"%s\" is not a module name (the root is always a "
-          "unit and is not listed)",
-          p));
-    }
-    if (!prefixes.insert(p).second) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("wrap prefix \"%s\" is listed twice", p));
-    }
-  }
+  FLATPARAM_ASSIGN_OR_RETURN(const ModelSpec spec, ExpandWrapPatterns(given));
 
   // Names, ties and owners.
   const size_t n = spec.params.size();

@@ -16,12 +16,24 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "flatparam/layout.h"
 
 namespace flatparam {
 
 // A model as its parameters in module traversal order plus the unit
 // prefixes to wrap.
+//
+// A `wrap` entry is a module prefix ("layers.3") or a glob over module
+// prefixes: `*` matches any run (possibly empty) of characters other than
+// '.', so it never crosses a dotted component, and every other character
+// (including '?' and '[') matches itself. A glob of k components stands for
+// every distinct k-component module prefix that matches it and has a
+// parameter under it, in the order of the first such parameter:
+// "layers.*" is "layers.0", "layers.1", ... and "h.*.mlp" is "h.0.mlp",
+// "h.1.mlp", ...; "layers.1*" matches "layers.1" and "layers.10" but not
+// "layers.1.attn". ExpandWrapPatterns resolves the globs; ModelLayout::Create
+// does so itself, so model files and presets may hold either form.
 struct ModelSpec {
   std::string name;
   std::vector<ParamSpec> params;
@@ -34,11 +46,14 @@ class ModelLayout {
   // Splits `spec` into units and lays out each. InvalidArgument, naming the
   // values, for: a duplicate or empty fqn, a tie to an unknown or later
   // parameter, a tie that crosses units (both parameter names and both
-  // units), a wrap prefix that is empty, duplicated or names no parameter,
-  // and every error FlatParamLayout::Create reports.
+  // units), ExpandWrapPatterns' errors, a wrap prefix that names no
+  // parameter, and every error FlatParamLayout::Create reports.
   static absl::StatusOr<ModelLayout> Create(const ModelSpec& spec,
                                             const LayoutOptions& options);
 
+  // The spec given to Create with its wrap globs expanded
+  // (ExpandWrapPatterns): `wrap` lists plain prefixes only, so that what is
+  // saved with a checkpoint names every unit.
   const ModelSpec& spec() const { return spec_; }
   const LayoutOptions& options() const { return options_; }
   const std::vector<FlatParamLayout>& flat_params() const {
@@ -56,8 +71,23 @@ class ModelLayout {
   std::vector<FlatParamLayout> flat_params_;
 };
 
+// Whether the wrap entry `entry` is a glob (holds a '*').
+bool IsWrapGlob(absl::string_view entry);
+
+// `spec` with every glob of `spec.wrap` replaced, in place, by the prefixes
+// it stands for (see ModelSpec); plain prefixes stay as they are and where
+// they are. InvalidArgument, naming the entry, for an entry that is empty
+// or starts or ends with '.', a glob that matches no module prefix, and a
+// prefix that appears twice, whether listed twice, listed and matched by a
+// glob, or matched by two globs ("layers.*" next to "layers.0" is an
+// error, not deduplicated: each unit is wrapped once, by one entry). A
+// plain prefix that names no parameter is left for ModelLayout::Create to
+// report.
+absl::StatusOr<ModelSpec> ExpandWrapPatterns(const ModelSpec& spec);
+
 // The unit (a prefix from `wrap`, or "" for the root) that owns `fqn`: the
-// longest prefix p with fqn == p + "." + rest.
+// longest prefix p with fqn == p + "." + rest. `wrap` holds plain prefixes
+// (globs expanded).
 std::string OwningUnit(const std::string& fqn,
                        const std::vector<std::string>& wrap);
 

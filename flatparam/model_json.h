@@ -22,8 +22,11 @@
 // shares its primary's tensor. Unknown keys are errors. `name` defaults to
 // the source name.
 //
+// A `wrap` entry may be a glob ("layers.*", "h.*.mlp"; see ModelSpec in
+// model.h): it is kept as written here and expanded by ModelLayout::Create.
+//
 // Cross-parameter rules (unique names, ties to earlier parameters, wrap
-// prefixes that match) are ModelLayout::Create's to check.
+// prefixes and globs that match) are ModelLayout::Create's to check.
 //
 // Thread-safety: pure functions, except that LoadModelSpec reads a file.
 #ifndef FLATPARAM_MODEL_JSON_H_

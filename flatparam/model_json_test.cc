@@ -71,6 +71,27 @@ TEST(ModelJsonTest, NameAndMissingWrap) {
   EXPECT_TRUE(spec.wrap.empty());
 }
 
+TEST(ModelJsonTest, WrapGlobsAreKeptAndExpandWhenLaidOut) {
+  const std::string text = R"({"params": [
+      {"fqn": "emb.weight", "shape": [4, 2]},
+      {"fqn": "layers.0.w", "shape": [2]},
+      {"fqn": "layers.1.w", "shape": [2]},
+      {"fqn": "head.weight", "tied_to": "emb.weight"}],
+    "wrap": ["layers.*"]})";
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelSpec spec,
+                                 ParseModelSpecJson(text, "glob.json"));
+  EXPECT_THAT(spec.wrap, ElementsAre("layers.*"));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ModelSpec again, ParseModelSpecJson(ModelSpecToJson(spec).dump(), "x"));
+  again.name = spec.name;
+  ExpectSameSpec(spec, again);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelLayout layout,
+                                 ModelLayout::Create(spec, LayoutOptions()));
+  EXPECT_THAT(layout.spec().wrap, ElementsAre("layers.0", "layers.1"));
+  EXPECT_THAT(ModelSpecToJson(layout.spec())["wrap"],
+              ElementsAre("layers.0", "layers.1"));
+}
+
 TEST(ModelJsonTest, IntegerDtypesParse) {
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
       ModelSpec spec,
