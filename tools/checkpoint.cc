@@ -21,6 +21,7 @@
 #include "flatparam/checkpoint/hf_checkpoint.h"
 #include "flatparam/checkpoint/manifest.h"
 #include "flatparam/presets.h"
+#include "tools/paths.h"
 
 namespace flatparam {
 namespace tools {
@@ -149,6 +150,41 @@ absl::StatusOr<checkpoint::HfExportOptions> ExportOptionsFromCommand(
   return options;
 }
 
+// The first Hugging Face import flag given, or empty.
+std::string HfImportFlag(const CheckpointCommand& c) {
+  if (c.cast) return "cast";
+  if (c.weights_only) return "weights-only";
+  if (!c.add_prefix.empty()) return "add-prefix";
+  if (!c.strip_prefix.empty()) return "strip-prefix";
+  if (!c.ignore_suffixes.empty()) return "ignore-suffix";
+  return "";
+}
+
+// "the sharded checkpoint that was there (4 files)"-style report of what a
+// write did to an existing directory; empty when it was new or empty.
+std::string DescribeOutcome(const checkpoint::DirWriteOutcome& o,
+                            absl::string_view kind) {
+  if (o.replaced.empty() && o.kept.empty()) return "";
+  constexpr size_t kNamed = 8;
+  const auto names = [&](const std::vector<std::string>& v) {
+    return absl::StrCat(
+        v.size(), v.size() == 1 ? " file: " : " files: ",
+        absl::StrJoin(v.begin(), v.begin() + std::min(kNamed, v.size()), ", "),
+        v.size() > kNamed ? absl::StrFormat(" and %d more", v.size() - kNamed)
+                          : "");
+  };
+  std::string line = AbsolutePath(o.dir);
+  if (o.kept.empty()) {
+    absl::StrAppend(&line, ": replaced the ", kind, " that was there (",
+                    names(o.replaced), ")");
+  } else {
+    absl::StrAppend(&line, ": replaced ",
+                    o.replaced.empty() ? "nothing" : names(o.replaced),
+                    "; kept ", names(o.kept));
+  }
+  return line;
+}
+
 absl::StatusOr<checkpoint::InitOptimizer> ParseOptimizer(
     const std::string& name) {
   if (name == "adamw") return checkpoint::InitOptimizer::kAdamW;
@@ -221,15 +257,33 @@ absl::Status ValidateCheckpointCommand(const CheckpointCommand& c) {
         "model's)",
         a));
   }
-  if ((c.cast || c.weights_only) && a != "shard") {
+  if (const std::string flag = HfImportFlag(c); !flag.empty() && a != "shard") {
     return absl::InvalidArgumentError(absl::StrFormat(
         "checkpoint %s does not take --%s (shard of a Hugging Face "
         "checkpoint only)",
-        a, c.cast ? "cast" : "weights-only"));
+        a, flag));
+  }
+  for (const std::string& suffix : c.ignore_suffixes) {
+    if (suffix.empty()) {
+      return absl::InvalidArgumentError(
+          "--ignore-suffix: an empty suffix would skip every tensor");
+    }
   }
   if (!c.max_shard_size.empty() && a != "export") {
     return absl::InvalidArgumentError(absl::StrFormat(
         "checkpoint %s does not take --max-shard-size (export only)", a));
+  }
+  if (!c.copy_from.empty() && a != "export") {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "checkpoint %s does not take --copy-from (export only)", a));
+  }
+  if (c.overwrite && a != "export") {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "checkpoint %s does not take --overwrite: it replaces an earlier "
+        "checkpoint of its kind without it, and a checkpoint cannot share "
+        "its directory with other files (its readers reject any file its "
+        "manifest does not list); give a new or empty --out",
+        a));
   }
   if (a == "export") {
     FLATPARAM_RETURN_IF_ERROR(ExportOptionsFromCommand(c).status());
@@ -251,6 +305,8 @@ absl::Status RunCheckpoint(const CheckpointCommand& c, std::ostream& out,
   ProgressBar bar(progress, progress_is_terminal, c.action);
   ConvertOptions options;
   options.chunk_bytes = c.chunk_bytes;
+  checkpoint::DirWriteOutcome outcome;
+  options.outcome = &outcome;
   options.progress = [&bar](uint64_t done, uint64_t total) {
     bar.Update(done, total);
   };
@@ -279,6 +335,11 @@ absl::Status RunCheckpoint(const CheckpointCommand& c, std::ostream& out,
       import.convert = options;
       import.cast = c.cast;
       import.weights_only = c.weights_only;
+      import.names.add_prefix = c.add_prefix;
+      import.names.strip_prefix = c.strip_prefix;
+      import.ignored_suffixes.insert(import.ignored_suffixes.end(),
+                                     c.ignore_suffixes.begin(),
+                                     c.ignore_suffixes.end());
       absl::StatusOr<checkpoint::HfImportReport> r =
           checkpoint::ImportHfCheckpoint(fs, c.in, resolved.layout.spec(),
                                          resolved.layout.options(),
@@ -302,15 +363,15 @@ absl::Status RunCheckpoint(const CheckpointCommand& c, std::ostream& out,
         lines.push_back(absl::StrFormat(
             "%s: imported %d tensors of %d Hugging Face file%s into model "
             "%s (%d tied cop%s checked, %d buffer%s skipped, %d cast)",
-            c.out, r->imported, r->files, r->files == 1 ? "" : "s",
-            resolved.layout.spec().name, r->tied_copies,
-            r->tied_copies == 1 ? "y" : "ies", r->ignored,
+            AbsolutePath(c.out), r->imported, r->files,
+            r->files == 1 ? "" : "s", resolved.layout.spec().name,
+            r->tied_copies, r->tied_copies == 1 ? "y" : "ies", r->ignored,
             r->ignored == 1 ? "" : "s", r->cast));
       }
-    } else if (c.cast || c.weights_only) {
+    } else if (const std::string flag = HfImportFlag(c); !flag.empty()) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "--%s applies to Hugging Face checkpoints only, and %s is not one",
-          c.cast ? "cast" : "weights-only", c.in));
+          flag, c.in));
     } else {
       status = checkpoint::ShardCheckpoint(fs, c.in, resolved.layout.spec(),
                                            resolved.layout.options(),
@@ -320,13 +381,19 @@ absl::Status RunCheckpoint(const CheckpointCommand& c, std::ostream& out,
     FLATPARAM_ASSIGN_OR_RETURN(checkpoint::HfExportOptions exp,
                                ExportOptionsFromCommand(c));
     exp.convert = options;
+    exp.convert.overwrite = c.overwrite;
+    exp.copy_from = c.copy_from;
     absl::StatusOr<checkpoint::HfExportReport> r =
         checkpoint::ExportHfCheckpoint(fs, c.in, c.out, exp);
     status = r.status();
     if (r.ok()) {
       lines.push_back(absl::StrFormat(
-          "%s: %d tensors, total_size %d bytes, in %s", c.out, r->tensors,
-          r->total_size, absl::StrJoin(r->files, ", ")));
+          "%s: %d tensors, total_size %d bytes, in %s%s", AbsolutePath(c.out),
+          r->tensors, r->total_size, absl::StrJoin(r->files, ", "),
+          r->copied.empty()
+              ? ""
+              : absl::StrCat("; copied from ", AbsolutePath(c.copy_from), ": ",
+                             absl::StrJoin(r->copied, ", "))));
     }
   } else if (c.action == "reshard") {
     FLATPARAM_ASSIGN_OR_RETURN(auto target, TargetLayout(c.layout));
@@ -346,8 +413,8 @@ absl::Status RunCheckpoint(const CheckpointCommand& c, std::ostream& out,
         lines.push_back(absl::StrFormat(
             "%s: ok: Hugging Face checkpoint, %d files, %d tensors, %d "
             "bytes of tensors (headers%s checked; no checksums to verify)",
-            c.in, r->files().size(), r->tensors().size(), r->data_bytes(),
-            r->index_path().empty() ? "" : " and index"));
+            AbsolutePath(c.in), r->files().size(), r->tensors().size(),
+            r->data_bytes(), r->index_path().empty() ? "" : " and index"));
       }
     } else {
       absl::StatusOr<checkpoint::CheckpointReport> r =
@@ -361,11 +428,19 @@ absl::Status RunCheckpoint(const CheckpointCommand& c, std::ostream& out,
   const double seconds =
       std::chrono::duration<double>(Clock::now() - start).count();
   uint64_t bytes = hf_verified_bytes.value_or(bar.done());
+  const char* kind = c.action == "export" ? "Hugging Face export"
+                     : c.action == "init" || c.action == "consolidate"
+                         ? "full checkpoint"
+                         : "sharded checkpoint";
+  if (const std::string replaced = DescribeOutcome(outcome, kind);
+      !replaced.empty()) {
+    lines.insert(lines.begin(), replaced);
+  }
   for (const std::string& line : lines) out << line << "\n";
   if (report.has_value()) {
     bytes = report->bytes;
     out << absl::StrFormat("%s: ok: %s checkpoint, %d files, %d tensors",
-                           report->path,
+                           AbsolutePath(report->path),
                            checkpoint::CheckpointKindName(report->kind),
                            report->files, report->tensors);
     if (report->kind == checkpoint::CheckpointKind::kSharded) {
@@ -379,7 +454,9 @@ absl::Status RunCheckpoint(const CheckpointCommand& c, std::ostream& out,
     }
     out << "\n";
   }
-  const std::string what = c.action == "verify" ? "verified" : "wrote";
+  const std::string what =
+      c.action == "verify" ? "verified"
+                           : absl::StrCat("wrote ", AbsolutePath(c.out), ":");
   out << absl::StrFormat(
       "checkpoint %s: %s %d bytes in %.2f s (%.1f MB/s), peak RSS %.1f MiB\n",
       c.action, what, bytes, seconds,

@@ -13,20 +13,27 @@
 //   fsdp checkpoint verify      --in=DIR
 //   fsdp checkpoint export      --in=FULL|SHARDED --out=HF
 //                               [--max-shard-size=5GB] [--dtype=D]
+//                               [--copy-from=MODEL_DIR] [--overwrite]
 //
 // shard also takes a Hugging Face checkpoint as --in (a directory with
 // model.safetensors or model.safetensors.index.json and no manifest.json,
 // or the path of either file) and imports it straight to the sharded
 // layout (flatparam/checkpoint/hf_checkpoint.h), with --cast to convert a
 // dtype that differs from the model's and --weights-only to leave another
-// tool's optimizer state behind; --dtype then sets the model's dtype, as
-// for init. verify also checks a Hugging Face checkpoint (its headers and
-// index). export writes one from a full or sharded checkpoint; --dtype
-// there casts the tensors.
+// tool's optimizer state behind, --add-prefix/--strip-prefix to rename the
+// file's tensors and --ignore-suffix to skip more buffers; --dtype then
+// sets the model's dtype, as for init. verify also checks a Hugging Face
+// checkpoint (its headers and index). export writes one from a full or sharded
+// checkpoint; --dtype there casts the tensors, --copy-from adds the original
+// model's config and tokenizer files, and --overwrite writes into a directory
+// holding other files (keeping them).
 //
 // Every action streams (memory bounded by one chunk, not the model) and
-// prints one summary line on stdout: bytes written (or verified), seconds,
-// MB/s (10^6 bytes per second) and the process's peak resident memory.
+// prints one summary line on stdout: bytes written (or verified), the
+// output's absolute path, seconds, MB/s (10^6 bytes per second) and the
+// process's peak resident memory, after a line saying what an existing
+// output directory held that the write replaced (and, with --overwrite,
+// kept).
 // Progress goes to `progress` (stderr): a redrawn bar when it is a
 // terminal; otherwise, once an action has run for 5 s, a plain line at each
 // tenth of the work.
@@ -38,6 +45,7 @@
 #include <cstdint>
 #include <ostream>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "tools/layout_request.h"
@@ -61,8 +69,14 @@ struct CheckpointCommand {
   // shard of a Hugging Face checkpoint only (HfImportOptions).
   bool cast = false;
   bool weights_only = false;
+  std::string add_prefix;
+  std::string strip_prefix;
+  // Added to HfImportOptions' default ignored_suffixes.
+  std::vector<std::string> ignore_suffixes;
   // export only: ParseByteSize's forms; empty for the default (5GB).
   std::string max_shard_size;
+  std::string copy_from;
+  bool overwrite = false;
   uint64_t chunk_bytes = uint64_t{4} << 20;
 };
 

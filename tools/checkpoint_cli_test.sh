@@ -13,7 +13,9 @@ tiny=$3
 
 # Small model, AdamW state, every conversion.
 expect_exit 0 checkpoint init --model="$tiny" --out="$tmp/t_full" --seed=7
-grep -q '^checkpoint init: wrote [0-9]* bytes in .* MB/s), peak RSS' \
+grep -qF "checkpoint init: wrote $tmp/t_full: " "$tmp/out" ||
+  fail "init summary without the absolute output path: $(cat "$tmp/out")"
+grep -q '^checkpoint init: wrote .*: [0-9]* bytes in .* MB/s), peak RSS' \
   "$tmp/out" || fail "init summary: $(cat "$tmp/out")"
 [ -s "$tmp/err" ] && fail "progress on a non-terminal: $(head -c 300 "$tmp/err")"
 expect_exit 0 checkpoint shard --in="$tmp/t_full" --model="$tiny" \

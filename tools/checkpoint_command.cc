@@ -22,6 +22,20 @@ ABSL_FLAG(bool, cast, false,
 ABSL_FLAG(bool, weights_only, false,
           "checkpoint shard of a Hugging Face checkpoint: import the weights "
           "even if the directory holds another tool's optimizer state.");
+ABSL_FLAG(std::string, add_prefix, "",
+          "checkpoint shard of a Hugging Face checkpoint: put this before "
+          "every tensor name of the files (after --strip-prefix), e.g. "
+          "transformer. for gpt2's published files.");
+ABSL_FLAG(std::string, strip_prefix, "",
+          "checkpoint shard of a Hugging Face checkpoint: remove this from "
+          "the start of every tensor name that has it.");
+ABSL_FLAG(std::vector<std::string>, ignore_suffix, {},
+          "checkpoint shard of a Hugging Face checkpoint: also skip buffers "
+          "whose names end in one of these (comma-separated), e.g. "
+          ".attn.bias,.attn.masked_bias for gpt2's published files.");
+ABSL_FLAG(std::string, copy_from, "",
+          "checkpoint export: also write the config and tokenizer files of "
+          "this model directory (config.json, tokenizer.json, ...).");
 ABSL_FLAG(std::string, max_shard_size, "",
           "checkpoint export: the most tensor bytes per file (5GB, 500MB, "
           "2GiB or bytes; default 5GB).");
@@ -53,6 +67,11 @@ int CheckpointMain(const std::vector<char*>& args) {
   command.cast = absl::GetFlag(FLAGS_cast);
   command.weights_only = absl::GetFlag(FLAGS_weights_only);
   command.max_shard_size = absl::GetFlag(FLAGS_max_shard_size);
+  command.add_prefix = absl::GetFlag(FLAGS_add_prefix);
+  command.strip_prefix = absl::GetFlag(FLAGS_strip_prefix);
+  command.ignore_suffixes = absl::GetFlag(FLAGS_ignore_suffix);
+  command.copy_from = absl::GetFlag(FLAGS_copy_from);
+  command.overwrite = absl::GetFlag(FLAGS_overwrite);
   if (absl::Status s = ValidateCheckpointCommand(command); !s.ok()) {
     std::cerr << "fsdp checkpoint: " << s.message()
               << "; see fsdp checkpoint --help\n";
@@ -77,6 +96,8 @@ constexpr char kHelp[] =
     "[--world-size=W]\n"
     "                                   [layout flags] [--cast] "
     "[--weights-only]\n"
+    "                                   [--add-prefix=P] [--strip-prefix=P]\n"
+    "                                   [--ignore-suffix=S,...]\n"
     "                                   --out=SHARDED\n"
     "       fsdp checkpoint reshard     --in=SHARDED [--world-size=W] "
     "[layout flags]\n"
@@ -86,6 +107,8 @@ constexpr char kHelp[] =
     "       fsdp checkpoint export      --in=FULL|SHARDED --out=HF\n"
     "                                   [--max-shard-size=5GB] "
     "[--dtype=bfloat16]\n"
+    "                                   [--copy-from=MODEL_DIR] "
+    "[--overwrite]\n"
     "\n"
     "Offline checkpoint tools, in one process without communication. They\n"
     "stream: memory is bounded by one chunk (4 MiB) plus metadata, never the\n"
@@ -108,11 +131,24 @@ constexpr char kHelp[] =
     "optimizer state (optimizer.pt, ...) cannot be imported: with\n"
     "--weights-only the weights are imported alone. Use the -hf presets\n"
     "(llama2-7b-hf, llama3-8b-hf, ...) for Hugging Face's Llama names.\n"
+    "Files saved from another class than the model's import with\n"
+    "--add-prefix/--strip-prefix and --ignore-suffix (gpt2's published\n"
+    "files: --add-prefix=transformer. "
+    "--ignore-suffix=.attn.bias,.attn.masked_bias).\n"
     "export writes the weights of a full or sharded checkpoint as\n"
     "Hugging Face does: model.safetensors, or model-0000i-of-0000n\n"
     "files of at most --max-shard-size of tensors each plus\n"
     "model.safetensors.index.json; tied parameters once, under their\n"
-    "target's name; --dtype casts (round to nearest even).\n"
+    "target's name; --dtype casts (round to nearest even); --copy-from\n"
+    "writes the original model's config.json, generation_config.json and\n"
+    "tokenizer files with them, so that the export loads in transformers.\n"
+    "\n"
+    "No command deletes or replaces a file it did not write: an --out that\n"
+    "holds anything but an earlier output of the same kind is refused\n"
+    "before anything is written, naming the files. export --overwrite\n"
+    "writes into such a directory (the original download, say): it\n"
+    "replaces the previous export's files and same-named ones and keeps\n"
+    "the rest. The summary says what was replaced and kept.\n"
     "\n"
     "Exit codes: 0 ok, 1 the checkpoint could not be read or written, 2 bad\n"
     "command line.\n"
@@ -122,6 +158,10 @@ constexpr char kHelp[] =
     "  --out=DIR                output checkpoint directory: new, empty, or\n"
     "                           an earlier output of the same kind (anything\n"
     "                           else there is refused, never deleted)\n"
+    "  --overwrite              export: write into an --out holding other\n"
+    "                           files, keeping them\n"
+    "  --copy-from=DIR          export: copy DIR's config and tokenizer\n"
+    "                           files into the export\n"
     "  --seed=N                 init: the weights' seed (default 0)\n"
     "  --optimizer=O            init: adamw (default), sgd or none\n"
     "  --dtype=D                init, shard: the model's dtype; export: cast\n"
@@ -129,6 +169,12 @@ constexpr char kHelp[] =
     "  --cast                   shard (Hugging Face input): convert dtypes\n"
     "  --weights-only           shard (Hugging Face input): leave optimizer\n"
     "                           state of another tool behind\n"
+    "  --add-prefix=P           shard (Hugging Face input): prefix every\n"
+    "                           tensor name with P\n"
+    "  --strip-prefix=P         shard (Hugging Face input): remove P from\n"
+    "                           names that start with it (before adding)\n"
+    "  --ignore-suffix=S,...    shard (Hugging Face input): skip buffers\n"
+    "                           ending in S (besides rotary_emb.inv_freq)\n"
     "  --max-shard-size=S       export: bytes of tensors per file (5GB)\n"
     "layout flags (shard, reshard; --model also for init):\n";
 

@@ -119,7 +119,8 @@ TEST(CheckpointCommandTest, RunsEveryActionAndSummarises) {
   FLATPARAM_ASSERT_OK(ValidateCheckpointCommand(init));
   FLATPARAM_ASSERT_OK(RunCheckpoint(init, out, progress, false));
   EXPECT_THAT(out.str(),
-              MatchesRegex("checkpoint init: wrote [0-9]+ bytes in .* s "
+              MatchesRegex("checkpoint init: wrote /.*/full: [0-9]+ bytes in "
+                           ".* s "
                            "\\(.* MB/s\\), peak RSS .* MiB\n"));
   EXPECT_EQ(progress.str(), "");
 
@@ -171,7 +172,8 @@ TEST(CheckpointCommandTest, ExportsImportsAndVerifiesHuggingFace) {
               MatchesRegex(".*/hf_out: 7 tensors, total_size 476 bytes, in "
                            "model-00001-of-00005.safetensors, .*, "
                            "model.safetensors.index.json\n"
-                           "checkpoint export: wrote [0-9]+ bytes in .*\n"));
+                           "checkpoint export: wrote /.*/hf_out: [0-9]+ "
+                           "bytes in .*\n"));
   EXPECT_THAT(progress.str(), HasSubstr("\rexport ["));
   EXPECT_THAT(progress.str(), HasSubstr("100.0%"));
 

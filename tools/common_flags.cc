@@ -28,9 +28,8 @@ ABSL_FLAG(std::string, compute_dtype, "",
 ABSL_FLAG(std::string, dtype, "",
           "Override every parameter's dtype (default: the model's).");
 ABSL_FLAG(int64_t, shard_group_size, 0,
-          "Ranks per shard group for the HYBRID_* strategies (default: inspect "
-          "8 when it divides --world-size, else --world-size; train 2 when "
-          "--world-size is even, else --world-size).");
+          "Ranks per shard group for the HYBRID_* strategies (default: 8 when "
+          "it divides the world size, else the world size).");
 ABSL_FLAG(std::string, format, "table", "Output format: table or json.");
 ABSL_FLAG(std::string, backend, "",
           "sim, mpi or nccl (default: mpi under mpirun, else sim).");
@@ -41,6 +40,12 @@ ABSL_FLAG(std::optional<absl::Duration>, timeout, std::nullopt,
           "The longest any one collective may wait, e.g. 30s or 2m, before "
           "the run fails with an error naming the rank and the op (default: "
           "collectives 30s, train 5m).");
+
+ABSL_FLAG(bool, overwrite, false,
+          "Write into an output directory (or file) that holds files this "
+          "command did not write: same-named files are replaced, every other "
+          "file is kept, and the summary lists both (default: refuse, naming "
+          "the files).");
 
 namespace flatparam {
 namespace tools {

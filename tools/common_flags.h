@@ -32,6 +32,10 @@ ABSL_DECLARE_FLAG(uint64_t, seed);
 // (collectives, train) may wait; unset: the subcommand's own default
 // (collectives 30 s, train 5 min). They reject a non-positive value.
 ABSL_DECLARE_FLAG(std::optional<absl::Duration>, timeout);
+// The subcommands that write a directory or file (checkpoint, train --save,
+// model): write into an output that holds files they did not write, keeping
+// those files and replacing only same-named ones (the summary lists both).
+ABSL_DECLARE_FLAG(bool, overwrite);
 
 namespace flatparam {
 namespace tools {

@@ -19,6 +19,7 @@
 #include "flatparam/model.h"
 #include "flatparam/runtime.h"
 #include "refmodel/fsdp_trainer.h"
+#include "tools/paths.h"
 
 namespace flatparam {
 namespace tools {
@@ -270,13 +271,14 @@ void PrintDemoReport(const DemoResult& result, std::ostream& out) {
   out << "\nwritten\n";
   out << "  Chrome traces (open in https://ui.perfetto.dev or "
          "chrome://tracing):\n";
-  out << "    " << result.first_trace << "\n    " << result.second_trace
-      << "\n";
-  out << "  sharded checkpoints: " << result.first_checkpoint << " (8 ranks), "
-      << result.resharded_checkpoint << " (resharded), "
-      << result.final_checkpoint << " (after resuming)\n";
+  out << "    " << AbsolutePath(result.first_trace) << "\n    "
+      << AbsolutePath(result.second_trace) << "\n";
+  out << "  sharded checkpoints: " << AbsolutePath(result.first_checkpoint)
+      << " (8 ranks), " << AbsolutePath(result.resharded_checkpoint)
+      << " (resharded), " << AbsolutePath(result.final_checkpoint)
+      << " (after resuming)\n";
   out << "  full checkpoint (safetensors, keyed by parameter name): "
-      << result.consolidated_checkpoint << "\n";
+      << AbsolutePath(result.consolidated_checkpoint) << "\n";
   out << absl::StrFormat("\n%s in %.1f s\n",
                          result.passed() ? "demo PASSED: every check holds"
                                          : "demo FAILED: see the checks above",

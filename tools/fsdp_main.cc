@@ -38,6 +38,7 @@ const Subcommand* const kSubcommands[] = {
     &kPlanSubcommand,        //
     &kTrainSubcommand,       //
     &kCheckpointSubcommand,  //
+    &kModelSubcommand,       //
     &kCollectivesSubcommand,
 };
 

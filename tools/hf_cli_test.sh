@@ -42,7 +42,7 @@ expect_exit 0 checkpoint shard --in="$tmp/hf" --model="$tiny" \
   --world-size=4 --out="$tmp/s4"
 grep -q "imported 7 tensors of 3 Hugging Face files into model tiny (1 tied copy checked, 1 buffer skipped, 0 cast)" \
   "$tmp/out" || fail "import report: $(cat "$tmp/out")"
-grep -q '^checkpoint shard: wrote [0-9]* bytes' "$tmp/out" ||
+grep -q "^checkpoint shard: wrote $tmp/s4: [0-9]* bytes" "$tmp/out" ||
   fail "shard summary: $(cat "$tmp/out")"
 expect_exit 0 checkpoint verify --in="$tmp/s4"
 expect_exit 0 checkpoint reshard --in="$tmp/s4" --world-size=6 \
@@ -52,7 +52,7 @@ expect_exit 0 checkpoint export --in="$tmp/h6" --out="$tmp/out150" \
   --max-shard-size=150
 grep -q "7 tensors, total_size 476 bytes, in model-00001-of-00004.safetensors, .*, model.safetensors.index.json" \
   "$tmp/out" || fail "export report: $(cat "$tmp/out")"
-grep -q '^checkpoint export: wrote [0-9]* bytes in .* peak RSS' "$tmp/out" ||
+grep -q '^checkpoint export: wrote .*/out150: [0-9]* bytes in .* peak RSS' "$tmp/out" ||
   fail "export summary: $(cat "$tmp/out")"
 np check --dir="$tmp/out150" --max-shard-size=150 --files=4 --tensors=7
 # The tied copy is written once, under the target's name.
@@ -208,5 +208,81 @@ grep -q 'refusing to write a sharded checkpoint there' "$tmp/err" ||
   fail "train --save into a user's directory: $(cat "$tmp/err")"
 [ "$(ls "$tmp/user")" = "$(printf 'config.json\ntokenizer.json')" ] ||
   fail "a command changed the user's directory: $(ls "$tmp/user")"
+
+expect_exit 2 checkpoint reshard --in="$tmp/s4" --world-size=2 \
+  --out="$tmp/user" --overwrite
+grep -q 'checkpoint reshard does not take --overwrite: .*readers reject any file' \
+  "$tmp/err" || fail "reshard --overwrite: $(cat "$tmp/err")"
+
+# Told to (--overwrite), an export writes into the download: the previous
+# weights (3 shards and the index) are replaced, the rest kept; the refusal
+# said how. --copy-from brings the original's config and tokenizer; the
+# summary says what was replaced and kept, with absolute paths.
+expect_exit 1 checkpoint export --in="$tmp/h6" --out="$tmp/hf"
+grep -q 'give overwrite (--overwrite) to write into this one' "$tmp/err" ||
+  fail "the refusal does not name --overwrite: $(cat "$tmp/err")"
+echo 'model card' >"$tmp/hf/README.md"
+mkdir -p "$tmp/orig"
+echo '{"model_type": "llama"}' >"$tmp/orig/config.json"
+echo '{"version": "1.0"}' >"$tmp/orig/tokenizer.json"
+hf_before=$(ls "$tmp/hf" | tr '\n' ' ')
+expect_exit 0 checkpoint export --in="$tmp/h6" --out="$tmp/hf" --overwrite \
+  --copy-from="$tmp/orig" --max-shard-size=200
+[ "$(ls "$tmp/hf" | tr '\n' ' ')" = "README.md config.json model-00001-of-00003.safetensors model-00002-of-00003.safetensors model-00003-of-00003.safetensors model.safetensors.index.json tokenizer.json " ] ||
+  fail "export --overwrite of [$hf_before] left: $(ls "$tmp/hf" | tr '\n' ' ')"
+[ "$(cat "$tmp/hf/README.md")" = "model card" ] || fail "README.md changed"
+cmp -s "$tmp/orig/config.json" "$tmp/hf/config.json" || fail "config.json not copied"
+grep -qF "$tmp/hf: replaced 5 files: config.json, model-00001-of-00003.safetensors, model-00002-of-00003.safetensors, model-00003-of-00003.safetensors, model.safetensors.index.json; kept 1 file: README.md" \
+  "$tmp/out" || fail "export --overwrite summary: $(cat "$tmp/out")"
+grep -qF "copied from $tmp/orig: config.json, tokenizer.json" "$tmp/out" ||
+  fail "export --copy-from summary: $(cat "$tmp/out")"
+np compare --expected="$tmp/out150" --actual="$tmp/hf"
+# Exporting again with the same files needs no --overwrite; the summary
+# says the previous export was replaced.
+rm "$tmp/hf/README.md"
+expect_exit 0 checkpoint export --in="$tmp/h6" --out="$tmp/hf" \
+  --copy-from="$tmp/orig"
+grep -qF "$tmp/hf: replaced the Hugging Face export that was there (6 files: " \
+  "$tmp/out" || fail "re-export summary: $(cat "$tmp/out")"
+expect_exit 2 checkpoint shard --in="$tmp/hf" --model="$tiny" \
+  --world-size=2 --out="$tmp/x" --copy-from="$tmp/orig"
+grep -q 'checkpoint shard does not take --copy-from (export only)' "$tmp/err" ||
+  fail "shard --copy-from: $(cat "$tmp/err")"
+
+# Files saved from another class than the model's (gpt2's published ones:
+# no "transformer." prefix, attn.bias buffers) import with --add-prefix
+# and --ignore-suffix, and equal the same weights under the model's names.
+cat >"$tmp/bare.json" <<'EOF'
+{"params": [{"fqn": "wte.weight", "shape": [4, 2]},
+            {"fqn": "h.0.attn.c_attn.weight", "shape": [2, 6]},
+            {"fqn": "h.0.attn.bias", "shape": [1, 1, 2, 2]}]}
+EOF
+cat >"$tmp/gpt2ish.json" <<'EOF'
+{"params": [{"fqn": "transformer.wte.weight", "shape": [4, 2]},
+            {"fqn": "transformer.h.0.attn.c_attn.weight", "shape": [2, 6]},
+            {"fqn": "lm_head.weight", "tied_to": "transformer.wte.weight"}],
+ "wrap": ["transformer.h.0"]}
+EOF
+np make --spec="$tmp/bare.json" --out="$tmp/bare" --seed=3
+expect_exit 1 checkpoint shard --in="$tmp/bare" --model="$tmp/gpt2ish.json" \
+  --world-size=2 --out="$tmp/g2"
+grep -q "unexpected tensor 'wte.weight'" "$tmp/err" ||
+  fail "bare names: $(head -c 2000 "$tmp/err")"
+expect_exit 0 checkpoint shard --in="$tmp/bare" --model="$tmp/gpt2ish.json" \
+  --world-size=2 --out="$tmp/g2" --add-prefix=transformer. \
+  --ignore-suffix=.attn.bias,.attn.masked_bias
+grep -q "imported 2 tensors of 1 Hugging Face file into model .* (0 tied copies checked, 1 buffer skipped, 0 cast)" \
+  "$tmp/out" || fail "--add-prefix import report: $(cat "$tmp/out")"
+# The same weights under the model's own names import to the same bytes.
+expect_exit 0 checkpoint export --in="$tmp/g2" --out="$tmp/g2_hf"
+expect_exit 0 checkpoint shard --in="$tmp/g2_hf" --model="$tmp/gpt2ish.json" \
+  --world-size=2 --out="$tmp/g2b"
+for f in "$tmp/g2"/rank*.safetensors; do
+  cmp -s "$f" "$tmp/g2b/$(basename "$f")" || fail "--add-prefix import differs: $f"
+done
+expect_exit 2 checkpoint reshard --in="$tmp/g2" --world-size=1 \
+  --out="$tmp/x" --add-prefix=transformer.
+grep -q 'checkpoint reshard does not take --add-prefix' "$tmp/err" ||
+  fail "reshard --add-prefix: $(cat "$tmp/err")"
 
 cli_test_finish

@@ -16,6 +16,11 @@
 namespace flatparam {
 namespace tools {
 
+int64_t DefaultShardGroupSize(int64_t world_size) {
+  return world_size % kDefaultShardGroupSize == 0 ? kDefaultShardGroupSize
+                                                  : world_size;
+}
+
 absl::StatusOr<int64_t> ShardGroupSize(ShardingStrategy strategy,
                                        int64_t world_size, int64_t requested) {
   if (requested < 0) {
@@ -33,7 +38,7 @@ absl::StatusOr<int64_t> ShardGroupSize(ShardingStrategy strategy,
     }
     return world_size;
   }
-  if (requested == 0) return world_size % 8 == 0 ? 8 : world_size;
+  if (requested == 0) return DefaultShardGroupSize(world_size);
   if (world_size % requested != 0) {
     return absl::InvalidArgumentError(
         absl::StrFormat("--shard-group-size=%d does not divide --world-size=%d",

@@ -53,10 +53,17 @@ struct ResolvedLayout {
   int64_t shard_group_size = 1;
 };
 
+// The hybrid strategies' default shard group, the same in every
+// subcommand: a node of 8 GPUs (kDefaultShardGroupSize) when 8 divides the
+// world size, else the whole world (one group: PyTorch's HYBRID_SHARD
+// shards within a node, and a job smaller than a node is one node).
+inline constexpr int64_t kDefaultShardGroupSize = 8;
+int64_t DefaultShardGroupSize(int64_t world_size);
+
 // The shard group size for `strategy` on `world_size` ranks given the
-// user's `requested` value (0: default). InvalidArgument, naming the values,
-// when `requested` is negative, does not divide `world_size`, or is set for
-// a non-hybrid strategy.
+// user's `requested` value (0: DefaultShardGroupSize). InvalidArgument, naming
+// the values, when `requested` is negative, does not divide `world_size`, or is
+// set for a non-hybrid strategy.
 absl::StatusOr<int64_t> ShardGroupSize(ShardingStrategy strategy,
                                        int64_t world_size, int64_t requested);
 

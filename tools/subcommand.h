@@ -41,6 +41,7 @@ extern const Subcommand kTrainSubcommand;
 extern const Subcommand kCheckpointSubcommand;
 extern const Subcommand kPlanSubcommand;
 extern const Subcommand kDemoSubcommand;
+extern const Subcommand kModelSubcommand;
 
 }  // namespace tools
 }  // namespace flatparam

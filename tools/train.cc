@@ -32,6 +32,8 @@
 #include "refmodel/train_state.h"
 #include "sim/sim.h"
 #include "tools/collective_timeout.h"
+#include "tools/layout_request.h"
+#include "tools/paths.h"
 
 namespace flatparam {
 namespace tools {
@@ -519,9 +521,9 @@ absl::StatusOr<refmodel::FsdpTrainOptions> MakeFsdpTrainOptions(
   refmodel::FsdpTrainOptions o;
   FLATPARAM_ASSIGN_OR_RETURN(o.strategy, ParseShardingStrategy(c.strategy));
   if (IsHybridStrategy(o.strategy)) {
-    const int64_t group = c.shard_group_size != 0 ? c.shard_group_size
-                          : world_size % 2 == 0   ? 2
-                                                  : world_size;
+    const int64_t group = c.shard_group_size != 0
+                              ? c.shard_group_size
+                              : DefaultShardGroupSize(world_size);
     if (world_size % group != 0) {
       return Bad(absl::StrFormat(
           "--shard-group-size=%d must divide the world size %d (%s shards "
@@ -1110,7 +1112,8 @@ void PrintTrainReport(const TrainReport& report, std::ostream& out) {
   if (!report.loaded_from.empty()) {
     out << absl::StrFormat(
         "# resumed from %s at step %d (trained before: %s)\n",
-        report.loaded_from, o.first_step, DescribeSegments(report.history, o));
+        AbsolutePath(report.loaded_from), o.first_step,
+        DescribeSegments(report.history, o));
     if (report.load_candidates > 0) {
       out << absl::StrFormat(
           "# the newest complete checkpoint of %d matching --load=%s\n",
@@ -1181,7 +1184,7 @@ void PrintTrainReport(const TrainReport& report, std::ostream& out) {
     out << absl::StrFormat(
         "# saved a sharded checkpoint of step %d to %s (written by the "
         "ranks collectively%s)\n",
-        report.saved_steps.back(), report.saved_to,
+        report.saved_steps.back(), AbsolutePath(report.saved_to),
         report.async_save ? ", in the background" : "");
     out << absl::StrFormat(
         "# saves: %d (steps %s), %s; training blocked by saving: longest "

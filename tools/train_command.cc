@@ -164,7 +164,7 @@ constexpr char kHelp[] =
     "                           HYBRID_SHARD, HYBRID_SHARD_ZERO2\n"
     "  --shard-group-size=G     HYBRID_*: ranks per shard group (like GPUs "
     "per\n"
-    "                           node); default 2 when W is even, else W\n"
+    "                           node); default 8 if it divides W, else W\n"
     "  --steps=K                training steps (default 3)\n"
     "  --micro-batches=M        micro-batches per step (default 1)\n"
     "  --no-sync                accumulate micro-batches under no_sync\n"

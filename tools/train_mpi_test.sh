@@ -12,7 +12,7 @@ mpirun_test=$2
 cli_test_init "$3"
 
 MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" train --backend=mpi \
-  --strategy=HYBRID_SHARD --micro-batches=2 --check-reference \
+  --strategy=HYBRID_SHARD --shard-group-size=2 --micro-batches=2 --check-reference \
   >"$tmp/out" 2>"$tmp/err"
 status=$?
 cat "$tmp/out"
@@ -45,12 +45,12 @@ grep -q 'but the MPI job has 4 ranks' "$tmp/err" ||
 # --load resumes from it bitwise. --timeout bounds every collective,
 # the checkpoint's exchanges included.
 MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" train --backend=mpi \
-  --strategy=HYBRID_SHARD --steps=2 --save="$tmp/ckpt" --timeout=20s \
+  --strategy=HYBRID_SHARD --shard-group-size=2 --steps=2 --save="$tmp/ckpt" --timeout=20s \
   >"$tmp/out" 2>"$tmp/err"
 [ $? -eq 0 ] || fail "mpi --save failed: $(head -c 2000 "$tmp/err")"
 [ -f "$tmp/ckpt/manifest.json" ] || fail "mpi --save wrote no manifest.json"
 MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" train --backend=mpi \
-  --strategy=HYBRID_SHARD --steps=2 --load="$tmp/ckpt" --check-reference \
+  --strategy=HYBRID_SHARD --shard-group-size=2 --steps=2 --load="$tmp/ckpt" --check-reference \
   >"$tmp/out" 2>"$tmp/err"
 [ $? -eq 0 ] || fail "mpi --load failed: $(head -c 2000 "$tmp/err")"
 grep -q 'of all 4 steps .*bitwise equal' "$tmp/out" ||
@@ -60,7 +60,7 @@ grep -q 'of all 4 steps .*bitwise equal' "$tmp/out" ||
 # rank's files written by its background thread); the mid-run one resumes
 # bitwise.
 MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" train --backend=mpi \
-  --strategy=HYBRID_SHARD --steps=2 --save="$tmp/async{step}" --save-every=1 \
+  --strategy=HYBRID_SHARD --shard-group-size=2 --steps=2 --save="$tmp/async{step}" --save-every=1 \
   --async-save --timeout=20s >"$tmp/out" 2>"$tmp/err"
 [ $? -eq 0 ] || fail "mpi --async-save failed: $(head -c 2000 "$tmp/err")"
 grep -q '^# saves: 2 (steps 1, 2), asynchronous' "$tmp/out" ||
@@ -70,7 +70,7 @@ for step in 1 2; do
     fail "mpi --async-save wrote no checkpoint of step $step"
 done
 MPI_TEST_TIMEOUT_S=40 "$mpirun_test" "$fsdp" train --backend=mpi \
-  --strategy=HYBRID_SHARD --steps=1 --load="$tmp/async1" --check-reference \
+  --strategy=HYBRID_SHARD --shard-group-size=2 --steps=1 --load="$tmp/async1" --check-reference \
   >"$tmp/out" 2>"$tmp/err"
 [ $? -eq 0 ] || fail "mpi --load of an async save failed: $(head -c 2000 "$tmp/err")"
 grep -q 'of all 2 steps .*bitwise equal' "$tmp/out" ||

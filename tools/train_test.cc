@@ -171,12 +171,16 @@ TEST(MakeFsdpTrainOptionsTest, ResolvesDefaults) {
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
       refmodel::FsdpTrainOptions o,
       MakeFsdpTrainOptions(Options("HYBRID_SHARD"), 8));
-  EXPECT_EQ(o.shard_group_size, 2);
+  // The same default as every subcommand's (DefaultShardGroupSize).
+  EXPECT_EQ(o.shard_group_size, 8);
   EXPECT_EQ(o.global_batch, 16);
   EXPECT_EQ(o.steps, 2);
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
       o, MakeFsdpTrainOptions(Options("HYBRID_SHARD_ZERO2", 3), 3));
   EXPECT_EQ(o.shard_group_size, 3);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      o, MakeFsdpTrainOptions(Options("HYBRID_SHARD"), 16));
+  EXPECT_EQ(o.shard_group_size, 8);
   TrainCommandOptions c = Options("FULL_SHARD");
   c.mixed_precision = "fp16";
   c.optimizer = "sgd";
@@ -381,6 +385,7 @@ std::string TestDir(const std::string& name) {
 // exchanges and the summaries' gather): each gets --timeout.
 TEST(RunTrainOnRankTest, TheTimeoutReachesEveryCollective) {
   TrainCommandOptions o = Options("HYBRID_SHARD", 4);
+  o.shard_group_size = 2;  // two groups: a replicate all-reduce too
   o.save_dir = TestDir("timeout_ckpt");
   o.timeout = absl::Seconds(7);
   std::vector<std::vector<RecordedCall>> logs;
@@ -403,6 +408,7 @@ TEST(RunTrainOnRankTest, TheTimeoutReachesEveryCollective) {
 // gather), with --save.
 TEST(RunTrainOnRankTest, ARankLateByMoreThanTheTimeoutFailsTheRun) {
   TrainCommandOptions o = Options("HYBRID_SHARD", 4);
+  o.shard_group_size = 2;  // two groups: a replicate all-reduce too
   o.steps = 1;
   o.check_reference = false;
   o.save_dir = TestDir("late_ckpt");
