@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -95,9 +96,71 @@ bool IsDottedName(const std::string& name) {
   return true;
 }
 
+// The fields a parameter entry may carry besides its name and tie, each as
+// the entry gives it (absent: not given).
+struct ParamFields {
+  std::optional<std::vector<int64_t>> shape;
+  std::optional<DType> dtype;
+  std::optional<bool> requires_grad;
+};
+
+absl::StatusOr<ParamFields> ParseFields(const SchemaErrors& errors,
+                                        const std::string& path,
+                                        const std::string& fqn, const json& j,
+                                        int64_t* model_numel) {
+  ParamFields f;
+  if (j.contains("shape")) {
+    const json& shape = j["shape"];
+    if (!shape.is_array()) {
+      return errors.Expected(path + ".shape", "an array of integers", shape);
+    }
+    f.shape.emplace();
+    int64_t numel = 1;
+    for (size_t d = 0; d < shape.size(); ++d) {
+      FLATPARAM_ASSIGN_OR_RETURN(
+          int64_t dim, errors.NonNegativeInt(
+                           absl::StrCat(path, ".shape[", d, "]"), shape[d]));
+      f.shape->push_back(dim);
+      if (dim > 0 && numel > kMaxModelNumel / dim) {
+        return errors.Error(path + ".shape",
+                            absl::StrFormat("parameter \"%s\" has more than "
+                                            "%d elements",
+                                            fqn, kMaxModelNumel));
+      }
+      numel *= dim;
+    }
+    *model_numel += numel;
+    if (*model_numel > kMaxModelNumel) {
+      return errors.Error(path, absl::StrFormat("the model has more than %d "
+                                                "elements",
+                                                kMaxModelNumel));
+    }
+  }
+  if (j.contains("dtype")) {
+    FLATPARAM_ASSIGN_OR_RETURN(std::string name,
+                               errors.String(path + ".dtype", j["dtype"]));
+    absl::StatusOr<DType> dtype = ParseDType(name);
+    if (!dtype.ok()) {
+      return errors.Error(path + ".dtype", dtype.status().message());
+    }
+    f.dtype = *dtype;
+  }
+  if (j.contains("requires_grad")) {
+    const json& rg = j["requires_grad"];
+    if (!rg.is_boolean()) {
+      return errors.Expected(path + ".requires_grad", "true or false", rg);
+    }
+    f.requires_grad = rg.get<bool>();
+  }
+  return f;
+}
+
+// A parameter entry. A tied one's own fields, which exporters repeat from
+// the tie's target, go to `tied_fields` for CheckTiedFields.
 absl::StatusOr<ParamSpec> ParseParam(const SchemaErrors& errors,
                                      const std::string& path, const json& j,
-                                     int64_t* model_numel) {
+                                     int64_t* model_numel,
+                                     ParamFields* tied_fields) {
   if (!j.is_object()) return errors.Expected(path, "an object", j);
   FLATPARAM_RETURN_IF_ERROR(errors.CheckKeys(
       path, j, {"fqn", "shape", "dtype", "requires_grad", "tied_to"}));
@@ -115,63 +178,81 @@ absl::StatusOr<ParamSpec> ParseParam(const SchemaErrors& errors,
     if (p.tied_to.empty()) {
       return errors.Error(path + ".tied_to", "expected a parameter name");
     }
-    for (const char* key : {"shape", "dtype", "requires_grad"}) {
-      if (j.contains(key)) {
-        return errors.Error(
-            path, absl::StrFormat("tied parameter \"%s\" must not carry "
-                                  "\"%s\": it shares the tensor of \"%s\"",
-                                  p.fqn, key, p.tied_to));
-      }
-    }
+    // A tied parameter shares its target's storage: its elements are not
+    // counted again.
+    int64_t not_counted = 0;
+    FLATPARAM_ASSIGN_OR_RETURN(
+        *tied_fields, ParseFields(errors, path, p.fqn, j, &not_counted));
     return p;
   }
-
   if (!j.contains("shape")) {
     return errors.Error(path, absl::StrFormat("parameter \"%s\" is missing "
                                               "\"shape\" ([] for a scalar)",
                                               p.fqn));
   }
-  const json& shape = j["shape"];
-  if (!shape.is_array()) {
-    return errors.Expected(path + ".shape", "an array of integers", shape);
-  }
-  int64_t numel = 1;
-  for (size_t d = 0; d < shape.size(); ++d) {
-    FLATPARAM_ASSIGN_OR_RETURN(
-        int64_t dim,
-        errors.NonNegativeInt(absl::StrCat(path, ".shape[", d, "]"), shape[d]));
-    p.shape.push_back(dim);
-    if (dim > 0 && numel > kMaxModelNumel / dim) {
-      return errors.Error(path + ".shape",
-                          absl::StrFormat("parameter \"%s\" has more than "
-                                          "%d elements",
-                                          p.fqn, kMaxModelNumel));
-    }
-    numel *= dim;
-  }
-  *model_numel += numel;
-  if (*model_numel > kMaxModelNumel) {
-    return errors.Error(path, absl::StrFormat("the model has more than %d "
-                                              "elements",
-                                              kMaxModelNumel));
-  }
-  if (j.contains("dtype")) {
-    FLATPARAM_ASSIGN_OR_RETURN(std::string name,
-                               errors.String(path + ".dtype", j["dtype"]));
-    absl::StatusOr<DType> dtype = ParseDType(name);
-    if (!dtype.ok()) {
-      return errors.Error(path + ".dtype", dtype.status().message());
-    }
-    p.dtype = *dtype;
-  }
-  if (j.contains("requires_grad")) {
-    const json& rg = j["requires_grad"];
-    if (!rg.is_boolean()) {
-      return errors.Expected(path + ".requires_grad", "true or false", rg);
-    }
-    p.requires_grad = rg.get<bool>();
-  }
+  FLATPARAM_ASSIGN_OR_RETURN(ParamFields f,
+                             ParseFields(errors, path, p.fqn, j, model_numel));
+  p.shape = *std::move(f.shape);
+  if (f.dtype.has_value()) p.dtype = *f.dtype;
+  if (f.requires_grad.has_value()) p.requires_grad = *f.requires_grad;
   return p;
+}
+
+// A tied parameter may repeat its target's shape, dtype and requires_grad
+// (as exporters write it); each one given must equal the target's. The
+// target must then be an earlier parameter (ModelLayout::Create reports a
+// missing one otherwise).
+absl::Status CheckTiedFields(const SchemaErrors& errors,
+                             const std::string& path, const ParamSpec& tied,
+                             const ParamFields& f,
+                             const std::vector<ParamSpec>& earlier) {
+  if (!f.shape.has_value() && !f.dtype.has_value() &&
+      !f.requires_grad.has_value()) {
+    return absl::OkStatus();
+  }
+  const ParamSpec* target = nullptr;
+  for (const ParamSpec& e : earlier) {
+    if (e.fqn == tied.tied_to) target = &e;
+  }
+  // Follow a chain of ties to the parameter that holds the tensor.
+  for (int hops = 0; target != nullptr && !target->tied_to.empty() &&
+                     hops < static_cast<int>(earlier.size());
+       ++hops) {
+    const ParamSpec* next = nullptr;
+    for (const ParamSpec& e : earlier) {
+      if (e.fqn == target->tied_to) next = &e;
+    }
+    target = next;
+  }
+  if (target == nullptr) {
+    return errors.Error(
+        path, absl::StrFormat("tied parameter \"%s\" repeats shape, dtype "
+                              "or requires_grad, but \"%s\" is not an "
+                              "earlier parameter to check them against",
+                              tied.fqn, tied.tied_to));
+  }
+  const auto differs = [&](absl::string_view key, const std::string& mine,
+                           const std::string& theirs) {
+    return errors.Error(
+        path, absl::StrFormat("tied parameter \"%s\" has %s %s, but \"%s\", "
+                              "whose tensor it shares, has %s",
+                              tied.fqn, key, mine, target->fqn, theirs));
+  };
+  if (f.shape.has_value() && *f.shape != target->shape) {
+    return differs("shape",
+                   absl::StrCat("[", absl::StrJoin(*f.shape, ", "), "]"),
+                   absl::StrCat("[", absl::StrJoin(target->shape, ", "), "]"));
+  }
+  if (f.dtype.has_value() && *f.dtype != target->dtype) {
+    return differs("dtype", std::string(DTypeName(*f.dtype)),
+                   std::string(DTypeName(target->dtype)));
+  }
+  if (f.requires_grad.has_value() &&
+      *f.requires_grad != target->requires_grad) {
+    return differs("requires_grad", *f.requires_grad ? "true" : "false",
+                   target->requires_grad ? "true" : "false");
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
@@ -234,9 +315,15 @@ absl::StatusOr<ModelSpec> ParseModelSpecJson(absl::string_view text,
   }
   int64_t model_numel = 0;
   for (size_t i = 0; i < params.size(); ++i) {
+    const std::string path = absl::StrCat("params[", i, "]");
+    ParamFields tied_fields;
     FLATPARAM_ASSIGN_OR_RETURN(
-        ParamSpec p, ParseParam(errors, absl::StrCat("params[", i, "]"),
-                                params[i], &model_numel));
+        ParamSpec p,
+        ParseParam(errors, path, params[i], &model_numel, &tied_fields));
+    if (!p.tied_to.empty()) {
+      FLATPARAM_RETURN_IF_ERROR(
+          CheckTiedFields(errors, path, p, tied_fields, spec.params));
+    }
     spec.params.push_back(std::move(p));
   }
   if (doc.contains("wrap")) {

@@ -18,9 +18,11 @@
 // `dtype` defaults to "float32" and accepts every name flatparam::ParseDType
 // does (integer dtypes parse; laying them out fails later, as in PyTorch);
 // `requires_grad` defaults to true; `shape` is required ([] for a scalar)
-// except on a tied entry, which carries only `fqn` and `tied_to` because it
-// shares its primary's tensor. Unknown keys are errors. `name` defaults to
-// the source name.
+// except on a tied entry, which shares its primary's tensor: it needs only
+// `fqn` and `tied_to`, and may repeat `shape`, `dtype` and `requires_grad`
+// as exporters write them, each of which must then equal its (earlier)
+// primary's (InvalidArgument naming both otherwise); the parsed spec drops
+// them. Unknown keys are errors. `name` defaults to the source name.
 //
 // A `wrap` entry may be a glob ("layers.*", "h.*.mlp"; see ModelSpec in
 // model.h): it is kept as written here and expanded by ModelLayout::Create.

@@ -92,6 +92,30 @@ TEST(ModelJsonTest, WrapGlobsAreKeptAndExpandWhenLaidOut) {
               ElementsAre("layers.0", "layers.1"));
 }
 
+// Exporters repeat a tied parameter's shape and dtype; agreeing fields
+// (through a chain of ties too) give the same spec as the bare tie.
+TEST(ModelJsonTest, TiedEntriesMayRepeatTheirTargetsFields) {
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ModelSpec bare, ParseModelSpecJson(
+                          R"({"params": [{"fqn": "emb.weight", "shape": [4, 2],
+                           "dtype": "bfloat16", "requires_grad": false},
+                          {"fqn": "head.weight", "tied_to": "emb.weight"},
+                          {"fqn": "out.weight", "tied_to": "head.weight"}]})",
+                          "m.json"));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ModelSpec repeated,
+      ParseModelSpecJson(
+          R"({"params": [{"fqn": "emb.weight", "shape": [4, 2],
+                           "dtype": "bfloat16", "requires_grad": false},
+                          {"fqn": "head.weight", "tied_to": "emb.weight",
+                           "shape": [4, 2], "dtype": "bfloat16",
+                           "requires_grad": false},
+                          {"fqn": "out.weight", "tied_to": "head.weight",
+                           "shape": [4, 2]}]})",
+          "m.json"));
+  EXPECT_EQ(ModelSpecToJson(repeated), ModelSpecToJson(bare));
+}
+
 TEST(ModelJsonTest, IntegerDtypesParse) {
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
       ModelSpec spec,
@@ -155,8 +179,19 @@ TEST(ModelJsonTest, SchemaErrorsNameTheJsonPath) {
        "params[0].requires_grad: expected true or false, got number 1"},
       {R"({"params": [{"fqn": "a", "shape": [1], "grad": true}]})",
        "params[0]: unknown key \"grad\""},
-      {R"({"params": [{"fqn": "a", "shape": [1]}, {"fqn": "b", "tied_to": "a", "shape": [1]}]})",
-       "params[1]: tied parameter \"b\" must not carry \"shape\""},
+      {R"({"params": [{"fqn": "a", "shape": [1]}, {"fqn": "b", "tied_to": "a", "shape": [2]}]})",
+       "params[1]: tied parameter \"b\" has shape [2], but \"a\", whose "
+       "tensor it shares, has [1]"},
+      {R"({"params": [{"fqn": "a", "shape": [1]}, {"fqn": "b", "tied_to": "a", "dtype": "bfloat16"}]})",
+       "params[1]: tied parameter \"b\" has dtype bfloat16, but \"a\", "
+       "whose tensor it shares, has float32"},
+      {R"({"params": [{"fqn": "a", "shape": [1], "requires_grad": false}, {"fqn": "b", "tied_to": "a", "requires_grad": true}]})",
+       "params[1]: tied parameter \"b\" has requires_grad true, but \"a\""},
+      {R"({"params": [{"fqn": "b", "tied_to": "a", "shape": [1]}, {"fqn": "a", "shape": [1]}]})",
+       "params[0]: tied parameter \"b\" repeats shape, dtype or "
+       "requires_grad, but \"a\" is not an earlier parameter"},
+      {R"({"params": [{"fqn": "a", "shape": [1]}, {"fqn": "b", "tied_to": "a", "shape": [-1]}]})",
+       "params[1].shape[0]: expected a non-negative integer"},
       {R"({"params": [{"fqn": "a", "shape": [1]}, {"fqn": "b", "tied_to": ""}]})",
        "params[1].tied_to: expected a parameter name"},
       {R"({"params": [{"fqn": "a", "shape": [1]}], "wrap": "a"})",
