@@ -686,10 +686,12 @@ absl::Status FsdpRuntime::AllReduceScalar(float* value, ReduceOp op) {
 
 absl::StatusOr<double> FsdpRuntime::ClipGradNorm(double max_norm,
                                                  double norm_type) {
-  if (!(norm_type >= 1.0)) {
+  // Any positive p, as clip_grad_norm_ takes it (0 < p < 1 is not a norm,
+  // but the same formula).
+  if (!(norm_type > 0.0)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "FsdpRuntime: ClipGradNorm: norm_type must be >= 1 or infinity, got "
-        "%g",
+        "FsdpRuntime: ClipGradNorm: norm_type must be positive (or "
+        "infinity), got %g",
         norm_type));
   }
   if (!(max_norm >= 0.0)) {

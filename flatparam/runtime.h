@@ -378,7 +378,8 @@ class FsdpRuntime {
   // FullyShardedDataParallel.clip_grad_norm_ (torch 2.x): collective over
   // the shard group for the sharded strategies, local for NO_SHARD. Between
   // iterations only (FailedPrecondition otherwise); InvalidArgument unless
-  // norm_type >= 1 (infinity allowed) and max_norm >= 0 (not NaN).
+  // norm_type > 0 (infinity allowed; below 1 the same formula, as
+  // clip_grad_norm_ takes it) and max_norm >= 0 (not NaN).
   //   1. The gradients: per original parameter (ShardedGradView) when the
   //      layout aligns addresses (PyTorch's use_orig_params=True), else
   //      each whole sharded flat gradient; None ones are skipped.

@@ -18,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
 #include "comm/communicator.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/base/status_matchers.h"
@@ -1051,7 +1052,10 @@ TEST_P(ClipTest, MatchesTheFullGradientNorm) {
 std::vector<ClipCase> ClipCases() {
   std::vector<ClipCase> out;
   for (ShardingStrategy s : kAllStrategies) {
-    for (double p : {2.0, 1.0, std::numeric_limits<double>::infinity(), 3.0}) {
+    // 0.5 and 0.25: clip_grad_norm_ takes any positive norm_type (below 1
+    // it is not a norm, but the same formula).
+    for (double p :
+         {2.0, 1.0, std::numeric_limits<double>::infinity(), 3.0, 0.5, 0.25}) {
       out.push_back({s, false, p});
     }
     out.push_back({s, true, 2.0});
@@ -1067,7 +1071,9 @@ INSTANTIATE_TEST_SUITE_P(Norms, ClipTest, ::testing::ValuesIn(ClipCases()),
                                c.align ? "_aligned" : "",
                                std::isinf(c.norm_type)
                                    ? "inf"
-                                   : absl::StrFormat("%d", int(c.norm_type)));
+                                   : absl::StrReplaceAll(
+                                         absl::StrFormat("%g", c.norm_type),
+                                         {{".", "_"}}));
                          });
 
 // Parameters whose gradient is None are skipped; the others are clipped.
@@ -1353,10 +1359,10 @@ TEST(HookTest, MisuseIsReportedWithTheUnit) {
             FLATPARAM_RETURN_IF_ERROR(rt.PostForward(0));
             FLATPARAM_RETURN_IF_ERROR(rt.FinalizeBackward());
             EXPECT_FALSE(rt.in_iteration());
-            for (double p : {0.5, std::nan("")}) {
+            for (double p : {0.0, -1.0, std::nan("")}) {
               EXPECT_THAT(rt.ClipGradNorm(1.0, p),
                           StatusIs(absl::StatusCode::kInvalidArgument,
-                                   HasSubstr("norm_type must be >= 1")));
+                                   HasSubstr("norm_type must be positive")));
             }
             for (double m : {-1.0, std::nan("")}) {
               EXPECT_THAT(rt.ClipGradNorm(m),
