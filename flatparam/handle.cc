@@ -656,6 +656,10 @@ absl::Status FlatParamHandle::Reshard(bool free_unsharded) {
 // Runtime hooks
 
 absl::Status FlatParamHandle::PreForward() {
+  // An activation-checkpointing recompute inside this unit's backward:
+  // PyTorch's _pre_forward returns early in BACKWARD_PRE (the parameter is
+  // unsharded for the backward already).
+  if (state_ == HandleTrainingState::kBackwardPre) return absl::OkStatus();
   if (state_ != HandleTrainingState::kIdle) {
     return WrongState("PreForward", "IDLE");
   }
@@ -672,6 +676,9 @@ absl::Status FlatParamHandle::PreForward() {
 }
 
 absl::Status FlatParamHandle::PostForward(bool is_root) {
+  // The recompute's end: the backward goes on with the parameter unsharded
+  // (PyTorch's _post_forward returns early in BACKWARD_PRE).
+  if (state_ == HandleTrainingState::kBackwardPre) return absl::OkStatus();
   if (state_ != HandleTrainingState::kForward) {
     return WrongState("PostForward", "FORWARD");
   }

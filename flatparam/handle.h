@@ -61,8 +61,10 @@
 // zeroed before the reduction. See ReduceGrad() for the exact arithmetic.
 //
 // Training states (PyTorch's HandleTrainingState) and what each call needs:
-//   PreForward              IDLE -> FORWARD (unshards unless unsharded)
-//   PostForward             FORWARD -> IDLE (reshards)
+//   PreForward              IDLE -> FORWARD (unshards unless unsharded);
+//                           in BACKWARD_PRE nothing (a recompute, below)
+//   PostForward             FORWARD -> IDLE (reshards); in BACKWARD_PRE
+//                           nothing
 //   PreBackward             IDLE -> BACKWARD_PRE (unshards unless unsharded)
 //   PostBackward            BACKWARD_PRE -> BACKWARD_POST (reshards, reduces)
 //   FinalizeBackward        any but SUMMON_FULL_PARAMS -> IDLE (reshards)
@@ -75,6 +77,12 @@
 //                           gradient
 //   GradView/AccumulateGrad BACKWARD_PRE, with an unsharded gradient
 //   ZeroGrad                IDLE
+// Activation checkpointing recomputes a unit's forward inside its backward.
+// Non-reentrant (PyTorch's default `checkpoint`, and `fully_shard` with
+// it): PreBackward, then PreForward, the forward, PostForward, then the
+// backward: the two forward hooks do nothing, as PyTorch's return early in
+// BACKWARD_PRE, and the parameter stays unsharded throughout. Reentrant:
+// PreForward and PostForward in IDLE before PreBackward, as for a forward.
 // Any other use returns FailedPrecondition naming the operation and the
 // current state, and changes nothing: the handle stays usable. A collective
 // that fails leaves the handle in a consistent state (see each method).

@@ -38,7 +38,10 @@
 // `_post_backward_final_callback`), which also ends a forward-only pass. The
 // first PreBackward ends the forward; a PreForward/PostForward after it is
 // an activation-checkpointing recompute: it drives the handle only (no
-// order recording or check, no forward prefetch).
+// order recording or check, no forward prefetch). Inside the unit's own
+// backward (after its PreBackward: non-reentrant checkpointing) the handle
+// does nothing; before it (reentrant) the unit unshards and reshards as in
+// a forward (handle.h).
 //
 // The root unit is the one whose module prefix is "" (the root module's
 // own parameters); its PostForward keeps the unsharded parameter for the

@@ -5,7 +5,10 @@
 // depths 1..3 and limit_all_gathers 0..3, 1..2 micro-batches per step
 // (no_sync on all but the last), a random forward order of the units (the
 // root, when the model has one, wraps the others; the order is fixed across
-// iterations and checked with ExecOrderCheck::kError), and two SGD steps.
+// iterations and checked with ExecOrderCheck::kError), activation
+// recomputation or not (non-reentrant checkpointing: each non-root unit's
+// PreForward, forward and PostForward again right after its PreBackward),
+// and two SGD steps.
 //
 // The program every rank runs: the forward reads each unit's unsharded
 // flat parameter with a device copy on the compute stream into an
@@ -112,6 +115,9 @@ struct Case {
   // The collectives order with the streams on the device (a simulated
   // NCCL) instead of completing on the host.
   bool stream_ordered = false;
+  // Activation checkpointing (non-reentrant): each non-root unit's forward
+  // runs again inside its backward, between PreBackward and the backward.
+  bool recompute = false;
 
   int world_size() const {
     return static_cast<int>(layout.world_size) * replicas;
@@ -136,7 +142,8 @@ void showValue(const Case& c, std::ostream& os) {
      << ", limit_all_gathers=" << c.runtime.limit_all_gathers
      << ", micro_batches=[" << absl::StrJoin(c.micro_batches, ", ")
      << "], sim_seed=" << c.sim_seed << ", device_seed=" << c.device_seed
-     << ", stream_ordered=" << c.stream_ordered << "}";
+     << ", stream_ordered=" << c.stream_ordered << ", recompute=" << c.recompute
+     << "}";
 }
 
 // (shard group size, replicas) with at most 4 ranks in all.
@@ -207,6 +214,7 @@ rc::Gen<Case> GenCase() {
            c.device_seed = *gen::arbitrary<uint64_t>().as("device seed");
            c.stream_ordered =
                *gen::arbitrary<bool>().as("stream-ordered collectives");
+           c.recompute = *gen::arbitrary<bool>().as("activation recomputation");
            return c;
          })
       .as("runtime case");
@@ -244,8 +252,10 @@ struct Plan {
 };
 
 // The root opens first and closes last in both passes (it wraps the other
-// units, as in PyTorch); the others run one after the other.
-Plan MakePlan(std::optional<int> root, std::vector<int> order) {
+// units, as in PyTorch); the others run one after the other. With
+// `recompute`, each non-root unit's forward runs again right after its
+// PreBackward (non-reentrant activation checkpointing, PyTorch's order).
+Plan MakePlan(std::optional<int> root, std::vector<int> order, bool recompute) {
   Plan p;
   p.root = root;
   p.order = std::move(order);
@@ -265,6 +275,11 @@ Plan MakePlan(std::optional<int> root, std::vector<int> order) {
   }
   for (auto it = p.order.rbegin(); it != p.order.rend(); ++it) {
     add(Call::kPreBackward, *it);
+    if (recompute) {
+      add(Call::kPreForward, *it);
+      add(Call::kForward, *it);
+      add(Call::kPostForward, *it);
+    }
     add(Call::kBackward, *it);
     add(Call::kPostBackward, *it);
   }
@@ -773,6 +788,7 @@ class UnshardedMemoryReplay {
     const int n = static_cast<int>(units_.size());
     ran_forward_.assign(n, 0);
     ran_backward_.assign(n, 0);
+    in_backward_pre_.assign(n, 0);
   }
 
   void Run(const Plan& plan) {
@@ -864,6 +880,11 @@ class UnshardedMemoryReplay {
 
   void Hook(Call call, int v) {
     Unit& u = units_[v];
+    // A recompute inside the unit's backward: the hooks do nothing.
+    if ((call == Call::kPreForward || call == Call::kPostForward) &&
+        in_backward_pre_[v]) {
+      return;
+    }
     switch (call) {
       case Call::kPreForward:
         if (!u.unsharded) Unshard(u);
@@ -882,11 +903,13 @@ class UnshardedMemoryReplay {
         if (!u.unsharded) Unshard(u);
         Consume(v);
         ran_backward_[v] = 1;
+        in_backward_pre_[v] = 1;
         if (c_.runtime.backward_prefetch == BackwardPrefetch::kBackwardPre) {
           Prefetch(Next(post_forward_order_, v, ran_backward_, true));
         }
         return;
       case Call::kPostBackward:
+        in_backward_pre_[v] = 0;
         Reshard(u, sync_ || reshard_after_forward_);
         if (c_.runtime.backward_prefetch == BackwardPrefetch::kBackwardPost) {
           Prefetch(Next(post_forward_order_, v, ran_backward_, true));
@@ -898,6 +921,7 @@ class UnshardedMemoryReplay {
   }
 
   void Finalize() {
+    std::fill(in_backward_pre_.begin(), in_backward_pre_.end(), 0);
     for (Unit& u : units_) {
       if (u.pending) Unshard(u);
       if (u.unsharded) Reshard(u, sync_ || reshard_after_forward_);
@@ -918,6 +942,7 @@ class UnshardedMemoryReplay {
   std::vector<int> post_forward_order_;
   std::vector<char> ran_forward_;
   std::vector<char> ran_backward_;
+  std::vector<char> in_backward_pre_;
   std::vector<int> prefetched_;
   int64_t current_ = 0;
   int64_t peak_ = 0;
@@ -953,7 +978,9 @@ Setup DrawSetup() {
   const std::vector<int> order = *GenForwardOrder(others);
   RC_TAG(ShardingStrategyName(c.layout.strategy));
   std::map<std::string, HostTensor> init = InitialTensors(c.spec);
-  return Setup{std::move(c), *std::move(layout), MakePlan(root, order),
+  RC_CLASSIFY(c.recompute, "recompute");
+  Plan plan = MakePlan(root, order, c.recompute);
+  return Setup{std::move(c), *std::move(layout), std::move(plan),
                std::move(init)};
 }
 

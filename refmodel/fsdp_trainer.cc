@@ -401,7 +401,8 @@ class RankTrainer {
       // Read at the iteration's first PreForward (no_sync).
       runtime_->SetRequireGradientSync(sync);
       RuntimeParamAccess access(*runtime_, device_);
-      absl::StatusOr<float> loss = model_.ForwardBackward(batch, access);
+      absl::StatusOr<float> loss =
+          model_.ForwardBackward(batch, access, options_.recompute_activations);
       absl::Status status = loss.status();
       if (status.ok()) status = runtime_->FinalizeBackward();
       FLATPARAM_RETURN_IF_ERROR(

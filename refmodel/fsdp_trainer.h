@@ -147,6 +147,11 @@ struct FsdpTrainOptions {
   int64_t global_batch = 8;
   int64_t micro_batches = 1;
   AccumulationMode accumulation = AccumulationMode::kShardedAccumulation;
+  // Activation checkpointing of every layer: its forward (PreForward and
+  // PostForward too) runs again inside its backward, as PyTorch's
+  // non-reentrant `checkpoint` does (ReferenceModel::ForwardBackward's
+  // recompute_layers). Results are bitwise those without it.
+  bool recompute_activations = false;
   OptimizerOptions optimizer = SgdOptions{};
   uint64_t data_seed = 0;
   // Start from these parameters instead of the model's InitParams()

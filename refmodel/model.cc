@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cassert>
 #include <cmath>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -253,9 +254,28 @@ absl::Status ReferenceModel::CheckBatch(const Batch& batch) const {
   return absl::OkStatus();
 }
 
+namespace {
+
+// Layer i's forward on its input `x`: y[o] = tanh(W x + b), into `y`.
 template <typename T>
-absl::StatusOr<T> ReferenceModel::ForwardBackward(
-    const Batch& batch, BasicParamAccess<T>& access) const {
+void LayerForward(const T* w, const T* b, const Matrix<T>& x, int64_t in,
+                  int64_t out, Matrix<T>& y) {
+  for (int64_t n = 0; n < x.rows; ++n) {
+    const T* xn = x.row(n);
+    for (int64_t o = 0; o < out; ++o) {
+      T acc = T(0);
+      for (int64_t k = 0; k < in; ++k) acc += w[o * in + k] * xn[k];
+      y.row(n)[o] = std::tanh(acc + b[o]);
+    }
+  }
+}
+
+}  // namespace
+
+template <typename T>
+absl::StatusOr<T> ReferenceModel::ForwardBackward(const Batch& batch,
+                                                  BasicParamAccess<T>& access,
+                                                  bool recompute_layers) const {
   FLATPARAM_RETURN_IF_ERROR(CheckBatch(batch));
   const int layers = config_.num_layers();
   const std::vector<int64_t>& d = config_.dims;
@@ -282,14 +302,7 @@ absl::StatusOr<T> ReferenceModel::ForwardBackward(
     FLATPARAM_ASSIGN_OR_RETURN(const T* w, access.Param(LayerWeightName(i)));
     FLATPARAM_ASSIGN_OR_RETURN(const T* b, access.Param(LayerBiasName(i)));
     Matrix<T> next(n_samples, out);
-    for (int64_t n = 0; n < n_samples; ++n) {
-      const T* x = h[i].row(n);
-      for (int64_t o = 0; o < out; ++o) {
-        T acc = T(0);
-        for (int64_t k = 0; k < in; ++k) acc += w[o * in + k] * x[k];
-        next.row(n)[o] = std::tanh(acc + b[o]);
-      }
-    }
+    LayerForward(w, b, h[i], in, out, next);
     h.push_back(std::move(next));
     FLATPARAM_RETURN_IF_ERROR(access.EndUnit(unit, Phase::kForward));
   }
@@ -371,9 +384,18 @@ absl::StatusOr<T> ReferenceModel::ForwardBackward(
     const int64_t in = d[i];
     const int64_t out = d[(i + 1) % layers];
     FLATPARAM_RETURN_IF_ERROR(access.BeginUnit(unit, Phase::kBackward));
+    std::optional<Matrix<T>> recomputed;
+    if (recompute_layers) {
+      FLATPARAM_RETURN_IF_ERROR(access.BeginUnit(unit, Phase::kForward));
+      FLATPARAM_ASSIGN_OR_RETURN(const T* rw, access.Param(LayerWeightName(i)));
+      FLATPARAM_ASSIGN_OR_RETURN(const T* rb, access.Param(LayerBiasName(i)));
+      recomputed.emplace(n_samples, out);
+      LayerForward(rw, rb, h[i], in, out, *recomputed);
+      FLATPARAM_RETURN_IF_ERROR(access.EndUnit(unit, Phase::kForward));
+    }
     FLATPARAM_ASSIGN_OR_RETURN(const T* w, access.Param(LayerWeightName(i)));
     // dh becomes dz in place: dz = dh * tanh'(.) = dh * (1 - y^2).
-    const Matrix<T>& y = h[i + 1];
+    const Matrix<T>& y = recomputed ? *recomputed : h[i + 1];
     for (int64_t n = 0; n < n_samples; ++n) {
       for (int64_t o = 0; o < out; ++o) {
         const T yv = y.row(n)[o];
@@ -423,9 +445,9 @@ absl::StatusOr<T> ReferenceModel::ForwardBackward(
 }
 
 template absl::StatusOr<float> ReferenceModel::ForwardBackward<float>(
-    const Batch&, BasicParamAccess<float>&) const;
+    const Batch&, BasicParamAccess<float>&, bool) const;
 template absl::StatusOr<double> ReferenceModel::ForwardBackward<double>(
-    const Batch&, BasicParamAccess<double>&) const;
+    const Batch&, BasicParamAccess<double>&, bool) const;
 
 }  // namespace refmodel
 }  // namespace flatparam

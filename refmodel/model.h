@@ -217,6 +217,17 @@ class ReferenceModel {
   //   Grad("embed.weight") += (head part + embedding part)     [embedding]
   //   EndUnit("", kBackward)
   //
+  // With `recompute_layers` (activation checkpointing of each layer, as
+  // PyTorch's non-reentrant `checkpoint` runs it), each layer's forward runs
+  // again inside its backward, on the layer's saved input, and the backward
+  // uses the recomputed output (bitwise the first one):
+  //     BeginUnit("layers.i", kBackward)
+  //       BeginUnit("layers.i", kForward)
+  //         Param("layers.i.fc.weight"), Param("layers.i.fc.bias")
+  //       EndUnit("layers.i", kForward)
+  //       Param("layers.i.fc.weight"); Grad(...) += ...
+  //     EndUnit("layers.i", kBackward)
+  //
   // As in FSDP, the root is expected to stay unsharded from
   // BeginUnit("", kForward) to EndUnit("", kBackward); the model does not
   // rely on it (it asks again after BeginUnit("", kBackward)).
@@ -243,7 +254,8 @@ class ReferenceModel {
   // Errors: CheckBatch's, and any error `access` returns.
   template <typename T>
   absl::StatusOr<T> ForwardBackward(const Batch& batch,
-                                    BasicParamAccess<T>& access) const;
+                                    BasicParamAccess<T>& access,
+                                    bool recompute_layers = false) const;
 
  private:
   explicit ReferenceModel(Config config);

@@ -43,6 +43,9 @@
 //     ExpectedPeakMemory's closed form, for every strategy, with mixed
 //     precision, offload, micro-batches, both accumulation modes and every
 //     prefetch setting.
+//   * Activation recomputation (every layer's forward again inside its
+//     backward, non-reentrant) is drawn in every case above: the results
+//     stay bitwise the reference's and the peak the formula's.
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 
@@ -123,6 +126,7 @@ void Classify(const TrainingCase& c) {
   RC_CLASSIFY(c.options.micro_batches > 1 &&
                   c.options.accumulation == AccumulationMode::kNoSync,
               "no_sync");
+  RC_CLASSIFY(c.options.recompute_activations, "recompute");
 }
 
 RC_GTEST_PROP(TrainingEquivalence, Float32ShardedTrainingEqualsReferenceBitwise,

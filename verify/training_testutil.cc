@@ -83,7 +83,7 @@ std::string Describe(const TrainingCase& c) {
       "{world %d, %s%s, vocab %d, dims [%s], model seed %d, align %d, "
       "param_dtype %s, reduce_dtype %s, offload %d, steps %d, global batch "
       "%d, micro-batches %d (%s), %s, data seed %d, prefetch forward %d "
-      "backward %s depth %d limit %d%s}",
+      "backward %s depth %d limit %d%s%s}",
       c.world_size, ShardingStrategyName(o.strategy),
       IsHybridStrategy(o.strategy)
           ? absl::StrFormat(" (shard group %d)", o.shard_group_size)
@@ -97,7 +97,7 @@ std::string Describe(const TrainingCase& c) {
                                                             : "sharded",
       DescribeOptimizer(o.optimizer), o.data_seed, o.forward_prefetch,
       BackwardPrefetchName(o.backward_prefetch), o.prefetch_depth,
-      o.limit_all_gathers,
+      o.limit_all_gathers, o.recompute_activations ? ", recompute" : "",
       o.padding_fill.has_value()
           ? absl::StrFormat(", padding %g", *o.padding_fill)
           : "");
@@ -172,6 +172,7 @@ rc::Gen<TrainingCase> GenTrainingCase() {
                BackwardPrefetch::kBackwardPost);
            o.prefetch_depth = *UniformInRange(1, 4);
            o.limit_all_gathers = *UniformInRange(0, 3);
+           o.recompute_activations = *rc::gen::arbitrary<bool>();
            return c;
          })
       .as("training case");

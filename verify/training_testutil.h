@@ -67,9 +67,9 @@ rc::Gen<refmodel::OptimizerOptions> GenOptimizerOptions();
 // float32 training: world sizes 1..8, every strategy (hybrid with a shard
 // group size dividing the world), alignment on and off, CPU offload on and
 // off, 1..3 micro-batches in either accumulation mode, 1..3 steps, 1..2
-// samples per rank and micro-batch, and any prefetch setting (forward
-// prefetch on or off, NONE/BACKWARD_PRE/BACKWARD_POST, depth 1..3,
-// limit_all_gathers 0..2).
+// samples per rank and micro-batch, any prefetch setting (forward prefetch
+// on or off, NONE/BACKWARD_PRE/BACKWARD_POST, depth 1..3, limit_all_gathers
+// 0..2), and activation recomputation on or off.
 rc::Gen<TrainingCase> GenTrainingCase();
 
 // Bitwise equality of two maps (dtype, shape, bytes); on a mismatch,
