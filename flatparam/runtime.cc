@@ -393,8 +393,35 @@ absl::Status FsdpRuntime::Limited(
   return absl::OkStatus();
 }
 
+absl::Status FsdpRuntime::UnshardStreamWaitsForCompute() {
+  // The optimizer's (and the caller's) updates of the local shards come
+  // before any unshard of the iteration: one wait for every unit.
+  const HandleStreams& streams = handles_[0]->options().streams;
+  if (streams.unshard != streams.compute &&
+      !internal_handle::IsSkippedForTesting(
+          internal_handle::SkippedOrdering::kUnshardWaitsForCompute)) {
+    FLATPARAM_ASSIGN_OR_RETURN(Event updated,
+                               device_->RecordEvent(streams.compute));
+    FLATPARAM_RETURN_IF_ERROR(device_->WaitEvent(streams.unshard, updated));
+  }
+  for (auto& h : handles_) h->NoteUnshardStreamWaitedForCompute();
+  return absl::OkStatus();
+}
+
+absl::Status FsdpRuntime::BeginRetainedBackward() {
+  phase_ = Phase::kBackward;
+  // PyTorch reads `_sync_gradients` in each hook: this backward's own.
+  sync_ = require_sync_;
+  // The forward's post-forward order stays: prefetch follows it again.
+  std::fill(ran_pre_backward_.begin(), ran_pre_backward_.end(), 0);
+  prefetched_.clear();
+  reducing_.clear();
+  return UnshardStreamWaitsForCompute();
+}
+
 void FsdpRuntime::BeginIteration() {
   phase_ = Phase::kForward;
+  backward_may_rerun_ = false;
   // PyTorch reads `_sync_gradients` in each hook; fixing it per iteration
   // keeps one iteration's units consistent.
   sync_ = require_sync_;
@@ -450,17 +477,7 @@ absl::Status FsdpRuntime::PreForward(int unit) {
   }
   if (phase_ == Phase::kIdle) {
     BeginIteration();
-    // The optimizer's (and the caller's) updates of the local shards come
-    // before any unshard of the iteration: one wait for every unit.
-    const HandleStreams& streams = handles_[0]->options().streams;
-    if (streams.unshard != streams.compute &&
-        !internal_handle::IsSkippedForTesting(
-            internal_handle::SkippedOrdering::kUnshardWaitsForCompute)) {
-      FLATPARAM_ASSIGN_OR_RETURN(Event updated,
-                                 device_->RecordEvent(streams.compute));
-      FLATPARAM_RETURN_IF_ERROR(device_->WaitEvent(streams.unshard, updated));
-    }
-    for (auto& h : handles_) h->NoteUnshardStreamWaitedForCompute();
+    FLATPARAM_RETURN_IF_ERROR(UnshardStreamWaitsForCompute());
   }
   FLATPARAM_RETURN_IF_ERROR(
       WithUnit(Limited(unit, [](FlatParamHandle& h) { return h.PreForward(); }),
@@ -506,10 +523,13 @@ absl::Status FsdpRuntime::PostForward(int unit) {
 
 absl::Status FsdpRuntime::PreBackward(int unit) {
   FLATPARAM_RETURN_IF_ERROR(CheckUnit("PreBackward", unit));
-  if (phase_ == Phase::kIdle) {
+  if (phase_ == Phase::kIdle && backward_may_rerun_) {
+    FLATPARAM_RETURN_IF_ERROR(BeginRetainedBackward());
+  } else if (phase_ == Phase::kIdle) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "FsdpRuntime: PreBackward of %s: no forward ran in this iteration "
-        "(PreForward begins one, FinalizeBackward ends it)",
+        "(PreForward begins one, FinalizeBackward ends it; a further "
+        "backward over the same forward follows a backward)",
         UnitName(unit)));
   }
   FLATPARAM_RETURN_IF_ERROR(WithUnit(
@@ -606,6 +626,7 @@ absl::Status FsdpRuntime::FinalizeBackward() {
     ++stats_.iterations;
     order_fixed_ = true;
   }
+  backward_may_rerun_ = phase_ == Phase::kBackward;
   phase_ = Phase::kIdle;
   prefetched_.clear();
   reducing_.clear();

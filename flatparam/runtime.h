@@ -308,6 +308,15 @@ class FsdpRuntime {
   absl::Status PostForward(int unit);
   // Unshards `unit` and prepares its unsharded gradient; with BACKWARD_PRE,
   // prefetches. FailedPrecondition when no forward ran in this iteration.
+  // Several backwards per forward (`loss1.backward(retain_graph=True);
+  // loss2.backward()`): after a backward's FinalizeBackward and before the
+  // next PreForward, PreBackward begins another backward over the same
+  // forward, as PyTorch re-arms its pre-backward hooks: units unshard
+  // again, BACKWARD_PRE/POST prefetch over the forward's order, and each
+  // reduction adds to the sharded gradient the previous backward left (as
+  // a micro-batch does), ending with its own FinalizeBackward. The sum is
+  // bitwise that of two iterations over the same parameters without
+  // ZeroGrad between them.
   absl::Status PreBackward(int unit);
   // Reshards `unit` and starts its reduction (unless no_sync), finishes
   // earlier reductions; with BACKWARD_POST, prefetches.
@@ -435,6 +444,11 @@ class FsdpRuntime {
                      const std::function<absl::Status(FlatParamHandle&)>& call);
   void Observe(int called);
   void BeginIteration();
+  // A backward over the previous forward (PreBackward's retained graph).
+  absl::Status BeginRetainedBackward();
+  // The first unshard of an iteration follows the optimizer's (and the
+  // caller's) work on the compute stream.
+  absl::Status UnshardStreamWaitsForCompute();
   // The deviation of `unit` at the current forward position, if any.
   std::optional<std::string> OrderDeviation(int unit) const;
   absl::Status Prefetch(const std::vector<int>& candidates);
@@ -464,6 +478,9 @@ class FsdpRuntime {
 
   // The iteration.
   Phase phase_ = Phase::kIdle;
+  // A backward ran since the last forward began: another may follow
+  // (retain_graph) until the next PreForward.
+  bool backward_may_rerun_ = false;
   bool sync_ = true;
   bool order_fixed_ = false;
   bool warned_order_ = false;

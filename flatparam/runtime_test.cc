@@ -1376,6 +1376,122 @@ TEST(HookTest, MisuseIsReportedWithTheUnit) {
       IsOk());
 }
 
+// The backward half of RunIteration (the forward ran before).
+absl::Status RunBackward(Driver& d, int iter) {
+  FLATPARAM_RETURN_IF_ERROR(d.PreBackward(0));
+  for (int u = d.num_units() - 1; u >= 1; --u) {
+    FLATPARAM_RETURN_IF_ERROR(d.PreBackward(u));
+    FLATPARAM_RETURN_IF_ERROR(AddGrads(d, u, iter));
+    FLATPARAM_RETURN_IF_ERROR(d.PostBackward(u));
+  }
+  FLATPARAM_RETURN_IF_ERROR(AddGrads(d, 0, iter));
+  FLATPARAM_RETURN_IF_ERROR(d.PostBackward(0));
+  return d.Finalize();
+}
+
+// The forward half of RunIteration.
+absl::Status RunForward(Driver& d) {
+  double checksum = 0;
+  FLATPARAM_RETURN_IF_ERROR(d.PreForward(0));
+  FLATPARAM_RETURN_IF_ERROR(ReadParams(d, 0, &checksum));
+  for (int u = 1; u < d.num_units(); ++u) {
+    FLATPARAM_RETURN_IF_ERROR(d.PreForward(u));
+    FLATPARAM_RETURN_IF_ERROR(ReadParams(d, u, &checksum));
+    FLATPARAM_RETURN_IF_ERROR(d.PostForward(u));
+  }
+  return d.PostForward(0);
+}
+
+class SeveralBackwardsTest
+    : public ::testing::TestWithParam<std::tuple<ShardingStrategy, bool>> {};
+
+// Two backwards over one forward (loss1.backward(retain_graph=True);
+// loss2.backward()): the second re-arms the hooks, unshards again and adds
+// its reduced gradient to the first's, bitwise as two iterations over the
+// same parameters without ZeroGrad between them, race-free on simulated
+// streams. After a forward-only pass there is no backward to repeat.
+TEST_P(SeveralBackwardsTest, SumEqualsTwoIterationsBitwise) {
+  const auto [strategy, backward_pre] = GetParam();
+  RunSetup setup;
+  setup.strategy = strategy;
+  setup.runtime = Options(false,
+                          backward_pre ? BackwardPrefetch::kBackwardPre
+                                       : BackwardPrefetch::kBackwardPost,
+                          1, 2);
+  setup.sim_device = true;
+  setup.separate_streams = true;
+  setup.device_seed = 7;
+  const auto grads = [](Driver& d) {
+    std::vector<std::vector<double>> out;
+    for (int u = 0; u < d.num_units(); ++u) {
+      std::optional<BufferRef> g = d.handle(u).sharded_grad();
+      out.push_back(g.has_value() ? ReadValues(*g) : std::vector<double>{});
+    }
+    return out;
+  };
+  std::vector<std::vector<std::vector<double>>> retained(kWorld),
+      iterations(kWorld);
+  std::vector<int64_t> retained_gathers(kWorld), iteration_gathers(kWorld);
+  ASSERT_THAT(RunRanks(setup,
+                       [&](Driver& d) -> absl::Status {
+                         FsdpRuntime& rt = *d.runtime();
+                         FLATPARAM_RETURN_IF_ERROR(RunForward(d));
+                         FLATPARAM_RETURN_IF_ERROR(RunBackward(d, 0));
+                         const int64_t gathers =
+                             rt.comm_stats().all_gather.calls;
+                         FLATPARAM_RETURN_IF_ERROR(RunBackward(d, 1));
+                         retained_gathers[d.rank()] =
+                             rt.comm_stats().all_gather.calls - gathers;
+                         FLATPARAM_RETURN_IF_ERROR(d.SyncHost());
+                         retained[d.rank()] = grads(d);
+                         EXPECT_EQ(rt.stats().iterations, 2);
+                         return absl::OkStatus();
+                       }),
+              IsOk());
+  ASSERT_THAT(
+      RunRanks(setup,
+               [&](Driver& d) -> absl::Status {
+                 FsdpRuntime& rt = *d.runtime();
+                 FLATPARAM_RETURN_IF_ERROR(RunIteration(d, 0));
+                 const int64_t gathers = rt.comm_stats().all_gather.calls;
+                 FLATPARAM_RETURN_IF_ERROR(RunIteration(d, 1));
+                 iteration_gathers[d.rank()] =
+                     rt.comm_stats().all_gather.calls - gathers;
+                 FLATPARAM_RETURN_IF_ERROR(d.SyncHost());
+                 iterations[d.rank()] = grads(d);
+                 // A backward needs a forward or a backward before
+                 // it in this iteration: after a forward-only pass
+                 // there is none to repeat.
+                 FLATPARAM_RETURN_IF_ERROR(RunForward(d));
+                 FLATPARAM_RETURN_IF_ERROR(d.Finalize());
+                 EXPECT_THAT(rt.PreBackward(0),
+                             StatusIs(absl::StatusCode::kFailedPrecondition,
+                                      HasSubstr("no forward ran")));
+                 return absl::OkStatus();
+               }),
+      IsOk());
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(retained[r], iterations[r]) << "rank " << r;
+    ASSERT_FALSE(retained[r].empty());
+    // The second backward gathers what a backward does; the iteration's
+    // forward gathers more (every unit but a kept root).
+    EXPECT_LE(retained_gathers[r], iteration_gathers[r]) << "rank " << r;
+    if (UsesShardedStrategy(strategy)) {
+      EXPECT_GT(retained_gathers[r], 0) << "rank " << r;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Strategies, SeveralBackwardsTest,
+                         ::testing::Combine(::testing::ValuesIn(kAllStrategies),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           return absl::StrCat(
+                               ShardingStrategyName(std::get<0>(info.param)),
+                               std::get<1>(info.param) ? "_BackwardPre"
+                                                       : "_BackwardPost");
+                         });
+
 // Under kWarn a changed order is counted and training goes on; a
 // recompute (PreForward during the backward) is not checked.
 TEST(HookTest, OrderChangesAreCountedUnderWarn) {
