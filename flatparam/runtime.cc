@@ -422,6 +422,13 @@ absl::Status FsdpRuntime::BeginRetainedBackward() {
 void FsdpRuntime::BeginIteration() {
   phase_ = Phase::kForward;
   backward_may_rerun_ = false;
+  forward_pass_ = 0;
+  // Until a backward fixes it, each iteration records the order afresh
+  // (a forward-only pass, e.g. validation, does not fix it).
+  if (!order_fixed_) {
+    forward_order_.clear();
+    std::fill(forward_index_.begin(), forward_index_.end(), -1);
+  }
   // PyTorch reads `_sync_gradients` in each hook; fixing it per iteration
   // keeps one iteration's units consistent.
   sync_ = require_sync_;
@@ -446,8 +453,8 @@ std::optional<std::string> FsdpRuntime::OrderDeviation(int unit) const {
           ? UnitName(forward_order_[position])
           : std::string("no further unit");
   return absl::StrFormat(
-      "iteration %d runs %s as forward unit #%d, but the first iteration "
-      "ran %s there (recorded order: %s)",
+      "iteration %d runs %s as forward unit #%d, but the first training "
+      "iteration ran %s there (recorded order: %s)",
       stats_.iterations + 1, UnitName(unit), position, expected,
       absl::StrJoin(forward_order_, ", "));
 }
@@ -455,9 +462,21 @@ std::optional<std::string> FsdpRuntime::OrderDeviation(int unit) const {
 absl::Status FsdpRuntime::PreForward(int unit) {
   FLATPARAM_RETURN_IF_ERROR(CheckUnit("PreForward", unit));
   const bool recompute = phase_ == Phase::kBackward;
+  // The unit that began the iteration's forward (the root, when the model
+  // has one) running again begins another forward in the same iteration
+  // (two forwards before one backward); any other unit running again is a
+  // module used twice in one forward.
+  const bool another_forward = phase_ == Phase::kForward && !recompute &&
+                               unit == first_forward_unit_ &&
+                               ran_pre_forward_[unit] != 0;
   const bool first_use =
       !recompute && (phase_ == Phase::kIdle || !ran_pre_forward_[unit]);
-  if (first_use) {
+  // PyTorch records and checks the order only in training
+  // (`_ExecOrderData.record_pre_forward(handle, is_training)`), and only
+  // for the iteration's first forward.
+  const bool ordered = first_use && handles_[unit]->training() &&
+                       (phase_ == Phase::kIdle || forward_pass_ == 0);
+  if (ordered) {
     if (std::optional<std::string> deviation = OrderDeviation(unit)) {
       ++stats_.exec_order_deviations;
       if (options_.exec_order == ExecOrderCheck::kError) {
@@ -477,7 +496,11 @@ absl::Status FsdpRuntime::PreForward(int unit) {
   }
   if (phase_ == Phase::kIdle) {
     BeginIteration();
+    first_forward_unit_ = unit;
     FLATPARAM_RETURN_IF_ERROR(UnshardStreamWaitsForCompute());
+  } else if (another_forward) {
+    ++forward_pass_;
+    std::fill(ran_pre_forward_.begin(), ran_pre_forward_.end(), 0);
   }
   FLATPARAM_RETURN_IF_ERROR(
       WithUnit(Limited(unit, [](FlatParamHandle& h) { return h.PreForward(); }),
@@ -486,8 +509,8 @@ absl::Status FsdpRuntime::PreForward(int unit) {
   prefetched_.erase(std::remove(prefetched_.begin(), prefetched_.end(), unit),
                     prefetched_.end());
   if (recompute) return absl::OkStatus();
-  if (first_use) {
-    ran_pre_forward_[unit] = 1;
+  ran_pre_forward_[unit] = 1;
+  if (ordered) {
     ++forward_position_;
     if (!order_fixed_) {
       forward_index_[unit] = static_cast<int>(forward_order_.size());
@@ -622,8 +645,10 @@ absl::Status FsdpRuntime::FinalizeBackward() {
         "FinalizeBackward", u);
     if (first.ok()) first = status;
   }
-  if (phase_ != Phase::kIdle) {
-    ++stats_.iterations;
+  if (phase_ != Phase::kIdle) ++stats_.iterations;
+  // PyTorch fixes the order in its post-backward final callback: only a
+  // pass with a backward (in training) fixes it.
+  if (phase_ == Phase::kBackward && !forward_order_.empty()) {
     order_fixed_ = true;
   }
   backward_may_rerun_ = phase_ == Phase::kBackward;

@@ -49,14 +49,21 @@
 // root handle, as in PyTorch when the root FSDP module owns no parameter.
 //
 // Execution order (PyTorch's `_ExecOrderData`):
-//   * The pre-forward order is recorded in the first iteration (the first
-//     PreForward of each unit) and fixed after it; forward prefetch follows
-//     it, so there is no forward prefetch in the first iteration (as in
-//     PyTorch). In later iterations each unit's first PreForward is checked
-//     against it; a deviation (a different unit, or more units) is handled
-//     by RuntimeOptions::exec_order: ignored, a warning on stderr (once per
+//   * The pre-forward order is recorded in the first iteration with a
+//     backward (the first PreForward of each unit in training mode, see
+//     FlatParamHandle::SetTraining) and fixed by its FinalizeBackward;
+//     forward prefetch follows it, so there is no forward prefetch before
+//     (as in PyTorch). A forward-only pass (validation) neither records
+//     nor fixes it, and units in eval mode are neither recorded nor
+//     checked, as PyTorch records and checks only in training. Once fixed,
+//     each unit's first PreForward in training is checked against it; a
+//     deviation (a different unit, or more units) is handled by
+//     RuntimeOptions::exec_order: ignored, a warning on stderr (once per
 //     runtime, as PyTorch warns once) or a FailedPrecondition before
-//     anything changes. Every deviation is counted in stats().
+//     anything changes. Every deviation is counted in stats(). A second
+//     forward in one iteration (the PreForward of the unit that began the
+//     iteration, the root when there is one, again before the backward)
+//     is prefetched as the first is, and not checked again.
 //   * The post-forward order is recorded in every iteration; the backward
 //     order is its reverse, so backward prefetch follows what this
 //     iteration's forward actually ran (PyTorch re-records it every
@@ -489,6 +496,10 @@ class FsdpRuntime {
   std::vector<int> forward_index_;
   // Units whose first PreForward of this iteration has run, in order.
   int forward_position_ = 0;
+  // The unit whose PreForward began the iteration, and the forwards begun
+  // after the first (its PreForward again before the backward).
+  int first_forward_unit_ = -1;
+  int forward_pass_ = 0;
   std::vector<int> post_forward_order_;
   std::vector<int> post_forward_index_;
   std::vector<char> ran_pre_forward_;

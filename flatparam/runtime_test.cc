@@ -1492,6 +1492,88 @@ INSTANTIATE_TEST_SUITE_P(Strategies, SeveralBackwardsTest,
                                                        : "_BackwardPost");
                          });
 
+// A forward with the layers in `order` (the root around them).
+absl::Status RunForwardInOrder(Driver& d, const std::vector<int>& order) {
+  double checksum = 0;
+  FLATPARAM_RETURN_IF_ERROR(d.PreForward(0));
+  for (int u : order) {
+    FLATPARAM_RETURN_IF_ERROR(d.PreForward(u));
+    FLATPARAM_RETURN_IF_ERROR(ReadParams(d, u, &checksum));
+    FLATPARAM_RETURN_IF_ERROR(d.PostForward(u));
+  }
+  return d.PostForward(0);
+}
+
+absl::Status SetTraining(FsdpRuntime& rt, bool training) {
+  for (int u = 0; u < rt.num_units(); ++u) {
+    FLATPARAM_RETURN_IF_ERROR(rt.handle(u).SetTraining(training));
+  }
+  return absl::OkStatus();
+}
+
+// Validation passes (eval mode, or forward-only) neither fix nor fail the
+// training order, whatever their unit order, as PyTorch records and checks
+// the order only in training and fixes it only after a backward.
+TEST(HookTest, EvalAndForwardOnlyPassesNeitherFixNorFailTheOrder) {
+  RunSetup setup;
+  setup.runtime = Options(true, BackwardPrefetch::kBackwardPre, 1, 0);
+  ASSERT_EQ(setup.runtime->exec_order, ExecOrderCheck::kError);
+  ASSERT_THAT(
+      RunRanks(setup,
+               [&](Driver& d) -> absl::Status {
+                 FsdpRuntime& rt = *d.runtime();
+                 // Validation before training: eval mode, another order.
+                 FLATPARAM_RETURN_IF_ERROR(SetTraining(rt, false));
+                 FLATPARAM_RETURN_IF_ERROR(RunForwardInOrder(d, {3, 2, 1}));
+                 FLATPARAM_RETURN_IF_ERROR(d.Finalize());
+                 FLATPARAM_RETURN_IF_ERROR(SetTraining(rt, true));
+                 // A forward-only pass in training mode records but does not
+                 // fix the order.
+                 FLATPARAM_RETURN_IF_ERROR(RunForwardInOrder(d, {2, 1, 3}));
+                 FLATPARAM_RETURN_IF_ERROR(d.Finalize());
+                 // Training: its own order, fixed by its backward.
+                 FLATPARAM_RETURN_IF_ERROR(RunIteration(d, 0));
+                 FLATPARAM_RETURN_IF_ERROR(RunIteration(d, 1));
+                 // Validation in between, reversed: not checked.
+                 FLATPARAM_RETURN_IF_ERROR(SetTraining(rt, false));
+                 FLATPARAM_RETURN_IF_ERROR(RunForwardInOrder(d, {3, 2, 1}));
+                 FLATPARAM_RETURN_IF_ERROR(d.Finalize());
+                 FLATPARAM_RETURN_IF_ERROR(SetTraining(rt, true));
+                 FLATPARAM_RETURN_IF_ERROR(RunIteration(d, 2));
+                 EXPECT_EQ(rt.stats().exec_order_deviations, 0);
+                 // Training with another order is still caught.
+                 FLATPARAM_RETURN_IF_ERROR(rt.PreForward(0));
+                 EXPECT_THAT(rt.PreForward(2),
+                             StatusIs(absl::StatusCode::kFailedPrecondition,
+                                      HasSubstr("execution order changed")));
+                 return absl::OkStatus();
+               }),
+      IsOk());
+}
+
+// A second forward in one iteration (two forwards, then the backward) is
+// prefetched as the first is.
+TEST(HookTest, ASecondForwardInAnIterationIsPrefetchedAsTheFirst) {
+  RunSetup setup;
+  setup.runtime = Options(true, BackwardPrefetch::kNone, 1, 0);
+  ASSERT_THAT(RunRanks(setup,
+                       [&](Driver& d) -> absl::Status {
+                         FsdpRuntime& rt = *d.runtime();
+                         FLATPARAM_RETURN_IF_ERROR(RunIteration(d, 0));
+                         const int64_t before = rt.stats().prefetches;
+                         FLATPARAM_RETURN_IF_ERROR(RunForward(d));
+                         const int64_t first = rt.stats().prefetches - before;
+                         FLATPARAM_RETURN_IF_ERROR(RunForward(d));
+                         const int64_t second =
+                             rt.stats().prefetches - before - first;
+                         EXPECT_GT(first, 0);
+                         EXPECT_EQ(second, first);
+                         EXPECT_EQ(rt.stats().exec_order_deviations, 0);
+                         return RunBackward(d, 1);
+                       }),
+              IsOk());
+}
+
 // Under kWarn a changed order is counted and training goes on; a
 // recompute (PreForward during the backward) is not checked.
 TEST(HookTest, OrderChangesAreCountedUnderWarn) {
