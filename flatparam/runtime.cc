@@ -240,6 +240,7 @@ absl::StatusOr<std::unique_ptr<FsdpRuntime>> FsdpRuntime::Create(
   rt->post_forward_index_.assign(n, -1);
   rt->ran_pre_forward_.assign(n, 0);
   rt->ran_pre_backward_.assign(n, 0);
+  rt->last_backward_ran_.assign(n, 1);
   rt->Observe(-1);
   return rt;
 }
@@ -571,7 +572,7 @@ absl::Status FsdpRuntime::PreBackward(int unit) {
        i >= post_forward_index_[unit] - options_.prefetch_depth;
        --i) {
     const int v = post_forward_order_[i];
-    if (!ran_pre_backward_[v]) candidates.push_back(v);
+    if (WillRunPreBackward(v)) candidates.push_back(v);
   }
   return Prefetch(candidates);
 }
@@ -593,7 +594,7 @@ absl::Status FsdpRuntime::PostBackward(int unit) {
          i >= post_forward_index_[unit] - options_.prefetch_depth;
          --i) {
       const int v = post_forward_order_[i];
-      if (!ran_pre_backward_[v]) candidates.push_back(v);
+      if (WillRunPreBackward(v)) candidates.push_back(v);
     }
     FLATPARAM_RETURN_IF_ERROR(Prefetch(candidates));
   }
@@ -605,6 +606,10 @@ absl::Status FsdpRuntime::PostBackward(int unit) {
         "finishing the reduction", v));
   }
   return absl::OkStatus();
+}
+
+bool FsdpRuntime::WillRunPreBackward(int unit) const {
+  return !ran_pre_backward_[unit] && last_backward_ran_[unit];
 }
 
 absl::Status FsdpRuntime::Prefetch(const std::vector<int>& candidates) {
@@ -651,6 +656,7 @@ absl::Status FsdpRuntime::FinalizeBackward() {
   if (phase_ == Phase::kBackward && !forward_order_.empty()) {
     order_fixed_ = true;
   }
+  if (phase_ == Phase::kBackward) last_backward_ran_ = ran_pre_backward_;
   backward_may_rerun_ = phase_ == Phase::kBackward;
   phase_ = Phase::kIdle;
   prefetched_.clear();

@@ -76,7 +76,11 @@
 //     pre-forward order whose PreForward has not run in this iteration.
 //   * BACKWARD_PRE: PreBackward(u), once u is unsharded (before the caller
 //     computes u's backward), starts the next `prefetch_depth` units in the
-//     backward order that ran forward and whose PreBackward has not run.
+//     backward order that ran forward and whose PreBackward has not run,
+//     leaving out units whose PreBackward did not run in the last backward
+//     (a frozen unit whose outputs need no gradient: PyTorch prefetches
+//     only handles that will run their pre-backward unshard; the first
+//     backward, with nothing learnt, prefetches them).
 //   * BACKWARD_POST: the same at PostBackward(u), after u's reshard.
 //   A candidate that is not IDLE, already unsharded or pending is skipped.
 //   limit_all_gathers bounds the number of prefetches that all-gathered
@@ -459,6 +463,9 @@ class FsdpRuntime {
   // The deviation of `unit` at the current forward position, if any.
   std::optional<std::string> OrderDeviation(int unit) const;
   absl::Status Prefetch(const std::vector<int>& candidates);
+  // A backward prefetch candidate: its PreBackward has not run in this
+  // backward, and did in the last one.
+  bool WillRunPreBackward(int unit) const;
   // Runs `call` on unit's handle (Track) with the rate limiter around it:
   // before, if the call will all-gather, the host waits for the oldest
   // free event when there are limit_all_gathers of them; after, if it
@@ -504,6 +511,11 @@ class FsdpRuntime {
   std::vector<int> post_forward_index_;
   std::vector<char> ran_pre_forward_;
   std::vector<char> ran_pre_backward_;
+  // Units whose PreBackward ran in the last backward (all, before the
+  // first): backward prefetch targets only those, as PyTorch prefetches
+  // only handles that will run their pre-backward unshard (a frozen unit
+  // whose outputs need no gradient, say a frozen embedding, never does).
+  std::vector<char> last_backward_ran_;
   // Prefetched all-gathers not yet consumed, and reductions in flight
   // (started first first).
   std::vector<int> prefetched_;

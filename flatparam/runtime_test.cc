@@ -1551,6 +1551,46 @@ TEST(HookTest, EvalAndForwardOnlyPassesNeitherFixNorFailTheOrder) {
       IsOk());
 }
 
+// A unit that runs forward but takes no part in the backward (a frozen
+// first layer, whose output needs no gradient) is prefetched in the first
+// backward, which cannot know, and never after: one all-gather fewer per
+// step and a lower peak of unsharded parameters.
+TEST(HookTest, UnitsWithoutABackwardAreNotPrefetchedOnceLearnt) {
+  RunSetup setup;
+  // Two units ahead: the frozen layer would be gathered while the last
+  // layer's backward still holds its own and the next one's.
+  setup.runtime = Options(false, BackwardPrefetch::kBackwardPre, 2, 0);
+  const Plan frozen_first{{}, {1}};
+  ASSERT_THAT(
+      RunRanks(setup,
+               [&](Driver& d) -> absl::Status {
+                 FsdpRuntime& rt = *d.runtime();
+                 std::vector<int64_t> gathers, peaks, prefetches;
+                 for (int iter = 0; iter < 3; ++iter) {
+                   const int64_t g = rt.comm_stats().all_gather.calls;
+                   const int64_t p = rt.stats().prefetches;
+                   rt.ResetPeakMemory();
+                   FLATPARAM_RETURN_IF_ERROR(
+                       RunIteration(d, iter, frozen_first));
+                   gathers.push_back(rt.comm_stats().all_gather.calls - g);
+                   prefetches.push_back(rt.stats().prefetches - p);
+                   peaks.push_back(rt.memory().peak[static_cast<int>(
+                       MemoryCategory::kUnshardedParams)]);
+                 }
+                 // FULL_SHARD, 4 units: the forward gathers all 4; the
+                 // backward gathers the 2 layers that run one, and in the
+                 // first iteration the frozen layer too.
+                 EXPECT_EQ(gathers[0], 4 + 3);
+                 EXPECT_EQ(gathers[1], 4 + 2);
+                 EXPECT_EQ(gathers[2], 4 + 2);
+                 EXPECT_EQ(prefetches[1], prefetches[0] - 1);
+                 EXPECT_LT(peaks[1], peaks[0]);
+                 EXPECT_EQ(peaks[2], peaks[1]);
+                 return absl::OkStatus();
+               }),
+      IsOk());
+}
+
 // A second forward in one iteration (two forwards, then the backward) is
 // prefetched as the first is.
 TEST(HookTest, ASecondForwardInAnIterationIsPrefetchedAsTheFirst) {
