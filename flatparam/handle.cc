@@ -346,11 +346,22 @@ DType FlatParamHandle::grad_accum_dtype() const {
   // PyTorch casts the reduced gradient back to the parameters' dtype, except
   // for NO_SHARD with keep_low_precision_grads, which keeps it as reduced.
   // Offloaded gradients always land in `_cpu_grad`, of the parameters' dtype.
-  if (!uses_sharded_strategy() && options_.keep_low_precision_grads &&
+  if (!uses_sharded_strategy() && keeps_low_precision_grads() &&
       !options_.cpu_offload) {
     return reduce_dtype_;
   }
   return orig_dtype();
+}
+
+DType FlatParamHandle::grad_reduce_dtype() const {
+  // Forced full precision (eval with use_full_prec_in_eval) computes and
+  // reduces the gradient in the parameters' dtype: PyTorch's post-backward
+  // skips its cast to the reduce dtype then.
+  return force_full_precision() ? orig_dtype() : reduce_dtype_;
+}
+
+bool FlatParamHandle::keeps_low_precision_grads() const {
+  return options_.keep_low_precision_grads && !force_full_precision();
 }
 
 bool FlatParamHandle::NeedsUnshard() const {
@@ -715,7 +726,7 @@ absl::Status FlatParamHandle::PrepareGradientForBackward() {
   }
   // The gradient buffers are the caller's backward's: compute stream.
   OnStream on_compute(device_, options_.streams.compute);
-  if (has_sharded_grad_ && options_.keep_low_precision_grads) {
+  if (has_sharded_grad_ && keeps_low_precision_grads()) {
     FLATPARAM_RETURN_IF_ERROR(
         StreamWaits(options_.streams.compute, options_.streams.post_backward));
     FLATPARAM_RETURN_IF_ERROR(CastShardedGradTo(grad_accum_dtype()));
@@ -726,7 +737,7 @@ absl::Status FlatParamHandle::PrepareGradientForBackward() {
                               : layout_.unpadded_unsharded_numel();
     FLATPARAM_ASSIGN_OR_RETURN(
         unsharded_grad_,
-        Alloc(MemoryCategory::kUnshardedGrads, param_dtype_, numel));
+        Alloc(MemoryCategory::kUnshardedGrads, unsharded_dtype(), numel));
     ++grad_epoch_;
     FLATPARAM_RETURN_IF_ERROR(device_->Fill(unsharded_grad_.ref(), 0));
   }
@@ -807,8 +818,8 @@ absl::Status FlatParamHandle::FinalizeBackward(bool sync_gradients) {
   const bool has_saved_or_cpu_grad =
       uses_sharded_strategy() || options_.cpu_offload;
   const HandleStreams& streams = options_.streams;
-  if (sync_gradients && has_sharded_grad_ &&
-      options_.keep_low_precision_grads && has_saved_or_cpu_grad) {
+  if (sync_gradients && has_sharded_grad_ && keeps_low_precision_grads() &&
+      has_saved_or_cpu_grad) {
     OnStream on_post_backward(device_, streams.post_backward);
     FLATPARAM_RETURN_IF_ERROR(CastShardedGradTo(param_dtype_));
   }
@@ -892,10 +903,10 @@ absl::Status FlatParamHandle::StartReduceGradImpl() {
   ++grad_epoch_;
   FLATPARAM_RETURN_IF_ERROR(ZeroUngradedSegments(grad.ref()));
   // 1. To the reduce dtype (PyTorch's post-backward `.to(reduce_dtype)`).
-  if (grad.dtype() != reduce_dtype_) {
-    FLATPARAM_ASSIGN_OR_RETURN(
-        TrackedBuffer reduced,
-        Alloc(MemoryCategory::kUnshardedGrads, reduce_dtype_, grad.count()));
+  if (grad.dtype() != grad_reduce_dtype()) {
+    FLATPARAM_ASSIGN_OR_RETURN(TrackedBuffer reduced,
+                               Alloc(MemoryCategory::kUnshardedGrads,
+                                     grad_reduce_dtype(), grad.count()));
     FLATPARAM_RETURN_IF_ERROR(device_->Cast(reduced.ref(), grad.ref()));
     grad = std::move(reduced);
   }
@@ -930,7 +941,7 @@ absl::Status FlatParamHandle::StartReduceGradImpl() {
     // 3. Reduce-scatter into a new sharded gradient; `grad` is the
     // collective's input until it completes.
     FLATPARAM_ASSIGN_OR_RETURN(
-        pending.shard, Alloc(MemoryCategory::kShardedGrads, reduce_dtype_,
+        pending.shard, Alloc(MemoryCategory::kShardedGrads, grad_reduce_dtype(),
                              layout_.sharded_numel()));
     if (!options_.fake_reduce) {
       pending.work =
@@ -1409,7 +1420,7 @@ absl::Status FlatParamHandle::UnshardGrad() {
   // The gradient's dtype on every rank that has one (what the optimizer
   // sees); a None gradient is all-gathered as zeros of that dtype.
   const DType dtype =
-      options_.keep_low_precision_grads ? param_dtype_ : grad_accum_dtype();
+      keeps_low_precision_grads() ? param_dtype_ : grad_accum_dtype();
   TrackedBuffer zeros, staged;
   BufferRef source;
   if (has_sharded_grad_) {

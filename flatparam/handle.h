@@ -274,7 +274,10 @@ struct HandleOptions {
   bool divide_in_collectives = false;
   // PyTorch's FSDP_USE_FULL_PREC_IN_EVAL=1: in eval mode (SetTraining(false))
   // mixed precision is off, so unshards gather the full-precision parameter
-  // and views are in the parameters' dtype, as while summoning.
+  // and views are in the parameters' dtype, as while summoning; a backward
+  // in eval computes, reduces and keeps the gradient in the parameters'
+  // dtype too (no cast to the reduce dtype, keep_low_precision_grads
+  // ignored), as PyTorch skips those casts under _force_full_precision.
   bool use_full_prec_in_eval = false;
   // PyTorch's FSDP_USE_FAKE_ALL_GATHER=1 / FSDP_USE_FAKE_REDUCE=1, for
   // measuring compute alone: the sharded strategies' all-gather of the
@@ -662,6 +665,12 @@ class FlatParamHandle {
   const TrackedBuffer& padded_unsharded() const;
   // Dtype the sharded gradient accumulates in.
   DType grad_accum_dtype() const;
+  // Dtype the gradient is reduced in: the reduce dtype, or the parameters'
+  // under forced full precision (no cast before the collective).
+  DType grad_reduce_dtype() const;
+  // keep_low_precision_grads, except under forced full precision (the
+  // gradient was never in low precision).
+  bool keeps_low_precision_grads() const;
   MemoryPlacement shard_placement() const {
     return options_.cpu_offload ? MemoryPlacement::kOffload
                                 : MemoryPlacement::kCompute;

@@ -1363,6 +1363,52 @@ TEST(EvalTest, FullPrecisionInEvalWhenAsked) {
   }
 }
 
+// A backward in eval with forced full precision (use_full_prec_in_eval) is
+// full precision throughout, as PyTorch skips its casts then: the gradient
+// is computed, reduced and handed to the optimizer in float32, even with
+// keep_low_precision_grads, bitwise what training without mixed precision
+// gives.
+TEST(EvalTest, GradientsInFullPrecisionEvalAreFullPrecision) {
+  for (ShardingStrategy strategy :
+       {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+        ShardingStrategy::kNoShard, ShardingStrategy::kHybridShard}) {
+    for (bool keep_low : {false, true}) {
+      const std::string label = absl::StrCat(ShardingStrategyName(strategy),
+                                             keep_low ? " keep_low" : "");
+      const auto run = [&](bool mixed, std::vector<std::vector<double>>* out,
+                           std::vector<DType>* dtypes) {
+        // Unaligned: the layout is then the same with and without mixed
+        // precision (alignment pads for the compute dtype).
+        Scenario s = Make(strategy, 2, /*align=*/false);
+        if (s.hybrid()) s.replicate_size = 2;
+        s.rounding_values = true;
+        if (mixed) {
+          s.options.param_dtype = DType::kBFloat16;
+          s.options.use_full_prec_in_eval = true;
+          s.options.keep_low_precision_grads = keep_low;
+        }
+        out->assign(s.world_size(), {});
+        dtypes->assign(s.world_size(), DType::kFloat64);
+        return RunWithHandles(s, [&](RankContext& ctx) -> absl::Status {
+          FlatParamHandle& h = ctx.handle;
+          if (mixed) FLATPARAM_RETURN_IF_ERROR(h.SetTraining(false));
+          FLATPARAM_RETURN_IF_ERROR(RunIteration(s, ctx, 0, true));
+          const BufferRef g = *h.sharded_grad();
+          (*dtypes)[ctx.world_rank] = g.dtype;
+          (*out)[ctx.world_rank] = ReadValues(g);
+          return absl::OkStatus();
+        });
+      };
+      std::vector<std::vector<double>> eval, full;
+      std::vector<DType> eval_dtypes, full_dtypes;
+      ASSERT_THAT(run(true, &eval, &eval_dtypes), IsOk()) << label;
+      ASSERT_THAT(run(false, &full, &full_dtypes), IsOk()) << label;
+      EXPECT_EQ(eval, full) << label;
+      for (DType d : eval_dtypes) EXPECT_EQ(d, DType::kFloat32) << label;
+    }
+  }
+}
+
 // FSDP_USE_FAKE_ALL_GATHER / FSDP_USE_FAKE_REDUCE skip exactly the
 // all-gather of the parameter and the reduce-scatter of the gradient.
 TEST(FakeCollectivesTest, SkipOnlyTheAllGatherAndTheReduceScatter) {
