@@ -761,9 +761,10 @@ absl::Status FlatParamHandle::PostBackwardImpl(bool sync_gradients,
   }
   FLATPARAM_RETURN_IF_ERROR(FinishUnshardImpl());
   state_ = HandleTrainingState::kBackwardPost;
-  if (unsharded_grad_.allocated()) {
+  if (unsharded_grad_.allocated() && sync_gradients) {
     // PyTorch's `_reset_is_grad_none`: a parameter that requires a gradient
-    // received one (zeros included).
+    // received one (zeros included) -- once it is reduced: under no_sync it
+    // only accumulates, and the optimizer still sees None.
     for (size_t i = 0; i < grad_none_.size(); ++i) {
       if (requires_grad_[i]) grad_none_[i] = 0;
     }
@@ -1176,9 +1177,13 @@ absl::Status FlatParamHandle::SetGradNone(int index) {
       FLATPARAM_RETURN_IF_ERROR(
           device_->Fill(sharded_grad()->Slice(off, n), 0));
     }
+    // Parameters outside this rank's shard have no gradient here
+    // (`_use_sharded_grad_views` sets them None).
     bool all_none = true;
     for (size_t i = 0; i < grad_none_.size(); ++i) {
-      all_none &= grad_none_[i] || !requires_grad_[i];
+      const ShardParamInfo in = layout_.shard_param_info(rank_, i);
+      all_none &= grad_none_[i] || !requires_grad_[i] || !in.in_shard ||
+                  in.numel_in_shard == 0;
     }
     if (all_none && !unsharded_grad_.allocated()) {
       // PyTorch's `flat_param.grad = None` once every original one is.
@@ -1206,6 +1211,13 @@ absl::Status FlatParamHandle::SetRequiresGrad(int index, bool requires_grad) {
           Name(), layout_.params()[index].fqn, requires_grad ? "true" : "false",
           layout_.params()[i].fqn, requires_grad_[i] ? "true" : "false"));
     }
+  }
+  if (requires_grad_[index] && !requires_grad) {
+    // A frozen parameter's gradient is None (`_use_sharded_grad_views`),
+    // which PyTorch writes back as a None mask and a zeroed segment: once
+    // unfrozen it has no gradient until its next backward, so an optimizer
+    // with weight decay or momentum skips it.
+    FLATPARAM_RETURN_IF_ERROR(SetGradNone(index));
   }
   requires_grad_[index] = requires_grad ? 1 : 0;
   return absl::OkStatus();

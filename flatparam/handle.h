@@ -585,17 +585,19 @@ class FlatParamHandle {
   // `_is_grad_none_mask`): in IDLE, zeroes the parameter's segment of the
   // sharded gradient (and of an unsharded gradient kept by no_sync) and
   // makes ShardedGradView(index) None -- not zeros -- until a backward
-  // gives the parameter a gradient again (PostBackward, as PyTorch's
-  // `_reset_is_grad_none`). When every parameter's gradient is None the
-  // sharded gradient is freed (PyTorch's
+  // gives the parameter a gradient again (a synchronizing PostBackward, as
+  // PyTorch's `_reset_is_grad_none`; under no_sync it stays None). When
+  // every parameter of this rank's shard has a None gradient (parameters
+  // outside it have none here) the sharded gradient is freed (PyTorch's
   // `_reset_flat_param_grad_info_if_needed`). Local: nothing communicates.
   absl::Status SetGradNone(int index);
   // True while parameter `index`'s gradient is None for the optimizer.
   bool grad_is_none(int index) const;
   // Changes parameter `index`'s `requires_grad` between iterations (in
   // IDLE) without rebuilding the handle: a frozen parameter's gradient
-  // segment is zeroed before every later reduction and hidden from
-  // ShardedGradView; when no parameter requires a gradient the handle
+  // becomes None (SetGradNone: its segment zeroed, and zeroed before every
+  // later reduction), so once unfrozen it has no gradient until its next
+  // backward, as in PyTorch; when no parameter requires a gradient the handle
   // makes no unsharded gradient and the backward reduces nothing. Every
   // rank of the shard group must make the same change (it decides whether
   // the backward communicates). InvalidArgument when it would mix flags in

@@ -1620,6 +1620,51 @@ TEST(GradNoneTest, OneParameterNoneUntilItsNextGradient) {
   }
 }
 
+// Under no_sync a None gradient stays None (the optimizer does not see the
+// micro-batch's gradient, which only accumulates); the synchronizing
+// backward gives it the sum of both micro-batches. On a rank whose shard
+// holds only some parameters, the flat gradient is freed once those are
+// None.
+TEST(GradNoneTest, NoneThroughNoSyncAndFreedByThisShardsParameters) {
+  for (ShardingStrategy strategy :
+       {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
+    Scenario s = Make(strategy, 2, /*align=*/true);
+    const int n = static_cast<int>(s.specs.size());
+    const std::string label(ShardingStrategyName(strategy));
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(FlatParamLayout layout, MakeLayout(s));
+    ASSERT_THAT(RunWithHandles(
+                    s,
+                    [&](RankContext& ctx) -> absl::Status {
+                      FlatParamHandle& h = ctx.handle;
+                      const int r = ctx.world_rank;
+                      FLATPARAM_RETURN_IF_ERROR(RunIteration(s, ctx, 0, true));
+                      FLATPARAM_RETURN_IF_ERROR(h.SetGradNone(1));
+                      FLATPARAM_RETURN_IF_ERROR(RunIteration(s, ctx, 1, false));
+                      EXPECT_TRUE(h.grad_is_none(1)) << label;
+                      EXPECT_EQ(ReadGradViews(h, n)[1], std::nullopt) << label;
+                      FLATPARAM_RETURN_IF_ERROR(RunIteration(s, ctx, 2, true));
+                      EXPECT_FALSE(h.grad_is_none(1)) << label;
+                      // None only the parameters in this rank's shard: the flat
+                      // gradient goes, although the others' are not None.
+                      int others = 0;
+                      for (int i = 0; i < n; ++i) {
+                        const ShardParamInfo in = layout.shard_param_info(r, i);
+                        if (in.in_shard && in.numel_in_shard > 0) {
+                          FLATPARAM_RETURN_IF_ERROR(h.SetGradNone(i));
+                        } else {
+                          ++others;
+                        }
+                      }
+                      EXPECT_EQ(h.sharded_grad(), std::nullopt)
+                          << label << " rank " << r;
+                      EXPECT_GT(others, 0) << label << " rank " << r;
+                      return absl::OkStatus();
+                    }),
+                IsOk())
+        << label;
+  }
+}
+
 // Changing `requires_grad` between iterations without a new handle: the
 // frozen parameter contributes nothing and is hidden; the others go on.
 TEST(RequiresGradChangeTest, FreezeAndUnfreezeBetweenIterations) {
@@ -1647,10 +1692,12 @@ TEST(RequiresGradChangeTest, FreezeAndUnfreezeBetweenIterations) {
                         EXPECT_EQ(got[i], Sum(g0[r][i], g1[r][i]))
                             << label << " rank " << r << " param " << i;
                       }
-                      // Unfrozen: its iteration-0 gradient is back, unchanged.
+                      // Unfrozen: None (not its iteration-0 gradient, nor
+                      // zeros) until its next backward, as in PyTorch.
                       FLATPARAM_RETURN_IF_ERROR(h.SetRequiresGrad(0, true));
                       got = ReadGradViews(h, n);
-                      EXPECT_EQ(got[0], g0[r][0]) << label << " rank " << r;
+                      EXPECT_EQ(got[0], std::nullopt) << label << " rank " << r;
+                      EXPECT_TRUE(h.grad_is_none(0)) << label;
                       // Nothing trains: the backward neither allocates nor
                       // reduces.
                       FLATPARAM_RETURN_IF_ERROR(h.SetAllRequiresGrad(false));
