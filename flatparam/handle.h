@@ -190,6 +190,14 @@
 //
 // Thread-safety: a handle is used by one thread at a time (the rank's
 // thread, which also owns its communicators).
+//
+// Implementation, one file per responsibility behind this one header:
+// handle.cc (creation, options, the training-state machine and its hooks),
+// handle_unshard.cc (collectives, stream discipline, unshard and reshard),
+// handle_grad.cc (the gradient reduction, gradient views, the None mask
+// and requires_grad changes), handle_summon.cc (original-parameter views,
+// summoning parameters and gradients), internal/handle_internal.h (what
+// they share).
 #ifndef FLATPARAM_HANDLE_H_
 #define FLATPARAM_HANDLE_H_
 
