@@ -1,7 +1,12 @@
 // Checks that the CUDA runtime and NCCL found by cuda_configure link and
 // load. Without a GPU (or a driver) the device part is skipped with a
-// message; without a CUDA installation the whole test is skipped.
+// message; without a CUDA installation the whole test is skipped; under
+// FLATPARAM_REQUIRE_GPU=1 either is a failure (flatparam/base/gpu_testing.h).
 #include <gtest/gtest.h>
+
+#include <string>
+
+#include "flatparam/base/gpu_testing.h"
 
 #ifdef FLATPARAM_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -12,7 +17,8 @@ namespace {
 
 TEST(CudaSmokeTest, RuntimeAndNcclLink) {
 #ifndef FLATPARAM_HAVE_CUDA
-  GTEST_SKIP() << "built without CUDA (no CUDA installation was detected)";
+  FLATPARAM_SKIP_WITHOUT_GPU(
+      "built without CUDA (no CUDA installation was detected)");
 #else
   int nccl_version = 0;
   ASSERT_EQ(ncclGetVersion(&nccl_version), ncclSuccess);
@@ -23,9 +29,10 @@ TEST(CudaSmokeTest, RuntimeAndNcclLink) {
   int devices = 0;
   const cudaError_t err = cudaGetDeviceCount(&devices);
   if (err != cudaSuccess || devices == 0) {
-    GTEST_SKIP() << "no usable GPU: " << cudaGetErrorString(err)
-                 << " (CUDA runtime " << runtime_version << ", NCCL "
-                 << nccl_version << " linked fine)";
+    FLATPARAM_SKIP_WITHOUT_GPU(
+        "no usable GPU: " + std::string(cudaGetErrorString(err)) +
+        " (CUDA runtime " + std::to_string(runtime_version) + ", NCCL " +
+        std::to_string(nccl_version) + " linked fine)");
   }
   EXPECT_EQ(cudaSetDevice(0), cudaSuccess);
 #endif

@@ -24,6 +24,7 @@
 #include "comm/communicator.h"
 #include "comm/nccl/nccl_backend.h"
 #include "comm/nccl/thread_bootstrap_testutil.h"
+#include "flatparam/base/gpu_testing.h"
 #include "flatparam/device/cuda/cuda_device.h"
 #include "flatparam/device/device.h"
 #include "flatparam/layout.h"
@@ -97,7 +98,7 @@ FsdpTrainOptions Options(ShardingStrategy strategy, int world) {
 
 TEST(TrainingNcclTest, OneGpuEqualsTheReferenceBitwise) {
   std::string why;
-  if (UsableGpus(&why) < 1) GTEST_SKIP() << why;
+  if (UsableGpus(&why) < 1) FLATPARAM_SKIP_WITHOUT_GPU(why);
   struct Case {
     ShardingStrategy strategy;
     bool bf16, offload;
@@ -140,7 +141,8 @@ TEST(TrainingNcclTest, OneGpuEqualsTheReferenceBitwise) {
 TEST(TrainingNcclTest, SeveralGpusAgreeWithinTheReassociationBound) {
   std::string why;
   const int gpus = UsableGpus(&why);
-  if (gpus < 2) GTEST_SKIP() << (gpus == 0 ? why : "needs two GPUs");
+  if (gpus == 0) FLATPARAM_SKIP_WITHOUT_GPU(why);
+  if (gpus < 2) GTEST_SKIP() << "needs two GPUs";
   for (ShardingStrategy s :
        {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
         ShardingStrategy::kNoShard}) {

@@ -25,6 +25,7 @@
 #include "comm/nccl/nccl_communicator.h"
 #include "comm/nccl/thread_bootstrap_testutil.h"
 #include "flatparam/base/dtype.h"
+#include "flatparam/base/gpu_testing.h"
 #include "flatparam/base/status_matchers.h"
 
 namespace flatparam {
@@ -89,11 +90,13 @@ class NcclGpuTest : public ::testing::Test {
   void SetUp() override {
     const cudaError_t e = cudaGetDeviceCount(&devices_);
     if (e != cudaSuccess) {
-      GTEST_SKIP() << "no usable GPU: cudaGetDeviceCount: "
-                   << cudaGetErrorName(e) << ": " << cudaGetErrorString(e);
+      FLATPARAM_SKIP_WITHOUT_GPU(absl::StrCat(
+          "no usable GPU: cudaGetDeviceCount: ", cudaGetErrorName(e), ": ",
+          cudaGetErrorString(e)));
     }
     if (devices_ == 0) {
-      GTEST_SKIP() << "no usable GPU: cudaGetDeviceCount found no device";
+      FLATPARAM_SKIP_WITHOUT_GPU(
+          "no usable GPU: cudaGetDeviceCount found no device");
     }
   }
 

@@ -20,6 +20,7 @@
 #include "comm/communicator.h"
 #include "comm/nccl/nccl_backend.h"
 #include "flatparam/base/dtype.h"
+#include "flatparam/base/gpu_testing.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/device/device.h"
@@ -103,12 +104,12 @@ class CudaDeviceOpsTest : public ::testing::Test {
     if (!CudaDeviceOpsAvailable()) {
       EXPECT_THAT(ops, StatusIs(absl::StatusCode::kUnimplemented,
                                 HasSubstr("no CUDA support")));
-      GTEST_SKIP() << ops.status();
+      FLATPARAM_SKIP_WITHOUT_GPU(ops.status());
     }
     if (!ops.ok()) {
       EXPECT_THAT(ops, StatusIs(absl::StatusCode::kFailedPrecondition,
                                 HasSubstr("no usable GPU")));
-      GTEST_SKIP() << ops.status();
+      FLATPARAM_SKIP_WITHOUT_GPU(ops.status());
     }
     ops_ = *std::move(ops);
     EXPECT_EQ(ops_->device(), Device::Cuda(0));
