@@ -145,6 +145,21 @@ enum class ShardedKeys : uint8_t {
   // has state on every rank -- a rank that holds no piece of it gets
   // zero-element tensors and the replicated values (PyTorch fills these in
   // from the keyed optimizer's own state).
+  //
+  // Wrapper prefixes: a NamedOptimizer keys by the wrapped model's
+  // `named_parameters()` names, which carry "_fsdp_wrapped_module." (at
+  // every wrapped depth), "_checkpoint_wrapped_module." and torch.compile's
+  // "_orig_mod." components. A name is a parameter's when its
+  // CleanTensorName (flatparam/base/fqn.h; PyTorch's clean_tensor_name) is
+  // a FlatParamFqn (flat path), a managed parameter's FQN (original-
+  // parameter path) or one of `unmanaged_params`; so
+  // "_fsdp_wrapped_module.layers.0._fsdp_wrapped_module._flat_param" names
+  // "layers.0._flat_param". Any other name is user-defined state, passed
+  // through unchanged (not cleaned). Two keys naming one parameter (say
+  // "_fsdp_wrapped_module.w" and "w") are InvalidArgument naming both.
+  // The sharding functions return clean names unless `optimizer_params`
+  // lists the optimizer's own names (then those, as PyTorch's
+  // `optim_state_dict_to_load` re-keys by them).
   kNames,
   // IDs in this rank's optimizer's parameter order (PyTorch's
   // `_rekey_sharded_optim_state_dict`): ID i is
@@ -187,10 +202,18 @@ struct OptimStateOptions {
   bool strict_replicated_values = false;
   // How this rank's optimizer keys the sharded dict (see ShardedKeys).
   ShardedKeys sharded_keys = ShardedKeys::kLayout;
-  // kOptimizerIds: the rank's optimizer's parameters in its order, by name:
-  // FlatParamFqn for flat parameters (flat path), FQNs for original
-  // parameters (original-parameter path) and for unmanaged ones. A sharded
-  // state or group entry whose parameter is not listed is InvalidArgument.
+  // The rank's optimizer's parameters in its order, by name: FlatParamFqn
+  // for flat parameters (flat path), FQNs for original parameters
+  // (original-parameter path) and for unmanaged ones, each either clean or
+  // as the wrapped model's `named_parameters()` spells it (matched after
+  // CleanTensorName; see ShardedKeys::kNames). Two entries naming one
+  // parameter are InvalidArgument.
+  //   kOptimizerIds: required; ID i is optimizer_params[i].
+  //   kNames: optional; when set, the sharding functions key each parameter
+  //   by the name listed for it, so that a NamedOptimizer's wrapped names
+  //   survive consolidate -> full dict (clean FQNs) -> load.
+  // When set, a parameter with sharded state that it does not list is
+  // InvalidArgument.
   std::vector<std::string> optimizer_params;
   // Upper bound on one temporary buffer in bytes; 0 for one whole flat
   // parameter's state. Chunks hold at least one element (per rank).
@@ -214,13 +237,25 @@ struct OptimStateOptions {
 // PyTorch's `full_optim_state_dict` / `_optim_state_dict`: the full state
 // dict from every rank's sharded state (see the file comment for both
 // paths). Collective over `comm` (the shard group, of the layout's world
-// size). Tensor states come from the all-gather; zero-dimension and
-// non-tensor states are this rank's values (flat path; see
-// strict_replicated_values) or the value the parameter's holding ranks
-// agree on (original-parameter path). Param groups: this rank's, with
-// flat-parameter indices replaced by their parameters' FQNs. With
-// `rank0_only`, ranks other than global rank 0 communicate and return an
-// empty dict, allocating only the collectives' temporary buffers.
+// size).
+//
+// Keys: `sharded` is keyed as options.sharded_keys says. The result is
+// keyed by clean FQN for every parameter (managed and unmanaged), whatever
+// the rank's optimizer's keys, as PyTorch's `optim_state_dict` is: with
+// kNames or kOptimizerIds, a name with wrapper prefixes
+// ("_fsdp_wrapped_module.layers.0._fsdp_wrapped_module._flat_param",
+// "_orig_mod.w") is recognised as its parameter's (ShardedKeys::kNames),
+// and keys that are no parameter's are user-defined state, copied
+// unchanged with a warning. Two keys naming one parameter on any rank are
+// InvalidArgument on every rank, naming both.
+//
+// Tensor states come from the all-gather; zero-dimension and non-tensor
+// states are this rank's values (flat path; see strict_replicated_values)
+// or the value the parameter's holding ranks agree on (original-parameter
+// path). Param groups: this rank's, with flat-parameter indices replaced by
+// their parameters' FQNs. With `rank0_only`, ranks other than global rank
+// 0 communicate and return an empty dict, allocating only the collectives'
+// temporary buffers.
 //
 // InvalidArgument for a communicator whose size is not the layout's world
 // size, rank0_only with a hybrid layout and no global_rank, and the errors
@@ -231,7 +266,9 @@ absl::StatusOr<OptimStateDict> ConsolidateOptimState(
 
 // PyTorch's `shard_full_optim_state_dict` / `_flatten_optim_state_dict`:
 // rank `rank`'s sharded state from the full dict, without communication.
-// Param groups are re-keyed for the path.
+// Param groups are re-keyed for the path. `full` is keyed by clean FQN (or
+// parameter ID); the result is keyed as options.sharded_keys says (kNames:
+// by the names optimizer_params lists, else clean ones).
 //
 // InvalidArgument for a rank outside [0, world size), a parameter group
 // listing a key that is neither a model parameter nor an unmanaged one, and

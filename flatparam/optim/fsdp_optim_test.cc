@@ -10,8 +10,12 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -31,6 +35,7 @@ namespace optim {
 namespace {
 
 using ::testing::AllOf;
+using ::testing::AnyOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
@@ -809,6 +814,257 @@ TEST_F(ShardedKeysTest, OrigParamsNamedOptimizerHasEveryParameter) {
   EXPECT_THAT(i.param_groups[0].params,
               ElementsAre(ParamKey(int64_t{0}), ParamKey(int64_t{1}),
                           ParamKey(int64_t{2})));
+}
+
+// ---------------------------------------------------------------------------
+// A NamedOptimizer over a wrapped model: keys with wrapper prefixes.
+// ---------------------------------------------------------------------------
+
+// Three nested units (root, layers.0, layers.0.mlp) and, in the optimizer,
+// an ignored module's parameter and two user-defined states, one of whose
+// keys happens to start with a wrapper prefix.
+class WrappedNamesTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto layout = Layout({{"layers.0.mlp.w", {4}},
+                          {"layers.0.mlp.b", {2}},
+                          {"layers.0.norm", {3}},
+                          {"head", {5}}},
+                         {"layers.0", "layers.0.mlp"}, {.world_size = 2});
+    ASSERT_THAT(layout, IsOk());
+    layout_ = std::make_unique<ModelLayout>(*std::move(layout));
+    double start = 1;
+    for (const char* fqn :
+         {"head", "layers.0.norm", "layers.0.mlp.w", "layers.0.mlp.b"}) {
+      const std::vector<int64_t> shape =
+          layout_->spec().params[ParamIndex(fqn)].shape;
+      full_.state[fqn]["exp_avg"] = Iota(DType::kFloat32, shape, start);
+      full_.state[fqn]["step"] = ScalarTensor(DType::kFloat32, 4);
+      start += 10;
+    }
+    full_.state["ignored.bias"]["exp_avg"] = F32({2}, {7, 8});
+    full_.state["ignored.bias"]["step"] = ScalarTensor(DType::kFloat32, 4);
+    full_.state["__user__"]["counter"] = int64_t{5};
+    full_.state["_fsdp_wrapped_module.scheduler"]["last_epoch"] = int64_t{3};
+    // In flat-parameter order (root, layers.0, layers.0.mlp), which the
+    // flat path's groups keep.
+    full_.param_groups.push_back(
+        {{{"lr", 0.5}},
+         {ParamKey("head"), ParamKey("layers.0.norm"),
+          ParamKey("layers.0.mlp.w"), ParamKey("layers.0.mlp.b"),
+          ParamKey("ignored.bias")}});
+  }
+
+  size_t ParamIndex(const std::string& fqn) const {
+    const auto& params = layout_->spec().params;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (params[i].fqn == fqn) return i;
+    }
+    ADD_FAILURE() << fqn;
+    return 0;
+  }
+
+  // Clean name -> the name a NamedOptimizer over the wrapped model keys it
+  // by (its `named_parameters()` name), as different wrappings spell them:
+  // FSDP's prefix at depths one to three, the activation-checkpoint
+  // wrapper's, torch.compile's.
+  static std::map<std::string, std::string> Wrapped(bool orig) {
+    if (orig) {
+      return {
+          {"head", "_fsdp_wrapped_module.head"},
+          {"layers.0.norm",
+           "_fsdp_wrapped_module.layers.0._fsdp_wrapped_module.norm"},
+          {"layers.0.mlp.w",
+           "_fsdp_wrapped_module.layers.0._fsdp_wrapped_module.mlp."
+           "_checkpoint_wrapped_module._fsdp_wrapped_module.w"},
+          {"layers.0.mlp.b", "_orig_mod.layers.0.mlp.b"},
+          {"ignored.bias", "_fsdp_wrapped_module.ignored.bias"},
+      };
+    }
+    return {
+        {"_flat_param", "_fsdp_wrapped_module._flat_param"},
+        {"layers.0._flat_param",
+         "_orig_mod._fsdp_wrapped_module.layers.0._fsdp_wrapped_module."
+         "_flat_param"},
+        {"layers.0.mlp._flat_param",
+         "_fsdp_wrapped_module.layers.0._fsdp_wrapped_module.mlp."
+         "_checkpoint_wrapped_module._fsdp_wrapped_module._flat_param"},
+        {"ignored.bias", "_fsdp_wrapped_module.ignored.bias"},
+    };
+  }
+
+  // The optimizer's parameters, in its order, by wrapped name.
+  static std::vector<std::string> WrappedOrder(bool orig) {
+    std::vector<std::string> order;
+    const std::map<std::string, std::string> wrapped = Wrapped(orig);
+    for (const char* name :
+         orig ? std::vector<const char*>{"head", "layers.0.norm",
+                                         "layers.0.mlp.w", "layers.0.mlp.b",
+                                         "ignored.bias"}
+              : std::vector<const char*>{"_flat_param", "layers.0._flat_param",
+                                         "layers.0.mlp._flat_param",
+                                         "ignored.bias"}) {
+      order.push_back(wrapped.at(name));
+    }
+    return order;
+  }
+
+  // `dict` with the name keys and group entries in `names` renamed.
+  static OptimStateDict Renamed(
+      const OptimStateDict& dict,
+      const std::map<std::string, std::string>& names) {
+    auto rename = [&](const ParamKey& key) {
+      const auto* name = std::get_if<std::string>(&key);
+      if (name == nullptr || names.count(*name) == 0) return key;
+      return ParamKey(names.at(*name));
+    };
+    OptimStateDict out;
+    for (const auto& [key, st] : dict.state) {
+      EXPECT_TRUE(out.state.emplace(rename(key), st).second);
+    }
+    for (const ParamGroup& g : dict.param_groups) {
+      ParamGroup mapped = g;
+      for (ParamKey& k : mapped.params) k = rename(k);
+      out.param_groups.push_back(std::move(mapped));
+    }
+    return out;
+  }
+
+  OptimStateOptions Options(bool orig, ShardedKeys keys) {
+    OptimStateOptions o = Quiet(orig);
+    o.sharded_keys = keys;
+    o.unmanaged_params = {"ignored.bias"};
+    return o;
+  }
+
+  std::unique_ptr<ModelLayout> layout_;
+  OptimStateDict full_;
+};
+
+TEST_F(WrappedNamesTest, ConsolidationRecognisesWrappedNames) {
+  for (bool orig : {false, true}) {
+    SCOPED_TRACE(orig ? "use_orig_params" : "flat path");
+    OptimStateOptions options = Options(orig, ShardedKeys::kNames);
+    const std::vector<OptimStateDict> clean =
+        ShardAll(*layout_, full_, options);
+    std::vector<OptimStateDict> wrapped;
+    for (const OptimStateDict& s : clean) {
+      wrapped.push_back(Renamed(s, Wrapped(orig)));
+    }
+    ASSERT_EQ(wrapped[0].state.count(orig ? "_orig_mod.layers.0.mlp.b"
+                                          : "_fsdp_wrapped_module._flat_param"),
+              1u);
+    std::vector<std::string> warnings;
+    options.on_warning = [&](absl::string_view w) { warnings.emplace_back(w); };
+    auto want = Consolidate(*layout_, clean, options);
+    warnings.clear();
+    auto got = Consolidate(*layout_, wrapped, options);
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_THAT(want[r], IsOk());
+      ASSERT_THAT(got[r], IsOk());
+      // Keyed by clean FQN, equal to the state keyed by clean names; the
+      // user-defined "_fsdp_wrapped_module.scheduler" is kept as it is.
+      EXPECT_EQ(FirstDifference(*got[r], *want[r]), std::nullopt)
+          << "rank " << r;
+      EXPECT_EQ(FirstDifference(*got[r], full_), std::nullopt) << "rank " << r;
+    }
+    // Only the user-defined states warn (two per rank), no parameter.
+    EXPECT_THAT(warnings, SizeIs(4));
+    for (const std::string& w : warnings) {
+      EXPECT_THAT(w, AnyOf(HasSubstr("'__user__'"),
+                           HasSubstr("'_fsdp_wrapped_module.scheduler'")));
+    }
+  }
+}
+
+TEST_F(WrappedNamesTest, LoadKeysByTheOptimizersOwnNames) {
+  for (bool orig : {false, true}) {
+    SCOPED_TRACE(orig ? "use_orig_params" : "flat path");
+    const std::vector<OptimStateDict> clean =
+        ShardAll(*layout_, full_, Options(orig, ShardedKeys::kNames));
+    OptimStateOptions names = Options(orig, ShardedKeys::kNames);
+    names.optimizer_params = WrappedOrder(orig);
+    // Sharding and scattering give the optimizer's own (wrapped) names.
+    const std::vector<OptimStateDict> local = ShardAll(*layout_, full_, names);
+    std::vector<absl::StatusOr<OptimStateDict>> scattered(2, OptimStateDict());
+    RunRanks(2, [&](SimCommunicator& comm) {
+      OptimStateOptions o = names;
+      o.rank0_only = true;
+      scattered[comm.rank()] = OptimStateDictToLoad(
+          *layout_, comm.rank() == 0 ? full_ : OptimStateDict(), comm, o);
+      return scattered[comm.rank()].status();
+    });
+    for (int r = 0; r < 2; ++r) {
+      const OptimStateDict want = Renamed(clean[r], Wrapped(orig));
+      EXPECT_EQ(FirstDifference(local[r], want), std::nullopt) << "rank " << r;
+      ASSERT_THAT(scattered[r], IsOk());
+      EXPECT_EQ(FirstDifference(*scattered[r], want), std::nullopt)
+          << "rank " << r;
+    }
+    // And back: wrapped names -> clean FQNs.
+    auto got = Consolidate(*layout_, local, names);
+    ASSERT_THAT(got[0], IsOk());
+    EXPECT_EQ(FirstDifference(*got[0], full_), std::nullopt);
+
+    // IDs of an optimizer whose parameters are listed by wrapped name.
+    OptimStateOptions ids = Options(orig, ShardedKeys::kOptimizerIds);
+    ids.optimizer_params = WrappedOrder(orig);
+    const std::vector<OptimStateDict> by_id = ShardAll(*layout_, full_, ids);
+    ASSERT_EQ(by_id[0].state.count(int64_t{0}), 1u);
+    EXPECT_EQ(by_id[0].state.at(int64_t{0}),
+              clean[0].state.at(orig ? "head" : "_flat_param"));
+    got = Consolidate(*layout_, by_id, ids);
+    ASSERT_THAT(got[0], IsOk());
+    EXPECT_EQ(FirstDifference(*got[0], full_), std::nullopt);
+  }
+}
+
+TEST_F(WrappedNamesTest, TwoKeysNamingOneParameterAreAnError) {
+  // Original-parameter path: rank 1 holds "head" under both spellings.
+  const OptimStateOptions orig = Options(true, ShardedKeys::kNames);
+  std::vector<OptimStateDict> shards = ShardAll(*layout_, full_, orig);
+  shards[1].state["_fsdp_wrapped_module.head"] = shards[1].state.at("head");
+  auto got = Consolidate(*layout_, shards, orig);
+  EXPECT_THAT(
+      got[0],
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               AllOf(HasSubstr("rank 1's sharded optimizer state: optimizer "
+                               "state keys '_fsdp_wrapped_module.head' and "
+                               "'head' both name 'head'"),
+                     HasSubstr("clean_tensor_name"))));
+  ExpectSameErrorOnAllRanks(got);
+
+  // Flat path: two spellings of one flat parameter, both wrapped.
+  const OptimStateOptions flat = Options(false, ShardedKeys::kNames);
+  shards = ShardAll(*layout_, full_, flat);
+  const ParamState st = shards[0].state.at("layers.0._flat_param");
+  shards[0].state.erase("layers.0._flat_param");
+  shards[0].state["_orig_mod.layers.0._flat_param"] = st;
+  shards[0].state
+      ["_fsdp_wrapped_module.layers.0._fsdp_wrapped_module."
+       "_flat_param"] = st;
+  got = Consolidate(*layout_, shards, flat);
+  EXPECT_THAT(got[1], StatusIs(absl::StatusCode::kInvalidArgument,
+                               HasSubstr("rank 0's sharded optimizer state: "
+                                         "optimizer state keys "
+                                         "'_fsdp_wrapped_module.layers.0._fsdp_"
+                                         "wrapped_module._flat_param' and "
+                                         "'_orig_mod.layers.0._flat_param' "
+                                         "both name flat parameter 1 "
+                                         "('layers.0._flat_param')")));
+  ExpectSameErrorOnAllRanks(got);
+
+  // optimizer_params listing one parameter twice, differently wrapped.
+  OptimStateOptions ids = Options(true, ShardedKeys::kOptimizerIds);
+  ids.optimizer_params = {"_fsdp_wrapped_module.head",
+                          "_checkpoint_wrapped_module.head", "layers.0.norm",
+                          "layers.0.mlp.w", "layers.0.mlp.b"};
+  EXPECT_THAT(ShardFullOptimState(*layout_, full_, 0, ids),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("optimizer_params lists "
+                                 "'_fsdp_wrapped_module.head' (ID 0) and "
+                                 "'_checkpoint_wrapped_module.head' (ID 1), "
+                                 "which both name 'head'")));
 }
 
 // ---------------------------------------------------------------------------
