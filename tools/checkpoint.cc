@@ -362,11 +362,12 @@ absl::Status RunCheckpoint(const CheckpointCommand& c, std::ostream& out,
       if (r.ok()) {
         lines.push_back(absl::StrFormat(
             "%s: imported %d tensors of %d Hugging Face file%s into model "
-            "%s (%d tied cop%s checked, %d buffer%s skipped, %d cast)",
+            "%s (%d tied cop%s checked, %d buffer%s skipped, %d cast)%s",
             AbsolutePath(c.out), r->imported, r->files,
             r->files == 1 ? "" : "s", resolved.layout.spec().name,
             r->tied_copies, r->tied_copies == 1 ? "y" : "ies", r->ignored,
-            r->ignored == 1 ? "" : "s", r->cast));
+            r->ignored == 1 ? "" : "s", r->cast,
+            checkpoint::DescribeOptimizerImport(*r)));
       }
     } else if (const std::string flag = HfImportFlag(c); !flag.empty()) {
       return absl::InvalidArgumentError(absl::StrFormat(

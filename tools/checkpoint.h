@@ -19,8 +19,9 @@
 // model.safetensors or model.safetensors.index.json and no manifest.json,
 // or the path of either file) and imports it straight to the sharded
 // layout (flatparam/checkpoint/hf_checkpoint.h), with --cast to convert a
-// dtype that differs from the model's and --weights-only to leave another
-// tool's optimizer state behind, --add-prefix/--strip-prefix to rename the
+// dtype that differs from the model's and --weights-only to leave its
+// optimizer state behind (optim.safetensors with optim.json is imported
+// otherwise), --add-prefix/--strip-prefix to rename the
 // file's tensors and --ignore-suffix to skip more buffers; --dtype then
 // sets the model's dtype, as for init. verify also checks a Hugging Face
 // checkpoint (its headers and index). export writes one from a full or sharded

@@ -21,7 +21,7 @@ ABSL_FLAG(bool, cast, false,
           "whose dtype differs from the model's (round to nearest even).");
 ABSL_FLAG(bool, weights_only, false,
           "checkpoint shard of a Hugging Face checkpoint: import the weights "
-          "even if the directory holds another tool's optimizer state.");
+          "alone, leaving the directory's optimizer state behind.");
 ABSL_FLAG(std::string, add_prefix, "",
           "checkpoint shard of a Hugging Face checkpoint: put this before "
           "every tensor name of the files (after --strip-prefix), e.g. "
@@ -127,9 +127,12 @@ constexpr char kHelp[] =
     "prefixes are removed from names; rotary_emb.inv_freq buffers are\n"
     "skipped; a tied parameter listed again must equal its target). A\n"
     "dtype that differs from the model's is an error unless --cast (or\n"
-    "--dtype=D to give the model the file's dtype). Another tool's\n"
-    "optimizer state (optimizer.pt, ...) cannot be imported: with\n"
-    "--weights-only the weights are imported alone. Use the -hf presets\n"
+    "--dtype=D to give the model the file's dtype). Optimizer state\n"
+    "beside them as optim.safetensors (\"state.{fqn}.{name}\" tensors) and\n"
+    "optim.json (flatparam's, or PyTorch's param_groups list) is imported\n"
+    "too. Another tool's optimizer state (optimizer.pt, ...) cannot be:\n"
+    "with --weights-only the weights are imported alone, the optimizer\n"
+    "files left behind (the summary lists them). Use the -hf presets\n"
     "(llama2-7b-hf, llama3-8b-hf, ...) for Hugging Face's Llama names.\n"
     "Files saved from another class than the model's import with\n"
     "--add-prefix/--strip-prefix and --ignore-suffix (gpt2's published\n"
@@ -168,7 +171,7 @@ constexpr char kHelp[] =
     "                           to D\n"
     "  --cast                   shard (Hugging Face input): convert dtypes\n"
     "  --weights-only           shard (Hugging Face input): leave optimizer\n"
-    "                           state of another tool behind\n"
+    "                           state behind, importing the weights alone\n"
     "  --add-prefix=P           shard (Hugging Face input): prefix every\n"
     "                           tensor name with P\n"
     "  --strip-prefix=P         shard (Hugging Face input): remove P from\n"

@@ -105,7 +105,8 @@ expect_exit 0 checkpoint shard --in="$tmp/hfb/model.safetensors" \
 expect_exit 0 checkpoint export --in="$tmp/b3" --out="$tmp/b3out"
 np compare --expected="$tmp/hfb" --actual="$tmp/b3out"
 
-# 4. Another tool's optimizer state: refused, or left behind.
+# 4. Optimizer state: another tool's refused, or left behind; this
+#    project's imported.
 np make --spec="$tiny" --out="$tmp/hfo" --optimizer
 expect_exit 1 checkpoint shard --in="$tmp/hfo" --model="$tiny" \
   --world-size=2 --out="$tmp/o2"
@@ -113,6 +114,48 @@ grep -q 'hfo/optimizer.pt: optimizer state written by another tool cannot be imp
   "$tmp/err" || fail "optimizer error: $(cat "$tmp/err")"
 expect_exit 0 checkpoint shard --in="$tmp/hfo" --model="$tiny" \
   --world-size=2 --out="$tmp/o2" --weights-only
+grep -q 'optimizer state left behind (--weights-only): optimizer.pt' \
+  "$tmp/out" || fail "weights-only report: $(cat "$tmp/out")"
+# A full checkpoint's files without its manifest: the optimizer state comes
+# along, into the same files as sharding the checkpoint; so with PyTorch's
+# param_groups (json.dumps(optimizer.state_dict()["param_groups"])) as
+# optim.json. optim.safetensors alone is refused, or left behind.
+expect_exit 0 checkpoint init --model="$tiny" --out="$tmp/ofull" --seed=3
+expect_exit 0 checkpoint shard --in="$tmp/ofull" --model="$tiny" \
+  --world-size=3 --out="$tmp/oref"
+mkdir "$tmp/hfopt"
+cp "$tmp/ofull/model.safetensors" "$tmp/ofull/optim.safetensors" \
+  "$tmp/ofull/optim.json" "$tmp/hfopt/"
+expect_exit 0 checkpoint shard --in="$tmp/hfopt" --model="$tiny" \
+  --world-size=3 --out="$tmp/oimp"
+grep -q 'optimizer state of 7 parameters in 1 param group imported' \
+  "$tmp/out" || fail "optimizer import report: $(cat "$tmp/out")"
+diff -r "$tmp/oref" "$tmp/oimp" >/dev/null || fail "import differs from shard"
+"$python" - "$tmp/ofull/optim.json" "$tiny" "$tmp/hfopt/optim.json" <<'EOF_PY' ||
+import json, sys
+typed, spec = (json.load(open(f)) for f in sys.argv[1:3])
+ids = {p["fqn"]: i for i, p in
+       enumerate(p for p in spec["params"] if "tied_to" not in p)}
+groups = [dict({k: list(v.values())[0] for k, v in g["hyperparams"].items()},
+               params=[ids[f] for f in g["params"]])
+          for g in typed["param_groups"]]
+with open(sys.argv[3], "w") as f:
+    json.dump(groups, f)
+EOF_PY
+  fail "PyTorch param_groups"
+expect_exit 0 checkpoint shard --in="$tmp/hfopt" --model="$tiny" \
+  --world-size=3 --out="$tmp/oimp2"
+diff -r "$tmp/oref" "$tmp/oimp2" >/dev/null ||
+  fail "import with PyTorch's param_groups differs from shard"
+rm "$tmp/hfopt/optim.json"
+expect_exit 1 checkpoint shard --in="$tmp/hfopt" --model="$tiny" \
+  --world-size=3 --out="$tmp/oimp3"
+grep -q 'hfopt/optim.safetensors: optimizer state without its optim.json' \
+  "$tmp/err" || fail "optim.json missing: $(cat "$tmp/err")"
+expect_exit 0 checkpoint shard --in="$tmp/hfopt" --model="$tiny" \
+  --world-size=3 --out="$tmp/oimp3" --weights-only
+grep -q 'optimizer state left behind (--weights-only): optim.safetensors' \
+  "$tmp/out" || fail "weights-only report: $(cat "$tmp/out")"
 
 # 5. Files that do not fit the model: exit 1, naming file and tensor.
 expect_exit 1 checkpoint shard --in="$tmp/hf" --model=gpt2 --world-size=2 \

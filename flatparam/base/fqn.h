@@ -11,10 +11,8 @@
 //                   "_checkpoint_wrapped_module.mlp.weight")
 //       == "layers.0.mlp.weight"
 //
-// flatparam/checkpoint/hf_checkpoint.h declares a function of the same name
-// and semantics (checkpoint::CleanTensorName) for importing published
-// files; this one is for packages that cannot depend on the checkpoint
-// layer (the optimizer-state operations, which it depends on).
+// flatparam/checkpoint/hf_checkpoint.h's checkpoint::CleanTensorName, used
+// when importing published files, calls this one.
 //
 // Thread-safety: pure functions.
 #ifndef FLATPARAM_BASE_FQN_H_

@@ -371,8 +371,7 @@ absl::StatusOr<ManifestEntry> WritePendingFile(
 }
 
 absl::Status SwapInDirectory(FileSystem& fs, const std::string& dir,
-                             const std::string& tmp,
-                             DirWriteOutcome* outcome) {
+                             const std::string& tmp, DirWriteOutcome* outcome) {
   const std::string parent = Dirname(dir);
   // 3. The previous checkpoint out of the way.
   const std::string backup = BackupDirFor(dir);

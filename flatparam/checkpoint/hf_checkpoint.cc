@@ -7,8 +7,12 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
+#include <string>
 #include <utility>
+#include <variant>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -19,13 +23,16 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "flatparam/base/fqn.h"
 #include "flatparam/base/json_limits.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/internal/checkpoint_write.h"
 #include "flatparam/checkpoint/internal/flat_stream.h"
+#include "flatparam/checkpoint/internal/full_optim_shards.h"
 #include "flatparam/checkpoint/manifest.h"
 #include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/optim/optim_state.h"
 
 namespace flatparam {
 namespace checkpoint {
@@ -33,14 +40,13 @@ namespace {
 
 using json = nlohmann::json;
 using internal_checkpoint::FlatShardSource;
+using internal_checkpoint::FullOptimShards;
 using internal_checkpoint::PendingFile;
 using internal_checkpoint::RankFileSet;
 
-constexpr char kFsdpPrefix[] = "_fsdp_wrapped_module.";
-constexpr char kCheckpointPrefix[] = "_checkpoint_wrapped_module.";
-constexpr char kCompiledComponent[] = "_orig_mod";
 constexpr char kSingleFileName[] = "model.safetensors";
 constexpr char kOptimizerFilePrefix[] = "optimizer";
+constexpr char kOptimStatePrefix[] = "state.";
 
 uint64_t ChunkBytes(uint64_t requested) {
   return std::max<uint64_t>(8, requested / 8 * 8);
@@ -151,24 +157,23 @@ absl::StatusOr<bool> IsDir(FileSystem& fs, const std::string& path) {
 }  // namespace
 
 std::string CleanTensorName(absl::string_view name) {
-  std::string s = absl::StrReplaceAll(name, {{kFsdpPrefix, ""}});
-  s = absl::StrReplaceAll(s, {{kCheckpointPrefix, ""}});
-  if (s.find(kCompiledComponent) == std::string::npos) return s;
-  std::vector<absl::string_view> parts = absl::StrSplit(s, '.');
-  parts.erase(std::remove(parts.begin(), parts.end(),
-                          absl::string_view(kCompiledComponent)),
-              parts.end());
-  return absl::StrJoin(parts, ".");
+  return ::flatparam::CleanTensorName(name);
 }
 
 const std::vector<std::string>& HfSideFileNames() {
-  static const auto* names = new std::vector<std::string>{
-      "config.json",           "generation_config.json",
-      "tokenizer.json",        "tokenizer.model",
-      "tokenizer_config.json", "special_tokens_map.json",
-      "added_tokens.json",     "vocab.json",
-      "vocab.txt",             "merges.txt",
-      "chat_template.jinja",   "preprocessor_config.json"};
+  static const auto* names =
+      new std::vector<std::string>{"config.json",
+                                   "generation_config.json",
+                                   "tokenizer.json",
+                                   "tokenizer.model",
+                                   "tokenizer_config.json",
+                                   "special_tokens_map.json",
+                                   "added_tokens.json",
+                                   "vocab.json",
+                                   "vocab.txt",
+                                   "merges.txt",
+                                   "chat_template.jinja",
+                                   "preprocessor_config.json"};
   return *names;
 }
 
@@ -608,6 +613,232 @@ absl::StatusOr<ImportPlan> PlanImport(const HfCheckpointReader& ckpt,
 
 }  // namespace
 
+// ---------------------------------------------------------------------------
+// Optimizer state beside the weights
+
+namespace {
+
+// Whether a file of the input directory holds optimizer state: this
+// project's pair (optim.safetensors, optim.json) or another tool's
+// (optimizer.pt, optimizer.bin, optim.pt, optim_states.pt, ...).
+bool IsOptimizerFileName(absl::string_view name) {
+  return absl::StartsWith(name, kOptimizerFilePrefix) ||
+         absl::StartsWith(name, "optim.") || absl::StartsWith(name, "optim_");
+}
+
+// Who a "state.{fqn}.{state}" tensor of optim.safetensors belongs to: the
+// longest FQN of the model (a tied alias included) followed by a non-empty
+// state name, as FullCheckpointReader::CheckFitsModel reads it.
+struct StateOwner {
+  std::string fqn;
+  std::string state;
+  const ParamSpec* param = nullptr;  // the parameter named by `fqn`
+};
+std::optional<StateOwner> FindStateOwner(
+    absl::string_view tensor,
+    const std::map<std::string, const ParamSpec*, std::less<>>& params) {
+  if (!absl::ConsumePrefix(&tensor, kOptimStatePrefix)) return std::nullopt;
+  std::optional<StateOwner> owner;
+  for (size_t dot = tensor.find('.'); dot != absl::string_view::npos;
+       dot = tensor.find('.', dot + 1)) {
+    if (dot + 1 >= tensor.size()) break;
+    auto it = params.find(tensor.substr(0, dot));
+    if (it != params.end()) {
+      owner = StateOwner{it->first, std::string(tensor.substr(dot + 1)),
+                         it->second};
+    }
+  }
+  return owner;
+}
+
+// optim.safetensors against the model, as ShardCheckpoint checks a full
+// checkpoint's (FullCheckpointReader::CheckFitsModel): every tensor is
+// "state.{fqn}.{state}" for a parameter, shaped like it or 0-d.
+absl::Status CheckOptimFitsModel(
+    const SafetensorsReader& file, const ModelSpec& spec,
+    const std::map<std::string, const ParamSpec*, std::less<>>& params) {
+  Problems problems;
+  for (const SafetensorsEntry& e : file.tensors()) {
+    const std::optional<StateOwner> owner = FindStateOwner(e.name, params);
+    if (!owner.has_value()) {
+      problems.Add(absl::StrFormat(
+          "tensor '%s' is not state.{fqn}.{state_name} for a parameter of "
+          "model '%s'",
+          e.name, spec.name));
+      continue;
+    }
+    const std::vector<int64_t>& shape = owner->param->shape;
+    if (!e.shape.empty() && e.shape != shape) {
+      problems.Add(absl::StrFormat(
+          "tensor '%s' has shape %s, expected [] or %s of parameter '%s'",
+          e.name, ShapeString(e.shape), ShapeString(shape), owner->fqn));
+    }
+  }
+  return problems.ToStatus(
+      absl::StatusCode::kFailedPrecondition,
+      absl::StrFormat("%s does not fit model '%s'", file.name(), spec.name));
+}
+
+// A hyperparameter as Python's json.dumps writes it: None, bool, int,
+// float, str, or a tuple (Adam's betas) as a list of numbers.
+absl::StatusOr<optim::HyperValue> HyperFromJson(const json& v,
+                                                const std::string& where) {
+  switch (v.type()) {
+    case json::value_t::null:
+      return optim::HyperValue(std::monostate());
+    case json::value_t::boolean:
+      return optim::HyperValue(v.get<bool>());
+    case json::value_t::number_unsigned:
+      if (v.get<uint64_t>() >
+          static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        break;
+      }
+      return optim::HyperValue(static_cast<int64_t>(v.get<uint64_t>()));
+    case json::value_t::number_integer:
+      return optim::HyperValue(v.get<int64_t>());
+    case json::value_t::number_float:
+      return optim::HyperValue(v.get<double>());
+    case json::value_t::string:
+      return optim::HyperValue(v.get<std::string>());
+    case json::value_t::array: {
+      std::vector<double> values;
+      for (const json& x : v) {
+        if (!x.is_number()) break;
+        values.push_back(x.get<double>());
+      }
+      if (values.size() != v.size()) break;
+      return optim::HyperValue(std::move(values));
+    }
+    default:
+      break;
+  }
+  std::string text = v.dump(-1, ' ', false, json::error_handler_t::replace);
+  if (text.size() > 80) text = absl::StrCat(text.substr(0, 77), "...");
+  return absl::DataLossError(absl::StrFormat(
+      "%s is %s, which is not a hyperparameter that can be imported (None, "
+      "a bool, an int, a float, a str, or a tuple of numbers)",
+      where, text));
+}
+
+// The sidecar of optim.json as PyTorch writes it, the JSON array
+// json.dumps(optimizer.state_dict()["param_groups"]): each group's members
+// but "params" are hyperparameters; "params" lists parameter IDs, ID i
+// being the i-th parameter of the model's parameters() (ModelParamOrder).
+// The state is optim.safetensors's: every "state.{fqn}.{state}" tensor, a
+// value of parameter fqn (CheckOptimFitsModel has found its owner).
+absl::StatusOr<OptimSidecar> SidecarFromPyTorch(
+    const json& groups, const std::string& path, const SafetensorsReader& file,
+    const ModelLayout& layout,
+    const std::map<std::string, const ParamSpec*, std::less<>>& params) {
+  const ModelSpec& spec = layout.spec();
+  OptimSidecar out;
+  for (const SafetensorsEntry& e : file.tensors()) {
+    const StateOwner owner = *FindStateOwner(e.name, params);
+    if (owner.fqn != owner.param->fqn) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "%s: tensor '%s' is state of '%s', which is tied to '%s' in model "
+          "'%s': PyTorch keeps one state for a shared parameter, under its "
+          "first name ('%s')",
+          file.name(), e.name, owner.fqn, owner.param->fqn, spec.name,
+          OptimStateTensorName(owner.param->fqn, owner.state)));
+    }
+    out.state[optim::ParamKey(owner.fqn)][owner.state] =
+        SidecarValue{e.name, std::monostate()};
+  }
+  const std::vector<std::string> order = optim::ModelParamOrder(layout);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const json& group = groups[g];
+    const std::string at = absl::StrFormat("%s: param_groups[%d]", path, g);
+    if (!group.is_object()) {
+      return absl::DataLossError(absl::StrCat(at, ": not a JSON object"));
+    }
+    auto ids = group.find("params");
+    if (ids == group.end() || !ids->is_array()) {
+      return absl::DataLossError(
+          absl::StrCat(at, ": \"params\" is missing or not a list"));
+    }
+    optim::ParamGroup out_group;
+    for (size_t i = 0; i < ids->size(); ++i) {
+      const json& id = (*ids)[i];
+      if (!id.is_number_unsigned()) {
+        return absl::DataLossError(absl::StrFormat(
+            "%s.params[%d] is %s, not a parameter ID (a non-negative "
+            "integer)",
+            at, i, id.dump(-1, ' ', false, json::error_handler_t::replace)));
+      }
+      if (id.get<uint64_t>() >= order.size()) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "%s.params[%d] is parameter ID %d, but model '%s' has %d "
+            "parameters (IDs count its parameters() in order, each shared "
+            "parameter once)",
+            at, i, id.get<uint64_t>(), spec.name, order.size()));
+      }
+      out_group.params.push_back(order[id.get<uint64_t>()]);
+    }
+    for (const auto& [name, value] : group.items()) {
+      if (name == "params") continue;
+      FLATPARAM_ASSIGN_OR_RETURN(
+          out_group.hyperparams[name],
+          HyperFromJson(value, absl::StrCat(at, ".", name)));
+    }
+    out.param_groups.push_back(std::move(out_group));
+  }
+  return out;
+}
+
+// The optimizer state of `dir` (optim.safetensors and optim.json, both
+// present), planned for sharding as ShardCheckpoint plans a full
+// checkpoint's. `file` receives the opened optim.safetensors, which the
+// plan borrows.
+absl::StatusOr<std::unique_ptr<FullOptimShards>> PlanOptimizerImport(
+    FileSystem& fs, const std::string& dir, const ModelLayout& layout,
+    std::optional<SafetensorsReader>& file, HfImportReport& report) {
+  const ModelSpec& spec = layout.spec();
+  // Every parameter name -> its parameter (the primary for a tied one).
+  std::map<std::string, const ParamSpec*, std::less<>> params;
+  for (const ParamSpec& p : spec.params) {
+    params[p.fqn] = p.tied_to.empty() ? &p : params.at(p.tied_to);
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(
+      SafetensorsReader opened,
+      SafetensorsReader::Open(fs, JoinPath(dir, kOptimFileName)));
+  file.emplace(std::move(opened));
+  FLATPARAM_RETURN_IF_ERROR(CheckOptimFitsModel(*file, spec, params));
+
+  const std::string path = JoinPath(dir, kOptimJsonFileName);
+  absl::StatusOr<std::string> text =
+      ReadFileToString(fs, path, kMaxJsonFileBytes);
+  if (!text.ok()) return absl::DataLossError(text.status().message());
+  JsonParseOptions parse;
+  parse.code = absl::StatusCode::kDataLoss;
+  FLATPARAM_ASSIGN_OR_RETURN(const json doc, ParseJson(*text, path, parse));
+  OptimSidecar sidecar;
+  if (doc.is_array()) {
+    FLATPARAM_ASSIGN_OR_RETURN(
+        sidecar, SidecarFromPyTorch(doc, path, *file, layout, params));
+  } else {
+    FLATPARAM_ASSIGN_OR_RETURN(sidecar, ParseOptimSidecar(doc, path));
+  }
+  report.optimizer = true;
+  report.optimizer_params = static_cast<int64_t>(sidecar.state.size());
+  report.optimizer_groups = static_cast<int64_t>(sidecar.param_groups.size());
+  return FullOptimShards::Create(layout, sidecar, *file, path);
+}
+
+}  // namespace
+
+std::string DescribeOptimizerImport(const HfImportReport& report) {
+  if (!report.optimizer_left_behind.empty()) {
+    return absl::StrCat("; optimizer state left behind (--weights-only): ",
+                        absl::StrJoin(report.optimizer_left_behind, ", "));
+  }
+  if (!report.optimizer) return "";
+  return absl::StrFormat(
+      "; optimizer state of %d parameter%s in %d param group%s imported",
+      report.optimizer_params, report.optimizer_params == 1 ? "" : "s",
+      report.optimizer_groups, report.optimizer_groups == 1 ? "" : "s");
+}
+
 absl::StatusOr<HfImportReport> CheckHfCheckpointFits(
     const HfCheckpointReader& ckpt, const ModelSpec& spec,
     const HfImportOptions& options) {
@@ -625,23 +856,61 @@ absl::StatusOr<HfImportReport> ImportHfCheckpoint(
   FLATPARAM_ASSIGN_OR_RETURN(HfCheckpointReader ckpt,
                              HfCheckpointReader::Open(fs, in, options.names));
   FLATPARAM_RETURN_IF_ERROR(CheckDistinct(ckpt.dir(), out_dir));
+  // Optimizer state beside the weights: imported, refused, or (with
+  // weights_only) left behind and reported; never dropped unsaid.
+  FLATPARAM_ASSIGN_OR_RETURN(std::vector<std::string> children,
+                             fs.GetChildren(ckpt.dir()));
+  std::sort(children.begin(), children.end());
+  std::vector<std::string> optimizer_files;
+  bool has_optim_tensors = false;
+  bool has_optim_json = false;
+  for (const std::string& child : children) {
+    if (!IsOptimizerFileName(child)) continue;
+    optimizer_files.push_back(child);
+    has_optim_tensors |= child == kOptimFileName;
+    has_optim_json |= child == kOptimJsonFileName;
+  }
+  constexpr char kWeightsOnlyHint[] =
+      "import the weights alone, starting the optimizer afresh, with "
+      "--weights-only (HfImportOptions::weights_only)";
   if (!options.weights_only) {
-    FLATPARAM_ASSIGN_OR_RETURN(std::vector<std::string> children,
-                               fs.GetChildren(ckpt.dir()));
-    for (const std::string& child : children) {
-      if (absl::StartsWith(child, kOptimizerFilePrefix)) {
-        return absl::FailedPreconditionError(absl::StrFormat(
-            "%s: optimizer state written by another tool cannot be imported "
-            "(only the weights can); import the weights alone, starting the "
-            "optimizer afresh, with --weights-only (HfImportOptions::"
-            "weights_only)",
-            JoinPath(ckpt.dir(), child)));
-      }
+    for (const std::string& child : optimizer_files) {
+      if (child == kOptimFileName || child == kOptimJsonFileName) continue;
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "%s: optimizer state written by another tool cannot be imported "
+          "(only %s with %s can); %s",
+          JoinPath(ckpt.dir(), child), kOptimFileName, kOptimJsonFileName,
+          kWeightsOnlyHint));
+    }
+    if (has_optim_tensors && !has_optim_json) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "%s: optimizer state without its %s (the param groups and "
+          "non-tensor state) cannot be imported; add it (this project's "
+          "form, or PyTorch's json.dumps(optimizer.state_dict()"
+          "[\"param_groups\"])), or %s",
+          JoinPath(ckpt.dir(), kOptimFileName), kOptimJsonFileName,
+          kWeightsOnlyHint));
+    }
+    if (has_optim_json && !has_optim_tensors) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "%s: optimizer state without its %s (the tensor state, "
+          "\"state.{fqn}.{state_name}\") cannot be imported; add it, or %s",
+          JoinPath(ckpt.dir(), kOptimJsonFileName), kOptimFileName,
+          kWeightsOnlyHint));
     }
   }
 
   FLATPARAM_ASSIGN_OR_RETURN(ImportPlan plan, PlanImport(ckpt, spec, options));
   HfImportReport report = plan.report;
+  // The optimizer plan borrows its file; both outlive the write.
+  std::optional<SafetensorsReader> optim_file;
+  std::unique_ptr<FullOptimShards> optim;
+  if (options.weights_only) {
+    report.optimizer_left_behind = optimizer_files;
+  } else if (has_optim_tensors) {
+    FLATPARAM_ASSIGN_OR_RETURN(
+        optim, PlanOptimizerImport(fs, ckpt.dir(), layout, optim_file, report));
+  }
   const auto& source = plan.source;
   const auto file_of = [&](const HfCheckpointReader::Tensor& t) {
     return ckpt.files()[t.file].name();
@@ -686,9 +955,13 @@ absl::StatusOr<HfImportReport> ImportHfCheckpoint(
   ShardedCheckpointContent content;
   content.layout = &layout;
   content.world_size = world_size;
-  FLATPARAM_ASSIGN_OR_RETURN(
-      const json sidecar,
-      OptimSidecarToJson(OptimSidecar(), /*with_extra=*/true));
+  json sidecar;
+  if (optim != nullptr) {
+    sidecar = optim->sidecar();
+  } else {
+    FLATPARAM_ASSIGN_OR_RETURN(
+        sidecar, OptimSidecarToJson(OptimSidecar(), /*with_extra=*/true));
+  }
   for (int64_t r = 0; r < layout.options().world_size; ++r) {
     RankContent rank;
     for (size_t u = 0; u < flat.size(); ++u) {
@@ -709,7 +982,11 @@ absl::StatusOr<HfImportReport> ImportHfCheckpoint(
                 },
                 t.dtype, dtype, begin, n, out);
           }));
+      if (optim != nullptr) {
+        optim->AppendUnit(static_cast<int>(u), r, rank.tensors);
+      }
     }
+    if (optim != nullptr) optim->AppendZeroDim(rank.tensors);
     rank.sidecar = sidecar;
     content.ranks.push_back(std::move(rank));
   }
@@ -797,9 +1074,8 @@ absl::Status MergeIntoDirectory(FileSystem& fs, const std::string& dir,
                                 DirWriteOutcome* outcome) {
   std::set<std::string> written;
   for (const PendingFile& f : files) written.insert(f.name);
-  const std::string entry = written.count(kHfIndexFileName) > 0
-                                ? kHfIndexFileName
-                                : kSingleFileName;
+  const std::string entry =
+      written.count(kHfIndexFileName) > 0 ? kHfIndexFileName : kSingleFileName;
   std::set<std::string> replaced;
   // The previous export's entry points, then the rest of it (files of the
   // export's names: a previous export or the original download's weights).
@@ -855,8 +1131,8 @@ absl::Status WriteDirectory(FileSystem& fs, const std::string& dir_arg,
                             const std::map<std::string, std::string>& identical,
                             const CheckpointWriteOptions& options) {
   constexpr auto kKind = internal_checkpoint::DirKind::kHfExport;
-  FLATPARAM_ASSIGN_OR_RETURN(
-      const std::string dir, internal_checkpoint::PrepareCheckpointWrite(
+  FLATPARAM_ASSIGN_OR_RETURN(const std::string dir,
+                             internal_checkpoint::PrepareCheckpointWrite(
                                  fs, dir_arg, options, kKind, identical));
   const std::string tmp = internal_checkpoint::NewTempDirFor(dir);
   const auto write = [&]() -> absl::Status {
@@ -899,9 +1175,10 @@ absl::StatusOr<std::map<std::string, std::string>> ReadSideFiles(
   constexpr uint64_t kMaxSideFileBytes = uint64_t{1} << 30;
   FLATPARAM_ASSIGN_OR_RETURN(const bool is_dir, IsDir(fs, copy_from));
   if (!is_dir) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "copy-from: ", copy_from, " is not a directory (give the original "
-        "model's directory, which holds its config.json)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("copy-from: ", copy_from,
+                     " is not a directory (give the original "
+                     "model's directory, which holds its config.json)"));
   }
   std::map<std::string, std::string> side;
   for (const std::string& name : HfSideFileNames()) {

@@ -42,14 +42,44 @@
 // PyTorch casts them (round to nearest even; flatparam/base/dtype.h). Give
 // the model the file's dtype instead (`--dtype`) to keep the values as
 // they are.
-// Optimizer state written by another tool (optimizer.pt, optimizer.bin,
-// ...: pickles of torch objects) cannot be read here: an input directory
-// holding a file whose name starts with "optimizer" is refused, naming
-// it, unless `weights_only` is set; the imported checkpoint then has no
-// optimizer state (its sidecars list no state and no param groups), as
-// sharding a checkpoint of `fsdp checkpoint init --optimizer=none` gives.
-// The output is exactly what ShardCheckpoint writes for a full checkpoint
-// of the same weights without optimizer state, byte for byte.
+// Optimizer state. Beside the weights, an input directory may hold the
+// optimizer state of a full checkpoint as this project writes it
+// (checkpoint_dir.h): optim.safetensors, every tensor state
+// "state.{fqn}.{state_name}" (0-d ones, e.g. Adam's step, shape []), and
+// optim.json, in either of two forms:
+//   - this project's sidecar (optim_io.h, "format": "flatparam.optim.v1"),
+//     read and checked as ShardCheckpoint reads a full checkpoint's;
+//   - PyTorch's param_groups as json.dumps(optimizer.state_dict()
+//     ["param_groups"]) writes them, a JSON array:
+//       [{"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-08,
+//         "weight_decay": 0, "foreach": null, ..., "params": [0, 1, 2]}]
+//     "params" lists parameter IDs, ID i being the model's i-th parameter
+//     in parameters() order (each shared parameter once, under its first
+//     name: optim_state.h's ModelParamOrder); the other members are
+//     hyperparameters (null, bool, int, float, str; a list of numbers is a
+//     tuple of floats). The state is then optim.safetensors's tensors, each
+//     under the parameter its name names (a tied alias is refused: PyTorch
+//     keeps one state per shared parameter, under its first name).
+// The optimizer's FQNs are the model's (neither cleaned nor renamed).
+// Checked before anything is written: every optim.safetensors tensor
+// belongs to a parameter and is shaped like it or 0-d (FailedPrecondition),
+// optim.json follows its form (DataLoss), and the state flattens by
+// PyTorch's rules (convert.h; InvalidArgument). The state is then sharded
+// with the weights, and the output is exactly what ShardCheckpoint writes
+// for a full checkpoint of the same weights and optimizer state (with
+// PyTorch's form: of its translation to this project's), byte for byte.
+// Optimizer state that cannot be imported is refused, naming the file,
+// unless `weights_only` is set: a file of another tool (one whose name
+// starts with "optimizer", "optim." or "optim_": optimizer.pt,
+// optimizer.bin, ..., pickles of torch objects), or optim.safetensors or
+// optim.json without the other. With `weights_only` every such file,
+// importable or not, is left behind and listed in the report
+// (HfImportReport::optimizer_left_behind); the imported checkpoint then
+// has no optimizer state (its sidecars list no state and no param
+// groups), as sharding a checkpoint of `fsdp checkpoint init
+// --optimizer=none` gives. Without optimizer state, the output is exactly
+// what ShardCheckpoint writes for a full checkpoint of the same weights
+// without optimizer state, byte for byte.
 //
 // Export (ExportHfCheckpoint). The input is a full or a sharded checkpoint
 // (verified as the readers do). Tensors are named as in the model spec
@@ -120,6 +150,7 @@ inline constexpr uint64_t kCastScratchBytes = uint64_t{1} << 20;
 //   "_fsdp_wrapped_module.layers.0._checkpoint_wrapped_module.w.weight"
 //       -> "layers.0.w.weight"
 //   "_orig_mod.model.norm.weight" -> "model.norm.weight"
+// The same as flatparam/base/fqn.h's, which it calls.
 std::string CleanTensorName(absl::string_view name);
 
 // A byte count as huggingface_hub's max_shard_size spells it: an integer
@@ -198,8 +229,9 @@ struct HfImportOptions {
   // Convert tensors whose dtype differs from the spec's (see the file
   // comment) instead of failing.
   bool cast = false;
-  // Import the weights even when the directory holds optimizer state of
-  // another tool (which is not imported).
+  // Import the weights alone: optimizer state in the directory, importable
+  // or not, is left behind (and listed in the report) instead of imported
+  // or refused.
   bool weights_only = false;
   // Tensors whose cleaned names end in one of these are non-parameter
   // buffers the model recomputes; they are checked as tensors and skipped.
@@ -218,7 +250,20 @@ struct HfImportReport {
   int64_t ignored = 0;
   // Imported tensors converted to the spec's dtype.
   int64_t cast = 0;
+  // Whether optimizer state (optim.safetensors and optim.json) was
+  // imported; its parameters with state and its param groups.
+  bool optimizer = false;
+  int64_t optimizer_params = 0;
+  int64_t optimizer_groups = 0;
+  // With weights_only: the directory's optimizer files, which were not
+  // imported (names, sorted).
+  std::vector<std::string> optimizer_left_behind;
 };
+
+// What happened to the optimizer state, for a summary line: "" when the
+// input held none; "; optimizer state of 6 parameters in 1 param group
+// imported"; "; optimizer state left behind (--weights-only): optimizer.pt".
+std::string DescribeOptimizerImport(const HfImportReport& report);
 
 // The checks of an import against `spec` that need no tensor data (every
 // name, dtype and shape; not the tied copies' bytes), for a checkpoint
@@ -232,11 +277,13 @@ absl::StatusOr<HfImportReport> CheckHfCheckpointFits(
 // Imports the checkpoint at `in` (see the file comment) into a sharded
 // checkpoint at `out_dir` of `spec` laid out with `layout_options` for a
 // job of `world_size` ranks (0: layout_options.world_size), as
-// ShardCheckpoint does for a full checkpoint. Errors: InvalidArgument for
-// bad arguments (an `out_dir` that is or holds `in` among them), NotFound
-// for no checkpoint at `in`, DataLoss for damaged or inconsistent files,
-// FailedPrecondition for a checkpoint that does not fit `spec`. On error
-// `out_dir` is unchanged.
+// ShardCheckpoint does for a full checkpoint, with the optimizer state
+// beside it. Errors: InvalidArgument for bad arguments (an `out_dir` that
+// is or holds `in` among them) and for optimizer state that does not
+// flatten, NotFound for no checkpoint at `in`, DataLoss for damaged or
+// inconsistent files, FailedPrecondition for a checkpoint that does not
+// fit `spec` and for optimizer state that cannot be imported (without
+// `weights_only`). On error `out_dir` is unchanged.
 absl::StatusOr<HfImportReport> ImportHfCheckpoint(
     FileSystem& fs, const std::string& in, const ModelSpec& spec,
     const LayoutOptions& layout_options, int64_t world_size,

@@ -9,11 +9,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -21,6 +23,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_matchers.h"
@@ -29,10 +32,12 @@
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/internal/checkpoint_testutil.h"
 #include "flatparam/checkpoint/manifest.h"
+#include "flatparam/checkpoint/optim_io.h"
 #include "flatparam/checkpoint/safetensors.h"
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
 #include "flatparam/model.h"
+#include "flatparam/optim/optim_state.h"
 #include "flatparam/presets.h"
 
 namespace flatparam {
@@ -41,6 +46,11 @@ namespace {
 
 using json = nlohmann::json;
 using internal_checkpoint::SplitIntoShards;
+using optim::BitwiseEqual;
+using optim::HyperValue;
+using optim::OptimStateDict;
+using optim::ParamGroup;
+using optim::ParamKey;
 using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
@@ -1042,6 +1052,377 @@ TEST(HfCheckpointTest, DirectoryAndFileChecks) {
   EXPECT_THAT(IsHfCheckpoint(fs, "/nothing"), IsOkAndHolds(false));
   WriteFull(fs, "/full", weights);
   EXPECT_THAT(IsHfCheckpoint(fs, "/full"), IsOkAndHolds(false));
+}
+
+// ---------------------------------------------------------------------------
+// Optimizer state beside the weights.
+
+// The param groups of `typed` (an optim.json of this project's form) as
+// PyTorch writes them, json.dumps(optimizer.state_dict()["param_groups"]):
+// untyped hyperparameters, "params" as IDs in the model's parameters()
+// order (untied parameters in spec order).
+json PyTorchParamGroups(const json& typed, const ModelSpec& spec) {
+  std::map<std::string, int64_t> id;
+  for (const ParamSpec& p : spec.params) {
+    if (p.tied_to.empty()) id.emplace(p.fqn, static_cast<int64_t>(id.size()));
+  }
+  json out = json::array();
+  for (const json& g : typed.at("param_groups")) {
+    json group = json::object();
+    for (const auto& [name, v] : g.at("hyperparams").items()) {
+      group[name] = v.begin().value();  // {"float": 0.9} -> 0.9
+    }
+    json params = json::array();
+    for (const json& fqn : g.at("params")) params.push_back(id.at(fqn));
+    group["params"] = std::move(params);
+    out.push_back(std::move(group));
+  }
+  return out;
+}
+
+// Every tensor of the safetensors file at `path`, in file order.
+std::vector<Named> ReadTensors(FileSystem& fs, const std::string& path) {
+  std::vector<Named> out;
+  absl::StatusOr<SafetensorsReader> file = SafetensorsReader::Open(fs, path);
+  EXPECT_TRUE(file.ok()) << file.status();
+  if (!file.ok()) return out;
+  for (const SafetensorsEntry& e : file->tensors()) {
+    absl::StatusOr<HostTensor> t = file->ReadHostTensor(e.name);
+    EXPECT_TRUE(t.ok()) << t.status();
+    if (t.ok()) out.push_back({e.name, *std::move(t)});
+  }
+  return out;
+}
+
+// Copies files `names` of the directory `from` into a new directory `to`.
+void CopyFiles(FileSystem& fs, const std::string& from, const std::string& to,
+               const std::vector<std::string>& names) {
+  MakeDir(fs, to);
+  for (const std::string& name : names) {
+    WriteText(fs, JoinPath(to, name), ReadWholeFile(fs, JoinPath(from, name)));
+  }
+}
+
+// TinyModelSpec without its 0-d parameter, which PyTorch's rules cannot
+// flatten with optimizer state that its unit's other parameters have.
+ModelSpec TinyModelWithState() {
+  ModelSpec spec = TinyModelSpec();
+  spec.params.erase(
+      std::remove_if(spec.params.begin(), spec.params.end(),
+                     [](const ParamSpec& p) { return p.fqn == "norm.scale"; }),
+      spec.params.end());
+  return spec;
+}
+
+// A full checkpoint's files without its manifest.json, as a user brings
+// them, import with the optimizer state into exactly what ShardCheckpoint
+// writes from the checkpoint; so does the same state with PyTorch's
+// param_groups as optim.json (and the tied parameter repeated in
+// model.safetensors, as state_dict() has it). Both consolidate back to the
+// original state, bit for bit.
+TEST(HfCheckpointTest, OptimizerStateImportsAsShardCheckpointShardsIt) {
+  FaultInjectionFileSystem fs;
+  const ModelSpec spec = TinyModelWithState();
+  const std::vector<std::pair<LayoutOptions, int64_t>> layouts = {
+      {TestLayoutOptions(2), 0},
+      {TestLayoutOptions(3), 0},
+      {TestLayoutOptions(4), 0},
+      {TestLayoutOptions(4, ShardingStrategy::kFullShard, true), 0},
+      {TestLayoutOptions(2, ShardingStrategy::kHybridShard), 6},
+  };
+  for (const InitOptimizer optimizer :
+       {InitOptimizer::kAdamW, InitOptimizer::kSgd}) {
+    const std::string o = optimizer == InitOptimizer::kSgd ? "sgd" : "adamw";
+    SCOPED_TRACE(o);
+    const std::string full = "/full_" + o;
+    InitOptions init;
+    init.seed = 7;
+    init.optimizer = optimizer;
+    FLATPARAM_ASSERT_OK(InitCheckpoint(fs, spec, full, init));
+    const std::string typed = "/typed_" + o;
+    CopyFiles(fs, full, typed,
+              {kModelFileName, kOptimFileName, kOptimJsonFileName});
+    const std::string torch = "/torch_" + o;
+    CopyFiles(fs, full, torch, {kOptimFileName});
+    std::vector<Named> model = ReadTensors(fs, JoinPath(full, kModelFileName));
+    for (const Named& t : ReadTensors(fs, JoinPath(full, kModelFileName))) {
+      if (t.name == "emb.weight") model.push_back({"head.weight", t.tensor});
+    }
+    FLATPARAM_ASSERT_OK(WriteFile(fs, JoinPath(torch, kModelFileName), model));
+    WriteText(fs, JoinPath(torch, kOptimJsonFileName),
+              PyTorchParamGroups(json::parse(ReadWholeFile(
+                                     fs, JoinPath(full, kOptimJsonFileName))),
+                                 spec)
+                  .dump());
+
+    for (size_t i = 0; i < layouts.size(); ++i) {
+      SCOPED_TRACE(i);
+      const auto& [options, world] = layouts[i];
+      const std::string ref = absl::StrCat("/ref_", o, i);
+      FLATPARAM_ASSERT_OK(ShardCheckpoint(fs, full, spec, options, world, ref));
+      for (const std::string& in : {typed, torch}) {
+        SCOPED_TRACE(in);
+        const std::string out = absl::StrCat(in, "_", i);
+        FLATPARAM_ASSERT_OK_AND_ASSIGN(
+            const HfImportReport report,
+            ImportHfCheckpoint(fs, in, spec, options, world, out));
+        EXPECT_TRUE(report.optimizer);
+        EXPECT_EQ(report.optimizer_params, 5);
+        EXPECT_EQ(report.optimizer_groups, 1);
+        EXPECT_THAT(report.optimizer_left_behind, ElementsAre());
+        EXPECT_EQ(DescribeOptimizerImport(report),
+                  "; optimizer state of 5 parameters in 1 param group "
+                  "imported");
+        ExpectSameFiles(fs, ref, out);
+      }
+    }
+
+    // Back to a full checkpoint: the original state.
+    const std::string back = "/back_" + o;
+    FLATPARAM_ASSERT_OK(ConsolidateCheckpoint(fs, torch + "_1", back));
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(const FullCheckpointReader want_reader,
+                                   FullCheckpointReader::Open(fs, full));
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(const FullCheckpointReader got_reader,
+                                   FullCheckpointReader::Open(fs, back));
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(FullState want, ReadFullState(want_reader));
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(FullState got, ReadFullState(got_reader));
+    EXPECT_TRUE(got.params == want.params);
+    ASSERT_EQ(got.optim.param_groups.size(), 1u);
+    ASSERT_EQ(want.optim.param_groups.size(), 1u);
+    // The groups list the parameters in flat-parameter order.
+    for (OptimStateDict* d : {&got.optim, &want.optim}) {
+      std::vector<ParamKey>& params = d->param_groups[0].params;
+      std::sort(params.begin(), params.end());
+    }
+    EXPECT_EQ(FirstDifference(got.optim, want.optim), std::nullopt);
+  }
+}
+
+// PyTorch's param_groups as json.dumps writes them: every hyperparameter
+// keeps its Python type (0 an int, 0.0 a float, None, bools, a str, a
+// tuple of floats), IDs name parameters in model order whatever the
+// group's order, and groups stay apart.
+TEST(HfCheckpointTest, PyTorchParamGroupsKeepTheirTypes) {
+  FaultInjectionFileSystem fs;
+  const ModelSpec spec = TinyModelWithState();
+  MakeDir(fs, "/in");
+  FLATPARAM_ASSERT_OK(
+      WriteFile(fs, "/in/model.safetensors", Weights(spec, DType::kFloat32)));
+  // Momentum for two parameters, one in each flat parameter.
+  HostTensor m1(DType::kFloat32, {5, 3});
+  FillSequence(m1, 1);
+  HostTensor m2(DType::kFloat32, {7});
+  FillSequence(m2, 2);
+  FLATPARAM_ASSERT_OK(WriteFile(fs, "/in/optim.safetensors",
+                                {{"state.seq.0.weight.momentum_buffer", m1},
+                                 {"state.seq.2.bias.momentum_buffer", m2}}));
+  // IDs: emb.weight 0, seq.0.weight 1, seq.0.bias 2, seq.2.weight 3,
+  // seq.2.bias 4 (head.weight is emb.weight's).
+  WriteText(fs, "/in/optim.json",
+            R"([{"lr": 0.1, "momentum": 0.9, "dampening": 0, )"
+            R"("weight_decay": 0.0, "nesterov": false, "maximize": false, )"
+            R"("foreach": null, "differentiable": false, "note": "a", )"
+            R"("betas": [0.9, 0.999], "params": [4, 1, 3]}, )"
+            R"({"lr": 0.01, "momentum": 0, "params": [0, 2]}])");
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      const HfImportReport report,
+      ImportHfCheckpoint(fs, "/in", spec, TestLayoutOptions(2), 0, "/out"));
+  EXPECT_EQ(report.optimizer_params, 2);
+  EXPECT_EQ(report.optimizer_groups, 2);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(const ShardedCheckpointReader reader,
+                                 ShardedCheckpointReader::Open(fs, "/out"));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(const RankState rank,
+                                 ReadRankState(reader, 0));
+  ASSERT_EQ(rank.optim.param_groups.size(), 2u);
+  const ParamGroup& g0 = rank.optim.param_groups[0];
+  const std::map<std::string, HyperValue> want0 = {
+      {"lr", 0.1},
+      {"momentum", 0.9},
+      {"dampening", int64_t{0}},
+      {"weight_decay", 0.0},
+      {"nesterov", false},
+      {"maximize", false},
+      {"foreach", std::monostate()},
+      {"differentiable", false},
+      {"note", std::string("a")},
+      {"betas", std::vector<double>{0.9, 0.999}}};
+  EXPECT_EQ(g0.hyperparams.size(), want0.size());
+  for (const auto& [name, value] : want0) {
+    ASSERT_EQ(g0.hyperparams.count(name), 1u) << name;
+    EXPECT_TRUE(BitwiseEqual(g0.hyperparams.at(name), value)) << name;
+  }
+  // Group 0 holds seq.0.weight (the root's flat parameter) and seq.2's;
+  // group 1 the root's only.
+  const int64_t root =
+      reader.layout().flat_params()[0].params()[0].fqn == "seq.2.weight" ? 1
+                                                                         : 0;
+  EXPECT_THAT(g0.params, testing::UnorderedElementsAre(ParamKey(int64_t{0}),
+                                                       ParamKey(int64_t{1})));
+  EXPECT_THAT(rank.optim.param_groups[1].params, ElementsAre(ParamKey(root)));
+  EXPECT_TRUE(
+      BitwiseEqual(rank.optim.param_groups[1].hyperparams.at("momentum"),
+                   HyperValue(int64_t{0})));
+}
+
+// Optimizer state is imported, refused naming the file and why, or with
+// weights_only left behind and reported: never dropped unsaid.
+TEST(HfCheckpointTest, OptimizerStateThatCannotBeImportedIsRefused) {
+  FaultInjectionFileSystem fs;
+  const ModelSpec spec = TinyModelWithState();
+  const std::vector<Named> weights = Weights(spec, DType::kFloat32);
+  InitOptions init;
+  init.optimizer = InitOptimizer::kAdamW;
+  FLATPARAM_ASSERT_OK(InitCheckpoint(fs, spec, "/full", init));
+  WriteFull(fs, "/weights", weights);
+  FLATPARAM_ASSERT_OK(
+      ShardCheckpoint(fs, "/weights", spec, TestLayoutOptions(2), 0, "/ref"));
+  HfImportOptions weights_only;
+  weights_only.weights_only = true;
+  const auto import = [&](const std::string& in, HfImportOptions o = {}) {
+    return ImportHfCheckpoint(fs, in, spec, TestLayoutOptions(2), 0, "/x", o);
+  };
+  // A directory of weights and the given files of /full.
+  int dirs = 0;
+  const auto make = [&](const std::vector<std::string>& optim_files) {
+    const std::string dir = absl::StrCat("/in", dirs++);
+    CopyFiles(fs, "/full", dir, optim_files);
+    EXPECT_THAT(WriteFile(fs, JoinPath(dir, kModelFileName), weights), IsOk());
+    return dir;
+  };
+  // Each refused without weights_only, naming the file; with it, imported
+  // as weights alone, the files listed as left behind.
+  struct Refused {
+    std::vector<std::string> optim_files;
+    std::string extra;  // another tool's file, or ""
+    std::string error;
+  };
+  const std::vector<Refused> refused = {
+      {{kOptimFileName},
+       "",
+       "/optim.safetensors: optimizer state without its optim.json (the "
+       "param groups and non-tensor state) cannot be imported"},
+      {{kOptimJsonFileName},
+       "",
+       "/optim.json: optimizer state without its optim.safetensors (the "
+       "tensor state, \"state.{fqn}.{state_name}\") cannot be imported"},
+      {{kOptimFileName, kOptimJsonFileName},
+       "optimizer.bin",
+       "/optimizer.bin: optimizer state written by another tool cannot be "
+       "imported (only optim.safetensors with optim.json can)"},
+      {{}, "optim.pt", "/optim.pt: optimizer state written by another tool"},
+  };
+  for (const Refused& r : refused) {
+    const std::string dir = make(r.optim_files);
+    SCOPED_TRACE(dir);
+    std::vector<std::string> files = r.optim_files;
+    if (!r.extra.empty()) {
+      WriteText(fs, JoinPath(dir, r.extra), "pickle");
+      files.push_back(r.extra);
+    }
+    std::sort(files.begin(), files.end());
+    EXPECT_THAT(import(dir),
+                StatusIs(kMismatch, AllOf(HasSubstr(dir + r.error),
+                                          HasSubstr("--weights-only"))));
+    EXPECT_FALSE(*fs.Exists("/x"));
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(const HfImportReport report,
+                                   import(dir, weights_only));
+    EXPECT_FALSE(report.optimizer);
+    EXPECT_EQ(report.optimizer_left_behind, files);
+    EXPECT_EQ(DescribeOptimizerImport(report),
+              absl::StrCat("; optimizer state left behind (--weights-only): ",
+                           absl::StrJoin(files, ", ")));
+    ExpectSameFiles(fs, "/ref", "/x");
+    FLATPARAM_ASSERT_OK(RemoveRecursively(fs, "/x"));
+  }
+  // Importable state is left behind too when told to.
+  {
+    const std::string dir = make({kOptimFileName, kOptimJsonFileName});
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(const HfImportReport report,
+                                   import(dir, weights_only));
+    EXPECT_THAT(report.optimizer_left_behind,
+                ElementsAre(kOptimJsonFileName, kOptimFileName));
+    ExpectSameFiles(fs, "/ref", "/x");
+    FLATPARAM_ASSERT_OK(RemoveRecursively(fs, "/x"));
+  }
+  // No optimizer state: nothing to say.
+  {
+    const std::string dir = make({});
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(const HfImportReport report, import(dir));
+    EXPECT_EQ(DescribeOptimizerImport(report), "");
+    FLATPARAM_ASSERT_OK(RemoveRecursively(fs, "/x"));
+  }
+
+  // Both files, but not fitting the model or their form.
+  const std::string good_groups = R"([{"lr": 0.1, "params": [0, 1, 2, 3, 4]}])";
+  struct Bad {
+    std::vector<Named> tensors;  // optim.safetensors
+    std::string optim_json;
+    absl::StatusCode code;
+    std::string error;
+  };
+  HostTensor emb(DType::kFloat32, {11, 3});
+  HostTensor step = optim::ScalarTensor(DType::kFloat32, 3);
+  const std::vector<Bad> bad = {
+      {{{"state.nothing.exp_avg", emb}},
+       good_groups,
+       kMismatch,
+       "tensor 'state.nothing.exp_avg' is not state.{fqn}.{state_name} for "
+       "a parameter of model 'tiny'"},
+      {{{"state.seq.0.bias.exp_avg", emb}},
+       good_groups,
+       kMismatch,
+       "tensor 'state.seq.0.bias.exp_avg' has shape [11, 3], expected [] or "
+       "[5] of parameter 'seq.0.bias'"},
+      {{{"state.head.weight.exp_avg", emb}},
+       good_groups,
+       kMismatch,
+       "tensor 'state.head.weight.exp_avg' is state of 'head.weight', which "
+       "is tied to 'emb.weight' in model 'tiny': PyTorch keeps one state for "
+       "a shared parameter, under its first name "
+       "('state.emb.weight.exp_avg')"},
+      {{{"state.emb.weight.step", step}},
+       R"([{"lr": 0.1, "params": [0, 5]}])",
+       kMismatch,
+       "optim.json: param_groups[0].params[1] is parameter ID 5, but model "
+       "'tiny' has 5 parameters"},
+      {{{"state.emb.weight.step", step}},
+       R"([{"lr": 0.1, "params": [0, "seq.0.bias"]}])",
+       kDataLoss,
+       "optim.json: param_groups[0].params[1] is \"seq.0.bias\", not a "
+       "parameter ID"},
+      {{{"state.emb.weight.step", step}},
+       R"([{"lr": 0.1}])",
+       kDataLoss,
+       "optim.json: param_groups[0]: \"params\" is missing or not a list"},
+      {{{"state.emb.weight.step", step}},
+       R"([{"lr": {"x": 1}, "params": []}])",
+       kDataLoss,
+       "optim.json: param_groups[0].lr is {\"x\":1}, which is not a "
+       "hyperparameter that can be imported"},
+      {{{"state.emb.weight.step", step}},
+       R"([{"lr": NaN, "params": []}])",
+       kDataLoss,
+       "optim.json:1:"},
+      {{{"state.emb.weight.step", step}},
+       R"({"format": "flatparam.optim.v1", "state": [], "param_groups": []})",
+       kDataLoss,
+       "tensor 'state.emb.weight.step'"},
+      // State that does not flatten: PyTorch's rules, as ShardCheckpoint.
+      {{{"state.seq.0.weight.exp_avg", HostTensor(DType::kFloat32, {5, 3})},
+        {"state.seq.0.bias.other", HostTensor(DType::kFloat32, {5})}},
+       good_groups,
+       kInvalid,
+       "Differing optimizer state names for the unflattened parameters"},
+  };
+  for (const Bad& b : bad) {
+    const std::string dir = make({});
+    SCOPED_TRACE(absl::StrCat(dir, " ", b.error));
+    FLATPARAM_ASSERT_OK(
+        WriteFile(fs, JoinPath(dir, kOptimFileName), b.tensors));
+    WriteText(fs, JoinPath(dir, kOptimJsonFileName), b.optim_json);
+    EXPECT_THAT(import(dir), StatusIs(b.code, HasSubstr(b.error)));
+    EXPECT_FALSE(*fs.Exists("/x"));
+  }
 }
 
 // ---------------------------------------------------------------------------

@@ -12,7 +12,12 @@
 //     optimizer states == torch's full_optim_state_dict, on every rank, and
 //     on rank 0 only (the others empty) with rank0_only;
 //   * consolidating torch's own shard_full_optim_state_dict outputs gives the
-//     full dict back.
+//     full dict back;
+//   * and, for the tied model with Adam at W = 2, 3, 4, the full dict brought
+//     as files -- optim.safetensors and PyTorch's param_groups in
+//     optim.json beside model.safetensors, no manifest -- and imported by
+//     the checkpoint tools (ImportHfCheckpoint, `fsdp checkpoint shard`)
+//     gives every rank torch's shard and consolidates back to the full dict.
 //
 // Keys: torch keys a sharded dict by optimizer parameter ID; flatparam by
 // flat-parameter index (ModelLayout::flat_params()) and, for parameters of
@@ -52,6 +57,12 @@
 #include "comm/communicator.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_matchers.h"
+#include "flatparam/checkpoint/checkpoint_dir.h"
+#include "flatparam/checkpoint/convert.h"
+#include "flatparam/checkpoint/file_system.h"
+#include "flatparam/checkpoint/hf_checkpoint.h"
+#include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/checkpoint/safetensors.h"
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
 #include "flatparam/model.h"
@@ -460,6 +471,126 @@ TEST(PytorchOptimConformance, IgnoredParametersKeepOptimizerOrderInGroups) {
       ShardFullOptimState(*k.layout, full, /*rank=*/0, k.options));
   ASSERT_EQ(ours.param_groups.size(), 1u);
   EXPECT_THAT(ours.param_groups[0].params, want);
+}
+
+// ---------------------------------------------------------------------------
+// Full optimizer state brought as files (flatparam/checkpoint/
+// hf_checkpoint.h): a directory without manifest.json holding
+// model.safetensors, optim.safetensors (the full dict's tensors as
+// "state.{fqn}.{state}") and optim.json with the param groups as PyTorch
+// writes them, json.dumps(optimizer.state_dict()["param_groups"]) (IDs in
+// the model's parameters() order), imported by `fsdp checkpoint shard`.
+
+// Writes `tensors` (name, tensor) as the safetensors file `path` of `fs`.
+void WriteTensors(
+    checkpoint::FileSystem& fs, const std::string& path,
+    const std::vector<std::pair<std::string, HostTensor>>& tensors) {
+  std::vector<checkpoint::TensorSource> sources;
+  for (const auto& [name, t] : tensors) {
+    sources.push_back(checkpoint::TensorSourceFromHostTensor(name, t));
+  }
+  absl::StatusOr<std::unique_ptr<checkpoint::WritableFile>> f =
+      fs.NewWritableFile(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  FLATPARAM_ASSERT_OK(checkpoint::WriteSafetensors(**f, path, sources));
+  FLATPARAM_ASSERT_OK((*f)->Close());
+}
+
+// Torch's full dict of Adam after training the tied model (a parameter
+// shared by two modules, a zero-numel one, a wrapped unit), imported at
+// W = 2, 3, 4: each rank's optimizer state equals torch's
+// shard_full_optim_state_dict on that rank, and consolidating the imported
+// checkpoint gives torch's full_optim_state_dict back, bit for bit.
+TEST(PytorchOptimConformance, ImportedFullStateShardsAsTorchDoes) {
+  const GoldenData& golden = Golden();
+  ASSERT_TRUE(golden.error.empty()) << golden.error;
+  for (const int w : {2, 3, 4}) {
+    Case k;
+    k.name = absl::StrCat("tied/adam/world_size=", w);
+    SCOPED_TRACE(k.name);
+    k.c = &FindCase(k.name);
+    ASSERT_FALSE(k.c->is_null()) << "no case " << k.name;
+    k.world_size = w;
+    Prepare(k);
+    if (HasFatalFailure()) return;
+    const ModelSpec& spec = k.layout->spec();
+    const OptimStateDict full =
+        DecodeDict(k.c->at("full"), k.ids, k.name + " full");
+
+    checkpoint::FaultInjectionFileSystem fs;
+    FLATPARAM_ASSERT_OK(fs.CreateDir("/in"));
+    // The weights (torch's are not recorded: any values), each parameter
+    // under every name, as state_dict() has them; and the IDs.
+    std::map<std::string, HostTensor> weights;
+    std::map<std::string, int64_t> id;
+    std::vector<std::pair<std::string, HostTensor>> model;
+    for (const ParamSpec& p : spec.params) {
+      if (p.tied_to.empty()) {
+        HostTensor t(p.dtype, p.shape);
+        for (int64_t i = 0; i < t.numel(); ++i) {
+          t.SetDouble(i, 0.5 * i + static_cast<double>(id.size()));
+        }
+        weights.emplace(p.fqn, t);
+        id.emplace(p.fqn, static_cast<int64_t>(id.size()));
+      }
+      model.emplace_back(p.fqn,
+                         weights.at(p.tied_to.empty() ? p.fqn : p.tied_to));
+    }
+    WriteTensors(fs, "/in/model.safetensors", model);
+    std::vector<std::pair<std::string, HostTensor>> states;
+    for (const auto& [key, state] : full.state) {
+      for (const auto& [name, value] : state) {
+        ASSERT_TRUE(IsTensor(value)) << DescribeKey(key) << " " << name;
+        states.emplace_back(
+            checkpoint::OptimStateTensorName(std::get<std::string>(key), name),
+            std::get<HostTensor>(value));
+      }
+    }
+    WriteTensors(fs, "/in/optim.safetensors", states);
+    json groups = json::array();
+    for (const json& g : k.c->at("full").at("param_groups")) {
+      json group = json::object();
+      for (const auto& [name, v] : g.at("hyper").items()) {
+        group[name] = v.contains("v") ? v.at("v") : json();
+      }
+      json params = json::array();
+      for (const json& fqn : g.at("params")) params.push_back(id.at(fqn));
+      group["params"] = std::move(params);
+      groups.push_back(std::move(group));
+    }
+    FLATPARAM_ASSERT_OK(
+        checkpoint::WriteFileDurably(fs, "/in/optim.json", groups.dump()));
+
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(
+        const checkpoint::HfImportReport report,
+        checkpoint::ImportHfCheckpoint(fs, "/in", spec, k.layout->options(), 0,
+                                       "/out"));
+    EXPECT_TRUE(report.optimizer);
+    EXPECT_EQ(report.tied_copies, 1);
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(
+        const checkpoint::ShardedCheckpointReader reader,
+        checkpoint::ShardedCheckpointReader::Open(fs, "/out"));
+    for (const json& r : k.c->at("ranks")) {
+      const int64_t rank = r.at("rank").get<int64_t>();
+      const std::string where =
+          absl::StrCat(k.name, ", rank ", rank, ": the imported checkpoint");
+      ASSERT_FALSE(r.at("shard").contains("error")) << where;
+      OptimStateDict want = DecodeDict(r.at("shard"), k.ids, where);
+      DropEmptyFlatEntries(k, full, where, want);
+      FLATPARAM_ASSERT_OK_AND_ASSIGN(const checkpoint::RankState got,
+                                     checkpoint::ReadRankState(reader, rank));
+      EXPECT_TRUE(SameDict(where, got.optim, want));
+    }
+
+    FLATPARAM_ASSERT_OK(checkpoint::ConsolidateCheckpoint(fs, "/out", "/back"));
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(
+        const checkpoint::FullCheckpointReader back,
+        checkpoint::FullCheckpointReader::Open(fs, "/back"));
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(const checkpoint::FullState state,
+                                   checkpoint::ReadFullState(back));
+    EXPECT_TRUE(SameDict(k.name + ": consolidated", state.optim, full));
+    EXPECT_TRUE(state.params == weights);
+  }
 }
 
 // Guards the golden data itself, so that a regenerated file cannot silently
