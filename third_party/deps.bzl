@@ -4,7 +4,7 @@ A consuming workspace loads this file from `@flatparam` and calls
 `flatparam_dependencies()`; nothing is downloaded.
 """
 
-load("//third_party:system_libs.bzl", "cuda_configure", "pkg_config_library", "stand_in_repository")
+load("//third_party:system_libs.bzl", "cuda_configure", "libtorch_configure", "pkg_config_library", "stand_in_repository")
 
 _ABSL_MODULES = [
     "absl_status",
@@ -41,3 +41,5 @@ def flatparam_dependencies():
         )
     if "local_cuda" not in native.existing_rules():
         cuda_configure(name = "local_cuda")
+    if "system_libtorch" not in native.existing_rules():
+        libtorch_configure(name = "system_libtorch")

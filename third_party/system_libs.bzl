@@ -5,6 +5,10 @@
   one, and NCCL from `$NCCL_HOME` (or `$NCCL_PATH`), else that installation,
   else the system (Debian's libnccl-dev); empty targets and
   `HAVE_CUDA = False` when there is no CUDA. Prints which NCCL it chose.
+* `libtorch_configure`: LibTorch (PyTorch's C++ frontend) from
+  `$LIBTORCH_HOME` (an unpacked LibTorch distribution: include/ and lib/),
+  else Debian's libtorch-dev; an empty target and `AVAILABLE = False` when
+  there is none. Prints which it chose.
 * `stand_in_repository`: tiny local replacements for the repositories that
   Bazel 4's built-in WORKSPACE suffix would otherwise fetch.
 """
@@ -235,6 +239,65 @@ cc_library(
 cuda_configure = repository_rule(
     implementation = _cuda_configure_impl,
     environ = ["CUDA_PATH", "NCCL_HOME", "NCCL_PATH", "FLATPARAM_CUDA_ARCHS"],
+    local = True,
+)
+
+def _libtorch_configure_impl(ctx):
+    home = ctx.os.environ.get("LIBTORCH_HOME", "").strip()
+    if home:
+        home = home.rstrip("/") or "/"
+        include = home + "/include"
+        lib = home + "/lib"
+        if not ctx.path(include + "/torch/csrc/api/include/torch/torch.h").exists or \
+           not ctx.path(lib + "/libtorch.so").exists:
+            fail(("LIBTORCH_HOME=%s, but there is no LibTorch there: want " +
+                  "%s/torch/csrc/api/include/torch/torch.h and %s/libtorch.so. " +
+                  "Fix or unset LIBTORCH_HOME.") % (home, include, lib))
+        origin = "$LIBTORCH_HOME"
+    else:
+        include = "/usr/include"
+        lib = "/usr/lib/" + _multiarch(ctx)
+        origin = "the system (libtorch-dev)"
+    api = include + "/torch/csrc/api/include"
+    available = ctx.path(api + "/torch/torch.h").exists and ctx.path(lib + "/libtorch.so").exists
+    ctx.file("WORKSPACE", 'workspace(name = "%s")\n' % ctx.name)
+    ctx.file("defs.bzl", "AVAILABLE = %s\n" % available)
+    if not available:
+        print("LibTorch: none (no %s/torch/torch.h with %s/libtorch.so; run tools/setup.sh or set LIBTORCH_HOME); LibTorch targets are skipped" % (api, lib))
+        ctx.file("BUILD.bazel", """
+package(default_visibility = ["//visibility:public"])
+
+# No LibTorch was found; this target is empty.
+cc_library(name = "lib")
+""")
+        return
+
+    # The C++ API's headers live below the main include directory, so they
+    # need an include path of their own; linked in here so that Bazel tracks
+    # them. The rest (ATen, c10, torch/csrc) is found under `include`, which
+    # for Debian's package is /usr/include.
+    ctx.symlink(api, "api_include")
+    includes = ["api_include"]
+    hdrs = 'glob(["api_include/**/*.h"])'
+    if include != "/usr/include":
+        ctx.symlink(include, "include")
+        includes.append("include")
+        hdrs = 'glob(["api_include/**/*.h", "include/**/*.h", "include/**/*.cuh"])'
+    ctx.file("BUILD.bazel", """
+package(default_visibility = ["//visibility:public"])
+
+# LibTorch from {origin}: headers {include}, libraries {lib}.
+cc_library(
+    name = "lib",
+    hdrs = {hdrs},
+    includes = {includes},
+    linkopts = ["-L{lib}", "-Wl,-rpath,{lib}", "-ltorch", "-ltorch_cpu", "-lc10", "-pthread"],
+)
+""".format(origin = origin, include = include, lib = lib, hdrs = hdrs, includes = _quote_list(includes)))
+
+libtorch_configure = repository_rule(
+    implementation = _libtorch_configure_impl,
+    environ = ["LIBTORCH_HOME"],
     local = True,
 )
 

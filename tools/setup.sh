@@ -8,7 +8,9 @@
 # What it installs:
 #   Debian: Bazel 4 (bazel-bootstrap), Abseil, GoogleTest/GoogleMock, Google
 #           Benchmark, RapidCheck, nlohmann-json, xxHash, OpenMPI, pkg-config,
-#           clang-format, python3-numpy (the independent safetensors
+#           clang-format, libtorch-dev (LibTorch 1.13 for //flatparam/torch,
+#           CPU) and python3-torch (the independent reader and writer of
+#           torch.save files in its tests), python3-numpy (the independent safetensors
 #           reader of //tools:hf_cli_test), and iproute2 and nftables (the
 #           test hosts of //tools:train_hosts_test: network namespaces, and
 #           packet loss on their links).
@@ -31,6 +33,8 @@ APT_PACKAGES=(
   pkgconf
   clang-format
   python3-numpy
+  libtorch-dev
+  python3-torch
   iproute2
   nftables
   nodejs

@@ -1,0 +1,260 @@
+// FsdpModule: FSDP for a LibTorch `torch::nn::Module` on one rank, the C++
+// counterpart of PyTorch's `FullyShardedDataParallel(module,
+// auto_wrap_policy=...)`, which PyTorch offers only in Python. The module's
+// parameters move into flatparam's flat parameters (flatparam/runtime.h,
+// one FlatParamHandle per unit); the module's own code runs unchanged on the
+// gathered parameters, and autograd's gradients flow into flatparam's flat
+// gradients and are reduced while the backward goes on.
+//
+//   // On every rank of `world` (the same module, initialized alike):
+//   auto model = std::make_shared<Gpt>(config);
+//   libtorch::FsdpOptions options;
+//   options.wrap = {"h.*"};                          // one unit per block
+//   FLATPARAM_ASSIGN_OR_RETURN(
+//       std::unique_ptr<libtorch::FsdpModule> fsdp,
+//       libtorch::FsdpModule::Wrap(model, &world, &device, options));
+//   torch::optim::AdamW adamw(fsdp->ShardedParameters(), adamw_options);
+//   // A step:
+//   FLATPARAM_ASSIGN_OR_RETURN(
+//       torch::Tensor logits,
+//       fsdp->Forward([&]() -> absl::StatusOr<torch::Tensor> {
+//         torch::Tensor x = model->Embed(tokens);
+//         for (size_t i = 0; i < model->h.size(); ++i) {
+//           FLATPARAM_ASSIGN_OR_RETURN(
+//               x, fsdp->Unit(absl::StrCat("h.", i),
+//                             [&] { return model->h[i]->forward(x); }));
+//         }
+//         return model->Head(x);
+//       }));
+//   FLATPARAM_RETURN_IF_ERROR(fsdp->Backward(Loss(logits, targets)));
+//   adamw.step();                // steps the sharded flat parameters
+//   FLATPARAM_RETURN_IF_ERROR(fsdp->ZeroGrad());
+//
+// Units. `FsdpOptions::wrap` lists module names (as `named_modules()` gives
+// them, globs allowed: flatparam/model.h's ModelSpec::wrap); each is a unit
+// that owns the parameters under it that no deeper unit owns, and the root
+// unit ("") owns the rest. Parameters are laid out in `named_parameters()`
+// order (registration order, PyTorch's); a parameter registered under two
+// names (the same tensor: a tied embedding and head) is a shared parameter
+// of its first name; two different tensors over one storage are refused;
+// `requires_grad() == false` marks a frozen parameter.
+//
+// How the module's parameters see flatparam's memory. Each unit has one
+// LibTorch storage whose data pointer is flatparam's unsharded flat
+// parameter while the unit is unsharded and null otherwise; every module
+// parameter of the unit is, while unsharded, a view into it (set_data,
+// which keeps the parameter's autograd identity), and an empty tensor
+// while sharded, so that using it outside its unit's forward fails with an
+// error rather than reading freed memory. Tensors autograd saved from the
+// parameters in the forward (a transposed weight) are views of the same
+// storage, so when the backward unshards the unit again (maybe into other
+// memory) they see the gathered parameter, as PyTorch FSDP's storage
+// resize does. Likewise each trainable parameter's `grad()` is, during the
+// unit's backward, a view into flatparam's unsharded flat gradient, so
+// autograd accumulates into it in place: no copy of parameters or
+// gradients per step beyond what PyTorch FSDP makes.
+//
+// Hooks (PyTorch's `_runtime_utils.py`, without module hooks, which C++
+// modules lack):
+//   * Forward(f): the root's pre-forward (lazy initialization, the
+//     iteration's start), f, the root's post-forward; the pre-backward hook
+//     on the result.
+//   * Unit(name, f): the unit's pre-forward (its unshard, prefetching the
+//     next with forward_prefetch), f, its post-forward (reshard); a
+//     pre-backward hook (Tensor::register_hook) on the result unshards the
+//     unit when the result's gradient arrives, before the unit's backward.
+//   * Post-backward: a hook on each trainable parameter's gradient
+//     accumulator (`AccumulateGrad`, as PyTorch's on the flat parameter's);
+//     once every trainable parameter of a unit has its gradient, the unit
+//     reshards and its reduction starts, overlapping the rest of the
+//     backward. A unit with a frozen parameter, or a parameter that got no
+//     gradient in this backward, reduces at the end of the backward
+//     instead (its frozen parameters' data may still be needed by the
+//     backward after the trainable ones are done).
+//   * The end of the backward (a callback queued on the autograd engine, as
+//     PyTorch's final callback): outstanding post-backwards, then
+//     FsdpRuntime::FinalizeBackward, then the sharded gradients are bound
+//     to ShardedParameters()' `grad()` for the optimizer.
+// Several backwards per forward (retain_graph) and activation recomputation
+// inside a unit's backward work as flatparam/runtime.h describes.
+//
+// Optimizers step the sharded flat parameters (FSDP's flat path,
+// `use_orig_params=False`): ShardedParameters() gives one leaf tensor per
+// unit over the handle's local shard, whose `grad()` is the sharded
+// gradient after a backward (undefined while it is None), so `torch::optim`
+// SGD, Adam and AdamW work unchanged. Their state is per flat parameter.
+//
+// Errors. Every error a caller can cause is an absl::Status: invalid
+// options or modules (unsupported dtypes or devices, views sharing a
+// storage), a unit name that is not a unit, a module changed after
+// wrapping (its parameters replaced or added), a LibTorch error thrown by
+// the caller's forward (named with the unit), and a collective's failure
+// inside the backward's hooks (the backward is abandoned with a
+// c10::Error and Backward() returns the failure).
+//
+// Devices and dtypes: CPU tensors (LibTorch's) with flatparam's host
+// DeviceOps; float32, float64, float16 and bfloat16 parameters, one dtype
+// per unit (flatparam's rule). Other devices are refused.
+//
+// Memory: the FsdpModule keeps the module (shared_ptr) and owns the
+// runtime; after Wrap the module's parameters hold no memory of their own
+// (flatparam's local shards hold the values). `world` and `device` are the
+// caller's and must outlive it. Destroying the FsdpModule leaves the
+// module's parameters empty: call FullStateDict() first to keep them.
+//
+// Thread-safety: one thread at a time, the rank's (which runs the forward
+// and the backward: LibTorch runs a CPU backward on the calling thread).
+#ifndef FLATPARAM_TORCH_FSDP_MODULE_H_
+#define FLATPARAM_TORCH_FSDP_MODULE_H_
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "comm/communicator.h"
+#include "flatparam/device/device.h"
+#include "flatparam/handle.h"
+#include "flatparam/model.h"
+#include "flatparam/runtime.h"
+
+namespace flatparam {
+namespace libtorch {
+
+struct FsdpOptions {
+  // Module names (or globs over them) that are units of their own; see the
+  // file comment. Empty: the whole module is one unit.
+  std::vector<std::string> wrap;
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  // Hybrid strategies: ranks per shard group (a divisor of the world size);
+  // 0 means the world.
+  int shard_group_size = 0;
+  // PyTorch's use_orig_params=True layout (alignment padding).
+  bool align_addresses = false;
+  // PyTorch's sync_module_states: rank 0's parameter values are broadcast
+  // to every rank before they are sharded, so ranks that initialized their
+  // modules differently (different seeds) start alike.
+  bool sync_module_states = false;
+  // Mixed precision, CPU offload, ... (HandleOptions), and prefetch,
+  // limit_all_gathers, ... (RuntimeOptions).
+  HandleOptions handle;
+  RuntimeOptions runtime;
+};
+
+// What the hooks did, summed over the backwards.
+struct FsdpModuleStats {
+  // Backwards that ran the hooks (ended by the final callback).
+  int64_t backwards = 0;
+  // Units' reductions started by a gradient accumulator's hook while the
+  // backward went on (overlapping it), and those left to the end of the
+  // backward (a unit with a frozen parameter, or a parameter that got no
+  // gradient).
+  int64_t reductions_in_backward = 0;
+  int64_t reductions_at_end = 0;
+};
+
+// One rank's FSDP of a module (see the file comment).
+class FsdpModule {
+ public:
+  // Wraps `module` on this rank: collective over `world` (every rank must
+  // wrap a module of the same structure with the same options). The
+  // module's parameter values become the initial flat parameters: every
+  // rank's must be equal (as for FsdpRuntime::Create), or
+  // sync_module_states makes them rank 0's. InvalidArgument, naming
+  // the values, for: a null module, world or device; a parameter that is
+  // undefined, not on the CPU, not contiguous, or not of a supported
+  // floating dtype; two parameters viewing one storage; a shard group size
+  // that does not divide the world; every error of ModelLayout::Create and
+  // FsdpRuntime::Create.
+  static absl::StatusOr<std::unique_ptr<FsdpModule>> Wrap(
+      std::shared_ptr<torch::nn::Module> module, Communicator* world,
+      DeviceOps* device, const FsdpOptions& options = {});
+
+  ~FsdpModule();
+  FsdpModule(const FsdpModule&) = delete;
+  FsdpModule& operator=(const FsdpModule&) = delete;
+
+  // ---- The forward and the backward ----
+  // The whole forward (the root's hooks around `forward`); returns its
+  // result. Errors: `forward`'s own, a c10::Error it throws (as
+  // InvalidArgument with LibTorch's message), a module changed since Wrap
+  // (FailedPrecondition), and the runtime's. Not reentrant.
+  absl::StatusOr<torch::Tensor> Forward(
+      const std::function<absl::StatusOr<torch::Tensor>()>& forward);
+  // Unit `name`'s forward inside Forward's (its hooks around `forward`).
+  // NotFound for a name that is not a unit (listing the units),
+  // FailedPrecondition outside Forward or for the root unit.
+  absl::StatusOr<torch::Tensor> Unit(
+      absl::string_view name, const std::function<torch::Tensor()>& forward);
+  // `loss.backward()` (with `retain_graph`), returning the first failure of
+  // the hooks, or the c10::Error the backward threw, as a Status.
+  absl::Status Backward(const torch::Tensor& loss, bool retain_graph = false);
+
+  // ---- The optimizer ----
+  // One leaf tensor per unit (in unit order) over its local shard, for a
+  // `torch::optim` optimizer; `grad()` is the sharded gradient (see the
+  // file comment). The tensors stay valid as long as the FsdpModule.
+  std::vector<torch::Tensor> ShardedParameters() const;
+  // FsdpRuntime::ZeroGrad, and ShardedParameters()' gradients undefined
+  // (set_to_none) or zero.
+  absl::Status ZeroGrad(bool set_to_none = true);
+  // FsdpRuntime::ClipGradNorm (collective).
+  absl::StatusOr<double> ClipGradNorm(double max_norm, double norm_type = 2.0);
+
+  // ---- State ----
+  // The full, unsharded parameters by name (every non-tied parameter, in
+  // the parameters' dtype and shape, as `module.state_dict()` holds them):
+  // collective (it all-gathers every unit). Between iterations.
+  absl::StatusOr<std::map<std::string, torch::Tensor>> FullStateDict();
+
+  // ---- Introspection ----
+  FsdpRuntime& runtime() { return *runtime_; }
+  const FsdpRuntime& runtime() const { return *runtime_; }
+  const ModelLayout& layout() const { return runtime_->layout(); }
+  torch::nn::Module& module() { return *module_; }
+  // Unit names in unit order ("" is the root).
+  std::vector<std::string> unit_names() const;
+  const FsdpModuleStats& stats() const { return stats_; }
+
+ private:
+  struct UnitState;
+  FsdpModule(std::shared_ptr<torch::nn::Module> module);
+
+  absl::Status CheckModuleUnchanged() const;
+  absl::StatusOr<torch::Tensor> RunUnit(
+      int unit, const std::function<absl::StatusOr<torch::Tensor>()>& forward);
+  // Points the unit's parameters (and, in its backward, gradients) at the
+  // handle's current memory, or empties them.
+  absl::Status Bind(int unit);
+  absl::Status BindAll();
+  void BindShardedGrads();
+  void RegisterPreBackward(const torch::Tensor& output, int unit);
+  // The hooks (run inside the autograd engine; failures are recorded and
+  // abort the backward).
+  void OnPreBackward(int unit);
+  void OnGradAccumulated(int unit);
+  void OnBackwardEnd();
+  void Fail(const absl::Status& status);
+
+  std::shared_ptr<torch::nn::Module> module_;
+  std::unique_ptr<FsdpRuntime> runtime_;
+  std::vector<std::unique_ptr<UnitState>> units_;
+  // The module's parameters as wrapped, by name (to detect changes).
+  std::vector<std::pair<std::string, torch::Tensor>> wrapped_params_;
+  std::vector<torch::Tensor> sharded_params_;
+  bool in_forward_ = false;
+  bool in_backward_ = false;
+  absl::Status hook_error_;
+  FsdpModuleStats stats_;
+};
+
+}  // namespace libtorch
+}  // namespace flatparam
+
+#endif  // FLATPARAM_TORCH_FSDP_MODULE_H_
