@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -12,11 +12,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/device/device.h"
-#include "flatparam/handle.h"
+#include "flatparam/torch/torch_testutil.h"
 #include "sim/sim.h"
 
 namespace flatparam {
@@ -24,195 +23,9 @@ namespace libtorch {
 namespace {
 
 using ::flatparam::IsOk;
+using namespace ::flatparam::libtorch::testing;  // NOLINT
 
-// A small pre-norm decoder-style network: a tied embedding and head, and
-// residual blocks (layer norm, two linears) that are FSDP units.
-struct BlockImpl : torch::nn::Module {
-  explicit BlockImpl(int64_t d)
-      : ln(register_module(
-            "ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))),
-        fc1(register_module("fc1", torch::nn::Linear(d, 2 * d))),
-        fc2(register_module("fc2", torch::nn::Linear(2 * d, d))) {}
-  torch::Tensor forward(const torch::Tensor& x) {
-    return x + fc2(torch::gelu(fc1(ln(x))));
-  }
-  torch::nn::LayerNorm ln;
-  torch::nn::Linear fc1, fc2;
-};
-TORCH_MODULE(Block);
-
-struct NetImpl : torch::nn::Module {
-  NetImpl(int64_t vocab, int64_t d, int layers) {
-    wte = register_module("wte", torch::nn::Embedding(vocab, d));
-    h = register_module("h", torch::nn::ModuleList());
-    for (int i = 0; i < layers; ++i) h->push_back(Block(d));
-    ln_f = register_module(
-        "ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
-    // The head is the embedding, registered under a second name.
-    lm_head = register_module("lm_head", std::make_shared<torch::nn::Module>());
-    lm_head->register_parameter("weight", wte->weight);
-  }
-  torch::Tensor Head(const torch::Tensor& x) {
-    return torch::matmul(ln_f(x), wte->weight.t());
-  }
-  torch::nn::Embedding wte{nullptr};
-  torch::nn::ModuleList h{nullptr};
-  torch::nn::LayerNorm ln_f{nullptr};
-  std::shared_ptr<torch::nn::Module> lm_head;
-};
-TORCH_MODULE(Net);
-
-constexpr int64_t kVocab = 11;
-constexpr int64_t kDim = 6;
-constexpr int kLayers = 3;
-constexpr int64_t kSeq = 5;
-
-// The initial parameters every run starts from (made once, on one thread:
-// the default generator is global).
-const std::map<std::string, torch::Tensor>& InitialParams() {
-  static const auto* params = [] {
-    torch::manual_seed(7);
-    Net net(kVocab, kDim, kLayers);
-    auto* out = new std::map<std::string, torch::Tensor>();
-    for (const auto& p : net->named_parameters()) {
-      (*out)[p.key()] = p.value().detach().clone();
-    }
-    return out;
-  }();
-  return *params;
-}
-
-// The network at InitialParams(); `frozen_prefix` freezes the parameters
-// whose names start with it.
-Net MakeNet(const std::string& frozen_prefix = "") {
-  Net net(kVocab, kDim, kLayers);
-  torch::NoGradGuard no_grad;
-  for (auto& p : net->named_parameters()) {
-    p.value().copy_(InitialParams().at(p.key()));
-    if (!frozen_prefix.empty() && p.key().rfind(frozen_prefix, 0) == 0) {
-      p.value().set_requires_grad(false);
-    }
-  }
-  return net;
-}
-
-// Tokens of sample `sample` at step `step` (inputs and targets).
-torch::Tensor Tokens(int64_t step, int64_t first_sample, int64_t samples) {
-  torch::Tensor t = torch::empty({samples, kSeq + 1}, torch::kLong);
-  for (int64_t s = 0; s < samples; ++s) {
-    for (int64_t j = 0; j <= kSeq; ++j) {
-      t[s][j] = ((first_sample + s) * 7 + j * 3 + step * 5 + j * j) % kVocab;
-    }
-  }
-  return t;
-}
-
-torch::Tensor Loss(const torch::Tensor& logits, const torch::Tensor& tokens) {
-  torch::Tensor targets = tokens.narrow(1, 1, kSeq).reshape({-1});
-  return torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}),
-                                              targets);
-}
-
-enum class Optim { kSgd, kAdamW };
-
-std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(
-    Optim optim, std::vector<torch::Tensor> params) {
-  if (optim == Optim::kSgd) {
-    return std::make_unique<torch::optim::SGD>(
-        params, torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01));
-  }
-  return std::make_unique<torch::optim::AdamW>(
-      params, torch::optim::AdamWOptions(0.01).weight_decay(0.1));
-}
-
-struct Case {
-  int world = 2;
-  ShardingStrategy strategy = ShardingStrategy::kFullShard;
-  int shard_group_size = 0;
-  Optim optim = Optim::kAdamW;
-  int steps = 3;
-  int64_t global_batch = 4;
-  // Parameters frozen by name prefix ("h.0.": a whole unit).
-  std::string frozen;
-};
-
-std::string Name(const Case& c) {
-  return absl::StrFormat(
-      "%s_w%d%s_%s%s", ShardingStrategyName(c.strategy), c.world,
-      c.shard_group_size ? absl::StrCat("x", c.shard_group_size) : "",
-      c.optim == Optim::kSgd ? "sgd" : "adamw",
-      c.frozen.empty() ? "" : "_frozen");
-}
-
-// Single-process LibTorch training of the global batch, with the ranks'
-// gradients folded as FSDP's reduction does: per element, in float32,
-// acc = g_0 / pre; acc = acc + g_r / pre (rank order); acc = acc / post,
-// a division by exactly 1 skipped; hybrid: a fold per shard group, then
-// the groups' sums in order.
-std::map<std::string, torch::Tensor> TrainReference(const Case& c) {
-  Net net = MakeNet(c.frozen);
-  std::vector<torch::Tensor> params = net->parameters();
-  const int w = c.world;
-  const int s = c.shard_group_size > 0 ? c.shard_group_size : w;
-  const float pre = static_cast<float>(GradientPredivideFactor(w));
-  const float post = static_cast<float>(w / GradientPredivideFactor(w));
-  const int64_t local = c.global_batch / w;
-  // Unique trainable tensors (the tied weight is one, and is stepped once).
-  std::vector<torch::Tensor> unique;
-  for (const torch::Tensor& p : params) {
-    bool seen = !p.requires_grad();
-    for (const torch::Tensor& q : unique) {
-      seen = seen || q.unsafeGetTensorImpl() == p.unsafeGetTensorImpl();
-    }
-    if (!seen) unique.push_back(p);
-  }
-  auto optimizer = MakeOptimizer(c.optim, unique);
-  for (int step = 0; step < c.steps; ++step) {
-    std::vector<std::vector<torch::Tensor>> grads(w);
-    for (int r = 0; r < w; ++r) {
-      for (torch::Tensor& p : unique) p.mutable_grad().reset();
-      torch::Tensor tokens = Tokens(step, r * local, local);
-      torch::Tensor x = net->wte(tokens.narrow(1, 0, kSeq));
-      for (size_t i = 0; i < net->h->size(); ++i) {
-        x = net->h[i]->as<BlockImpl>()->forward(x);
-      }
-      Loss(net->Head(x), tokens).backward();
-      for (torch::Tensor& p : unique) grads[r].push_back(p.grad().clone());
-    }
-    for (size_t k = 0; k < unique.size(); ++k) {
-      torch::Tensor out = torch::empty_like(unique[k]);
-      float* o = out.data_ptr<float>();
-      for (int64_t e = 0; e < out.numel(); ++e) {
-        auto g = [&](int r) {
-          float v = grads[r][k].data_ptr<float>()[e];
-          return pre == 1.0f ? v : v / pre;
-        };
-        float total = 0;
-        for (int q = 0; q < w / s; ++q) {
-          float acc = g(q * s);
-          for (int r = q * s + 1; r < (q + 1) * s; ++r) acc = acc + g(r);
-          total = q == 0 ? acc : total + acc;
-        }
-        o[e] = post == 1.0f ? total : total / post;
-      }
-      unique[k].mutable_grad() = out;
-    }
-    optimizer->step();
-  }
-  std::map<std::string, torch::Tensor> out;
-  for (const auto& p : net->named_parameters()) {
-    out[p.key()] = p.value().detach().clone();
-  }
-  return out;
-}
-
-struct FsdpResult {
-  // Rank 0's full state dict and hook statistics.
-  std::map<std::string, torch::Tensor> state;
-  FsdpModuleStats stats;
-};
-
-// The same training with FsdpModule on `c.world` simulated ranks.
+// TrainFsdpOnRank on c.world simulated ranks; rank 0's result.
 absl::StatusOr<FsdpResult> TrainFsdp(const Case& c) {
   SimOptions sim;
   sim.world_size = c.world;
@@ -222,39 +35,9 @@ absl::StatusOr<FsdpResult> TrainFsdp(const Case& c) {
   FLATPARAM_RETURN_IF_ERROR(
       world->Run([&](SimCommunicator& comm) -> absl::Status {
         HostDeviceOps device;
-        Net net = MakeNet(c.frozen);
-        FsdpOptions options;
-        options.wrap = {"h.*"};
-        options.strategy = c.strategy;
-        options.shard_group_size = c.shard_group_size;
-        FLATPARAM_ASSIGN_OR_RETURN(
-            std::unique_ptr<FsdpModule> fsdp,
-            FsdpModule::Wrap(net.ptr(), &comm, &device, options));
-        auto optimizer = MakeOptimizer(c.optim, fsdp->ShardedParameters());
-        const int64_t local = c.global_batch / c.world;
-        for (int step = 0; step < c.steps; ++step) {
-          torch::Tensor tokens = Tokens(step, comm.rank() * local, local);
-          FLATPARAM_ASSIGN_OR_RETURN(
-              torch::Tensor logits,
-              fsdp->Forward([&]() -> absl::StatusOr<torch::Tensor> {
-                torch::Tensor x = net->wte(tokens.narrow(1, 0, kSeq));
-                for (size_t i = 0; i < net->h->size(); ++i) {
-                  FLATPARAM_ASSIGN_OR_RETURN(
-                      x, fsdp->Unit(absl::StrCat("h.", i), [&] {
-                        return net->h[i]->as<BlockImpl>()->forward(x);
-                      }));
-                }
-                return net->Head(x);
-              }));
-          FLATPARAM_RETURN_IF_ERROR(fsdp->Backward(Loss(logits, tokens)));
-          optimizer->step();
-          FLATPARAM_RETURN_IF_ERROR(fsdp->ZeroGrad());
-        }
-        FLATPARAM_ASSIGN_OR_RETURN(auto state, fsdp->FullStateDict());
-        if (comm.rank() == 0) {
-          result.state = std::move(state);
-          result.stats = fsdp->stats();
-        }
+        FLATPARAM_ASSIGN_OR_RETURN(FsdpResult mine,
+                                   TrainFsdpOnRank(comm, device, c));
+        if (comm.rank() == 0) result = std::move(mine);
         return absl::OkStatus();
       }));
   return result;
@@ -283,10 +66,11 @@ TEST_P(FsdpModuleTrainingTest, BitwiseEqualToSingleProcessTraining) {
   // last gradient arrived), except a unit with a frozen parameter, which
   // reduces at its end.
   const int frozen_units = c.frozen.empty() ? 0 : 1;
-  EXPECT_EQ(got->stats.backwards, c.steps);
+  const int backwards = c.steps * c.micro_batches;
+  EXPECT_EQ(got->stats.backwards, backwards);
   EXPECT_EQ(got->stats.reductions_in_backward,
-            c.steps * (kLayers + 1 - frozen_units));
-  EXPECT_EQ(got->stats.reductions_at_end, c.steps * frozen_units);
+            backwards * (kLayers + 1 - frozen_units));
+  EXPECT_EQ(got->stats.reductions_at_end, backwards * frozen_units);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -301,10 +85,123 @@ INSTANTIATE_TEST_SUITE_P(
         Case{4, ShardingStrategy::kHybridShard, 2, Optim::kAdamW},
         Case{4, ShardingStrategy::kHybridShardZero2, 2, Optim::kSgd},
         Case{2, ShardingStrategy::kFullShard, 0, Optim::kAdamW, 3, 4, "h.0."},
-        Case{4, ShardingStrategy::kShardGradOp, 0, Optim::kSgd, 3, 4, "h.1."}),
+        Case{4, ShardingStrategy::kShardGradOp, 0, Optim::kSgd, 3, 4, "h.1."},
+        Case{2, ShardingStrategy::kFullShard, 0, Optim::kAdamW, 2, 4, "", 3},
+        Case{4, ShardingStrategy::kHybridShard, 2, Optim::kSgd, 2, 4, "", 2},
+        Case{2, ShardingStrategy::kFullShard, 0, Optim::kAdamW, 3, 4, "", 1,
+             true},
+        Case{2, ShardingStrategy::kNoShard, 0, Optim::kSgd, 2, 4, "", 2, true}),
     [](const ::testing::TestParamInfo<Case>& info) {
       return Name(info.param);
     });
+// Several backwards per forward (retain_graph): the sharded gradients sum
+// both, bitwise as two iterations without ZeroGrad between them do.
+TEST(FsdpModuleTest, SeveralBackwardsPerForward) {
+  for (ShardingStrategy strategy :
+       {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+        ShardingStrategy::kNoShard}) {
+    SCOPED_TRACE(ShardingStrategyName(strategy));
+    // Rank 0's sharded gradients after either schedule.
+    auto run = [&](bool retain) -> absl::StatusOr<std::vector<torch::Tensor>> {
+      SimOptions sim;
+      sim.world_size = 2;
+      FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<SimWorld> world,
+                                 SimWorld::Create(sim));
+      std::vector<torch::Tensor> grads;
+      FLATPARAM_RETURN_IF_ERROR(
+          world->Run([&](SimCommunicator& comm) -> absl::Status {
+            HostDeviceOps device;
+            Net net = MakeNet();
+            FsdpOptions options;
+            options.wrap = {"h.*"};
+            options.strategy = strategy;
+            FLATPARAM_ASSIGN_OR_RETURN(
+                std::unique_ptr<FsdpModule> fsdp,
+                FsdpModule::Wrap(net.ptr(), &comm, &device, options));
+            torch::Tensor tokens = Tokens(0, comm.rank() * 2, 2);
+            FLATPARAM_ASSIGN_OR_RETURN(torch::Tensor logits,
+                                       ForwardNet(net, *fsdp, tokens));
+            torch::Tensor loss = Loss(logits, tokens);
+            if (retain) {
+              FLATPARAM_RETURN_IF_ERROR(fsdp->Backward(loss, true));
+              FLATPARAM_RETURN_IF_ERROR(fsdp->Backward(loss));
+            } else {
+              FLATPARAM_RETURN_IF_ERROR(fsdp->Backward(loss));
+              FLATPARAM_ASSIGN_OR_RETURN(logits,
+                                         ForwardNet(net, *fsdp, tokens));
+              FLATPARAM_RETURN_IF_ERROR(fsdp->Backward(Loss(logits, tokens)));
+            }
+            if (fsdp->stats().backwards != 2) {
+              return absl::InternalError("not two backwards");
+            }
+            if (comm.rank() == 0) {
+              for (const torch::Tensor& p : fsdp->ShardedParameters()) {
+                grads.push_back(p.grad().clone());
+              }
+            }
+            return absl::OkStatus();
+          }));
+      return grads;
+    };
+    absl::StatusOr<std::vector<torch::Tensor>> retained = run(true);
+    absl::StatusOr<std::vector<torch::Tensor>> separate = run(false);
+    ASSERT_THAT(retained.status(), IsOk());
+    ASSERT_THAT(separate.status(), IsOk());
+    ASSERT_EQ(retained->size(), separate->size());
+    for (size_t u = 0; u < retained->size(); ++u) {
+      EXPECT_TRUE(torch::equal((*retained)[u], (*separate)[u])) << "unit " << u;
+      EXPECT_GT((*retained)[u].abs().sum().item<float>(), 0) << "unit " << u;
+    }
+  }
+}
+
+// bfloat16 mixed precision: the blocks compute in bfloat16, the shards and
+// the optimizer stay float32, and the network learns its batch.
+TEST(FsdpModuleTest, MixedPrecisionTrains) {
+  SimOptions sim;
+  sim.world_size = 2;
+  absl::StatusOr<std::unique_ptr<SimWorld>> world = SimWorld::Create(sim);
+  ASSERT_THAT(world.status(), IsOk());
+  std::vector<float> losses;
+  ASSERT_THAT((*world)->Run([&](SimCommunicator& comm) -> absl::Status {
+    HostDeviceOps device;
+    Net net = MakeNet();
+    FsdpOptions options;
+    options.wrap = {"h.*"};
+    options.handle.param_dtype = DType::kBFloat16;
+    FLATPARAM_ASSIGN_OR_RETURN(
+        std::unique_ptr<FsdpModule> fsdp,
+        FsdpModule::Wrap(net.ptr(), &comm, &device, options));
+    for (const torch::Tensor& p : fsdp->ShardedParameters()) {
+      if (p.scalar_type() != torch::kFloat) {
+        return absl::InternalError("a shard is not float32");
+      }
+    }
+    torch::optim::AdamW adamw(fsdp->ShardedParameters(),
+                              torch::optim::AdamWOptions(0.02));
+    torch::Tensor tokens = Tokens(0, comm.rank() * 4, 4);
+    for (int step = 0; step < 30; ++step) {
+      bool low_precision = true;
+      FLATPARAM_ASSIGN_OR_RETURN(
+          torch::Tensor logits,
+          ForwardNet(net, *fsdp, tokens, [&](BlockImpl& block) {
+            low_precision = low_precision &&
+                            block.fc1->weight.scalar_type() == torch::kBFloat16;
+          }));
+      if (!low_precision) return absl::InternalError("not bfloat16");
+      torch::Tensor loss = Loss(logits, tokens);
+      if (comm.rank() == 0) losses.push_back(loss.item<float>());
+      FLATPARAM_RETURN_IF_ERROR(fsdp->Backward(loss));
+      adamw.step();
+      FLATPARAM_RETURN_IF_ERROR(fsdp->ZeroGrad());
+    }
+    return absl::OkStatus();
+  }),
+              IsOk());
+  ASSERT_EQ(losses.size(), 30u);
+  EXPECT_LT(losses.back(), 0.5f * losses.front())
+      << losses.front() << " -> " << losses.back();
+}
 
 // Runs `body` on one simulated rank with host DeviceOps.
 void OnOneRank(const std::function<void(SimCommunicator&, DeviceOps&)>& body) {
