@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
@@ -633,6 +634,235 @@ FsdpModule::FullStateDict() {
     FLATPARAM_RETURN_IF_ERROR(end);
   }
   return out;
+}
+
+namespace {
+
+optim::OptimStateValue ToHost(const torch::Tensor& t) {
+  torch::Tensor c = t.contiguous();
+  DType dtype = FromTorch(c.scalar_type()).value_or(DType::kFloat32);
+  HostTensor out(dtype,
+                 std::vector<int64_t>(c.sizes().begin(), c.sizes().end()));
+  std::memcpy(out.data(), c.data_ptr(), out.nbytes());
+  return out;
+}
+
+// The optimizer's kind and its PyTorch hyperparameters.
+struct OptimizerKind {
+  enum { kSgd, kAdam } kind;
+  const char* name;
+};
+
+absl::StatusOr<OptimizerKind> KindOf(torch::optim::Optimizer& optimizer) {
+  if (dynamic_cast<torch::optim::SGD*>(&optimizer) != nullptr) {
+    return OptimizerKind{OptimizerKind::kSgd, "SGD"};
+  }
+  if (dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr) {
+    return OptimizerKind{OptimizerKind::kAdam, "AdamW"};
+  }
+  if (dynamic_cast<torch::optim::Adam*>(&optimizer) != nullptr) {
+    return OptimizerKind{OptimizerKind::kAdam, "Adam"};
+  }
+  return absl::InvalidArgumentError(
+      "optimizer state: only torch::optim::SGD, Adam and AdamW are "
+      "supported");
+}
+
+std::map<std::string, optim::HyperValue> Hyperparams(
+    const torch::optim::OptimizerOptions& options) {
+  std::map<std::string, optim::HyperValue> h;
+  h["maximize"] = false;
+  if (auto* o = dynamic_cast<const torch::optim::SGDOptions*>(&options)) {
+    h["lr"] = o->lr();
+    h["momentum"] = o->momentum();
+    h["dampening"] = o->dampening();
+    h["weight_decay"] = o->weight_decay();
+    h["nesterov"] = o->nesterov();
+  } else if (auto* o =
+                 dynamic_cast<const torch::optim::AdamWOptions*>(&options)) {
+    h["lr"] = o->lr();
+    h["betas"] =
+        std::vector<double>{std::get<0>(o->betas()), std::get<1>(o->betas())};
+    h["eps"] = o->eps();
+    h["weight_decay"] = o->weight_decay();
+    h["amsgrad"] = o->amsgrad();
+  } else if (auto* o =
+                 dynamic_cast<const torch::optim::AdamOptions*>(&options)) {
+    h["lr"] = o->lr();
+    h["betas"] =
+        std::vector<double>{std::get<0>(o->betas()), std::get<1>(o->betas())};
+    h["eps"] = o->eps();
+    h["weight_decay"] = o->weight_decay();
+    h["amsgrad"] = o->amsgrad();
+  }
+  return h;
+}
+
+std::string StateKey(const torch::Tensor& t) {
+  return c10::guts::to_string(t.unsafeGetTensorImpl());
+}
+
+}  // namespace
+
+absl::StatusOr<optim::OptimStateDict> FsdpModule::ShardedOptimState(
+    torch::optim::Optimizer& optimizer) const {
+  FLATPARAM_ASSIGN_OR_RETURN(OptimizerKind kind, KindOf(optimizer));
+  std::map<const c10::TensorImpl*, int> unit_of;
+  for (int u = 0; u < static_cast<int>(sharded_params_.size()); ++u) {
+    unit_of[sharded_params_[u].unsafeGetTensorImpl()] = u;
+  }
+  optim::OptimStateDict dict;
+  for (auto& group : optimizer.param_groups()) {
+    optim::ParamGroup out;
+    out.hyperparams = Hyperparams(group.options());
+    for (const torch::Tensor& p : group.params()) {
+      auto it = unit_of.find(p.unsafeGetTensorImpl());
+      if (it == unit_of.end()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "optimizer state: the ", kind.name,
+            " optimizer steps a tensor that is not one of this module's "
+            "ShardedParameters() (shape ",
+            c10::str(p.sizes()), ")"));
+      }
+      const int u = it->second;
+      out.params.push_back(static_cast<int64_t>(u));
+      auto state = optimizer.state().find(StateKey(p));
+      if (state == optimizer.state().end()) continue;
+      optim::ParamState& mine = dict.state[static_cast<int64_t>(u)];
+      if (kind.kind == OptimizerKind::kSgd) {
+        auto& s = static_cast<torch::optim::SGDParamState&>(*state->second);
+        if (s.momentum_buffer().defined()) {
+          mine["momentum_buffer"] = ToHost(s.momentum_buffer());
+        }
+      } else {
+        // AdamWParamState has AdamParamState's fields; read them by type.
+        int64_t step = 0;
+        torch::Tensor avg, avg_sq, max_avg_sq;
+        if (auto* s = dynamic_cast<torch::optim::AdamWParamState*>(
+                state->second.get())) {
+          step = s->step();
+          avg = s->exp_avg();
+          avg_sq = s->exp_avg_sq();
+          max_avg_sq = s->max_exp_avg_sq();
+        } else {
+          auto& a = static_cast<torch::optim::AdamParamState&>(*state->second);
+          step = a.step();
+          avg = a.exp_avg();
+          avg_sq = a.exp_avg_sq();
+          max_avg_sq = a.max_exp_avg_sq();
+        }
+        mine["step"] =
+            optim::ScalarTensor(DType::kFloat32, static_cast<double>(step));
+        mine["exp_avg"] = ToHost(avg);
+        mine["exp_avg_sq"] = ToHost(avg_sq);
+        if (max_avg_sq.defined()) mine["max_exp_avg_sq"] = ToHost(max_avg_sq);
+      }
+    }
+    dict.param_groups.push_back(std::move(out));
+  }
+  return dict;
+}
+
+absl::Status FsdpModule::LoadShardedOptimState(
+    const optim::OptimStateDict& sharded,
+    torch::optim::Optimizer& optimizer) const {
+  FLATPARAM_ASSIGN_OR_RETURN(OptimizerKind kind, KindOf(optimizer));
+  const int units = static_cast<int>(sharded_params_.size());
+  // Validate everything first, then replace the state.
+  auto tensor = [&](int u, const optim::ParamState& state,
+                    const std::string& name,
+                    bool required) -> absl::StatusOr<torch::Tensor> {
+    auto it = state.find(name);
+    if (it == state.end()) {
+      if (!required) return torch::Tensor();
+      return absl::InvalidArgumentError(
+          absl::StrCat("optimizer state of unit ", u, " (\"", units_[u]->name,
+                       "\"): no \"", name, "\", which ", kind.name, " keeps"));
+    }
+    const HostTensor* t = std::get_if<HostTensor>(&it->second);
+    const int64_t numel = sharded_params_[u].numel();
+    if (t == nullptr || !IsFloatingPoint(t->dtype()) ||
+        (name != "step" && t->numel() != numel) ||
+        (name == "step" && t->numel() != 1)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "optimizer state of unit ", u, " (\"", units_[u]->name, "\"): \"",
+          name, "\" is ", optim::DescribeValue(it->second), "; want ",
+          name == "step" ? "a 0-d floating tensor"
+                         : absl::StrCat("a floating tensor of ", numel,
+                                        " elements (this rank's shard)")));
+    }
+    torch::Tensor out = torch::from_blob(const_cast<void*>(t->data()),
+                                         {t->numel()}, Options(t->dtype()))
+                            .clone()
+                            .to(sharded_params_[u].scalar_type());
+    return out;
+  };
+  std::map<std::string, std::unique_ptr<torch::optim::OptimizerParamState>>
+      loaded;
+  for (const auto& [key, state] : sharded.state) {
+    const int64_t* index = std::get_if<int64_t>(&key);
+    if (index == nullptr || *index < 0 || *index >= units) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "optimizer state key ", optim::DescribeKey(key),
+          " is not a unit index (the flat-parameter path's keys are 0..",
+          units - 1, ")"));
+    }
+    const int u = static_cast<int>(*index);
+    const std::vector<std::string> allowed =
+        kind.kind == OptimizerKind::kSgd
+            ? std::vector<std::string>{"momentum_buffer"}
+            : std::vector<std::string>{"step", "exp_avg", "exp_avg_sq",
+                                       "max_exp_avg_sq"};
+    for (const auto& [name, value] : state) {
+      if (std::find(allowed.begin(), allowed.end(), name) == allowed.end()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("optimizer state of unit ", u, " (\"", units_[u]->name,
+                         "\"): \"", name, "\" is not a state ", kind.name,
+                         " keeps (", absl::StrJoin(allowed, ", "), ")"));
+      }
+    }
+    const std::string key_string = StateKey(sharded_params_[u]);
+    if (kind.kind == OptimizerKind::kSgd) {
+      FLATPARAM_ASSIGN_OR_RETURN(torch::Tensor buffer,
+                                 tensor(u, state, "momentum_buffer", true));
+      auto s = std::make_unique<torch::optim::SGDParamState>();
+      s->momentum_buffer(buffer);
+      loaded[key_string] = std::move(s);
+      continue;
+    }
+    FLATPARAM_ASSIGN_OR_RETURN(torch::Tensor step,
+                               tensor(u, state, "step", true));
+    FLATPARAM_ASSIGN_OR_RETURN(torch::Tensor avg,
+                               tensor(u, state, "exp_avg", true));
+    FLATPARAM_ASSIGN_OR_RETURN(torch::Tensor avg_sq,
+                               tensor(u, state, "exp_avg_sq", true));
+    FLATPARAM_ASSIGN_OR_RETURN(torch::Tensor max_avg_sq,
+                               tensor(u, state, "max_exp_avg_sq", false));
+    const int64_t steps =
+        static_cast<int64_t>(step.to(torch::kDouble).item<double>());
+    if (std::string(kind.name) == "AdamW") {
+      auto s = std::make_unique<torch::optim::AdamWParamState>();
+      s->step(steps);
+      s->exp_avg(avg);
+      s->exp_avg_sq(avg_sq);
+      s->max_exp_avg_sq(max_avg_sq);
+      loaded[key_string] = std::move(s);
+    } else {
+      auto s = std::make_unique<torch::optim::AdamParamState>();
+      s->step(steps);
+      s->exp_avg(avg);
+      s->exp_avg_sq(avg_sq);
+      s->max_exp_avg_sq(max_avg_sq);
+      loaded[key_string] = std::move(s);
+    }
+  }
+  for (const torch::Tensor& p : sharded_params_) {
+    optimizer.state().erase(StateKey(p));
+  }
+  for (auto& [key, state] : loaded) {
+    optimizer.state()[key] = std::move(state);
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace libtorch

@@ -122,6 +122,7 @@
 #include "flatparam/device/device.h"
 #include "flatparam/handle.h"
 #include "flatparam/model.h"
+#include "flatparam/optim/optim_state.h"
 #include "flatparam/runtime.h"
 
 namespace flatparam {
@@ -206,6 +207,31 @@ class FsdpModule {
   absl::Status ZeroGrad(bool set_to_none = true);
   // FsdpRuntime::ClipGradNorm (collective).
   absl::StatusOr<double> ClipGradNorm(double max_norm, double norm_type = 2.0);
+
+  // ---- Optimizer state (flatparam/optim) ----
+  // `optimizer`'s state as this rank's sharded optimizer-state dict of the
+  // flat-parameter path (flatparam/optim/fsdp_optim.h), so that it
+  // consolidates (ConsolidateOptimState over runtime().shard_group()),
+  // reshards to any world size and strategy (ShardFullOptimState), and
+  // goes into checkpoints like any flatparam model's. `optimizer`'s
+  // parameters must be ShardedParameters() (in any order and groups);
+  // keys are unit indices. States as Python's torch.optim names them:
+  // SGD's "momentum_buffer" (with momentum, once it has stepped), Adam's and
+  // AdamW's "step" (a 0-d float32 tensor, as PyTorch >= 1.12 keeps it),
+  // "exp_avg", "exp_avg_sq" and, with amsgrad, "max_exp_avg_sq". param_groups
+  // carry the hyperparameters under PyTorch's names. InvalidArgument for
+  // another optimizer type, or a parameter that is not a shard of this module.
+  absl::StatusOr<optim::OptimStateDict> ShardedOptimState(
+      torch::optim::Optimizer& optimizer) const;
+  // Sets `optimizer`'s per-parameter state from such a dict of this rank
+  // (ShardedOptimState's, or one ShardFullOptimState made from a full
+  // dict at another world size), replacing what it had; the optimizer's
+  // own options (learning rate, ...) stay. InvalidArgument, naming the
+  // unit and the state, for a key that is not a unit, a state the
+  // optimizer does not keep, a missing one, or a tensor of another size
+  // or a non-floating dtype.
+  absl::Status LoadShardedOptimState(const optim::OptimStateDict& sharded,
+                                     torch::optim::Optimizer& optimizer) const;
 
   // ---- State ----
   // The full, unsharded parameters by name (every non-tied parameter, in

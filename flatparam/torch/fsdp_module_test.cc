@@ -15,6 +15,8 @@
 #include "flatparam/base/status_macros.h"
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/device/device.h"
+#include "flatparam/optim/fsdp_optim.h"
+#include "flatparam/optim/optim_state.h"
 #include "flatparam/torch/torch_testutil.h"
 #include "sim/sim.h"
 
@@ -224,6 +226,148 @@ absl::StatusOr<std::unique_ptr<FsdpModule>> WrapNet(const Net& net,
   FsdpOptions options;
   options.wrap = {"h.*"};
   return FsdpModule::Wrap(net.ptr(), &comm, &device, options);
+}
+
+// What a rank keeps between the two halves of OptimizerStateTest.
+struct Saved {
+  std::map<std::string, torch::Tensor> params;
+  optim::OptimStateDict full_optim;
+};
+
+// `steps` AdamW steps from data step `first` on `world` simulated ranks,
+// starting from `from` (or the initial parameters); what rank 0 saves:
+// the full parameters and the consolidated optimizer state. Loading
+// checks on every rank that the state read back is the state loaded.
+absl::StatusOr<Saved> TrainAndSave(int world_size, int first, int steps,
+                                   const Saved* from) {
+  SimOptions sim;
+  sim.world_size = world_size;
+  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<SimWorld> world,
+                             SimWorld::Create(sim));
+  Saved saved;
+  FLATPARAM_RETURN_IF_ERROR(
+      world->Run([&](SimCommunicator& comm) -> absl::Status {
+        HostDeviceOps device;
+        Net net = MakeNet();
+        if (from != nullptr) {
+          torch::NoGradGuard no_grad;
+          for (auto& p : net->named_parameters()) {
+            auto it = from->params.find(p.key());
+            if (it != from->params.end()) p.value().copy_(it->second);
+          }
+        }
+        FsdpOptions options;
+        options.wrap = {"h.*"};
+        FLATPARAM_ASSIGN_OR_RETURN(
+            std::unique_ptr<FsdpModule> fsdp,
+            FsdpModule::Wrap(net.ptr(), &comm, &device, options));
+        auto adamw = MakeOptimizer(Optim::kAdamW, fsdp->ShardedParameters());
+        if (from != nullptr) {
+          FLATPARAM_ASSIGN_OR_RETURN(
+              optim::OptimStateDict mine,
+              optim::ShardFullOptimState(fsdp->layout(), from->full_optim,
+                                         comm.rank()));
+          FLATPARAM_RETURN_IF_ERROR(fsdp->LoadShardedOptimState(mine, *adamw));
+          FLATPARAM_ASSIGN_OR_RETURN(optim::OptimStateDict back,
+                                     fsdp->ShardedOptimState(*adamw));
+          // The state loaded is the state read back (groups aside: the
+          // optimizer's own options stand).
+          back.param_groups = mine.param_groups;
+          if (std::optional<std::string> d =
+                  optim::FirstDifference(back, mine)) {
+            return absl::InternalError(absl::StrCat("load round trip: ", *d));
+          }
+        }
+        const int64_t local = 2;
+        for (int step = first; step < first + steps; ++step) {
+          torch::Tensor tokens = Tokens(step, comm.rank() * local, local);
+          FLATPARAM_ASSIGN_OR_RETURN(torch::Tensor logits,
+                                     ForwardNet(net, *fsdp, tokens));
+          FLATPARAM_RETURN_IF_ERROR(fsdp->Backward(Loss(logits, tokens)));
+          adamw->step();
+          FLATPARAM_RETURN_IF_ERROR(fsdp->ZeroGrad());
+        }
+        FLATPARAM_ASSIGN_OR_RETURN(optim::OptimStateDict sharded,
+                                   fsdp->ShardedOptimState(*adamw));
+        FLATPARAM_ASSIGN_OR_RETURN(
+            optim::OptimStateDict full,
+            optim::ConsolidateOptimState(fsdp->layout(), sharded,
+                                         fsdp->runtime().shard_group()));
+        FLATPARAM_ASSIGN_OR_RETURN(auto params, fsdp->FullStateDict());
+        if (comm.rank() == 0) {
+          saved.params = std::move(params);
+          saved.full_optim = std::move(full);
+        }
+        return absl::OkStatus();
+      }));
+  return saved;
+}
+
+// The optimizer's state leaves as flatparam's optimizer-state dicts and
+// comes back: 3 steps straight equal 2 steps, a save (parameters and the
+// consolidated AdamW state, keyed by name as PyTorch's full dict is), a
+// fresh wrap, a load and 1 step, bit for bit; and the consolidated state
+// loaded at another world size consolidates to the same dict.
+TEST(FsdpModuleTest, OptimizerStateSavesAndLoadsAtAnyWorldSize) {
+  absl::StatusOr<Saved> straight = TrainAndSave(2, 0, 3, nullptr);
+  ASSERT_THAT(straight.status(), IsOk());
+  absl::StatusOr<Saved> half = TrainAndSave(2, 0, 2, nullptr);
+  ASSERT_THAT(half.status(), IsOk());
+  // PyTorch's full form: by name, shaped like the parameters.
+  const optim::ParamState& fc1 =
+      half->full_optim.state.at(optim::ParamKey(std::string("h.1.fc1.weight")));
+  EXPECT_EQ(std::get<HostTensor>(fc1.at("exp_avg")).shape(),
+            (std::vector<int64_t>{2 * kDim, kDim}));
+  EXPECT_TRUE(optim::BitwiseEqual(fc1.at("step"),
+                                  optim::ScalarTensor(DType::kFloat32, 2)));
+
+  absl::StatusOr<Saved> resumed = TrainAndSave(2, 2, 1, &*half);
+  ASSERT_THAT(resumed.status(), IsOk());
+  for (const auto& [name, tensor] : straight->params) {
+    EXPECT_TRUE(torch::equal(tensor, resumed->params.at(name))) << name;
+  }
+  EXPECT_EQ(optim::FirstDifference(straight->full_optim, resumed->full_optim),
+            std::nullopt);
+
+  // At 4 ranks (another shard size): loaded, not stepped, consolidated.
+  absl::StatusOr<Saved> moved = TrainAndSave(4, 2, 0, &*half);
+  ASSERT_THAT(moved.status(), IsOk());
+  EXPECT_EQ(optim::FirstDifference(half->full_optim, moved->full_optim),
+            std::nullopt);
+}
+
+TEST(FsdpModuleErrorsTest, OptimizerStateThatDoesNotFitIsRefused) {
+  OnOneRank([](SimCommunicator& comm, DeviceOps& device) {
+    Net net = MakeNet();
+    FsdpOptions options;
+    options.wrap = {"h.*"};
+    absl::StatusOr<std::unique_ptr<FsdpModule>> fsdp =
+        FsdpModule::Wrap(net.ptr(), &comm, &device, options);
+    ASSERT_THAT(fsdp.status(), IsOk());
+    auto adamw = MakeOptimizer(Optim::kAdamW, (*fsdp)->ShardedParameters());
+    optim::OptimStateDict dict;
+    dict.state[int64_t{9}]["step"] = optim::ScalarTensor(DType::kFloat32, 1);
+    EXPECT_EQ((*fsdp)->LoadShardedOptimState(dict, *adamw).code(),
+              absl::StatusCode::kInvalidArgument);
+    dict.state.clear();
+    dict.state[int64_t{1}]["step"] = optim::ScalarTensor(DType::kFloat32, 1);
+    absl::Status status = (*fsdp)->LoadShardedOptimState(dict, *adamw);
+    EXPECT_NE(status.message().find("exp_avg"), std::string::npos) << status;
+    dict.state[int64_t{1}]["exp_avg"] = HostTensor(DType::kFloat32, {3});
+    dict.state[int64_t{1}]["exp_avg_sq"] = HostTensor(DType::kFloat32, {3});
+    status = (*fsdp)->LoadShardedOptimState(dict, *adamw);
+    EXPECT_NE(status.message().find("elements"), std::string::npos) << status;
+    dict.state[int64_t{1}]["momentum_buffer"] =
+        HostTensor(DType::kFloat32, {3});
+    status = (*fsdp)->LoadShardedOptimState(dict, *adamw);
+    EXPECT_NE(status.message().find("momentum_buffer"), std::string::npos)
+        << status;
+    // An optimizer over other tensors.
+    torch::optim::SGD other({torch::zeros({3}, torch::requires_grad())},
+                            torch::optim::SGDOptions(0.1));
+    EXPECT_EQ((*fsdp)->ShardedOptimState(other).status().code(),
+              absl::StatusCode::kInvalidArgument);
+  });
 }
 
 TEST(FsdpModuleErrorsTest, WrapRefusesWhatItCannotShard) {
