@@ -796,59 +796,7 @@ class RunSaver {
 
 }  // namespace
 
-namespace {
-
-// Exchanges every rank's `mine` and returns OK if all are, `mine` if every
-// rank failed alike, else the lowest failing rank's error, "rank R: ...",
-// with its code; when other ranks
-// found what it did not (NotFound), says that the ranks see different file
-// systems.
-absl::Status AgreeOnLoad(Communicator& world, const absl::Status& mine,
-                         const CollectiveOptions& options) {
-  FLATPARAM_ASSIGN_OR_RETURN(
-      std::vector<std::string> verdicts,
-      world.AllGatherBytes(mine.ok()
-                               ? std::string()
-                               : absl::StrCat(static_cast<int>(mine.code()),
-                                              ":", mine.message()),
-                           options));
-  std::vector<int> ok_ranks;
-  for (size_t r = 0; r < verdicts.size(); ++r) {
-    if (verdicts[r].empty()) ok_ranks.push_back(static_cast<int>(r));
-  }
-  // The same error everywhere (a flag that disagrees with the checkpoint)
-  // is this rank's own, without naming a rank.
-  if (!mine.ok() &&
-      std::all_of(verdicts.begin(), verdicts.end(),
-                  [&](const std::string& v) { return v == verdicts[0]; })) {
-    return mine;
-  }
-  for (size_t r = 0; r < verdicts.size(); ++r) {
-    if (verdicts[r].empty()) continue;
-    const size_t colon = verdicts[r].find(':');
-    int code = static_cast<int>(absl::StatusCode::kDataLoss);
-    if (colon == std::string::npos ||
-        !absl::SimpleAtoi(verdicts[r].substr(0, colon), &code)) {
-      return absl::InternalError(
-          absl::StrFormat("rank %d sent a malformed verdict", r));
-    }
-    std::string message =
-        absl::StrFormat("rank %d: %s", r, verdicts[r].substr(colon + 1));
-    if (static_cast<absl::StatusCode>(code) == absl::StatusCode::kNotFound &&
-        !ok_ranks.empty()) {
-      absl::StrAppendFormat(
-          &message,
-          " (rank %d found it: a checkpoint must be on a file system that "
-          "every rank sees, such as a shared or parallel one; ranks with "
-          "only local disks cannot load one)",
-          ok_ranks[0]);
-    }
-    return absl::Status(static_cast<absl::StatusCode>(code), message);
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
+namespace {}  // namespace
 
 absl::StatusOr<std::string> ResolveLoadDir(
     checkpoint::FileSystem& fs, const std::string& pattern, int* candidates,
@@ -961,7 +909,8 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
     // rank at once instead of leaving the others in their next collective.
     CollectiveOptions agree;
     agree.timeout = options.timeout;
-    const absl::Status agreed = AgreeOnLoad(world, point.status(), agree);
+    const absl::Status agreed =
+        checkpoint::AgreeOnLoad(world, point.status(), agree);
     if (!agreed.ok()) return in_load(agreed);
     command = point->command;
     first_step = point->first_step;
@@ -993,8 +942,8 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
         *reader, *layout, world_size, shard_rank, &path);
     // The ranks agree, so that one rank's damaged file fails every rank
     // instead of leaving the others waiting in their first collective.
-    const absl::Status loaded =
-        AgreeOnLoad(world, state.status(), report.options.collective_options);
+    const absl::Status loaded = checkpoint::AgreeOnLoad(
+        world, state.status(), report.options.collective_options);
     if (!loaded.ok()) return in_load(loaded);
     if (path == checkpoint::LoadPath::kResharded) {
       report.resharded_from = absl::StrFormat(

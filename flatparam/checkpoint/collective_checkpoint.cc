@@ -1,7 +1,9 @@
 #include "flatparam/checkpoint/collective_checkpoint.h"
 
+#include <algorithm>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -290,6 +292,51 @@ absl::Status WriteShardedCheckpointCollective(
       BeginCollectiveWrite(fs, dir, layout, world_size, world, options));
   const absl::Status written = WriteCollectiveRankFiles(fs, w, mine, options);
   return FinishCollectiveWrite(fs, w, written, world, options);
+}
+
+absl::Status AgreeOnLoad(Communicator& world, const absl::Status& mine,
+                         const CollectiveOptions& options) {
+  FLATPARAM_ASSIGN_OR_RETURN(
+      std::vector<std::string> verdicts,
+      world.AllGatherBytes(mine.ok()
+                               ? std::string()
+                               : absl::StrCat(static_cast<int>(mine.code()),
+                                              ":", mine.message()),
+                           options));
+  std::vector<int> ok_ranks;
+  for (size_t r = 0; r < verdicts.size(); ++r) {
+    if (verdicts[r].empty()) ok_ranks.push_back(static_cast<int>(r));
+  }
+  // The same error everywhere (a flag that disagrees with the checkpoint)
+  // is this rank's own, without naming a rank.
+  if (!mine.ok() &&
+      std::all_of(verdicts.begin(), verdicts.end(),
+                  [&](const std::string& v) { return v == verdicts[0]; })) {
+    return mine;
+  }
+  for (size_t r = 0; r < verdicts.size(); ++r) {
+    if (verdicts[r].empty()) continue;
+    const size_t colon = verdicts[r].find(':');
+    int code = static_cast<int>(absl::StatusCode::kDataLoss);
+    if (colon == std::string::npos ||
+        !absl::SimpleAtoi(verdicts[r].substr(0, colon), &code)) {
+      return absl::InternalError(
+          absl::StrFormat("rank %d sent a malformed verdict", r));
+    }
+    std::string message =
+        absl::StrFormat("rank %d: %s", r, verdicts[r].substr(colon + 1));
+    if (static_cast<absl::StatusCode>(code) == absl::StatusCode::kNotFound &&
+        !ok_ranks.empty()) {
+      absl::StrAppendFormat(
+          &message,
+          " (rank %d found it: a checkpoint must be on a file system that "
+          "every rank sees, such as a shared or parallel one; ranks with "
+          "only local disks cannot load one)",
+          ok_ranks[0]);
+    }
+    return absl::Status(static_cast<absl::StatusCode>(code), message);
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace checkpoint

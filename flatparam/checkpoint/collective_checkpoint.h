@@ -118,6 +118,17 @@ absl::Status FinishCollectiveWrite(FileSystem& fs, const CollectiveWrite& w,
 // free the space early.
 void AbandonCollectiveWrite(FileSystem& fs, const CollectiveWrite& w);
 
+// A load's verdict agreed by every rank of `world`, so that one rank's
+// damaged or missing file fails every rank instead of leaving the others
+// waiting in their first collective: exchanges every rank's `mine` and
+// returns OK if all are, `mine` if every rank failed alike, else the
+// lowest failing rank's error, "rank R: ...", with its code; when other
+// ranks found what it did not (NotFound), says that the ranks see
+// different file systems. Collective over `world`; the communicator's
+// error if the exchange fails.
+absl::Status AgreeOnLoad(Communicator& world, const absl::Status& mine,
+                         const CollectiveOptions& options = {});
+
 }  // namespace checkpoint
 }  // namespace flatparam
 

@@ -21,6 +21,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "flatparam/base/status_macros.h"
+#include "flatparam/checkpoint/checkpoint_dir.h"
+#include "flatparam/checkpoint/collective_checkpoint.h"
+#include "flatparam/checkpoint/convert.h"
+#include "flatparam/checkpoint/optim_io.h"
 
 namespace flatparam {
 namespace libtorch {
@@ -159,8 +163,9 @@ struct FsdpModule::UnitState {
   int grads_arrived = 0;
 };
 
-FsdpModule::FsdpModule(std::shared_ptr<torch::nn::Module> module)
-    : module_(std::move(module)) {}
+FsdpModule::FsdpModule(std::shared_ptr<torch::nn::Module> module,
+                       Communicator* world)
+    : module_(std::move(module)), world_(world) {}
 
 FsdpModule::~FsdpModule() = default;
 
@@ -197,7 +202,7 @@ absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
         world->size(), " ranks)"));
   }
 
-  auto fsdp = absl::WrapUnique(new FsdpModule(module));
+  auto fsdp = absl::WrapUnique(new FsdpModule(module, world));
   ModelSpec spec;
   spec.name = module->name();
   spec.wrap = options.wrap;
@@ -704,6 +709,108 @@ std::string StateKey(const torch::Tensor& t) {
 
 }  // namespace
 
+absl::Status FsdpModule::SaveCheckpoint(checkpoint::FileSystem& fs,
+                                        const std::string& dir,
+                                        torch::optim::Optimizer* optimizer,
+                                        const nlohmann::json& extra) {
+  Communicator& world = *world_;
+  const ModelLayout& model = layout();
+  const int64_t shard_rank = world.rank() % model.options().world_size;
+  checkpoint::RankState mine;
+  absl::Status prepared = absl::OkStatus();
+  if (in_forward_ || in_backward_ || runtime_->in_iteration()) {
+    prepared = absl::FailedPreconditionError(
+        "FsdpModule::SaveCheckpoint inside an iteration");
+  }
+  for (int u = 0; u < runtime_->num_units() && prepared.ok(); ++u) {
+    BufferRef shard = runtime_->handle(u).sharded_param();
+    HostTensor t = HostTensor::Uninitialized(shard.dtype, {shard.count});
+    std::memcpy(t.data(), shard.data, t.nbytes());
+    mine.flat_params.push_back(std::move(t));
+  }
+  if (prepared.ok() && optimizer != nullptr) {
+    absl::StatusOr<optim::OptimStateDict> state = ShardedOptimState(*optimizer);
+    if (state.ok()) {
+      mine.optim = std::move(*state);
+    } else {
+      prepared = state.status();
+    }
+  }
+  mine.extra = extra;
+  absl::StatusOr<checkpoint::RankContent> content =
+      prepared.ok() ? checkpoint::MakeRankContent(model, shard_rank, mine)
+                    : absl::StatusOr<checkpoint::RankContent>(prepared);
+  // In phases, so that a rank whose content is bad fails every rank
+  // (agreed in Begin) instead of leaving them in the exchange.
+  checkpoint::CollectiveWriteOptions options;
+  options.collective = runtime_->options().collective_options;
+  FLATPARAM_ASSIGN_OR_RETURN(
+      checkpoint::CollectiveWrite begun,
+      checkpoint::BeginCollectiveWrite(fs, dir, model, world.size(), world,
+                                       options, content.status()));
+  const absl::Status written =
+      checkpoint::WriteCollectiveRankFiles(fs, begun, *content, options);
+  return checkpoint::FinishCollectiveWrite(fs, begun, written, world, options);
+}
+
+absl::Status FsdpModule::LoadCheckpoint(checkpoint::FileSystem& fs,
+                                        const std::string& dir,
+                                        torch::optim::Optimizer* optimizer,
+                                        nlohmann::json* extra) {
+  Communicator& world = *world_;
+  const ModelLayout& model = layout();
+  const int64_t shard_rank = world.rank() % model.options().world_size;
+  OptimizerStates optimizer_states;
+  auto load = [&]() -> absl::StatusOr<checkpoint::RankState> {
+    if (in_forward_ || in_backward_ || runtime_->in_iteration()) {
+      return absl::FailedPreconditionError(
+          "FsdpModule::LoadCheckpoint inside an iteration");
+    }
+    checkpoint::CheckpointOpenOptions open;
+    open.ranks = std::vector<int64_t>{};
+    FLATPARAM_ASSIGN_OR_RETURN(
+        checkpoint::ShardedCheckpointReader reader,
+        checkpoint::ShardedCheckpointReader::Open(fs, dir, open));
+    FLATPARAM_ASSIGN_OR_RETURN(
+        checkpoint::RankState state,
+        checkpoint::LoadRankState(reader, model, world.size(), shard_rank));
+    if (optimizer != nullptr && state.optim.state.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the checkpoint at ", dir,
+          " holds no optimizer state; load it without an optimizer to "
+          "start the optimizer afresh"));
+    }
+    if (optimizer != nullptr) {
+      FLATPARAM_ASSIGN_OR_RETURN(optimizer_states,
+                                 ParseOptimState(state.optim, *optimizer));
+    }
+    for (int u = 0; u < runtime_->num_units(); ++u) {
+      BufferRef shard = runtime_->handle(u).sharded_param();
+      const HostTensor& t = state.flat_params[u];
+      if (t.dtype() != shard.dtype || t.numel() != shard.count) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "the checkpoint's shard of unit ", u, " has ", t.numel(), " ",
+            DTypeName(t.dtype()), " elements; this rank's has ", shard.count,
+            " ", DTypeName(shard.dtype)));
+      }
+    }
+    return state;
+  };
+  absl::StatusOr<checkpoint::RankState> state = load();
+  FLATPARAM_RETURN_IF_ERROR(checkpoint::AgreeOnLoad(
+      world, state.status(), runtime_->options().collective_options));
+  if (optimizer != nullptr) {
+    InstallOptimState(std::move(optimizer_states), *optimizer);
+  }
+  for (int u = 0; u < runtime_->num_units(); ++u) {
+    BufferRef shard = runtime_->handle(u).sharded_param();
+    std::memcpy(shard.data, state->flat_params[u].data(),
+                state->flat_params[u].nbytes());
+  }
+  if (extra != nullptr) *extra = state->extra;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<optim::OptimStateDict> FsdpModule::ShardedOptimState(
     torch::optim::Optimizer& optimizer) const {
   FLATPARAM_ASSIGN_OR_RETURN(OptimizerKind kind, KindOf(optimizer));
@@ -763,7 +870,7 @@ absl::StatusOr<optim::OptimStateDict> FsdpModule::ShardedOptimState(
   return dict;
 }
 
-absl::Status FsdpModule::LoadShardedOptimState(
+absl::StatusOr<FsdpModule::OptimizerStates> FsdpModule::ParseOptimState(
     const optim::OptimStateDict& sharded,
     torch::optim::Optimizer& optimizer) const {
   FLATPARAM_ASSIGN_OR_RETURN(OptimizerKind kind, KindOf(optimizer));
@@ -797,8 +904,7 @@ absl::Status FsdpModule::LoadShardedOptimState(
                             .to(sharded_params_[u].scalar_type());
     return out;
   };
-  std::map<std::string, std::unique_ptr<torch::optim::OptimizerParamState>>
-      loaded;
+  OptimizerStates loaded;
   for (const auto& [key, state] : sharded.state) {
     const int64_t* index = std::get_if<int64_t>(&key);
     if (index == nullptr || *index < 0 || *index >= units) {
@@ -856,12 +962,25 @@ absl::Status FsdpModule::LoadShardedOptimState(
       loaded[key_string] = std::move(s);
     }
   }
+  return loaded;
+}
+
+void FsdpModule::InstallOptimState(OptimizerStates states,
+                                   torch::optim::Optimizer& optimizer) const {
   for (const torch::Tensor& p : sharded_params_) {
     optimizer.state().erase(StateKey(p));
   }
-  for (auto& [key, state] : loaded) {
+  for (auto& [key, state] : states) {
     optimizer.state()[key] = std::move(state);
   }
+}
+
+absl::Status FsdpModule::LoadShardedOptimState(
+    const optim::OptimStateDict& sharded,
+    torch::optim::Optimizer& optimizer) const {
+  FLATPARAM_ASSIGN_OR_RETURN(OptimizerStates states,
+                             ParseOptimState(sharded, optimizer));
+  InstallOptimState(std::move(states), optimizer);
   return absl::OkStatus();
 }
 

@@ -112,6 +112,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -119,6 +120,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "comm/communicator.h"
+#include "flatparam/checkpoint/file_system.h"
 #include "flatparam/device/device.h"
 #include "flatparam/handle.h"
 #include "flatparam/model.h"
@@ -233,6 +235,32 @@ class FsdpModule {
   absl::Status LoadShardedOptimState(const optim::OptimStateDict& sharded,
                                      torch::optim::Optimizer& optimizer) const;
 
+  // ---- Checkpoints (flatparam/checkpoint) ----
+  // Writes a sharded checkpoint of the module's parameters and, when
+  // `optimizer` is given, its state (ShardedOptimState) into `dir`: the
+  // format `fsdp train --save` writes (checkpoint_dir.h), crash-safe, each
+  // rank writing its own shard files; `extra` (a JSON object) is kept in
+  // the rank files. `fsdp checkpoint` consolidates, reshards and exports it
+  // to Hugging Face safetensors. Collective over the world; between
+  // iterations. Errors are agreed by every rank (checkpoint's).
+  absl::Status SaveCheckpoint(
+      checkpoint::FileSystem& fs, const std::string& dir,
+      torch::optim::Optimizer* optimizer,
+      const nlohmann::json& extra = nlohmann::json::object());
+  // Loads a sharded checkpoint of this module into the local shards and,
+  // when `optimizer` is given, its state: saved at any world size,
+  // strategy or alignment (resharded at load time: each rank reads only
+  // the byte ranges of its own new shard). Collective; between iterations;
+  // the ranks agree on the outcome (one rank's damaged file fails every
+  // rank, naming it). FailedPrecondition when the checkpoint is of another
+  // model (the first difference named) or holds no optimizer state while
+  // `optimizer` is given; DataLoss for damaged files. The rank files'
+  // "extra" goes to `extra` if set.
+  absl::Status LoadCheckpoint(checkpoint::FileSystem& fs,
+                              const std::string& dir,
+                              torch::optim::Optimizer* optimizer,
+                              nlohmann::json* extra = nullptr);
+
   // ---- State ----
   // The full, unsharded parameters by name (every non-tied parameter, in
   // the parameters' dtype and shape, as `module.state_dict()` holds them):
@@ -250,7 +278,18 @@ class FsdpModule {
 
  private:
   struct UnitState;
-  FsdpModule(std::shared_ptr<torch::nn::Module> module);
+  using OptimizerStates =
+      std::map<std::string, std::unique_ptr<torch::optim::OptimizerParamState>>;
+  FsdpModule(std::shared_ptr<torch::nn::Module> module, Communicator* world);
+
+  // LoadShardedOptimState in two steps: everything validated and made,
+  // then installed (so that LoadCheckpoint changes nothing until every
+  // rank agrees).
+  absl::StatusOr<OptimizerStates> ParseOptimState(
+      const optim::OptimStateDict& sharded,
+      torch::optim::Optimizer& optimizer) const;
+  void InstallOptimState(OptimizerStates states,
+                         torch::optim::Optimizer& optimizer) const;
 
   absl::Status CheckModuleUnchanged() const;
   absl::StatusOr<torch::Tensor> RunUnit(
@@ -269,6 +308,7 @@ class FsdpModule {
   void Fail(const absl::Status& status);
 
   std::shared_ptr<torch::nn::Module> module_;
+  Communicator* const world_;
   std::unique_ptr<FsdpRuntime> runtime_;
   std::vector<std::unique_ptr<UnitState>> units_;
   // The module's parameters as wrapped, by name (to detect changes).

@@ -3,10 +3,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -14,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/base/status_matchers.h"
+#include "flatparam/checkpoint/file_system.h"
 #include "flatparam/device/device.h"
 #include "flatparam/optim/fsdp_optim.h"
 #include "flatparam/optim/optim_state.h"
@@ -238,8 +242,17 @@ struct Saved {
 // starting from `from` (or the initial parameters); what rank 0 saves:
 // the full parameters and the consolidated optimizer state. Loading
 // checks on every rank that the state read back is the state loaded.
+// With `disk`: instead, the run loads from `disk->load` (if set) and saves
+// to `disk->save` (if set) with FsdpModule's checkpoints, under
+// `disk->strategy`.
+struct Disk {
+  std::string load, save;
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  int shard_group_size = 0;
+};
 absl::StatusOr<Saved> TrainAndSave(int world_size, int first, int steps,
-                                   const Saved* from) {
+                                   const Saved* from,
+                                   const Disk* disk = nullptr) {
   SimOptions sim;
   sim.world_size = world_size;
   FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<SimWorld> world,
@@ -258,10 +271,22 @@ absl::StatusOr<Saved> TrainAndSave(int world_size, int first, int steps,
         }
         FsdpOptions options;
         options.wrap = {"h.*"};
+        if (disk != nullptr) {
+          options.strategy = disk->strategy;
+          options.shard_group_size = disk->shard_group_size;
+        }
         FLATPARAM_ASSIGN_OR_RETURN(
             std::unique_ptr<FsdpModule> fsdp,
             FsdpModule::Wrap(net.ptr(), &comm, &device, options));
         auto adamw = MakeOptimizer(Optim::kAdamW, fsdp->ShardedParameters());
+        if (disk != nullptr && !disk->load.empty()) {
+          nlohmann::json extra;
+          FLATPARAM_RETURN_IF_ERROR(fsdp->LoadCheckpoint(
+              checkpoint::PosixFileSystem(), disk->load, adamw.get(), &extra));
+          if (extra != nlohmann::json{{"step", first}}) {
+            return absl::InternalError(absl::StrCat("extra ", extra.dump()));
+          }
+        }
         if (from != nullptr) {
           FLATPARAM_ASSIGN_OR_RETURN(
               optim::OptimStateDict mine,
@@ -286,6 +311,11 @@ absl::StatusOr<Saved> TrainAndSave(int world_size, int first, int steps,
           FLATPARAM_RETURN_IF_ERROR(fsdp->Backward(Loss(logits, tokens)));
           adamw->step();
           FLATPARAM_RETURN_IF_ERROR(fsdp->ZeroGrad());
+        }
+        if (disk != nullptr && !disk->save.empty()) {
+          FLATPARAM_RETURN_IF_ERROR(
+              fsdp->SaveCheckpoint(checkpoint::PosixFileSystem(), disk->save,
+                                   adamw.get(), {{"step", first + steps}}));
         }
         FLATPARAM_ASSIGN_OR_RETURN(optim::OptimStateDict sharded,
                                    fsdp->ShardedOptimState(*adamw));
@@ -334,6 +364,70 @@ TEST(FsdpModuleTest, OptimizerStateSavesAndLoadsAtAnyWorldSize) {
   ASSERT_THAT(moved.status(), IsOk());
   EXPECT_EQ(optim::FirstDifference(half->full_optim, moved->full_optim),
             std::nullopt);
+}
+
+// The same through FsdpModule's checkpoints on disk: saved at 2 ranks,
+// resumed at 2 (bitwise the straight run), and loaded at 4 ranks, hybrid
+// (resharded at load time) and at 1, each holding what was saved.
+TEST(FsdpModuleTest, CheckpointsResumeAndReshard) {
+  const std::string dir =
+      absl::StrCat(std::getenv("TEST_TMPDIR"), "/torch_checkpoint");
+  absl::StatusOr<Saved> straight = TrainAndSave(2, 0, 3, nullptr);
+  ASSERT_THAT(straight.status(), IsOk());
+  Disk save;
+  save.save = dir;
+  absl::StatusOr<Saved> half = TrainAndSave(2, 0, 2, nullptr, &save);
+  ASSERT_THAT(half.status(), IsOk());
+
+  Disk load;
+  load.load = dir;
+  absl::StatusOr<Saved> resumed = TrainAndSave(2, 2, 1, nullptr, &load);
+  ASSERT_THAT(resumed.status(), IsOk());
+  for (const auto& [name, tensor] : straight->params) {
+    EXPECT_TRUE(torch::equal(tensor, resumed->params.at(name))) << name;
+  }
+  EXPECT_EQ(optim::FirstDifference(straight->full_optim, resumed->full_optim),
+            std::nullopt);
+
+  for (auto [world, strategy, group] :
+       {std::tuple{4, ShardingStrategy::kHybridShard, 2},
+        std::tuple{1, ShardingStrategy::kShardGradOp, 0}}) {
+    SCOPED_TRACE(world);
+    Disk moved;
+    moved.load = dir;
+    moved.strategy = strategy;
+    moved.shard_group_size = group;
+    absl::StatusOr<Saved> got = TrainAndSave(world, 2, 0, nullptr, &moved);
+    ASSERT_THAT(got.status(), IsOk());
+    for (const auto& [name, tensor] : half->params) {
+      EXPECT_TRUE(torch::equal(tensor, got->params.at(name))) << name;
+    }
+    EXPECT_EQ(optim::FirstDifference(half->full_optim, got->full_optim),
+              std::nullopt);
+  }
+}
+
+TEST(FsdpModuleErrorsTest, CheckpointsOfAnotherModelAreRefused) {
+  const std::string dir =
+      absl::StrCat(std::getenv("TEST_TMPDIR"), "/torch_checkpoint_other");
+  Disk save;
+  save.save = dir;
+  ASSERT_THAT(TrainAndSave(1, 0, 1, nullptr, &save).status(), IsOk());
+  OnOneRank([&](SimCommunicator& comm, DeviceOps& device) {
+    // Two blocks wrapped as one unit: another layout of the same names.
+    Net net = MakeNet();
+    FsdpOptions options;
+    options.wrap = {"h"};
+    absl::StatusOr<std::unique_ptr<FsdpModule>> fsdp =
+        FsdpModule::Wrap(net.ptr(), &comm, &device, options);
+    ASSERT_THAT(fsdp.status(), IsOk());
+    absl::Status status =
+        (*fsdp)->LoadCheckpoint(checkpoint::PosixFileSystem(), dir, nullptr);
+    EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+    status = (*fsdp)->LoadCheckpoint(checkpoint::PosixFileSystem(),
+                                     dir + "-missing", nullptr);
+    EXPECT_FALSE(status.ok());
+  });
 }
 
 TEST(FsdpModuleErrorsTest, OptimizerStateThatDoesNotFitIsRefused) {
