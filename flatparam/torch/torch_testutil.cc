@@ -114,37 +114,40 @@ std::string Name(const Case& c) {
 // acc = g_0 / pre; acc = acc + g_r / pre (rank order); acc = acc / post,
 // a division by exactly 1 skipped; hybrid: a fold per shard group, then
 // the groups' sums in order.
-std::map<std::string, torch::Tensor> TrainReference(const Case& c) {
-  Net net = MakeNet(c.frozen);
-  std::vector<torch::Tensor> params = net->parameters();
-  const int w = c.world;
-  const int s = c.shard_group_size > 0 ? c.shard_group_size : w;
-  const float pre = static_cast<float>(GradientPredivideFactor(w));
-  const float post = static_cast<float>(w / GradientPredivideFactor(w));
-  const int64_t local = c.global_batch / w;
-  // Unique trainable tensors (the tied weight is one, and is stepped once).
+std::vector<torch::Tensor> TrainableTensors(torch::nn::Module& module) {
   std::vector<torch::Tensor> unique;
-  for (const torch::Tensor& p : params) {
+  for (const torch::Tensor& p : module.parameters()) {
     bool seen = !p.requires_grad();
     for (const torch::Tensor& q : unique) {
       seen = seen || q.unsafeGetTensorImpl() == p.unsafeGetTensorImpl();
     }
     if (!seen) unique.push_back(p);
   }
-  auto optimizer = MakeOptimizer(c.optim, unique);
-  for (int step = 0; step < c.steps; ++step) {
+  return unique;
+}
+
+std::vector<float> TrainFolded(
+    torch::nn::Module& module, torch::optim::Optimizer& optimizer,
+    const FoldOptions& options,
+    const std::function<torch::Tensor(int step, int micro, int rank)>& loss) {
+  const int w = options.world;
+  const int s = options.shard_group_size > 0 ? options.shard_group_size : w;
+  const float pre = static_cast<float>(GradientPredivideFactor(w));
+  const float post = static_cast<float>(w / GradientPredivideFactor(w));
+  std::vector<torch::Tensor> unique = TrainableTensors(module);
+  std::vector<float> losses;
+  for (int step = 0; step < options.steps; ++step) {
     std::vector<std::vector<torch::Tensor>> grads(w);
+    float step_loss = 0;
     for (int r = 0; r < w; ++r) {
       for (torch::Tensor& p : unique) p.mutable_grad().reset();
       // no_sync: autograd accumulates the micro-batches' local gradients.
-      for (int m = 0; m < c.micro_batches; ++m) {
-        torch::Tensor tokens =
-            Tokens(step * c.micro_batches + m, r * local, local);
-        torch::Tensor x = net->wte(tokens.narrow(1, 0, kSeq));
-        for (size_t i = 0; i < net->h->size(); ++i) {
-          x = net->h[i]->as<BlockImpl>()->forward(x);
+      for (int m = 0; m < options.micro_batches; ++m) {
+        torch::Tensor l = loss(step, m, r);
+        if (r == 0 && m == options.micro_batches - 1) {
+          step_loss = l.item<float>();
         }
-        Loss(net->Head(x), tokens).backward();
+        l.backward();
       }
       for (torch::Tensor& p : unique) grads[r].push_back(p.grad().clone());
     }
@@ -166,8 +169,29 @@ std::map<std::string, torch::Tensor> TrainReference(const Case& c) {
       }
       unique[k].mutable_grad() = out;
     }
-    optimizer->step();
+    optimizer.step();
+    losses.push_back(step_loss);
   }
+  return losses;
+}
+
+std::map<std::string, torch::Tensor> TrainReference(const Case& c) {
+  Net net = MakeNet(c.frozen);
+  auto optimizer = MakeOptimizer(c.optim, TrainableTensors(*net));
+  const int64_t local = c.global_batch / c.world;
+  FoldOptions fold;
+  fold.world = c.world;
+  fold.shard_group_size = c.shard_group_size;
+  fold.steps = c.steps;
+  fold.micro_batches = c.micro_batches;
+  TrainFolded(*net, *optimizer, fold, [&](int step, int m, int r) {
+    torch::Tensor tokens = Tokens(step * c.micro_batches + m, r * local, local);
+    torch::Tensor x = net->wte(tokens.narrow(1, 0, kSeq));
+    for (size_t i = 0; i < net->h->size(); ++i) {
+      x = net->h[i]->as<BlockImpl>()->forward(x);
+    }
+    return Loss(net->Head(x), tokens);
+  });
   std::map<std::string, torch::Tensor> out;
   for (const auto& p : net->named_parameters()) {
     out[p.key()] = p.value().detach().clone();

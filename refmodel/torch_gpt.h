@@ -1,0 +1,137 @@
+// A GPT-2-style decoder written with LibTorch modules, with Hugging Face's
+// GPT-2 parameter names (GPT2LMHeadModel: "transformer.wte.weight",
+// "transformer.h.0.attn.c_attn.weight", ..., "lm_head.weight" tied to the
+// token embedding), so that a GPT-2 checkpoint in safetensors imports into
+// it; and byte-level text batches to train it on. Not the product: the
+// model FsdpModule (flatparam/torch) is shown and tested on.
+//
+//   GptConfig config;                              // byte-level, tiny
+//   Gpt model(config);
+//   torch::Tensor logits = model->forward(tokens); // [batch, seq, vocab]
+//
+// Under FsdpModule each block "transformer.h.i" is a unit (GptForward runs
+// the forward with the unit calls).
+//
+// The layers are GPT-2's: learned token and position embeddings; per block
+// a pre-norm causal self-attention (fused q/k/v projection "c_attn" and an
+// output projection "c_proj", both Conv1D: weight [in, out]) and a pre-norm
+// MLP (4x, GELU with the tanh approximation, "gelu_new"); a final layer
+// norm and the tied head. Initialization as GPT-2's: normal(0, 0.02)
+// weights, zero biases, unit layer norms, the residual projections scaled
+// by 1/sqrt(2 * n_layer).
+//
+// Thread-safety: a module is used by one thread at a time; the functions
+// are pure.
+#ifndef FLATPARAM_REFMODEL_TORCH_GPT_H_
+#define FLATPARAM_REFMODEL_TORCH_GPT_H_
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "flatparam/torch/fsdp_module.h"
+
+namespace flatparam {
+namespace refmodel {
+
+struct GptConfig {
+  int64_t vocab_size = 256;  // bytes
+  int64_t n_positions = 64;
+  int64_t n_embd = 64;
+  int64_t n_layer = 2;
+  int64_t n_head = 4;
+};
+
+// GPT-2's Conv1D: y = x W + b with W of shape [in, out].
+struct Conv1DImpl : torch::nn::Module {
+  Conv1DImpl(int64_t in, int64_t out);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight, bias;
+};
+TORCH_MODULE(Conv1D);
+
+struct GptAttentionImpl : torch::nn::Module {
+  explicit GptAttentionImpl(const GptConfig& config);
+  torch::Tensor forward(const torch::Tensor& x);
+  int64_t n_head;
+  Conv1D c_attn{nullptr}, c_proj{nullptr};
+};
+TORCH_MODULE(GptAttention);
+
+struct GptMlpImpl : torch::nn::Module {
+  explicit GptMlpImpl(const GptConfig& config);
+  torch::Tensor forward(const torch::Tensor& x);
+  Conv1D c_fc{nullptr}, c_proj{nullptr};
+};
+TORCH_MODULE(GptMlp);
+
+struct GptBlockImpl : torch::nn::Module {
+  explicit GptBlockImpl(const GptConfig& config);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
+  GptAttention attn{nullptr};
+  GptMlp mlp{nullptr};
+};
+TORCH_MODULE(GptBlock);
+
+struct GptTransformerImpl : torch::nn::Module {
+  explicit GptTransformerImpl(const GptConfig& config);
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  torch::nn::ModuleList h{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+};
+TORCH_MODULE(GptTransformer);
+
+struct GptImpl : torch::nn::Module {
+  // Initializes from LibTorch's default generator (seed it first).
+  explicit GptImpl(const GptConfig& config);
+  // Logits [batch, seq, vocab] of tokens [batch, seq] (seq <= n_positions).
+  torch::Tensor forward(const torch::Tensor& tokens);
+  // The pieces of the forward, for a forward with FSDP units between them.
+  torch::Tensor Embed(const torch::Tensor& tokens);
+  torch::Tensor Head(const torch::Tensor& x);
+  GptBlockImpl& block(size_t i);
+
+  GptConfig config;
+  GptTransformer transformer{nullptr};
+  // Holds "weight": transformer.wte's tensor under a second name.
+  std::shared_ptr<torch::nn::Module> lm_head;
+};
+TORCH_MODULE(Gpt);
+
+// The forward under `fsdp` with each block as its unit
+// ("transformer.h.i"), as FsdpModule's wrap {"transformer.h.*"} makes them.
+absl::StatusOr<torch::Tensor> GptForward(Gpt& model, libtorch::FsdpModule& fsdp,
+                                         const torch::Tensor& tokens);
+
+// Mean next-token cross-entropy of `logits` for `tokens` shifted by one:
+// logits [b, s, v] predict tokens [b, 1..s].
+torch::Tensor NextTokenLoss(const torch::Tensor& logits,
+                            const torch::Tensor& tokens);
+
+// Byte-level text batches: sample i of step t is the `seq + 1` bytes at a
+// pseudo-random offset of the text drawn by a std::mt19937_64 seeded with
+// (t, i), so every run and every rank sees the same data.
+class TextBatches {
+ public:
+  // Reads `path` whole. InvalidArgument if it is shorter than seq + 2
+  // bytes; NotFound if it cannot be read.
+  static absl::StatusOr<TextBatches> FromFile(const std::string& path,
+                                              int64_t seq);
+  TextBatches(std::string text, int64_t seq);
+  // Samples [first, first + count) of step `step`: int64 [count, seq + 1].
+  torch::Tensor Batch(int64_t step, int64_t first, int64_t count) const;
+  int64_t seq() const { return seq_; }
+  int64_t size() const { return static_cast<int64_t>(text_.size()); }
+
+ private:
+  std::string text_;
+  int64_t seq_;
+};
+
+}  // namespace refmodel
+}  // namespace flatparam
+
+#endif  // FLATPARAM_REFMODEL_TORCH_GPT_H_
