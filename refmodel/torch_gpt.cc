@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "flatparam/base/status_macros.h"
+#include "flatparam/handle.h"
 
 namespace flatparam {
 namespace refmodel {
@@ -184,6 +185,67 @@ torch::Tensor TextBatches::Batch(int64_t step, int64_t first,
     }
   }
   return out;
+}
+
+std::vector<torch::Tensor> TrainableTensors(torch::nn::Module& module) {
+  std::vector<torch::Tensor> unique;
+  for (const torch::Tensor& p : module.parameters()) {
+    bool seen = !p.requires_grad();
+    for (const torch::Tensor& q : unique) {
+      seen = seen || q.unsafeGetTensorImpl() == p.unsafeGetTensorImpl();
+    }
+    if (!seen) unique.push_back(p);
+  }
+  return unique;
+}
+
+std::vector<float> TrainFolded(
+    torch::nn::Module& module, torch::optim::Optimizer& optimizer,
+    const FoldOptions& options,
+    const std::function<torch::Tensor(int step, int micro, int rank)>& loss) {
+  const int w = options.world;
+  const int s = options.shard_group_size > 0 ? options.shard_group_size : w;
+  const float pre = static_cast<float>(GradientPredivideFactor(w));
+  const float post = static_cast<float>(w / GradientPredivideFactor(w));
+  std::vector<torch::Tensor> unique = TrainableTensors(module);
+  std::vector<float> losses;
+  for (int step = 0; step < options.steps; ++step) {
+    std::vector<std::vector<torch::Tensor>> grads(w);
+    float step_loss = 0;
+    for (int r = 0; r < w; ++r) {
+      for (torch::Tensor& p : unique) p.mutable_grad().reset();
+      // no_sync: autograd accumulates the micro-batches' local gradients.
+      for (int m = 0; m < options.micro_batches; ++m) {
+        torch::Tensor l = loss(step, m, r);
+        if (r == 0 && m == options.micro_batches - 1) {
+          step_loss = l.item<float>();
+        }
+        l.backward();
+      }
+      for (torch::Tensor& p : unique) grads[r].push_back(p.grad().clone());
+    }
+    for (size_t k = 0; k < unique.size(); ++k) {
+      torch::Tensor out = torch::empty_like(unique[k]);
+      float* o = out.data_ptr<float>();
+      for (int64_t e = 0; e < out.numel(); ++e) {
+        auto g = [&](int r) {
+          float v = grads[r][k].data_ptr<float>()[e];
+          return pre == 1.0f ? v : v / pre;
+        };
+        float total = 0;
+        for (int q = 0; q < w / s; ++q) {
+          float acc = g(q * s);
+          for (int r = q * s + 1; r < (q + 1) * s; ++r) acc = acc + g(r);
+          total = q == 0 ? acc : total + acc;
+        }
+        o[e] = post == 1.0f ? total : total / post;
+      }
+      unique[k].mutable_grad() = out;
+    }
+    optimizer.step();
+    losses.push_back(step_loss);
+  }
+  return losses;
 }
 
 }  // namespace refmodel

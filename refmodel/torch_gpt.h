@@ -2,8 +2,10 @@
 // GPT-2 parameter names (GPT2LMHeadModel: "transformer.wte.weight",
 // "transformer.h.0.attn.c_attn.weight", ..., "lm_head.weight" tied to the
 // token embedding), so that a GPT-2 checkpoint in safetensors imports into
-// it; and byte-level text batches to train it on. Not the product: the
-// model FsdpModule (flatparam/torch) is shown and tested on.
+// it; byte-level text batches to train it on; and the single-process
+// reference trainer that reproduces FSDP's gradient fold (TrainFolded).
+// Not the product: the model FsdpModule (flatparam/torch) is shown and
+// tested on.
 //
 //   GptConfig config;                              // byte-level, tiny
 //   Gpt model(config);
@@ -28,7 +30,9 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "flatparam/torch/fsdp_module.h"
@@ -130,6 +134,30 @@ class TextBatches {
   std::string text_;
   int64_t seq_;
 };
+
+// The module's trainable tensors, each once (a tied tensor registered
+// under two names is one), in registration order.
+std::vector<torch::Tensor> TrainableTensors(torch::nn::Module& module);
+
+struct FoldOptions {
+  int world = 1;
+  // Hybrid: ranks per shard group (0: the world).
+  int shard_group_size = 0;
+  int steps = 1;
+  int micro_batches = 1;
+};
+// Single-process training of `module` (`optimizer` over its
+// TrainableTensors) with FSDP's arithmetic: per step, each virtual rank's
+// local gradients (autograd accumulating `loss(step, micro, rank)` over the
+// micro-batches, as no_sync does) folded as FSDP's reduction folds them:
+// per element, in float32, acc = g_0 / pre; acc = acc + g_r / pre in rank
+// order; acc = acc / post (a division by exactly 1 skipped); hybrid: a
+// fold per shard group, then the groups' sums in order. Then one
+// optimizer step. Returns rank 0's last micro-batch loss per step.
+std::vector<float> TrainFolded(
+    torch::nn::Module& module, torch::optim::Optimizer& optimizer,
+    const FoldOptions& options,
+    const std::function<torch::Tensor(int step, int micro, int rank)>& loss);
 
 }  // namespace refmodel
 }  // namespace flatparam

@@ -16,7 +16,6 @@
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/device/device.h"
 #include "flatparam/torch/fsdp_module.h"
-#include "flatparam/torch/torch_testutil.h"
 #include "sim/sim.h"
 
 namespace flatparam {
@@ -103,12 +102,12 @@ TEST(TorchGptTest, LearnsTextUnderFsdpBitwiseAsSingleProcess) {
   auto adamw_options = torch::optim::AdamWOptions(3e-3).weight_decay(0.01);
 
   Gpt reference = MakeGpt();
-  torch::optim::AdamW reference_adamw(
-      libtorch::testing::TrainableTensors(*reference), adamw_options);
-  libtorch::testing::FoldOptions fold;
+  torch::optim::AdamW reference_adamw(TrainableTensors(*reference),
+                                      adamw_options);
+  FoldOptions fold;
   fold.world = kWorld;
   fold.steps = kSteps;
-  std::vector<float> expected_losses = libtorch::testing::TrainFolded(
+  std::vector<float> expected_losses = TrainFolded(
       *reference, reference_adamw, fold, [&](int step, int, int rank) {
         torch::Tensor batch = text->Batch(step, rank * kLocal, kLocal);
         torch::Tensor inputs = batch.narrow(1, 0, text->seq());

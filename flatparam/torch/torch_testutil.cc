@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/handle.h"
+#include "refmodel/torch_gpt.h"
 
 namespace flatparam {
 namespace libtorch {
@@ -114,77 +115,16 @@ std::string Name(const Case& c) {
 // acc = g_0 / pre; acc = acc + g_r / pre (rank order); acc = acc / post,
 // a division by exactly 1 skipped; hybrid: a fold per shard group, then
 // the groups' sums in order.
-std::vector<torch::Tensor> TrainableTensors(torch::nn::Module& module) {
-  std::vector<torch::Tensor> unique;
-  for (const torch::Tensor& p : module.parameters()) {
-    bool seen = !p.requires_grad();
-    for (const torch::Tensor& q : unique) {
-      seen = seen || q.unsafeGetTensorImpl() == p.unsafeGetTensorImpl();
-    }
-    if (!seen) unique.push_back(p);
-  }
-  return unique;
-}
-
-std::vector<float> TrainFolded(
-    torch::nn::Module& module, torch::optim::Optimizer& optimizer,
-    const FoldOptions& options,
-    const std::function<torch::Tensor(int step, int micro, int rank)>& loss) {
-  const int w = options.world;
-  const int s = options.shard_group_size > 0 ? options.shard_group_size : w;
-  const float pre = static_cast<float>(GradientPredivideFactor(w));
-  const float post = static_cast<float>(w / GradientPredivideFactor(w));
-  std::vector<torch::Tensor> unique = TrainableTensors(module);
-  std::vector<float> losses;
-  for (int step = 0; step < options.steps; ++step) {
-    std::vector<std::vector<torch::Tensor>> grads(w);
-    float step_loss = 0;
-    for (int r = 0; r < w; ++r) {
-      for (torch::Tensor& p : unique) p.mutable_grad().reset();
-      // no_sync: autograd accumulates the micro-batches' local gradients.
-      for (int m = 0; m < options.micro_batches; ++m) {
-        torch::Tensor l = loss(step, m, r);
-        if (r == 0 && m == options.micro_batches - 1) {
-          step_loss = l.item<float>();
-        }
-        l.backward();
-      }
-      for (torch::Tensor& p : unique) grads[r].push_back(p.grad().clone());
-    }
-    for (size_t k = 0; k < unique.size(); ++k) {
-      torch::Tensor out = torch::empty_like(unique[k]);
-      float* o = out.data_ptr<float>();
-      for (int64_t e = 0; e < out.numel(); ++e) {
-        auto g = [&](int r) {
-          float v = grads[r][k].data_ptr<float>()[e];
-          return pre == 1.0f ? v : v / pre;
-        };
-        float total = 0;
-        for (int q = 0; q < w / s; ++q) {
-          float acc = g(q * s);
-          for (int r = q * s + 1; r < (q + 1) * s; ++r) acc = acc + g(r);
-          total = q == 0 ? acc : total + acc;
-        }
-        o[e] = post == 1.0f ? total : total / post;
-      }
-      unique[k].mutable_grad() = out;
-    }
-    optimizer.step();
-    losses.push_back(step_loss);
-  }
-  return losses;
-}
-
 std::map<std::string, torch::Tensor> TrainReference(const Case& c) {
   Net net = MakeNet(c.frozen);
-  auto optimizer = MakeOptimizer(c.optim, TrainableTensors(*net));
+  auto optimizer = MakeOptimizer(c.optim, refmodel::TrainableTensors(*net));
   const int64_t local = c.global_batch / c.world;
-  FoldOptions fold;
+  refmodel::FoldOptions fold;
   fold.world = c.world;
   fold.shard_group_size = c.shard_group_size;
   fold.steps = c.steps;
   fold.micro_batches = c.micro_batches;
-  TrainFolded(*net, *optimizer, fold, [&](int step, int m, int r) {
+  refmodel::TrainFolded(*net, *optimizer, fold, [&](int step, int m, int r) {
     torch::Tensor tokens = Tokens(step * c.micro_batches + m, r * local, local);
     torch::Tensor x = net->wte(tokens.narrow(1, 0, kSeq));
     for (size_t i = 0; i < net->h->size(); ++i) {

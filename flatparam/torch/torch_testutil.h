@@ -91,31 +91,8 @@ struct Case {
 // A name for the case, for test names.
 std::string Name(const Case& c);
 
-// The module's trainable tensors, each once (a tied tensor registered
-// under two names is one), in registration order.
-std::vector<torch::Tensor> TrainableTensors(torch::nn::Module& module);
-
-struct FoldOptions {
-  int world = 1;
-  // Hybrid: ranks per shard group (0: the world).
-  int shard_group_size = 0;
-  int steps = 1;
-  int micro_batches = 1;
-};
-// Single-process training of `module` (`optimizer` over its
-// TrainableTensors) with FSDP's arithmetic: per step, each virtual rank's
-// local gradients (autograd accumulating `loss(step, micro, rank)` over the
-// micro-batches, as no_sync does) folded as FSDP's reduction folds them:
-// per element, in float32, acc = g_0 / pre; acc = acc + g_r / pre in rank
-// order; acc = acc / post (a division by exactly 1 skipped); hybrid: a
-// fold per shard group, then the groups' sums in order. Then one
-// optimizer step. Returns rank 0's last micro-batch loss per step.
-std::vector<float> TrainFolded(
-    torch::nn::Module& module, torch::optim::Optimizer& optimizer,
-    const FoldOptions& options,
-    const std::function<torch::Tensor(int step, int micro, int rank)>& loss);
-
-// Single-process training of the case's global batch (TrainFolded); every
+// Single-process training of the case's global batch
+// (refmodel::TrainFolded); every
 // parameter by name afterwards.
 std::map<std::string, torch::Tensor> TrainReference(const Case& c);
 
