@@ -3,7 +3,7 @@
 // `_flatten_optim_state` checks, with its InvalidArgument messages), the
 // sharded param groups, and whether the ranks' sharded states agree before
 // consolidating. One implementation for the in-memory operations
-// (fsdp_optim.cc, on StateMeta views of dicts and on metadata exchanged
+// (fsdp_optim*.cc, on StateMeta views of dicts and on metadata exchanged
 // between ranks) and the offline checkpoint converter
 // (flatparam/checkpoint/convert.cc, on StateMeta read from checkpoint
 // sidecars, whose positive-dimension tensors stay in their files), so both
