@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <string>
@@ -12,8 +13,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/base/status_matchers.h"
+#include "flatparam/checkpoint/file_system.h"
+#include "flatparam/checkpoint/hf_checkpoint.h"
 #include "flatparam/device/device.h"
 #include "flatparam/torch/fsdp_module.h"
 #include "sim/sim.h"
@@ -114,6 +118,8 @@ TEST(TorchGptTest, LearnsTextUnderFsdpBitwiseAsSingleProcess) {
         return NextTokenLoss(reference->forward(inputs), batch);
       });
 
+  const std::string checkpoint_dir =
+      absl::StrCat(std::getenv("TEST_TMPDIR"), "/gpt");
   SimOptions sim;
   sim.world_size = kWorld;
   absl::StatusOr<std::unique_ptr<SimWorld>> world = SimWorld::Create(sim);
@@ -140,6 +146,8 @@ TEST(TorchGptTest, LearnsTextUnderFsdpBitwiseAsSingleProcess) {
       adamw.step();
       FLATPARAM_RETURN_IF_ERROR(fsdp->ZeroGrad());
     }
+    FLATPARAM_RETURN_IF_ERROR(fsdp->SaveCheckpoint(
+        checkpoint::PosixFileSystem(), checkpoint_dir, &adamw));
     FLATPARAM_ASSIGN_OR_RETURN(auto state, fsdp->FullStateDict());
     if (comm.rank() == 0) trained = std::move(state);
     return absl::OkStatus();
@@ -163,6 +171,14 @@ TEST(TorchGptTest, LearnsTextUnderFsdpBitwiseAsSingleProcess) {
         torch::equal(tensor, reference->named_parameters()[name].detach()))
         << name;
   }
+
+  // The checkpoint FsdpModule saved exports to Hugging Face safetensors
+  // under GPT-2's names (as `fsdp checkpoint export` does).
+  absl::StatusOr<checkpoint::HfExportReport> exported =
+      checkpoint::ExportHfCheckpoint(checkpoint::PosixFileSystem(),
+                                     checkpoint_dir, checkpoint_dir + "-hf");
+  ASSERT_THAT(exported.status(), IsOk());
+  EXPECT_GE(exported->tensors, static_cast<int64_t>(trained.size()));
 }
 
 }  // namespace

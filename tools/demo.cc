@@ -1,5 +1,6 @@
 #include "tools/demo.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -19,6 +20,7 @@
 #include "flatparam/model.h"
 #include "flatparam/runtime.h"
 #include "refmodel/fsdp_trainer.h"
+#include "tools/demo_torch.h"
 #include "tools/paths.h"
 
 namespace flatparam {
@@ -28,6 +30,8 @@ namespace {
 constexpr int kFirstWorld = 8;
 constexpr int kSecondWorld = 4;
 constexpr int kShardGroup = 2;
+// Steps of the LibTorch transformer (stage 6).
+constexpr int kTorchSteps = 150;
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
@@ -149,7 +153,7 @@ absl::StatusOr<DemoResult> RunDemo(const DemoOptions& options,
   first.check_reference = true;
   first.save_dir = result.first_checkpoint;
   out << absl::StrFormat(
-      "[1/5] train %d steps on %d simulated ranks with FULL_SHARD, save a "
+      "[1/6] train %d steps on %d simulated ranks with FULL_SHARD, save a "
       "sharded checkpoint\n",
       options.steps, kFirstWorld);
   out.flush();
@@ -170,7 +174,7 @@ absl::StatusOr<DemoResult> RunDemo(const DemoOptions& options,
       ModelLayout second_layout,
       refmodel::FsdpModelLayout(second_train, kSecondWorld));
   out << absl::StrFormat(
-      "[2/5] reshard it offline to HYBRID_SHARD on %d ranks (%d shard groups "
+      "[2/6] reshard it offline to HYBRID_SHARD on %d ranks (%d shard groups "
       "of %d), streaming, in this process\n",
       kSecondWorld, kSecondWorld / kShardGroup, kShardGroup);
   out.flush();
@@ -180,7 +184,7 @@ absl::StatusOr<DemoResult> RunDemo(const DemoOptions& options,
 
   // 4. Resume on 4 ranks.
   out << absl::StrFormat(
-      "[3/5] resume from it for %d more steps on %d ranks with HYBRID_SHARD, "
+      "[3/6] resume from it for %d more steps on %d ranks with HYBRID_SHARD, "
       "save again\n",
       options.steps, kSecondWorld);
   out.flush();
@@ -192,14 +196,14 @@ absl::StatusOr<DemoResult> RunDemo(const DemoOptions& options,
        result.second.options.first_step == options.steps});
 
   // 5. Verify and consolidate.
-  out << "[4/5] verify every checkpoint\n";
+  out << "[4/6] verify every checkpoint\n";
   out.flush();
   for (const std::string* dir :
        {&result.first_checkpoint, &result.resharded_checkpoint,
         &result.final_checkpoint}) {
     FLATPARAM_RETURN_IF_ERROR(VerifyInto(fs, *dir, result.checks));
   }
-  out << "[5/5] consolidate the final checkpoint into a full one\n";
+  out << "[5/6] consolidate the final checkpoint into a full one\n";
   out.flush();
   const absl::Status consolidated = checkpoint::ConsolidateCheckpoint(
       fs, result.final_checkpoint, result.consolidated_checkpoint);
@@ -209,6 +213,33 @@ absl::StatusOr<DemoResult> RunDemo(const DemoOptions& options,
   } else {
     result.checks.push_back(
         {absl::StrFormat("consolidate: %s", consolidated.ToString()), false});
+  }
+
+  // 6. A real network: the LibTorch transformer on real text.
+  out << absl::StrFormat(
+      "[6/6] train a GPT-2-style transformer written with LibTorch under "
+      "flatparam's FsdpModule, byte-level on GPL-3's text, %d steps\n",
+      kTorchSteps);
+  out.flush();
+  FLATPARAM_ASSIGN_OR_RETURN(result.torch,
+                             RunTorchDemo(kTorchSteps, options.seed, out));
+  if (result.torch.ran) {
+    const std::vector<float>& l = result.torch.losses;
+    float last = 0;
+    const size_t tail = std::min<size_t>(10, l.size());
+    for (size_t i = l.size() - tail; i < l.size(); ++i) last += l[i] / tail;
+    result.checks.push_back(
+        {absl::StrFormat("LibTorch GPT, FULL_SHARD on %d ranks: every loss "
+                         "and parameter bitwise single-process LibTorch "
+                         "training",
+                         result.torch.world_size),
+         l == result.torch.reference_losses && result.torch.params_equal});
+    result.checks.push_back(
+        {absl::StrFormat("LibTorch GPT learnt the text: loss %.2f -> %.2f "
+                         "(last 10 steps' mean), well below uniform ln 256 "
+                         "= 5.55",
+                         l.front(), last),
+         last < 3.3f});
   }
   result.seconds = SecondsSince(start);
   return result;
@@ -261,6 +292,23 @@ void PrintDemoReport(const DemoResult& result, std::ostream& out) {
                            Bytes(total.all_gather.bytes),
                            Bytes(total.reduce_scatter.bytes),
                            Bytes(total.all_reduce.bytes), Bytes(sent));
+  }
+
+  if (result.torch.ran) {
+    const TorchDemoResult& t = result.torch;
+    out << absl::StrFormat(
+        "\n# a GPT-2-style transformer in LibTorch (%d parameters, Hugging "
+        "Face GPT-2 names), byte-level on %s, AdamW, FULL_SHARD on %d "
+        "simulated ranks\n",
+        t.parameters, t.text_path, t.world_size);
+    out << "\nstep  loss (FSDP, rank 0)  loss (single process)\n";
+    for (size_t k = 0; k < t.losses.size(); ++k) {
+      if (k % 25 != 0 && k + 1 != t.losses.size()) continue;
+      out << absl::StrFormat("%4d  %19.6f  %21.6f\n", k, t.losses[k],
+                             t.reference_losses[k]);
+    }
+  } else {
+    out << "\nLibTorch stage skipped: " << result.torch.skipped << "\n";
   }
 
   out << "\nchecks\n";

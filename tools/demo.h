@@ -13,6 +13,11 @@
 //      again bitwise, and saves the final state;
 //   5. verifies every checkpoint (manifest, XXH3 checksums, layout) and
 //      consolidates the last one into a full (PyTorch-style) checkpoint;
+//   6. trains a GPT-2-style transformer written with LibTorch under
+//      flatparam's FsdpModule on real text, 4 ranks, FULL_SHARD, and checks
+//      it bitwise against single-process LibTorch training and that it
+//      learnt (tools/demo_torch.h; skipped, saying so, in a build without
+//      LibTorch);
 // then prints a short report: the loss per step, every rank's peak memory,
 // the bytes communicated, the checks, and where the Chrome traces and the
 // checkpoints were written. It exits non-zero when a check fails.
@@ -28,6 +33,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "tools/demo_torch.h"
 #include "tools/train.h"
 
 namespace flatparam {
@@ -49,8 +55,9 @@ struct DemoCheck {
 };
 
 struct DemoResult {
-  TrainReport first;   // 8 ranks, FULL_SHARD
-  TrainReport second;  // 4 ranks, HYBRID_SHARD, resumed
+  TrainReport first;      // 8 ranks, FULL_SHARD
+  TrainReport second;     // 4 ranks, HYBRID_SHARD, resumed
+  TorchDemoResult torch;  // the LibTorch transformer
   std::vector<DemoCheck> checks;
   // Files and directories written.
   std::string first_trace, second_trace;

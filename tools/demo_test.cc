@@ -31,8 +31,15 @@ TEST(DemoTest, EveryCheckPassesAndEveryFileIsWritten) {
     EXPECT_TRUE(c.passed) << c.what;
   }
   EXPECT_TRUE(result.passed());
-  // 3 per training phase, the resume step, 4 verified checkpoints.
-  EXPECT_EQ(result.checks.size(), 11u);
+  // 3 per training phase, the resume step, 4 verified checkpoints, and
+  // with LibTorch the transformer's 2 (bitwise, learnt).
+  EXPECT_EQ(result.checks.size(), result.torch.ran ? 13u : 11u);
+  if (result.torch.ran) {
+    EXPECT_EQ(result.torch.losses.size(), 150u);
+    EXPECT_EQ(result.torch.losses, result.torch.reference_losses);
+  } else {
+    EXPECT_THAT(result.torch.skipped, HasSubstr("LibTorch"));
+  }
   EXPECT_EQ(result.first.world_size, 8);
   EXPECT_EQ(result.second.world_size, 4);
   EXPECT_EQ(result.second.options.first_step, 2);
@@ -54,7 +61,11 @@ TEST(DemoTest, EveryCheckPassesAndEveryFileIsWritten) {
       report.str(),
       HasSubstr("prefetch BACKWARD_PRE (depth 1, limit_all_gathers 2)"));
   EXPECT_THAT(report.str(), Not(HasSubstr("[FAIL]")));
-  EXPECT_THAT(progress.str(), HasSubstr("[5/5]"));
+  EXPECT_THAT(report.str(),
+              HasSubstr(result.torch.ran ? "a GPT-2-style transformer in "
+                                           "LibTorch"
+                                         : "LibTorch stage skipped"));
+  EXPECT_THAT(progress.str(), HasSubstr("[6/6]"));
 }
 
 TEST(DemoTest, RunsAgainOverItsOwnOutput) {

@@ -94,6 +94,13 @@
 // return new dicts. Thread-safety: they run on the calling rank's thread;
 // the collective ones follow the Communicator contract (every rank of the
 // group calls the same function with the same layout and options).
+//
+// Implementation, one file per responsibility behind this one header:
+// fsdp_optim_consolidate.cc (sharded -> full), fsdp_optim_shard.cc (full ->
+// this rank's shard, local), fsdp_optim_scatter.cc (full on rank 0 ->
+// every rank's shard), fsdp_optim.cc (the rest); what they share in
+// internal/optim_common.h, internal/sharded_keys.h and
+// internal/shard_plan.h.
 #ifndef FLATPARAM_OPTIM_FSDP_OPTIM_H_
 #define FLATPARAM_OPTIM_FSDP_OPTIM_H_
 
