@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <iostream>
 #include <ostream>
 #include <string>
 #include <system_error>
@@ -221,8 +222,10 @@ absl::StatusOr<DemoResult> RunDemo(const DemoOptions& options,
       "flatparam's FsdpModule, byte-level on GPL-3's text, %d steps\n",
       kTorchSteps);
   out.flush();
-  FLATPARAM_ASSIGN_OR_RETURN(result.torch,
-                             RunTorchDemo(kTorchSteps, options.seed, out));
+  std::cout.flush();
+  FLATPARAM_ASSIGN_OR_RETURN(
+      result.torch, RunTorchDemoProcess(kTorchSteps, options.seed,
+                                        path("torch-demo-result.json")));
   if (result.torch.ran) {
     const std::vector<float>& l = result.torch.losses;
     float last = 0;

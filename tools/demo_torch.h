@@ -4,10 +4,17 @@
 // flatparam's FsdpModule (flatparam/torch) with AdamW and FULL_SHARD on
 // simulated ranks, and the same training single-process
 // (refmodel::TrainFolded); the losses and the parameters must be bitwise
-// equal. Built with LibTorch where the build found it (demo_torch.cc);
-// elsewhere the stage reports itself skipped (demo_torch_unavailable.cc).
+// equal.
 //
-// Thread-safety: call from one thread (it runs the simulated ranks).
+// The stage runs in its own process, the `fsdp_torch_demo` binary
+// (demo_torch_main.cc, built only where the build found LibTorch), so that
+// `fsdp` itself does not load LibTorch: loading it costs every command
+// about 160 MiB of resident memory and most of a second. `fsdp demo` runs
+// it with RunTorchDemoProcess, which finds it beside the running binary
+// (or in its runfiles) and reads its result back as JSON; without it the
+// stage reports itself skipped.
+//
+// Thread-safety: call from one thread.
 #ifndef TOOLS_DEMO_TORCH_H_
 #define TOOLS_DEMO_TORCH_H_
 
@@ -37,10 +44,27 @@ struct TorchDemoResult {
   double seconds = 0;
 };
 
-// Trains `steps` steps (see the file comment), printing progress to `out`.
-// Errors that stop it (a failed collective) are returned.
+// In fsdp_torch_demo: trains `steps` steps (see the file comment),
+// printing progress to `out`. Errors that stop it (a failed collective)
+// are returned.
 absl::StatusOr<TorchDemoResult> RunTorchDemo(int steps, uint64_t seed,
                                              std::ostream& out);
+
+// The result as JSON and back (the child's report to `fsdp demo`).
+// DataLoss naming the field for JSON that is not such a result.
+std::string TorchDemoResultToJson(const TorchDemoResult& result);
+absl::StatusOr<TorchDemoResult> TorchDemoResultFromJson(
+    const std::string& json);
+
+// In `fsdp demo`: runs fsdp_torch_demo (found as $FLATPARAM_TORCH_DEMO,
+// else in the runfiles of the running binary, else beside it) with these
+// arguments, its output going to this process's stdout and stderr, and
+// returns the result it wrote to `result_file` (created and replaced
+// there). Without the binary, a result that says the stage was skipped
+// and why. Errors: the child's failure (its exit status) or a result file
+// that does not parse.
+absl::StatusOr<TorchDemoResult> RunTorchDemoProcess(
+    int steps, uint64_t seed, const std::string& result_file);
 
 }  // namespace tools
 }  // namespace flatparam

@@ -1,11 +1,14 @@
 #include "comm/mpi/mpi_gtest.h"
 
 #include <gtest/gtest.h>
+#include <mpi.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
 namespace flatparam {
@@ -72,6 +75,36 @@ bool RunAllTestsOnAllRanks(Communicator& world) {
     std::fprintf(stderr, "FAILED on another rank (see [rank N] lines)\n");
   }
   return !verdict.ok() || any != 0;
+}
+
+int MpiGtestMain(int* argc, char** argv, MpiCommunicator** world) {
+  absl::StatusOr<MpiSession> session = MpiSession::Start(argc, &argv);
+  if (!session.ok()) {
+    std::fprintf(stderr, "%s\n", session.status().ToString().c_str());
+    return 1;
+  }
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  InitGoogleTestOnMpiRank(rank, argc, argv);
+  bool failed = false;
+  {
+    absl::StatusOr<std::unique_ptr<MpiCommunicator>> created =
+        MpiCommunicator::CreateWorld();
+    if (!created.ok()) {
+      std::fprintf(stderr, "[rank %d] %s\n", rank,
+                   created.status().ToString().c_str());
+      return 1;
+    }
+    *world = created->get();
+    failed = RunAllTestsOnAllRanks(**created);
+    *world = nullptr;
+  }
+  const absl::Status finished = session->Finish();
+  if (!finished.ok()) {
+    std::fprintf(stderr, "[rank %d] %s\n", rank, finished.ToString().c_str());
+    failed = true;
+  }
+  return failed ? 1 : 0;
 }
 
 }  // namespace flatparam

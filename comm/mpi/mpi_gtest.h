@@ -19,6 +19,7 @@
 #define FLATPARAM_COMM_MPI_MPI_GTEST_H_
 
 #include "comm/communicator.h"
+#include "comm/mpi/mpi_communicator.h"
 
 namespace flatparam {
 
@@ -29,6 +30,14 @@ void InitGoogleTestOnMpiRank(int rank, int* argc, char** argv);
 // `world` (a max all-reduce), so that all ranks exit alike. Returns true
 // when any rank failed (or the verdicts could not be combined).
 bool RunAllTestsOnAllRanks(Communicator& world);
+
+// The whole main() of a multi-process gtest binary whose tests use one
+// world communicator: MpiSession::Start, InitGoogleTestOnMpiRank, the
+// world (MpiCommunicator::CreateWorld, stored in `*world` while the tests
+// run, null before and after), RunAllTestsOnAllRanks, MpiSession::Finish.
+// Returns the exit code: 0 when every test passed on every rank and MPI
+// finished cleanly; failures to start are printed to stderr.
+int MpiGtestMain(int* argc, char** argv, MpiCommunicator** world);
 
 }  // namespace flatparam
 

@@ -703,6 +703,31 @@ std::map<std::string, optim::HyperValue> Hyperparams(
   return h;
 }
 
+// Adam's and AdamW's per-parameter states: the same fields, two classes.
+template <typename State>
+std::unique_ptr<torch::optim::OptimizerParamState> MakeAdamState(
+    int64_t step, torch::Tensor avg, torch::Tensor avg_sq,
+    torch::Tensor max_avg_sq) {
+  auto state = std::make_unique<State>();
+  state->step(step);
+  state->exp_avg(std::move(avg));
+  state->exp_avg_sq(std::move(avg_sq));
+  state->max_exp_avg_sq(std::move(max_avg_sq));
+  return state;
+}
+
+// PyTorch's names; "step" a 0-d float32 tensor, as PyTorch >= 1.12 keeps it.
+template <typename State>
+void ReadAdamState(const State& state, optim::ParamState& out) {
+  out["step"] =
+      optim::ScalarTensor(DType::kFloat32, static_cast<double>(state.step()));
+  out["exp_avg"] = ToHost(state.exp_avg());
+  out["exp_avg_sq"] = ToHost(state.exp_avg_sq());
+  if (state.max_exp_avg_sq().defined()) {
+    out["max_exp_avg_sq"] = ToHost(state.max_exp_avg_sq());
+  }
+}
+
 std::string StateKey(const torch::Tensor& t) {
   return c10::guts::to_string(t.unsafeGetTensorImpl());
 }
@@ -842,27 +867,14 @@ absl::StatusOr<optim::OptimStateDict> FsdpModule::ShardedOptimState(
           mine["momentum_buffer"] = ToHost(s.momentum_buffer());
         }
       } else {
-        // AdamWParamState has AdamParamState's fields; read them by type.
-        int64_t step = 0;
-        torch::Tensor avg, avg_sq, max_avg_sq;
-        if (auto* s = dynamic_cast<torch::optim::AdamWParamState*>(
+        // AdamWParamState has AdamParamState's fields in another class.
+        if (auto* w = dynamic_cast<torch::optim::AdamWParamState*>(
                 state->second.get())) {
-          step = s->step();
-          avg = s->exp_avg();
-          avg_sq = s->exp_avg_sq();
-          max_avg_sq = s->max_exp_avg_sq();
+          ReadAdamState(*w, mine);
         } else {
-          auto& a = static_cast<torch::optim::AdamParamState&>(*state->second);
-          step = a.step();
-          avg = a.exp_avg();
-          avg_sq = a.exp_avg_sq();
-          max_avg_sq = a.max_exp_avg_sq();
+          ReadAdamState(
+              static_cast<torch::optim::AdamParamState&>(*state->second), mine);
         }
-        mine["step"] =
-            optim::ScalarTensor(DType::kFloat32, static_cast<double>(step));
-        mine["exp_avg"] = ToHost(avg);
-        mine["exp_avg_sq"] = ToHost(avg_sq);
-        if (max_avg_sq.defined()) mine["max_exp_avg_sq"] = ToHost(max_avg_sq);
       }
     }
     dict.param_groups.push_back(std::move(out));
@@ -946,21 +958,11 @@ absl::StatusOr<FsdpModule::OptimizerStates> FsdpModule::ParseOptimState(
                                tensor(u, state, "max_exp_avg_sq", false));
     const int64_t steps =
         static_cast<int64_t>(step.to(torch::kDouble).item<double>());
-    if (std::string(kind.name) == "AdamW") {
-      auto s = std::make_unique<torch::optim::AdamWParamState>();
-      s->step(steps);
-      s->exp_avg(avg);
-      s->exp_avg_sq(avg_sq);
-      s->max_exp_avg_sq(max_avg_sq);
-      loaded[key_string] = std::move(s);
-    } else {
-      auto s = std::make_unique<torch::optim::AdamParamState>();
-      s->step(steps);
-      s->exp_avg(avg);
-      s->exp_avg_sq(avg_sq);
-      s->max_exp_avg_sq(max_avg_sq);
-      loaded[key_string] = std::move(s);
-    }
+    loaded[key_string] = std::string(kind.name) == "AdamW"
+                             ? MakeAdamState<torch::optim::AdamWParamState>(
+                                   steps, avg, avg_sq, max_avg_sq)
+                             : MakeAdamState<torch::optim::AdamParamState>(
+                                   steps, avg, avg_sq, max_avg_sq);
   }
   return loaded;
 }

@@ -67,31 +67,5 @@ TEST(FsdpModuleMpiTest, BitwiseEqualToSingleProcessTraining) {
 int main(int argc, char** argv) {
   // One intra-op thread: LibTorch's kernels then reduce in one order.
   torch::set_num_threads(1);
-  absl::StatusOr<flatparam::MpiSession> session =
-      flatparam::MpiSession::Start(&argc, &argv);
-  if (!session.ok()) {
-    std::fprintf(stderr, "%s\n", session.status().ToString().c_str());
-    return 1;
-  }
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  flatparam::InitGoogleTestOnMpiRank(rank, &argc, argv);
-  bool failed = false;
-  {
-    auto world = flatparam::MpiCommunicator::CreateWorld();
-    if (!world.ok()) {
-      std::fprintf(stderr, "[rank %d] %s\n", rank,
-                   world.status().ToString().c_str());
-      return 1;
-    }
-    flatparam::libtorch::g_world = world->get();
-    failed = flatparam::RunAllTestsOnAllRanks(**world);
-    flatparam::libtorch::g_world = nullptr;
-  }
-  const absl::Status finished = session->Finish();
-  if (!finished.ok()) {
-    std::fprintf(stderr, "[rank %d] %s\n", rank, finished.ToString().c_str());
-    failed = true;
-  }
-  return failed ? 1 : 0;
+  return flatparam::MpiGtestMain(&argc, argv, &flatparam::libtorch::g_world);
 }
