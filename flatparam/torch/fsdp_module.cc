@@ -673,6 +673,18 @@ absl::StatusOr<OptimizerKind> KindOf(torch::optim::Optimizer& optimizer) {
       "supported");
 }
 
+// Adam's and AdamW's options: the same fields, two classes.
+template <typename Options>
+void AdamHyperparams(const Options& o,
+                     std::map<std::string, optim::HyperValue>& h) {
+  h["lr"] = o.lr();
+  h["betas"] =
+      std::vector<double>{std::get<0>(o.betas()), std::get<1>(o.betas())};
+  h["eps"] = o.eps();
+  h["weight_decay"] = o.weight_decay();
+  h["amsgrad"] = o.amsgrad();
+}
+
 std::map<std::string, optim::HyperValue> Hyperparams(
     const torch::optim::OptimizerOptions& options) {
   std::map<std::string, optim::HyperValue> h;
@@ -685,20 +697,10 @@ std::map<std::string, optim::HyperValue> Hyperparams(
     h["nesterov"] = o->nesterov();
   } else if (auto* o =
                  dynamic_cast<const torch::optim::AdamWOptions*>(&options)) {
-    h["lr"] = o->lr();
-    h["betas"] =
-        std::vector<double>{std::get<0>(o->betas()), std::get<1>(o->betas())};
-    h["eps"] = o->eps();
-    h["weight_decay"] = o->weight_decay();
-    h["amsgrad"] = o->amsgrad();
+    AdamHyperparams(*o, h);
   } else if (auto* o =
                  dynamic_cast<const torch::optim::AdamOptions*>(&options)) {
-    h["lr"] = o->lr();
-    h["betas"] =
-        std::vector<double>{std::get<0>(o->betas()), std::get<1>(o->betas())};
-    h["eps"] = o->eps();
-    h["weight_decay"] = o->weight_decay();
-    h["amsgrad"] = o->amsgrad();
+    AdamHyperparams(*o, h);
   }
   return h;
 }
