@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <cstring>
 #include <new>
+#include <string>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -18,7 +20,8 @@ namespace {
 
 using internal_cuda::KernelDType;
 
-absl::Status CudaError(cudaError_t error, absl::string_view context) {
+absl::Status CudaError(CudaRuntime& rt, cudaError_t error,
+                       absl::string_view context) {
   if (error == cudaSuccess) return absl::OkStatus();
   absl::StatusCode code = absl::StatusCode::kInternal;
   if (error == cudaErrorMemoryAllocation) {
@@ -29,27 +32,52 @@ absl::Status CudaError(cudaError_t error, absl::string_view context) {
   }
   return absl::Status(
       code,
-      absl::StrFormat("%s: CUDA %s (%d): %s", context, cudaGetErrorName(error),
-                      static_cast<int>(error), cudaGetErrorString(error)));
+      absl::StrFormat("%s: CUDA %s (%d): %s", context, rt.GetErrorName(error),
+                      static_cast<int>(error), rt.GetErrorString(error)));
 }
 
 // Makes `ordinal` the current device for a scope.
 class DeviceGuard {
  public:
-  explicit DeviceGuard(int ordinal) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+  DeviceGuard(CudaRuntime& rt, int ordinal) : rt_(rt) {
+    if (rt_.GetDevice(&previous_) != cudaSuccess) {
+      previous_ = -1;
+      rt_.GetLastError();
+    }
     if (previous_ != ordinal) {
-      status_ = CudaError(cudaSetDevice(ordinal), "cudaSetDevice");
+      status_ = CudaError(rt_, rt_.SetDevice(ordinal), "cudaSetDevice");
+      if (!status_.ok()) rt_.GetLastError();
     }
   }
   ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
+    if (previous_ >= 0) rt_.SetDevice(previous_);
   }
   const absl::Status& status() const { return status_; }
 
  private:
+  CudaRuntime& rt_;
   int previous_ = -1;
   absl::Status status_;
+};
+
+// Spins briefly (device work often ends in microseconds), then sleeps with
+// exponential backoff up to 1 ms, never past the deadline.
+class Backoff {
+ public:
+  void Pause(absl::Time deadline) {
+    if (spins_ < 64) {
+      ++spins_;
+      std::this_thread::yield();
+      return;
+    }
+    const absl::Duration nap = std::min(sleep_, deadline - absl::Now());
+    if (nap > absl::ZeroDuration()) absl::SleepFor(nap);
+    sleep_ = std::min(sleep_ * 2, absl::Milliseconds(1));
+  }
+
+ private:
+  int spins_ = 0;
+  absl::Duration sleep_ = absl::Microseconds(10);
 };
 
 KernelDType ToKernel(DType dtype) {
@@ -83,11 +111,14 @@ absl::StatusOr<std::unique_ptr<DeviceOps>> CreateCudaDeviceOps(int ordinal) {
 }
 
 absl::StatusOr<std::unique_ptr<CudaDeviceOps>> CudaDeviceOps::Create(
-    int ordinal, cudaStream_t stream, CudaAllocator* allocator) {
+    int ordinal, cudaStream_t stream, CudaAllocator* allocator,
+    CudaRuntime* runtime) {
+  CudaRuntime& rt = runtime != nullptr ? *runtime : RealCudaRuntime();
   int count = 0;
-  const cudaError_t e = cudaGetDeviceCount(&count);
+  const cudaError_t e = rt.GetDeviceCount(&count);
   if (e != cudaSuccess) {
-    const absl::Status st = CudaError(e, "cudaGetDeviceCount");
+    const absl::Status st = CudaError(rt, e, "cudaGetDeviceCount");
+    rt.GetLastError();
     return absl::FailedPreconditionError(absl::StrFormat(
         "CudaDeviceOps on cuda:%d: no usable GPU: %s", ordinal, st.message()));
   }
@@ -101,12 +132,13 @@ absl::StatusOr<std::unique_ptr<CudaDeviceOps>> CudaDeviceOps::Create(
     return absl::InvalidArgumentError(absl::StrFormat(
         "CudaDeviceOps: CUDA device %d is not in [0, %d)", ordinal, count));
   }
-  DeviceGuard guard(ordinal);
+  DeviceGuard guard(rt, ordinal);
   FLATPARAM_RETURN_IF_ERROR(guard.status());
   int pools = 0;
-  if (cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported,
-                             ordinal) != cudaSuccess) {
+  if (rt.DeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, ordinal) !=
+      cudaSuccess) {
     pools = 0;
+    rt.GetLastError();
   }
   if (pools != 0 && allocator == nullptr) {
     // Keep freed memory reserved (PyTorch's caching allocator does the
@@ -114,33 +146,53 @@ absl::StatusOr<std::unique_ptr<CudaDeviceOps>> CudaDeviceOps::Create(
     // synchronization, and the next iteration's allocations reach the
     // driver again.
     cudaMemPool_t pool = nullptr;
-    if (cudaDeviceGetDefaultMemPool(&pool, ordinal) == cudaSuccess) {
+    if (rt.DeviceGetDefaultMemPool(&pool, ordinal) == cudaSuccess) {
       uint64_t keep = UINT64_MAX;
+      const cudaError_t set =
+          rt.MemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+      if (set != cudaSuccess) rt.GetLastError();
       FLATPARAM_RETURN_IF_ERROR(CudaError(
-          cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep),
-          "cudaMemPoolSetAttribute(cudaMemPoolAttrReleaseThreshold)"));
+          rt, set, "cudaMemPoolSetAttribute(cudaMemPoolAttrReleaseThreshold)"));
+    } else {
+      rt.GetLastError();
     }
   }
   bool owns = false;
   if (stream == nullptr) {
+    const cudaError_t created =
+        rt.StreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    if (created != cudaSuccess) rt.GetLastError();
     FLATPARAM_RETURN_IF_ERROR(
-        CudaError(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
-                  "cudaStreamCreateWithFlags"));
+        CudaError(rt, created, "cudaStreamCreateWithFlags"));
     owns = true;
   }
   return std::unique_ptr<CudaDeviceOps>(
-      new CudaDeviceOps(ordinal, stream, owns, pools != 0, allocator));
+      new CudaDeviceOps(rt, ordinal, stream, owns, pools != 0, allocator));
 }
+
+absl::Status CudaDeviceOps::Check(cudaError_t error,
+                                  absl::string_view context) const {
+  if (error == cudaSuccess) return absl::OkStatus();
+  // Handled here: it must not resurface as the next launch's error.
+  rt_.GetLastError();
+  return CudaError(rt_, error, context);
+}
+
+void CudaDeviceOps::ClearLastError() const { rt_.GetLastError(); }
 
 int64_t CudaDeviceOps::PoolReserved(bool peak) const {
   if (!async_alloc_ || allocator_ != nullptr) return 0;
   cudaMemPool_t pool = nullptr;
-  if (cudaDeviceGetDefaultMemPool(&pool, ordinal_) != cudaSuccess) return 0;
+  if (rt_.DeviceGetDefaultMemPool(&pool, ordinal_) != cudaSuccess) {
+    ClearLastError();
+    return 0;
+  }
   uint64_t value = 0;
-  if (cudaMemPoolGetAttribute(pool,
+  if (rt_.MemPoolGetAttribute(pool,
                               peak ? cudaMemPoolAttrReservedMemHigh
                                    : cudaMemPoolAttrReservedMemCurrent,
                               &value) != cudaSuccess) {
+    ClearLastError();
     return 0;
   }
   return static_cast<int64_t>(value);
@@ -153,34 +205,120 @@ CudaAllocatorStats CudaDeviceOps::stats() const {
   return s;
 }
 
+void CudaDeviceOps::SetHostWaitLimit(absl::Duration limit,
+                                     HostWaitExpiry on_expiry) {
+  host_wait_limit_ = limit;
+  on_expiry_ = std::move(on_expiry);
+}
+
+int64_t CudaDeviceOps::cuda_events_held() const {
+  return static_cast<int64_t>(events_.size() + free_events_.size());
+}
+
 CudaDeviceOps::~CudaDeviceOps() {
-  DeviceGuard guard(ordinal_);
-  for (cudaStream_t s : streams_) cudaStreamSynchronize(s);
-  for (auto& [id, e] : events_) cudaEventDestroy(e);
+  DeviceGuard guard(rt_, ordinal_);
   for (size_t i = 0; i < streams_.size(); ++i) {
-    if (i > 0 || owns_stream_) cudaStreamDestroy(streams_[i]);
+    // Bounded like every host wait: after a failure the streams may never
+    // drain, and CUDA finishes (or abandons) their work after the destroy.
+    HostWaitStream(static_cast<int32_t>(i), "destroying the ops").IgnoreError();
+  }
+  for (auto& [id, r] : events_) rt_.EventDestroy(r.event);
+  for (cudaEvent_t e : free_events_) rt_.EventDestroy(e);
+  for (size_t i = 0; i < streams_.size(); ++i) {
+    if (i > 0 || owns_stream_) rt_.StreamDestroy(streams_[i]);
+  }
+  ClearLastError();
+}
+
+absl::StatusOr<cudaEvent_t> CudaDeviceOps::TakeEvent() {
+  if (!free_events_.empty()) {
+    cudaEvent_t e = free_events_.back();
+    free_events_.pop_back();
+    return e;
+  }
+  cudaEvent_t e = nullptr;
+  FLATPARAM_RETURN_IF_ERROR(
+      Check(rt_.EventCreateWithFlags(&e, cudaEventDisableTiming),
+            "cudaEventCreateWithFlags"));
+  return e;
+}
+
+void CudaDeviceOps::Retire(int32_t index) {
+  Timeline& t = timelines_[index];
+  while (!t.pending.empty()) {
+    const Pending& p = t.pending.front();
+    const cudaError_t q = rt_.EventQuery(p.event);
+    if (q != cudaSuccess) {
+      // cudaErrorNotReady (or a failure the next operation reports): not
+      // an error of any later call.
+      ClearLastError();
+      return;
+    }
+    events_.erase(p.id);
+    ReturnEvent(p.event);
+    t.pending.pop_front();
   }
 }
 
+absl::Status CudaDeviceOps::HostWait(cudaEvent_t event,
+                                     absl::string_view what) {
+  const absl::Time start = absl::Now();
+  const absl::Time deadline = host_wait_limit_ == absl::InfiniteDuration()
+                                  ? absl::InfiniteFuture()
+                                  : start + host_wait_limit_;
+  Backoff backoff;
+  while (true) {
+    const cudaError_t q = rt_.EventQuery(event);
+    if (q == cudaSuccess) return absl::OkStatus();
+    if (q != cudaErrorNotReady) return Check(q, what);
+    ClearLastError();  // "not ready" is an answer, not an error
+    if (absl::Now() >= deadline) break;
+    backoff.Pause(deadline);
+  }
+  if (on_expiry_) return on_expiry_(what);
+  return absl::DeadlineExceededError(absl::StrFormat(
+      "cuda:%d: %s did not complete within %s (the work waits for something "
+      "that has not happened: a collective a peer never joined?)",
+      ordinal_, what, absl::FormatDuration(host_wait_limit_)));
+}
+
+absl::Status CudaDeviceOps::HostWaitStream(int32_t index,
+                                           absl::string_view what) {
+  FLATPARAM_ASSIGN_OR_RETURN(cudaEvent_t e, TakeEvent());
+  absl::Status st = Check(rt_.EventRecord(e, streams_[index]),
+                          absl::StrCat(what, ": cudaEventRecord"));
+  if (st.ok()) st = HostWait(e, what);
+  if (st.ok()) {
+    ReturnEvent(e);
+    // Everything recorded on the stream before has passed too.
+    Retire(index);
+  } else {
+    rt_.EventDestroy(e);  // it may still be pending
+  }
+  return st;
+}
+
 absl::Status CudaDeviceOps::Synchronize() {
-  DeviceGuard guard(ordinal_);
+  DeviceGuard guard(rt_, ordinal_);
   FLATPARAM_RETURN_IF_ERROR(guard.status());
-  for (cudaStream_t s : streams_) {
+  for (size_t i = 0; i < streams_.size(); ++i) {
     FLATPARAM_RETURN_IF_ERROR(
-        CudaError(cudaStreamSynchronize(s), "cudaStreamSynchronize"));
+        HostWaitStream(static_cast<int32_t>(i),
+                       absl::StrFormat("Synchronize on stream %d", i)));
   }
   return absl::OkStatus();
 }
 
 absl::Status CudaDeviceOps::DoNewStream(Stream stream) {
-  DeviceGuard guard(ordinal_);
+  DeviceGuard guard(rt_, ordinal_);
   FLATPARAM_RETURN_IF_ERROR(guard.status());
   cudaStream_t s = nullptr;
   FLATPARAM_RETURN_IF_ERROR(
-      CudaError(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
-                "cudaStreamCreateWithFlags"));
+      Check(rt_.StreamCreateWithFlags(&s, cudaStreamNonBlocking),
+            "cudaStreamCreateWithFlags"));
   assert(static_cast<size_t>(stream.id) == streams_.size());
   streams_.push_back(s);
+  timelines_.emplace_back();
   return absl::OkStatus();
 }
 
@@ -190,34 +328,43 @@ absl::Status CudaDeviceOps::DoSetStream(Stream stream) {
 }
 
 absl::Status CudaDeviceOps::DoRecordEvent(Event event) {
-  DeviceGuard guard(ordinal_);
+  DeviceGuard guard(rt_, ordinal_);
   FLATPARAM_RETURN_IF_ERROR(guard.status());
-  cudaEvent_t e = nullptr;
-  FLATPARAM_RETURN_IF_ERROR(CudaError(
-      cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate"));
-  const absl::Status recorded = CudaError(
-      cudaEventRecord(e, streams_[event.stream.id]), "cudaEventRecord");
+  const int32_t index = event.stream.id;
+  Retire(index);  // recycle what has passed before taking another
+  FLATPARAM_ASSIGN_OR_RETURN(cudaEvent_t e, TakeEvent());
+  const absl::Status recorded =
+      Check(rt_.EventRecord(e, streams_[index]), "cudaEventRecord");
   if (!recorded.ok()) {
-    cudaEventDestroy(e);
+    ReturnEvent(e);
     return recorded;
   }
-  events_[event.id] = e;
+  Timeline& t = timelines_[index];
+  t.pending.push_back(Pending{t.next_seq++, e, event.id});
+  events_[event.id] = Recorded{index, e};
   return absl::OkStatus();
 }
 
 absl::Status CudaDeviceOps::DoWaitEvent(Stream stream, Event event) {
-  DeviceGuard guard(ordinal_);
+  auto it = events_.find(event.id);
+  if (it == events_.end()) return absl::OkStatus();  // it has passed
+  DeviceGuard guard(rt_, ordinal_);
   FLATPARAM_RETURN_IF_ERROR(guard.status());
-  return CudaError(
-      cudaStreamWaitEvent(streams_[stream.id], events_.at(event.id), 0),
-      "cudaStreamWaitEvent");
+  return Check(rt_.StreamWaitEvent(streams_[stream.id], it->second.event, 0),
+               "cudaStreamWaitEvent");
 }
 
 absl::Status CudaDeviceOps::DoSynchronizeEvent(Event event) {
-  DeviceGuard guard(ordinal_);
+  auto it = events_.find(event.id);
+  if (it == events_.end()) return absl::OkStatus();  // it has passed
+  DeviceGuard guard(rt_, ordinal_);
   FLATPARAM_RETURN_IF_ERROR(guard.status());
-  return CudaError(cudaEventSynchronize(events_.at(event.id)),
-                   "cudaEventSynchronize");
+  const int32_t index = it->second.stream;
+  FLATPARAM_RETURN_IF_ERROR(
+      HostWait(it->second.event,
+               absl::StrFormat("SynchronizeEvent on stream %d", index)));
+  Retire(index);
+  return absl::OkStatus();
 }
 
 std::optional<DeviceStream> CudaDeviceOps::DoNativeStream(Stream stream) const {
@@ -247,7 +394,7 @@ absl::Status CudaDeviceOps::DoRecordStream(ConstBufferRef buffer,
 
 absl::StatusOr<void*> CudaDeviceOps::DoAllocate(Device device, int64_t bytes,
                                                 bool pinned) {
-  DeviceGuard guard(ordinal_);
+  DeviceGuard guard(rt_, ordinal_);
   FLATPARAM_RETURN_IF_ERROR(guard.status());
   void* p = nullptr;
   const std::string what =
@@ -256,7 +403,7 @@ absl::StatusOr<void*> CudaDeviceOps::DoAllocate(Device device, int64_t bytes,
   if (device == Device::Host()) {
     if (pinned) {
       FLATPARAM_RETURN_IF_ERROR(
-          CudaError(cudaMallocHost(&p, static_cast<size_t>(bytes)), what));
+          Check(rt_.MallocHost(&p, static_cast<size_t>(bytes)), what));
       return p;
     }
     p = ::operator new (static_cast<size_t>(bytes), std::align_val_t{64},
@@ -270,12 +417,12 @@ absl::StatusOr<void*> CudaDeviceOps::DoAllocate(Device device, int64_t bytes,
     FLATPARAM_ASSIGN_OR_RETURN(p, allocator_->Allocate(bytes, stream_));
   } else if (async_alloc_) {
     const int64_t reserved = PoolReserved(/*peak=*/false);
-    FLATPARAM_RETURN_IF_ERROR(CudaError(
-        cudaMallocAsync(&p, static_cast<size_t>(bytes), stream_), what));
+    FLATPARAM_RETURN_IF_ERROR(
+        Check(rt_.MallocAsync(&p, static_cast<size_t>(bytes), stream_), what));
     if (PoolReserved(/*peak=*/false) > reserved) ++stats_.device_mallocs;
   } else {
     FLATPARAM_RETURN_IF_ERROR(
-        CudaError(cudaMalloc(&p, static_cast<size_t>(bytes)), what));
+        Check(rt_.Malloc(&p, static_cast<size_t>(bytes)), what));
     ++stats_.device_mallocs;
   }
   allocations_[static_cast<char*>(p)] =
@@ -288,12 +435,16 @@ absl::StatusOr<void*> CudaDeviceOps::DoAllocate(Device device, int64_t bytes,
 }
 
 void CudaDeviceOps::DoFree(void* data, Device device, bool pinned) {
-  DeviceGuard guard(ordinal_);
+  DeviceGuard guard(rt_, ordinal_);
   if (device == Device::Host()) {
     if (pinned) {
-      // Asynchronous copies on any stream may still read or write it.
-      for (cudaStream_t s : streams_) cudaStreamSynchronize(s);
-      cudaFreeHost(data);
+      // Asynchronous copies on any stream may still read or write it;
+      // cudaFreeHost would synchronize the device without a bound.
+      for (size_t i = 0; i < streams_.size(); ++i) {
+        HostWaitStream(static_cast<int32_t>(i), "freeing pinned memory")
+            .IgnoreError();
+      }
+      if (rt_.FreeHost(data) != cudaSuccess) ClearLastError();
     } else {
       ::operator delete (data, std::align_val_t{64});
     }
@@ -305,26 +456,29 @@ void CudaDeviceOps::DoFree(void* data, Device device, bool pinned) {
   allocations_.erase(it);
   stats_.allocated_bytes -= a.bytes;
   if (!async_alloc_ && allocator_ == nullptr) {
-    cudaFree(data);  // synchronizes the device: every stream's use is done
+    // Synchronizes the device: every stream's use is done.
+    if (rt_.Free(data) != cudaSuccess) ClearLastError();
     return;
   }
   // Stream-ordered free on the allocating stream, after the work the other
-  // streams that used it had issued by now (PyTorch's record_stream).
+  // streams that used it had issued by now (PyTorch's record_stream). An
+  // event can go back to the pool as soon as the wait is enqueued: the wait
+  // keeps the recording it saw.
   cudaStream_t owner = streams_[a.stream];
   for (int32_t user : a.used_by) {
-    cudaEvent_t e = nullptr;
-    if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
-      cudaStreamSynchronize(streams_[user]);  // no event: wait here instead
-      continue;
+    absl::StatusOr<cudaEvent_t> e = TakeEvent();
+    if (!e.ok() || rt_.EventRecord(*e, streams_[user]) != cudaSuccess ||
+        rt_.StreamWaitEvent(owner, *e, 0) != cudaSuccess) {
+      ClearLastError();
+      // No ordering by event: wait for the user stream here instead.
+      HostWaitStream(user, "freeing device memory").IgnoreError();
     }
-    cudaEventRecord(e, streams_[user]);
-    cudaStreamWaitEvent(owner, e, 0);
-    cudaEventDestroy(e);  // released once the wait no longer needs it
+    if (e.ok()) ReturnEvent(*e);
   }
   if (allocator_ != nullptr) {
     allocator_->Free(data, owner);
-  } else {
-    cudaFreeAsync(data, owner);
+  } else if (rt_.FreeAsync(data, owner) != cudaSuccess) {
+    ClearLastError();
   }
 }
 
@@ -333,18 +487,24 @@ absl::Status CudaDeviceOps::DoCopy(BufferRef dst, ConstBufferRef src) {
     std::memcpy(dst.data, src.data, static_cast<size_t>(dst.bytes()));
     return absl::OkStatus();
   }
-  DeviceGuard guard(ordinal_);
+  DeviceGuard guard(rt_, ordinal_);
   FLATPARAM_RETURN_IF_ERROR(guard.status());
   const std::string what =
       absl::StrFormat("cudaMemcpyAsync of %d bytes from %s to %s", dst.bytes(),
                       DeviceName(src.device), DeviceName(dst.device));
-  FLATPARAM_RETURN_IF_ERROR(CudaError(
-      cudaMemcpyAsync(dst.data, src.data, static_cast<size_t>(dst.bytes()),
+  const bool host_side = OnHost(dst) || OnHost(src);
+  const int32_t index = current_stream().id;
+  if (host_side) {
+    // A copy with pageable host memory blocks in the driver until the
+    // stream reaches it; wait here first, where the wait is bounded.
+    FLATPARAM_RETURN_IF_ERROR(
+        HostWaitStream(index, absl::StrCat(what, " (waiting for the stream)")));
+  }
+  FLATPARAM_RETURN_IF_ERROR(Check(
+      rt_.MemcpyAsync(dst.data, src.data, static_cast<size_t>(dst.bytes()),
                       cudaMemcpyDefault, stream_),
       what));
-  if (OnHost(dst) || OnHost(src)) {
-    return CudaError(cudaStreamSynchronize(stream_), what);
-  }
+  if (host_side) return HostWaitStream(index, what);
   return absl::OkStatus();
 }
 
@@ -353,19 +513,19 @@ absl::Status CudaDeviceOps::DoFill(BufferRef dst, double value) {
     HostFill(dst.data, dst.dtype, dst.count, value);
     return absl::OkStatus();
   }
-  DeviceGuard guard(ordinal_);
+  DeviceGuard guard(rt_, ordinal_);
   FLATPARAM_RETURN_IF_ERROR(guard.status());
   uint64_t pattern = 0;
   StoreFromDouble(&pattern, dst.dtype, 0, value);
   if (pattern == 0) {
-    return CudaError(
-        cudaMemsetAsync(dst.data, 0, static_cast<size_t>(dst.bytes()), stream_),
+    return Check(
+        rt_.MemsetAsync(dst.data, 0, static_cast<size_t>(dst.bytes()), stream_),
         "cudaMemsetAsync");
   }
-  return CudaError(internal_cuda::LaunchFill(
-                       dst.data, static_cast<int>(DTypeSize(dst.dtype)),
-                       pattern, dst.count, stream_),
-                   "fill kernel");
+  ClearLastError();
+  return Check(rt_.LaunchFill(dst.data, static_cast<int>(DTypeSize(dst.dtype)),
+                              pattern, dst.count, stream_),
+               "fill kernel");
 }
 
 absl::Status CudaDeviceOps::DoCast(BufferRef dst, ConstBufferRef src) {
@@ -373,13 +533,13 @@ absl::Status CudaDeviceOps::DoCast(BufferRef dst, ConstBufferRef src) {
     HostCast(dst.data, dst.dtype, src.data, src.dtype, dst.count);
     return absl::OkStatus();
   }
-  DeviceGuard guard(ordinal_);
+  DeviceGuard guard(rt_, ordinal_);
   FLATPARAM_RETURN_IF_ERROR(guard.status());
-  return CudaError(
-      internal_cuda::LaunchCast(dst.data, ToKernel(dst.dtype), src.data,
-                                ToKernel(src.dtype), dst.count, stream_),
-      absl::StrFormat("cast kernel %s -> %s", DTypeName(src.dtype),
-                      DTypeName(dst.dtype)));
+  ClearLastError();
+  return Check(rt_.LaunchCast(dst.data, ToKernel(dst.dtype), src.data,
+                              ToKernel(src.dtype), dst.count, stream_),
+               absl::StrFormat("cast kernel %s -> %s", DTypeName(src.dtype),
+                               DTypeName(dst.dtype)));
 }
 
 absl::Status CudaDeviceOps::DoScale(BufferRef buf, ScaleOp op, double factor) {
@@ -387,7 +547,7 @@ absl::Status CudaDeviceOps::DoScale(BufferRef buf, ScaleOp op, double factor) {
     HostScale(buf.data, buf.dtype, buf.count, op, factor);
     return absl::OkStatus();
   }
-  DeviceGuard guard(ordinal_);
+  DeviceGuard guard(rt_, ordinal_);
   FLATPARAM_RETURN_IF_ERROR(guard.status());
   // The scalar in the compute type; PyTorch's CUDA division by a scalar
   // multiplies by `opmath_t(1) / opmath_t(factor)`.
@@ -399,9 +559,10 @@ absl::Status CudaDeviceOps::DoScale(BufferRef buf, ScaleOp op, double factor) {
     scalar = op == ScaleOp::kDivide ? static_cast<double>(1.0f / f)
                                     : static_cast<double>(f);
   }
-  return CudaError(internal_cuda::LaunchMultiply(buf.data, ToKernel(buf.dtype),
-                                                 scalar, buf.count, stream_),
-                   absl::StrFormat("%s kernel", ScaleOpName(op)));
+  ClearLastError();
+  return Check(rt_.LaunchMultiply(buf.data, ToKernel(buf.dtype), scalar,
+                                  buf.count, stream_),
+               absl::StrFormat("%s kernel", ScaleOpName(op)));
 }
 
 absl::Status CudaDeviceOps::DoAdd(BufferRef acc, ConstBufferRef x) {
@@ -409,11 +570,11 @@ absl::Status CudaDeviceOps::DoAdd(BufferRef acc, ConstBufferRef x) {
     HostAdd(acc.data, x.data, acc.dtype, acc.count);
     return absl::OkStatus();
   }
-  DeviceGuard guard(ordinal_);
+  DeviceGuard guard(rt_, ordinal_);
   FLATPARAM_RETURN_IF_ERROR(guard.status());
-  return CudaError(
-      internal_cuda::LaunchAdd(acc.data, x.data, ToKernel(acc.dtype), acc.count,
-                               stream_),
+  ClearLastError();
+  return Check(
+      rt_.LaunchAdd(acc.data, x.data, ToKernel(acc.dtype), acc.count, stream_),
       "add kernel");
 }
 

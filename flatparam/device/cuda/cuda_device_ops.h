@@ -24,17 +24,33 @@
 // cudaMallocHost; its free first synchronizes the streams. Unpinned host
 // memory is ordinary 64-byte aligned heap memory.
 //
-// Completion. Copies that touch host memory are synchronous (the stream is
-// synchronized before they return); copies between device buffers and
+// Completion. Copies that touch host memory are synchronous (they return
+// once the copy is done); copies between device buffers and
 // Fill/Cast/Scale/Add on device buffers are asynchronous. Fill/Cast/Scale/Add
 // on host buffers run on the CPU with the host kernels (PyTorch's CPU
 // arithmetic). Kernel arithmetic is PyTorch's CUDA arithmetic: in particular
 // Scale(kDivide, f) multiplies by the reciprocal of f computed in the
 // compute type, as PyTorch's `div_` by a scalar does on CUDA.
 //
+// Host waits. Every wait of the host for device work (Synchronize,
+// SynchronizeEvent, copies to or from host memory, freeing pinned memory)
+// polls an event (cudaEventQuery) rather than blocking in the driver, so
+// that it can be bounded: with SetHostWaitLimit, a wait that has not ended
+// within the limit (the work waits for a collective that a dead peer never
+// joins) calls the caller's handler (which aborts the communicator) and
+// returns its error. Without a limit the waits are unbounded.
+//
+// Events. RecordEvent takes a CUDA event from a pool and returns it there
+// once a later query on its stream shows it has passed (streams complete in
+// order), so the number of CUDA events alive stays bounded by the events in
+// flight however many steps run.
+//
 // Errors: CUDA errors become absl::Status naming the call and the CUDA
 // error: ResourceExhausted for out-of-memory, FailedPrecondition for a
-// missing driver or device, Internal otherwise.
+// missing driver or device, Internal otherwise. An error (or a query's
+// cudaErrorNotReady) the ops have handled is cleared from the thread's
+// last-error state, and kernels are launched from a clean state, so that no
+// launch reports an earlier call's result as its own.
 //
 // Thread-safety: one thread at a time. Each call makes the ops' device
 // current for its duration and restores the caller's device.
@@ -43,12 +59,17 @@
 
 #include <cuda_runtime_api.h>
 
+#include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "flatparam/device/cuda/cuda_runtime.h"
 #include "flatparam/device/device.h"
 
 namespace flatparam {
@@ -84,12 +105,26 @@ class CudaDeviceOps final : public DeviceOps {
   // Ops on device `ordinal`. `stream`: a stream of that device to use as
   // stream 0 (not owned; it must outlive the ops), or null for a new
   // non-blocking stream. `allocator`: the caller's, or null for the
-  // device's memory pool.
+  // device's memory pool. `runtime`: the CUDA runtime to call (tests pass
+  // a FakeCudaRuntime; it must outlive the ops), or null for the real one.
   static absl::StatusOr<std::unique_ptr<CudaDeviceOps>> Create(
       int ordinal, cudaStream_t stream = nullptr,
-      CudaAllocator* allocator = nullptr);
+      CudaAllocator* allocator = nullptr, CudaRuntime* runtime = nullptr);
 
   CudaAllocatorStats stats() const;
+
+  // Bounds every host wait (see "Host waits") by `limit`. When a wait
+  // exceeds it, `on_expiry(what)` is called with what was waited for (e.g.
+  // "Synchronize on stream 1") and its error is returned; a trainer passes
+  // its communicator's timeout and a handler that aborts the communicator
+  // and names the rank and collective. A null handler returns
+  // DeadlineExceeded naming the device and the wait.
+  using HostWaitExpiry = std::function<absl::Status(absl::string_view what)>;
+  void SetHostWaitLimit(absl::Duration limit, HostWaitExpiry on_expiry);
+
+  // CUDA events the ops hold (recorded and pending, or pooled), for tests
+  // that check they stay bounded.
+  int64_t cuda_events_held() const;
 
   // Synchronizes the stream and destroys it if owned. Every DeviceBuffer
   // allocated by these ops must be gone before.
@@ -131,16 +166,34 @@ class CudaDeviceOps final : public DeviceOps {
   std::optional<DeviceStream> DoNativeStream(Stream stream) const override;
 
  private:
-  CudaDeviceOps(int ordinal, cudaStream_t stream, bool owns_stream,
-                bool async_alloc, CudaAllocator* allocator)
-      : ordinal_(ordinal),
+  CudaDeviceOps(CudaRuntime& rt, int ordinal, cudaStream_t stream,
+                bool owns_stream, bool async_alloc, CudaAllocator* allocator)
+      : rt_(rt),
+        ordinal_(ordinal),
         stream_(stream),
         owns_stream_(owns_stream),
         async_alloc_(async_alloc),
         allocator_(allocator),
-        streams_{stream} {}
+        streams_{stream},
+        timelines_(1) {}
   // The pool's reserved bytes (0 without a pool or with a plug-in).
   int64_t PoolReserved(bool peak) const;
+  // `error` as a Status (see "Errors"), clearing it from the thread's
+  // last-error state.
+  absl::Status Check(cudaError_t error, absl::string_view context) const;
+  // Clears what an earlier call left in the last-error state; before a
+  // kernel launch, whose result is cudaGetLastError().
+  void ClearLastError() const;
+  // A CUDA event from the pool (or a new one).
+  absl::StatusOr<cudaEvent_t> TakeEvent();
+  void ReturnEvent(cudaEvent_t event) { free_events_.push_back(event); }
+  // Returns to the pool the events of stream `index` that have passed.
+  void Retire(int32_t index);
+  // Blocks until `event` has passed, polling; bounded by the host-wait
+  // limit. `what` names the wait for errors.
+  absl::Status HostWait(cudaEvent_t event, absl::string_view what);
+  // Waits until the work issued so far on stream `index` has completed.
+  absl::Status HostWaitStream(int32_t index, absl::string_view what);
 
   struct Allocation {
     int64_t bytes = 0;
@@ -148,6 +201,7 @@ class CudaDeviceOps final : public DeviceOps {
     std::vector<int32_t> used_by;  // RecordStream
   };
 
+  CudaRuntime& rt_;
   int ordinal_;
   // The current stream (streams_[current_stream().id]).
   cudaStream_t stream_;
@@ -158,7 +212,28 @@ class CudaDeviceOps final : public DeviceOps {
   // streams_[0] is the default stream (owned iff owns_stream_); the others
   // are owned.
   std::vector<cudaStream_t> streams_;
-  std::map<int64_t, cudaEvent_t> events_;
+  // Per stream: the recorded events that may not have passed yet, oldest
+  // first (sequence number, CUDA event, Event id).
+  struct Pending {
+    uint64_t seq;
+    cudaEvent_t event;
+    int64_t id;
+  };
+  struct Timeline {
+    std::deque<Pending> pending;
+    uint64_t next_seq = 1;
+  };
+  std::vector<Timeline> timelines_;
+  // Events that may not have passed yet, by Event id; an id not here has
+  // passed.
+  struct Recorded {
+    int32_t stream;
+    cudaEvent_t event;
+  };
+  std::map<int64_t, Recorded> events_;
+  std::vector<cudaEvent_t> free_events_;
+  absl::Duration host_wait_limit_ = absl::InfiniteDuration();
+  HostWaitExpiry on_expiry_;
   // Device allocations by address.
   std::map<char*, Allocation> allocations_;
 };

@@ -4,6 +4,11 @@
 // ...". On a GPU it checks every kernel bit for bit against the host kernels
 // (with PyTorch's CUDA reciprocal division), and a FlatParamHandle on the
 // GPU (one rank, NCCL) against the same handle on the host.
+//
+// Built a second time with FLATPARAM_CUDA_FAKE (cuda_device_fake_test), the
+// same cases run on FakeCudaRuntime in CI, followed by the cases that only
+// the model can set up (a stream that never finishes, a query's stale
+// "not ready").
 #include "flatparam/device/cuda/cuda_device.h"
 
 #include <gmock/gmock.h>
@@ -28,6 +33,13 @@
 #include "flatparam/handle_testutil.h"
 #include "flatparam/layout.h"
 #include "sim/sim.h"
+
+#ifdef FLATPARAM_CUDA_FAKE
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "flatparam/device/cuda/cuda_device_ops.h"
+#include "flatparam/device/cuda/fake_cuda_runtime.h"
+#endif
 
 namespace flatparam {
 namespace {
@@ -100,6 +112,18 @@ void ExpectSameValues(const std::vector<unsigned char>& got,
 class CudaDeviceOpsTest : public ::testing::Test {
  protected:
   void SetUp() override {
+#ifdef FLATPARAM_CUDA_FAKE
+    FakeCudaRuntime::Options options;
+    // Streams finish in their own time: unordered work shows.
+    options.max_op_delay = absl::Microseconds(50);
+    fake_ = std::make_unique<FakeCudaRuntime>(options);
+    absl::StatusOr<std::unique_ptr<CudaDeviceOps>> cuda =
+        CudaDeviceOps::Create(0, nullptr, nullptr, fake_.get());
+    ASSERT_THAT(cuda, IsOk());
+    cuda_ = cuda->get();
+    ops_ = *std::move(cuda);
+    return;
+#endif
     absl::StatusOr<std::unique_ptr<DeviceOps>> ops = CreateCudaDeviceOps(0);
     if (!CudaDeviceOpsAvailable()) {
       EXPECT_THAT(ops, StatusIs(absl::StatusCode::kUnimplemented,
@@ -138,6 +162,16 @@ class CudaDeviceOpsTest : public ::testing::Test {
     return host;
   }
 
+#ifdef FLATPARAM_CUDA_FAKE
+  void TearDown() override {
+    ops_.reset();
+    if (fake_ != nullptr) {
+      EXPECT_THAT(fake_->misuse(), ::testing::IsEmpty());
+    }
+  }
+  std::unique_ptr<FakeCudaRuntime> fake_;  // outlives ops_
+  CudaDeviceOps* cuda_ = nullptr;          // ops_, as CudaDeviceOps
+#endif
   std::unique_ptr<DeviceOps> ops_;
 };
 
@@ -314,6 +348,10 @@ TEST_F(CudaDeviceOpsTest, HandleOnTheGpuMatchesTheHost) {
   using testing_handle::RunIteration;
   using testing_handle::RunWithHandles;
   using testing_handle::Scenario;
+#ifdef FLATPARAM_CUDA_FAKE
+  GTEST_SKIP() << "needs NCCL on the fake device (FakeNcclApi keeps its own "
+                  "memory model)";
+#endif
   if (!NcclBackendAvailable()) GTEST_SKIP() << "no NCCL backend";
   for (ShardingStrategy strategy :
        {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
@@ -382,6 +420,169 @@ TEST_F(CudaDeviceOpsTest, HandleOnTheGpuMatchesTheHost) {
     }
   }
 }
+
+#ifdef FLATPARAM_CUDA_FAKE
+// A query that found work not ready leaves cudaErrorNotReady as the
+// thread's last error, and a failed cudaMallocAsync leaves its error there
+// (the CUDA runtime's per-thread state); a kernel launch reports
+// cudaGetLastError(), so the next Fill/Cast/Scale/Add used to fail with an
+// error that was not its own.
+TEST_F(CudaDeviceOpsTest, AStaleLastErrorDoesNotFailTheNextKernel) {
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer d,
+                                 ops_->Allocate(ops_->device(), 64));
+  // Another agent on this thread (NCCL's completion check) polls an event
+  // of a busy stream.
+  cudaStream_t busy = cuda_->cuda_stream(Stream{0});
+  cudaEvent_t e = nullptr;
+  ASSERT_EQ(fake_->EventCreateWithFlags(&e, cudaEventDisableTiming),
+            cudaSuccess);
+  fake_->HoldStream(busy);
+  ASSERT_EQ(fake_->EventRecord(e, busy), cudaSuccess);
+  ASSERT_EQ(fake_->EventQuery(e), cudaErrorNotReady);
+  EXPECT_THAT(ops_->Fill(d.As(DType::kFloat32), 1), IsOk());
+  EXPECT_THAT(ops_->Scale(d.As(DType::kFloat32), ScaleOp::kMultiply, 3),
+              IsOk());
+  // A failed allocation, reported as such, does not fail the next launch.
+  fake_->FailNext("cudaMallocAsync", cudaErrorMemoryAllocation);
+  EXPECT_THAT(ops_->Allocate(ops_->device(), 64).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(ops_->Add(d.As(DType::kFloat32), d.As(DType::kFloat32)), IsOk());
+  fake_->ReleaseStreams();
+  const std::vector<unsigned char> got = Download(d.As(DType::kFloat32));
+  EXPECT_EQ(LoadAsDouble(got.data(), DType::kFloat32, 0), 6.0);
+  EXPECT_EQ(fake_->EventDestroy(e), cudaSuccess);
+  EXPECT_EQ(fake_->PeekAtLastError(), cudaSuccess);
+}
+
+// Every host wait ends within the limit when the stream never gets there
+// (a collective whose peer died), in the handler's error; without a limit
+// the same calls would block forever in cudaStreamSynchronize.
+TEST_F(CudaDeviceOpsTest, HostWaitsEndWithinTheLimit) {
+  std::vector<std::string> expired;
+  cuda_->SetHostWaitLimit(absl::Milliseconds(100), [&](absl::string_view what) {
+    expired.emplace_back(what);
+    return absl::AbortedError(
+        absl::StrCat("rank 0: aborted the communicator: ", what));
+  });
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer d,
+                                 ops_->Allocate(ops_->device(), 64));
+  fake_->HoldStream(cuda_->cuda_stream(Stream{0}));
+  ASSERT_THAT(ops_->Fill(d.As(DType::kFloat32), 1), IsOk());
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(Event ev, ops_->RecordEvent(Stream{0}));
+  const absl::Time start = absl::Now();
+  EXPECT_THAT(ops_->Synchronize(),
+              StatusIs(absl::StatusCode::kAborted,
+                       HasSubstr("Synchronize on stream 0")));
+  EXPECT_THAT(ops_->SynchronizeEvent(ev),
+              StatusIs(absl::StatusCode::kAborted,
+                       HasSubstr("SynchronizeEvent on stream 0")));
+  std::vector<float> host(16);
+  EXPECT_THAT(
+      ops_->Copy(BufferRef{host.data(), 16, DType::kFloat32, Device::Host()},
+                 d.As(DType::kFloat32)),
+      StatusIs(absl::StatusCode::kAborted, HasSubstr("cudaMemcpyAsync")));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30));
+  EXPECT_EQ(expired.size(), 3u);
+  fake_->ReleaseStreams();
+  cuda_->SetHostWaitLimit(absl::InfiniteDuration(), nullptr);
+  EXPECT_THAT(ops_->Synchronize(), IsOk());
+}
+
+// Without a handler the limit still holds, as DeadlineExceeded naming the
+// device and the wait; destroying the ops with a stuck stream does not hang.
+TEST_F(CudaDeviceOpsTest, HostWaitLimitWithoutHandler) {
+  cuda_->SetHostWaitLimit(absl::Milliseconds(50), nullptr);
+  fake_->HoldStream(cuda_->cuda_stream(Stream{0}));
+  EXPECT_THAT(ops_->Synchronize(),
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       HasSubstr("cuda:0: Synchronize on stream 0 did not "
+                                 "complete within 50ms")));
+  ops_.reset();  // bounded too
+  fake_->ReleaseStreams();
+}
+
+// CUDA events come from a pool and go back once passed: a thousand steps of
+// record / wait / synchronize keep the same handful alive.
+TEST_F(CudaDeviceOpsTest, EventsStayBoundedOverAThousandSteps) {
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(Stream side, ops_->NewStream());
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer d,
+                                 ops_->Allocate(ops_->device(), 1024));
+  int64_t after_warmup = 0;
+  for (int step = 0; step < 1000; ++step) {
+    ASSERT_THAT(ops_->SetStream(side), IsOk());
+    ASSERT_THAT(ops_->Fill(d.As(DType::kFloat32), step), IsOk());
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(Event produced, ops_->RecordEvent(side));
+    ASSERT_THAT(ops_->SetStream(Stream{0}), IsOk());
+    ASSERT_THAT(ops_->WaitEvent(Stream{0}, produced), IsOk());
+    ASSERT_THAT(ops_->Scale(d.As(DType::kFloat32), ScaleOp::kMultiply, 2),
+                IsOk());
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(Event done, ops_->RecordEvent(Stream{0}));
+    ASSERT_THAT(ops_->WaitEvent(side, done), IsOk());
+    if (step % 10 == 9) {
+      ASSERT_THAT(ops_->SynchronizeEvent(done), IsOk());
+    }
+    if (step == 20) after_warmup = fake_->event_creations();
+  }
+  ASSERT_THAT(ops_->Synchronize(), IsOk());
+  // Between synchronizations at most ~20 events are in flight.
+  EXPECT_LE(fake_->event_creations(), 32);
+  EXPECT_LE(fake_->event_creations() - after_warmup, 8);
+  EXPECT_LE(fake_->live_events(), 32);
+  EXPECT_EQ(fake_->live_events(), cuda_->cuda_events_held());
+}
+
+// A buffer used on another stream and freed without RecordStream is handed
+// back to the pool before that stream's work ran: the model reports the
+// use after free (a GPU corrupts silently). With RecordStream the free
+// waits for the other stream.
+TEST_F(CudaDeviceOpsTest, RecordStreamOrdersTheFree) {
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(Stream side, ops_->NewStream());
+  for (bool record : {true, false}) {
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer x,
+                                   ops_->Allocate(ops_->device(), 4096));
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer y,
+                                   ops_->Allocate(ops_->device(), 4096));
+    ASSERT_THAT(ops_->Fill(x.As(DType::kFloat32), 1), IsOk());
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(Event filled, ops_->RecordEvent(Stream{0}));
+    ASSERT_THAT(ops_->WaitEvent(side, filled), IsOk());
+    fake_->HoldStream(cuda_->cuda_stream(side));
+    ASSERT_THAT(ops_->SetStream(side), IsOk());
+    ASSERT_THAT(ops_->Add(y.As(DType::kFloat32), x.As(DType::kFloat32)),
+                IsOk());
+    ASSERT_THAT(ops_->SetStream(Stream{0}), IsOk());
+    if (record) {
+      ASSERT_THAT(ops_->RecordStream(x.As(DType::kFloat32), side), IsOk());
+    }
+    x.Reset();
+    // Let stream 0 run its free before the side stream's add runs.
+    cudaEvent_t e = nullptr;
+    ASSERT_EQ(fake_->EventCreateWithFlags(&e, 0), cudaSuccess);
+    ASSERT_EQ(fake_->EventRecord(e, cuda_->cuda_stream(Stream{0})),
+              cudaSuccess);
+    if (record) {
+      absl::SleepFor(absl::Milliseconds(20));
+      EXPECT_EQ(fake_->EventQuery(e), cudaErrorNotReady);  // it waits
+      fake_->GetLastError();
+      fake_->ReleaseStreams();
+      ASSERT_THAT(ops_->Synchronize(), IsOk());
+      EXPECT_THAT(fake_->misuse(), ::testing::IsEmpty());
+    } else {
+      ASSERT_EQ(fake_->EventSynchronize(e), cudaSuccess);
+      fake_->ReleaseStreams();
+      EXPECT_THAT(ops_->Synchronize(),
+                  StatusIs(absl::StatusCode::kInternal,
+                           HasSubstr("cudaErrorIllegalAddress")));
+      EXPECT_THAT(fake_->misuse(),
+                  ::testing::ElementsAre(HasSubstr("add kernel touches")));
+      y.Reset();
+      ops_.reset();
+      fake_.reset();  // the context is unusable after an illegal address
+    }
+    ASSERT_EQ(fake_ == nullptr ? cudaSuccess : fake_->EventDestroy(e),
+              cudaSuccess);
+  }
+}
+#endif  // FLATPARAM_CUDA_FAKE
 
 }  // namespace
 }  // namespace flatparam

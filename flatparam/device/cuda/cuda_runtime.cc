@@ -1,0 +1,123 @@
+#include "flatparam/device/cuda/cuda_runtime.h"
+
+namespace flatparam {
+namespace {
+
+class Real final : public CudaRuntime {
+ public:
+  cudaError_t GetLastError() override { return cudaGetLastError(); }
+  cudaError_t PeekAtLastError() override { return cudaPeekAtLastError(); }
+  const char* GetErrorName(cudaError_t error) override {
+    return cudaGetErrorName(error);
+  }
+  const char* GetErrorString(cudaError_t error) override {
+    return cudaGetErrorString(error);
+  }
+  cudaError_t GetDeviceCount(int* count) override {
+    return cudaGetDeviceCount(count);
+  }
+  cudaError_t GetDevice(int* device) override { return cudaGetDevice(device); }
+  cudaError_t SetDevice(int device) override { return cudaSetDevice(device); }
+  cudaError_t DeviceGetAttribute(int* value, cudaDeviceAttr attr,
+                                 int device) override {
+    return cudaDeviceGetAttribute(value, attr, device);
+  }
+  cudaError_t DeviceGetDefaultMemPool(cudaMemPool_t* pool,
+                                      int device) override {
+    return cudaDeviceGetDefaultMemPool(pool, device);
+  }
+  cudaError_t MemPoolSetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr,
+                                  void* value) override {
+    return cudaMemPoolSetAttribute(pool, attr, value);
+  }
+  cudaError_t MemPoolGetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr,
+                                  void* value) override {
+    return cudaMemPoolGetAttribute(pool, attr, value);
+  }
+  cudaError_t StreamCreateWithFlags(cudaStream_t* stream,
+                                    unsigned int flags) override {
+    return cudaStreamCreateWithFlags(stream, flags);
+  }
+  cudaError_t StreamDestroy(cudaStream_t stream) override {
+    return cudaStreamDestroy(stream);
+  }
+  cudaError_t StreamSynchronize(cudaStream_t stream) override {
+    return cudaStreamSynchronize(stream);
+  }
+  cudaError_t StreamQuery(cudaStream_t stream) override {
+    return cudaStreamQuery(stream);
+  }
+  cudaError_t StreamWaitEvent(cudaStream_t stream, cudaEvent_t event,
+                              unsigned int flags) override {
+    return cudaStreamWaitEvent(stream, event, flags);
+  }
+  cudaError_t EventCreateWithFlags(cudaEvent_t* event,
+                                   unsigned int flags) override {
+    return cudaEventCreateWithFlags(event, flags);
+  }
+  cudaError_t EventDestroy(cudaEvent_t event) override {
+    return cudaEventDestroy(event);
+  }
+  cudaError_t EventRecord(cudaEvent_t event, cudaStream_t stream) override {
+    return cudaEventRecord(event, stream);
+  }
+  cudaError_t EventQuery(cudaEvent_t event) override {
+    return cudaEventQuery(event);
+  }
+  cudaError_t EventSynchronize(cudaEvent_t event) override {
+    return cudaEventSynchronize(event);
+  }
+  cudaError_t Malloc(void** ptr, size_t bytes) override {
+    return cudaMalloc(ptr, bytes);
+  }
+  cudaError_t Free(void* ptr) override { return cudaFree(ptr); }
+  cudaError_t MallocAsync(void** ptr, size_t bytes,
+                          cudaStream_t stream) override {
+    return cudaMallocAsync(ptr, bytes, stream);
+  }
+  cudaError_t FreeAsync(void* ptr, cudaStream_t stream) override {
+    return cudaFreeAsync(ptr, stream);
+  }
+  cudaError_t MallocHost(void** ptr, size_t bytes) override {
+    return cudaMallocHost(ptr, bytes);
+  }
+  cudaError_t FreeHost(void* ptr) override { return cudaFreeHost(ptr); }
+  cudaError_t MemcpyAsync(void* dst, const void* src, size_t bytes,
+                          cudaMemcpyKind kind, cudaStream_t stream) override {
+    return cudaMemcpyAsync(dst, src, bytes, kind, stream);
+  }
+  cudaError_t MemsetAsync(void* dst, int value, size_t bytes,
+                          cudaStream_t stream) override {
+    return cudaMemsetAsync(dst, value, bytes, stream);
+  }
+  cudaError_t LaunchFill(void* dst, int element_bytes, uint64_t pattern,
+                         int64_t count, cudaStream_t stream) override {
+    return internal_cuda::LaunchFill(dst, element_bytes, pattern, count,
+                                     stream);
+  }
+  cudaError_t LaunchCast(void* dst, internal_cuda::KernelDType dst_dtype,
+                         const void* src, internal_cuda::KernelDType src_dtype,
+                         int64_t count, cudaStream_t stream) override {
+    return internal_cuda::LaunchCast(dst, dst_dtype, src, src_dtype, count,
+                                     stream);
+  }
+  cudaError_t LaunchMultiply(void* buf, internal_cuda::KernelDType dtype,
+                             double scalar, int64_t count,
+                             cudaStream_t stream) override {
+    return internal_cuda::LaunchMultiply(buf, dtype, scalar, count, stream);
+  }
+  cudaError_t LaunchAdd(void* acc, const void* x,
+                        internal_cuda::KernelDType dtype, int64_t count,
+                        cudaStream_t stream) override {
+    return internal_cuda::LaunchAdd(acc, x, dtype, count, stream);
+  }
+};
+
+}  // namespace
+
+CudaRuntime& RealCudaRuntime() {
+  static Real* const runtime = new Real();
+  return *runtime;
+}
+
+}  // namespace flatparam

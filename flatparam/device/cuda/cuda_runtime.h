@@ -1,0 +1,109 @@
+// CudaRuntime: every CUDA runtime call CudaDeviceOps makes, and its kernel
+// launchers, behind an interface, so that CudaDeviceOps' logic (stream and
+// event discipline, stream-ordered frees, error handling, host waits) runs
+// in CI on machines without a GPU against a model of the runtime
+// (fake_cuda_runtime.h), as comm/nccl/nccl_api.h does for NCCL.
+//
+// Each method forwards to the libcudart function of the same name
+// (`EventQuery` -> cudaEventQuery) with the same arguments and result; the
+// real implementation (RealCudaRuntime) adds nothing. The launchers enqueue
+// one kernel of cuda_kernels.h on `stream` and return what
+// cudaGetLastError() returns after the launch: like any launch, they also
+// report an error an earlier call left in the thread's last-error state
+// (a cudaErrorNotReady from a query, a failed allocation), so callers
+// clear that state before launching (CudaDeviceOps does).
+//
+// Only code built where CUDA was found may include this header: it
+// includes <cuda_runtime_api.h>.
+//
+// Thread-safety: RealCudaRuntime() is as thread-safe as the CUDA runtime;
+// the last-error state is per thread, as in CUDA.
+#ifndef FLATPARAM_DEVICE_CUDA_CUDA_RUNTIME_H_
+#define FLATPARAM_DEVICE_CUDA_CUDA_RUNTIME_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "flatparam/device/cuda/cuda_kernels.h"
+
+namespace flatparam {
+
+class CudaRuntime {
+ public:
+  virtual ~CudaRuntime() = default;
+
+  // Errors.
+  virtual cudaError_t GetLastError() = 0;
+  virtual cudaError_t PeekAtLastError() = 0;
+  virtual const char* GetErrorName(cudaError_t error) = 0;
+  virtual const char* GetErrorString(cudaError_t error) = 0;
+
+  // Devices.
+  virtual cudaError_t GetDeviceCount(int* count) = 0;
+  virtual cudaError_t GetDevice(int* device) = 0;
+  virtual cudaError_t SetDevice(int device) = 0;
+  virtual cudaError_t DeviceGetAttribute(int* value, cudaDeviceAttr attr,
+                                         int device) = 0;
+  virtual cudaError_t DeviceGetDefaultMemPool(cudaMemPool_t* pool,
+                                              int device) = 0;
+  virtual cudaError_t MemPoolSetAttribute(cudaMemPool_t pool,
+                                          cudaMemPoolAttr attr,
+                                          void* value) = 0;
+  virtual cudaError_t MemPoolGetAttribute(cudaMemPool_t pool,
+                                          cudaMemPoolAttr attr,
+                                          void* value) = 0;
+
+  // Streams and events.
+  virtual cudaError_t StreamCreateWithFlags(cudaStream_t* stream,
+                                            unsigned int flags) = 0;
+  virtual cudaError_t StreamDestroy(cudaStream_t stream) = 0;
+  virtual cudaError_t StreamSynchronize(cudaStream_t stream) = 0;
+  virtual cudaError_t StreamQuery(cudaStream_t stream) = 0;
+  virtual cudaError_t StreamWaitEvent(cudaStream_t stream, cudaEvent_t event,
+                                      unsigned int flags) = 0;
+  virtual cudaError_t EventCreateWithFlags(cudaEvent_t* event,
+                                           unsigned int flags) = 0;
+  virtual cudaError_t EventDestroy(cudaEvent_t event) = 0;
+  virtual cudaError_t EventRecord(cudaEvent_t event, cudaStream_t stream) = 0;
+  virtual cudaError_t EventQuery(cudaEvent_t event) = 0;
+  virtual cudaError_t EventSynchronize(cudaEvent_t event) = 0;
+
+  // Memory.
+  virtual cudaError_t Malloc(void** ptr, size_t bytes) = 0;
+  virtual cudaError_t Free(void* ptr) = 0;
+  virtual cudaError_t MallocAsync(void** ptr, size_t bytes,
+                                  cudaStream_t stream) = 0;
+  virtual cudaError_t FreeAsync(void* ptr, cudaStream_t stream) = 0;
+  virtual cudaError_t MallocHost(void** ptr, size_t bytes) = 0;
+  virtual cudaError_t FreeHost(void* ptr) = 0;
+  virtual cudaError_t MemcpyAsync(void* dst, const void* src, size_t bytes,
+                                  cudaMemcpyKind kind, cudaStream_t stream) = 0;
+  virtual cudaError_t MemsetAsync(void* dst, int value, size_t bytes,
+                                  cudaStream_t stream) = 0;
+
+  // Kernels (cuda_kernels.h); see the file comment for the result.
+  virtual cudaError_t LaunchFill(void* dst, int element_bytes, uint64_t pattern,
+                                 int64_t count, cudaStream_t stream) = 0;
+  virtual cudaError_t LaunchCast(void* dst,
+                                 internal_cuda::KernelDType dst_dtype,
+                                 const void* src,
+                                 internal_cuda::KernelDType src_dtype,
+                                 int64_t count, cudaStream_t stream) = 0;
+  virtual cudaError_t LaunchMultiply(void* buf,
+                                     internal_cuda::KernelDType dtype,
+                                     double scalar, int64_t count,
+                                     cudaStream_t stream) = 0;
+  virtual cudaError_t LaunchAdd(void* acc, const void* x,
+                                internal_cuda::KernelDType dtype, int64_t count,
+                                cudaStream_t stream) = 0;
+};
+
+// The process-wide implementation over libcudart and the nvcc-compiled
+// kernels. Never destroyed.
+CudaRuntime& RealCudaRuntime();
+
+}  // namespace flatparam
+
+#endif  // FLATPARAM_DEVICE_CUDA_CUDA_RUNTIME_H_

@@ -1,0 +1,219 @@
+// FakeCudaRuntime: a model of the CUDA runtime on the host, for running
+// CudaDeviceOps in CI without a GPU (test-only). It follows the CUDA
+// runtime API's documented semantics where they decide whether code is
+// correct, and differs from the real runtime only in speed:
+//
+// - Last errors are per thread: every call that fails (cudaErrorNotReady
+//   from a query included) sets the calling thread's last error, which
+//   cudaGetLastError returns and clears and cudaPeekAtLastError returns.
+//   Kernel launches return cudaGetLastError() after the launch, so an error
+//   an earlier call left there is reported by the next launch, as
+//   cuda_kernels.cu's launchers do on a real device.
+// - Streams run asynchronously, each on its own worker thread, in issue
+//   order; with Options::max_op_delay each operation waits a seeded random
+//   time first, so streams finish in their own time. Events complete when
+//   their stream reaches them (cudaEventQuery says cudaErrorNotReady until
+//   then); cudaStreamWaitEvent makes a stream wait for the work recorded at
+//   the call. HoldStream makes a stream stop at its current end until
+//   ReleaseStreams: a collective that never completes, for host-wait tests.
+// - Device memory is host memory (uninitialised bytes, as cudaMalloc's).
+//   cudaFree and cudaFreeHost synchronize the device; cudaMallocAsync and
+//   cudaFreeAsync are stream-ordered: a block freed on a stream becomes free
+//   when that stream reaches the free (its bytes are then overwritten with
+//   0xFF) and only then is handed out again. Pool reservation is reported
+//   through cudaMemPoolAttrReservedMem{Current,High}; with a release
+//   threshold of 0 (CUDA's default) a synchronization returns free blocks.
+// - Kernels run as host loops with PyTorch's CUDA arithmetic (the same as
+//   cuda_kernels.cu). A kernel, copy or memset that touches device memory
+//   that is not allocated when it runs (a use after a stream-ordered free
+//   that nothing ordered) is an illegal address: the error becomes sticky,
+//   every later call returns it, and misuse() says which operation did it.
+// - Copies from pageable host memory to the device return once the source
+//   has been read (after the stream drained), copies to pageable host memory
+//   return once done, as the CUDA documentation describes for pageable
+//   memory; copies with pinned memory are asynchronous.
+// - FailNext makes the next call of a given name fail with a given error.
+//
+// Counters (live events, streams, blocks, event creations) let tests check
+// that resources stay bounded.
+//
+// Thread-safety: thread-safe. The current device and the last error are per
+// thread, as in CUDA. Destroying the fake joins the stream workers (after
+// releasing held streams) and frees all memory.
+#ifndef FLATPARAM_DEVICE_CUDA_FAKE_CUDA_RUNTIME_H_
+#define FLATPARAM_DEVICE_CUDA_FAKE_CUDA_RUNTIME_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "flatparam/device/cuda/cuda_runtime.h"
+
+namespace flatparam {
+
+class FakeCudaRuntime final : public CudaRuntime {
+ public:
+  struct Options {
+    int device_count = 1;
+    // cudaDevAttrMemoryPoolsSupported (stream-ordered allocation).
+    bool memory_pools = true;
+    // Each stream operation first waits a random time in [0, max_op_delay]
+    // drawn from `seed`.
+    absl::Duration max_op_delay = absl::ZeroDuration();
+    uint64_t seed = 1;
+  };
+
+  FakeCudaRuntime();
+  explicit FakeCudaRuntime(Options options);
+  ~FakeCudaRuntime() override;
+  FakeCudaRuntime(const FakeCudaRuntime&) = delete;
+  FakeCudaRuntime& operator=(const FakeCudaRuntime&) = delete;
+
+  // ---- Test controls ----
+  // The next call named `call` ("cudaMallocAsync", "cudaEventQuery", ...)
+  // fails with `error` without doing anything.
+  void FailNext(absl::string_view call, cudaError_t error);
+  // `stream` stops before any work issued on it from now on, until
+  // ReleaseStreams().
+  void HoldStream(cudaStream_t stream);
+  void ReleaseStreams();
+  // Misuse the real runtime would punish with a crash or corruption, in
+  // words; empty when the code under test behaved.
+  std::vector<std::string> misuse() const;
+  int64_t live_events() const;
+  int64_t event_creations() const;
+  int64_t live_streams() const;
+  int64_t live_device_blocks() const;  // allocated and not freed
+  int64_t device_mallocs() const;      // blocks that grew the memory
+
+  // ---- CudaRuntime ----
+  cudaError_t GetLastError() override;
+  cudaError_t PeekAtLastError() override;
+  const char* GetErrorName(cudaError_t error) override;
+  const char* GetErrorString(cudaError_t error) override;
+  cudaError_t GetDeviceCount(int* count) override;
+  cudaError_t GetDevice(int* device) override;
+  cudaError_t SetDevice(int device) override;
+  cudaError_t DeviceGetAttribute(int* value, cudaDeviceAttr attr,
+                                 int device) override;
+  cudaError_t DeviceGetDefaultMemPool(cudaMemPool_t* pool, int device) override;
+  cudaError_t MemPoolSetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr,
+                                  void* value) override;
+  cudaError_t MemPoolGetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr,
+                                  void* value) override;
+  cudaError_t StreamCreateWithFlags(cudaStream_t* stream,
+                                    unsigned int flags) override;
+  cudaError_t StreamDestroy(cudaStream_t stream) override;
+  cudaError_t StreamSynchronize(cudaStream_t stream) override;
+  cudaError_t StreamQuery(cudaStream_t stream) override;
+  cudaError_t StreamWaitEvent(cudaStream_t stream, cudaEvent_t event,
+                              unsigned int flags) override;
+  cudaError_t EventCreateWithFlags(cudaEvent_t* event,
+                                   unsigned int flags) override;
+  cudaError_t EventDestroy(cudaEvent_t event) override;
+  cudaError_t EventRecord(cudaEvent_t event, cudaStream_t stream) override;
+  cudaError_t EventQuery(cudaEvent_t event) override;
+  cudaError_t EventSynchronize(cudaEvent_t event) override;
+  cudaError_t Malloc(void** ptr, size_t bytes) override;
+  cudaError_t Free(void* ptr) override;
+  cudaError_t MallocAsync(void** ptr, size_t bytes,
+                          cudaStream_t stream) override;
+  cudaError_t FreeAsync(void* ptr, cudaStream_t stream) override;
+  cudaError_t MallocHost(void** ptr, size_t bytes) override;
+  cudaError_t FreeHost(void* ptr) override;
+  cudaError_t MemcpyAsync(void* dst, const void* src, size_t bytes,
+                          cudaMemcpyKind kind, cudaStream_t stream) override;
+  cudaError_t MemsetAsync(void* dst, int value, size_t bytes,
+                          cudaStream_t stream) override;
+  cudaError_t LaunchFill(void* dst, int element_bytes, uint64_t pattern,
+                         int64_t count, cudaStream_t stream) override;
+  cudaError_t LaunchCast(void* dst, internal_cuda::KernelDType dst_dtype,
+                         const void* src, internal_cuda::KernelDType src_dtype,
+                         int64_t count, cudaStream_t stream) override;
+  cudaError_t LaunchMultiply(void* buf, internal_cuda::KernelDType dtype,
+                             double scalar, int64_t count,
+                             cudaStream_t stream) override;
+  cudaError_t LaunchAdd(void* acc, const void* x,
+                        internal_cuda::KernelDType dtype, int64_t count,
+                        cudaStream_t stream) override;
+
+ private:
+  struct StreamState;
+  struct EventState;
+  struct PoolState;
+  // A range of device memory an operation touches when it runs.
+  struct Touch {
+    const void* ptr;
+    size_t bytes;
+  };
+  struct Op {
+    std::string what;                 // for misuse()
+    std::function<void()> run;        // may be empty (waits, holds)
+    std::vector<Touch> touches;       // checked when the op runs
+    StreamState* wait_for = nullptr;  // cudaStreamWaitEvent
+    uint64_t wait_seq = 0;
+    int64_t hold = -1;  // HoldStream generation
+  };
+  struct Block {
+    size_t bytes = 0;
+    int device = 0;
+    bool live = true;
+    bool pooled = false;  // from cudaMallocAsync
+  };
+
+  // The result of a call: records a failure as the thread's last error.
+  cudaError_t Result(cudaError_t error);
+  // The injected or sticky error for `call`, or cudaSuccess.
+  cudaError_t Precheck(absl::string_view call)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int CurrentDevice() const;
+  StreamState* FindStream(cudaStream_t stream)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint64_t Enqueue(StreamState* stream, Op op)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void WorkerLoop(StreamState* stream);
+  // Whether [ptr, ptr + bytes) is inside a live device block.
+  bool IsLiveDevice(const void* ptr, size_t bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool IsDevicePointer(const void* ptr) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool IsPinned(const void* ptr) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Blocks until every stream of `device` (-1: all) has finished the work
+  // issued so far.
+  void DrainDevice(int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DrainStream(StreamState* stream) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseIdleBlocks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  cudaError_t Launch(absl::string_view what, cudaStream_t stream,
+                     std::vector<Touch> touches, std::function<void()> run);
+
+  const Options options_;
+  const uint64_t id_;  // keys the per-thread state
+  mutable absl::Mutex mu_;
+  std::map<std::string, cudaError_t> fail_next_ ABSL_GUARDED_BY(mu_);
+  cudaError_t sticky_ ABSL_GUARDED_BY(mu_) = cudaSuccess;
+  std::vector<std::string> misuse_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<StreamState>> streams_ ABSL_GUARDED_BY(mu_);
+  std::vector<StreamState*> default_streams_ ABSL_GUARDED_BY(mu_);
+  std::map<const EventState*, std::unique_ptr<EventState>> events_
+      ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<PoolState>> pools_ ABSL_GUARDED_BY(mu_);
+  std::map<char*, Block> blocks_ ABSL_GUARDED_BY(mu_);
+  std::map<char*, size_t> pinned_ ABSL_GUARDED_BY(mu_);
+  // Hold ops of an earlier generation than this have been released.
+  int64_t hold_generation_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t event_creations_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t device_mallocs_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace flatparam
+
+#endif  // FLATPARAM_DEVICE_CUDA_FAKE_CUDA_RUNTIME_H_
