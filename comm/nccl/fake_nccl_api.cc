@@ -14,6 +14,14 @@ namespace {
 
 // CUDA's current device is per host thread.
 thread_local int current_device = 0;
+// The CUDA runtime's per-thread last error: every failing call sets it
+// (cudaErrorNotReady from a query included).
+thread_local cudaError_t last_cuda_error = cudaSuccess;
+
+cudaError_t LastCudaError(cudaError_t e) {
+  if (e != cudaSuccess) last_cuda_error = e;
+  return e;
+}
 
 size_t ElementSize(ncclDataType_t datatype) {
   switch (datatype) {
@@ -628,7 +636,8 @@ const char* FakeNcclApi::GetLastError(ncclComm_t comm) {
 cudaError_t FakeNcclApi::CudaGetDeviceCount(int* count) {
   absl::MutexLock lock(&mu_);
   int code = 0;
-  if (Begin("cudaGetDeviceCount", &code)) return static_cast<cudaError_t>(code);
+  if (Begin("cudaGetDeviceCount", &code))
+    return LastCudaError(static_cast<cudaError_t>(code));
   *count = 0;
   if (device_count_error_ != cudaSuccess) return device_count_error_;
   *count = device_count_;
@@ -638,7 +647,8 @@ cudaError_t FakeNcclApi::CudaGetDeviceCount(int* count) {
 cudaError_t FakeNcclApi::CudaGetDevice(int* device) {
   absl::MutexLock lock(&mu_);
   int code = 0;
-  if (Begin("cudaGetDevice", &code)) return static_cast<cudaError_t>(code);
+  if (Begin("cudaGetDevice", &code))
+    return LastCudaError(static_cast<cudaError_t>(code));
   *device = current_device;
   return cudaSuccess;
 }
@@ -646,8 +656,10 @@ cudaError_t FakeNcclApi::CudaGetDevice(int* device) {
 cudaError_t FakeNcclApi::CudaSetDevice(int device) {
   absl::MutexLock lock(&mu_);
   int code = 0;
-  if (Begin("cudaSetDevice", &code)) return static_cast<cudaError_t>(code);
-  if (device < 0 || device >= device_count_) return cudaErrorInvalidDevice;
+  if (Begin("cudaSetDevice", &code))
+    return LastCudaError(static_cast<cudaError_t>(code));
+  if (device < 0 || device >= device_count_)
+    return LastCudaError(cudaErrorInvalidDevice);
   current_device = device;
   return cudaSuccess;
 }
@@ -657,7 +669,7 @@ cudaError_t FakeNcclApi::CudaStreamCreateWithFlags(cudaStream_t* stream,
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaStreamCreateWithFlags", &code)) {
-    return static_cast<cudaError_t>(code);
+    return LastCudaError(static_cast<cudaError_t>(code));
   }
   auto s = std::make_unique<Stream>();
   s->device = current_device;
@@ -670,11 +682,12 @@ cudaError_t FakeNcclApi::CudaStreamCreateWithFlags(cudaStream_t* stream,
 cudaError_t FakeNcclApi::CudaStreamDestroy(cudaStream_t stream) {
   absl::MutexLock lock(&mu_);
   int code = 0;
-  if (Begin("cudaStreamDestroy", &code)) return static_cast<cudaError_t>(code);
+  if (Begin("cudaStreamDestroy", &code))
+    return LastCudaError(static_cast<cudaError_t>(code));
   Stream* s = Find(streams_, stream);
   if (s == nullptr || s->destroyed) {
     Misuse("cudaStreamDestroy: unknown or destroyed stream");
-    return cudaErrorInvalidResourceHandle;
+    return LastCudaError(cudaErrorInvalidResourceHandle);
   }
   s->destroyed = true;
   return cudaSuccess;
@@ -685,7 +698,7 @@ cudaError_t FakeNcclApi::CudaEventCreateWithFlags(cudaEvent_t* event,
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaEventCreateWithFlags", &code)) {
-    return static_cast<cudaError_t>(code);
+    return LastCudaError(static_cast<cudaError_t>(code));
   }
   auto e = std::make_unique<Event>();
   e->device = current_device;
@@ -698,18 +711,19 @@ cudaError_t FakeNcclApi::CudaEventRecord(cudaEvent_t event,
                                          cudaStream_t stream) {
   absl::MutexLock lock(&mu_);
   int code = 0;
-  if (Begin("cudaEventRecord", &code)) return static_cast<cudaError_t>(code);
+  if (Begin("cudaEventRecord", &code))
+    return LastCudaError(static_cast<cudaError_t>(code));
   Event* e = Find(events_, event);
   const Stream* s = Find(streams_, stream);
   if (e == nullptr || e->destroyed || s == nullptr || s->destroyed) {
     Misuse("cudaEventRecord: unknown or destroyed event or stream");
-    return cudaErrorInvalidResourceHandle;
+    return LastCudaError(cudaErrorInvalidResourceHandle);
   }
   if (e->device != s->device) {
     Misuse(absl::StrFormat(
         "cudaEventRecord: event of cuda:%d on a stream of cuda:%d", e->device,
         s->device));
-    return cudaErrorInvalidResourceHandle;
+    return LastCudaError(cudaErrorInvalidResourceHandle);
   }
   e->recorded = true;
   e->pending_queries = event_pending_queries_;
@@ -724,17 +738,17 @@ cudaError_t FakeNcclApi::CudaStreamWaitEvent(cudaStream_t stream,
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaStreamWaitEvent", &code)) {
-    return static_cast<cudaError_t>(code);
+    return LastCudaError(static_cast<cudaError_t>(code));
   }
   const Event* e = Find(events_, event);
   const Stream* s = Find(streams_, stream);
   if (e == nullptr || e->destroyed || s == nullptr || s->destroyed) {
     Misuse("cudaStreamWaitEvent: unknown or destroyed event or stream");
-    return cudaErrorInvalidResourceHandle;
+    return LastCudaError(cudaErrorInvalidResourceHandle);
   }
   if (flags != 0) {
     Misuse(absl::StrFormat("cudaStreamWaitEvent: flags %u", flags));
-    return cudaErrorInvalidValue;
+    return LastCudaError(cudaErrorInvalidValue);
   }
   // Waiting for an event never recorded is a no-op in CUDA; record it as
   // such (recorded_at -1).
@@ -747,25 +761,27 @@ cudaError_t FakeNcclApi::CudaStreamWaitEvent(cudaStream_t stream,
 cudaError_t FakeNcclApi::CudaEventQuery(cudaEvent_t event) {
   absl::MutexLock lock(&mu_);
   int code = 0;
-  if (Begin("cudaEventQuery", &code)) return static_cast<cudaError_t>(code);
+  if (Begin("cudaEventQuery", &code))
+    return LastCudaError(static_cast<cudaError_t>(code));
   Event* e = Find(events_, event);
   if (e == nullptr || e->destroyed) {
     Misuse("cudaEventQuery: unknown or destroyed event");
-    return cudaErrorInvalidResourceHandle;
+    return LastCudaError(cudaErrorInvalidResourceHandle);
   }
   if (!e->recorded || e->pending_queries == 0) return cudaSuccess;
   if (e->pending_queries > 0) --e->pending_queries;
-  return cudaErrorNotReady;
+  return LastCudaError(cudaErrorNotReady);
 }
 
 cudaError_t FakeNcclApi::CudaEventDestroy(cudaEvent_t event) {
   absl::MutexLock lock(&mu_);
   int code = 0;
-  if (Begin("cudaEventDestroy", &code)) return static_cast<cudaError_t>(code);
+  if (Begin("cudaEventDestroy", &code))
+    return LastCudaError(static_cast<cudaError_t>(code));
   Event* e = Find(events_, event);
   if (e == nullptr || e->destroyed) {
     Misuse("cudaEventDestroy: unknown or destroyed event");
-    return cudaErrorInvalidResourceHandle;
+    return LastCudaError(cudaErrorInvalidResourceHandle);
   }
   e->destroyed = true;
   return cudaSuccess;
@@ -776,7 +792,7 @@ cudaError_t FakeNcclApi::CudaPointerGetAttributes(
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaPointerGetAttributes", &code)) {
-    return static_cast<cudaError_t>(code);
+    return LastCudaError(static_cast<cudaError_t>(code));
   }
   std::memset(attributes, 0, sizeof(*attributes));
   const char* p = static_cast<const char*>(ptr);
@@ -799,7 +815,8 @@ cudaError_t FakeNcclApi::CudaPointerGetAttributes(
 cudaError_t FakeNcclApi::CudaMalloc(void** ptr, size_t bytes) {
   absl::MutexLock lock(&mu_);
   int code = 0;
-  if (Begin("cudaMalloc", &code)) return static_cast<cudaError_t>(code);
+  if (Begin("cudaMalloc", &code))
+    return LastCudaError(static_cast<cudaError_t>(code));
   Allocation allocation;
   allocation.bytes.assign(std::max<size_t>(bytes, 1), '\0');
   allocation.device = current_device;
@@ -812,10 +829,11 @@ cudaError_t FakeNcclApi::CudaMalloc(void** ptr, size_t bytes) {
 cudaError_t FakeNcclApi::CudaFree(void* ptr) {
   absl::MutexLock lock(&mu_);
   int code = 0;
-  if (Begin("cudaFree", &code)) return static_cast<cudaError_t>(code);
+  if (Begin("cudaFree", &code))
+    return LastCudaError(static_cast<cudaError_t>(code));
   if (allocations_.erase(static_cast<const char*>(ptr)) == 0) {
     Misuse(absl::StrFormat("cudaFree(%p): not a live allocation", ptr));
-    return cudaErrorInvalidValue;
+    return LastCudaError(cudaErrorInvalidValue);
   }
   return cudaSuccess;
 }
@@ -825,11 +843,12 @@ cudaError_t FakeNcclApi::CudaMemcpyAsync(void* dst, const void* src,
                                          cudaStream_t stream) {
   absl::MutexLock lock(&mu_);
   int code = 0;
-  if (Begin("cudaMemcpyAsync", &code)) return static_cast<cudaError_t>(code);
+  if (Begin("cudaMemcpyAsync", &code))
+    return LastCudaError(static_cast<cudaError_t>(code));
   const Stream* s = Find(streams_, stream);
   if (s == nullptr || s->destroyed) {
     Misuse("cudaMemcpyAsync: unknown or destroyed stream");
-    return cudaErrorInvalidResourceHandle;
+    return LastCudaError(cudaErrorInvalidResourceHandle);
   }
   const bool src_device =
       kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
@@ -837,11 +856,19 @@ cudaError_t FakeNcclApi::CudaMemcpyAsync(void* dst, const void* src,
       kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
   if ((src_device && !CheckDeviceRange(src, bytes, "cudaMemcpyAsync src")) ||
       (dst_device && !CheckDeviceRange(dst, bytes, "cudaMemcpyAsync dst"))) {
-    return cudaErrorInvalidValue;
+    return LastCudaError(cudaErrorInvalidValue);
   }
   std::memmove(dst, src, bytes);
   return cudaSuccess;
 }
+
+cudaError_t FakeNcclApi::CudaGetLastError() {
+  const cudaError_t e = last_cuda_error;
+  last_cuda_error = cudaSuccess;
+  return e;
+}
+
+cudaError_t FakeNcclApi::CudaPeekAtLastError() { return last_cuda_error; }
 
 const char* FakeNcclApi::CudaGetErrorName(cudaError_t error) {
   switch (error) {

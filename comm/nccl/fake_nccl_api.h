@@ -178,6 +178,11 @@ class FakeNcclApi final : public NcclApi {
 
   cudaError_t CudaGetDeviceCount(int* count) override;
   cudaError_t CudaGetDevice(int* device) override;
+  // The calling thread's last error, as the CUDA runtime keeps it: set by
+  // every failing CUDA call of this fake (and of any other FakeNcclApi on
+  // the thread).
+  cudaError_t CudaGetLastError() override;
+  cudaError_t CudaPeekAtLastError() override;
   cudaError_t CudaSetDevice(int device) override;
   cudaError_t CudaStreamCreateWithFlags(cudaStream_t* stream,
                                         unsigned int flags) override;

@@ -85,6 +85,8 @@ class RealApi final : public NcclApi {
   cudaError_t CudaGetDeviceCount(int* count) override {
     return cudaGetDeviceCount(count);
   }
+  cudaError_t CudaGetLastError() override { return cudaGetLastError(); }
+  cudaError_t CudaPeekAtLastError() override { return cudaPeekAtLastError(); }
   cudaError_t CudaGetDevice(int* device) override {
     return cudaGetDevice(device);
   }
@@ -223,6 +225,7 @@ absl::Status NcclStatus(NcclApi& api, ncclResult_t result, ncclComm_t comm,
 absl::Status CudaStatus(NcclApi& api, cudaError_t error,
                         absl::string_view context) {
   if (error == cudaSuccess) return absl::OkStatus();
+  api.CudaGetLastError();  // reported here: not the next launch's error
   return absl::Status(CudaCode(error),
                       absl::StrFormat("%s: CUDA %s (%d): %s", context,
                                       OrEmpty(api.CudaGetErrorName(error)),

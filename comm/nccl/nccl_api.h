@@ -72,6 +72,8 @@ class NcclApi {
   virtual const char* GetLastError(ncclComm_t comm) = 0;
 
   // CUDA runtime (cuda_runtime_api.h).
+  virtual cudaError_t CudaGetLastError() = 0;
+  virtual cudaError_t CudaPeekAtLastError() = 0;
   virtual cudaError_t CudaGetDeviceCount(int* count) = 0;
   virtual cudaError_t CudaGetDevice(int* device) = 0;
   virtual cudaError_t CudaSetDevice(int device) = 0;
@@ -121,6 +123,9 @@ absl::Status NcclStatus(NcclApi& api, ncclResult_t result, ncclComm_t comm,
 // GPU or driver, InvalidArgument for invalid values, devices and pointers,
 // ResourceExhausted when out of memory, and Internal otherwise (sticky
 // errors such as an illegal address leave the CUDA context unusable).
+// A reported error is cleared from the thread's last-error state
+// (cudaGetLastError), so that the next kernel launch on the thread, which
+// reports cudaGetLastError(), does not report it again as its own.
 absl::Status CudaStatus(NcclApi& api, cudaError_t error,
                         absl::string_view context);
 

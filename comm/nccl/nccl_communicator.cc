@@ -1,6 +1,7 @@
 #include "comm/nccl/nccl_communicator.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cassert>
 #include <cmath>
 #include <cstdint>
@@ -46,6 +47,12 @@ struct CommState {
   std::shared_ptr<StreamHandle> stream;
   bool aborted = false;
   absl::Status abort_status;
+  // An operation of this communicator failed (an argument error included):
+  // the caller is likely unwinding, and its peers may wait in a collective
+  // it never issued, so destruction aborts instead of finalizing.
+  bool failed = false;
+  // ProcessFailures() when the communicator was made.
+  int64_t process_failures_at_creation = 0;
   // One float on `device` for Barrier(); allocated on first use.
   void* barrier_scratch = nullptr;
 
@@ -190,7 +197,26 @@ absl::Status AbortedError(const CommState& s, absl::string_view context) {
 
 // Aborts the communicator because of `reason` and returns `reason`, noting
 // the abort. NCCL requires an abort after an asynchronous error or a hang.
+// How many NCCL communicators of this process have failed so far. A
+// communicator made before another one failed aborts at destruction instead
+// of finalizing: ncclCommFinalize completes only once every rank finalizes,
+// which the failed group's peers (and, through them, this group's) may
+// never do.
+std::atomic<int64_t> process_failures{0};
+
+int64_t ProcessFailures() { return process_failures.load(); }
+
+// Records that an operation failed with `status` (not OK) and returns it.
+absl::Status Failed(CommState& s, absl::Status status) {
+  if (!status.ok() && !s.failed) {
+    s.failed = true;
+    process_failures.fetch_add(1);
+  }
+  return status;
+}
+
 absl::Status AbortState(CommState& s, absl::Status reason) {
+  Failed(s, reason).IgnoreError();
   if (s.aborted) return reason;
   std::string note = "; aborted the NCCL communicator (ncclCommAbort)";
   if (s.comm != nullptr) {
@@ -254,6 +280,10 @@ absl::Status AwaitEvent(CommState& s, cudaEvent_t event, absl::Time deadline,
       return AbortState(
           s, CudaStatus(*s.api, e, absl::StrCat(context, ": cudaEventQuery")));
     }
+    // "Not ready" is an answer, but the runtime keeps it as the thread's
+    // last error, and the next kernel launch (which reports
+    // cudaGetLastError()) would fail with it: clear it, as c10 does.
+    s.api->CudaGetLastError();
     if (absl::Now() >= deadline) {
       return AbortState(s, absl::DeadlineExceededError(absl::StrFormat(
                                "%s: did not finish within %s", context,
@@ -281,6 +311,7 @@ class NcclWork final : public Work {
     if (!done_) {
       status_ = AwaitEvent(*state_, event_, deadline_, timeout_, context_);
       if (status_.ok()) status_ = after_;
+      Failed(*state_, status_).IgnoreError();
       done_ = true;
     }
     return status_;
@@ -468,19 +499,19 @@ std::unique_ptr<Work> Issue(const std::shared_ptr<CommState>& state,
   if (s.aborted) return CompletedWork(AbortedError(s, context));
   if (options.stream.has_value()) {
     if (absl::Status st = CheckStream(s, *options.stream, context); !st.ok()) {
-      return CompletedWork(std::move(st));
+      return CompletedWork(Failed(s, std::move(st)));
     }
   }
   DeviceGuard guard(api);
   if (absl::Status st = guard.Set(s.device, context); !st.ok()) {
-    return CompletedWork(std::move(st));
+    return CompletedWork(Failed(s, std::move(st)));
   }
   // Stream-ordered: the collective's input comes from the caller's stream.
   // Nothing is enqueued yet, so a failure leaves nothing in flight.
   if (options.stream.has_value()) {
     if (absl::Status st = WaitForCallerStream(s, *options.stream, context);
         !st.ok()) {
-      return CompletedWork(std::move(st));
+      return CompletedWork(Failed(s, std::move(st)));
     }
   }
   // Created before anything is enqueued, so that a failure leaves nothing
@@ -490,11 +521,11 @@ std::unique_ptr<Work> Issue(const std::shared_ptr<CommState>& state,
           api, api.CudaEventCreateWithFlags(&event, cudaEventDisableTiming),
           absl::StrCat(context, ": cudaEventCreateWithFlags"));
       !st.ok()) {
-    return CompletedWork(std::move(st));
+    return CompletedWork(Failed(s, std::move(st)));
   }
   auto fail = [&](absl::Status st) {
     api.CudaEventDestroy(event);
-    return CompletedWork(std::move(st));
+    return CompletedWork(Failed(s, std::move(st)));
   };
 
   ncclRedOp_t redop = op != nullptr ? op->builtin : ncclSum;
@@ -574,7 +605,14 @@ namespace internal_nccl {
 CommState::~CommState() {
   DeviceGuard guard(*api);
   guard.Set(device, "").IgnoreError();
-  if (comm != nullptr && owns_comm && !aborted) {
+  const bool after_failure =
+      failed || ProcessFailures() != process_failures_at_creation;
+  if (comm != nullptr && owns_comm && !aborted && after_failure) {
+    // After a failure here or in another communicator of the process, a
+    // finalize would wait for peers that may never finalize (for the whole
+    // setup timeout): abort at once, as c10d does without a clean shutdown.
+    api->CommAbort(comm);
+  } else if (comm != nullptr && owns_comm && !aborted) {
     // Finalize flushes outstanding operations; a non-blocking communicator
     // reports completion through its asynchronous state. There is no caller
     // to report failures to: a communicator that cannot be finalized is
@@ -730,6 +768,7 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::FromComm(
     std::shared_ptr<StreamHandle> stream, cudaStream_t user_stream) {
   // The state owns `comm` from here on, so every failure below releases it.
   auto state = std::make_shared<CommState>();
+  state->process_failures_at_creation = ProcessFailures();
   state->api = &api;
   state->comm = comm;
   state->owns_comm = owned;
@@ -791,7 +830,7 @@ std::unique_ptr<Work> NcclCommunicator::AllGather(
   constexpr absl::string_view kOp = "all_gather";
   if (absl::Status st = ValidateAllGather(s.rank, s.size, seq, input, output);
       !st.ok()) {
-    return CompletedWork(std::move(st));
+    return CompletedWork(Failed(s, std::move(st)));
   }
   const std::string context = OpContext(s, kOp, seq, input, output);
   if (s.aborted) return CompletedWork(AbortedError(s, context));
@@ -800,7 +839,7 @@ std::unique_ptr<Work> NcclCommunicator::AllGather(
                         static_cast<int64_t>(s.rank) * input.bytes();
   if (absl::Status st = CheckCudaPair(s, kOp, seq, input, output, in_place);
       !st.ok()) {
-    return CompletedWork(std::move(st));
+    return CompletedWork(Failed(s, std::move(st)));
   }
   if (input.count == 0) return CompletedWork(absl::OkStatus());
   return Issue(state_, context, deadline, options, nullptr,
@@ -819,7 +858,7 @@ std::unique_ptr<Work> NcclCommunicator::ReduceScatter(
   if (absl::Status st =
           ValidateReduceScatter(s.rank, s.size, seq, input, output, options);
       !st.ok()) {
-    return CompletedWork(std::move(st));
+    return CompletedWork(Failed(s, std::move(st)));
   }
   const std::string context = OpContext(s, kOp, seq, input, output);
   if (s.aborted) return CompletedWork(AbortedError(s, context));
@@ -828,7 +867,7 @@ std::unique_ptr<Work> NcclCommunicator::ReduceScatter(
                          static_cast<int64_t>(s.rank) * output.bytes();
   if (absl::Status st = CheckCudaPair(s, kOp, seq, input, output, in_place);
       !st.ok()) {
-    return CompletedWork(std::move(st));
+    return CompletedWork(Failed(s, std::move(st)));
   }
   absl::StatusOr<ResolvedOp> op = ResolveOp(s, kOp, seq, options, input.dtype);
   if (!op.ok()) return CompletedWork(op.status());
@@ -850,14 +889,14 @@ std::unique_ptr<Work> NcclCommunicator::AllReduce(
   if (absl::Status st =
           ValidateAllReduce(s.rank, s.size, seq, input, output, options);
       !st.ok()) {
-    return CompletedWork(std::move(st));
+    return CompletedWork(Failed(s, std::move(st)));
   }
   const std::string context = OpContext(s, kOp, seq, input, output);
   if (s.aborted) return CompletedWork(AbortedError(s, context));
   const bool in_place = input.data == output.data;
   if (absl::Status st = CheckCudaPair(s, kOp, seq, input, output, in_place);
       !st.ok()) {
-    return CompletedWork(std::move(st));
+    return CompletedWork(Failed(s, std::move(st)));
   }
   absl::StatusOr<ResolvedOp> op = ResolveOp(s, kOp, seq, options, input.dtype);
   if (!op.ok()) return CompletedWork(op.status());
@@ -878,7 +917,7 @@ std::unique_ptr<Work> NcclCommunicator::Broadcast(
   constexpr absl::string_view kOp = "broadcast";
   if (absl::Status st = ValidateBroadcast(s.rank, s.size, seq, buffer, options);
       !st.ok()) {
-    return CompletedWork(std::move(st));
+    return CompletedWork(Failed(s, std::move(st)));
   }
   const std::string context =
       absl::StrFormat("rank %d: %s #%d (buffer %s on cuda:%d, root %d)", s.rank,
@@ -886,7 +925,7 @@ std::unique_ptr<Work> NcclCommunicator::Broadcast(
   if (s.aborted) return CompletedWork(AbortedError(s, context));
   if (absl::Status st = CheckCudaBuffer(s, kOp, seq, "buffer", buffer);
       !st.ok()) {
-    return CompletedWork(std::move(st));
+    return CompletedWork(Failed(s, std::move(st)));
   }
   if (buffer.count == 0) return CompletedWork(absl::OkStatus());
   return Issue(state_, context, deadline, options, nullptr,
@@ -907,64 +946,71 @@ absl::StatusOr<std::vector<std::string>> NcclCommunicator::AllGatherBytes(
       absl::StrFormat("rank %d: all_gather_bytes #%d (%d bytes on cuda:%d)",
                       s.rank, seq, bytes.size(), s.device);
   if (s.aborted) return AbortedError(s, context);
-  DeviceGuard guard(api);
-  FLATPARAM_RETURN_IF_ERROR(guard.Set(s.device, context));
+  auto run = [&]() -> absl::StatusOr<std::vector<std::string>> {
+    DeviceGuard guard(api);
+    FLATPARAM_RETURN_IF_ERROR(guard.Set(s.device, context));
 
-  // Round 1: every rank's length.
-  const size_t n = static_cast<size_t>(s.size);
-  DeviceBuffer lengths(api);
-  FLATPARAM_RETURN_IF_ERROR(lengths.Allocate(n * sizeof(int64_t), context));
-  const int64_t my_length = static_cast<int64_t>(bytes.size());
-  char* my_slot = lengths.get() + s.rank * sizeof(int64_t);
-  FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, my_slot, &my_length, sizeof(int64_t),
-                                      cudaMemcpyHostToDevice, context));
-  FLATPARAM_RETURN_IF_ERROR(
-      Issue(state_, context, deadline, HostOrdered(options), nullptr,
-            [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t) {
-              return api.AllGather(my_slot, lengths.get(), 1, ncclInt64, comm,
-                                   stream);
-            })
-          ->Wait());
-  std::vector<int64_t> sizes(n);
-  FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, sizes.data(), lengths.get(),
-                                      n * sizeof(int64_t),
-                                      cudaMemcpyDeviceToHost, context));
-  FLATPARAM_RETURN_IF_ERROR(AwaitStream(s, deadline, options.timeout, context));
-  int64_t longest = 0;
-  for (size_t r = 0; r < n; ++r) {
-    if (sizes[r] < 0 ||
-        (r == static_cast<size_t>(s.rank) && sizes[r] != my_length)) {
-      return absl::InternalError(absl::StrFormat(
-          "%s: rank %d's length arrived as %d; the group is desynchronized",
-          context, r, sizes[r]));
+    // Round 1: every rank's length.
+    const size_t n = static_cast<size_t>(s.size);
+    DeviceBuffer lengths(api);
+    FLATPARAM_RETURN_IF_ERROR(lengths.Allocate(n * sizeof(int64_t), context));
+    const int64_t my_length = static_cast<int64_t>(bytes.size());
+    char* my_slot = lengths.get() + s.rank * sizeof(int64_t);
+    FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, my_slot, &my_length, sizeof(int64_t),
+                                        cudaMemcpyHostToDevice, context));
+    FLATPARAM_RETURN_IF_ERROR(
+        Issue(state_, context, deadline, HostOrdered(options), nullptr,
+              [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t) {
+                return api.AllGather(my_slot, lengths.get(), 1, ncclInt64, comm,
+                                     stream);
+              })
+            ->Wait());
+    std::vector<int64_t> sizes(n);
+    FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, sizes.data(), lengths.get(),
+                                        n * sizeof(int64_t),
+                                        cudaMemcpyDeviceToHost, context));
+    FLATPARAM_RETURN_IF_ERROR(
+        AwaitStream(s, deadline, options.timeout, context));
+    int64_t longest = 0;
+    for (size_t r = 0; r < n; ++r) {
+      if (sizes[r] < 0 ||
+          (r == static_cast<size_t>(s.rank) && sizes[r] != my_length)) {
+        return absl::InternalError(absl::StrFormat(
+            "%s: rank %d's length arrived as %d; the group is desynchronized",
+            context, r, sizes[r]));
+      }
+      longest = std::max(longest, sizes[r]);
     }
-    longest = std::max(longest, sizes[r]);
-  }
 
-  // Round 2: the bytes, each rank's padded to the longest.
-  std::vector<std::string> result(n);
-  if (longest == 0) return result;
-  const size_t stride = static_cast<size_t>(longest);
-  DeviceBuffer data(api);
-  FLATPARAM_RETURN_IF_ERROR(data.Allocate(n * stride, context));
-  char* my_bytes = data.get() + s.rank * stride;
-  FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, my_bytes, bytes.data(), bytes.size(),
-                                      cudaMemcpyHostToDevice, context));
-  FLATPARAM_RETURN_IF_ERROR(
-      Issue(state_, context, deadline, HostOrdered(options), nullptr,
-            [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t) {
-              return api.AllGather(my_bytes, data.get(), stride, ncclUint8,
-                                   comm, stream);
-            })
-          ->Wait());
-  std::string gathered(n * stride, '\0');
-  FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, gathered.data(), data.get(),
-                                      n * stride, cudaMemcpyDeviceToHost,
-                                      context));
-  FLATPARAM_RETURN_IF_ERROR(AwaitStream(s, deadline, options.timeout, context));
-  for (size_t r = 0; r < n; ++r) {
-    result[r] = gathered.substr(r * stride, static_cast<size_t>(sizes[r]));
-  }
+    // Round 2: the bytes, each rank's padded to the longest.
+    std::vector<std::string> result(n);
+    if (longest == 0) return result;
+    const size_t stride = static_cast<size_t>(longest);
+    DeviceBuffer data(api);
+    FLATPARAM_RETURN_IF_ERROR(data.Allocate(n * stride, context));
+    char* my_bytes = data.get() + s.rank * stride;
+    FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, my_bytes, bytes.data(), bytes.size(),
+                                        cudaMemcpyHostToDevice, context));
+    FLATPARAM_RETURN_IF_ERROR(
+        Issue(state_, context, deadline, HostOrdered(options), nullptr,
+              [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t) {
+                return api.AllGather(my_bytes, data.get(), stride, ncclUint8,
+                                     comm, stream);
+              })
+            ->Wait());
+    std::string gathered(n * stride, '\0');
+    FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, gathered.data(), data.get(),
+                                        n * stride, cudaMemcpyDeviceToHost,
+                                        context));
+    FLATPARAM_RETURN_IF_ERROR(
+        AwaitStream(s, deadline, options.timeout, context));
+    for (size_t r = 0; r < n; ++r) {
+      result[r] = gathered.substr(r * stride, static_cast<size_t>(sizes[r]));
+    }
+    return result;
+  };
+  absl::StatusOr<std::vector<std::string>> result = run();
+  Failed(s, result.status()).IgnoreError();
   return result;
 }
 
@@ -976,23 +1022,26 @@ absl::Status NcclCommunicator::Barrier(const CollectiveOptions& options) {
   const std::string context =
       absl::StrFormat("rank %d: barrier #%d on cuda:%d", s.rank, seq, s.device);
   if (s.aborted) return AbortedError(s, context);
-  if (s.barrier_scratch == nullptr) {
-    DeviceGuard guard(api);
-    FLATPARAM_RETURN_IF_ERROR(guard.Set(s.device, context));
-    FLATPARAM_RETURN_IF_ERROR(
-        CudaStatus(api, api.CudaMalloc(&s.barrier_scratch, sizeof(float)),
-                   absl::StrCat(context, ": cudaMalloc")));
-    static const float kZero = 0.0f;
-    FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, s.barrier_scratch, &kZero,
-                                        sizeof(float), cudaMemcpyHostToDevice,
-                                        context));
-  }
-  return Issue(state_, context, deadline, HostOrdered(options), nullptr,
-               [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t) {
-                 return api.AllReduce(s.barrier_scratch, s.barrier_scratch, 1,
-                                      ncclFloat32, ncclSum, comm, stream);
-               })
-      ->Wait();
+  auto run = [&]() -> absl::Status {
+    if (s.barrier_scratch == nullptr) {
+      DeviceGuard guard(api);
+      FLATPARAM_RETURN_IF_ERROR(guard.Set(s.device, context));
+      FLATPARAM_RETURN_IF_ERROR(
+          CudaStatus(api, api.CudaMalloc(&s.barrier_scratch, sizeof(float)),
+                     absl::StrCat(context, ": cudaMalloc")));
+      static const float kZero = 0.0f;
+      FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, s.barrier_scratch, &kZero,
+                                          sizeof(float), cudaMemcpyHostToDevice,
+                                          context));
+    }
+    return Issue(state_, context, deadline, HostOrdered(options), nullptr,
+                 [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t) {
+                   return api.AllReduce(s.barrier_scratch, s.barrier_scratch, 1,
+                                        ncclFloat32, ncclSum, comm, stream);
+                 })
+        ->Wait();
+  };
+  return Failed(s, run());
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> NcclCommunicator::Split(

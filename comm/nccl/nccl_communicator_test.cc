@@ -677,6 +677,81 @@ TEST_F(NcclCommunicatorTest, WaitPollsTheEventUntilItCompletes) {
   EXPECT_EQ(api_.CallCount("cudaEventQuery"), 6);
   EXPECT_THAT(work->Wait(), IsOk());
   EXPECT_EQ(api_.CallCount("cudaEventQuery"), 6) << "the status is cached";
+  // The five "not ready" answers are not left in the thread's last-error
+  // state, where the next kernel launch on this thread would report them.
+  EXPECT_EQ(api_.CudaPeekAtLastError(), cudaSuccess);
+}
+
+// A failed CUDA call that the communicator reported is not reported again
+// by the next launch on the thread.
+TEST_F(NcclCommunicatorTest, AReportedCudaErrorIsClearedFromTheThread) {
+  std::unique_ptr<NcclCommunicator> nccl = Make(1, 0);
+  api_.FailNext("cudaMalloc", cudaErrorMemoryAllocation);
+  EXPECT_THAT(
+      nccl->AllGatherBytes("abc", {}).status(),
+      StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("cudaMalloc")));
+  EXPECT_EQ(api_.CudaPeekAtLastError(), cudaSuccess);
+}
+
+// ncclCommFinalize completes only when every rank finalizes; after a
+// failure its peers may never get there. Destruction after any failure of
+// the communicator (an argument error included: the caller is unwinding
+// while its peers wait in the collective it never issued) aborts at once
+// instead of polling for the setup timeout.
+TEST_F(NcclCommunicatorTest, DestructionAfterAFailureAbortsAtOnce) {
+  NcclOptions options;
+  options.setup_timeout = absl::Seconds(30);
+  std::unique_ptr<NcclCommunicator> nccl =
+      Make(2, 0, options, /*blocking=*/false);
+  BufferRef in = Alloc(4), out = Alloc(3);
+  EXPECT_THAT(nccl->AllGather(in, out, {})->Wait(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  api_.set_in_progress_polls(-1);  // a finalize would never complete
+  const absl::Time start = absl::Now();
+  nccl.reset();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_EQ(api_.CallCount("ncclCommFinalize"), 0);
+  ASSERT_EQ(api_.comms().size(), 1u);
+  EXPECT_TRUE(api_.comms()[0].aborted);
+  api_.set_in_progress_polls(0);
+}
+
+// The same when another communicator of the process failed (HSDP's other
+// group): this one's peers are unwinding too.
+TEST_F(NcclCommunicatorTest, DestructionAfterAnotherCommunicatorFailedAborts) {
+  NcclOptions options;
+  options.setup_timeout = absl::Seconds(30);
+  std::unique_ptr<NcclCommunicator> healthy =
+      Make(2, 0, options, /*blocking=*/false);
+  std::unique_ptr<NcclCommunicator> failing = Make(2, 0);
+  api_.set_event_pending_queries(-1);
+  BufferRef b = Alloc(4);
+  ReduceOptions timeout;
+  timeout.timeout = absl::Milliseconds(10);
+  EXPECT_THAT(failing->AllReduce(b, b, timeout)->Wait(),
+              StatusIs(absl::StatusCode::kDeadlineExceeded));
+  api_.set_event_pending_queries(0);
+  api_.set_in_progress_polls(-1);
+  const absl::Time start = absl::Now();
+  healthy.reset();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_EQ(api_.CallCount("ncclCommFinalize"), 0);
+  ASSERT_EQ(api_.comms().size(), 2u);
+  EXPECT_TRUE(api_.comms()[0].aborted);
+  api_.set_in_progress_polls(0);
+}
+
+// Without a failure, destruction still finalizes (flushing outstanding
+// work) before destroying.
+TEST_F(NcclCommunicatorTest, CleanDestructionFinalizes) {
+  std::unique_ptr<NcclCommunicator> nccl = Make(1, 0);
+  BufferRef b = Alloc(4);
+  EXPECT_THAT(nccl->AllReduce(b, b, {})->Wait(), IsOk());
+  nccl.reset();
+  EXPECT_EQ(api_.CallCount("ncclCommFinalize"), 1);
+  ASSERT_EQ(api_.comms().size(), 1u);
+  EXPECT_TRUE(api_.comms()[0].destroyed);
+  EXPECT_FALSE(api_.comms()[0].aborted);
 }
 
 TEST_F(NcclCommunicatorTest, TimeoutAbortsAndLaterCallsFailFast) {
