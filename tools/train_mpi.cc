@@ -39,6 +39,23 @@ absl::Status RunOnWorld(MpiCommunicator& world,
         CreateNcclCommunicator(world, gpu, nccl_options));
     FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<DeviceOps> device,
                                CreateCudaDeviceOps(gpu));
+    // A host wait for device work that waits on a collective (a copy to
+    // the host, a synchronization) ends within the collective timeout too,
+    // aborting the communicator, instead of blocking in the driver when a
+    // peer has died.
+    Communicator* comm = nccl.get();
+    const int rank = world.rank();
+    FLATPARAM_RETURN_IF_ERROR(SetCudaHostWaitLimit(
+        *device, options.timeout,
+        [comm, rank, &options](absl::string_view what) {
+          absl::Status error = absl::DeadlineExceededError(absl::StrFormat(
+              "rank %d: %s did not complete within %s: the device work waits "
+              "for a collective that never finished (a peer stopped, died or "
+              "was cut off?); aborted the NCCL communicator",
+              rank, what, absl::FormatDuration(options.timeout)));
+          comm->Abort(error);
+          return error;
+        }));
     absl::StatusOr<TrainReport> trained =
         RunTrainOnRank(*nccl, *device, options, /*host_device=*/false);
     if (!trained.ok()) {

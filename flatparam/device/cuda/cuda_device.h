@@ -8,9 +8,13 @@
 #ifndef FLATPARAM_DEVICE_CUDA_CUDA_DEVICE_H_
 #define FLATPARAM_DEVICE_CUDA_CUDA_DEVICE_H_
 
+#include <functional>
 #include <memory>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "flatparam/device/device.h"
 
 namespace flatparam {
@@ -31,6 +35,17 @@ absl::StatusOr<std::unique_ptr<DeviceOps>> CreateCudaDeviceOps(int ordinal);
 // CUDA in the build. For checking that a warm training loop allocates from
 // the cache only.
 int64_t CudaDeviceMallocs(const DeviceOps& ops);
+
+// Bounds every host wait of `ops` (Synchronize, SynchronizeEvent, copies
+// with host memory) by `limit`: CudaDeviceOps::SetHostWaitLimit for code
+// without CUDA headers. A trainer passes its collective timeout and a
+// handler that aborts its communicator and returns an error naming the
+// rank and what was waited for, so that a dead peer ends the run instead
+// of blocking the host in the driver. InvalidArgument for DeviceOps that
+// are not CUDA's; Unimplemented without CUDA in the build.
+absl::Status SetCudaHostWaitLimit(
+    DeviceOps& ops, absl::Duration limit,
+    std::function<absl::Status(absl::string_view what)> on_expiry);
 
 }  // namespace flatparam
 

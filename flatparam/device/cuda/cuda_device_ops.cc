@@ -104,6 +104,18 @@ int64_t CudaDeviceMallocs(const DeviceOps& ops) {
   return cuda == nullptr ? -1 : cuda->stats().device_mallocs;
 }
 
+absl::Status SetCudaHostWaitLimit(
+    DeviceOps& ops, absl::Duration limit,
+    std::function<absl::Status(absl::string_view what)> on_expiry) {
+  auto* cuda = dynamic_cast<CudaDeviceOps*>(&ops);
+  if (cuda == nullptr) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "SetCudaHostWaitLimit: the DeviceOps are %s, not CUDA's", ops.name()));
+  }
+  cuda->SetHostWaitLimit(limit, std::move(on_expiry));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<DeviceOps>> CreateCudaDeviceOps(int ordinal) {
   FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<CudaDeviceOps> ops,
                              CudaDeviceOps::Create(ordinal));

@@ -488,6 +488,21 @@ TEST_F(CudaDeviceOpsTest, HostWaitsEndWithinTheLimit) {
   EXPECT_THAT(ops_->Synchronize(), IsOk());
 }
 
+// The entry point for code without CUDA headers sets the same limit, and
+// refuses DeviceOps that are not CUDA's.
+TEST_F(CudaDeviceOpsTest, SetCudaHostWaitLimitFromAnyCode) {
+  HostDeviceOps host;
+  EXPECT_THAT(
+      SetCudaHostWaitLimit(host, absl::Seconds(1), nullptr),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not CUDA's")));
+  ASSERT_THAT(SetCudaHostWaitLimit(*ops_, absl::Milliseconds(30), nullptr),
+              IsOk());
+  fake_->HoldStream(cuda_->cuda_stream(Stream{0}));
+  EXPECT_THAT(ops_->Synchronize(),
+              StatusIs(absl::StatusCode::kDeadlineExceeded));
+  fake_->ReleaseStreams();
+}
+
 // Without a handler the limit still holds, as DeadlineExceeded naming the
 // device and the wait; destroying the ops with a stuck stream does not hang.
 TEST_F(CudaDeviceOpsTest, HostWaitLimitWithoutHandler) {

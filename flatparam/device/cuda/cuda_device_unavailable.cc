@@ -16,4 +16,11 @@ absl::StatusOr<std::unique_ptr<DeviceOps>> CreateCudaDeviceOps(int ordinal) {
       ordinal));
 }
 
+absl::Status SetCudaHostWaitLimit(
+    DeviceOps& ops, absl::Duration limit,
+    std::function<absl::Status(absl::string_view what)> on_expiry) {
+  return absl::UnimplementedError(
+      "cannot bound CUDA host waits: this build has no CUDA support");
+}
+
 }  // namespace flatparam
