@@ -728,21 +728,49 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = options.blocking ? 1 : 0;
   ncclComm_t comm = nullptr;
-  const ncclResult_t r = api.CommInitRankConfig(&comm, size, id, rank, &config);
-  if (r != ncclSuccess && r != ncclInProgress) {
-    absl::Status st = NcclStatus(
-        api, r, comm, absl::StrCat(context, ": ncclCommInitRankConfig"));
-    if (comm != nullptr) api.CommAbort(comm);
-    return st;
+  const absl::Status init = [&]() -> absl::Status {
+    const ncclResult_t r =
+        api.CommInitRankConfig(&comm, size, id, rank, &config);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      return NcclStatus(api, r, comm,
+                        absl::StrCat(context, ": ncclCommInitRankConfig"));
+    }
+    return PollComm(api, comm, deadline, options.setup_timeout, context);
+  }();
+  // Every rank's outcome, over the bootstrap: a barrier, so that no rank
+  // enqueues its first collective while a peer is still initializing (with
+  // several ranks in one process, NCCL's kernels on one device can then
+  // wait for a rank whose initialization waits for the device), and so that
+  // a failed initialization fails every rank here instead of hanging their
+  // first collective.
+  absl::StatusOr<std::vector<std::string>> outcomes = bootstrap.AllGatherBytes(
+      init.ok() ? std::string("K") : absl::StrCat("E", init.message()),
+      exchange);
+  absl::Status st = init;
+  if (st.ok() && !outcomes.ok()) {
+    st = absl::Status(
+        outcomes.status().code(),
+        absl::StrFormat("%s: the barrier after initialization over the %s "
+                        "bootstrap failed: %s",
+                        context, bootstrap.backend(),
+                        outcomes.status().message()));
   }
-  if (absl::Status st =
-          PollComm(api, comm, deadline, options.setup_timeout, context);
-      !st.ok()) {
-    api.CommAbort(comm);
+  for (int r = 0; st.ok() && r < size; ++r) {
+    const std::string& message = (*outcomes)[r];
+    if (message.empty() || message[0] != 'K') {
+      st = absl::AbortedError(absl::StrFormat(
+          "%s: rank %d failed to initialize its NCCL communicator: %s", context,
+          r, message.empty() ? "(no message)" : message.substr(1)));
+    }
+  }
+  if (!st.ok()) {
+    if (comm != nullptr) api.CommAbort(comm);
     return absl::Status(
         st.code(),
         absl::StrCat(st.message(),
-                     "; aborted the NCCL communicator (ncclCommAbort)"));
+                     comm != nullptr
+                         ? "; aborted the NCCL communicator (ncclCommAbort)"
+                         : ""));
   }
   return FromComm(api, comm, /*owned=*/true, options, nullptr, stream);
 }

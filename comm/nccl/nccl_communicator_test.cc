@@ -281,6 +281,39 @@ TEST_F(NcclCommunicatorTest, CreateOnThreeThreadsJoinsOneCommunicator) {
   EXPECT_THAT(api.misuse(), IsEmpty());
 }
 
+// Initialization ends in a barrier over the bootstrap: a rank whose
+// ncclCommInitRank failed fails every rank's Create (which would otherwise
+// succeed and hang in the first collective), and each aborts its comm.
+TEST_F(NcclCommunicatorTest, OneRanksFailedInitFailsEveryRank) {
+  FakeNcclApi api(/*device_count=*/3);
+  api.FailNext("ncclCommInitRankConfig", ncclSystemError);
+  std::vector<std::unique_ptr<Communicator>> group = MakeThreadGroup(3);
+  std::vector<absl::StatusOr<std::unique_ptr<NcclCommunicator>>> results(3);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back(
+        [&, r] { results[r] = NcclCommunicator::Create(api, *group[r], r); });
+  }
+  for (std::thread& t : threads) t.join();
+  int failed_init = 0;
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_FALSE(results[r].ok()) << "rank " << r;
+    if (results[r].status().code() == absl::StatusCode::kUnavailable) {
+      ++failed_init;  // ncclSystemError, its own
+    } else {
+      EXPECT_THAT(results[r],
+                  StatusIs(absl::StatusCode::kAborted,
+                           AllOf(HasSubstr("failed to initialize its NCCL "
+                                           "communicator"),
+                                 HasSubstr("ncclSystemError"))));
+    }
+  }
+  EXPECT_EQ(failed_init, 1);
+  for (const FakeNcclApi::CommInfo& info : api.comms()) {
+    EXPECT_TRUE(info.aborted);
+  }
+}
+
 TEST_F(NcclCommunicatorTest, OneRanksBadDeviceFailsEveryRankWithoutHanging) {
   std::vector<std::unique_ptr<Communicator>> group = MakeThreadGroup(3);
   std::vector<absl::StatusOr<std::unique_ptr<NcclCommunicator>>> results(3);
