@@ -224,15 +224,26 @@ void CudaDeviceOps::SetHostWaitLimit(absl::Duration limit,
 }
 
 int64_t CudaDeviceOps::cuda_events_held() const {
-  return static_cast<int64_t>(events_.size() + free_events_.size());
+  int64_t n = static_cast<int64_t>(events_.size() + free_events_.size());
+  for (const auto& [bytes, block] : pinned_cache_) n += block.events.size();
+  return n;
 }
 
 CudaDeviceOps::~CudaDeviceOps() {
   DeviceGuard guard(rt_, ordinal_);
+  bool drained = true;
   for (size_t i = 0; i < streams_.size(); ++i) {
     // Bounded like every host wait: after a failure the streams may never
     // drain, and CUDA finishes (or abandons) their work after the destroy.
-    HostWaitStream(static_cast<int32_t>(i), "destroying the ops").IgnoreError();
+    drained =
+        HostWaitStream(static_cast<int32_t>(i), "destroying the ops").ok() &&
+        drained;
+  }
+  for (auto& [bytes, block] : pinned_cache_) {
+    for (cudaEvent_t e : block.events) rt_.EventDestroy(e);
+    // After a failure (streams that did not drain) a leak is better than a
+    // hang in cudaFreeHost's device synchronization.
+    if (drained && rt_.FreeHost(block.data) != cudaSuccess) ClearLastError();
   }
   for (auto& [id, r] : events_) rt_.EventDestroy(r.event);
   for (cudaEvent_t e : free_events_) rt_.EventDestroy(e);
@@ -270,6 +281,18 @@ void CudaDeviceOps::Retire(int32_t index) {
     ReturnEvent(p.event);
     t.pending.pop_front();
   }
+}
+
+bool CudaDeviceOps::PinnedReady(PinnedBlock& block) {
+  for (cudaEvent_t e : block.events) {
+    if (rt_.EventQuery(e) != cudaSuccess) {
+      ClearLastError();  // not ready (or failed: not reused either way)
+      return false;
+    }
+  }
+  for (cudaEvent_t e : block.events) ReturnEvent(e);
+  block.events.clear();
+  return true;
 }
 
 absl::Status CudaDeviceOps::HostWait(cudaEvent_t event,
@@ -414,8 +437,20 @@ absl::StatusOr<void*> CudaDeviceOps::DoAllocate(Device device, int64_t bytes,
                       pinned ? " (pinned)" : "");
   if (device == Device::Host()) {
     if (pinned) {
+      auto [first, last] = pinned_cache_.equal_range(bytes);
+      for (auto it = first; it != last; ++it) {
+        if (PinnedReady(it->second)) {
+          p = it->second.data;
+          pinned_cache_.erase(it);
+          stats_.pinned_cached_bytes -= bytes;
+          pinned_bytes_[p] = bytes;
+          return p;
+        }
+      }
       FLATPARAM_RETURN_IF_ERROR(
           Check(rt_.MallocHost(&p, static_cast<size_t>(bytes)), what));
+      ++stats_.pinned_mallocs;
+      pinned_bytes_[p] = bytes;
       return p;
     }
     p = ::operator new (static_cast<size_t>(bytes), std::align_val_t{64},
@@ -450,13 +485,30 @@ void CudaDeviceOps::DoFree(void* data, Device device, bool pinned) {
   DeviceGuard guard(rt_, ordinal_);
   if (device == Device::Host()) {
     if (pinned) {
-      // Asynchronous copies on any stream may still read or write it;
-      // cudaFreeHost would synchronize the device without a bound.
-      for (size_t i = 0; i < streams_.size(); ++i) {
-        HostWaitStream(static_cast<int32_t>(i), "freeing pinned memory")
-            .IgnoreError();
+      // Work on any stream may still read or write it: cache it behind an
+      // event on each (cudaFreeHost would synchronize the device, and
+      // without a bound).
+      PinnedBlock block{data, {}};
+      for (cudaStream_t st : streams_) {
+        absl::StatusOr<cudaEvent_t> e = TakeEvent();
+        if (!e.ok() || rt_.EventRecord(*e, st) != cudaSuccess) {
+          ClearLastError();
+          if (e.ok()) ReturnEvent(*e);
+          // No event: wait for the stream here instead.
+          for (size_t i = 0; i < streams_.size(); ++i) {
+            HostWaitStream(static_cast<int32_t>(i), "freeing pinned memory")
+                .IgnoreError();
+          }
+          continue;
+        }
+        block.events.push_back(*e);
       }
-      if (rt_.FreeHost(data) != cudaSuccess) ClearLastError();
+      auto size = pinned_bytes_.find(data);
+      assert(size != pinned_bytes_.end());
+      const int64_t bytes = size->second;
+      pinned_bytes_.erase(size);
+      pinned_cache_.emplace(bytes, std::move(block));
+      stats_.pinned_cached_bytes += bytes;
     } else {
       ::operator delete (data, std::align_val_t{64});
     }

@@ -21,8 +21,12 @@
 // pool hands it out again only after their work. Without memory pools
 // (old devices), cudaMalloc / cudaFree. A trainer can plug in its own
 // stream-ordered allocator (CudaAllocator). Pinned host memory comes from
-// cudaMallocHost; its free first synchronizes the streams. Unpinned host
-// memory is ordinary 64-byte aligned heap memory.
+// cudaMallocHost and is cached: a freed block is kept, with an event
+// recorded on every stream, and handed out again for the same size once
+// those events have passed, so that CPU offload's per-step pinned buffers
+// neither reach the driver nor synchronize the device (cudaFreeHost does)
+// after the first step; the cache is released when the ops are destroyed.
+// Unpinned host memory is ordinary 64-byte aligned heap memory.
 //
 // Completion. Copies that touch host memory are synchronous (they return
 // once the copy is done); copies between device buffers and
@@ -98,6 +102,10 @@ struct CudaAllocatorStats {
   int64_t reserved_bytes = 0;
   int64_t peak_reserved_bytes = 0;
   int64_t device_mallocs = 0;
+  // Pinned host memory: cudaMallocHost calls (0 more once warm) and the
+  // bytes cached for reuse.
+  int64_t pinned_mallocs = 0;
+  int64_t pinned_cached_bytes = 0;
 };
 
 class CudaDeviceOps final : public DeviceOps {
@@ -232,6 +240,18 @@ class CudaDeviceOps final : public DeviceOps {
   };
   std::map<int64_t, Recorded> events_;
   std::vector<cudaEvent_t> free_events_;
+  // Freed pinned blocks by size, each with the events (one per stream)
+  // that must pass before it is reused.
+  struct PinnedBlock {
+    void* data;
+    std::vector<cudaEvent_t> events;
+  };
+  std::multimap<int64_t, PinnedBlock> pinned_cache_;
+  // Sizes of the pinned blocks handed out.
+  std::map<void*, int64_t> pinned_bytes_;
+  // Whether every event of `block` has passed (returning them to the pool
+  // if so).
+  bool PinnedReady(PinnedBlock& block);
   absl::Duration host_wait_limit_ = absl::InfiniteDuration();
   HostWaitExpiry on_expiry_;
   // Device allocations by address.

@@ -503,6 +503,48 @@ TEST_F(CudaDeviceOpsTest, SetCudaHostWaitLimitFromAnyCode) {
   fake_->ReleaseStreams();
 }
 
+// CPU offload allocates and frees pinned buffers every step: they are
+// cached (no cudaMallocHost once warm) and freeing one never waits for the
+// streams (cudaFreeHost would synchronize the device); a cached block is
+// reused only after the work issued before its free has passed.
+TEST_F(CudaDeviceOpsTest, PinnedMemoryIsCachedAndItsFreeDoesNotWait) {
+  int expired = 0;
+  cuda_->SetHostWaitLimit(absl::Milliseconds(50), [&](absl::string_view) {
+    ++expired;
+    return absl::DeadlineExceededError("expired");
+  });
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer d,
+                                 ops_->Allocate(ops_->device(), 4096));
+  ASSERT_THAT(ops_->Fill(d.As(DType::kFloat32), 2), IsOk());
+  for (int step = 0; step < 50; ++step) {
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(
+        DeviceBuffer a, ops_->Allocate(Device::Host(), 4096, /*pinned=*/true));
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(
+        DeviceBuffer b, ops_->Allocate(Device::Host(), 1024, /*pinned=*/true));
+    ASSERT_THAT(ops_->Copy(a.As(DType::kFloat32), d.As(DType::kFloat32)),
+                IsOk());
+    ASSERT_EQ(LoadAsDouble(a.data(), DType::kFloat32, 1023), 2.0);
+  }
+  EXPECT_EQ(cuda_->stats().pinned_mallocs, 2);
+  EXPECT_EQ(cuda_->stats().pinned_cached_bytes, 5120);
+  // A stream that is stuck: the free returns at once, and the block is not
+  // reused while the stream's earlier work may still use it.
+  fake_->HoldStream(cuda_->cuda_stream(Stream{0}));
+  ASSERT_THAT(ops_->Fill(d.As(DType::kFloat32), 3), IsOk());
+  {
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(
+        DeviceBuffer a, ops_->Allocate(Device::Host(), 4096, /*pinned=*/true));
+  }
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      DeviceBuffer again,
+      ops_->Allocate(Device::Host(), 4096, /*pinned=*/true));
+  EXPECT_EQ(cuda_->stats().pinned_mallocs, 3);
+  EXPECT_EQ(expired, 0);
+  fake_->ReleaseStreams();
+  again.Reset();
+  ASSERT_THAT(ops_->Synchronize(), IsOk());
+}
+
 // Without a handler the limit still holds, as DeadlineExceeded naming the
 // device and the wait; destroying the ops with a stuck stream does not hang.
 TEST_F(CudaDeviceOpsTest, HostWaitLimitWithoutHandler) {
