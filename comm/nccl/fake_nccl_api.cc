@@ -172,6 +172,19 @@ int FakeNcclApi::live_events() const {
   return live;
 }
 
+int FakeNcclApi::pageable_copies() const {
+  absl::MutexLock lock(&mu_);
+  return pageable_copies_;
+}
+
+bool FakeNcclApi::IsPinned(const void* ptr, size_t bytes) const {
+  const char* p = static_cast<const char*>(ptr);
+  auto it = pinned_.upper_bound(p);
+  if (it == pinned_.begin()) return false;
+  --it;
+  return p + bytes <= it->first + it->second.size();
+}
+
 int FakeNcclApi::live_allocations() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(allocations_.size());
@@ -858,7 +871,85 @@ cudaError_t FakeNcclApi::CudaMemcpyAsync(void* dst, const void* src,
       (dst_device && !CheckDeviceRange(dst, bytes, "cudaMemcpyAsync dst"))) {
     return LastCudaError(cudaErrorInvalidValue);
   }
+  if ((kind == cudaMemcpyHostToDevice && !IsPinned(src, bytes)) ||
+      (kind == cudaMemcpyDeviceToHost && !IsPinned(dst, bytes))) {
+    ++pageable_copies_;
+  }
   std::memmove(dst, src, bytes);
+  return cudaSuccess;
+}
+
+cudaError_t FakeNcclApi::CudaMallocAsync(void** ptr, size_t bytes,
+                                         cudaStream_t stream) {
+  absl::MutexLock lock(&mu_);
+  int code = 0;
+  if (Begin("cudaMallocAsync", &code)) {
+    return LastCudaError(static_cast<cudaError_t>(code));
+  }
+  const Stream* s = Find(streams_, stream);
+  if (s == nullptr || s->destroyed) {
+    Misuse("cudaMallocAsync: unknown or destroyed stream");
+    return LastCudaError(cudaErrorInvalidResourceHandle);
+  }
+  Allocation allocation;
+  allocation.bytes.assign(std::max<size_t>(bytes, 1), '\0');
+  allocation.device = current_device;
+  char* data = allocation.bytes.data();
+  allocations_.emplace(data, std::move(allocation));
+  *ptr = data;
+  return cudaSuccess;
+}
+
+cudaError_t FakeNcclApi::CudaFreeAsync(void* ptr, cudaStream_t stream) {
+  absl::MutexLock lock(&mu_);
+  int code = 0;
+  if (Begin("cudaFreeAsync", &code)) {
+    return LastCudaError(static_cast<cudaError_t>(code));
+  }
+  if (allocations_.erase(static_cast<const char*>(ptr)) == 0) {
+    Misuse(absl::StrFormat("cudaFreeAsync(%p): not a live allocation", ptr));
+    return LastCudaError(cudaErrorInvalidValue);
+  }
+  return cudaSuccess;
+}
+
+cudaError_t FakeNcclApi::CudaMallocHost(void** ptr, size_t bytes) {
+  absl::MutexLock lock(&mu_);
+  int code = 0;
+  if (Begin("cudaMallocHost", &code)) {
+    return LastCudaError(static_cast<cudaError_t>(code));
+  }
+  std::vector<char> block(std::max<size_t>(bytes, 1), '\0');
+  char* data = block.data();
+  pinned_.emplace(data, std::move(block));
+  *ptr = data;
+  return cudaSuccess;
+}
+
+cudaError_t FakeNcclApi::CudaFreeHost(void* ptr) {
+  absl::MutexLock lock(&mu_);
+  int code = 0;
+  if (Begin("cudaFreeHost", &code)) {
+    return LastCudaError(static_cast<cudaError_t>(code));
+  }
+  if (pinned_.erase(static_cast<const char*>(ptr)) == 0) {
+    Misuse(absl::StrFormat("cudaFreeHost(%p): not pinned memory", ptr));
+    return LastCudaError(cudaErrorInvalidValue);
+  }
+  return cudaSuccess;
+}
+
+cudaError_t FakeNcclApi::CudaMemsetAsync(void* dst, int value, size_t bytes,
+                                         cudaStream_t stream) {
+  absl::MutexLock lock(&mu_);
+  int code = 0;
+  if (Begin("cudaMemsetAsync", &code)) {
+    return LastCudaError(static_cast<cudaError_t>(code));
+  }
+  if (!CheckDeviceRange(dst, bytes, "cudaMemsetAsync dst")) {
+    return LastCudaError(cudaErrorInvalidValue);
+  }
+  std::memset(dst, value, bytes);
   return cudaSuccess;
 }
 

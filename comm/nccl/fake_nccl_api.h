@@ -139,6 +139,10 @@ class FakeNcclApi final : public NcclApi {
   std::vector<std::string> misuse() const;
   int live_events() const;
   int live_allocations() const;
+  // Copies between the device and host memory that did not come from
+  // cudaMallocHost (pageable: with several ranks in one process, NCCL's
+  // documented deadlock pattern when issued between collectives).
+  int pageable_copies() const;
 
   // --- NcclApi.
   ncclResult_t GetVersion(int* version) override;
@@ -181,6 +185,13 @@ class FakeNcclApi final : public NcclApi {
   // The calling thread's last error, as the CUDA runtime keeps it: set by
   // every failing CUDA call of this fake (and of any other FakeNcclApi on
   // the thread).
+  cudaError_t CudaMallocAsync(void** ptr, size_t bytes,
+                              cudaStream_t stream) override;
+  cudaError_t CudaFreeAsync(void* ptr, cudaStream_t stream) override;
+  cudaError_t CudaMallocHost(void** ptr, size_t bytes) override;
+  cudaError_t CudaFreeHost(void* ptr) override;
+  cudaError_t CudaMemsetAsync(void* dst, int value, size_t bytes,
+                              cudaStream_t stream) override;
   cudaError_t CudaGetLastError() override;
   cudaError_t CudaPeekAtLastError() override;
   cudaError_t CudaSetDevice(int device) override;
@@ -221,6 +232,9 @@ class FakeNcclApi final : public NcclApi {
     std::vector<char> bytes;
     int device = 0;
   };
+  // Whether [p, p + bytes) is inside a cudaMallocHost block.
+  bool IsPinned(const void* p, size_t bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Records the call and returns the injected failure for it, if any.
   bool Begin(absl::string_view name, int* code)
@@ -257,6 +271,8 @@ class FakeNcclApi final : public NcclApi {
   int unique_ids_ ABSL_GUARDED_BY(mu_) = 0;
 
   std::vector<std::string> calls_ ABSL_GUARDED_BY(mu_);
+  std::map<const char*, std::vector<char>> pinned_ ABSL_GUARDED_BY(mu_);
+  int pageable_copies_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<Collective> collectives_ ABSL_GUARDED_BY(mu_);
   std::vector<PreMulSum> premul_ops_ ABSL_GUARDED_BY(mu_);
   std::vector<StreamWait> stream_waits_ ABSL_GUARDED_BY(mu_);

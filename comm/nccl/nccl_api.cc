@@ -125,6 +125,21 @@ class RealApi final : public NcclApi {
     return cudaMalloc(ptr, bytes);
   }
   cudaError_t CudaFree(void* ptr) override { return cudaFree(ptr); }
+  cudaError_t CudaMallocAsync(void** ptr, size_t bytes,
+                              cudaStream_t stream) override {
+    return cudaMallocAsync(ptr, bytes, stream);
+  }
+  cudaError_t CudaFreeAsync(void* ptr, cudaStream_t stream) override {
+    return cudaFreeAsync(ptr, stream);
+  }
+  cudaError_t CudaMallocHost(void** ptr, size_t bytes) override {
+    return cudaMallocHost(ptr, bytes);
+  }
+  cudaError_t CudaFreeHost(void* ptr) override { return cudaFreeHost(ptr); }
+  cudaError_t CudaMemsetAsync(void* dst, int value, size_t bytes,
+                              cudaStream_t stream) override {
+    return cudaMemsetAsync(dst, value, bytes, stream);
+  }
   cudaError_t CudaMemcpyAsync(void* dst, const void* src, size_t bytes,
                               cudaMemcpyKind kind,
                               cudaStream_t stream) override {

@@ -93,6 +93,13 @@ class NcclApi {
       cudaPointerAttributes* attributes, const void* ptr) = 0;
   virtual cudaError_t CudaMalloc(void** ptr, size_t bytes) = 0;
   virtual cudaError_t CudaFree(void* ptr) = 0;
+  virtual cudaError_t CudaMallocAsync(void** ptr, size_t bytes,
+                                      cudaStream_t stream) = 0;
+  virtual cudaError_t CudaFreeAsync(void* ptr, cudaStream_t stream) = 0;
+  virtual cudaError_t CudaMallocHost(void** ptr, size_t bytes) = 0;
+  virtual cudaError_t CudaFreeHost(void* ptr) = 0;
+  virtual cudaError_t CudaMemsetAsync(void* dst, int value, size_t bytes,
+                                      cudaStream_t stream) = 0;
   virtual cudaError_t CudaMemcpyAsync(void* dst, const void* src, size_t bytes,
                                       cudaMemcpyKind kind,
                                       cudaStream_t stream) = 0;

@@ -53,8 +53,18 @@ struct CommState {
   bool failed = false;
   // ProcessFailures() when the communicator was made.
   int64_t process_failures_at_creation = 0;
-  // One float on `device` for Barrier(); allocated on first use.
-  void* barrier_scratch = nullptr;
+  // Scratch for Barrier() and AllGatherBytes(), kept between calls: device
+  // memory from the stream-ordered allocator (on `stream`) and pinned host
+  // staging. With several ranks in one process, a cudaMalloc or cudaFree
+  // between collectives (each synchronizes the device) or a copy with
+  // pageable memory can deadlock against NCCL kernels that wait for a peer
+  // (NCCL's documented pattern); these never happen between collectives.
+  // Outgrown staging is freed at destruction (cudaFreeHost synchronizes).
+  void* device_scratch = nullptr;
+  size_t device_scratch_bytes = 0;
+  void* host_staging = nullptr;
+  size_t host_staging_bytes = 0;
+  std::vector<void*> retired_staging;
 
   ~CommState();
 };
@@ -118,27 +128,6 @@ class DeviceGuard {
   NcclApi& api_;
   int previous_ = 0;
   bool restore_ = false;
-};
-
-// Device memory freed when it goes out of scope.
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(NcclApi& api) : api_(api) {}
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (ptr_ != nullptr) api_.CudaFree(ptr_);
-  }
-
-  absl::Status Allocate(size_t bytes, absl::string_view context) {
-    return CudaStatus(api_, api_.CudaMalloc(&ptr_, bytes),
-                      absl::StrFormat("%s: cudaMalloc(%d)", context, bytes));
-  }
-  char* get() const { return static_cast<char*>(ptr_); }
-
- private:
-  NcclApi& api_;
-  void* ptr_ = nullptr;
 };
 
 ncclDataType_t NcclDType(DType dtype) {
@@ -582,6 +571,44 @@ absl::Status CopyAsync(CommState& s, void* dst, const void* src, size_t bytes,
       absl::StrFormat("%s: cudaMemcpyAsync(%d bytes)", context, bytes));
 }
 
+// Grows the device scratch to `bytes`, stream-ordered (see CommState).
+absl::Status EnsureDeviceScratch(CommState& s, size_t bytes,
+                                 absl::string_view context) {
+  if (bytes <= s.device_scratch_bytes) return absl::OkStatus();
+  NcclApi& api = *s.api;
+  if (s.device_scratch != nullptr) {
+    void* old = s.device_scratch;
+    s.device_scratch = nullptr;
+    s.device_scratch_bytes = 0;
+    FLATPARAM_RETURN_IF_ERROR(
+        CudaStatus(api, api.CudaFreeAsync(old, s.stream->stream),
+                   absl::StrCat(context, ": cudaFreeAsync")));
+  }
+  const size_t grown = std::max<size_t>(bytes, 256);
+  FLATPARAM_RETURN_IF_ERROR(CudaStatus(
+      api, api.CudaMallocAsync(&s.device_scratch, grown, s.stream->stream),
+      absl::StrFormat("%s: cudaMallocAsync(%d)", context, grown)));
+  s.device_scratch_bytes = grown;
+  return absl::OkStatus();
+}
+
+// Grows the pinned host staging to `bytes`; the outgrown block is kept
+// until destruction (see CommState).
+absl::Status EnsureHostStaging(CommState& s, size_t bytes,
+                               absl::string_view context) {
+  if (bytes <= s.host_staging_bytes) return absl::OkStatus();
+  NcclApi& api = *s.api;
+  const size_t grown = std::max<size_t>({bytes, 2 * s.host_staging_bytes, 256});
+  void* p = nullptr;
+  FLATPARAM_RETURN_IF_ERROR(
+      CudaStatus(api, api.CudaMallocHost(&p, grown),
+                 absl::StrFormat("%s: cudaMallocHost(%d)", context, grown)));
+  if (s.host_staging != nullptr) s.retired_staging.push_back(s.host_staging);
+  s.host_staging = p;
+  s.host_staging_bytes = grown;
+  return absl::OkStatus();
+}
+
 // Blocks until everything enqueued so far on the stream has finished.
 absl::Status AwaitStream(CommState& s, absl::Time deadline,
                          absl::Duration timeout, absl::string_view context) {
@@ -631,7 +658,20 @@ CommState::~CommState() {
     }
   }
   comm = nullptr;
-  if (barrier_scratch != nullptr) api->CudaFree(barrier_scratch);
+  if (device_scratch != nullptr) {
+    // Stream-ordered: released after the work already on the stream.
+    if (api->CudaFreeAsync(device_scratch, stream->stream) != cudaSuccess) {
+      api->CudaGetLastError();
+    }
+  }
+  if (host_staging != nullptr) retired_staging.push_back(host_staging);
+  // cudaFreeHost synchronizes the device: after a failure the device may
+  // never become idle, and a leak is better than a hang.
+  if (!failed && !aborted) {
+    for (void* p : retired_staging) {
+      if (api->CudaFreeHost(p) != cudaSuccess) api->CudaGetLastError();
+    }
+  }
 }
 
 }  // namespace internal_nccl
@@ -978,31 +1018,37 @@ absl::StatusOr<std::vector<std::string>> NcclCommunicator::AllGatherBytes(
     DeviceGuard guard(api);
     FLATPARAM_RETURN_IF_ERROR(guard.Set(s.device, context));
 
-    // Round 1: every rank's length.
+    // Round 1: every rank's length, through the scratch (no allocation,
+    // free or pageable copy between the collectives: see CommState).
     const size_t n = static_cast<size_t>(s.size);
-    DeviceBuffer lengths(api);
-    FLATPARAM_RETURN_IF_ERROR(lengths.Allocate(n * sizeof(int64_t), context));
+    const size_t rank = static_cast<size_t>(s.rank);
+    FLATPARAM_RETURN_IF_ERROR(
+        EnsureDeviceScratch(s, n * sizeof(int64_t), context));
+    FLATPARAM_RETURN_IF_ERROR(
+        EnsureHostStaging(s, n * sizeof(int64_t), context));
     const int64_t my_length = static_cast<int64_t>(bytes.size());
-    char* my_slot = lengths.get() + s.rank * sizeof(int64_t);
-    FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, my_slot, &my_length, sizeof(int64_t),
-                                        cudaMemcpyHostToDevice, context));
+    auto* staged = static_cast<int64_t*>(s.host_staging);
+    staged[rank] = my_length;
+    char* lengths = static_cast<char*>(s.device_scratch);
+    char* my_slot = lengths + rank * sizeof(int64_t);
+    FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, my_slot, &staged[rank],
+                                        sizeof(int64_t), cudaMemcpyHostToDevice,
+                                        context));
     FLATPARAM_RETURN_IF_ERROR(
         Issue(state_, context, deadline, HostOrdered(options), nullptr,
               [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t) {
-                return api.AllGather(my_slot, lengths.get(), 1, ncclInt64, comm,
+                return api.AllGather(my_slot, lengths, 1, ncclInt64, comm,
                                      stream);
               })
             ->Wait());
-    std::vector<int64_t> sizes(n);
-    FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, sizes.data(), lengths.get(),
-                                        n * sizeof(int64_t),
+    FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, staged, lengths, n * sizeof(int64_t),
                                         cudaMemcpyDeviceToHost, context));
     FLATPARAM_RETURN_IF_ERROR(
         AwaitStream(s, deadline, options.timeout, context));
+    const std::vector<int64_t> sizes(staged, staged + n);
     int64_t longest = 0;
     for (size_t r = 0; r < n; ++r) {
-      if (sizes[r] < 0 ||
-          (r == static_cast<size_t>(s.rank) && sizes[r] != my_length)) {
+      if (sizes[r] < 0 || (r == rank && sizes[r] != my_length)) {
         return absl::InternalError(absl::StrFormat(
             "%s: rank %d's length arrived as %d; the group is desynchronized",
             context, r, sizes[r]));
@@ -1014,26 +1060,32 @@ absl::StatusOr<std::vector<std::string>> NcclCommunicator::AllGatherBytes(
     std::vector<std::string> result(n);
     if (longest == 0) return result;
     const size_t stride = static_cast<size_t>(longest);
-    DeviceBuffer data(api);
-    FLATPARAM_RETURN_IF_ERROR(data.Allocate(n * stride, context));
-    char* my_bytes = data.get() + s.rank * stride;
-    FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, my_bytes, bytes.data(), bytes.size(),
-                                        cudaMemcpyHostToDevice, context));
+    // Growing is stream-ordered (device) or allocation only (host): no
+    // device synchronization between the collectives.
+    FLATPARAM_RETURN_IF_ERROR(EnsureDeviceScratch(s, n * stride, context));
+    FLATPARAM_RETURN_IF_ERROR(EnsureHostStaging(s, n * stride, context));
+    char* host = static_cast<char*>(s.host_staging);
+    char* data = static_cast<char*>(s.device_scratch);
+    char* my_bytes = data + rank * stride;
+    if (!bytes.empty()) {
+      std::memcpy(host + rank * stride, bytes.data(), bytes.size());
+    }
+    FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, my_bytes, host + rank * stride,
+                                        bytes.size(), cudaMemcpyHostToDevice,
+                                        context));
     FLATPARAM_RETURN_IF_ERROR(
         Issue(state_, context, deadline, HostOrdered(options), nullptr,
               [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t) {
-                return api.AllGather(my_bytes, data.get(), stride, ncclUint8,
-                                     comm, stream);
+                return api.AllGather(my_bytes, data, stride, ncclUint8, comm,
+                                     stream);
               })
             ->Wait());
-    std::string gathered(n * stride, '\0');
-    FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, gathered.data(), data.get(),
-                                        n * stride, cudaMemcpyDeviceToHost,
-                                        context));
+    FLATPARAM_RETURN_IF_ERROR(
+        CopyAsync(s, host, data, n * stride, cudaMemcpyDeviceToHost, context));
     FLATPARAM_RETURN_IF_ERROR(
         AwaitStream(s, deadline, options.timeout, context));
     for (size_t r = 0; r < n; ++r) {
-      result[r] = gathered.substr(r * stride, static_cast<size_t>(sizes[r]));
+      result[r].assign(host + r * stride, static_cast<size_t>(sizes[r]));
     }
     return result;
   };
@@ -1051,20 +1103,17 @@ absl::Status NcclCommunicator::Barrier(const CollectiveOptions& options) {
       absl::StrFormat("rank %d: barrier #%d on cuda:%d", s.rank, seq, s.device);
   if (s.aborted) return AbortedError(s, context);
   auto run = [&]() -> absl::Status {
-    if (s.barrier_scratch == nullptr) {
-      DeviceGuard guard(api);
-      FLATPARAM_RETURN_IF_ERROR(guard.Set(s.device, context));
-      FLATPARAM_RETURN_IF_ERROR(
-          CudaStatus(api, api.CudaMalloc(&s.barrier_scratch, sizeof(float)),
-                     absl::StrCat(context, ": cudaMalloc")));
-      static const float kZero = 0.0f;
-      FLATPARAM_RETURN_IF_ERROR(CopyAsync(s, s.barrier_scratch, &kZero,
-                                          sizeof(float), cudaMemcpyHostToDevice,
-                                          context));
-    }
+    DeviceGuard guard(api);
+    FLATPARAM_RETURN_IF_ERROR(guard.Set(s.device, context));
+    FLATPARAM_RETURN_IF_ERROR(EnsureDeviceScratch(s, sizeof(float), context));
+    FLATPARAM_RETURN_IF_ERROR(
+        CudaStatus(api,
+                   api.CudaMemsetAsync(s.device_scratch, 0, sizeof(float),
+                                       s.stream->stream),
+                   absl::StrCat(context, ": cudaMemsetAsync")));
     return Issue(state_, context, deadline, HostOrdered(options), nullptr,
                  [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t) {
-                   return api.AllReduce(s.barrier_scratch, s.barrier_scratch, 1,
+                   return api.AllReduce(s.device_scratch, s.device_scratch, 1,
                                         ncclFloat32, ncclSum, comm, stream);
                  })
         ->Wait();

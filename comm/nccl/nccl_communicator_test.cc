@@ -719,10 +719,10 @@ TEST_F(NcclCommunicatorTest, WaitPollsTheEventUntilItCompletes) {
 // by the next launch on the thread.
 TEST_F(NcclCommunicatorTest, AReportedCudaErrorIsClearedFromTheThread) {
   std::unique_ptr<NcclCommunicator> nccl = Make(1, 0);
-  api_.FailNext("cudaMalloc", cudaErrorMemoryAllocation);
-  EXPECT_THAT(
-      nccl->AllGatherBytes("abc", {}).status(),
-      StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("cudaMalloc")));
+  api_.FailNext("cudaMallocAsync", cudaErrorMemoryAllocation);
+  EXPECT_THAT(nccl->AllGatherBytes("abc", {}).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("cudaMallocAsync")));
   EXPECT_EQ(api_.CudaPeekAtLastError(), cudaSuccess);
 }
 
@@ -1029,8 +1029,21 @@ TEST_F(NcclCommunicatorTest, AllGatherBytesOfOneRank) {
   EXPECT_EQ(calls[0].count, 1u);
   EXPECT_EQ(calls[1].datatype, ncclUint8);
   EXPECT_EQ(calls[1].count, 5u);
-  EXPECT_EQ(api_.live_allocations(), allocations);
   EXPECT_EQ(api_.live_events(), 0);
+  // The scratch stays for the next call: no allocation, free or pageable
+  // copy between collectives (with several ranks in one process each can
+  // deadlock against NCCL kernels waiting for a peer).
+  EXPECT_EQ(api_.live_allocations(), allocations + 1);
+  const int mallocs = api_.CallCount("cudaMallocAsync");
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(all, nccl->AllGatherBytes("world", {}));
+  EXPECT_THAT(all, ElementsAre("world"));
+  EXPECT_EQ(api_.CallCount("cudaMallocAsync"), mallocs);
+  EXPECT_EQ(api_.CallCount("cudaMalloc"), 0);
+  EXPECT_EQ(api_.CallCount("cudaFree"), 0);
+  EXPECT_EQ(api_.CallCount("cudaFreeHost"), 0);
+  EXPECT_EQ(api_.pageable_copies(), 0);
+  nccl.reset();
+  EXPECT_EQ(api_.live_allocations(), allocations);
 }
 
 TEST_F(NcclCommunicatorTest, AllGatherBytesPlacesEachRanksBytes) {
@@ -1053,7 +1066,9 @@ TEST_F(NcclCommunicatorTest, BarrierIsAOneElementAllReduce) {
   ASSERT_EQ(calls.size(), 2u);
   EXPECT_EQ(calls[0].name, "ncclAllReduce");
   EXPECT_EQ(calls[0].count, 1u);
-  EXPECT_EQ(api_.CallCount("cudaMalloc"), 1) << "the scratch is reused";
+  EXPECT_EQ(api_.CallCount("cudaMallocAsync"), 1) << "the scratch is reused";
+  EXPECT_EQ(api_.CallCount("cudaMalloc"), 0);
+  EXPECT_EQ(api_.pageable_copies(), 0);
   nccl.reset();
   EXPECT_EQ(api_.live_allocations(), 0);
 }
