@@ -12,6 +12,11 @@
 //
 // Skips, saying why, without CUDA or NCCL in the build or without a usable
 // GPU ("no usable GPU: ..."), as on CPU-only CI machines.
+//
+// Built with FLATPARAM_CUDA_FAKE (training_nccl_fake_test), the same tests
+// run in CI on the model of CUDA and NCCL: CudaDeviceOps on FakeCudaRuntime
+// and NcclCommunicator on FakeNcclOnCuda, four fake devices.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -34,6 +39,13 @@
 #include "refmodel/reference_trainer.h"
 #include "verify/training_testutil.h"
 
+#ifdef FLATPARAM_CUDA_FAKE
+#include "comm/nccl/nccl_communicator.h"
+#include "flatparam/device/cuda/cuda_device_ops.h"
+#include "flatparam/device/cuda/fake_cuda_runtime.h"
+#include "flatparam/device/cuda/fake_nccl_on_cuda.h"
+#endif
+
 namespace flatparam {
 namespace verify {
 namespace {
@@ -41,8 +53,35 @@ namespace {
 using refmodel::FsdpRankResult;
 using refmodel::FsdpTrainOptions;
 
+#ifdef FLATPARAM_CUDA_FAKE
+constexpr int kFakeDevices = 4;
+
+// Four fake devices and NCCL over them. The runtime goes first: draining
+// its streams may still run the fake NCCL's collectives.
+struct FakeWorld {
+  FakeWorld() {
+    FakeCudaRuntime::Options options;
+    options.device_count = kFakeDevices;
+    options.max_op_delay = absl::Microseconds(20);
+    cuda = std::make_unique<FakeCudaRuntime>(options);
+    nccl = std::make_unique<FakeNcclOnCuda>(*cuda);
+  }
+  ~FakeWorld() {
+    EXPECT_THAT(cuda->misuse(), ::testing::IsEmpty());
+    EXPECT_THAT(nccl->misuse(), ::testing::IsEmpty());
+    cuda.reset();
+    nccl.reset();
+  }
+  std::unique_ptr<FakeCudaRuntime> cuda;
+  std::unique_ptr<FakeNcclOnCuda> nccl;
+};
+#endif
+
 // The number of usable GPUs (at most 4); skips the test when there is none.
 int UsableGpus(std::string* why) {
+#ifdef FLATPARAM_CUDA_FAKE
+  return kFakeDevices;
+#endif
   if (!CudaDeviceOpsAvailable() || !NcclBackendAvailable()) {
     *why = "no CUDA/NCCL in this build";
     return 0;
@@ -65,8 +104,21 @@ std::vector<absl::StatusOr<FsdpRankResult>> TrainOnGpus(
   std::vector<absl::StatusOr<FsdpRankResult>> results(
       world, absl::UnknownError("not run"));
   std::vector<std::thread> threads;
+#ifdef FLATPARAM_CUDA_FAKE
+  FakeWorld fake;
+#endif
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
+#ifdef FLATPARAM_CUDA_FAKE
+      absl::StatusOr<std::unique_ptr<DeviceOps>> ops =
+          CudaDeviceOps::Create(r, nullptr, nullptr, fake.cuda.get());
+      if (!ops.ok()) {
+        results[r] = ops.status();
+        return;
+      }
+      absl::StatusOr<std::unique_ptr<Communicator>> nccl =
+          NcclCommunicator::Create(*fake.nccl, *bootstrap[r], r);
+#else
       absl::StatusOr<std::unique_ptr<DeviceOps>> ops = CreateCudaDeviceOps(r);
       if (!ops.ok()) {
         results[r] = ops.status();
@@ -74,6 +126,7 @@ std::vector<absl::StatusOr<FsdpRankResult>> TrainOnGpus(
       }
       absl::StatusOr<std::unique_ptr<Communicator>> nccl =
           CreateNcclCommunicator(*bootstrap[r], r);
+#endif
       if (!nccl.ok()) {
         results[r] = nccl.status();
         return;
@@ -197,6 +250,47 @@ TEST(TrainingNcclTest, SeveralGpusAgreeWithinTheReassociationBound) {
     }
   }
 }
+
+#ifdef FLATPARAM_CUDA_FAKE
+// On the model, where the reduction folds the ranks in rank order as the
+// simulator does, and the divide factors at 2 and 4 ranks are powers of
+// two (exact as NCCL's pre-multiplied sum and as the host's division), the
+// CUDA/NCCL path is bitwise the host path on the simulator: every strategy,
+// mixed precision and CPU offload included, over several steps and
+// micro-batches (the stream and event discipline of the runtime on real
+// asynchronous streams).
+TEST(TrainingNcclTest, FakeGpusEqualTheSimulatorBitwise) {
+  struct Case {
+    ShardingStrategy strategy;
+    int world;
+    bool bf16, offload;
+  };
+  for (const Case& c : {Case{ShardingStrategy::kFullShard, 4, false, false},
+                        Case{ShardingStrategy::kFullShard, 2, true, true},
+                        Case{ShardingStrategy::kShardGradOp, 4, true, false},
+                        Case{ShardingStrategy::kNoShard, 2, false, true}}) {
+    FsdpTrainOptions o = Options(c.strategy, c.world);
+    o.align_addresses = true;
+    o.cpu_offload = c.offload;
+    if (c.bf16) o.param_dtype = DType::kBFloat16;
+    SCOPED_TRACE(Describe({o, c.world}));
+    std::vector<absl::StatusOr<FsdpRankResult>> got = TrainOnGpus(o, c.world);
+    absl::StatusOr<std::vector<FsdpRankResult>> want =
+        TrainFsdpOnSim(o, c.world);
+    ASSERT_TRUE(want.ok()) << want.status();
+    std::string why;
+    for (int r = 0; r < c.world; ++r) {
+      ASSERT_TRUE(got[r].ok()) << got[r].status();
+      EXPECT_EQ(got[r]->losses, (*want)[r].losses) << "rank " << r;
+      EXPECT_TRUE(SameTensors(got[r]->params, (*want)[r].params, &why))
+          << "rank " << r << ": " << why;
+      EXPECT_TRUE(
+          SameStates(got[r]->optimizer_state, (*want)[r].optimizer_state, &why))
+          << "rank " << r << ": " << why;
+    }
+  }
+}
+#endif  // FLATPARAM_CUDA_FAKE
 
 }  // namespace
 }  // namespace verify

@@ -6,7 +6,8 @@
 // GPU (one rank, NCCL) against the same handle on the host.
 //
 // Built a second time with FLATPARAM_CUDA_FAKE (cuda_device_fake_test), the
-// same cases run on FakeCudaRuntime in CI, followed by the cases that only
+// same cases run on FakeCudaRuntime in CI (the handle's with
+// FakeNcclOnCuda), followed by the cases that only
 // the model can set up (a stream that never finishes, a query's stale
 // "not ready").
 #include "flatparam/device/cuda/cuda_device.h"
@@ -37,8 +38,10 @@
 #ifdef FLATPARAM_CUDA_FAKE
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "comm/nccl/nccl_communicator.h"
 #include "flatparam/device/cuda/cuda_device_ops.h"
 #include "flatparam/device/cuda/fake_cuda_runtime.h"
+#include "flatparam/device/cuda/fake_nccl_on_cuda.h"
 #endif
 
 namespace flatparam {
@@ -348,11 +351,9 @@ TEST_F(CudaDeviceOpsTest, HandleOnTheGpuMatchesTheHost) {
   using testing_handle::RunIteration;
   using testing_handle::RunWithHandles;
   using testing_handle::Scenario;
-#ifdef FLATPARAM_CUDA_FAKE
-  GTEST_SKIP() << "needs NCCL on the fake device (FakeNcclApi keeps its own "
-                  "memory model)";
-#endif
+#ifndef FLATPARAM_CUDA_FAKE
   if (!NcclBackendAvailable()) GTEST_SKIP() << "no NCCL backend";
+#endif
   for (ShardingStrategy strategy :
        {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
         ShardingStrategy::kNoShard}) {
@@ -390,8 +391,15 @@ TEST_F(CudaDeviceOpsTest, HandleOnTheGpuMatchesTheHost) {
                                      SimWorld::Create(sim_options));
       std::vector<double> got;
       ASSERT_THAT(world->Run([&](SimCommunicator& comm) -> absl::Status {
+#ifdef FLATPARAM_CUDA_FAKE
+        FakeNcclOnCuda fake_nccl(*fake_);
+        FLATPARAM_ASSIGN_OR_RETURN(
+            std::unique_ptr<Communicator> nccl,
+            NcclCommunicator::Create(fake_nccl, comm, 0));
+#else
         FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> nccl,
                                    CreateNcclCommunicator(comm, 0));
+#endif
         FLATPARAM_ASSIGN_OR_RETURN(
             std::unique_ptr<FlatParamHandle> h,
             FlatParamHandle::Create(layout, refs, nccl.get(), nullptr,

@@ -97,7 +97,8 @@ FakeCudaRuntime::~FakeCudaRuntime() {
   std::vector<std::thread> workers;
   {
     absl::MutexLock lock(&mu_);
-    ++hold_generation_;  // release held streams so that they can drain
+    ++hold_generation_;     // release held streams so that they can drain
+    shutting_down_ = true;  // and work waiting in WaitUntil
     for (auto& s : streams_) {
       s->stop = true;
       workers.push_back(std::move(s->worker));
@@ -339,6 +340,56 @@ cudaError_t FakeCudaRuntime::Launch(absl::string_view what, cudaStream_t stream,
   Result(launch);
   // A launch reports what cudaGetLastError() says after it.
   return GetLastError();
+}
+
+cudaError_t FakeCudaRuntime::EnqueueWork(cudaStream_t stream,
+                                         absl::string_view what,
+                                         std::vector<Range> touches,
+                                         std::function<void()> work) {
+  std::vector<Touch> t;
+  for (const Range& r : touches) t.push_back({r.ptr, r.bytes});
+  absl::MutexLock lock(&mu_);
+  cudaError_t e = Precheck(what);
+  StreamState* s = e == cudaSuccess ? FindStream(stream) : nullptr;
+  if (e == cudaSuccess && s == nullptr) e = cudaErrorInvalidResourceHandle;
+  if (e != cudaSuccess) return Result(e);
+  Op op;
+  op.what = std::string(what);
+  op.run = std::move(work);
+  op.touches = std::move(t);
+  Enqueue(s, std::move(op));
+  return cudaSuccess;
+}
+
+int FakeCudaRuntime::DeviceOf(const void* ptr, bool* pinned) const {
+  absl::MutexLock lock(&mu_);
+  if (pinned != nullptr) *pinned = IsPinned(ptr);
+  char* p = static_cast<char*>(const_cast<void*>(ptr));
+  auto it = blocks_.upper_bound(p);
+  if (it == blocks_.begin()) return -1;
+  --it;
+  if (!it->second.live || p >= it->first + it->second.bytes) return -1;
+  return it->second.device;
+}
+
+int FakeCudaRuntime::StreamDevice(cudaStream_t stream) {
+  absl::MutexLock lock(&mu_);
+  StreamState* s = FindStream(stream);
+  return s == nullptr ? -1 : s->device;
+}
+
+bool FakeCudaRuntime::WaitUntil(const std::function<bool()>& ready) {
+  absl::MutexLock lock(&mu_);
+  auto done = [this, &ready]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return shutting_down_ || ready();
+  };
+  mu_.Await(absl::Condition(&done));
+  return ready();
+}
+
+void FakeCudaRuntime::Locked(const std::function<void()>& f) {
+  absl::MutexLock lock(&mu_);
+  f();
 }
 
 // ---- Errors ----

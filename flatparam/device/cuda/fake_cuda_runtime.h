@@ -95,6 +95,32 @@ class FakeCudaRuntime final : public CudaRuntime {
   int64_t live_device_blocks() const;  // allocated and not freed
   int64_t device_mallocs() const;      // blocks that grew the memory
 
+  // ---- For other models on the same device (fake NCCL) ----
+  // Enqueues `work` on `stream`, to run on the stream's worker in issue
+  // order, like a kernel (cudaLaunchHostFunc's position in the stream);
+  // `touches` are the device ranges it reads or writes, checked when it
+  // runs. `work` may block (a collective waiting for its peers).
+  struct Range {
+    const void* ptr;
+    size_t bytes;
+  };
+  cudaError_t EnqueueWork(cudaStream_t stream, absl::string_view what,
+                          std::vector<Range> touches,
+                          std::function<void()> work);
+  // The device of the live device block holding `ptr`, or -1; `pinned`
+  // (may be null) says whether `ptr` is in cudaMallocHost memory.
+  int DeviceOf(const void* ptr, bool* pinned = nullptr) const;
+  // The device of `stream`, or -1 for an unknown stream.
+  int StreamDevice(cudaStream_t stream);
+  // Runs `f` with the fake's lock held, so that another model can keep its
+  // state under the same lock (and WaitUntil sees its changes). `f` must
+  // not call into the fake.
+  void Locked(const std::function<void()>& f);
+  // Blocks (a stream worker, in EnqueueWork's `work`) until `ready()`
+  // holds, evaluated under the fake's lock; false if the fake is being
+  // destroyed first. `ready` must not call into the fake.
+  bool WaitUntil(const std::function<bool()>& ready);
+
   // ---- CudaRuntime ----
   cudaError_t GetLastError() override;
   cudaError_t PeekAtLastError() override;
@@ -208,6 +234,7 @@ class FakeCudaRuntime final : public CudaRuntime {
   std::vector<std::unique_ptr<PoolState>> pools_ ABSL_GUARDED_BY(mu_);
   std::map<char*, Block> blocks_ ABSL_GUARDED_BY(mu_);
   std::map<char*, size_t> pinned_ ABSL_GUARDED_BY(mu_);
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   // Hold ops of an earlier generation than this have been released.
   int64_t hold_generation_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t event_creations_ ABSL_GUARDED_BY(mu_) = 0;

@@ -1,0 +1,155 @@
+// FakeNcclOnCuda: NCCL for several ranks in one process on FakeCudaRuntime's
+// devices (test-only), so that CudaDeviceOps and NcclCommunicator run
+// together in CI without a GPU: the handle, runtime and training suites at
+// several ranks, each rank a thread with its own fake device.
+//
+// Model, from NCCL's documentation:
+// - Communicators rendezvous by ncclUniqueId; initialization completes once
+//   every rank has joined (non-blocking communicators report ncclInProgress
+//   until then). Two ranks of one communicator on one device are refused
+//   (ncclInvalidUsage), as NCCL refuses duplicate GPUs.
+// - A collective is enqueued on the caller's stream and runs when the
+//   stream reaches it; it then waits for the same collective (by sequence
+//   number) of every rank, and the last to arrive moves the data for all.
+//   Ranks that issue different collectives, counts or dtypes at the same
+//   sequence number hang, as on GPUs, until the communicator is aborted
+//   (the caller's timeout); misuse() records the mismatch.
+// - Reductions fold the ranks in rank order, rounding to the dtype after
+//   every operation (float16 and bfloat16 computed in float32); a
+//   pre-multiplied sum multiplies each input by its scalar first.
+// - ncclCommFinalize completes only when every rank has finalized (global
+//   quiescence): a peer that aborted or never finalizes keeps it
+//   ncclInProgress. SetAsyncError makes every communicator report a sticky
+//   asynchronous error.
+// - The CUDA calls forward to the FakeCudaRuntime.
+//
+// Thread-safety: thread-safe; the state is kept under FakeCudaRuntime's
+// lock. Destroy the FakeCudaRuntime first: it drains its streams, which may
+// still run this fake's collectives (they give up once it shuts down); the
+// fake must not be used after that.
+#ifndef FLATPARAM_DEVICE_CUDA_FAKE_NCCL_ON_CUDA_H_
+#define FLATPARAM_DEVICE_CUDA_FAKE_NCCL_ON_CUDA_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "comm/nccl/nccl_api.h"
+#include "flatparam/device/cuda/fake_cuda_runtime.h"
+
+namespace flatparam {
+
+class FakeNcclOnCuda final : public NcclApi {
+ public:
+  explicit FakeNcclOnCuda(FakeCudaRuntime& cuda);
+  ~FakeNcclOnCuda() override;
+  FakeNcclOnCuda(const FakeNcclOnCuda&) = delete;
+  FakeNcclOnCuda& operator=(const FakeNcclOnCuda&) = delete;
+
+  // From now on every communicator reports `error` asynchronously.
+  void SetAsyncError(ncclResult_t error);
+  // What the real library would punish; empty when the code behaved.
+  std::vector<std::string> misuse() const;
+  // Collectives that completed, over all ranks.
+  int64_t collectives_completed() const;
+
+  // NCCL.
+  ncclResult_t GetVersion(int* version) override;
+  ncclResult_t GetUniqueId(ncclUniqueId* id) override;
+  ncclResult_t CommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId id,
+                                  int rank, ncclConfig_t* config) override;
+  ncclResult_t CommSplit(ncclComm_t comm, int color, int key,
+                         ncclComm_t* newcomm, ncclConfig_t* config) override;
+  ncclResult_t CommFinalize(ncclComm_t comm) override;
+  ncclResult_t CommDestroy(ncclComm_t comm) override;
+  ncclResult_t CommAbort(ncclComm_t comm) override;
+  ncclResult_t CommGetAsyncError(ncclComm_t comm,
+                                 ncclResult_t* async_error) override;
+  ncclResult_t CommCount(ncclComm_t comm, int* count) override;
+  ncclResult_t CommUserRank(ncclComm_t comm, int* rank) override;
+  ncclResult_t CommCuDevice(ncclComm_t comm, int* device) override;
+  ncclResult_t RedOpCreatePreMulSum(ncclRedOp_t* op, void* scalar,
+                                    ncclDataType_t datatype,
+                                    ncclScalarResidence_t residence,
+                                    ncclComm_t comm) override;
+  ncclResult_t RedOpDestroy(ncclRedOp_t op, ncclComm_t comm) override;
+  ncclResult_t AllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
+                         ncclDataType_t datatype, ncclComm_t comm,
+                         cudaStream_t stream) override;
+  ncclResult_t ReduceScatter(const void* sendbuff, void* recvbuff,
+                             size_t recvcount, ncclDataType_t datatype,
+                             ncclRedOp_t op, ncclComm_t comm,
+                             cudaStream_t stream) override;
+  ncclResult_t AllReduce(const void* sendbuff, void* recvbuff, size_t count,
+                         ncclDataType_t datatype, ncclRedOp_t op,
+                         ncclComm_t comm, cudaStream_t stream) override;
+  ncclResult_t Broadcast(const void* sendbuff, void* recvbuff, size_t count,
+                         ncclDataType_t datatype, int root, ncclComm_t comm,
+                         cudaStream_t stream) override;
+  const char* GetErrorString(ncclResult_t result) override;
+  const char* GetLastError(ncclComm_t comm) override;
+
+  // CUDA runtime: forwarded to the FakeCudaRuntime.
+  cudaError_t CudaGetLastError() override;
+  cudaError_t CudaPeekAtLastError() override;
+  cudaError_t CudaGetDeviceCount(int* count) override;
+  cudaError_t CudaGetDevice(int* device) override;
+  cudaError_t CudaSetDevice(int device) override;
+  cudaError_t CudaStreamCreateWithFlags(cudaStream_t* stream,
+                                        unsigned int flags) override;
+  cudaError_t CudaStreamDestroy(cudaStream_t stream) override;
+  cudaError_t CudaEventCreateWithFlags(cudaEvent_t* event,
+                                       unsigned int flags) override;
+  cudaError_t CudaEventRecord(cudaEvent_t event, cudaStream_t stream) override;
+  cudaError_t CudaEventQuery(cudaEvent_t event) override;
+  cudaError_t CudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event,
+                                  unsigned int flags) override;
+  cudaError_t CudaEventDestroy(cudaEvent_t event) override;
+  cudaError_t CudaPointerGetAttributes(cudaPointerAttributes* attributes,
+                                       const void* ptr) override;
+  cudaError_t CudaMalloc(void** ptr, size_t bytes) override;
+  cudaError_t CudaFree(void* ptr) override;
+  cudaError_t CudaMallocAsync(void** ptr, size_t bytes,
+                              cudaStream_t stream) override;
+  cudaError_t CudaFreeAsync(void* ptr, cudaStream_t stream) override;
+  cudaError_t CudaMallocHost(void** ptr, size_t bytes) override;
+  cudaError_t CudaFreeHost(void* ptr) override;
+  cudaError_t CudaMemcpyAsync(void* dst, const void* src, size_t bytes,
+                              cudaMemcpyKind kind,
+                              cudaStream_t stream) override;
+  cudaError_t CudaMemsetAsync(void* dst, int value, size_t bytes,
+                              cudaStream_t stream) override;
+  const char* CudaGetErrorName(cudaError_t error) override;
+  const char* CudaGetErrorString(cudaError_t error) override;
+
+ private:
+  struct Comm;
+  struct Group;
+  struct Part;
+  struct Slot;
+  struct SplitSlot;
+
+  // The live communicator behind `comm`, or null (recording misuse).
+  Comm* Live(ncclComm_t comm, const char* call);
+  ncclResult_t Enqueue(const char* name, Part part, ncclComm_t comm,
+                       cudaStream_t stream);
+  void Arrive(Comm* comm, uint64_t seq, const Part& part);
+  static void Execute(const std::vector<Part>& parts);
+
+  FakeCudaRuntime& cuda_;
+  // Guarded by cuda_'s lock (FakeCudaRuntime::Locked / WaitUntil).
+  std::map<std::string, std::unique_ptr<Group>> groups_;
+  std::vector<std::unique_ptr<Group>> split_groups_;
+  std::vector<std::unique_ptr<Comm>> comms_;
+  std::vector<std::string> misuse_;
+  ncclResult_t async_error_ = ncclSuccess;
+  int64_t next_id_ = 0;
+  int64_t completed_ = 0;
+};
+
+}  // namespace flatparam
+
+#endif  // FLATPARAM_DEVICE_CUDA_FAKE_NCCL_ON_CUDA_H_
