@@ -44,9 +44,13 @@ struct FakeNcclOnCuda::SplitSlot {
 
 struct FakeNcclOnCuda::Group {
   int nranks = 0;
+  // A rank's initialization failed in a way every rank sees (NCCL's
+  // bootstrap exchange finds duplicate GPUs on all ranks).
+  ncclResult_t init_error = ncclSuccess;
   std::vector<Comm*> members;
   int joined = 0;
   int finalized = 0;
+  int aborted = 0;  // a finalize cannot complete once a rank has aborted
   std::map<uint64_t, Slot> slots;
   std::map<uint64_t, SplitSlot> splits;
 };
@@ -136,6 +140,22 @@ int64_t FakeNcclOnCuda::collectives_completed() const {
   return n;
 }
 
+int FakeNcclOnCuda::comms_destroyed() const {
+  int n = 0;
+  cuda_.Locked([&] {
+    for (const auto& c : comms_) n += c->destroyed ? 1 : 0;
+  });
+  return n;
+}
+
+int FakeNcclOnCuda::comms_aborted() const {
+  int n = 0;
+  cuda_.Locked([&] {
+    for (const auto& c : comms_) n += c->aborted ? 1 : 0;
+  });
+  return n;
+}
+
 FakeNcclOnCuda::Comm* FakeNcclOnCuda::Live(ncclComm_t comm, const char* call) {
   for (const auto& c : comms_) {
     if (reinterpret_cast<ncclComm_t>(c.get()) != comm) continue;
@@ -193,8 +213,9 @@ ncclResult_t FakeNcclOnCuda::CommInitRankConfig(ncclComm_t* comm, int nranks,
     }
     for (const Comm* m : g->members) {
       if (m != nullptr && m->device == device) {
-        // NCCL: "Duplicate GPU detected".
+        // NCCL: "Duplicate GPU detected", on every rank.
         result = ncclInvalidUsage;
+        g->init_error = result;
         return;
       }
     }
@@ -212,8 +233,11 @@ ncclResult_t FakeNcclOnCuda::CommInitRankConfig(ncclComm_t* comm, int nranks,
   *comm = reinterpret_cast<ncclComm_t>(made);
   if (!blocking) return ncclInProgress;
   Group* g = made->group;
-  cuda_.WaitUntil([g] { return g->joined == g->nranks; });
-  return ncclSuccess;
+  cuda_.WaitUntil(
+      [g] { return g->joined == g->nranks || g->init_error != ncclSuccess; });
+  ncclResult_t error = ncclSuccess;
+  cuda_.Locked([&] { error = g->init_error; });
+  return error;
 }
 
 ncclResult_t FakeNcclOnCuda::CommSplit(ncclComm_t comm, int color, int key,
@@ -278,7 +302,7 @@ ncclResult_t FakeNcclOnCuda::CommFinalize(ncclComm_t comm) {
   if (!c->blocking) return ncclInProgress;
   Group* g = c->group;
   // Blocking: waits for global quiescence, possibly forever.
-  cuda_.WaitUntil([g] { return g->finalized == g->nranks; });
+  cuda_.WaitUntil([g] { return g->finalized == g->nranks && g->aborted == 0; });
   return ncclSuccess;
 }
 
@@ -303,6 +327,7 @@ ncclResult_t FakeNcclOnCuda::CommAbort(ncclComm_t comm) {
           !c->aborted) {
         // Its collectives waiting for peers give up (NCCL's kernels exit).
         c->aborted = true;
+        ++c->group->aborted;
         return;
       }
     }
@@ -324,8 +349,10 @@ ncclResult_t FakeNcclOnCuda::CommGetAsyncError(ncclComm_t comm,
     const Group& g = *c->group;
     if (async_error_ != ncclSuccess) {
       *async_error = async_error_;
+    } else if (g.init_error != ncclSuccess) {
+      *async_error = g.init_error;
     } else if (g.joined < g.nranks ||
-               (c->finalized && g.finalized < g.nranks)) {
+               (c->finalized && (g.finalized < g.nranks || g.aborted > 0))) {
       *async_error = ncclInProgress;
     } else {
       *async_error = ncclSuccess;

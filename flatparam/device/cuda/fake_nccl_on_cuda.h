@@ -55,6 +55,9 @@ class FakeNcclOnCuda final : public NcclApi {
   std::vector<std::string> misuse() const;
   // Collectives that completed, over all ranks.
   int64_t collectives_completed() const;
+  // Communicators released with ncclCommDestroy / ncclCommAbort.
+  int comms_destroyed() const;
+  int comms_aborted() const;
 
   // NCCL.
   ncclResult_t GetVersion(int* version) override;
