@@ -1,14 +1,14 @@
-// MakeGpuContext() in a build with NCCL: CUDA events on the NCCL
-// communicator's own stream, so that the time is the GPU's, not the host's
-// polling.
+// MakeGpuContext() in a build with NCCL: CUDA events recorded on the NCCL
+// communicator's stream immediately around the NCCL call (TimedNcclApi), as
+// nccl-tests does, so that the time is the collective's on the GPU: neither
+// the host's polling nor the communicator's host-side work before the call
+// (argument checks, pointer-attribute queries, event creation).
 #include "benchmarks/collectives_bench_gpu.h"
-
-#include <cuda_runtime_api.h>
 
 #include <memory>
 #include <utility>
 
-#include "absl/strings/str_format.h"
+#include "benchmarks/timed_nccl_api.h"
 #include "comm/conformance/cuda_memory.h"
 #include "comm/nccl/nccl_api.h"
 #include "comm/nccl/nccl_communicator.h"
@@ -18,51 +18,27 @@ namespace flatparam {
 namespace bench {
 namespace {
 
-absl::Status Cuda(cudaError_t e, absl::string_view what) {
-  return CudaStatus(RealNcclApi(), e, what);
+// The process's timed API: never destroyed, so that it outlives every
+// communicator (and Work) that uses it, as RealNcclApi() does.
+TimedNcclApi& BenchNcclApi() {
+  static TimedNcclApi* const api = new TimedNcclApi(RealNcclApi());
+  return *api;
 }
-
-// Two events, destroyed with the timer.
-struct Events {
-  cudaEvent_t start = nullptr;
-  cudaEvent_t stop = nullptr;
-  ~Events() {
-    if (start != nullptr) cudaEventDestroy(start);
-    if (stop != nullptr) cudaEventDestroy(stop);
-  }
-};
 
 }  // namespace
 
 absl::StatusOr<GpuContext> MakeGpuContext(Communicator& bootstrap, int device) {
-  FLATPARAM_ASSIGN_OR_RETURN(
-      std::unique_ptr<NcclCommunicator> nccl,
-      NcclCommunicator::Create(RealNcclApi(), bootstrap, device));
+  TimedNcclApi& api = BenchNcclApi();
+  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> nccl,
+                             NcclCommunicator::Create(api, bootstrap, device));
   GpuContext context;
   FLATPARAM_ASSIGN_OR_RETURN(context.memory, conformance::CudaMemory(device));
-  FLATPARAM_RETURN_IF_ERROR(Cuda(cudaSetDevice(device), "cudaSetDevice"));
-  auto events = std::make_shared<Events>();
-  FLATPARAM_RETURN_IF_ERROR(
-      Cuda(cudaEventCreate(&events->start), "cudaEventCreate"));
-  FLATPARAM_RETURN_IF_ERROR(
-      Cuda(cudaEventCreate(&events->stop), "cudaEventCreate"));
-  const cudaStream_t stream = nccl->stream();
-  context.time = [events, stream,
+  context.time = [&api,
                   device](const IssueFn& issue) -> absl::StatusOr<double> {
-    FLATPARAM_RETURN_IF_ERROR(Cuda(cudaSetDevice(device), "cudaSetDevice"));
-    FLATPARAM_RETURN_IF_ERROR(
-        Cuda(cudaEventRecord(events->start, stream), "cudaEventRecord"));
+    FLATPARAM_RETURN_IF_ERROR(api.Arm(device));
     std::unique_ptr<Work> work = issue();
-    FLATPARAM_RETURN_IF_ERROR(
-        Cuda(cudaEventRecord(events->stop, stream), "cudaEventRecord"));
     FLATPARAM_RETURN_IF_ERROR(work->Wait());
-    FLATPARAM_RETURN_IF_ERROR(
-        Cuda(cudaEventSynchronize(events->stop), "cudaEventSynchronize"));
-    float ms = 0;
-    FLATPARAM_RETURN_IF_ERROR(
-        Cuda(cudaEventElapsedTime(&ms, events->start, events->stop),
-             "cudaEventElapsedTime"));
-    return ms * 1e-3;
+    return api.ElapsedSeconds();
   };
   context.comm = std::move(nccl);
   return context;

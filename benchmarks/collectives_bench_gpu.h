@@ -23,8 +23,10 @@ struct GpuContext {
   std::unique_ptr<Communicator> comm;
   std::unique_ptr<conformance::DeviceMemory> memory;
   // The seconds between CUDA events recorded on the communicator's stream
-  // just before and just after `issue` enqueues its collective; waits for
-  // the collective (Work::Wait) and returns its error if it failed.
+  // immediately before and after the NCCL call of the collective that
+  // `issue` starts (not around `issue`, whose host-side checks would count);
+  // waits for the collective (Work::Wait) and returns its error if it
+  // failed.
   std::function<absl::StatusOr<double>(const IssueFn& issue)> time;
 };
 

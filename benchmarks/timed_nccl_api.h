@@ -1,0 +1,216 @@
+// TimedNcclApi: an NcclApi (comm/nccl/nccl_api.h) that forwards every call
+// to another one (normally RealNcclApi()) and, once armed, brackets the next
+// collective call (AllGather, ReduceScatter, AllReduce or Broadcast) with two
+// CUDA events recorded on that collective's stream immediately before and
+// after the NCCL call, as nccl-tests does. The benchmarks time a
+// Communicator's collective with it: the argument checks, pointer-attribute
+// queries, event creation and stream waits that NcclCommunicator does on the
+// host before and after the NCCL call fall outside the two events, so the
+// elapsed time is the collective's on the GPU (plus NCCL's own enqueue,
+// which nccl-tests also counts).
+//
+//   TimedNcclApi api(RealNcclApi());
+//   ASSIGN_OR_RETURN(auto comm, NcclCommunicator::Create(api, bootstrap, 0));
+//   RETURN_IF_ERROR(api.Arm(comm->device()));
+//   std::unique_ptr<Work> work = comm->AllGather(in, out, {});
+//   RETURN_IF_ERROR(work->Wait());
+//   ASSIGN_OR_RETURN(double seconds, api.ElapsedSeconds());
+//
+// Memory: owns its two events (created by Arm on the collective's device,
+// destroyed with the object); `inner` must outlive it, and it must outlive
+// every communicator that uses it.
+//
+// Thread-safety: one thread, like the communicator using it.
+#ifndef FLATPARAM_BENCHMARKS_TIMED_NCCL_API_H_
+#define FLATPARAM_BENCHMARKS_TIMED_NCCL_API_H_
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstddef>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "comm/nccl/nccl_api.h"
+
+namespace flatparam {
+namespace bench {
+
+class TimedNcclApi final : public NcclApi {
+ public:
+  explicit TimedNcclApi(NcclApi& inner) : inner_(inner) {}
+  ~TimedNcclApi() override;
+
+  TimedNcclApi(const TimedNcclApi&) = delete;
+  TimedNcclApi& operator=(const TimedNcclApi&) = delete;
+
+  // Brackets the next collective call with the events. `device`: the CUDA
+  // device of the communicator that will issue it (the events are created
+  // there once). FailedPrecondition if a collective is still armed.
+  absl::Status Arm(int device);
+
+  // Seconds between the two events of the last armed collective, waiting for
+  // the second one (cudaEventSynchronize). FailedPrecondition if no armed
+  // collective was issued since Arm(); the CUDA error if recording failed.
+  absl::StatusOr<double> ElapsedSeconds();
+
+  ncclResult_t GetVersion(int* version) override {
+    return inner_.GetVersion(version);
+  }
+  ncclResult_t GetUniqueId(ncclUniqueId* id) override {
+    return inner_.GetUniqueId(id);
+  }
+  ncclResult_t CommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId id,
+                                  int rank, ncclConfig_t* config) override {
+    return inner_.CommInitRankConfig(comm, nranks, id, rank, config);
+  }
+  ncclResult_t CommSplit(ncclComm_t comm, int color, int key,
+                         ncclComm_t* newcomm, ncclConfig_t* config) override {
+    return inner_.CommSplit(comm, color, key, newcomm, config);
+  }
+  ncclResult_t CommFinalize(ncclComm_t comm) override {
+    return inner_.CommFinalize(comm);
+  }
+  ncclResult_t CommDestroy(ncclComm_t comm) override {
+    return inner_.CommDestroy(comm);
+  }
+  ncclResult_t CommAbort(ncclComm_t comm) override {
+    return inner_.CommAbort(comm);
+  }
+  ncclResult_t CommGetAsyncError(ncclComm_t comm,
+                                 ncclResult_t* async_error) override {
+    return inner_.CommGetAsyncError(comm, async_error);
+  }
+  ncclResult_t CommCount(ncclComm_t comm, int* count) override {
+    return inner_.CommCount(comm, count);
+  }
+  ncclResult_t CommUserRank(ncclComm_t comm, int* rank) override {
+    return inner_.CommUserRank(comm, rank);
+  }
+  ncclResult_t CommCuDevice(ncclComm_t comm, int* device) override {
+    return inner_.CommCuDevice(comm, device);
+  }
+  ncclResult_t RedOpCreatePreMulSum(ncclRedOp_t* op, void* scalar,
+                                    ncclDataType_t datatype,
+                                    ncclScalarResidence_t residence,
+                                    ncclComm_t comm) override {
+    return inner_.RedOpCreatePreMulSum(op, scalar, datatype, residence, comm);
+  }
+  ncclResult_t RedOpDestroy(ncclRedOp_t op, ncclComm_t comm) override {
+    return inner_.RedOpDestroy(op, comm);
+  }
+  ncclResult_t AllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
+                         ncclDataType_t datatype, ncclComm_t comm,
+                         cudaStream_t stream) override {
+    Bracket bracket(*this, stream);
+    return inner_.AllGather(sendbuff, recvbuff, sendcount, datatype, comm,
+                            stream);
+  }
+  ncclResult_t ReduceScatter(const void* sendbuff, void* recvbuff,
+                             size_t recvcount, ncclDataType_t datatype,
+                             ncclRedOp_t op, ncclComm_t comm,
+                             cudaStream_t stream) override {
+    Bracket bracket(*this, stream);
+    return inner_.ReduceScatter(sendbuff, recvbuff, recvcount, datatype, op,
+                                comm, stream);
+  }
+  ncclResult_t AllReduce(const void* sendbuff, void* recvbuff, size_t count,
+                         ncclDataType_t datatype, ncclRedOp_t op,
+                         ncclComm_t comm, cudaStream_t stream) override {
+    Bracket bracket(*this, stream);
+    return inner_.AllReduce(sendbuff, recvbuff, count, datatype, op, comm,
+                            stream);
+  }
+  ncclResult_t Broadcast(const void* sendbuff, void* recvbuff, size_t count,
+                         ncclDataType_t datatype, int root, ncclComm_t comm,
+                         cudaStream_t stream) override {
+    Bracket bracket(*this, stream);
+    return inner_.Broadcast(sendbuff, recvbuff, count, datatype, root, comm,
+                            stream);
+  }
+  const char* GetErrorString(ncclResult_t result) override {
+    return inner_.GetErrorString(result);
+  }
+  const char* GetLastError(ncclComm_t comm) override {
+    return inner_.GetLastError(comm);
+  }
+  cudaError_t CudaGetDeviceCount(int* count) override {
+    return inner_.CudaGetDeviceCount(count);
+  }
+  cudaError_t CudaGetDevice(int* device) override {
+    return inner_.CudaGetDevice(device);
+  }
+  cudaError_t CudaSetDevice(int device) override {
+    return inner_.CudaSetDevice(device);
+  }
+  cudaError_t CudaStreamCreateWithFlags(cudaStream_t* stream,
+                                        unsigned int flags) override {
+    return inner_.CudaStreamCreateWithFlags(stream, flags);
+  }
+  cudaError_t CudaStreamDestroy(cudaStream_t stream) override {
+    return inner_.CudaStreamDestroy(stream);
+  }
+  cudaError_t CudaEventCreateWithFlags(cudaEvent_t* event,
+                                       unsigned int flags) override {
+    return inner_.CudaEventCreateWithFlags(event, flags);
+  }
+  cudaError_t CudaEventRecord(cudaEvent_t event, cudaStream_t stream) override {
+    return inner_.CudaEventRecord(event, stream);
+  }
+  cudaError_t CudaEventQuery(cudaEvent_t event) override {
+    return inner_.CudaEventQuery(event);
+  }
+  cudaError_t CudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event,
+                                  unsigned int flags) override {
+    return inner_.CudaStreamWaitEvent(stream, event, flags);
+  }
+  cudaError_t CudaEventDestroy(cudaEvent_t event) override {
+    return inner_.CudaEventDestroy(event);
+  }
+  cudaError_t CudaPointerGetAttributes(cudaPointerAttributes* attributes,
+                                       const void* ptr) override {
+    return inner_.CudaPointerGetAttributes(attributes, ptr);
+  }
+  cudaError_t CudaMalloc(void** ptr, size_t bytes) override {
+    return inner_.CudaMalloc(ptr, bytes);
+  }
+  cudaError_t CudaFree(void* ptr) override { return inner_.CudaFree(ptr); }
+  cudaError_t CudaMemcpyAsync(void* dst, const void* src, size_t bytes,
+                              cudaMemcpyKind kind,
+                              cudaStream_t stream) override {
+    return inner_.CudaMemcpyAsync(dst, src, bytes, kind, stream);
+  }
+  const char* CudaGetErrorName(cudaError_t error) override {
+    return inner_.CudaGetErrorName(error);
+  }
+  const char* CudaGetErrorString(cudaError_t error) override {
+    return inner_.CudaGetErrorString(error);
+  }
+
+ private:
+  // Records the start event on construction and the stop event on
+  // destruction when armed, then disarms.
+  class Bracket {
+   public:
+    Bracket(TimedNcclApi& api, cudaStream_t stream);
+    ~Bracket();
+
+   private:
+    TimedNcclApi& api_;
+    cudaStream_t stream_;
+    bool active_;
+  };
+
+  NcclApi& inner_;
+  int device_ = -1;
+  cudaEvent_t start_ = nullptr;
+  cudaEvent_t stop_ = nullptr;
+  bool armed_ = false;
+  bool recorded_ = false;
+  absl::Status record_status_;
+};
+
+}  // namespace bench
+}  // namespace flatparam
+
+#endif  // FLATPARAM_BENCHMARKS_TIMED_NCCL_API_H_

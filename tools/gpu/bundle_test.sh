@@ -1,0 +1,180 @@
+#!/usr/bin/env bash
+# Checks the GPU kit on a machine without a GPU (CI runs it right after the
+# optimized build, whose outputs bundle.sh reuses):
+#   1. tools/gpu/bundle.sh builds a kit into a temporary folder, under 64 MiB;
+#   2. every binary and library in it resolves each library it needs from
+#      the kit's lib/, except the C/C++ runtime and CUDA's/NCCL's own, with
+#      no LD_LIBRARY_PATH of this machine (and nothing links OpenMPI); a
+#      copy of the kit with one library removed must fail that check;
+#   3. run.sh under `env -i PATH=/usr/bin:/bin` reaches its GPU check and
+#      reports "no GPU" as a SKIP (exit 0), and with FLATPARAM_REQUIRE_GPU=1
+#      as a FAIL (exit 1);
+#   4. with a stand-in nvidia-smi (so that run.sh goes past its GPU check):
+#      it finds NCCL and its version, its own ldd check passes (and fails on
+#      the broken copy), the tests run and fail with FLATPARAM_REQUIRE_GPU=1's
+#      message, at most 8 output files; with --budget-s=0 the tests are
+#      skipped as out of time.
+#
+#   tools/gpu/bundle_test.sh
+#
+# Environment: as bundle.sh (FLATPARAM_BAZEL_STARTUP_OPTS,
+# FLATPARAM_BAZEL_BUILD_OPTS). Prints "bundle_test: ok" and exits 0, or
+# prints each failed check and exits 1.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/../.." && pwd)
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/bundle_test.XXXXXX")
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+
+fail() {
+  echo "bundle_test: FAIL: $*"
+  failures=$((failures + 1))
+}
+
+# Libraries the GPU machine provides (as in bundle.sh).
+provided_re='^(linux-vdso|libc|libm|libstdc\+\+|libgcc_s|ld-linux-x86-64|ld-linux|libpthread|libdl|librt|libcudart|libnccl|libcuda)\.so'
+
+# check_libs KIT: every ELF file of KIT/bin and KIT/lib resolves what it
+# needs from KIT/lib, or is a provided library; prints what does not.
+check_libs() {
+  local kit=$1 bad=0 f out soname arrow path
+  for f in "$kit"/bin/* "$kit"/lib/*; do
+    out=$(env -i PATH=/usr/bin:/bin LD_LIBRARY_PATH="$kit/lib" ldd "$f" 2>&1) || {
+      echo "  ldd $f failed: $out"
+      bad=1
+      continue
+    }
+    while read -r soname arrow path _; do
+      [ "$arrow" = "=>" ] || continue
+      if [[ $soname == libmpi* || $soname == libopen-* ]]; then
+        echo "  $(basename "$f") needs OpenMPI ($soname)"
+        bad=1
+      elif [[ $soname =~ $provided_re ]]; then
+        continue
+      elif [[ $path != "$kit/lib/"* ]]; then
+        echo "  $(basename "$f") needs $soname from outside the kit: $path"
+        bad=1
+      fi
+    done <<<"$out"
+  done
+  return $bad
+}
+
+# --- 0. Only where the build found CUDA and NCCL.
+# shellcheck disable=SC2206  # word splitting of option lists is intended
+startup=(${FLATPARAM_BAZEL_STARTUP_OPTS:-})
+if ! (cd "$root" && bazel ${startup[@]+"${startup[@]}"} query \
+  //comm/nccl:nccl_gpu_test >/dev/null 2>&1); then
+  echo "bundle_test: skipped: this build found no CUDA with NCCL (//comm/nccl:nccl_gpu_test is not defined), so there is no GPU kit to build"
+  exit 0
+fi
+
+# --- 1. The kit.
+kit=$tmp/kit
+if ! "$root/tools/gpu/bundle.sh" "$kit" >"$tmp/bundle.log" 2>&1; then
+  tail -n 30 "$tmp/bundle.log"
+  echo "bundle_test: FAIL: tools/gpu/bundle.sh failed (above)"
+  exit 1
+fi
+bytes=$(du -sb "$kit" | cut -f1)
+if [ "$bytes" -ge $((64 * 1024 * 1024)) ]; then
+  fail "the kit holds $bytes bytes, not under 64 MiB"
+fi
+for f in run.sh MANIFEST bin/gpu_versions bin/cuda_smoke_test bin/gpu_bench; do
+  [ -e "$kit/$f" ] || fail "the kit has no $f"
+done
+echo "bundle_test: kit of $((bytes / 1024)) KiB, $(find "$kit/bin" -type f | wc -l) binaries, $(find "$kit/lib" -type f | wc -l) libraries"
+
+# --- 2. Libraries resolve from the kit; a kit missing one fails the check.
+if ! check_libs "$kit" >"$tmp/libs.log"; then
+  cat "$tmp/libs.log"
+  fail "libraries of the kit do not all resolve from its lib/ (above)"
+fi
+broken=$tmp/broken
+cp -r "$kit" "$broken"
+victim=""
+for f in "$broken"/lib/libabsl_status.so*; do
+  [ -e "$f" ] && victim=$(basename "$f") && break
+done
+[ -n "$victim" ] || fail "no libabsl_status in the kit to remove for the negative check"
+rm -f "$broken/lib/$victim"
+if check_libs "$broken" >"$tmp/broken_libs.log"; then
+  fail "the library check passed on a kit without lib/$victim"
+elif ! grep -q "$victim" "$tmp/broken_libs.log"; then
+  fail "the library check on a kit without lib/$victim did not name it"
+fi
+
+# --- 3. run.sh without a GPU and without this machine's environment.
+if env -i PATH=/usr/bin:/bin bash -c 'command -v nvidia-smi' >/dev/null; then
+  echo "bundle_test: nvidia-smi is on /usr/bin:/bin: not checking the no-GPU paths"
+else
+  rc=0
+  env -i PATH=/usr/bin:/bin "$kit/run.sh" --out="$tmp/out_skip" >"$tmp/skip.log" 2>&1 || rc=$?
+  [ $rc -eq 0 ] || fail "run.sh without a GPU exited $rc, not 0: $(cat "$tmp/skip.log")"
+  grep -qE '^gpu +SKIP .*no GPU' "$tmp/out_skip/summary.txt" ||
+    fail "run.sh without a GPU did not report a skip: $(cat "$tmp/out_skip/summary.txt")"
+  rc=0
+  env -i PATH=/usr/bin:/bin FLATPARAM_REQUIRE_GPU=1 "$kit/run.sh" \
+    --out="$tmp/out_req" >"$tmp/req.log" 2>&1 || rc=$?
+  [ $rc -eq 1 ] || fail "run.sh without a GPU under FLATPARAM_REQUIRE_GPU=1 exited $rc, not 1"
+  grep -qE '^gpu +FAIL .*no GPU' "$tmp/out_req/summary.txt" ||
+    fail "run.sh under FLATPARAM_REQUIRE_GPU=1 did not report a failure: $(cat "$tmp/out_req/summary.txt")"
+fi
+
+# --- 4. Past the GPU check, with a stand-in nvidia-smi.
+fake=$tmp/fake_bin
+mkdir -p "$fake"
+cat >"$fake/nvidia-smi" <<'EOF'
+#!/bin/sh
+# A stand-in for bundle_test.sh: a card that is not there.
+case "$*" in
+  *--query-gpu*) echo "Stand-in GPU, 000.00" ;;
+  *) echo "stand-in nvidia-smi (bundle_test.sh): no real GPU" ;;
+esac
+EOF
+chmod +x "$fake/nvidia-smi"
+if [ ! -e /usr/local/cuda/lib64/libnccl.so.2 ]; then
+  echo "bundle_test: no /usr/local/cuda/lib64/libnccl.so.2: not running run.sh past its GPU check"
+else
+  rc=0
+  env -i PATH="$fake:/usr/bin:/bin" FLATPARAM_REQUIRE_GPU=1 \
+    FLATPARAM_NCCL_LIB=/usr/local/cuda/lib64 "$kit/run.sh" --budget-s=150 \
+    --out="$tmp/out_fake" >"$tmp/fake.log" 2>&1 || rc=$?
+  summary=$tmp/out_fake/summary.txt
+  [ $rc -eq 1 ] || fail "run.sh with a stand-in GPU and no device exited $rc, not 1"
+  grep -qE '^gpu +PASS .*Stand-in GPU, driver 000.00' "$summary" || fail "no gpu PASS line with the stand-in card"
+  grep -qE '^nccl +PASS .*NCCL 2\.[0-9]+\.[0-9]+' "$summary" || fail "no nccl PASS line with a version"
+  grep -qE '^bundle +PASS' "$summary" || fail "run.sh's own library check did not pass"
+  grep -qE '^smoke +FAIL' "$summary" || fail "the smoke test did not fail without a device"
+  grep -q 'FLATPARAM_REQUIRE_GPU=1, so a missing GPU is a failure' "$tmp/out_fake/tests.log" ||
+    fail "tests.log lacks FLATPARAM_REQUIRE_GPU=1's failure message"
+  grep -qE '^nccl: 2\.' "$summary" || fail "the summary does not give the NCCL version"
+  n=$(find "$tmp/out_fake" -type f | wc -l)
+  [ "$n" -le 8 ] || fail "run.sh wrote $n files, more than 8"
+  if [ $failures -gt 0 ]; then cat "$summary"; fi
+
+  # The broken copy: run.sh's own check names the missing library.
+  rc=0
+  env -i PATH="$fake:/usr/bin:/bin" FLATPARAM_NCCL_LIB=/usr/local/cuda/lib64 \
+    "$broken/run.sh" --budget-s=0 --out="$tmp/out_broken" >/dev/null 2>&1 || rc=$?
+  [ $rc -eq 1 ] || fail "run.sh on the kit without lib/$victim exited $rc, not 1"
+  grep -qE "^bundle +FAIL .*$victim" "$tmp/out_broken/summary.txt" ||
+    fail "run.sh on the kit without lib/$victim did not report it: $(cat "$tmp/out_broken/summary.txt")"
+
+  # No budget: every step after the bundle check is skipped, not run.
+  rc=0
+  env -i PATH="$fake:/usr/bin:/bin" FLATPARAM_NCCL_LIB=/usr/local/cuda/lib64 \
+    "$kit/run.sh" --budget-s=0 --out="$tmp/out_budget" >/dev/null 2>&1 || rc=$?
+  [ $rc -eq 0 ] || fail "run.sh --budget-s=0 exited $rc, not 0 (nothing run, nothing failed)"
+  grep -qE '^smoke +SKIP .*budget spent' "$tmp/out_budget/summary.txt" ||
+    fail "run.sh --budget-s=0 did not skip the tests for lack of time"
+  grep -qE '^bench +SKIP .*budget spent' "$tmp/out_budget/summary.txt" ||
+    fail "run.sh --budget-s=0 did not skip the benchmark for lack of time"
+fi
+
+if [ $failures -gt 0 ]; then
+  echo "bundle_test: $failures checks failed"
+  exit 1
+fi
+echo "bundle_test: ok"
