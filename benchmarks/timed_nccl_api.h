@@ -175,6 +175,27 @@ class TimedNcclApi final : public NcclApi {
     return inner_.CudaMalloc(ptr, bytes);
   }
   cudaError_t CudaFree(void* ptr) override { return inner_.CudaFree(ptr); }
+  cudaError_t CudaMallocAsync(void** ptr, size_t bytes,
+                              cudaStream_t stream) override {
+    return inner_.CudaMallocAsync(ptr, bytes, stream);
+  }
+  cudaError_t CudaFreeAsync(void* ptr, cudaStream_t stream) override {
+    return inner_.CudaFreeAsync(ptr, stream);
+  }
+  cudaError_t CudaMallocHost(void** ptr, size_t bytes) override {
+    return inner_.CudaMallocHost(ptr, bytes);
+  }
+  cudaError_t CudaFreeHost(void* ptr) override {
+    return inner_.CudaFreeHost(ptr);
+  }
+  cudaError_t CudaMemsetAsync(void* dst, int value, size_t bytes,
+                              cudaStream_t stream) override {
+    return inner_.CudaMemsetAsync(dst, value, bytes, stream);
+  }
+  cudaError_t CudaGetLastError() override { return inner_.CudaGetLastError(); }
+  cudaError_t CudaPeekAtLastError() override {
+    return inner_.CudaPeekAtLastError();
+  }
   cudaError_t CudaMemcpyAsync(void* dst, const void* src, size_t bytes,
                               cudaMemcpyKind kind,
                               cudaStream_t stream) override {
