@@ -327,6 +327,12 @@ class RankTrainer {
     handle_options.reduce_dtype = options_.reduce_dtype;
     handle_options.cpu_offload = options_.cpu_offload;
     handle_options.collective_options = options_.collective_options;
+    if (options_.separate_streams) {
+      FLATPARAM_ASSIGN_OR_RETURN(handle_options.streams.unshard,
+                                 device_.NewStream());
+      FLATPARAM_ASSIGN_OR_RETURN(handle_options.streams.post_backward,
+                                 device_.NewStream());
+    }
     RuntimeOptions runtime_options;
     runtime_options.forward_prefetch = options_.forward_prefetch;
     runtime_options.backward_prefetch = options_.backward_prefetch;

@@ -141,6 +141,12 @@ struct FsdpTrainOptions {
   int prefetch_depth = 1;
   // Prefetched all-gathers not yet consumed (>= 0; 0 = unlimited).
   int limit_all_gathers = 2;
+  // Give the handles their own unshard and post-backward streams
+  // (HandleStreams, PyTorch's `_unshard_stream` and `_post_backward_stream`)
+  // instead of running everything on the device's stream 0: on devices
+  // with asynchronous streams (CUDA) the collectives and their casts then
+  // overlap the compute, ordered by events. Never changes the results.
+  bool separate_streams = false;
 
   int64_t steps = 1;
   // Samples per micro-batch over all ranks; a multiple of the world size.

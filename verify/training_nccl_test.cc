@@ -264,15 +264,30 @@ TEST(TrainingNcclTest, FakeGpusEqualTheSimulatorBitwise) {
     ShardingStrategy strategy;
     int world;
     bool bf16, offload;
+    // The runtime's prefetching: which collectives overlap which compute.
+    bool forward_prefetch = false;
+    BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
+    int depth = 1;
   };
   for (const Case& c : {Case{ShardingStrategy::kFullShard, 4, false, false},
                         Case{ShardingStrategy::kFullShard, 2, true, true},
                         Case{ShardingStrategy::kShardGradOp, 4, true, false},
-                        Case{ShardingStrategy::kNoShard, 2, false, true}}) {
+                        Case{ShardingStrategy::kNoShard, 2, false, true},
+                        Case{ShardingStrategy::kFullShard, 4, true, false, true,
+                             BackwardPrefetch::kBackwardPost, 2},
+                        Case{ShardingStrategy::kHybridShard, 4, false, false,
+                             true, BackwardPrefetch::kBackwardPre, 2}}) {
     FsdpTrainOptions o = Options(c.strategy, c.world);
     o.align_addresses = true;
     o.cpu_offload = c.offload;
     if (c.bf16) o.param_dtype = DType::kBFloat16;
+    o.forward_prefetch = c.forward_prefetch;
+    o.backward_prefetch = c.backward_prefetch;
+    o.prefetch_depth = c.depth;
+    // On the fake: the handles' own streams, really asynchronous, ordered
+    // by events; on the simulator's host device they change nothing.
+    o.separate_streams = true;
+    if (c.strategy == ShardingStrategy::kHybridShard) o.shard_group_size = 2;
     SCOPED_TRACE(Describe({o, c.world}));
     std::vector<absl::StatusOr<FsdpRankResult>> got = TrainOnGpus(o, c.world);
     absl::StatusOr<std::vector<FsdpRankResult>> want =
