@@ -248,5 +248,37 @@ std::vector<float> TrainFolded(
   return losses;
 }
 
+absl::StatusOr<GptFsdpRun> TrainGptUnderFsdp(
+    Gpt& model, Communicator& comm, DeviceOps& device, const TextBatches& text,
+    int steps, int64_t local_batch, const torch::optim::AdamWOptions& adamw,
+    const std::function<void(int step, float loss)>& on_step,
+    const std::function<absl::Status(libtorch::FsdpModule& fsdp,
+                                     torch::optim::Optimizer& optimizer)>&
+        after) {
+  libtorch::FsdpOptions options;
+  options.wrap = {"transformer.h.*"};
+  FLATPARAM_ASSIGN_OR_RETURN(
+      std::unique_ptr<libtorch::FsdpModule> fsdp,
+      libtorch::FsdpModule::Wrap(model.ptr(), &comm, &device, options));
+  torch::optim::AdamW optimizer(fsdp->ShardedParameters(), adamw);
+  GptFsdpRun run;
+  for (int step = 0; step < steps; ++step) {
+    torch::Tensor batch =
+        text.Batch(step, comm.rank() * local_batch, local_batch);
+    FLATPARAM_ASSIGN_OR_RETURN(
+        torch::Tensor logits,
+        GptForward(model, *fsdp, batch.narrow(1, 0, text.seq())));
+    torch::Tensor loss = NextTokenLoss(logits, batch);
+    run.losses.push_back(loss.item<float>());
+    if (on_step) on_step(step, run.losses.back());
+    FLATPARAM_RETURN_IF_ERROR(fsdp->Backward(loss));
+    optimizer.step();
+    FLATPARAM_RETURN_IF_ERROR(fsdp->ZeroGrad());
+  }
+  if (after) FLATPARAM_RETURN_IF_ERROR(after(*fsdp, optimizer));
+  FLATPARAM_ASSIGN_OR_RETURN(run.full_state, fsdp->FullStateDict());
+  return run;
+}
+
 }  // namespace refmodel
 }  // namespace flatparam

@@ -31,10 +31,14 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "comm/communicator.h"
+#include "flatparam/device/device.h"
 #include "flatparam/torch/fsdp_module.h"
 
 namespace flatparam {
@@ -158,6 +162,25 @@ std::vector<float> TrainFolded(
     torch::nn::Module& module, torch::optim::Optimizer& optimizer,
     const FoldOptions& options,
     const std::function<torch::Tensor(int step, int micro, int rank)>& loss);
+
+// One rank's FSDP training of `model`: each block a unit (FULL_SHARD),
+// AdamW with `adamw` over the sharded flat parameters, `steps` steps on
+// `text`, this rank taking samples [rank * local_batch, (rank + 1) *
+// local_batch) of each step (the global batch is world * local_batch).
+// `on_step(step, loss)` runs after each forward, when set; `after(fsdp,
+// optimizer)` once training is done (a checkpoint save, say), on every
+// rank. Collective: every rank of `comm` calls it alike.
+struct GptFsdpRun {
+  std::vector<float> losses;                        // this rank's, per step
+  std::map<std::string, torch::Tensor> full_state;  // FullStateDict()
+};
+absl::StatusOr<GptFsdpRun> TrainGptUnderFsdp(
+    Gpt& model, Communicator& comm, DeviceOps& device, const TextBatches& text,
+    int steps, int64_t local_batch, const torch::optim::AdamWOptions& adamw,
+    const std::function<void(int step, float loss)>& on_step = nullptr,
+    const std::function<absl::Status(libtorch::FsdpModule& fsdp,
+                                     torch::optim::Optimizer& optimizer)>&
+        after = nullptr);
 
 }  // namespace refmodel
 }  // namespace flatparam

@@ -129,27 +129,18 @@ TEST(TorchGptTest, LearnsTextUnderFsdpBitwiseAsSingleProcess) {
   ASSERT_THAT((*world)->Run([&](SimCommunicator& comm) -> absl::Status {
     HostDeviceOps device;
     Gpt model = MakeGpt();
-    libtorch::FsdpOptions options;
-    options.wrap = {"transformer.h.*"};
     FLATPARAM_ASSIGN_OR_RETURN(
-        std::unique_ptr<libtorch::FsdpModule> fsdp,
-        libtorch::FsdpModule::Wrap(model.ptr(), &comm, &device, options));
-    torch::optim::AdamW adamw(fsdp->ShardedParameters(), adamw_options);
-    for (int step = 0; step < kSteps; ++step) {
-      torch::Tensor batch = text->Batch(step, comm.rank() * kLocal, kLocal);
-      FLATPARAM_ASSIGN_OR_RETURN(
-          torch::Tensor logits,
-          GptForward(model, *fsdp, batch.narrow(1, 0, text->seq())));
-      torch::Tensor loss = NextTokenLoss(logits, batch);
-      if (comm.rank() == 0) losses.push_back(loss.item<float>());
-      FLATPARAM_RETURN_IF_ERROR(fsdp->Backward(loss));
-      adamw.step();
-      FLATPARAM_RETURN_IF_ERROR(fsdp->ZeroGrad());
+        GptFsdpRun run,
+        TrainGptUnderFsdp(
+            model, comm, device, *text, kSteps, kLocal, adamw_options, nullptr,
+            [&](libtorch::FsdpModule& fsdp, torch::optim::Optimizer& adamw) {
+              return fsdp.SaveCheckpoint(checkpoint::PosixFileSystem(),
+                                         checkpoint_dir, &adamw);
+            }));
+    if (comm.rank() == 0) {
+      losses = std::move(run.losses);
+      trained = std::move(run.full_state);
     }
-    FLATPARAM_RETURN_IF_ERROR(fsdp->SaveCheckpoint(
-        checkpoint::PosixFileSystem(), checkpoint_dir, &adamw));
-    FLATPARAM_ASSIGN_OR_RETURN(auto state, fsdp->FullStateDict());
-    if (comm.rank() == 0) trained = std::move(state);
     return absl::OkStatus();
   }),
               IsOk());

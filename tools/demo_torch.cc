@@ -95,34 +95,22 @@ absl::StatusOr<TorchDemoResult> RunTorchDemo(int steps, uint64_t seed,
       world->Run([&](SimCommunicator& comm) -> absl::Status {
         HostDeviceOps device;
         refmodel::Gpt model = make();
-        libtorch::FsdpOptions options;
-        options.wrap = {"transformer.h.*"};
+        const bool first = comm.rank() == 0;
         FLATPARAM_ASSIGN_OR_RETURN(
-            std::unique_ptr<libtorch::FsdpModule> fsdp,
-            libtorch::FsdpModule::Wrap(model.ptr(), &comm, &device, options));
-        torch::optim::AdamW adamw(fsdp->ShardedParameters(), DemoAdamW());
-        for (int step = 0; step < steps; ++step) {
-          torch::Tensor batch =
-              text.Batch(step, comm.rank() * kLocalBatch, kLocalBatch);
-          FLATPARAM_ASSIGN_OR_RETURN(
-              torch::Tensor logits,
-              refmodel::GptForward(model, *fsdp,
-                                   batch.narrow(1, 0, text.seq())));
-          torch::Tensor loss = refmodel::NextTokenLoss(logits, batch);
-          if (comm.rank() == 0) {
-            result.losses.push_back(loss.item<float>());
-            if (step % 25 == 0 || step == steps - 1) {
-              out << absl::StrFormat("      step %3d  loss %.3f\n", step,
-                                     result.losses.back());
-              out.flush();
-            }
-          }
-          FLATPARAM_RETURN_IF_ERROR(fsdp->Backward(loss));
-          adamw.step();
-          FLATPARAM_RETURN_IF_ERROR(fsdp->ZeroGrad());
+            refmodel::GptFsdpRun run,
+            refmodel::TrainGptUnderFsdp(
+                model, comm, device, text, steps, kLocalBatch, DemoAdamW(),
+                [&](int step, float loss) {
+                  if (first && (step % 25 == 0 || step == steps - 1)) {
+                    out << absl::StrFormat("      step %3d  loss %.3f\n", step,
+                                           loss);
+                    out.flush();
+                  }
+                }));
+        if (first) {
+          result.losses = std::move(run.losses);
+          trained = std::move(run.full_state);
         }
-        FLATPARAM_ASSIGN_OR_RETURN(auto state, fsdp->FullStateDict());
-        if (comm.rank() == 0) trained = std::move(state);
         return absl::OkStatus();
       }));
 
