@@ -18,6 +18,7 @@
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/hf_checkpoint.h"
+#include "flatparam/checkpoint/safetensors.h"
 #include "flatparam/device/device.h"
 #include "flatparam/torch/fsdp_module.h"
 #include "sim/sim.h"
@@ -170,6 +171,94 @@ TEST(TorchGptTest, LearnsTextUnderFsdpBitwiseAsSingleProcess) {
                                      checkpoint_dir, checkpoint_dir + "-hf");
   ASSERT_THAT(exported.status(), IsOk());
   EXPECT_GE(exported->tensors, static_cast<int64_t>(trained.size()));
+}
+
+// A GPT-2 checkpoint as Hugging Face publishes it ("gpt2"'s safetensors,
+// saved from the bare GPT2Model: no "transformer." prefix, no lm_head,
+// which is tied to the token embedding, and each attention's causal-mask
+// buffers) imports into this GPT through flatparam's Hugging Face import,
+// resharded for two ranks, and loads under FsdpModule: every parameter,
+// the tied head included, equals the file's.
+TEST(TorchGptTest, AGpt2SafetensorsCheckpointImports) {
+  torch::manual_seed(11);
+  Gpt source(SmallConfig());
+  const int64_t n = SmallConfig().n_positions;
+  std::vector<torch::Tensor> keep;  // alive until written
+  std::vector<checkpoint::TensorSource> tensors;
+  for (const auto& p : source->named_parameters()) {
+    if (p.key() == "lm_head.weight") continue;  // tied: not in the file
+    torch::Tensor t = p.value().detach().contiguous();
+    keep.push_back(t);
+    tensors.push_back(checkpoint::TensorSourceFromBytes(
+        p.key().substr(std::string("transformer.").size()), DType::kFloat32,
+        t.sizes().vec(), t.data_ptr()));
+  }
+  for (int64_t i = 0; i < SmallConfig().n_layer; ++i) {
+    torch::Tensor mask = torch::tril(torch::ones({n, n})).view({1, 1, n, n});
+    torch::Tensor masked = torch::full({}, -1e4);
+    keep.push_back(mask);
+    keep.push_back(masked);
+    const std::string block = absl::StrCat("h.", i, ".attn.");
+    tensors.push_back(checkpoint::TensorSourceFromBytes(
+        block + "bias", DType::kFloat32, {1, 1, n, n}, mask.data_ptr()));
+    tensors.push_back(checkpoint::TensorSourceFromBytes(
+        block + "masked_bias", DType::kFloat32, {}, masked.data_ptr()));
+  }
+  const std::string dir = absl::StrCat(std::getenv("TEST_TMPDIR"), "/gpt2");
+  checkpoint::FileSystem& fs = checkpoint::PosixFileSystem();
+  ASSERT_THAT(fs.CreateDir(dir), IsOk());
+  {
+    absl::StatusOr<std::unique_ptr<checkpoint::WritableFile>> file =
+        fs.NewWritableFile(dir + "/model.safetensors");
+    ASSERT_THAT(file.status(), IsOk());
+    ASSERT_THAT(checkpoint::WriteSafetensors(**file, "model.safetensors",
+                                             tensors, {{"format", "pt"}}),
+                IsOk());
+    ASSERT_THAT((*file)->Close(), IsOk());
+  }
+
+  SimOptions sim;
+  sim.world_size = 2;
+  absl::StatusOr<std::unique_ptr<SimWorld>> world = SimWorld::Create(sim);
+  ASSERT_THAT(world.status(), IsOk());
+  std::map<std::string, torch::Tensor> loaded;
+  ASSERT_THAT((*world)->Run([&](SimCommunicator& comm) -> absl::Status {
+    HostDeviceOps device;
+    Gpt model = MakeGpt();
+    libtorch::FsdpOptions options;
+    options.wrap = {"transformer.h.*"};
+    FLATPARAM_ASSIGN_OR_RETURN(
+        std::unique_ptr<libtorch::FsdpModule> fsdp,
+        libtorch::FsdpModule::Wrap(model.ptr(), &comm, &device, options));
+    if (comm.rank() == 0) {
+      checkpoint::HfImportOptions import;
+      import.names.add_prefix = "transformer.";
+      import.ignored_suffixes = {".attn.bias", ".attn.masked_bias"};
+      FLATPARAM_ASSIGN_OR_RETURN(
+          checkpoint::HfImportReport report,
+          checkpoint::ImportHfCheckpoint(fs, dir, fsdp->layout().spec(),
+                                         fsdp->layout().options(), 2,
+                                         dir + "-sharded", import));
+      EXPECT_EQ(report.tied_copies, 0);
+      EXPECT_EQ(report.ignored, 2 * SmallConfig().n_layer);
+    }
+    FLATPARAM_RETURN_IF_ERROR(comm.Barrier({}));
+    FLATPARAM_RETURN_IF_ERROR(
+        fsdp->LoadCheckpoint(fs, dir + "-sharded", nullptr));
+    FLATPARAM_ASSIGN_OR_RETURN(auto state, fsdp->FullStateDict());
+    if (comm.rank() == 0) loaded = std::move(state);
+    return absl::OkStatus();
+  }),
+              IsOk());
+  ASSERT_FALSE(loaded.empty());
+  for (const auto& p : source->named_parameters()) {
+    // The state dict names a tied parameter once: the head is the
+    // embedding (checked under its own name).
+    if (p.key() == "lm_head.weight") continue;
+    ASSERT_TRUE(loaded.count(p.key())) << p.key();
+    EXPECT_TRUE(torch::equal(loaded.at(p.key()), p.value().detach()))
+        << p.key();
+  }
 }
 
 }  // namespace
