@@ -1,0 +1,379 @@
+// torch_save.h, part 2: importing torch.save files into flatparam
+// checkpoints (through the Hugging Face import) and exporting them.
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "flatparam/base/status_macros.h"
+#include "flatparam/checkpoint/checkpoint_dir.h"
+#include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/checkpoint/safetensors.h"
+#include "flatparam/torch/torch_save.h"
+
+namespace flatparam {
+namespace libtorch {
+namespace {
+
+using checkpoint::FileSystem;
+using checkpoint::JoinPath;
+
+// Removes a staging directory when it goes out of scope.
+class StagingDir {
+ public:
+  StagingDir(FileSystem& fs, std::string path)
+      : fs_(fs), path_(std::move(path)) {}
+  ~StagingDir() { checkpoint::RemoveRecursively(fs_, path_).IgnoreError(); }
+  absl::Status Create() {
+    FLATPARAM_RETURN_IF_ERROR(checkpoint::RemoveRecursively(fs_, path_));
+    return fs_.CreateDir(path_);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  FileSystem& fs_;
+  std::string path_;
+};
+
+std::string StagingPath(const std::string& out_dir, absl::string_view what) {
+  std::string base = out_dir;
+  while (base.size() > 1 && base.back() == '/') base.pop_back();
+  return absl::StrCat(base, ".", what, ".tmp");
+}
+
+absl::Status WriteSafetensorsFile(
+    FileSystem& fs, const std::string& path,
+    const std::vector<checkpoint::TensorSource>& sources) {
+  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::WritableFile> file,
+                             fs.NewWritableFile(path));
+  FLATPARAM_RETURN_IF_ERROR(
+      checkpoint::WriteSafetensors(*file, path, sources, {{"format", "pt"}}));
+  FLATPARAM_RETURN_IF_ERROR(file->Sync());
+  return file->Close();
+}
+
+// The tensors of a torch.save checkpoint at `in`: a .bin file, an index,
+// or a directory holding one of them.
+absl::StatusOr<TorchStateDict> ReadTorchCheckpoint(FileSystem& fs,
+                                                   const std::string& in) {
+  FLATPARAM_ASSIGN_OR_RETURN(bool exists, fs.Exists(in));
+  if (!exists) {
+    return absl::NotFoundError(
+        absl::StrCat("no torch.save checkpoint at ", in));
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(bool is_dir, fs.IsDirectory(in));
+  std::string path = in;
+  if (is_dir) {
+    const std::string single = JoinPath(in, kTorchModelFileName);
+    const std::string index = JoinPath(in, kTorchIndexFileName);
+    FLATPARAM_ASSIGN_OR_RETURN(bool has_single, fs.Exists(single));
+    FLATPARAM_ASSIGN_OR_RETURN(bool has_index, fs.Exists(index));
+    if (has_single && has_index) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          in, " holds both ", kTorchModelFileName, " and ", kTorchIndexFileName,
+          ": ambiguous; name the file to import"));
+    }
+    if (!has_single && !has_index) {
+      return absl::NotFoundError(absl::StrCat(in, " holds neither ",
+                                              kTorchModelFileName, " nor ",
+                                              kTorchIndexFileName));
+    }
+    path = has_single ? single : index;
+  }
+  if (!absl::EndsWith(path, ".json")) return ReadTorchStateDict(fs, path);
+
+  // Index-sharded.
+  FLATPARAM_ASSIGN_OR_RETURN(
+      std::string text,
+      checkpoint::ReadFileToString(fs, path, checkpoint::kMaxHfIndexBytes));
+  nlohmann::json doc = nlohmann::json::parse(text, nullptr, false);
+  if (doc.is_discarded() || !doc.is_object() || !doc.contains("weight_map") ||
+      !doc["weight_map"].is_object()) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": not a JSON object with a \"weight_map\" object"));
+  }
+  std::map<std::string, std::set<std::string>> by_file;
+  for (const auto& [name, file] : doc["weight_map"].items()) {
+    if (!file.is_string() || file.get<std::string>().empty() ||
+        absl::StrContains(file.get<std::string>(), "/")) {
+      return absl::DataLossError(absl::StrCat(path, ": weight_map[\"", name,
+                                              "\"] is not a plain file name"));
+    }
+    by_file[file.get<std::string>()].insert(name);
+  }
+  const std::string dir = checkpoint::Dirname(path);
+  TorchStateDict out;
+  uint64_t total = 0;
+  for (const auto& [file, names] : by_file) {
+    const std::string file_path = JoinPath(dir, file);
+    FLATPARAM_ASSIGN_OR_RETURN(TorchStateDict part,
+                               ReadTorchStateDict(fs, file_path));
+    std::set<std::string> held;
+    for (auto& [name, t] : part) {
+      if (names.count(name) == 0) {
+        return absl::DataLossError(absl::StrCat(file_path, " holds '", name,
+                                                "', which ", path,
+                                                " does not map to it"));
+      }
+      held.insert(name);
+      total += t.nbytes();
+      out.emplace_back(std::move(name), std::move(t));
+    }
+    for (const std::string& name : names) {
+      if (held.count(name) == 0) {
+        return absl::DataLossError(absl::StrCat(
+            path, " maps '", name, "' to ", file, ", which does not hold it"));
+      }
+    }
+  }
+  if (doc.contains("metadata") && doc["metadata"].is_object() &&
+      doc["metadata"].contains("total_size")) {
+    const nlohmann::json& ts = doc["metadata"]["total_size"];
+    if (!ts.is_number_integer() || ts.get<uint64_t>() != total) {
+      return absl::DataLossError(absl::StrCat(path, ": metadata.total_size is ",
+                                              ts.dump(), ", the tensors hold ",
+                                              total, " bytes"));
+    }
+  }
+  return out;
+}
+
+// The optimizer state of `path`, keyed by name, as a full checkpoint's
+// optim.safetensors + optim.json in `dir`.
+absl::Status StageOptimizer(FileSystem& fs, const std::string& path,
+                            const ModelSpec& spec,
+                            const LayoutOptions& layout_options,
+                            const std::string& dir) {
+  FLATPARAM_ASSIGN_OR_RETURN(optim::OptimStateDict dict,
+                             ReadTorchOptimStateDict(fs, path));
+  bool has_ids = false;
+  for (const auto& [key, ps] : dict.state) {
+    has_ids |= std::holds_alternative<int64_t>(key);
+  }
+  for (const optim::ParamGroup& g : dict.param_groups) {
+    for (const optim::ParamKey& k : g.params) {
+      has_ids |= std::holds_alternative<int64_t>(k);
+    }
+  }
+  if (has_ids) {
+    FLATPARAM_ASSIGN_OR_RETURN(ModelLayout layout,
+                               ModelLayout::Create(spec, layout_options));
+    auto named = optim::RekeyOptimStateDict(
+        dict, optim::OptimStateKeyType::kParamName, layout);
+    if (!named.ok()) {
+      return absl::Status(
+          named.status().code(),
+          absl::StrCat(path, ": parameter IDs: ", named.status().message()));
+    }
+    dict = *std::move(named);
+  }
+  checkpoint::OptimSidecar sidecar;
+  std::vector<checkpoint::TensorSource> sources;
+  for (const auto& [key, ps] : dict.state) {
+    const std::string& fqn = std::get<std::string>(key);
+    auto& out = sidecar.state[key];
+    for (const auto& [name, value] : ps) {
+      checkpoint::SidecarValue sv;
+      if (const auto* t = std::get_if<HostTensor>(&value)) {
+        sv.tensor = checkpoint::OptimStateTensorName(fqn, name);
+        sources.push_back(
+            checkpoint::TensorSourceFromHostTensor(*sv.tensor, *t));
+      } else {
+        sv.value = value;
+      }
+      out.emplace(name, std::move(sv));
+    }
+  }
+  sidecar.param_groups = dict.param_groups;
+  FLATPARAM_ASSIGN_OR_RETURN(nlohmann::json json,
+                             checkpoint::OptimSidecarToJson(sidecar, false));
+  // The tensors point into `dict`, alive until here.
+  FLATPARAM_RETURN_IF_ERROR(WriteSafetensorsFile(
+      fs, JoinPath(dir, checkpoint::kOptimFileName), sources));
+  return checkpoint::WriteFileDurably(
+      fs, JoinPath(dir, checkpoint::kOptimJsonFileName), json.dump(1));
+}
+
+absl::Status WithContext(const absl::Status& s, absl::string_view context) {
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat(context, s.message()));
+}
+
+// pytorch_model[-i-of-n].bin for model[-i-of-n].safetensors.
+std::string TorchFileName(absl::string_view hf_name) {
+  std::string name(hf_name);
+  if (absl::StartsWith(name, "model")) name = "pytorch_model" + name.substr(5);
+  if (absl::EndsWith(name, ".safetensors")) {
+    name = name.substr(0, name.size() - 12) + ".bin";
+  }
+  return name;
+}
+
+// Renumbers `dict` (keyed by name) by IDs in param_groups order, as
+// PyTorch's optimizer.state_dict() numbers its parameters.
+optim::OptimStateDict KeyById(const optim::OptimStateDict& dict) {
+  std::map<optim::ParamKey, int64_t> ids;
+  optim::OptimStateDict out;
+  for (const optim::ParamGroup& g : dict.param_groups) {
+    optim::ParamGroup ng;
+    ng.hyperparams = g.hyperparams;
+    for (const optim::ParamKey& k : g.params) {
+      auto [it, inserted] = ids.emplace(k, static_cast<int64_t>(ids.size()));
+      ng.params.push_back(it->second);
+    }
+    out.param_groups.push_back(std::move(ng));
+  }
+  for (const auto& [k, ps] : dict.state) {
+    auto it = ids.find(k);
+    out.state[it == ids.end() ? k : optim::ParamKey(it->second)] = ps;
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<checkpoint::HfImportReport> ImportTorchCheckpoint(
+    FileSystem& fs, const std::string& in, const ModelSpec& spec,
+    const LayoutOptions& layout_options, int64_t world_size,
+    const std::string& out_dir, const TorchImportOptions& options) {
+  FLATPARAM_ASSIGN_OR_RETURN(TorchStateDict tensors,
+                             ReadTorchCheckpoint(fs, in));
+  {
+    std::set<std::string> seen;
+    for (const auto& [name, t] : tensors) {
+      if (!seen.insert(name).second) {
+        return absl::DataLossError(
+            absl::StrCat(in, ": tensor '", name, "' appears twice"));
+      }
+    }
+  }
+  StagingDir staging(fs, StagingPath(out_dir, "torch-import"));
+  FLATPARAM_RETURN_IF_ERROR(staging.Create());
+  {
+    std::vector<checkpoint::TensorSource> sources;
+    for (const auto& [name, t] : tensors) {
+      sources.push_back(checkpoint::TensorSourceFromHostTensor(name, t));
+    }
+    FLATPARAM_RETURN_IF_ERROR(WriteSafetensorsFile(
+        fs, JoinPath(staging.path(), checkpoint::kModelFileName), sources));
+  }
+  tensors.clear();
+  if (!options.optimizer.empty()) {
+    FLATPARAM_RETURN_IF_ERROR(StageOptimizer(fs, options.optimizer, spec,
+                                             layout_options, staging.path()));
+  }
+  checkpoint::HfImportOptions hf = options.hf;
+  hf.weights_only = false;
+  auto report = checkpoint::ImportHfCheckpoint(
+      fs, staging.path(), spec, layout_options, world_size, out_dir, hf);
+  if (!report.ok()) {
+    return WithContext(
+        report.status(),
+        absl::StrCat("importing ", in,
+                     options.optimizer.empty()
+                         ? ""
+                         : absl::StrCat(" and ", options.optimizer),
+                     " (staged as safetensors in ", staging.path(), "): "));
+  }
+  return report;
+}
+
+absl::StatusOr<TorchExportReport> ExportTorchCheckpoint(
+    FileSystem& fs, const std::string& in_dir, const std::string& out_dir,
+    const TorchExportOptions& options) {
+  FLATPARAM_ASSIGN_OR_RETURN(bool out_exists, fs.Exists(out_dir));
+  if (out_exists && !options.convert.overwrite) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(out_dir, " exists; set overwrite to replace it"));
+  }
+  StagingDir hf_dir(fs, StagingPath(out_dir, "torch-export-hf"));
+  checkpoint::HfExportOptions hf;
+  hf.convert = options.convert;
+  hf.convert.overwrite = true;
+  hf.convert.outcome = nullptr;
+  hf.max_shard_bytes = options.max_shard_bytes;
+  hf.dtype = options.dtype;
+  FLATPARAM_ASSIGN_OR_RETURN(
+      checkpoint::HfExportReport hf_report,
+      checkpoint::ExportHfCheckpoint(fs, in_dir, hf_dir.path(), hf));
+
+  StagingDir staging(fs, StagingPath(out_dir, "torch-export"));
+  FLATPARAM_RETURN_IF_ERROR(staging.Create());
+  TorchExportReport report;
+  report.tensors = hf_report.tensors;
+  report.total_size = hf_report.total_size;
+  for (const std::string& file : hf_report.files) {
+    const std::string name = checkpoint::Basename(file);
+    const std::string src = JoinPath(hf_dir.path(), name);
+    const std::string dst = JoinPath(staging.path(), TorchFileName(name));
+    if (name == checkpoint::kHfIndexFileName) {
+      FLATPARAM_ASSIGN_OR_RETURN(
+          std::string text,
+          checkpoint::ReadFileToString(fs, src, checkpoint::kMaxHfIndexBytes));
+      nlohmann::json doc = nlohmann::json::parse(text);
+      for (auto& [tensor, f] : doc["weight_map"].items()) {
+        f = TorchFileName(f.get<std::string>());
+      }
+      FLATPARAM_RETURN_IF_ERROR(checkpoint::WriteFileDurably(
+          fs, JoinPath(staging.path(), kTorchIndexFileName),
+          doc.dump(2) + "\n"));
+      report.files.push_back(kTorchIndexFileName);
+      continue;
+    }
+    FLATPARAM_ASSIGN_OR_RETURN(checkpoint::SafetensorsReader reader,
+                               checkpoint::SafetensorsReader::Open(fs, src));
+    TorchStateDict tensors;
+    for (const checkpoint::SafetensorsEntry& e : reader.tensors()) {
+      FLATPARAM_ASSIGN_OR_RETURN(HostTensor t, reader.ReadHostTensor(e.name));
+      tensors.emplace_back(e.name, std::move(t));
+    }
+    FLATPARAM_RETURN_IF_ERROR(WriteTorchStateDict(fs, dst, tensors));
+    report.files.push_back(TorchFileName(name));
+  }
+
+  if (options.optimizer) {
+    StagingDir full_dir(fs, StagingPath(out_dir, "torch-export-full"));
+    std::string full_path = in_dir;
+    if (!checkpoint::FullCheckpointReader::Open(fs, in_dir).ok()) {
+      checkpoint::ConvertOptions convert = options.convert;
+      convert.overwrite = true;
+      convert.outcome = nullptr;
+      convert.progress = nullptr;
+      FLATPARAM_RETURN_IF_ERROR(checkpoint::ConsolidateCheckpoint(
+          fs, in_dir, full_dir.path(), convert));
+      full_path = full_dir.path();
+    }
+    FLATPARAM_ASSIGN_OR_RETURN(
+        checkpoint::FullCheckpointReader reader,
+        checkpoint::FullCheckpointReader::Open(fs, full_path));
+    FLATPARAM_ASSIGN_OR_RETURN(checkpoint::FullState state,
+                               checkpoint::ReadFullState(reader));
+    if (!state.optim.empty()) {
+      optim::OptimStateDict dict =
+          options.optimizer_keys == optim::OptimStateKeyType::kParamId
+              ? KeyById(state.optim)
+              : std::move(state.optim);
+      FLATPARAM_RETURN_IF_ERROR(WriteTorchOptimStateDict(
+          fs, JoinPath(staging.path(), kTorchOptimFileName), dict));
+      report.files.push_back(kTorchOptimFileName);
+      report.optimizer = true;
+    }
+  }
+  FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(staging.path()));
+  if (out_exists) {
+    FLATPARAM_RETURN_IF_ERROR(checkpoint::RemoveRecursively(fs, out_dir));
+  }
+  FLATPARAM_RETURN_IF_ERROR(fs.Rename(staging.path(), out_dir));
+  FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(checkpoint::Dirname(out_dir)));
+  return report;
+}
+
+}  // namespace libtorch
+}  // namespace flatparam
