@@ -44,7 +44,10 @@
 // Writing emits the same protocol-2 pickle Python writes (state dicts as
 // collections.OrderedDict, other dicts plain, betas as a tuple; storages
 // "0", "1", ... one per tensor, little-endian, on 'cpu'), using only the
-// globals above, so `torch.load(f, weights_only=True)` accepts it.
+// globals above, so `torch.load(f, weights_only=True)` accepts a state
+// dict. (PyTorch 1.13's weights_only unpickler has no BINFLOAT opcode, so
+// it refuses every optimizer state dict with a float in it, Python's own
+// included: those load with plain torch.load.)
 //
 // Import (ImportTorchCheckpoint). The input is a directory holding
 // pytorch_model.bin or pytorch_model.bin.index.json (both: ambiguous,
@@ -75,8 +78,14 @@
 // plus pytorch_model.bin.index.json. The optimizer state, if the
 // checkpoint has any (and `optimizer` is set), is consolidated and written
 // to optimizer.bin as PyTorch's optimizer.state_dict() lays it out, keyed
-// by ID (IDs numbered in param_groups order, as PyTorch numbers them) or,
-// with kParamName, by name as FSDP.full_optim_state_dict writes it. The
+// by ID or, with kParamName, by name as FSDP.full_optim_state_dict writes
+// it. IDs are those of the import: ID i is the model's i-th parameter
+// (`param_order`); every param group lists its parameters in that order
+// (a checkpoint keeps groups, not their order), so that the file is what
+// optimizer.state_dict() writes for an optimizer whose groups list the
+// model's parameters in model order (one group of model.parameters(), the
+// common case), and load_state_dict, which pairs parameters by position,
+// gets each state to its parameter. The
 // output directory is written in a temporary sibling and renamed into
 // place; an existing `out_dir` is replaced only with convert.overwrite.
 //
@@ -167,6 +176,12 @@ struct TorchExportOptions {
   // Write optimizer.bin when the checkpoint has optimizer state.
   bool optimizer = true;
   optim::OptimStateKeyType optimizer_keys = optim::OptimStateKeyType::kParamId;
+  // The model's parameters in parameters() order (optim_state.h's
+  // ModelParamOrder), which numbers them and orders every param group's
+  // "params". Empty: a sharded checkpoint's own model's; for a full
+  // checkpoint (which does not record it), the order its param groups
+  // list them in.
+  std::vector<std::string> param_order;
 };
 
 struct TorchExportReport {

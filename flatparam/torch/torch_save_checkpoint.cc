@@ -1,5 +1,6 @@
 // torch_save.h, part 2: importing torch.save files into flatparam
 // checkpoints (through the Hugging Face import) and exporting them.
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -216,24 +217,38 @@ std::string TorchFileName(absl::string_view hf_name) {
   return name;
 }
 
-// Renumbers `dict` (keyed by name) by IDs in param_groups order, as
-// PyTorch's optimizer.state_dict() numbers its parameters.
-optim::OptimStateDict KeyById(const optim::OptimStateDict& dict) {
+// `dict` (keyed by name) with every group's parameters in `order` (names
+// not in it after, as they were), keyed by ID -- a name's index in `order`
+// -- when `by_id`.
+optim::OptimStateDict InModelOrder(const optim::OptimStateDict& dict,
+                                   const std::vector<std::string>& order,
+                                   bool by_id) {
   std::map<optim::ParamKey, int64_t> ids;
+  for (size_t i = 0; i < order.size(); ++i) {
+    ids.emplace(order[i], static_cast<int64_t>(i));
+  }
+  auto rekey = [&](const optim::ParamKey& k) -> optim::ParamKey {
+    auto it = ids.find(k);
+    return by_id && it != ids.end() ? optim::ParamKey(it->second) : k;
+  };
   optim::OptimStateDict out;
   for (const optim::ParamGroup& g : dict.param_groups) {
+    std::vector<optim::ParamKey> params = g.params;
+    std::stable_sort(
+        params.begin(), params.end(),
+        [&](const optim::ParamKey& a, const optim::ParamKey& b) {
+          auto ia = ids.find(a);
+          auto ib = ids.find(b);
+          const size_t ra = ia == ids.end() ? order.size() : ia->second;
+          const size_t rb = ib == ids.end() ? order.size() : ib->second;
+          return ra < rb;
+        });
     optim::ParamGroup ng;
     ng.hyperparams = g.hyperparams;
-    for (const optim::ParamKey& k : g.params) {
-      auto [it, inserted] = ids.emplace(k, static_cast<int64_t>(ids.size()));
-      ng.params.push_back(it->second);
-    }
+    for (const optim::ParamKey& k : params) ng.params.push_back(rekey(k));
     out.param_groups.push_back(std::move(ng));
   }
-  for (const auto& [k, ps] : dict.state) {
-    auto it = ids.find(k);
-    out.state[it == ids.end() ? k : optim::ParamKey(it->second)] = ps;
-  }
+  for (const auto& [k, ps] : dict.state) out.state[rekey(k)] = ps;
   return out;
 }
 
@@ -341,7 +356,14 @@ absl::StatusOr<TorchExportReport> ExportTorchCheckpoint(
   if (options.optimizer) {
     StagingDir full_dir(fs, StagingPath(out_dir, "torch-export-full"));
     std::string full_path = in_dir;
+    std::vector<std::string> order = options.param_order;
     if (!checkpoint::FullCheckpointReader::Open(fs, in_dir).ok()) {
+      if (order.empty()) {
+        FLATPARAM_ASSIGN_OR_RETURN(
+            checkpoint::ShardedCheckpointReader sharded,
+            checkpoint::ShardedCheckpointReader::Open(fs, in_dir));
+        order = optim::ModelParamOrder(sharded.layout());
+      }
       checkpoint::ConvertOptions convert = options.convert;
       convert.overwrite = true;
       convert.outcome = nullptr;
@@ -356,10 +378,20 @@ absl::StatusOr<TorchExportReport> ExportTorchCheckpoint(
     FLATPARAM_ASSIGN_OR_RETURN(checkpoint::FullState state,
                                checkpoint::ReadFullState(reader));
     if (!state.optim.empty()) {
-      optim::OptimStateDict dict =
-          options.optimizer_keys == optim::OptimStateKeyType::kParamId
-              ? KeyById(state.optim)
-              : std::move(state.optim);
+      if (order.empty()) {  // a full checkpoint: its groups' order
+        std::set<std::string> seen;
+        for (const optim::ParamGroup& g : state.optim.param_groups) {
+          for (const optim::ParamKey& k : g.params) {
+            const auto* name = std::get_if<std::string>(&k);
+            if (name != nullptr && seen.insert(*name).second) {
+              order.push_back(*name);
+            }
+          }
+        }
+      }
+      const optim::OptimStateDict dict = InModelOrder(
+          state.optim, order,
+          options.optimizer_keys == optim::OptimStateKeyType::kParamId);
       FLATPARAM_RETURN_IF_ERROR(WriteTorchOptimStateDict(
           fs, JoinPath(staging.path(), kTorchOptimFileName), dict));
       report.files.push_back(kTorchOptimFileName);
