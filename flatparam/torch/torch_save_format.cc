@@ -160,9 +160,16 @@ class FileReadAdapter : public caffe2::serialize::ReadAdapterInterface {
 // The restricted unpickler (see the header). Not thread-safe; one per file.
 class Unpickler {
  public:
+  // `tensor_budget`: the most bytes all tensors together may take once
+  // copied out (a stride-0 view of a small storage can be arbitrarily
+  // large).
   Unpickler(absl::string_view data, std::string file,
-            caffe2::serialize::PyTorchStreamReader* archive)
-      : data_(data), file_(std::move(file)), archive_(archive) {}
+            caffe2::serialize::PyTorchStreamReader* archive,
+            uint64_t tensor_budget)
+      : data_(data),
+        file_(std::move(file)),
+        archive_(archive),
+        tensor_budget_(tensor_budget) {}
 
   absl::StatusOr<NodePtr> Run() {
     while (true) {
@@ -404,6 +411,14 @@ class Unpickler {
       return Corrupt("tensor of storage %s reaches element %d of %d", st.key,
                      static_cast<int64_t>(last), st.numel);
     }
+    const uint64_t nbytes = static_cast<uint64_t>(numel) * DTypeSize(st.dtype);
+    if (nbytes > tensor_budget_) {
+      return Refused(absl::StrCat(
+          "a tensor of ", nbytes, " bytes (shape [", absl::StrJoin(size, ", "),
+          "], strides [", absl::StrJoin(stride, ", "),
+          "]) beyond the file's size plus 1 GiB, viewing storage ", st.key));
+    }
+    tensor_budget_ -= nbytes;
     FLATPARAM_RETURN_IF_ERROR(LoadStorage(st));
     auto t =
         std::make_shared<HostTensor>(HostTensor::Uninitialized(st.dtype, size));
@@ -620,6 +635,7 @@ class Unpickler {
   std::vector<size_t> marks_;
   std::map<uint64_t, NodePtr> memo_;
   std::map<std::string, NodePtr> storages_;
+  uint64_t tensor_budget_;
 };
 
 // Reads and unpickles a torch.save file.
@@ -657,7 +673,7 @@ absl::StatusOr<NodePtr> LoadTorchFile(FileSystem& fs, const std::string& path) {
     }
     auto [ptr, len] = archive.getRecord("data.pkl");
     std::string pickle(static_cast<const char*>(ptr.get()), len);
-    Unpickler unpickler(pickle, path, &archive);
+    Unpickler unpickler(pickle, path, &archive, size + (uint64_t{1} << 30));
     return unpickler.Run();
   } catch (const std::exception& e) {
     // c10::Error derives from std::exception.

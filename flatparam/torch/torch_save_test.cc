@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
 #include <vector>
@@ -78,12 +80,22 @@ TEST(TorchSaveTest, ReadsPythonStateDict) {
 TEST(TorchSaveTest, ReadsStridedAndOffsetViews) {
   FLATPARAM_ASSERT_OK_AND_ASSIGN(TorchStateDict sd,
                                  ReadTorchStateDict(Fs(), Data("views.pt")));
-  ASSERT_EQ(sd.size(), 2u);
+  ASSERT_EQ(sd.size(), 3u);
   EXPECT_EQ(sd[0].first, "t");
   EXPECT_THAT(sd[0].second.shape(), ElementsAre(3, 2));
   EXPECT_THAT(Values(sd[0].second), ElementsAre(0, 3, 1, 4, 2, 5));
   EXPECT_EQ(sd[1].first, "row");
   EXPECT_THAT(Values(sd[1].second), ElementsAre(3, 4, 5));
+  EXPECT_EQ(sd[2].first, "e");
+  EXPECT_THAT(sd[2].second.shape(), ElementsAre(2, 3));
+  EXPECT_THAT(Values(sd[2].second), ElementsAre(0, 1, 2, 0, 1, 2));
+}
+
+TEST(TorchSaveTest, RefusesAViewFarLargerThanTheFile) {
+  EXPECT_THAT(ReadTorchStateDict(Fs(), Data("huge_view.pt")),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("68719476736 bytes"),
+                             HasSubstr("strides [0]"))));
 }
 
 TEST(TorchSaveTest, ReadsEveryStorageType) {
@@ -269,6 +281,74 @@ TEST(TorchSaveTest, ImportValidatesTheOptimizerState) {
           .status(),
       StatusIs(absl::StatusCode::kInvalidArgument,
                AllOf(HasSubstr("seven_ids.pt"), HasSubstr("6"))));
+}
+
+// An index-sharded state dict written by hand: `map` is the index's
+// weight_map, `files` what each file holds.
+absl::Status WriteIndexed(
+    const std::string& dir,
+    const std::map<std::string, std::vector<std::string>>& files,
+    const std::map<std::string, std::string>& map, int64_t total_size) {
+  FLATPARAM_ASSIGN_OR_RETURN(
+      TorchStateDict sd, ReadTorchStateDict(Fs(), Data("tiny_state_dict.pt")));
+  std::map<std::string, HostTensor> by_name(sd.begin(), sd.end());
+  FLATPARAM_RETURN_IF_ERROR(checkpoint::RemoveRecursively(Fs(), dir));
+  FLATPARAM_RETURN_IF_ERROR(Fs().CreateDir(dir));
+  for (const auto& [file, names] : files) {
+    TorchStateDict part;
+    for (const std::string& n : names) part.emplace_back(n, by_name.at(n));
+    FLATPARAM_RETURN_IF_ERROR(
+        WriteTorchStateDict(Fs(), absl::StrCat(dir, "/", file), part));
+  }
+  nlohmann::json doc;
+  doc["metadata"]["total_size"] = total_size;
+  doc["weight_map"] = map;
+  return checkpoint::WriteFileDurably(
+      Fs(), absl::StrCat(dir, "/", kTorchIndexFileName), doc.dump());
+}
+
+TEST(TorchSaveTest, ImportChecksTheIndex) {
+  const std::vector<std::string> a = {"0.weight", "0.bias", "1.weight"};
+  const std::vector<std::string> b = {"1.bias", "2.weight", "2.bias"};
+  std::map<std::string, std::string> map;
+  for (const auto& n : a) map[n] = "a.bin";
+  for (const auto& n : b) map[n] = "b.bin";
+  const int64_t total = (12 + 4 + 4 + 4 + 8 + 2) * 4;
+  const std::string dir = Tmp("indexed");
+  auto import = [&] {
+    return ImportTorchCheckpoint(Fs(), dir, TinySpec(), Options(2), 0,
+                                 Tmp("indexed_ckpt"))
+        .status();
+  };
+  FLATPARAM_ASSERT_OK(
+      WriteIndexed(dir, {{"a.bin", a}, {"b.bin", b}}, map, total));
+  EXPECT_THAT(import(), IsOk());
+
+  FLATPARAM_ASSERT_OK(
+      WriteIndexed(dir, {{"a.bin", a}, {"b.bin", b}}, map, total + 4));
+  EXPECT_THAT(import(), StatusIs(absl::StatusCode::kDataLoss,
+                                 AllOf(HasSubstr("total_size is 140"),
+                                       HasSubstr("136 bytes"))));
+  std::map<std::string, std::string> moved = map;
+  moved["2.bias"] = "a.bin";
+  FLATPARAM_ASSERT_OK(
+      WriteIndexed(dir, {{"a.bin", a}, {"b.bin", b}}, moved, total));
+  EXPECT_THAT(import(),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("'2.bias'")));
+  std::map<std::string, std::string> fewer = map;
+  fewer.erase("0.bias");
+  FLATPARAM_ASSERT_OK(
+      WriteIndexed(dir, {{"a.bin", a}, {"b.bin", b}}, fewer, total));
+  EXPECT_THAT(import(), StatusIs(absl::StatusCode::kDataLoss,
+                                 AllOf(HasSubstr("a.bin holds '0.bias'"),
+                                       HasSubstr("does not map to it"))));
+  // Both forms in one directory.
+  FLATPARAM_ASSERT_OK(
+      WriteIndexed(dir, {{"a.bin", a}, {"b.bin", b}}, map, total));
+  FLATPARAM_ASSERT_OK(checkpoint::WriteFileDurably(
+      Fs(), absl::StrCat(dir, "/", kTorchModelFileName), ""));
+  EXPECT_THAT(import(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                 HasSubstr("ambiguous")));
 }
 
 // Python's files -> checkpoint at W -> torch.save files: the same tensors

@@ -4,7 +4,9 @@ python3-torch 1.13: /usr/bin/python3 make_torch_files.py).
 tiny_state_dict.pt  Sequential(Linear(3, 4), LayerNorm(4), Linear(4, 2)),
                     every parameter arange(numel) / 8 + 100 * index
 tiny_adamw.pt       AdamW(lr=1e-3) after one step on it
-views.pt            a transposed view and an offset view of one storage
+views.pt            a transposed view and an offset view of one storage,
+                    and an expanded (stride 0) one
+huge_view.pt        a 64 GiB expanded view of one element (refused)
 dtypes.pt           one tensor of each storage type flatparam reads
 evil_os_system.pt   a pickle that would call os.system (refused)
 custom_class.pt     a pickled instance of a user's class (refused)
@@ -43,7 +45,10 @@ def main():
     opt.step()
     torch.save(opt.state_dict(), "tiny_adamw.pt")
     x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    torch.save({"t": x.t(), "row": x[1]}, "views.pt")
+    torch.save({"t": x.t(), "row": x[1],
+                "e": torch.arange(3, dtype=torch.float32).expand(2, 3)},
+               "views.pt")
+    torch.save({"huge": torch.zeros(1).expand(2**34)}, "huge_view.pt")
     torch.save(collections.OrderedDict(
         f64=torch.tensor([1.5], dtype=torch.float64),
         f16=torch.tensor([1.5], dtype=torch.float16),
