@@ -178,7 +178,12 @@ absl::Status StageOptimizer(FileSystem& fs, const std::string& path,
   checkpoint::OptimSidecar sidecar;
   std::vector<checkpoint::TensorSource> sources;
   for (const auto& [key, ps] : dict.state) {
-    const std::string& fqn = std::get<std::string>(key);
+    const auto* name = std::get_if<std::string>(&key);
+    if (name == nullptr) {  // RekeyOptimStateDict renamed every ID
+      return absl::InternalError(absl::StrCat(
+          path, ": state key ", optim::DescribeKey(key), " left unnamed"));
+    }
+    const std::string& fqn = *name;
     auto& out = sidecar.state[key];
     for (const auto& [name, value] : ps) {
       checkpoint::SidecarValue sv;

@@ -342,6 +342,13 @@ TEST(TorchSaveTest, ImportChecksTheIndex) {
   EXPECT_THAT(import(), StatusIs(absl::StatusCode::kDataLoss,
                                  AllOf(HasSubstr("a.bin holds '0.bias'"),
                                        HasSubstr("does not map to it"))));
+  std::map<std::string, std::string> ghost = map;
+  ghost["ghost.weight"] = "a.bin";
+  FLATPARAM_ASSERT_OK(
+      WriteIndexed(dir, {{"a.bin", a}, {"b.bin", b}}, ghost, total));
+  EXPECT_THAT(import(), StatusIs(absl::StatusCode::kDataLoss,
+                                 HasSubstr("maps 'ghost.weight' to a.bin, "
+                                           "which does not hold it")));
   // Both forms in one directory.
   FLATPARAM_ASSERT_OK(
       WriteIndexed(dir, {{"a.bin", a}, {"b.bin", b}}, map, total));
