@@ -63,6 +63,8 @@ struct Node {
   std::string s;
   std::vector<NodePtr> items;                     // tuple, list
   std::vector<std::pair<NodePtr, NodePtr>> dict;  // dict, in order
+  std::map<std::string, size_t>
+      dict_index;  // "s" + str or "i" + int key -> index
   std::shared_ptr<HostTensor> tensor;
   std::shared_ptr<Storage> storage;
 };
@@ -295,15 +297,15 @@ class Unpickler {
         return Refused(
             absl::StrCat("a dict key of type ", KindName(kv[k]->kind)));
       }
-      bool replaced = false;
-      for (auto& [key, value] : d->dict) {
-        if (key->kind == kv[k]->kind && key->s == kv[k]->s &&
-            key->i == kv[k]->i) {
-          value = kv[k + 1];
-          replaced = true;
-        }
+      const std::string id = kv[k]->kind == Node::kStr
+                                 ? absl::StrCat("s", kv[k]->s)
+                                 : absl::StrCat("i", kv[k]->i);
+      auto [it, inserted] = d->dict_index.emplace(id, d->dict.size());
+      if (!inserted) {  // Python keeps the first position, the last value
+        d->dict[it->second].second = kv[k + 1];
+        continue;
       }
-      if (!replaced) d->dict.emplace_back(kv[k], kv[k + 1]);
+      d->dict.emplace_back(kv[k], kv[k + 1]);
     }
     return absl::OkStatus();
   }
