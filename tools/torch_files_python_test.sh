@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # torch.save files between Python PyTorch and flatparam, with Debian's
 # python3-torch 1.13 as the independent party: Python writes a state dict
-# (single file and index-sharded by hand) and an AdamW optimizer state dict;
+# (single file and index-sharded by hand; with a parameter tied to the
+# embedding, as GPT-2's lm_head) and an AdamW optimizer state dict;
 # fsdp_torch_files imports them at world sizes 2 and 3 (FULL_SHARD,
 # SHARD_GRAD_OP with alignment) and exports them (single file with the
 # optimizer keyed by ID; index-sharded with it keyed by name); Python loads

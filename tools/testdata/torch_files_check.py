@@ -21,6 +21,11 @@ import zipfile
 import torch
 
 
+def fail(msg):
+    print("MISMATCH:", msg)
+    sys.exit(1)
+
+
 class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -28,9 +33,18 @@ class Net(torch.nn.Module):
         self.ln = torch.nn.LayerNorm(6)
         self.fc = torch.nn.Linear(6, 5)
         self.head = torch.nn.Linear(5, 3, bias=False)
+        # Tied to the embedding, as GPT-2's lm_head is: state_dict() holds
+        # both names over one storage; parameters() holds it once.
+        self.out = torch.nn.Linear(6, 11, bias=False)
+        self.out.weight = self.emb.weight
 
     def forward(self, x):
-        return self.head(torch.relu(self.fc(self.ln(self.emb(x)))))
+        h = self.ln(self.emb(x))
+        return self.head(torch.relu(self.fc(h))), self.out(h)
+
+
+# Tied name -> the name it is tied to.
+TIES = {"out.weight": "emb.weight"}
 
 
 def trained():
@@ -39,7 +53,8 @@ def trained():
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
     for step in range(3):
         x = torch.randint(0, 11, (4, 7))
-        loss = net(x).square().mean()
+        a, b = net(x)
+        loss = a.square().mean() + b.square().mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -53,9 +68,22 @@ def write(root):
     sd = net.state_dict()
     torch.save(sd, os.path.join(py, "pytorch_model.bin"))
     torch.save(opt.state_dict(), os.path.join(py, "optimizer.pt"))
-    spec = {"name": "net", "wrap": ["fc"], "params": [
-        {"fqn": n, "shape": list(p.shape), "dtype": "float32"}
-        for n, p in net.named_parameters()]}
+    params, first = [], {}
+    for prefix, module in net.named_modules():
+        for pname, p in module._parameters.items():
+            if p is None:  # bias=False
+                continue
+            fqn = f"{prefix}.{pname}" if prefix else pname
+            if id(p) in first:
+                params.append({"fqn": fqn, "tied_to": first[id(p)]})
+            else:
+                first[id(p)] = fqn
+                params.append({"fqn": fqn, "shape": list(p.shape),
+                               "dtype": "float32"})
+    if [q.get("tied_to") for q in params if "tied_to" in q] != \
+            list(TIES.values()):
+        fail(f"unexpected ties in {params}")
+    spec = {"name": "net", "wrap": ["fc"], "params": params}
     with open(os.path.join(py, "model.json"), "w") as f:
         json.dump(spec, f)
     names = list(sd)
@@ -72,11 +100,6 @@ def write(root):
               "w") as f:
         json.dump({"metadata": {"total_size": total},
                    "weight_map": weight_map}, f)
-
-
-def fail(msg):
-    print("MISMATCH:", msg)
-    sys.exit(1)
 
 
 def same_tensor(a, b, where):
@@ -135,12 +158,19 @@ def check(root, outs):
             if f.endswith(".bin"):
                 check_globals(os.path.join(out, f))
         got = load_weights(out)
-        if sorted(got) != sorted(want):
-            fail(f"{out}: names {sorted(got)} != {sorted(want)}")
+        # A tied parameter is written once, under its target's name, as
+        # save_pretrained writes it.
+        untied = sorted(n for n in want if n not in TIES)
+        if sorted(got) != untied:
+            fail(f"{out}: names {sorted(got)} != {untied}")
         for n in want:
-            same_tensor(want[n], got[n], f"{out}: {n}")
+            same_tensor(want[n], got[TIES.get(n, n)], f"{out}: {n}")
         net = Net()
-        net.load_state_dict(got)
+        missing, unexpected = net.load_state_dict(got, strict=False)
+        if missing != list(TIES) or unexpected:
+            fail(f"{out}: load_state_dict: {missing}, {unexpected}")
+        same_tensor(want["out.weight"], net.out.weight.detach(),
+                    f"{out}: re-tied out.weight")
         opt_path = os.path.join(out, "optimizer.bin")
         # torch 1.13's weights_only unpickler has no BINFLOAT, so it cannot
         # read any optimizer state (not even Python's own): check the globals
