@@ -88,6 +88,8 @@
 // gets each state to its parameter. The
 // output directory is written in a temporary sibling and renamed into
 // place; an existing `out_dir` is replaced only with convert.overwrite.
+// Neither function writes over its input: an `out_dir` that is, or holds,
+// an input (by spelling) is InvalidArgument.
 //
 // Memory: a torch.save file is read whole (its pickle and storages) and
 // every tensor is held until the import has written its staging files;

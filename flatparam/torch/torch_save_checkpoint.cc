@@ -43,6 +43,23 @@ class StagingDir {
   std::string path_;
 };
 
+// The output replaces whatever is at `out`: it must be neither the input
+// nor a directory holding it (by spelling, as hf_checkpoint.cc checks).
+absl::Status CheckDistinct(const std::string& in, const std::string& out) {
+  auto strip = [](std::string p) {
+    while (p.size() > 1 && p.back() == '/') p.pop_back();
+    return p;
+  };
+  const std::string i = strip(in);
+  const std::string o = strip(out);
+  if (i == o || absl::StartsWith(i, absl::StrCat(o, "/"))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the output directory ", out, " is or holds the input ",
+                     in, ", and writing it would replace it; write elsewhere"));
+  }
+  return absl::OkStatus();
+}
+
 std::string StagingPath(const std::string& out_dir, absl::string_view what) {
   std::string base = out_dir;
   while (base.size() > 1 && base.back() == '/') base.pop_back();
@@ -263,6 +280,10 @@ absl::StatusOr<checkpoint::HfImportReport> ImportTorchCheckpoint(
     FileSystem& fs, const std::string& in, const ModelSpec& spec,
     const LayoutOptions& layout_options, int64_t world_size,
     const std::string& out_dir, const TorchImportOptions& options) {
+  FLATPARAM_RETURN_IF_ERROR(CheckDistinct(in, out_dir));
+  if (!options.optimizer.empty()) {
+    FLATPARAM_RETURN_IF_ERROR(CheckDistinct(options.optimizer, out_dir));
+  }
   FLATPARAM_ASSIGN_OR_RETURN(TorchStateDict tensors,
                              ReadTorchCheckpoint(fs, in));
   {
@@ -308,6 +329,7 @@ absl::StatusOr<checkpoint::HfImportReport> ImportTorchCheckpoint(
 absl::StatusOr<TorchExportReport> ExportTorchCheckpoint(
     FileSystem& fs, const std::string& in_dir, const std::string& out_dir,
     const TorchExportOptions& options) {
+  FLATPARAM_RETURN_IF_ERROR(CheckDistinct(in_dir, out_dir));
   FLATPARAM_ASSIGN_OR_RETURN(bool out_exists, fs.Exists(out_dir));
   if (out_exists && !options.convert.overwrite) {
     return absl::FailedPreconditionError(

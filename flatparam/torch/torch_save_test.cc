@@ -481,6 +481,36 @@ TEST(TorchSaveTest, ImportExportRoundTrip) {
   }
 }
 
+TEST(TorchSaveTest, NeverWritesOverItsInput) {
+  const std::string dir = Tmp("in_place");
+  FLATPARAM_ASSERT_OK(checkpoint::RemoveRecursively(Fs(), dir));
+  FLATPARAM_ASSERT_OK(Fs().CreateDir(dir));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      TorchStateDict sd, ReadTorchStateDict(Fs(), Data("tiny_state_dict.pt")));
+  FLATPARAM_ASSERT_OK(
+      WriteTorchStateDict(Fs(), absl::StrCat(dir, "/pytorch_model.bin"), sd));
+  EXPECT_THAT(
+      ImportTorchCheckpoint(Fs(), dir, TinySpec(), Options(2), 0, dir + "/")
+          .status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("is or holds")));
+  TorchImportOptions options;
+  options.optimizer = absl::StrCat(dir, "/optimizer.pt");
+  EXPECT_THAT(
+      ImportTorchCheckpoint(Fs(), Data("tiny_state_dict.pt"), TinySpec(),
+                            Options(2), 0, dir, options)
+          .status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("is or holds")));
+  const std::string ckpt = Tmp("ckpt_in_place");
+  FLATPARAM_ASSERT_OK(ImportTiny(TinySpec(), "ckpt_in_place"));
+  TorchExportOptions eo;
+  eo.convert.overwrite = true;
+  EXPECT_THAT(
+      ExportTorchCheckpoint(Fs(), ckpt, ckpt, eo).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("is or holds")));
+  EXPECT_THAT(Fs().Exists(absl::StrCat(dir, "/pytorch_model.bin")),
+              IsOkAndHolds(true));
+}
+
 TEST(TorchSaveTest, ExportRefusesAnExistingOutput) {
   const std::string ckpt = Tmp("ckpt_exists");
   FLATPARAM_ASSERT_OK(ImportTiny(TinySpec(), "ckpt_exists"));
