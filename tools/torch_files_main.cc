@@ -5,7 +5,7 @@
 //   fsdp_torch_files import --in=pytorch_model.bin|INDEX|DIR
 //       [--optimizer=optimizer.pt] --model=NAME|PATH --world-size=W
 //       [--strategy=S] [--shard-group-size=G] [--align-addresses]
-//       [--cast] --out=CKPT
+//       [--dtype=D] [--cast] --out=CKPT
 //   fsdp_torch_files export --in=CKPT --out=DIR [--max-shard-size=5GB]
 //       [--dtype=D] [--optimizer-keys=id|name] [--no-optimizer] [--overwrite]
 //
@@ -46,7 +46,9 @@ ABSL_FLAG(bool, cast, false,
 ABSL_FLAG(std::string, max_shard_size, "5GB",
           "export: the most tensor bytes per file (huggingface_hub's "
           "spelling)");
-ABSL_FLAG(std::string, dtype, "", "export: cast floating-point tensors");
+ABSL_FLAG(std::string, dtype, "",
+          "import: give the model's parameters this dtype; export: cast "
+          "floating-point tensors to it");
 ABSL_FLAG(std::string, optimizer_keys, "id",
           "export: optimizer.bin keyed by parameter ID (optimizer."
           "state_dict()) or by name (FSDP.full_optim_state_dict)");
@@ -58,7 +60,8 @@ namespace {
 
 constexpr char kUsage[] =
     "usage: fsdp_torch_files import --in=FILE|INDEX|DIR [--optimizer=FILE] "
-    "--model=NAME|PATH --world-size=W [--strategy=S] --out=CKPT\n"
+    "--model=NAME|PATH --world-size=W [--strategy=S] [--dtype=D] [--cast] "
+    "--out=CKPT\n"
     "       fsdp_torch_files export --in=CKPT --out=DIR "
     "[--max-shard-size=5GB] [--dtype=D] [--optimizer-keys=id|name] "
     "[--no-optimizer] [--overwrite]\n";
@@ -70,6 +73,7 @@ absl::Status Import() {
   request.strategy = absl::GetFlag(FLAGS_strategy);
   request.shard_group_size = absl::GetFlag(FLAGS_shard_group_size);
   request.align_addresses = absl::GetFlag(FLAGS_align_addresses);
+  request.dtype = absl::GetFlag(FLAGS_dtype);
   if (request.model.empty()) {
     return absl::InvalidArgumentError("import needs --model");
   }

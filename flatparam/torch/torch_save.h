@@ -60,7 +60,8 @@
 // they are handed to as a model.safetensors + optim.safetensors + optim.json
 // directory written next to `out_dir` (removed afterwards): so names,
 // dtypes, shapes, tied copies, ignored buffers, casts and renaming are
-// checked and reported exactly as for safetensors, and the output equals,
+// checked and reported exactly as for safetensors (messages name the
+// user's files, not the staged ones), and the output equals,
 // byte for byte, the import of the same tensors from safetensors.
 // An optimizer state dict must be {"state": {key: {name: value}},
 // "param_groups": [{hyperparameter: value, "params": [key, ...]}]} with

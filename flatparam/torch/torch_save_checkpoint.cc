@@ -13,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/optim_io.h"
@@ -224,11 +225,6 @@ absl::Status StageOptimizer(FileSystem& fs, const std::string& path,
       fs, JoinPath(dir, checkpoint::kOptimJsonFileName), json.dump(1));
 }
 
-absl::Status WithContext(const absl::Status& s, absl::string_view context) {
-  if (s.ok()) return s;
-  return absl::Status(s.code(), absl::StrCat(context, s.message()));
-}
-
 // pytorch_model[-i-of-n].bin for model[-i-of-n].safetensors.
 std::string TorchFileName(absl::string_view hf_name) {
   std::string name(hf_name);
@@ -315,13 +311,19 @@ absl::StatusOr<checkpoint::HfImportReport> ImportTorchCheckpoint(
   auto report = checkpoint::ImportHfCheckpoint(
       fs, staging.path(), spec, layout_options, world_size, out_dir, hf);
   if (!report.ok()) {
-    return WithContext(
-        report.status(),
-        absl::StrCat("importing ", in,
-                     options.optimizer.empty()
-                         ? ""
-                         : absl::StrCat(" and ", options.optimizer),
-                     " (staged as safetensors in ", staging.path(), "): "));
+    // The staged files are gone: name the user's files instead.
+    const std::string& st = staging.path();
+    const std::string& opt = options.optimizer;
+    const std::string message = absl::StrReplaceAll(
+        report.status().message(),
+        {{JoinPath(st, checkpoint::kModelFileName), in},
+         {JoinPath(st, checkpoint::kOptimFileName), opt},
+         {JoinPath(st, checkpoint::kOptimJsonFileName), opt},
+         {st, in}});
+    return absl::Status(
+        report.status().code(),
+        absl::StrCat("importing ", in, opt.empty() ? "" : " and ", opt, ": ",
+                     message));
   }
   return report;
 }
