@@ -138,7 +138,9 @@ absl::StatusOr<TorchStateDict> ReadTorchStateDict(checkpoint::FileSystem& fs,
                                                   const std::string& path);
 
 // Writes `tensors` to `path` as torch.save writes a state_dict (an
-// OrderedDict in the given order). InvalidArgument for a repeated name.
+// OrderedDict in the given order). InvalidArgument for a repeated name;
+// the file system's errors (a partial file is removed). Not atomic: write
+// to a temporary name and rename for that.
 absl::Status WriteTorchStateDict(checkpoint::FileSystem& fs,
                                  const std::string& path,
                                  const TorchStateDict& tensors);
@@ -149,7 +151,8 @@ absl::StatusOr<optim::OptimStateDict> ReadTorchOptimStateDict(
     checkpoint::FileSystem& fs, const std::string& path);
 
 // Writes `dict` to `path` as torch.save writes optimizer.state_dict()
-// (plain dicts; vector<double> hyperparameters as tuples).
+// (plain dicts; vector<double> hyperparameters as tuples). Errors as
+// WriteTorchStateDict's.
 absl::Status WriteTorchOptimStateDict(checkpoint::FileSystem& fs,
                                       const std::string& path,
                                       const optim::OptimStateDict& dict);

@@ -907,13 +907,18 @@ absl::Status WriteTorchFile(FileSystem& fs, const std::string& path,
                              fs.NewWritableFile(path));
   absl::Status write_status;
   try {
-    caffe2::serialize::PyTorchStreamWriter writer(
-        [&](const void* buf, size_t n) -> size_t {
-          if (!write_status.ok()) return 0;
-          write_status =
-              file->Append(absl::string_view(static_cast<const char*>(buf), n));
-          return write_status.ok() ? n : 0;
-        });
+    // The callback reports every write as done and keeps the first error:
+    // LibTorch 1.13's writer throws on a short write and, when that
+    // unwinds through its destructor, throws again from there
+    // (std::terminate).
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* buf,
+                                                      size_t n) -> size_t {
+      if (write_status.ok()) {
+        write_status =
+            file->Append(absl::string_view(static_cast<const char*>(buf), n));
+      }
+      return n;
+    });
     writer.writeRecord("data.pkl", p.out().data(), p.out().size());
     for (size_t k = 0; k < p.tensors().size(); ++k) {
       const HostTensor& t = *p.tensors()[k];
@@ -921,13 +926,16 @@ absl::Status WriteTorchFile(FileSystem& fs, const std::string& path,
     }
     writer.writeEndOfFile();
   } catch (const std::exception& e) {
-    if (!write_status.ok()) return write_status;
-    return absl::InternalError(
-        absl::StrCat(path, ": writing the torch.save archive: ", e.what()));
+    if (write_status.ok()) {
+      write_status = absl::InternalError(
+          absl::StrCat(path, ": writing the torch.save archive: ", e.what()));
+    }
   }
-  FLATPARAM_RETURN_IF_ERROR(write_status);
-  FLATPARAM_RETURN_IF_ERROR(file->Sync());
-  return file->Close();
+  if (write_status.ok()) write_status = file->Sync();
+  const absl::Status closed = file->Close();
+  if (write_status.ok()) write_status = closed;
+  if (!write_status.ok()) fs.RemoveFile(path).IgnoreError();  // partial
+  return write_status;
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include <cstdlib>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
@@ -262,6 +263,54 @@ TEST(TorchSaveTest, WritesWhatItReads) {
   FLATPARAM_ASSERT_OK_AND_ASSIGN(optim::OptimStateDict dback,
                                  ReadTorchOptimStateDict(Fs(), opath));
   EXPECT_EQ(optim::FirstDifference(dback, d), std::nullopt);
+}
+
+// A file system whose files fail to append after `limit` bytes (a full
+// disk).
+class FullDisk : public checkpoint::ForwardingFileSystem {
+ public:
+  FullDisk(checkpoint::FileSystem& base, uint64_t limit)
+      : ForwardingFileSystem(base), limit_(limit) {}
+  absl::StatusOr<std::unique_ptr<checkpoint::WritableFile>> NewWritableFile(
+      const std::string& path) override {
+    FLATPARAM_ASSIGN_OR_RETURN(auto file, base().NewWritableFile(path));
+    return std::unique_ptr<checkpoint::WritableFile>(
+        new File(std::move(file), limit_));
+  }
+
+ private:
+  class File : public checkpoint::WritableFile {
+   public:
+    File(std::unique_ptr<checkpoint::WritableFile> f, uint64_t limit)
+        : f_(std::move(f)), left_(limit) {}
+    absl::Status Append(absl::string_view data) override {
+      if (data.size() > left_) {
+        return absl::ResourceExhaustedError("no space left on device");
+      }
+      left_ -= data.size();
+      return f_->Append(data);
+    }
+    absl::Status Sync() override { return f_->Sync(); }
+    absl::Status Close() override { return f_->Close(); }
+
+   private:
+    std::unique_ptr<checkpoint::WritableFile> f_;
+    uint64_t left_;
+  };
+  uint64_t limit_;
+};
+
+TEST(TorchSaveTest, ReportsAFullDisk) {
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      TorchStateDict sd, ReadTorchStateDict(Fs(), Data("tiny_state_dict.pt")));
+  for (uint64_t limit : {0, 10, 100, 1000, 2000}) {
+    FullDisk fs(Fs(), limit);
+    EXPECT_THAT(
+        WriteTorchStateDict(fs, Tmp("full.pt"), sd),
+        StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("no space")))
+        << limit;
+    EXPECT_THAT(Fs().Exists(Tmp("full.pt")), IsOkAndHolds(false)) << limit;
+  }
 }
 
 TEST(TorchSaveTest, RefusesRepeatedNames) {
