@@ -37,7 +37,8 @@
 // dicts and tensors. Tensors are copied out of their storages into owned
 // contiguous HostTensors (any strides, offsets within the storage checked).
 // The legacy non-zip format (_use_new_zipfile_serialization=False) is
-// refused (FailedPrecondition, saying how to re-save); a damaged or
+// refused (FailedPrecondition, saying how to re-save), as are big-endian
+// storages (PyTorch >= 2.1's "byteorder" record); a damaged or
 // truncated archive or pickle is DataLoss naming the file. Nothing read
 // from a file can make LibTorch throw past this API.
 //

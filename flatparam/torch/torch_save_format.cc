@@ -673,6 +673,17 @@ absl::StatusOr<NodePtr> LoadTorchFile(FileSystem& fs, const std::string& path) {
           ": a zip archive without data.pkl (not a torch.save file; "
           "TorchScript archives are not state dicts)"));
     }
+    // PyTorch >= 2.1 records the storages' byte order; older files are
+    // little-endian.
+    if (archive.hasRecord("byteorder")) {
+      auto [bo, bo_len] = archive.getRecord("byteorder");
+      const std::string order(static_cast<const char*>(bo.get()), bo_len);
+      if (order != "little") {
+        return absl::FailedPreconditionError(absl::StrCat(
+            path, ": storages in byte order '", order.substr(0, 16),
+            "' (only little-endian files are read)"));
+      }
+    }
     auto [ptr, len] = archive.getRecord("data.pkl");
     std::string pickle(static_cast<const char*>(ptr.get()), len);
     Unpickler unpickler(pickle, path, &archive, size + (uint64_t{1} << 30));

@@ -240,6 +240,20 @@ TEST(TorchSaveTest, SurvivesDamagedPickles) {
   EXPECT_GT(errors, 0);
 }
 
+TEST(TorchSaveTest, ReadsOnlyLittleEndianStorages) {
+  std::map<std::string, std::string> records =
+      Records(Data("tiny_state_dict.pt"));
+  const std::string path = Tmp("byteorder.pt");
+  records["byteorder"] = "little";  // as PyTorch >= 2.1 writes
+  WriteArchive(path, records);
+  EXPECT_THAT(ReadTorchStateDict(Fs(), path), IsOk());
+  records["byteorder"] = "big";
+  WriteArchive(path, records);
+  EXPECT_THAT(ReadTorchStateDict(Fs(), path),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("byte order 'big'")));
+}
+
 TEST(TorchSaveTest, WritesWhatItReads) {
   FLATPARAM_ASSERT_OK_AND_ASSIGN(TorchStateDict sd,
                                  ReadTorchStateDict(Fs(), Data("dtypes.pt")));
