@@ -58,8 +58,9 @@
 // when present, must equal the tensors' byte sizes). The tensors, and the
 // optimizer state of `optimizer` if given, are then checked against the
 // model and sharded by the Hugging Face import (hf_checkpoint.h), which
-// they are handed to as a model.safetensors + optim.safetensors + optim.json
-// directory written next to `out_dir` (removed afterwards): so names,
+// they are handed to as safetensors of the same form (model.safetensors,
+// or one file per .bin plus an index) + optim.safetensors + optim.json in
+// a directory written next to `out_dir` (removed afterwards): so names,
 // dtypes, shapes, tied copies, ignored buffers, casts and renaming are
 // checked and reported exactly as for safetensors (messages name the
 // user's files, not the staged ones), and the output equals,
@@ -93,11 +94,12 @@
 // Neither function writes over its input: an `out_dir` that is, or holds,
 // an input (by spelling) is InvalidArgument.
 //
-// Memory: a torch.save file is read whole (its pickle and storages) and
-// every tensor is held until the import has written its staging files;
-// an export holds one output file's tensors (and the whole optimizer
-// state) at a time. Thread-safety: the functions are reentrant; the
-// FileSystem is borrowed.
+// Memory: a torch.save file is read whole (its pickle and storages); an
+// import holds one input file's tensors at a time (an index-sharded
+// checkpoint is staged file by file) plus, with `optimizer`, the whole
+// optimizer state; an export holds one output file's tensors, then the
+// whole optimizer state. Disk: the import stages a copy of its inputs.
+// Thread-safety: the functions are reentrant; the FileSystem is borrowed.
 #ifndef FLATPARAM_TORCH_TORCH_SAVE_H_
 #define FLATPARAM_TORCH_TORCH_SAVE_H_
 

@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "flatparam/base/status_macros.h"
@@ -78,10 +79,23 @@ absl::Status WriteSafetensorsFile(
   return file->Close();
 }
 
-// The tensors of a torch.save checkpoint at `in`: a .bin file, an index,
-// or a directory holding one of them.
-absl::StatusOr<TorchStateDict> ReadTorchCheckpoint(FileSystem& fs,
-                                                   const std::string& in) {
+// Writes one torch.save file's tensors as the safetensors file `staged`.
+absl::Status StageFile(FileSystem& fs, const TorchStateDict& tensors,
+                       const std::string& staged) {
+  std::vector<checkpoint::TensorSource> sources;
+  for (const auto& [name, t] : tensors) {
+    sources.push_back(checkpoint::TensorSourceFromHostTensor(name, t));
+  }
+  return WriteSafetensorsFile(fs, staged, sources);
+}
+
+// Stages the torch.save checkpoint at `in` (a .bin file, an index, or a
+// directory holding one of them) in `dir` as safetensors of the same
+// form, one torch.save file in memory at a time. `renames` gets each
+// staged path -> the user's path, for messages.
+absl::Status StageWeights(FileSystem& fs, const std::string& in,
+                          const std::string& dir,
+                          std::map<std::string, std::string>& renames) {
   FLATPARAM_ASSIGN_OR_RETURN(bool exists, fs.Exists(in));
   if (!exists) {
     return absl::NotFoundError(
@@ -106,9 +120,15 @@ absl::StatusOr<TorchStateDict> ReadTorchCheckpoint(FileSystem& fs,
     }
     path = has_single ? single : index;
   }
-  if (!absl::EndsWith(path, ".json")) return ReadTorchStateDict(fs, path);
+  if (!absl::EndsWith(path, ".json")) {
+    FLATPARAM_ASSIGN_OR_RETURN(TorchStateDict tensors,
+                               ReadTorchStateDict(fs, path));
+    const std::string staged = JoinPath(dir, checkpoint::kModelFileName);
+    renames[staged] = path;
+    return StageFile(fs, tensors, staged);
+  }
 
-  // Index-sharded.
+  // Index-sharded: file by file.
   FLATPARAM_ASSIGN_OR_RETURN(
       std::string text,
       checkpoint::ReadFileToString(fs, path, checkpoint::kMaxHfIndexBytes));
@@ -127,15 +147,19 @@ absl::StatusOr<TorchStateDict> ReadTorchCheckpoint(FileSystem& fs,
     }
     by_file[file.get<std::string>()].insert(name);
   }
-  const std::string dir = checkpoint::Dirname(path);
-  TorchStateDict out;
+  const std::string user_dir = checkpoint::Dirname(path);
+  nlohmann::json staged_map = nlohmann::json::object();
   uint64_t total = 0;
+  int file_index = 0;
   for (const auto& [file, names] : by_file) {
-    const std::string file_path = JoinPath(dir, file);
+    const std::string file_path = JoinPath(user_dir, file);
     FLATPARAM_ASSIGN_OR_RETURN(TorchStateDict part,
                                ReadTorchStateDict(fs, file_path));
+    const std::string staged_name =
+        absl::StrFormat("model-%05d-of-%05d.safetensors", ++file_index,
+                        static_cast<int>(by_file.size()));
     std::set<std::string> held;
-    for (auto& [name, t] : part) {
+    for (const auto& [name, t] : part) {
       if (names.count(name) == 0) {
         return absl::DataLossError(absl::StrCat(file_path, " holds '", name,
                                                 "', which ", path,
@@ -143,7 +167,7 @@ absl::StatusOr<TorchStateDict> ReadTorchCheckpoint(FileSystem& fs,
       }
       held.insert(name);
       total += t.nbytes();
-      out.emplace_back(std::move(name), std::move(t));
+      staged_map[name] = staged_name;
     }
     for (const std::string& name : names) {
       if (held.count(name) == 0) {
@@ -151,6 +175,9 @@ absl::StatusOr<TorchStateDict> ReadTorchCheckpoint(FileSystem& fs,
             path, " maps '", name, "' to ", file, ", which does not hold it"));
       }
     }
+    const std::string staged = JoinPath(dir, staged_name);
+    renames[staged] = file_path;
+    FLATPARAM_RETURN_IF_ERROR(StageFile(fs, part, staged));
   }
   if (doc.contains("metadata") && doc["metadata"].is_object() &&
       doc["metadata"].contains("total_size")) {
@@ -161,7 +188,12 @@ absl::StatusOr<TorchStateDict> ReadTorchCheckpoint(FileSystem& fs,
                                               total, " bytes"));
     }
   }
-  return out;
+  nlohmann::json staged_index;
+  staged_index["metadata"]["total_size"] = total;
+  staged_index["weight_map"] = std::move(staged_map);
+  const std::string staged = JoinPath(dir, checkpoint::kHfIndexFileName);
+  renames[staged] = path;
+  return checkpoint::WriteFileDurably(fs, staged, staged_index.dump(1));
 }
 
 // The optimizer state of `path`, keyed by name, as a full checkpoint's
@@ -280,28 +312,10 @@ absl::StatusOr<checkpoint::HfImportReport> ImportTorchCheckpoint(
   if (!options.optimizer.empty()) {
     FLATPARAM_RETURN_IF_ERROR(CheckDistinct(options.optimizer, out_dir));
   }
-  FLATPARAM_ASSIGN_OR_RETURN(TorchStateDict tensors,
-                             ReadTorchCheckpoint(fs, in));
-  {
-    std::set<std::string> seen;
-    for (const auto& [name, t] : tensors) {
-      if (!seen.insert(name).second) {
-        return absl::DataLossError(
-            absl::StrCat(in, ": tensor '", name, "' appears twice"));
-      }
-    }
-  }
   StagingDir staging(fs, StagingPath(out_dir, "torch-import"));
   FLATPARAM_RETURN_IF_ERROR(staging.Create());
-  {
-    std::vector<checkpoint::TensorSource> sources;
-    for (const auto& [name, t] : tensors) {
-      sources.push_back(checkpoint::TensorSourceFromHostTensor(name, t));
-    }
-    FLATPARAM_RETURN_IF_ERROR(WriteSafetensorsFile(
-        fs, JoinPath(staging.path(), checkpoint::kModelFileName), sources));
-  }
-  tensors.clear();
+  std::map<std::string, std::string> renames;
+  FLATPARAM_RETURN_IF_ERROR(StageWeights(fs, in, staging.path(), renames));
   if (!options.optimizer.empty()) {
     FLATPARAM_RETURN_IF_ERROR(StageOptimizer(fs, options.optimizer, spec,
                                              layout_options, staging.path()));
@@ -314,12 +328,14 @@ absl::StatusOr<checkpoint::HfImportReport> ImportTorchCheckpoint(
     // The staged files are gone: name the user's files instead.
     const std::string& st = staging.path();
     const std::string& opt = options.optimizer;
-    const std::string message = absl::StrReplaceAll(
-        report.status().message(),
-        {{JoinPath(st, checkpoint::kModelFileName), in},
-         {JoinPath(st, checkpoint::kOptimFileName), opt},
-         {JoinPath(st, checkpoint::kOptimJsonFileName), opt},
-         {st, in}});
+    renames[JoinPath(st, checkpoint::kOptimFileName)] = opt;
+    renames[JoinPath(st, checkpoint::kOptimJsonFileName)] = opt;
+    renames[st] = in;
+    // Reverse order: a path before its prefixes (the directory last).
+    std::string message(report.status().message());
+    for (auto it = renames.rbegin(); it != renames.rend(); ++it) {
+      message = absl::StrReplaceAll(message, {{it->first, it->second}});
+    }
     return absl::Status(
         report.status().code(),
         absl::StrCat("importing ", in, opt.empty() ? "" : " and ", opt, ": ",

@@ -441,6 +441,17 @@ TEST(TorchSaveTest, ImportChecksTheIndex) {
       WriteIndexed(dir, {{"a.bin", a}, {"b.bin", b}}, map, total));
   EXPECT_THAT(import(), IsOk());
 
+  // Errors of the model checks name the user's file.
+  ModelSpec shape = TinySpec();
+  shape.params[4].shape = {4, 2};
+  EXPECT_THAT(ImportTorchCheckpoint(Fs(), dir, shape, Options(2), 0,
+                                    Tmp("indexed_ckpt"))
+                  .status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr(absl::StrCat(dir,
+                                              "/b.bin: tensor '2.weight' "
+                                              "has shape [2, 4]"))));
+
   FLATPARAM_ASSERT_OK(
       WriteIndexed(dir, {{"a.bin", a}, {"b.bin", b}}, map, total + 4));
   EXPECT_THAT(import(), StatusIs(absl::StatusCode::kDataLoss,
