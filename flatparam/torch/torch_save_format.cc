@@ -1,0 +1,1138 @@
+// torch_save.h, part 1: the torch.save file format (restricted unpickler,
+// pickler, LibTorch's zip reader and writer).
+#include <c10/util/Exception.h>
+#include <caffe2/serialize/inline_container.h>
+#include <caffe2/serialize/read_adapter_interface.h>
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "flatparam/base/status_macros.h"
+#include "flatparam/torch/torch_save.h"
+
+namespace flatparam {
+namespace libtorch {
+namespace {
+
+using checkpoint::FileSystem;
+using checkpoint::RandomAccessFile;
+
+// ---------------------------------------------------------------------------
+// Values of the restricted unpickler. Lists and dicts are shared (the memo
+// and the stack hold the same object that APPENDS/SETITEMS mutate).
+
+struct Node;
+using NodePtr = std::shared_ptr<Node>;
+
+struct Storage {
+  DType dtype = DType::kFloat32;
+  int64_t numel = 0;
+  std::string key;
+  std::shared_ptr<std::string> bytes;  // loaded on first use
+};
+
+struct Node {
+  enum Kind {
+    kNone,
+    kBool,
+    kInt,
+    kFloat,
+    kStr,
+    kTuple,
+    kList,
+    kDict,
+    kTensor,
+    kGlobal,   // s: "module.name" of an allowed global
+    kStorage,  // a storage class (s: its name) or, with storage set, data
+    kMark,     // stack marker
+  };
+  Kind kind = kNone;
+  bool b = false;
+  int64_t i = 0;
+  double f = 0;
+  std::string s;
+  std::vector<NodePtr> items;                     // tuple, list
+  std::vector<std::pair<NodePtr, NodePtr>> dict;  // dict, in order
+  std::map<std::string, size_t>
+      dict_index;  // "s" + str or "i" + int key -> index
+  std::shared_ptr<HostTensor> tensor;
+  std::shared_ptr<Storage> storage;
+};
+
+NodePtr Make(Node::Kind kind) {
+  auto n = std::make_shared<Node>();
+  n->kind = kind;
+  return n;
+}
+
+const char* KindName(Node::Kind kind) {
+  switch (kind) {
+    case Node::kNone:
+      return "None";
+    case Node::kBool:
+      return "bool";
+    case Node::kInt:
+      return "int";
+    case Node::kFloat:
+      return "float";
+    case Node::kStr:
+      return "str";
+    case Node::kTuple:
+      return "tuple";
+    case Node::kList:
+      return "list";
+    case Node::kDict:
+      return "dict";
+    case Node::kTensor:
+      return "Tensor";
+    case Node::kGlobal:
+      return "global";
+    case Node::kStorage:
+      return "storage";
+    case Node::kMark:
+      return "mark";
+  }
+  return "?";
+}
+
+const std::map<std::string, DType>& StorageTypes() {
+  static const auto* types = new std::map<std::string, DType>{
+      {"torch.FloatStorage", DType::kFloat32},
+      {"torch.DoubleStorage", DType::kFloat64},
+      {"torch.HalfStorage", DType::kFloat16},
+      {"torch.BFloat16Storage", DType::kBFloat16},
+      {"torch.LongStorage", DType::kInt64},
+      {"torch.IntStorage", DType::kInt32},
+      {"torch.ShortStorage", DType::kInt16},
+      {"torch.CharStorage", DType::kInt8},
+      {"torch.ByteStorage", DType::kUInt8},
+      {"torch.BoolStorage", DType::kBool},
+  };
+  return *types;
+}
+
+std::string StorageTypeName(DType dtype) {
+  for (const auto& [name, d] : StorageTypes()) {
+    if (d == dtype) return name.substr(6);  // without "torch."
+  }
+  return "";
+}
+
+constexpr char kOrderedDict[] = "collections.OrderedDict";
+constexpr char kRebuildTensor[] = "torch._utils._rebuild_tensor_v2";
+constexpr char kRebuildParameter[] = "torch._utils._rebuild_parameter";
+
+// Limits that keep a hostile pickle from exhausting memory.
+constexpr size_t kMaxStack = 1 << 20;
+constexpr size_t kMaxMemo = 1 << 22;
+constexpr int kMaxDims = 64;
+
+// A reader adapter over a RandomAccessFile for LibTorch's zip reader.
+// Errors are thrown as c10::Error (caught at this file's boundary).
+class FileReadAdapter : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  FileReadAdapter(std::unique_ptr<RandomAccessFile> file, uint64_t size)
+      : file_(std::move(file)), size_(size) {}
+  size_t size() const override { return size_; }
+  size_t read(uint64_t pos, void* buf, size_t n,
+              const char* what) const override {
+    if (pos >= size_) return 0;
+    n = std::min<uint64_t>(n, size_ - pos);
+    absl::Status s =
+        file_->ReadAt(pos, absl::Span<char>(static_cast<char*>(buf), n));
+    TORCH_CHECK(s.ok(), what, ": ", s.ToString());
+    return n;
+  }
+
+ private:
+  std::unique_ptr<RandomAccessFile> file_;
+  uint64_t size_;
+};
+
+// The restricted unpickler (see the header). Not thread-safe; one per file.
+class Unpickler {
+ public:
+  // `tensor_budget`: the most bytes all tensors together may take once
+  // copied out (a stride-0 view of a small storage can be arbitrarily
+  // large).
+  Unpickler(absl::string_view data, std::string file,
+            caffe2::serialize::PyTorchStreamReader* archive,
+            uint64_t tensor_budget)
+      : data_(data),
+        file_(std::move(file)),
+        archive_(archive),
+        tensor_budget_(tensor_budget) {}
+
+  absl::StatusOr<NodePtr> Run() {
+    while (true) {
+      if (pos_ >= data_.size()) return Corrupt("pickle ends without STOP");
+      const uint8_t op = static_cast<uint8_t>(data_[pos_++]);
+      if (op == '.') {  // STOP
+        if (stack_.size() != 1 || stack_[0]->kind == Node::kMark) {
+          return Corrupt("STOP with a stack of %d values", stack_.size());
+        }
+        return stack_[0];
+      }
+      FLATPARAM_RETURN_IF_ERROR(Step(op));
+      if (stack_.size() > kMaxStack || memo_.size() > kMaxMemo) {
+        return Corrupt("more than %d values on the stack or memo", kMaxStack);
+      }
+    }
+  }
+
+ private:
+  template <typename... Args>
+  absl::Status Corrupt(const absl::FormatSpec<Args...>& format,
+                       const Args&... args) {
+    return absl::DataLossError(absl::StrCat(file_, ": data.pkl at byte ", pos_,
+                                            ": ",
+                                            absl::StrFormat(format, args...)));
+  }
+  absl::Status Refused(const std::string& what) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        file_, ": ", what,
+        " (refused, not executed: a torch.save file of flatparam may hold "
+        "only tensors, dicts, lists, tuples, str, int, float, bool and "
+        "None)"));
+  }
+
+  absl::StatusOr<absl::string_view> Take(size_t n) {
+    if (n > data_.size() - pos_) {
+      return Corrupt("needs %d bytes, %d left", n, data_.size() - pos_);
+    }
+    absl::string_view out = data_.substr(pos_, n);
+    pos_ += n;
+    return out;
+  }
+  absl::StatusOr<uint64_t> TakeLE(size_t n) {
+    FLATPARAM_ASSIGN_OR_RETURN(absl::string_view b, Take(n));
+    uint64_t v = 0;
+    for (size_t k = 0; k < n; ++k) {
+      v |= uint64_t{static_cast<uint8_t>(b[k])} << (8 * k);
+    }
+    return v;
+  }
+  absl::StatusOr<std::string> TakeLine() {
+    size_t end = data_.find('\n', pos_);
+    if (end == absl::string_view::npos || end - pos_ > 256) {
+      return Corrupt("unterminated GLOBAL name");
+    }
+    std::string line(data_.substr(pos_, end - pos_));
+    pos_ = end + 1;
+    return line;
+  }
+
+  absl::StatusOr<NodePtr> Pop() {
+    if (stack_.empty() || stack_.back()->kind == Node::kMark) {
+      return Corrupt("stack underflow");
+    }
+    NodePtr n = std::move(stack_.back());
+    stack_.pop_back();
+    return n;
+  }
+  absl::StatusOr<NodePtr> Top() {
+    if (stack_.empty() || stack_.back()->kind == Node::kMark) {
+      return Corrupt("stack underflow");
+    }
+    return stack_.back();
+  }
+  // The values above the topmost mark, which is removed.
+  absl::StatusOr<std::vector<NodePtr>> PopMark() {
+    if (marks_.empty()) return Corrupt("no MARK");
+    size_t m = marks_.back();
+    marks_.pop_back();
+    std::vector<NodePtr> out(stack_.begin() + m + 1, stack_.end());
+    stack_.resize(m);
+    return out;
+  }
+  void Push(NodePtr n) { stack_.push_back(std::move(n)); }
+  absl::Status Memo(uint64_t index) {
+    FLATPARAM_ASSIGN_OR_RETURN(NodePtr top, Top());
+    if (index > kMaxMemo) return Corrupt("memo index %d too large", index);
+    memo_[index] = top;
+    return absl::OkStatus();
+  }
+  absl::Status Get(uint64_t index) {
+    auto it = memo_.find(index);
+    if (it == memo_.end()) return Corrupt("memo %d unset", index);
+    Push(it->second);
+    return absl::OkStatus();
+  }
+  absl::Status PushInt(int64_t v) {
+    NodePtr n = Make(Node::kInt);
+    n->i = v;
+    Push(n);
+    return absl::OkStatus();
+  }
+  absl::Status PushStr(absl::string_view s) {
+    NodePtr n = Make(Node::kStr);
+    n->s = std::string(s);
+    Push(n);
+    return absl::OkStatus();
+  }
+  absl::Status PushTuple(std::vector<NodePtr> items) {
+    NodePtr n = Make(Node::kTuple);
+    n->items = std::move(items);
+    Push(n);
+    return absl::OkStatus();
+  }
+  absl::Status SetItems(std::vector<NodePtr> kv) {
+    FLATPARAM_ASSIGN_OR_RETURN(NodePtr d, Top());
+    if (d->kind != Node::kDict || kv.size() % 2 != 0) {
+      return Corrupt("SETITEM(S) on a %s with %d values", KindName(d->kind),
+                     kv.size());
+    }
+    for (size_t k = 0; k < kv.size(); k += 2) {
+      if (kv[k]->kind != Node::kStr && kv[k]->kind != Node::kInt) {
+        return Refused(
+            absl::StrCat("a dict key of type ", KindName(kv[k]->kind)));
+      }
+      const std::string id = kv[k]->kind == Node::kStr
+                                 ? absl::StrCat("s", kv[k]->s)
+                                 : absl::StrCat("i", kv[k]->i);
+      auto [it, inserted] = d->dict_index.emplace(id, d->dict.size());
+      if (!inserted) {  // Python keeps the first position, the last value
+        d->dict[it->second].second = kv[k + 1];
+        continue;
+      }
+      d->dict.emplace_back(kv[k], kv[k + 1]);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Append(std::vector<NodePtr> values) {
+    FLATPARAM_ASSIGN_OR_RETURN(NodePtr l, Top());
+    if (l->kind != Node::kList) {
+      return Corrupt("APPEND(S) on a %s", KindName(l->kind));
+    }
+    for (auto& v : values) l->items.push_back(std::move(v));
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<NodePtr> PersistentLoad(const NodePtr& pid) {
+    // ('storage', storage_type, key, location, numel)
+    if (pid->kind != Node::kTuple || pid->items.size() != 5 ||
+        pid->items[0]->kind != Node::kStr || pid->items[0]->s != "storage" ||
+        pid->items[1]->kind != Node::kStorage ||
+        pid->items[2]->kind != Node::kStr ||
+        pid->items[4]->kind != Node::kInt || pid->items[4]->i < 0) {
+      return Corrupt(
+          "a persistent id that is not ('storage', type, key, "
+          "location, numel)");
+    }
+    const std::string& key = pid->items[2]->s;
+    auto it = storages_.find(key);
+    if (it != storages_.end()) return it->second;
+    auto st = std::make_shared<Storage>();
+    st->dtype = StorageTypes().at(pid->items[1]->s);
+    st->numel = pid->items[4]->i;
+    st->key = key;
+    NodePtr n = Make(Node::kStorage);
+    n->storage = st;
+    storages_[key] = n;
+    return n;
+  }
+
+  absl::Status LoadStorage(Storage& st) {
+    if (st.bytes) return absl::OkStatus();
+    const std::string record = "data/" + st.key;
+    std::string bytes;
+    try {
+      if (!archive_->hasRecord(record)) {
+        return Corrupt("storage record %s missing", record);
+      }
+      auto [ptr, size] = archive_->getRecord(record);
+      bytes.assign(static_cast<const char*>(ptr.get()), size);
+    } catch (const std::exception& e) {
+      return absl::DataLossError(
+          absl::StrCat(file_, ": reading ", record, ": ", e.what()));
+    }
+    const uint64_t need = static_cast<uint64_t>(st.numel) * DTypeSize(st.dtype);
+    if (bytes.size() < need) {
+      return Corrupt("storage %s holds %d bytes, its %d %s elements need %d",
+                     record, bytes.size(), st.numel, DTypeName(st.dtype), need);
+    }
+    st.bytes = std::make_shared<std::string>(std::move(bytes));
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::vector<int64_t>> IntTuple(const NodePtr& n,
+                                                const char* what) {
+    if (n->kind != Node::kTuple || n->items.size() > kMaxDims) {
+      return Corrupt("_rebuild_tensor_v2's %s is not a tuple of ints", what);
+    }
+    std::vector<int64_t> out;
+    for (const NodePtr& v : n->items) {
+      if (v->kind != Node::kInt || v->i < 0) {
+        return Corrupt("_rebuild_tensor_v2's %s is not a tuple of ints >= 0",
+                       what);
+      }
+      out.push_back(v->i);
+    }
+    return out;
+  }
+
+  // _rebuild_tensor_v2(storage, storage_offset, size, stride,
+  //                    requires_grad, backward_hooks[, metadata])
+  absl::StatusOr<NodePtr> RebuildTensor(const std::vector<NodePtr>& args) {
+    if (args.size() < 6 || args.size() > 7 || args[0]->kind != Node::kStorage ||
+        !args[0]->storage || args[1]->kind != Node::kInt || args[1]->i < 0) {
+      return Corrupt("_rebuild_tensor_v2 with unexpected arguments");
+    }
+    if (args[5]->kind != Node::kDict || !args[5]->dict.empty()) {
+      return Refused("a tensor with backward hooks");
+    }
+    Storage& st = *args[0]->storage;
+    FLATPARAM_ASSIGN_OR_RETURN(std::vector<int64_t> size,
+                               IntTuple(args[2], "size"));
+    FLATPARAM_ASSIGN_OR_RETURN(std::vector<int64_t> stride,
+                               IntTuple(args[3], "stride"));
+    if (size.size() != stride.size()) {
+      return Corrupt("_rebuild_tensor_v2: %d sizes, %d strides", size.size(),
+                     stride.size());
+    }
+    // The largest element offset, checked against the storage.
+    int64_t numel = 1;
+    __int128 last = args[1]->i;
+    for (size_t d = 0; d < size.size(); ++d) {
+      if (size[d] == 0) numel = 0;
+      if (numel != 0) numel *= size[d];
+      if (numel > (int64_t{1} << 50)) return Corrupt("tensor too large");
+      if (size[d] > 0) last += static_cast<__int128>(size[d] - 1) * stride[d];
+    }
+    if (numel > 0 && last >= st.numel) {
+      return Corrupt("tensor of storage %s reaches element %d of %d", st.key,
+                     static_cast<int64_t>(last), st.numel);
+    }
+    const uint64_t nbytes = static_cast<uint64_t>(numel) * DTypeSize(st.dtype);
+    if (nbytes > tensor_budget_) {
+      return Refused(absl::StrCat(
+          "a tensor of ", nbytes, " bytes (shape [", absl::StrJoin(size, ", "),
+          "], strides [", absl::StrJoin(stride, ", "),
+          "]) beyond the file's size plus 1 GiB, viewing storage ", st.key));
+    }
+    tensor_budget_ -= nbytes;
+    FLATPARAM_RETURN_IF_ERROR(LoadStorage(st));
+    auto t =
+        std::make_shared<HostTensor>(HostTensor::Uninitialized(st.dtype, size));
+    const size_t es = DTypeSize(st.dtype);
+    const char* src = st.bytes->data();
+    char* dst = static_cast<char*>(t->data());
+    std::vector<int64_t> idx(size.size(), 0);
+    for (int64_t k = 0; k < numel; ++k) {
+      int64_t off = args[1]->i;
+      for (size_t d = 0; d < size.size(); ++d) off += idx[d] * stride[d];
+      std::memcpy(dst + k * es, src + off * es, es);
+      for (int d = static_cast<int>(size.size()) - 1; d >= 0; --d) {
+        if (++idx[d] < size[d]) break;
+        idx[d] = 0;
+      }
+    }
+    NodePtr n = Make(Node::kTensor);
+    n->tensor = std::move(t);
+    return n;
+  }
+
+  absl::Status Reduce() {
+    FLATPARAM_ASSIGN_OR_RETURN(NodePtr args, Pop());
+    FLATPARAM_ASSIGN_OR_RETURN(NodePtr fn, Pop());
+    if (args->kind != Node::kTuple) return Corrupt("REDUCE without a tuple");
+    if (fn->kind != Node::kGlobal) {
+      return Corrupt("REDUCE calls a %s", KindName(fn->kind));
+    }
+    if (fn->s == kOrderedDict) {
+      if (!args->items.empty()) return Refused("OrderedDict(...) with items");
+      Push(Make(Node::kDict));
+      return absl::OkStatus();
+    }
+    if (fn->s == kRebuildTensor) {
+      FLATPARAM_ASSIGN_OR_RETURN(NodePtr t, RebuildTensor(args->items));
+      Push(t);
+      return absl::OkStatus();
+    }
+    // kRebuildParameter(data, requires_grad, backward_hooks)
+    if (args->items.size() != 3 || args->items[0]->kind != Node::kTensor) {
+      return Corrupt("_rebuild_parameter with unexpected arguments");
+    }
+    Push(args->items[0]);
+    return absl::OkStatus();
+  }
+
+  absl::Status Global() {
+    FLATPARAM_ASSIGN_OR_RETURN(std::string module, TakeLine());
+    FLATPARAM_ASSIGN_OR_RETURN(std::string name, TakeLine());
+    std::string full = absl::StrCat(module, ".", name);
+    if (full == kOrderedDict || full == kRebuildTensor ||
+        full == kRebuildParameter) {
+      NodePtr n = Make(Node::kGlobal);
+      n->s = full;
+      Push(n);
+      return absl::OkStatus();
+    }
+    if (StorageTypes().count(full) > 0) {
+      NodePtr n = Make(Node::kStorage);
+      n->s = full;
+      Push(n);
+      return absl::OkStatus();
+    }
+    return Refused(absl::StrCat("the pickle names the global '", full, "'"));
+  }
+
+  absl::Status Step(uint8_t op) {
+    switch (op) {
+      case 0x80: {  // PROTO
+        FLATPARAM_ASSIGN_OR_RETURN(uint64_t v, TakeLE(1));
+        if (v < 2 || v > 5) return Corrupt("pickle protocol %d", v);
+        return absl::OkStatus();
+      }
+      case 0x95:  // FRAME
+        return TakeLE(8).status();
+      case '(':  // MARK
+        marks_.push_back(stack_.size());
+        Push(Make(Node::kMark));
+        return absl::OkStatus();
+      case '}':  // EMPTY_DICT
+        Push(Make(Node::kDict));
+        return absl::OkStatus();
+      case ']':  // EMPTY_LIST
+        Push(Make(Node::kList));
+        return absl::OkStatus();
+      case ')':  // EMPTY_TUPLE
+        return PushTuple({});
+      case 'N':
+        Push(Make(Node::kNone));
+        return absl::OkStatus();
+      case 0x88:  // NEWTRUE
+      case 0x89: {
+        NodePtr n = Make(Node::kBool);
+        n->b = op == 0x88;
+        Push(n);
+        return absl::OkStatus();
+      }
+      case 'K': {  // BININT1
+        FLATPARAM_ASSIGN_OR_RETURN(uint64_t v, TakeLE(1));
+        return PushInt(static_cast<int64_t>(v));
+      }
+      case 'M': {  // BININT2
+        FLATPARAM_ASSIGN_OR_RETURN(uint64_t v, TakeLE(2));
+        return PushInt(static_cast<int64_t>(v));
+      }
+      case 'J': {  // BININT
+        FLATPARAM_ASSIGN_OR_RETURN(uint64_t v, TakeLE(4));
+        return PushInt(static_cast<int32_t>(static_cast<uint32_t>(v)));
+      }
+      case 0x8a: {  // LONG1
+        FLATPARAM_ASSIGN_OR_RETURN(uint64_t n, TakeLE(1));
+        if (n > 8) return Refused("an int wider than 64 bits");
+        FLATPARAM_ASSIGN_OR_RETURN(uint64_t v, TakeLE(n));
+        if (n > 0 && n < 8 && (v >> (8 * n - 1)) & 1) {
+          v |= ~uint64_t{0} << (8 * n);  // sign-extend
+        }
+        return PushInt(static_cast<int64_t>(v));
+      }
+      case 'G': {  // BINFLOAT, big-endian
+        FLATPARAM_ASSIGN_OR_RETURN(absl::string_view b, Take(8));
+        uint64_t bits = 0;
+        for (char c : b) bits = (bits << 8) | static_cast<uint8_t>(c);
+        NodePtr n = Make(Node::kFloat);
+        std::memcpy(&n->f, &bits, 8);
+        Push(n);
+        return absl::OkStatus();
+      }
+      case 'X': {  // BINUNICODE
+        FLATPARAM_ASSIGN_OR_RETURN(uint64_t len, TakeLE(4));
+        FLATPARAM_ASSIGN_OR_RETURN(absl::string_view s, Take(len));
+        return PushStr(s);
+      }
+      case 0x8c: {  // SHORT_BINUNICODE
+        FLATPARAM_ASSIGN_OR_RETURN(uint64_t len, TakeLE(1));
+        FLATPARAM_ASSIGN_OR_RETURN(absl::string_view s, Take(len));
+        return PushStr(s);
+      }
+      case 't': {  // TUPLE
+        FLATPARAM_ASSIGN_OR_RETURN(std::vector<NodePtr> items, PopMark());
+        return PushTuple(std::move(items));
+      }
+      case 0x85:
+      case 0x86:
+      case 0x87: {  // TUPLE1..3
+        std::vector<NodePtr> items(op - 0x84);
+        for (size_t k = items.size(); k-- > 0;) {
+          FLATPARAM_ASSIGN_OR_RETURN(items[k], Pop());
+        }
+        return PushTuple(std::move(items));
+      }
+      case 's': {  // SETITEM
+        FLATPARAM_ASSIGN_OR_RETURN(NodePtr v, Pop());
+        FLATPARAM_ASSIGN_OR_RETURN(NodePtr k, Pop());
+        return SetItems({k, v});
+      }
+      case 'u': {  // SETITEMS
+        FLATPARAM_ASSIGN_OR_RETURN(std::vector<NodePtr> kv, PopMark());
+        return SetItems(std::move(kv));
+      }
+      case 'a': {  // APPEND
+        FLATPARAM_ASSIGN_OR_RETURN(NodePtr v, Pop());
+        return Append({v});
+      }
+      case 'e': {  // APPENDS
+        FLATPARAM_ASSIGN_OR_RETURN(std::vector<NodePtr> vs, PopMark());
+        return Append(std::move(vs));
+      }
+      case 'q': {  // BINPUT
+        FLATPARAM_ASSIGN_OR_RETURN(uint64_t i, TakeLE(1));
+        return Memo(i);
+      }
+      case 'r': {  // LONG_BINPUT
+        FLATPARAM_ASSIGN_OR_RETURN(uint64_t i, TakeLE(4));
+        return Memo(i);
+      }
+      case 0x94:  // MEMOIZE
+        return Memo(memo_.size());
+      case 'h': {  // BINGET
+        FLATPARAM_ASSIGN_OR_RETURN(uint64_t i, TakeLE(1));
+        return Get(i);
+      }
+      case 'j': {  // LONG_BINGET
+        FLATPARAM_ASSIGN_OR_RETURN(uint64_t i, TakeLE(4));
+        return Get(i);
+      }
+      case 'c':  // GLOBAL
+        return Global();
+      case 'R':  // REDUCE
+        return Reduce();
+      case 'b': {  // BUILD: only OrderedDict's attributes, dropped
+        FLATPARAM_ASSIGN_OR_RETURN(NodePtr state, Pop());
+        FLATPARAM_ASSIGN_OR_RETURN(NodePtr target, Top());
+        if (target->kind != Node::kDict || state->kind != Node::kDict) {
+          return Refused(absl::StrCat("BUILD of a ", KindName(target->kind)));
+        }
+        return absl::OkStatus();
+      }
+      case 'Q': {  // BINPERSID
+        FLATPARAM_ASSIGN_OR_RETURN(NodePtr pid, Pop());
+        FLATPARAM_ASSIGN_OR_RETURN(NodePtr st, PersistentLoad(pid));
+        Push(st);
+        return absl::OkStatus();
+      }
+      default:
+        return Refused(absl::StrFormat("pickle opcode 0x%02x", op));
+    }
+  }
+
+  absl::string_view data_;
+  size_t pos_ = 0;
+  std::string file_;
+  caffe2::serialize::PyTorchStreamReader* archive_;
+  std::vector<NodePtr> stack_;
+  std::vector<size_t> marks_;
+  std::map<uint64_t, NodePtr> memo_;
+  std::map<std::string, NodePtr> storages_;
+  uint64_t tensor_budget_;
+};
+
+// Reads and unpickles a torch.save file.
+absl::StatusOr<NodePtr> LoadTorchFile(FileSystem& fs, const std::string& path) {
+  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file,
+                             fs.NewRandomAccessFile(path));
+  FLATPARAM_ASSIGN_OR_RETURN(uint64_t size, file->Size());
+  if (size > kMaxTorchFileBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": ", size, " bytes, more than the limit ", kMaxTorchFileBytes));
+  }
+  char magic[4] = {0, 0, 0, 0};
+  if (size >= 4) {
+    FLATPARAM_RETURN_IF_ERROR(file->ReadAt(0, absl::Span<char>(magic, 4)));
+  }
+  if (size >= 2 && static_cast<uint8_t>(magic[0]) == 0x80) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path,
+        ": the legacy torch.save format (_use_new_zipfile_serialization="
+        "False) is not supported; re-save it in Python with "
+        "torch.save(torch.load(f), f2)"));
+  }
+  if (size < 4 || std::memcmp(magic, "PK\x03\x04", 4) != 0) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": not a torch.save file (no zip archive)"));
+  }
+  try {
+    caffe2::serialize::PyTorchStreamReader archive(
+        std::make_shared<FileReadAdapter>(std::move(file), size));
+    if (!archive.hasRecord("data.pkl")) {
+      return absl::DataLossError(absl::StrCat(
+          path,
+          ": a zip archive without data.pkl (not a torch.save file; "
+          "TorchScript archives are not state dicts)"));
+    }
+    // PyTorch >= 2.1 records the storages' byte order; older files are
+    // little-endian.
+    if (archive.hasRecord("byteorder")) {
+      auto [bo, bo_len] = archive.getRecord("byteorder");
+      const std::string order(static_cast<const char*>(bo.get()), bo_len);
+      if (order != "little") {
+        return absl::FailedPreconditionError(absl::StrCat(
+            path, ": storages in byte order '", order.substr(0, 16),
+            "' (only little-endian files are read)"));
+      }
+    }
+    auto [ptr, len] = archive.getRecord("data.pkl");
+    std::string pickle(static_cast<const char*>(ptr.get()), len);
+    Unpickler unpickler(pickle, path, &archive, size + (uint64_t{1} << 30));
+    return unpickler.Run();
+  } catch (const std::exception& e) {
+    // c10::Error derives from std::exception.
+    std::string what = e.what();
+    if (const auto* ce = dynamic_cast<const c10::Error*>(&e)) {
+      what = ce->what_without_backtrace();
+    }
+    return absl::DataLossError(
+        absl::StrCat(path, ": damaged torch.save archive: ", what));
+  }
+}
+
+// Converts a node to an optimizer state value / hyperparameter.
+absl::StatusOr<optim::OptimStateValue> ToStateValue(const Node& n,
+                                                    const std::string& where) {
+  switch (n.kind) {
+    case Node::kNone:
+      return optim::OptimStateValue(std::monostate());
+    case Node::kBool:
+      return optim::OptimStateValue(n.b);
+    case Node::kInt:
+      return optim::OptimStateValue(n.i);
+    case Node::kFloat:
+      return optim::OptimStateValue(n.f);
+    case Node::kStr:
+      return optim::OptimStateValue(n.s);
+    case Node::kTensor:
+      return optim::OptimStateValue(*n.tensor);
+    default:
+      return absl::FailedPreconditionError(
+          absl::StrCat(where, " is a ", KindName(n.kind),
+                       " (a state value must be a tensor, None, bool, int, "
+                       "float or str)"));
+  }
+}
+
+absl::StatusOr<optim::HyperValue> ToHyperValue(const Node& n,
+                                               const std::string& where) {
+  switch (n.kind) {
+    case Node::kNone:
+      return optim::HyperValue(std::monostate());
+    case Node::kBool:
+      return optim::HyperValue(n.b);
+    case Node::kInt:
+      return optim::HyperValue(n.i);
+    case Node::kFloat:
+      return optim::HyperValue(n.f);
+    case Node::kStr:
+      return optim::HyperValue(n.s);
+    case Node::kTuple:
+    case Node::kList: {
+      std::vector<double> out;
+      for (const NodePtr& v : n.items) {
+        if (v->kind == Node::kFloat) {
+          out.push_back(v->f);
+        } else if (v->kind == Node::kInt) {
+          out.push_back(static_cast<double>(v->i));
+        } else {
+          return absl::FailedPreconditionError(
+              absl::StrCat(where, " holds a ", KindName(v->kind),
+                           " (a sequence hyperparameter must hold numbers)"));
+        }
+      }
+      return optim::HyperValue(std::move(out));
+    }
+    default:
+      return absl::FailedPreconditionError(
+          absl::StrCat(where, " is a ", KindName(n.kind),
+                       " (a hyperparameter must be None, bool, int, float, "
+                       "str or a tuple of numbers)"));
+  }
+}
+
+absl::StatusOr<optim::ParamKey> ToKey(const Node& n, const std::string& where) {
+  if (n.kind == Node::kInt) return optim::ParamKey(n.i);
+  if (n.kind == Node::kStr) return optim::ParamKey(n.s);
+  return absl::FailedPreconditionError(
+      absl::StrCat(where, " is a ", KindName(n.kind),
+                   " (a parameter key is an int or str)"));
+}
+
+std::string KeyRepr(const Node& n) {
+  return n.kind == Node::kStr ? absl::StrCat("['", n.s, "']")
+                              : absl::StrCat("[", n.i, "]");
+}
+
+// ---------------------------------------------------------------------------
+// The pickler (protocol 2, as torch.save writes).
+
+class Pickler {
+ public:
+  std::string& out() { return out_; }
+  std::vector<const HostTensor*>& tensors() { return tensors_; }
+
+  void Op(uint8_t op) { out_.push_back(static_cast<char>(op)); }
+  void LE(uint64_t v, int n) {
+    for (int k = 0; k < n; ++k) out_.push_back(static_cast<char>(v >> (8 * k)));
+  }
+  void Int(int64_t v) {
+    if (v >= 0 && v < 256) {
+      Op('K');
+      LE(v, 1);
+    } else if (v >= 0 && v < 65536) {
+      Op('M');
+      LE(v, 2);
+    } else if (v >= INT32_MIN && v <= INT32_MAX) {
+      Op('J');
+      LE(static_cast<uint32_t>(static_cast<int32_t>(v)), 4);
+    } else {
+      Op(0x8a);
+      LE(8, 1);
+      LE(static_cast<uint64_t>(v), 8);
+    }
+  }
+  void Float(double v) {
+    uint64_t bits;
+    std::memcpy(&bits, &v, 8);
+    Op('G');
+    for (int k = 7; k >= 0; --k)
+      out_.push_back(static_cast<char>(bits >> (8 * k)));
+  }
+  void Str(absl::string_view s) {
+    Op('X');
+    LE(s.size(), 4);
+    out_.append(s.data(), s.size());
+  }
+  void Global(absl::string_view module, absl::string_view name) {
+    Op('c');
+    absl::StrAppend(&out_, module, "\n", name, "\n");
+  }
+  void EmptyOrderedDict() {
+    Global("collections", "OrderedDict");
+    Op(')');
+    Op('R');
+  }
+  void Bool(bool b) { Op(b ? 0x88 : 0x89); }
+  void Tensor(const HostTensor& t) {
+    const std::string key = absl::StrCat(tensors_.size());
+    tensors_.push_back(&t);
+    Global("torch._utils", "_rebuild_tensor_v2");
+    Op('(');
+    // Persistent id ('storage', storage_type, key, 'cpu', numel).
+    Op('(');
+    Str("storage");
+    Global("torch", StorageTypeName(t.dtype()));
+    Str(key);
+    Str("cpu");
+    Int(t.numel());
+    Op('t');
+    Op('Q');
+    Int(0);  // storage offset
+    Op('(');
+    for (int64_t d : t.shape()) Int(d);
+    Op('t');
+    Op('(');
+    int64_t stride = 1;
+    std::vector<int64_t> strides(t.shape().size());
+    for (size_t d = t.shape().size(); d-- > 0;) {
+      strides[d] = stride;
+      stride *= t.shape()[d];
+    }
+    for (int64_t s : strides) Int(s);
+    Op('t');
+    Bool(false);
+    EmptyOrderedDict();  // backward hooks
+    Op('t');
+    Op('R');
+  }
+  void Value(const optim::OptimStateValue& v) {
+    std::visit(
+        [&](const auto& x) {
+          using T = std::decay_t<decltype(x)>;
+          if constexpr (std::is_same_v<T, std::monostate>) {
+            Op('N');
+          } else if constexpr (std::is_same_v<T, HostTensor>) {
+            Tensor(x);
+          } else if constexpr (std::is_same_v<T, bool>) {
+            Bool(x);
+          } else if constexpr (std::is_same_v<T, int64_t>) {
+            Int(x);
+          } else if constexpr (std::is_same_v<T, double>) {
+            Float(x);
+          } else {
+            Str(x);
+          }
+        },
+        v);
+  }
+  void Hyper(const optim::HyperValue& v) {
+    std::visit(
+        [&](const auto& x) {
+          using T = std::decay_t<decltype(x)>;
+          if constexpr (std::is_same_v<T, std::monostate>) {
+            Op('N');
+          } else if constexpr (std::is_same_v<T, bool>) {
+            Bool(x);
+          } else if constexpr (std::is_same_v<T, int64_t>) {
+            Int(x);
+          } else if constexpr (std::is_same_v<T, double>) {
+            Float(x);
+          } else if constexpr (std::is_same_v<T, std::string>) {
+            Str(x);
+          } else {
+            Op('(');
+            for (double d : x) Float(d);
+            Op('t');
+          }
+        },
+        v);
+  }
+  void Key(const optim::ParamKey& k) {
+    if (const auto* i = std::get_if<int64_t>(&k)) {
+      Int(*i);
+    } else {
+      Str(std::get<std::string>(k));
+    }
+  }
+
+ private:
+  std::string out_;
+  std::vector<const HostTensor*> tensors_;
+};
+
+// Writes the pickle and its tensors' storages as a torch.save archive.
+absl::Status WriteTorchFile(FileSystem& fs, const std::string& path,
+                            Pickler& p) {
+  p.Op('.');
+  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::WritableFile> file,
+                             fs.NewWritableFile(path));
+  absl::Status write_status;
+  try {
+    // The callback reports every write as done and keeps the first error:
+    // LibTorch 1.13's writer throws on a short write and, when that
+    // unwinds through its destructor, throws again from there
+    // (std::terminate).
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* buf,
+                                                      size_t n) -> size_t {
+      if (write_status.ok()) {
+        write_status =
+            file->Append(absl::string_view(static_cast<const char*>(buf), n));
+      }
+      return n;
+    });
+    writer.writeRecord("data.pkl", p.out().data(), p.out().size());
+    for (size_t k = 0; k < p.tensors().size(); ++k) {
+      const HostTensor& t = *p.tensors()[k];
+      writer.writeRecord(absl::StrCat("data/", k), t.data(), t.nbytes());
+    }
+    writer.writeEndOfFile();
+  } catch (const std::exception& e) {
+    if (write_status.ok()) {
+      write_status = absl::InternalError(
+          absl::StrCat(path, ": writing the torch.save archive: ", e.what()));
+    }
+  }
+  if (write_status.ok()) write_status = file->Sync();
+  const absl::Status closed = file->Close();
+  if (write_status.ok()) write_status = closed;
+  if (!write_status.ok()) fs.RemoveFile(path).IgnoreError();  // partial
+  return write_status;
+}
+
+}  // namespace
+
+absl::StatusOr<TorchStateDict> ReadTorchStateDict(FileSystem& fs,
+                                                  const std::string& path) {
+  FLATPARAM_ASSIGN_OR_RETURN(NodePtr root, LoadTorchFile(fs, path));
+  if (root->kind != Node::kDict) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, ": holds a ", KindName(root->kind), ", not a state dict"));
+  }
+  TorchStateDict out;
+  for (const auto& [k, v] : root->dict) {
+    if (k->kind != Node::kStr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          path, ": state dict key ", KeyRepr(*k), " is not a str"));
+    }
+    if (v->kind != Node::kTensor) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(path, ": state dict entry '", k->s, "' is a ",
+                       KindName(v->kind), ", not a tensor"));
+    }
+    out.emplace_back(k->s, *v->tensor);
+  }
+  return out;
+}
+
+absl::Status WriteTorchStateDict(FileSystem& fs, const std::string& path,
+                                 const TorchStateDict& tensors) {
+  std::set<std::string> seen;
+  Pickler p;
+  p.Op(0x80);
+  p.LE(2, 1);
+  p.EmptyOrderedDict();
+  if (!tensors.empty()) {
+    p.Op('(');
+    for (const auto& [name, t] : tensors) {
+      if (!seen.insert(name).second) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(path, ": tensor name '", name, "' repeated"));
+      }
+      p.Str(name);
+      p.Tensor(t);
+    }
+    p.Op('u');
+  }
+  return WriteTorchFile(fs, path, p);
+}
+
+absl::StatusOr<optim::OptimStateDict> ReadTorchOptimStateDict(
+    FileSystem& fs, const std::string& path) {
+  FLATPARAM_ASSIGN_OR_RETURN(NodePtr root, LoadTorchFile(fs, path));
+  auto fail = [&](const std::string& msg) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, ": ", msg,
+        " (an optimizer state dict is {'state': {key: {name: value}}, "
+        "'param_groups': [{..., 'params': [key, ...]}]})"));
+  };
+  if (root->kind != Node::kDict) {
+    return fail(absl::StrCat("holds a ", KindName(root->kind)));
+  }
+  const Node* state = nullptr;
+  const Node* groups = nullptr;
+  for (const auto& [k, v] : root->dict) {
+    if (k->kind == Node::kStr && k->s == "state") {
+      state = v.get();
+    } else if (k->kind == Node::kStr && k->s == "param_groups") {
+      groups = v.get();
+    } else {
+      return fail(absl::StrCat("unexpected key ", KeyRepr(*k)));
+    }
+  }
+  if (state == nullptr || state->kind != Node::kDict) {
+    return fail("no 'state' dict");
+  }
+  if (groups == nullptr || groups->kind != Node::kList) {
+    return fail("no 'param_groups' list");
+  }
+  optim::OptimStateDict out;
+  for (const auto& [k, v] : state->dict) {
+    const std::string where = absl::StrCat(path, ": state", KeyRepr(*k));
+    FLATPARAM_ASSIGN_OR_RETURN(optim::ParamKey key, ToKey(*k, where));
+    if (v->kind != Node::kDict) {
+      return fail(
+          absl::StrCat("state", KeyRepr(*k), " is a ", KindName(v->kind)));
+    }
+    optim::ParamState& ps = out.state[key];
+    for (const auto& [sk, sv] : v->dict) {
+      if (sk->kind != Node::kStr) {
+        return fail(
+            absl::StrCat("state", KeyRepr(*k), " has key ", KeyRepr(*sk)));
+      }
+      FLATPARAM_ASSIGN_OR_RETURN(
+          ps[sk->s], ToStateValue(*sv, absl::StrCat(where, KeyRepr(*sk))));
+    }
+  }
+  for (size_t g = 0; g < groups->items.size(); ++g) {
+    const Node& group = *groups->items[g];
+    const std::string where = absl::StrCat(path, ": param_groups[", g, "]");
+    if (group.kind != Node::kDict) {
+      return fail(
+          absl::StrCat("param_groups[", g, "] is a ", KindName(group.kind)));
+    }
+    optim::ParamGroup pg;
+    bool has_params = false;
+    for (const auto& [hk, hv] : group.dict) {
+      if (hk->kind != Node::kStr) {
+        return fail(
+            absl::StrCat("param_groups[", g, "] has key ", KeyRepr(*hk)));
+      }
+      if (hk->s == "params") {
+        if (hv->kind != Node::kList) {
+          return fail(
+              absl::StrCat("param_groups[", g, "]['params'] is not a list"));
+        }
+        has_params = true;
+        for (size_t i = 0; i < hv->items.size(); ++i) {
+          FLATPARAM_ASSIGN_OR_RETURN(
+              optim::ParamKey key,
+              ToKey(*hv->items[i], absl::StrCat(where, "['params'][", i, "]")));
+          pg.params.push_back(std::move(key));
+        }
+      } else {
+        FLATPARAM_ASSIGN_OR_RETURN(
+            pg.hyperparams[hk->s],
+            ToHyperValue(*hv, absl::StrCat(where, KeyRepr(*hk))));
+      }
+    }
+    if (!has_params) {
+      return fail(absl::StrCat("param_groups[", g, "] has no 'params'"));
+    }
+    out.param_groups.push_back(std::move(pg));
+  }
+  return out;
+}
+
+absl::Status WriteTorchOptimStateDict(FileSystem& fs, const std::string& path,
+                                      const optim::OptimStateDict& dict) {
+  Pickler p;
+  p.Op(0x80);
+  p.LE(2, 1);
+  p.Op('}');
+  p.Op('(');
+  p.Str("state");
+  p.Op('}');
+  if (!dict.state.empty()) {
+    p.Op('(');
+    for (const auto& [key, ps] : dict.state) {
+      p.Key(key);
+      p.Op('}');
+      if (!ps.empty()) {
+        p.Op('(');
+        for (const auto& [name, v] : ps) {
+          p.Str(name);
+          p.Value(v);
+        }
+        p.Op('u');
+      }
+    }
+    p.Op('u');
+  }
+  p.Str("param_groups");
+  p.Op(']');
+  if (!dict.param_groups.empty()) {
+    p.Op('(');
+    for (const optim::ParamGroup& g : dict.param_groups) {
+      p.Op('}');
+      p.Op('(');
+      for (const auto& [name, v] : g.hyperparams) {
+        p.Str(name);
+        p.Hyper(v);
+      }
+      p.Str("params");
+      p.Op(']');
+      if (!g.params.empty()) {
+        p.Op('(');
+        for (const optim::ParamKey& k : g.params) p.Key(k);
+        p.Op('e');
+      }
+      p.Op('u');
+    }
+    p.Op('e');
+  }
+  p.Op('u');
+  return WriteTorchFile(fs, path, p);
+}
+
+}  // namespace libtorch
+}  // namespace flatparam
