@@ -23,45 +23,6 @@ cudaError_t LastCudaError(cudaError_t e) {
   return e;
 }
 
-size_t ElementSize(ncclDataType_t datatype) {
-  switch (datatype) {
-    case ncclInt8:
-    case ncclUint8:
-    case ncclFloat8e4m3:
-    case ncclFloat8e5m2:
-      return 1;
-    case ncclFloat16:
-    case ncclBfloat16:
-      return 2;
-    case ncclInt32:
-    case ncclUint32:
-    case ncclFloat32:
-      return 4;
-    default:
-      return 8;
-  }
-}
-
-// The flatparam dtype of a floating-point NCCL type, for arithmetic.
-bool FloatDType(ncclDataType_t datatype, DType* dtype) {
-  switch (datatype) {
-    case ncclFloat32:
-      *dtype = DType::kFloat32;
-      return true;
-    case ncclFloat64:
-      *dtype = DType::kFloat64;
-      return true;
-    case ncclFloat16:
-      *dtype = DType::kFloat16;
-      return true;
-    case ncclBfloat16:
-      *dtype = DType::kBFloat16;
-      return true;
-    default:
-      return false;
-  }
-}
-
 template <typename T, typename Handle>
 T* Find(const std::vector<std::unique_ptr<T>>& objects, Handle handle) {
   for (const auto& object : objects) {
@@ -426,7 +387,7 @@ ncclResult_t FakeNcclApi::RedOpCreatePreMulSum(ncclRedOp_t* op, void* scalar,
     return ncclInvalidUsage;
   }
   DType dtype;
-  if (!FloatDType(datatype, &dtype)) {
+  if (!NcclFloatDType(datatype, &dtype)) {
     Misuse("ncclRedOpCreatePreMulSum: not a floating-point datatype");
     return ncclInvalidArgument;
   }
@@ -478,7 +439,7 @@ ncclResult_t FakeNcclApi::AllGather(const void* sendbuff, void* recvbuff,
   call.stream = stream;
   call.current_device = current_device;
   collectives_.push_back(call);
-  const size_t block = sendcount * ElementSize(datatype);
+  const size_t block = sendcount * NcclElementSize(datatype);
   const size_t n = static_cast<size_t>(c->info.nranks);
   if (!CheckStream(stream, *c, "ncclAllGather") ||
       !CheckDeviceRange(sendbuff, block, "ncclAllGather sendbuff") ||
@@ -514,7 +475,7 @@ ncclResult_t FakeNcclApi::Reduce(absl::string_view name, const void* sendbuff,
   call.stream = stream;
   call.current_device = current_device;
   collectives_.push_back(call);
-  const size_t esize = ElementSize(datatype);
+  const size_t esize = NcclElementSize(datatype);
   const size_t send_count = name == "ncclReduceScatter"
                                 ? count * static_cast<size_t>(c->info.nranks)
                                 : count;
@@ -526,7 +487,7 @@ ncclResult_t FakeNcclApi::Reduce(absl::string_view name, const void* sendbuff,
     return ncclInvalidArgument;
   }
   DType dtype;
-  if (!FloatDType(datatype, &dtype)) return ncclInvalidArgument;
+  if (!NcclFloatDType(datatype, &dtype)) return ncclInvalidArgument;
   const PreMulSum* premul = nullptr;
   if (op >= ncclNumOps) {
     for (const PreMulSum& p : premul_ops_) {
@@ -603,7 +564,7 @@ ncclResult_t FakeNcclApi::Broadcast(const void* sendbuff, void* recvbuff,
   call.stream = stream;
   call.current_device = current_device;
   collectives_.push_back(call);
-  const size_t bytes = count * ElementSize(datatype);
+  const size_t bytes = count * NcclElementSize(datatype);
   if (!CheckStream(stream, *c, "ncclBroadcast") ||
       !CheckDeviceRange(sendbuff, bytes, "ncclBroadcast sendbuff") ||
       !CheckDeviceRange(recvbuff, bytes, "ncclBroadcast recvbuff")) {
@@ -825,17 +786,21 @@ cudaError_t FakeNcclApi::CudaPointerGetAttributes(
   return cudaSuccess;
 }
 
-cudaError_t FakeNcclApi::CudaMalloc(void** ptr, size_t bytes) {
-  absl::MutexLock lock(&mu_);
-  int code = 0;
-  if (Begin("cudaMalloc", &code))
-    return LastCudaError(static_cast<cudaError_t>(code));
+char* FakeNcclApi::NewAllocation(size_t bytes) {
   Allocation allocation;
   allocation.bytes.assign(std::max<size_t>(bytes, 1), '\0');
   allocation.device = current_device;
   char* data = allocation.bytes.data();
   allocations_.emplace(data, std::move(allocation));
-  *ptr = data;
+  return data;
+}
+
+cudaError_t FakeNcclApi::CudaMalloc(void** ptr, size_t bytes) {
+  absl::MutexLock lock(&mu_);
+  int code = 0;
+  if (Begin("cudaMalloc", &code))
+    return LastCudaError(static_cast<cudaError_t>(code));
+  *ptr = NewAllocation(bytes);
   return cudaSuccess;
 }
 
@@ -891,12 +856,7 @@ cudaError_t FakeNcclApi::CudaMallocAsync(void** ptr, size_t bytes,
     Misuse("cudaMallocAsync: unknown or destroyed stream");
     return LastCudaError(cudaErrorInvalidResourceHandle);
   }
-  Allocation allocation;
-  allocation.bytes.assign(std::max<size_t>(bytes, 1), '\0');
-  allocation.device = current_device;
-  char* data = allocation.bytes.data();
-  allocations_.emplace(data, std::move(allocation));
-  *ptr = data;
+  *ptr = NewAllocation(bytes);
   return cudaSuccess;
 }
 

@@ -232,6 +232,8 @@ class FakeNcclApi final : public NcclApi {
     std::vector<char> bytes;
     int device = 0;
   };
+  // Zeroed fake device memory of the calling thread's device.
+  char* NewAllocation(size_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether [p, p + bytes) is inside a cudaMallocHost block.
   bool IsPinned(const void* p, size_t bytes) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -248,4 +248,42 @@ absl::Status CudaStatus(NcclApi& api, cudaError_t error,
                                       OrEmpty(api.CudaGetErrorString(error))));
 }
 
+size_t NcclElementSize(ncclDataType_t datatype) {
+  switch (datatype) {
+    case ncclInt8:
+    case ncclUint8:
+    case ncclFloat8e4m3:
+    case ncclFloat8e5m2:
+      return 1;
+    case ncclFloat16:
+    case ncclBfloat16:
+      return 2;
+    case ncclInt32:
+    case ncclUint32:
+    case ncclFloat32:
+      return 4;
+    default:
+      return 8;
+  }
+}
+
+bool NcclFloatDType(ncclDataType_t datatype, DType* dtype) {
+  switch (datatype) {
+    case ncclFloat32:
+      *dtype = DType::kFloat32;
+      return true;
+    case ncclFloat64:
+      *dtype = DType::kFloat64;
+      return true;
+    case ncclFloat16:
+      *dtype = DType::kFloat16;
+      return true;
+    case ncclBfloat16:
+      *dtype = DType::kBFloat16;
+      return true;
+    default:
+      return false;
+  }
+}
+
 }  // namespace flatparam

@@ -25,6 +25,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "flatparam/base/dtype.h"
 
 namespace flatparam {
 
@@ -135,6 +136,13 @@ absl::Status NcclStatus(NcclApi& api, ncclResult_t result, ncclComm_t comm,
 // reports cudaGetLastError(), does not report it again as its own.
 absl::Status CudaStatus(NcclApi& api, cudaError_t error,
                         absl::string_view context);
+
+// The bytes of one element of `datatype` (the fp8 types: 1).
+size_t NcclElementSize(ncclDataType_t datatype);
+
+// The flatparam dtype of a floating-point NCCL type (float32, float64,
+// float16, bfloat16), for arithmetic on it; false for the others.
+bool NcclFloatDType(ncclDataType_t datatype, DType* dtype);
 
 }  // namespace flatparam
 

@@ -73,39 +73,17 @@ namespace {
 
 constexpr int kPreMul = -1;
 
+// The dtype of a floating-point NCCL type (float32 for the others, which
+// only move bytes).
 DType ToDType(ncclDataType_t d) {
-  switch (d) {
-    case ncclFloat64:
-      return DType::kFloat64;
-    case ncclFloat16:
-      return DType::kFloat16;
-    case ncclBfloat16:
-      return DType::kBFloat16;
-    default:
-      return DType::kFloat32;
-  }
-}
-
-size_t ElementBytes(ncclDataType_t d) {
-  switch (d) {
-    case ncclInt8:
-    case ncclUint8:
-      return 1;
-    case ncclFloat16:
-    case ncclBfloat16:
-      return 2;
-    case ncclInt32:
-    case ncclUint32:
-    case ncclFloat32:
-      return 4;
-    default:
-      return 8;
-  }
+  DType dtype = DType::kFloat32;
+  NcclFloatDType(d, &dtype);
+  return dtype;
 }
 
 bool IsFloat(ncclDataType_t d) {
-  return d == ncclFloat32 || d == ncclFloat64 || d == ncclFloat16 ||
-         d == ncclBfloat16;
+  DType unused;
+  return NcclFloatDType(d, &unused);
 }
 
 // `v` rounded to `dtype` (through float32 for the 16-bit types).
@@ -466,7 +444,7 @@ ncclResult_t FakeNcclOnCuda::Enqueue(const char* name, Part part,
     seq = c->next_seq++;
   });
   if (result != ncclSuccess) return result;
-  const size_t es = ElementBytes(part.datatype);
+  const size_t es = NcclElementSize(part.datatype);
   size_t send_bytes = part.count * es, recv_bytes = part.count * es;
   if (part.name == "ncclAllGather") recv_bytes *= part.nranks;
   if (part.name == "ncclReduceScatter") send_bytes *= part.nranks;
@@ -530,7 +508,7 @@ void FakeNcclOnCuda::Arrive(Comm* c, uint64_t seq, const Part& part) {
 void FakeNcclOnCuda::Execute(const std::vector<Part>& parts) {
   const Part& p0 = parts[0];
   const size_t n = parts.size();
-  const size_t es = ElementBytes(p0.datatype);
+  const size_t es = NcclElementSize(p0.datatype);
   const size_t count = p0.count;
   const DType dtype = ToDType(p0.datatype);
   // Results are computed before any is written: buffers may be in place.
