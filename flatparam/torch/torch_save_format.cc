@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -699,65 +700,60 @@ absl::StatusOr<NodePtr> LoadTorchFile(FileSystem& fs, const std::string& path) {
   }
 }
 
+// A scalar node (None, bool, int, float, str) as a `Value` (an optimizer
+// state value or a hyperparameter, variants of the same scalars); nullopt
+// for other kinds.
+template <typename Value>
+std::optional<Value> ScalarValue(const Node& n) {
+  switch (n.kind) {
+    case Node::kNone:
+      return Value(std::monostate());
+    case Node::kBool:
+      return Value(n.b);
+    case Node::kInt:
+      return Value(n.i);
+    case Node::kFloat:
+      return Value(n.f);
+    case Node::kStr:
+      return Value(n.s);
+    default:
+      return std::nullopt;
+  }
+}
+
 // Converts a node to an optimizer state value / hyperparameter.
 absl::StatusOr<optim::OptimStateValue> ToStateValue(const Node& n,
                                                     const std::string& where) {
-  switch (n.kind) {
-    case Node::kNone:
-      return optim::OptimStateValue(std::monostate());
-    case Node::kBool:
-      return optim::OptimStateValue(n.b);
-    case Node::kInt:
-      return optim::OptimStateValue(n.i);
-    case Node::kFloat:
-      return optim::OptimStateValue(n.f);
-    case Node::kStr:
-      return optim::OptimStateValue(n.s);
-    case Node::kTensor:
-      return optim::OptimStateValue(*n.tensor);
-    default:
-      return absl::FailedPreconditionError(
-          absl::StrCat(where, " is a ", KindName(n.kind),
-                       " (a state value must be a tensor, None, bool, int, "
-                       "float or str)"));
-  }
+  if (auto v = ScalarValue<optim::OptimStateValue>(n)) return *std::move(v);
+  if (n.kind == Node::kTensor) return optim::OptimStateValue(*n.tensor);
+  return absl::FailedPreconditionError(
+      absl::StrCat(where, " is a ", KindName(n.kind),
+                   " (a state value must be a tensor, None, bool, int, "
+                   "float or str)"));
 }
 
 absl::StatusOr<optim::HyperValue> ToHyperValue(const Node& n,
                                                const std::string& where) {
-  switch (n.kind) {
-    case Node::kNone:
-      return optim::HyperValue(std::monostate());
-    case Node::kBool:
-      return optim::HyperValue(n.b);
-    case Node::kInt:
-      return optim::HyperValue(n.i);
-    case Node::kFloat:
-      return optim::HyperValue(n.f);
-    case Node::kStr:
-      return optim::HyperValue(n.s);
-    case Node::kTuple:
-    case Node::kList: {
-      std::vector<double> out;
-      for (const NodePtr& v : n.items) {
-        if (v->kind == Node::kFloat) {
-          out.push_back(v->f);
-        } else if (v->kind == Node::kInt) {
-          out.push_back(static_cast<double>(v->i));
-        } else {
-          return absl::FailedPreconditionError(
-              absl::StrCat(where, " holds a ", KindName(v->kind),
-                           " (a sequence hyperparameter must hold numbers)"));
-        }
+  if (auto v = ScalarValue<optim::HyperValue>(n)) return *std::move(v);
+  if (n.kind == Node::kTuple || n.kind == Node::kList) {
+    std::vector<double> out;
+    for (const NodePtr& v : n.items) {
+      if (v->kind == Node::kFloat) {
+        out.push_back(v->f);
+      } else if (v->kind == Node::kInt) {
+        out.push_back(static_cast<double>(v->i));
+      } else {
+        return absl::FailedPreconditionError(
+            absl::StrCat(where, " holds a ", KindName(v->kind),
+                         " (a sequence hyperparameter must hold numbers)"));
       }
-      return optim::HyperValue(std::move(out));
     }
-    default:
-      return absl::FailedPreconditionError(
-          absl::StrCat(where, " is a ", KindName(n.kind),
-                       " (a hyperparameter must be None, bool, int, float, "
-                       "str or a tuple of numbers)"));
+    return optim::HyperValue(std::move(out));
   }
+  return absl::FailedPreconditionError(
+      absl::StrCat(where, " is a ", KindName(n.kind),
+                   " (a hyperparameter must be None, bool, int, float, "
+                   "str or a tuple of numbers)"));
 }
 
 absl::StatusOr<optim::ParamKey> ToKey(const Node& n, const std::string& where) {
