@@ -131,13 +131,20 @@ torch::Tensor GptImpl::forward(const torch::Tensor& tokens) {
 }
 
 absl::StatusOr<torch::Tensor> GptForward(Gpt& model, libtorch::FsdpModule& fsdp,
-                                         const torch::Tensor& tokens) {
+                                         const torch::Tensor& tokens,
+                                         libtorch::Recomputation recompute) {
   return fsdp.Forward([&]() -> absl::StatusOr<torch::Tensor> {
     torch::Tensor x = model->Embed(tokens);
     for (size_t i = 0; i < model->transformer->h->size(); ++i) {
-      FLATPARAM_ASSIGN_OR_RETURN(
-          x, fsdp.Unit(absl::StrCat("transformer.h.", i),
-                       [&] { return model->block(i).forward(x); }));
+      // By value: a recompute runs it again in the backward.
+      std::shared_ptr<GptBlockImpl> block =
+          model->transformer->h->ptr<GptBlockImpl>(i);
+      FLATPARAM_ASSIGN_OR_RETURN(x, fsdp.RecomputedUnit(
+                                        absl::StrCat("transformer.h.", i), x,
+                                        [block](const torch::Tensor& in) {
+                                          return block->forward(in);
+                                        },
+                                        recompute));
     }
     return model->Head(x);
   });
@@ -252,11 +259,13 @@ absl::StatusOr<GptFsdpRun> TrainGptUnderFsdp(
     Gpt& model, Communicator& comm, DeviceOps& device, const TextBatches& text,
     int steps, int64_t local_batch, const torch::optim::AdamWOptions& adamw,
     const std::function<void(int step, float loss)>& on_step,
-    const std::function<absl::Status(libtorch::FsdpModule& fsdp,
-                                     torch::optim::Optimizer& optimizer)>&
-        after) {
+    const std::function<absl::Status(
+        libtorch::FsdpModule& fsdp, torch::optim::Optimizer& optimizer)>& after,
+    const GptFsdpOptions& gpt_options) {
   libtorch::FsdpOptions options;
   options.wrap = {"transformer.h.*"};
+  options.strategy = gpt_options.strategy;
+  options.shard_group_size = gpt_options.shard_group_size;
   FLATPARAM_ASSIGN_OR_RETURN(
       std::unique_ptr<libtorch::FsdpModule> fsdp,
       libtorch::FsdpModule::Wrap(model.ptr(), &comm, &device, options));
@@ -267,7 +276,8 @@ absl::StatusOr<GptFsdpRun> TrainGptUnderFsdp(
         text.Batch(step, comm.rank() * local_batch, local_batch);
     FLATPARAM_ASSIGN_OR_RETURN(
         torch::Tensor logits,
-        GptForward(model, *fsdp, batch.narrow(1, 0, text.seq())));
+        GptForward(model, *fsdp, batch.narrow(1, 0, text.seq()),
+                   gpt_options.recompute));
     torch::Tensor loss = NextTokenLoss(logits, batch);
     run.losses.push_back(loss.item<float>());
     if (on_step) on_step(step, run.losses.back());

@@ -39,6 +39,7 @@
 #include "absl/status/statusor.h"
 #include "comm/communicator.h"
 #include "flatparam/device/device.h"
+#include "flatparam/layout.h"
 #include "flatparam/torch/fsdp_module.h"
 
 namespace flatparam {
@@ -110,9 +111,11 @@ struct GptImpl : torch::nn::Module {
 TORCH_MODULE(Gpt);
 
 // The forward under `fsdp` with each block as its unit
-// ("transformer.h.i"), as FsdpModule's wrap {"transformer.h.*"} makes them.
-absl::StatusOr<torch::Tensor> GptForward(Gpt& model, libtorch::FsdpModule& fsdp,
-                                         const torch::Tensor& tokens);
+// ("transformer.h.i"), as FsdpModule's wrap {"transformer.h.*"} makes them,
+// each block's activations recomputed in the backward at `recompute`.
+absl::StatusOr<torch::Tensor> GptForward(
+    Gpt& model, libtorch::FsdpModule& fsdp, const torch::Tensor& tokens,
+    libtorch::Recomputation recompute = libtorch::Recomputation::kNone);
 
 // Mean next-token cross-entropy of `logits` for `tokens` shifted by one:
 // logits [b, s, v] predict tokens [b, 1..s].
@@ -163,7 +166,15 @@ std::vector<float> TrainFolded(
     const FoldOptions& options,
     const std::function<torch::Tensor(int step, int micro, int rank)>& loss);
 
-// One rank's FSDP training of `model`: each block a unit (FULL_SHARD),
+// How TrainGptUnderFsdp shards and recomputes.
+struct GptFsdpOptions {
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  // Hybrid strategies: ranks per shard group (0: the world).
+  int shard_group_size = 0;
+  libtorch::Recomputation recompute = libtorch::Recomputation::kNone;
+};
+
+// One rank's FSDP training of `model`: each block a unit (`options`),
 // AdamW with `adamw` over the sharded flat parameters, `steps` steps on
 // `text`, this rank taking samples [rank * local_batch, (rank + 1) *
 // local_batch) of each step (the global batch is world * local_batch).
@@ -180,7 +191,8 @@ absl::StatusOr<GptFsdpRun> TrainGptUnderFsdp(
     const std::function<void(int step, float loss)>& on_step = nullptr,
     const std::function<absl::Status(libtorch::FsdpModule& fsdp,
                                      torch::optim::Optimizer& optimizer)>&
-        after = nullptr);
+        after = nullptr,
+    const GptFsdpOptions& options = {});
 
 }  // namespace refmodel
 }  // namespace flatparam

@@ -173,6 +173,93 @@ TEST(TorchGptTest, LearnsTextUnderFsdpBitwiseAsSingleProcess) {
   EXPECT_GE(exported->tensors, static_cast<int64_t>(trained.size()));
 }
 
+// The GPT under every sharding strategy, with its blocks' activations
+// recomputed inside or around their units or not at all, on 4 simulated
+// ranks: every loss and parameter bitwise single-process LibTorch training
+// (which does not recompute) with the ranks' gradients folded in FSDP's
+// order.
+struct GptCase {
+  ShardingStrategy strategy;
+  int shard_group_size;
+  libtorch::Recomputation recompute;
+};
+
+class TorchGptStrategiesTest : public ::testing::TestWithParam<GptCase> {};
+
+TEST_P(TorchGptStrategiesTest, BitwiseAsSingleProcess) {
+  const GptCase& c = GetParam();
+  constexpr int kWorld = 4;
+  constexpr int kSteps = 3;
+  constexpr int64_t kLocal = 2;
+  absl::StatusOr<TextBatches> text =
+      TextBatches::FromFile(kText, SmallConfig().n_positions);
+  ASSERT_THAT(text.status(), IsOk());
+  auto adamw_options = torch::optim::AdamWOptions(3e-3).weight_decay(0.01);
+
+  Gpt reference = MakeGpt();
+  torch::optim::AdamW reference_adamw(TrainableTensors(*reference),
+                                      adamw_options);
+  FoldOptions fold;
+  fold.world = kWorld;
+  fold.shard_group_size = c.shard_group_size;
+  fold.steps = kSteps;
+  std::vector<float> expected_losses = TrainFolded(
+      *reference, reference_adamw, fold, [&](int step, int, int rank) {
+        torch::Tensor batch = text->Batch(step, rank * kLocal, kLocal);
+        torch::Tensor inputs = batch.narrow(1, 0, text->seq());
+        return NextTokenLoss(reference->forward(inputs), batch);
+      });
+
+  SimOptions sim;
+  sim.world_size = kWorld;
+  absl::StatusOr<std::unique_ptr<SimWorld>> world = SimWorld::Create(sim);
+  ASSERT_THAT(world.status(), IsOk());
+  GptFsdpOptions options;
+  options.strategy = c.strategy;
+  options.shard_group_size = c.shard_group_size;
+  options.recompute = c.recompute;
+  GptFsdpRun run0;
+  ASSERT_THAT((*world)->Run([&](SimCommunicator& comm) -> absl::Status {
+    HostDeviceOps device;
+    Gpt model = MakeGpt();
+    FLATPARAM_ASSIGN_OR_RETURN(
+        GptFsdpRun run,
+        TrainGptUnderFsdp(model, comm, device, *text, kSteps, kLocal,
+                          adamw_options, nullptr, nullptr, options));
+    if (comm.rank() == 0) run0 = std::move(run);
+    return absl::OkStatus();
+  }),
+              IsOk());
+  EXPECT_EQ(run0.losses, expected_losses);
+  ASSERT_FALSE(run0.full_state.empty());
+  for (const auto& [name, tensor] : run0.full_state) {
+    EXPECT_TRUE(
+        torch::equal(tensor, reference->named_parameters()[name].detach()))
+        << name;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Strategies, TorchGptStrategiesTest,
+    ::testing::Values(GptCase{ShardingStrategy::kFullShard, 0,
+                              libtorch::Recomputation::kNone},
+                      GptCase{ShardingStrategy::kFullShard, 0,
+                              libtorch::Recomputation::kInsideUnit},
+                      GptCase{ShardingStrategy::kFullShard, 0,
+                              libtorch::Recomputation::kAroundUnit},
+                      GptCase{ShardingStrategy::kShardGradOp, 0,
+                              libtorch::Recomputation::kInsideUnit},
+                      GptCase{ShardingStrategy::kNoShard, 0,
+                              libtorch::Recomputation::kAroundUnit},
+                      GptCase{ShardingStrategy::kHybridShard, 2,
+                              libtorch::Recomputation::kAroundUnit},
+                      GptCase{ShardingStrategy::kHybridShardZero2, 2,
+                              libtorch::Recomputation::kInsideUnit}),
+    [](const ::testing::TestParamInfo<GptCase>& info) {
+      return absl::StrCat(ShardingStrategyName(info.param.strategy), "_",
+                          libtorch::RecomputationName(info.param.recompute));
+    });
+
 // A GPT-2 checkpoint as Hugging Face publishes it ("gpt2"'s safetensors,
 // saved from the bare GPT2Model: no "transformer." prefix, no lm_head,
 // which is tied to the token embedding, and each attention's causal-mask

@@ -450,18 +450,21 @@ void FsdpModule::RegisterPreBackward(const torch::Tensor& output, int unit) {
       [this, unit](const torch::Tensor&) { OnPreBackward(unit); });
 }
 
+void FsdpModule::BeginBackward() {
+  if (in_backward_) return;
+  in_backward_ = true;
+  for (auto& u : units_) {
+    u->pre_backward_ran = false;
+    u->post_backward_ran = false;
+    u->grads_arrived = 0;
+  }
+  torch::autograd::Engine::get_default_engine().queue_callback(
+      [this] { OnBackwardEnd(); });
+}
+
 void FsdpModule::OnPreBackward(int unit) {
   if (!hook_error_.ok()) TORCH_CHECK(false, hook_error_.ToString());
-  if (!in_backward_) {
-    in_backward_ = true;
-    for (auto& u : units_) {
-      u->pre_backward_ran = false;
-      u->post_backward_ran = false;
-      u->grads_arrived = 0;
-    }
-    torch::autograd::Engine::get_default_engine().queue_callback(
-        [this] { OnBackwardEnd(); });
-  }
+  BeginBackward();
   UnitState& u = *units_[unit];
   if (u.pre_backward_ran) return;
   u.pre_backward_ran = true;
@@ -507,6 +510,18 @@ void FsdpModule::OnBackwardEnd() {
   in_backward_ = false;
   ++stats_.backwards;
   Fail(status);
+}
+
+const char* RecomputationName(Recomputation r) {
+  switch (r) {
+    case Recomputation::kNone:
+      return "none";
+    case Recomputation::kInsideUnit:
+      return "inside";
+    case Recomputation::kAroundUnit:
+      break;
+  }
+  return "around";
 }
 
 absl::StatusOr<torch::Tensor> FsdpModule::RunUnit(
@@ -558,16 +573,23 @@ absl::StatusOr<torch::Tensor> FsdpModule::Forward(
       out = absl::InvalidArgumentError(absl::StrCat(
           "LibTorch error in the forward: ", e.what_without_backtrace()));
     }
+    // Without a root unit no pre-backward hook marks the backward's start;
+    // this one does, before any recompute in the backward runs a unit.
+    if (out.ok() && out->defined() && out->requires_grad() &&
+        torch::GradMode::is_enabled()) {
+      out->register_hook([this](const torch::Tensor&) { BeginBackward(); });
+    }
   }
   in_forward_ = false;
   return out;
 }
 
-absl::StatusOr<torch::Tensor> FsdpModule::Unit(
-    absl::string_view name, const std::function<torch::Tensor()>& forward) {
-  if (!in_forward_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("FsdpModule::Unit(\"", name, "\") outside Forward"));
+absl::StatusOr<int> FsdpModule::UnitIndex(absl::string_view name) const {
+  // In the backward, only a recompute (gradients on) runs a unit's forward.
+  if (!in_forward_ && !(in_backward_ && torch::GradMode::is_enabled())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "FsdpModule::Unit(\"", name,
+        "\") outside Forward (or, in the backward, outside a recompute)"));
   }
   absl::StatusOr<int> unit = runtime_->FindUnit(name);
   if (!unit.ok()) {
@@ -579,8 +601,57 @@ absl::StatusOr<torch::Tensor> FsdpModule::Unit(
     return absl::FailedPreconditionError(
         "FsdpModule::Unit of the root unit (Forward runs it)");
   }
-  return RunUnit(*unit,
+  return *unit;
+}
+
+absl::StatusOr<torch::Tensor> FsdpModule::Unit(
+    absl::string_view name, const std::function<torch::Tensor()>& forward) {
+  FLATPARAM_ASSIGN_OR_RETURN(int unit, UnitIndex(name));
+  return RunUnit(unit,
                  [&]() -> absl::StatusOr<torch::Tensor> { return forward(); });
+}
+
+absl::StatusOr<torch::Tensor> FsdpModule::RecomputedUnit(
+    absl::string_view name, const torch::Tensor& input,
+    const std::function<torch::Tensor(const torch::Tensor&)>& forward,
+    Recomputation where) {
+  FLATPARAM_ASSIGN_OR_RETURN(int unit, UnitIndex(name));
+  switch (where) {
+    case Recomputation::kNone:
+      return RunUnit(unit, [&]() -> absl::StatusOr<torch::Tensor> {
+        return forward(input);
+      });
+    case Recomputation::kInsideUnit:
+      return RunUnit(unit, [&]() -> absl::StatusOr<torch::Tensor> {
+        return Recompute(forward, input);
+      });
+    case Recomputation::kAroundUnit:
+      break;
+  }
+  // The unit's hooks run inside the recomputed function: in the forward
+  // (gradients off, so no pre-backward hook) and again in the backward. A
+  // failure there is thrown through LibTorch, its Status kept: for this
+  // call in the forward, for Backward() in the backward (Fail).
+  around_failure_ = absl::OkStatus();
+  auto run = [this, unit, forward](const torch::Tensor& x) -> torch::Tensor {
+    absl::StatusOr<torch::Tensor> out = RunUnit(
+        unit, [&]() -> absl::StatusOr<torch::Tensor> { return forward(x); });
+    if (out.ok()) return *out;
+    if (in_backward_) {
+      Fail(out.status());
+    } else {
+      around_failure_ = out.status();
+    }
+    C10_THROW_ERROR(Error, out.status().ToString());
+  };
+  try {
+    return Recompute(run, input);
+  } catch (const c10::Error& e) {
+    if (!around_failure_.ok()) return std::exchange(around_failure_, {});
+    return absl::InvalidArgumentError(
+        absl::StrCat("LibTorch error around the forward of unit \"", name,
+                     "\": ", e.what_without_backtrace()));
+  }
 }
 
 absl::Status FsdpModule::Backward(const torch::Tensor& loss,
@@ -592,9 +663,11 @@ absl::Status FsdpModule::Backward(const torch::Tensor& loss,
   try {
     loss.backward({}, retain_graph);
   } catch (const c10::Error& e) {
-    if (!hook_error_.ok()) return hook_error_;
-    return absl::InvalidArgumentError(absl::StrCat(
-        "LibTorch error in the backward: ", e.what_without_backtrace()));
+    // The backward was abandoned part-way (some units unsharded, some
+    // reductions issued): the module refuses further steps, as after a
+    // hook's failure.
+    Fail(absl::InvalidArgumentError(absl::StrCat(
+        "LibTorch error in the backward: ", e.what_without_backtrace())));
   }
   return hook_error_;
 }

@@ -75,8 +75,26 @@
 //     PyTorch's final callback): outstanding post-backwards, then
 //     FsdpRuntime::FinalizeBackward, then the sharded gradients are bound
 //     to ShardedParameters()' `grad()` for the optimizer.
-// Several backwards per forward (retain_graph) and activation recomputation
-// inside a unit's backward work as flatparam/runtime.h describes.
+// Several backwards per forward (retain_graph) work as flatparam/runtime.h
+// describes.
+//
+// Activation recomputation (flatparam/torch/recompute.h's Recompute, the
+// reentrant torch.utils.checkpoint), at either of the places PyTorch
+// allows, through RecomputedUnit or composed by hand:
+//   * inside the unit, as PyTorch's FSDP(checkpoint_wrapper(block)): the
+//     forward keeps only the unit's input; in the backward the unit's
+//     pre-backward hook gathers its parameters, the recompute runs on them
+//     and its backward produces the unit's gradients (one all-gather per
+//     unit in the backward, as without recomputation);
+//     `Unit(name, [&] { return Recompute(f, x); })`.
+//   * around the unit, as checkpoint_wrapper(FSDP(block)): the recompute
+//     in the backward runs the unit's forward hooks again (Unit may be
+//     called inside a recompute during the backward), which gather the
+//     parameters for it and free them after, and the recomputed output's
+//     pre-backward hook gathers them once more for the unit's backward
+//     (two all-gathers per unit in the backward, as PyTorch makes).
+//   `Recompute(g, x)` where g calls `Unit(name, ...)` and throws on error.
+// Either way the gradients are bitwise those without recomputation.
 //
 // Optimizers step the sharded flat parameters (FSDP's flat path,
 // `use_orig_params=False`): ShardedParameters() gives one leaf tensor per
@@ -126,6 +144,7 @@
 #include "flatparam/model.h"
 #include "flatparam/optim/optim_state.h"
 #include "flatparam/runtime.h"
+#include "flatparam/torch/recompute.h"
 
 namespace flatparam {
 namespace libtorch {
@@ -149,6 +168,12 @@ struct FsdpOptions {
   HandleOptions handle;
   RuntimeOptions runtime;
 };
+
+// Where RecomputedUnit recomputes a unit's activations (see the file
+// comment).
+enum class Recomputation { kNone, kInsideUnit, kAroundUnit };
+// "none", "inside", "around".
+const char* RecomputationName(Recomputation r);
 
 // What the hooks did, summed over the backwards.
 struct FsdpModuleStats {
@@ -195,6 +220,16 @@ class FsdpModule {
   // FailedPrecondition outside Forward or for the root unit.
   absl::StatusOr<torch::Tensor> Unit(
       absl::string_view name, const std::function<torch::Tensor()>& forward);
+  // Unit `name`'s forward `forward(input)` inside Forward's, its
+  // activations recomputed in the backward (Recompute) at `where` (see the
+  // file comment). `forward` runs again during the backward: what it
+  // captures must be alive then (capture by value). kNone is
+  // Unit(name, [&] { return forward(input); }). Errors as Unit's; in the
+  // backward, Backward() returns them.
+  absl::StatusOr<torch::Tensor> RecomputedUnit(
+      absl::string_view name, const torch::Tensor& input,
+      const std::function<torch::Tensor(const torch::Tensor&)>& forward,
+      Recomputation where = Recomputation::kInsideUnit);
   // `loss.backward()` (with `retain_graph`), returning the first failure of
   // the hooks, or the c10::Error the backward threw, as a Status.
   absl::Status Backward(const torch::Tensor& loss, bool retain_graph = false);
@@ -299,7 +334,10 @@ class FsdpModule {
   absl::Status Bind(int unit);
   absl::Status BindAll();
   void BindShardedGrads();
+  absl::StatusOr<int> UnitIndex(absl::string_view name) const;
   void RegisterPreBackward(const torch::Tensor& output, int unit);
+  // The first hook of a backward: its bookkeeping and the final callback.
+  void BeginBackward();
   // The hooks (run inside the autograd engine; failures are recorded and
   // abort the backward).
   void OnPreBackward(int unit);
@@ -317,6 +355,9 @@ class FsdpModule {
   bool in_forward_ = false;
   bool in_backward_ = false;
   absl::Status hook_error_;
+  // RecomputedUnit(kAroundUnit)'s failure in the forward, thrown through
+  // LibTorch's autograd function.
+  absl::Status around_failure_;
   FsdpModuleStats stats_;
 };
 

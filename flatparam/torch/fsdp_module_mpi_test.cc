@@ -36,6 +36,10 @@ std::vector<Case> Cases(int world) {
       {world, ShardingStrategy::kNoShard, 0, Optim::kAdamW},
       {world, ShardingStrategy::kFullShard, 0, Optim::kSgd, 2, 2 * world,
        "h.1.", 2, true},
+      {world, ShardingStrategy::kFullShard, 0, Optim::kAdamW, 2, 2 * world, "",
+       1, false, Recomputation::kInsideUnit},
+      {world, ShardingStrategy::kShardGradOp, 0, Optim::kSgd, 2, 2 * world, "",
+       1, false, Recomputation::kAroundUnit},
   };
   if (world % 2 == 0 && world > 2) {
     cases.push_back({world, ShardingStrategy::kHybridShard, 2, Optim::kAdamW});

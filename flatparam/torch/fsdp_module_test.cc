@@ -19,6 +19,7 @@
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/device/device.h"
+#include "flatparam/handle.h"
 #include "flatparam/optim/fsdp_optim.h"
 #include "flatparam/optim/optim_state.h"
 #include "flatparam/torch/torch_testutil.h"
@@ -96,7 +97,24 @@ INSTANTIATE_TEST_SUITE_P(
         Case{4, ShardingStrategy::kHybridShard, 2, Optim::kSgd, 2, 4, "", 2},
         Case{2, ShardingStrategy::kFullShard, 0, Optim::kAdamW, 3, 4, "", 1,
              true},
-        Case{2, ShardingStrategy::kNoShard, 0, Optim::kSgd, 2, 4, "", 2, true}),
+        Case{2, ShardingStrategy::kNoShard, 0, Optim::kSgd, 2, 4, "", 2, true},
+        // Activation recomputation inside and around the units.
+        Case{2, ShardingStrategy::kFullShard, 0, Optim::kAdamW, 3, 4, "", 1,
+             false, Recomputation::kInsideUnit},
+        Case{2, ShardingStrategy::kFullShard, 0, Optim::kAdamW, 3, 4, "", 1,
+             false, Recomputation::kAroundUnit},
+        Case{4, ShardingStrategy::kShardGradOp, 0, Optim::kSgd, 2, 4, "", 2,
+             false, Recomputation::kAroundUnit},
+        Case{4, ShardingStrategy::kHybridShard, 2, Optim::kAdamW, 2, 4, "", 1,
+             false, Recomputation::kInsideUnit},
+        Case{4, ShardingStrategy::kHybridShardZero2, 2, Optim::kSgd, 2, 4, "",
+             1, false, Recomputation::kAroundUnit},
+        Case{2, ShardingStrategy::kNoShard, 0, Optim::kAdamW, 2, 4, "", 1,
+             false, Recomputation::kInsideUnit},
+        Case{2, ShardingStrategy::kFullShard, 0, Optim::kSgd, 2, 4, "h.1.", 1,
+             false, Recomputation::kAroundUnit},
+        Case{2, ShardingStrategy::kFullShard, 0, Optim::kAdamW, 2, 4, "", 2,
+             true, Recomputation::kInsideUnit}),
     [](const ::testing::TestParamInfo<Case>& info) {
       return Name(info.param);
     });
@@ -157,6 +175,74 @@ TEST(FsdpModuleTest, SeveralBackwardsPerForward) {
     for (size_t u = 0; u < retained->size(); ++u) {
       EXPECT_TRUE(torch::equal((*retained)[u], (*separate)[u])) << "unit " << u;
       EXPECT_GT((*retained)[u].abs().sum().item<float>(), 0) << "unit " << u;
+    }
+  }
+}
+
+// Recomputation runs each block again in its backward, at the place asked
+// for: inside the unit, on the parameters its pre-backward hook gathered
+// (the handle in BACKWARD_PRE); around it, through the unit's forward hooks
+// (the handle in FORWARD). The forward itself runs without gradients.
+TEST(FsdpModuleTest, RecomputationRunsEachBlockAgainInItsBackward) {
+  for (Recomputation where :
+       {Recomputation::kInsideUnit, Recomputation::kAroundUnit}) {
+    SCOPED_TRACE(RecomputationName(where));
+    SimOptions sim;
+    sim.world_size = 2;
+    absl::StatusOr<std::unique_ptr<SimWorld>> world = SimWorld::Create(sim);
+    ASSERT_THAT(world.status(), IsOk());
+    // Rank 0's block calls.
+    struct Call {
+      int block;
+      bool grad_mode;
+      HandleTrainingState state;
+      bool operator==(const Call& o) const {
+        return block == o.block && grad_mode == o.grad_mode && state == o.state;
+      }
+    };
+    std::vector<Call> calls;
+    ASSERT_THAT((*world)->Run([&](SimCommunicator& comm) -> absl::Status {
+      HostDeviceOps device;
+      Net net = MakeNet();
+      FsdpOptions options;
+      options.wrap = {"h.*"};
+      FLATPARAM_ASSIGN_OR_RETURN(
+          std::unique_ptr<FsdpModule> fsdp,
+          FsdpModule::Wrap(net.ptr(), &comm, &device, options));
+      FsdpModule* f = fsdp.get();
+      auto record = [&calls, f, net, rank = comm.rank()](BlockImpl& block) {
+        if (rank != 0) return;
+        for (size_t i = 0; i < net->h->size(); ++i) {
+          if (net->h->ptr<BlockImpl>(i).get() != &block) continue;
+          absl::StatusOr<int> unit =
+              f->runtime().FindUnit(absl::StrCat("h.", i));
+          calls.push_back({static_cast<int>(i), torch::GradMode::is_enabled(),
+                           unit.ok()
+                               ? f->runtime().handle(*unit).training_state()
+                               : HandleTrainingState::kSummonFullParams});
+        }
+      };
+      torch::Tensor tokens = Tokens(0, comm.rank() * 2, 2);
+      FLATPARAM_ASSIGN_OR_RETURN(torch::Tensor logits,
+                                 ForwardNet(net, *fsdp, tokens, record, where));
+      return fsdp->Backward(Loss(logits, tokens));
+    }),
+                IsOk());
+    const HandleTrainingState recomputed =
+        where == Recomputation::kInsideUnit ? HandleTrainingState::kBackwardPre
+                                            : HandleTrainingState::kForward;
+    std::vector<Call> want;
+    for (int i = 0; i < kLayers; ++i) {
+      want.push_back({i, false, HandleTrainingState::kForward});
+    }
+    for (int i = kLayers - 1; i >= 0; --i)
+      want.push_back({i, true, recomputed});
+    ASSERT_EQ(calls.size(), want.size());
+    for (size_t k = 0; k < want.size(); ++k) {
+      EXPECT_TRUE(calls[k] == want[k])
+          << "call " << k << ": block " << calls[k].block << ", gradients "
+          << calls[k].grad_mode << ", "
+          << HandleTrainingStateName(calls[k].state);
     }
   }
 }
@@ -498,6 +584,78 @@ TEST(FsdpModuleErrorsTest, WrapRefusesWhatItCannotShard) {
         FsdpModule::Wrap(MakeNet().ptr(), &comm, &device, options).status();
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
   });
+}
+
+// A recomputed unit's failures are Statuses: in the forward from
+// RecomputedUnit (naming the unit), in the recompute during the backward
+// from Backward(), after which the module refuses further steps.
+TEST(FsdpModuleErrorsTest, RecomputationFailuresAreStatuses) {
+  for (Recomputation where :
+       {Recomputation::kInsideUnit, Recomputation::kAroundUnit}) {
+    SCOPED_TRACE(RecomputationName(where));
+    OnOneRank([where](SimCommunicator& comm, DeviceOps& device) {
+      Net net = MakeNet();
+      absl::StatusOr<std::unique_ptr<FsdpModule>> fsdp =
+          WrapNet(net, comm, device);
+      ASSERT_THAT(fsdp.status(), IsOk());
+      torch::Tensor tokens = Tokens(0, 0, 2);
+      auto forward = [&](const std::string& unit, const TensorFunction& block) {
+        return (*fsdp)->Forward([&]() -> absl::StatusOr<torch::Tensor> {
+          torch::Tensor x = net->wte(tokens.narrow(1, 0, kSeq));
+          for (size_t i = 0; i < net->h->size(); ++i) {
+            const std::string name = absl::StrCat("h.", i);
+            std::shared_ptr<BlockImpl> b = net->h->ptr<BlockImpl>(i);
+            FLATPARAM_ASSIGN_OR_RETURN(
+                x,
+                (*fsdp)->RecomputedUnit(
+                    name == unit ? unit : name, x,
+                    name == unit ? block
+                                 : TensorFunction([b](const torch::Tensor& in) {
+                                     return b->forward(in);
+                                   }),
+                    where));
+          }
+          return net->Head(x);
+        });
+      };
+      std::shared_ptr<BlockImpl> block0 = net->h->ptr<BlockImpl>(0);
+
+      absl::StatusOr<torch::Tensor> out =
+          (*fsdp)->Forward([&]() -> absl::StatusOr<torch::Tensor> {
+            return (*fsdp)->RecomputedUnit(
+                "h.9", net->wte(tokens.narrow(1, 0, kSeq)),
+                [](const torch::Tensor& x) { return x; }, where);
+          });
+      EXPECT_EQ(out.status().code(), absl::StatusCode::kNotFound)
+          << out.status();
+
+      out = forward("h.1", [](const torch::Tensor& x) -> torch::Tensor {
+        TORCH_CHECK(false, "a broken block");
+      });
+      EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_NE(out.status().message().find("a broken block"),
+                std::string::npos)
+          << out.status();
+      EXPECT_NE(out.status().message().find("\"h.1\""), std::string::npos)
+          << out.status();
+
+      // The same module, failing only when recomputed.
+      auto calls = std::make_shared<int>(0);
+      out = forward("h.0", [calls, block0](const torch::Tensor& x) {
+        TORCH_CHECK(++*calls == 1, "the recompute failed");
+        return block0->forward(x);
+      });
+      ASSERT_THAT(out.status(), IsOk());
+      absl::Status backward = (*fsdp)->Backward(Loss(*out, tokens));
+      EXPECT_FALSE(backward.ok());
+      EXPECT_NE(backward.message().find("the recompute failed"),
+                std::string::npos)
+          << backward;
+      out = forward("", nullptr);
+      EXPECT_EQ(out.status().code(), absl::StatusCode::kFailedPrecondition)
+          << out.status();
+    });
+  }
 }
 
 TEST(FsdpModuleErrorsTest, MisuseInTheForwardIsAStatus) {

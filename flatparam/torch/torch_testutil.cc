@@ -102,12 +102,15 @@ std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(
 
 std::string Name(const Case& c) {
   return absl::StrFormat(
-      "%s_w%d%s_%s%s%s%s", ShardingStrategyName(c.strategy), c.world,
+      "%s_w%d%s_%s%s%s%s%s", ShardingStrategyName(c.strategy), c.world,
       c.shard_group_size ? absl::StrCat("x", c.shard_group_size) : "",
       c.optim == Optim::kSgd ? "sgd" : "adamw",
       c.frozen.empty() ? "" : "_frozen",
       c.micro_batches > 1 ? absl::StrCat("_nosync", c.micro_batches) : "",
-      c.cpu_offload ? "_offload" : "");
+      c.cpu_offload ? "_offload" : "",
+      c.recompute == Recomputation::kNone
+          ? ""
+          : absl::StrCat("_recompute_", RecomputationName(c.recompute)));
 }
 
 // Single-process LibTorch training of the global batch, with the ranks'
@@ -141,15 +144,20 @@ std::map<std::string, torch::Tensor> TrainReference(const Case& c) {
 
 absl::StatusOr<torch::Tensor> ForwardNet(
     Net& net, FsdpModule& fsdp, const torch::Tensor& tokens,
-    const std::function<void(BlockImpl&)>& check) {
+    const std::function<void(BlockImpl&)>& check, Recomputation recompute) {
   return fsdp.Forward([&]() -> absl::StatusOr<torch::Tensor> {
     torch::Tensor x = net->wte(tokens.narrow(1, 0, kSeq));
     for (size_t i = 0; i < net->h->size(); ++i) {
-      BlockImpl& block = *net->h[i]->as<BlockImpl>();
-      FLATPARAM_ASSIGN_OR_RETURN(x, fsdp.Unit(absl::StrCat("h.", i), [&] {
-        if (check) check(block);
-        return block.forward(x);
-      }));
+      // By value: a recompute runs it again in the backward.
+      std::shared_ptr<BlockImpl> block = net->h->ptr<BlockImpl>(i);
+      FLATPARAM_ASSIGN_OR_RETURN(x,
+                                 fsdp.RecomputedUnit(
+                                     absl::StrCat("h.", i), x,
+                                     [block, check](const torch::Tensor& in) {
+                                       if (check) check(*block);
+                                       return block->forward(in);
+                                     },
+                                     recompute));
     }
     return net->Head(x);
   });
@@ -177,8 +185,9 @@ absl::StatusOr<FsdpResult> TrainFsdpOnRank(Communicator& world,
     const bool last = micro % c.micro_batches == c.micro_batches - 1;
     fsdp->runtime().SetRequireGradientSync(last);
     torch::Tensor tokens = Tokens(micro, world.rank() * local, local);
-    FLATPARAM_ASSIGN_OR_RETURN(torch::Tensor logits,
-                               ForwardNet(net, *fsdp, tokens));
+    FLATPARAM_ASSIGN_OR_RETURN(
+        torch::Tensor logits,
+        ForwardNet(net, *fsdp, tokens, nullptr, c.recompute));
     FLATPARAM_RETURN_IF_ERROR(fsdp->Backward(Loss(logits, tokens)));
     if (!last) continue;
     optimizer->step();

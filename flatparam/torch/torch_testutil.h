@@ -87,6 +87,10 @@ struct Case {
   // Micro-batches per step, all but the last under no_sync.
   int micro_batches = 1;
   bool cpu_offload = false;
+  // Each block's activations recomputed in the backward, inside or around
+  // its unit (FsdpModule::RecomputedUnit); the reference does not
+  // recompute.
+  Recomputation recompute = Recomputation::kNone;
 };
 // A name for the case, for test names.
 std::string Name(const Case& c);
@@ -107,11 +111,13 @@ struct FsdpResult {
 absl::StatusOr<FsdpResult> TrainFsdpOnRank(Communicator& world,
                                            DeviceOps& device, const Case& c);
 
-// The whole forward of `net` under `fsdp`, one unit per block; `check`
-// runs inside each block's unit.
+// The whole forward of `net` under `fsdp`, one unit per block, each
+// recomputed in the backward at `recompute`; `check` runs inside each
+// block's unit (again in a recompute).
 absl::StatusOr<torch::Tensor> ForwardNet(
     Net& net, FsdpModule& fsdp, const torch::Tensor& tokens,
-    const std::function<void(BlockImpl&)>& check = nullptr);
+    const std::function<void(BlockImpl&)>& check = nullptr,
+    Recomputation recompute = Recomputation::kNone);
 
 }  // namespace testing
 }  // namespace libtorch
