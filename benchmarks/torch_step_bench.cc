@@ -9,6 +9,12 @@
 //                       the gradient accumulators' hooks, overlapping the
 //                       rest of the backward), AdamW, ZeroGrad.
 //
+//   step/fsdp_recompute_inside/ranks:N, step/fsdp_recompute_around/ranks:N
+//                       the same with each block's activations recomputed
+//                       in the backward inside or around its unit
+//                       (FsdpModule::RecomputedUnit): the price of the
+//                       memory recomputation saves.
+//
 // Each iteration times a plain step and an FSDP step back to back (so both
 // see the same machine state) and reports the FSDP step's time; counters:
 //   plain_ms, fsdp_ms        mean step times
@@ -91,11 +97,12 @@ class StepPair {
     plain_adamw_->zero_grad();
   }
 
-  // One FSDP step on the same samples; collective.
-  void FsdpStep(int64_t step) {
+  // One FSDP step on the same samples, each block's activations
+  // recomputed at `recompute`; collective.
+  void FsdpStep(int64_t step, libtorch::Recomputation recompute) {
     torch::Tensor batch = Batch(step);
-    absl::StatusOr<torch::Tensor> logits =
-        refmodel::GptForward(sharded_, *fsdp_, batch.narrow(1, 0, text_.seq()));
+    absl::StatusOr<torch::Tensor> logits = refmodel::GptForward(
+        sharded_, *fsdp_, batch.narrow(1, 0, text_.seq()), recompute);
     if (!logits.ok()) Die(kProgram, logits.status());
     torch::Tensor loss = refmodel::NextTokenLoss(*logits, batch);
     absl::Status st = fsdp_->Backward(loss);
@@ -139,8 +146,8 @@ class StepPair {
   std::unique_ptr<torch::optim::AdamW> fsdp_adamw_;
 };
 
-void Run(StepPair& pair, int64_t& step, benchmark::State* state,
-         int64_t iterations) {
+void Run(StepPair& pair, int64_t& step, libtorch::Recomputation recompute,
+         benchmark::State* state, int64_t iterations) {
   double plain = 0, fsdp = 0;
   int64_t n = 0;
   RunIterations(state, iterations, [&]() {
@@ -148,7 +155,7 @@ void Run(StepPair& pair, int64_t& step, benchmark::State* state,
     pair.PlainStep(step);
     plain += Seconds(start);
     start = std::chrono::steady_clock::now();
-    pair.FsdpStep(step);
+    pair.FsdpStep(step, recompute);
     const double seconds = Seconds(start);
     fsdp += seconds;
     ++step;
@@ -177,17 +184,28 @@ int Main(int* argc, char*** argv) {
     // reach their steady state.
     for (int i = 0; i < 3; ++i, ++step) {
       pair.PlainStep(step);
-      pair.FsdpStep(step);
+      pair.FsdpStep(step, libtorch::Recomputation::kNone);
     }
-    MpiBenchmark b;
-    b.name = absl::StrCat("step/fsdp/ranks:", (*world)->size());
-    b.run = [&](benchmark::State* state, int64_t iterations) {
-      Run(pair, step, state, iterations);
-    };
-    b.configure = [](benchmark::internal::Benchmark* r) {
-      r->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(2.0);
-    };
-    RunMpiBenchmarks({b});
+    std::vector<MpiBenchmark> benchmarks;
+    for (libtorch::Recomputation recompute :
+         {libtorch::Recomputation::kNone, libtorch::Recomputation::kInsideUnit,
+          libtorch::Recomputation::kAroundUnit}) {
+      MpiBenchmark b;
+      b.name = recompute == libtorch::Recomputation::kNone
+                   ? absl::StrCat("step/fsdp/ranks:", (*world)->size())
+                   : absl::StrCat("step/fsdp_recompute_",
+                                  libtorch::RecomputationName(recompute),
+                                  "/ranks:", (*world)->size());
+      b.run = [&pair, &step, recompute](benchmark::State* state,
+                                        int64_t iterations) {
+        Run(pair, step, recompute, state, iterations);
+      };
+      b.configure = [](benchmark::internal::Benchmark* r) {
+        r->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(2.0);
+      };
+      benchmarks.push_back(std::move(b));
+    }
+    RunMpiBenchmarks(benchmarks);
   }
   const absl::Status finished = session->Finish();
   if (!finished.ok()) Die(kProgram, finished);
