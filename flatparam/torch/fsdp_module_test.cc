@@ -577,6 +577,15 @@ TEST(FsdpModuleErrorsTest, WrapRefusesWhatItCannotShard) {
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(status.message().find("\"count\""), std::string::npos) << status;
 
+    // A parameter on a device other than the CPU (the meta device: this
+    // LibTorch has no CUDA).
+    auto meta = std::make_shared<torch::nn::Module>();
+    meta->register_parameter("w", torch::empty({3}, torch::kMeta));
+    status = FsdpModule::Wrap(meta, &comm, &device).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(status.message().find("\"w\" is on meta"), std::string::npos)
+        << status;
+
     // A wrap name that is no module.
     FsdpOptions options;
     options.wrap = {"blocks.*"};
