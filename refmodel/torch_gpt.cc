@@ -270,8 +270,12 @@ absl::StatusOr<GptFsdpRun> TrainGptUnderFsdp(
       std::unique_ptr<libtorch::FsdpModule> fsdp,
       libtorch::FsdpModule::Wrap(model.ptr(), &comm, &device, options));
   torch::optim::AdamW optimizer(fsdp->ShardedParameters(), adamw);
+  if (gpt_options.before) {
+    FLATPARAM_RETURN_IF_ERROR(gpt_options.before(*fsdp, optimizer));
+  }
   GptFsdpRun run;
-  for (int step = 0; step < steps; ++step) {
+  for (int step = gpt_options.first_step; step < gpt_options.first_step + steps;
+       ++step) {
     torch::Tensor batch =
         text.Batch(step, comm.rank() * local_batch, local_batch);
     FLATPARAM_ASSIGN_OR_RETURN(

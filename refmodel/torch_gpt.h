@@ -172,6 +172,13 @@ struct GptFsdpOptions {
   // Hybrid strategies: ranks per shard group (0: the world).
   int shard_group_size = 0;
   libtorch::Recomputation recompute = libtorch::Recomputation::kNone;
+  // Resuming: the data step of the first step, and what runs once the
+  // model is wrapped and its optimizer made, before the first step (a
+  // checkpoint load, say).
+  int first_step = 0;
+  std::function<absl::Status(libtorch::FsdpModule& fsdp,
+                             torch::optim::Optimizer& optimizer)>
+      before;
 };
 
 // One rank's FSDP training of `model`: each block a unit (`options`),

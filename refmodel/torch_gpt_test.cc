@@ -260,6 +260,92 @@ INSTANTIATE_TEST_SUITE_P(
                           libtorch::RecomputationName(info.param.recompute));
     });
 
+// Save, reshard, resume: two steps on 2 ranks (FULL_SHARD) saved with
+// AdamW's state, loaded on 4 ranks (HYBRID_SHARD in pairs, each block
+// recomputed inside its unit), two more steps: every loss and parameter is
+// bitwise single-process training that folds the first steps' gradients
+// over 2 ranks and the next over 4 (the same global batch of 8).
+TEST(TorchGptTest, SavesReshardsAndResumesBitwise) {
+  absl::StatusOr<TextBatches> text =
+      TextBatches::FromFile(kText, SmallConfig().n_positions);
+  ASSERT_THAT(text.status(), IsOk());
+  auto adamw_options = torch::optim::AdamWOptions(3e-3).weight_decay(0.01);
+  const std::string dir = absl::StrCat(std::getenv("TEST_TMPDIR"), "/resume");
+
+  Gpt reference = MakeGpt();
+  torch::optim::AdamW reference_adamw(TrainableTensors(*reference),
+                                      adamw_options);
+  auto loss = [&](int first_step, int64_t local) {
+    return [&, first_step, local](int step, int, int rank) {
+      torch::Tensor batch = text->Batch(first_step + step, rank * local, local);
+      return NextTokenLoss(reference->forward(batch.narrow(1, 0, text->seq())),
+                           batch);
+    };
+  };
+  FoldOptions before;
+  before.world = 2;
+  before.steps = 2;
+  std::vector<float> expected =
+      TrainFolded(*reference, reference_adamw, before, loss(0, 4));
+  FoldOptions after;
+  after.world = 4;
+  after.shard_group_size = 2;
+  after.steps = 2;
+  for (float l : TrainFolded(*reference, reference_adamw, after, loss(2, 2))) {
+    expected.push_back(l);
+  }
+
+  std::vector<float> losses;
+  auto train = [&](int world_size, int64_t local, const GptFsdpOptions& options,
+                   const std::function<absl::Status(
+                       libtorch::FsdpModule&, torch::optim::Optimizer&)>& save)
+      -> absl::StatusOr<GptFsdpRun> {
+    SimOptions sim;
+    sim.world_size = world_size;
+    FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<SimWorld> world,
+                               SimWorld::Create(sim));
+    GptFsdpRun run0;
+    FLATPARAM_RETURN_IF_ERROR(
+        world->Run([&](SimCommunicator& comm) -> absl::Status {
+          HostDeviceOps device;
+          Gpt model = MakeGpt();
+          FLATPARAM_ASSIGN_OR_RETURN(
+              GptFsdpRun run,
+              TrainGptUnderFsdp(model, comm, device, *text, 2, local,
+                                adamw_options, nullptr, save, options));
+          if (comm.rank() == 0) run0 = std::move(run);
+          return absl::OkStatus();
+        }));
+    return run0;
+  };
+  absl::StatusOr<GptFsdpRun> first = train(
+      2, 4, GptFsdpOptions{},
+      [&](libtorch::FsdpModule& fsdp, torch::optim::Optimizer& adamw) {
+        return fsdp.SaveCheckpoint(checkpoint::PosixFileSystem(), dir, &adamw);
+      });
+  ASSERT_THAT(first.status(), IsOk());
+  GptFsdpOptions resumed;
+  resumed.strategy = ShardingStrategy::kHybridShard;
+  resumed.shard_group_size = 2;
+  resumed.recompute = libtorch::Recomputation::kInsideUnit;
+  resumed.first_step = 2;
+  resumed.before = [&](libtorch::FsdpModule& fsdp,
+                       torch::optim::Optimizer& adamw) {
+    return fsdp.LoadCheckpoint(checkpoint::PosixFileSystem(), dir, &adamw);
+  };
+  absl::StatusOr<GptFsdpRun> second = train(4, 2, resumed, nullptr);
+  ASSERT_THAT(second.status(), IsOk());
+
+  losses = first->losses;
+  losses.insert(losses.end(), second->losses.begin(), second->losses.end());
+  EXPECT_EQ(losses, expected);
+  for (const auto& [name, tensor] : second->full_state) {
+    EXPECT_TRUE(
+        torch::equal(tensor, reference->named_parameters()[name].detach()))
+        << name;
+  }
+}
+
 // A GPT-2 checkpoint as Hugging Face publishes it ("gpt2"'s safetensors,
 // saved from the bare GPT2Model: no "transformer." prefix, no lm_head,
 // which is tied to the token embedding, and each attention's causal-mask
