@@ -219,7 +219,8 @@ absl::StatusOr<DemoResult> RunDemo(const DemoOptions& options,
   // 6. A real network: the LibTorch transformer on real text.
   out << absl::StrFormat(
       "[6/6] train a GPT-2-style transformer written with LibTorch under "
-      "flatparam's FsdpModule, byte-level on GPL-3's text, %d steps\n",
+      "flatparam's FsdpModule, byte-level on GPL-3's text, %d steps, each "
+      "block's activations recomputed in its backward\n",
       kTorchSteps);
   out.flush();
   std::cout.flush();
@@ -232,9 +233,9 @@ absl::StatusOr<DemoResult> RunDemo(const DemoOptions& options,
     const size_t tail = std::min<size_t>(10, l.size());
     for (size_t i = l.size() - tail; i < l.size(); ++i) last += l[i] / tail;
     result.checks.push_back(
-        {absl::StrFormat("LibTorch GPT, FULL_SHARD on %d ranks: every loss "
-                         "and parameter bitwise single-process LibTorch "
-                         "training",
+        {absl::StrFormat("LibTorch GPT, FULL_SHARD on %d ranks, blocks "
+                         "recomputed: every loss and parameter bitwise "
+                         "single-process LibTorch training (no recomputation)",
                          result.torch.world_size),
          l == result.torch.reference_losses && result.torch.params_equal});
     result.checks.push_back(
@@ -302,7 +303,8 @@ void PrintDemoReport(const DemoResult& result, std::ostream& out) {
     out << absl::StrFormat(
         "\n# a GPT-2-style transformer in LibTorch (%d parameters, Hugging "
         "Face GPT-2 names), byte-level on %s, AdamW, FULL_SHARD on %d "
-        "simulated ranks\n",
+        "simulated ranks, each block's activations recomputed inside its "
+        "unit\n",
         t.parameters, t.text_path, t.world_size);
     out << "\nstep  loss (FSDP, rank 0)  loss (single process)\n";
     for (size_t k = 0; k < t.losses.size(); ++k) {

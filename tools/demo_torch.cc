@@ -95,6 +95,10 @@ absl::StatusOr<TorchDemoResult> RunTorchDemo(int steps, uint64_t seed,
       world->Run([&](SimCommunicator& comm) -> absl::Status {
         HostDeviceOps device;
         refmodel::Gpt model = make();
+        // Recomputation, as transformers are trained at scale: the
+        // forward keeps only each block's input.
+        refmodel::GptFsdpOptions gpt_options;
+        gpt_options.recompute = libtorch::Recomputation::kInsideUnit;
         const bool first = comm.rank() == 0;
         FLATPARAM_ASSIGN_OR_RETURN(
             refmodel::GptFsdpRun run,
@@ -106,7 +110,8 @@ absl::StatusOr<TorchDemoResult> RunTorchDemo(int steps, uint64_t seed,
                                            loss);
                     out.flush();
                   }
-                }));
+                },
+                nullptr, gpt_options));
         if (first) {
           result.losses = std::move(run.losses);
           trained = std::move(run.full_state);
