@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -61,6 +62,72 @@ Gpt MakeGpt() {
   return model;
 }
 
+torch::optim::AdamWOptions Adamw() {
+  return torch::optim::AdamWOptions(3e-3).weight_decay(0.01);
+}
+
+const TextBatches& Text() {
+  static const auto* text = [] {
+    absl::StatusOr<TextBatches> t =
+        TextBatches::FromFile(kText, SmallConfig().n_positions);
+    if (!t.ok()) {
+      std::fprintf(stderr, "%s\n", t.status().ToString().c_str());
+      std::abort();
+    }
+    return new TextBatches(*std::move(t));
+  }();
+  return *text;
+}
+
+// Single-process training of `reference` (TrainFolded) on the text: `fold`
+// steps from data step `first_step`, each virtual rank taking `local`
+// samples. Rank 0's loss per step.
+std::vector<float> TrainReference(Gpt& reference,
+                                  torch::optim::Optimizer& adamw,
+                                  const FoldOptions& fold, int64_t local,
+                                  int first_step = 0) {
+  return TrainFolded(*reference, adamw, fold, [&](int step, int, int rank) {
+    torch::Tensor batch = Text().Batch(first_step + step, rank * local, local);
+    return NextTokenLoss(reference->forward(batch.narrow(1, 0, Text().seq())),
+                         batch);
+  });
+}
+
+// TrainGptUnderFsdp of MakeGpt() on `world_size` simulated ranks; rank 0's
+// run.
+absl::StatusOr<GptFsdpRun> TrainOnSim(
+    int world_size, int steps, int64_t local, const GptFsdpOptions& options,
+    const std::function<absl::Status(
+        libtorch::FsdpModule&, torch::optim::Optimizer&)>& after = nullptr) {
+  SimOptions sim;
+  sim.world_size = world_size;
+  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<SimWorld> world,
+                             SimWorld::Create(sim));
+  GptFsdpRun run0;
+  FLATPARAM_RETURN_IF_ERROR(
+      world->Run([&](SimCommunicator& comm) -> absl::Status {
+        HostDeviceOps device;
+        Gpt model = MakeGpt();
+        FLATPARAM_ASSIGN_OR_RETURN(
+            GptFsdpRun run,
+            TrainGptUnderFsdp(model, comm, device, Text(), steps, local,
+                              Adamw(), nullptr, after, options));
+        if (comm.rank() == 0) run0 = std::move(run);
+        return absl::OkStatus();
+      }));
+  return run0;
+}
+
+void ExpectParamsEqual(const std::map<std::string, torch::Tensor>& got,
+                       Gpt& reference) {
+  ASSERT_FALSE(got.empty());
+  for (const auto& [name, tensor] : got) {
+    EXPECT_TRUE(
+        torch::equal(tensor, reference->named_parameters()[name].detach()))
+        << name;
+  }
+}
+
 TEST(TorchGptTest, HuggingFaceNamesAndShapes) {
   Gpt model(GptConfig{});
   std::vector<std::string> names;
@@ -101,50 +168,25 @@ TEST(TorchGptTest, LearnsTextUnderFsdpBitwiseAsSingleProcess) {
   constexpr int kWorld = 2;
   constexpr int kSteps = 150;
   constexpr int64_t kLocal = 4;
-  absl::StatusOr<TextBatches> text =
-      TextBatches::FromFile(kText, SmallConfig().n_positions);
-  ASSERT_THAT(text.status(), IsOk());
-  auto adamw_options = torch::optim::AdamWOptions(3e-3).weight_decay(0.01);
-
   Gpt reference = MakeGpt();
-  torch::optim::AdamW reference_adamw(TrainableTensors(*reference),
-                                      adamw_options);
+  torch::optim::AdamW reference_adamw(TrainableTensors(*reference), Adamw());
   FoldOptions fold;
   fold.world = kWorld;
   fold.steps = kSteps;
-  std::vector<float> expected_losses = TrainFolded(
-      *reference, reference_adamw, fold, [&](int step, int, int rank) {
-        torch::Tensor batch = text->Batch(step, rank * kLocal, kLocal);
-        torch::Tensor inputs = batch.narrow(1, 0, text->seq());
-        return NextTokenLoss(reference->forward(inputs), batch);
-      });
+  std::vector<float> expected_losses =
+      TrainReference(reference, reference_adamw, fold, kLocal);
 
   const std::string checkpoint_dir =
       absl::StrCat(std::getenv("TEST_TMPDIR"), "/gpt");
-  SimOptions sim;
-  sim.world_size = kWorld;
-  absl::StatusOr<std::unique_ptr<SimWorld>> world = SimWorld::Create(sim);
-  ASSERT_THAT(world.status(), IsOk());
-  std::vector<float> losses;
-  std::map<std::string, torch::Tensor> trained;
-  ASSERT_THAT((*world)->Run([&](SimCommunicator& comm) -> absl::Status {
-    HostDeviceOps device;
-    Gpt model = MakeGpt();
-    FLATPARAM_ASSIGN_OR_RETURN(
-        GptFsdpRun run,
-        TrainGptUnderFsdp(
-            model, comm, device, *text, kSteps, kLocal, adamw_options, nullptr,
-            [&](libtorch::FsdpModule& fsdp, torch::optim::Optimizer& adamw) {
-              return fsdp.SaveCheckpoint(checkpoint::PosixFileSystem(),
-                                         checkpoint_dir, &adamw);
-            }));
-    if (comm.rank() == 0) {
-      losses = std::move(run.losses);
-      trained = std::move(run.full_state);
-    }
-    return absl::OkStatus();
-  }),
-              IsOk());
+  absl::StatusOr<GptFsdpRun> run = TrainOnSim(
+      kWorld, kSteps, kLocal, GptFsdpOptions{},
+      [&](libtorch::FsdpModule& fsdp, torch::optim::Optimizer& adamw) {
+        return fsdp.SaveCheckpoint(checkpoint::PosixFileSystem(),
+                                   checkpoint_dir, &adamw);
+      });
+  ASSERT_THAT(run.status(), IsOk());
+  const std::vector<float>& losses = run->losses;
+  const std::map<std::string, torch::Tensor>& trained = run->full_state;
 
   ASSERT_EQ(losses.size(), static_cast<size_t>(kSteps));
   EXPECT_EQ(losses, expected_losses);
@@ -158,11 +200,7 @@ TEST(TorchGptTest, LearnsTextUnderFsdpBitwiseAsSingleProcess) {
     std::printf("step %3d  loss %.3f\n", i, losses[i]);
   }
   std::printf("last ten steps' mean loss %.3f\n", last);
-  for (const auto& [name, tensor] : trained) {
-    EXPECT_TRUE(
-        torch::equal(tensor, reference->named_parameters()[name].detach()))
-        << name;
-  }
+  ExpectParamsEqual(trained, reference);
 
   // The checkpoint FsdpModule saved exports to Hugging Face safetensors
   // under GPT-2's names (as `fsdp checkpoint export` does).
@@ -191,52 +229,23 @@ TEST_P(TorchGptStrategiesTest, BitwiseAsSingleProcess) {
   constexpr int kWorld = 4;
   constexpr int kSteps = 3;
   constexpr int64_t kLocal = 2;
-  absl::StatusOr<TextBatches> text =
-      TextBatches::FromFile(kText, SmallConfig().n_positions);
-  ASSERT_THAT(text.status(), IsOk());
-  auto adamw_options = torch::optim::AdamWOptions(3e-3).weight_decay(0.01);
-
   Gpt reference = MakeGpt();
-  torch::optim::AdamW reference_adamw(TrainableTensors(*reference),
-                                      adamw_options);
+  torch::optim::AdamW reference_adamw(TrainableTensors(*reference), Adamw());
   FoldOptions fold;
   fold.world = kWorld;
   fold.shard_group_size = c.shard_group_size;
   fold.steps = kSteps;
-  std::vector<float> expected_losses = TrainFolded(
-      *reference, reference_adamw, fold, [&](int step, int, int rank) {
-        torch::Tensor batch = text->Batch(step, rank * kLocal, kLocal);
-        torch::Tensor inputs = batch.narrow(1, 0, text->seq());
-        return NextTokenLoss(reference->forward(inputs), batch);
-      });
+  std::vector<float> expected_losses =
+      TrainReference(reference, reference_adamw, fold, kLocal);
 
-  SimOptions sim;
-  sim.world_size = kWorld;
-  absl::StatusOr<std::unique_ptr<SimWorld>> world = SimWorld::Create(sim);
-  ASSERT_THAT(world.status(), IsOk());
   GptFsdpOptions options;
   options.strategy = c.strategy;
   options.shard_group_size = c.shard_group_size;
   options.recompute = c.recompute;
-  GptFsdpRun run0;
-  ASSERT_THAT((*world)->Run([&](SimCommunicator& comm) -> absl::Status {
-    HostDeviceOps device;
-    Gpt model = MakeGpt();
-    FLATPARAM_ASSIGN_OR_RETURN(
-        GptFsdpRun run,
-        TrainGptUnderFsdp(model, comm, device, *text, kSteps, kLocal,
-                          adamw_options, nullptr, nullptr, options));
-    if (comm.rank() == 0) run0 = std::move(run);
-    return absl::OkStatus();
-  }),
-              IsOk());
-  EXPECT_EQ(run0.losses, expected_losses);
-  ASSERT_FALSE(run0.full_state.empty());
-  for (const auto& [name, tensor] : run0.full_state) {
-    EXPECT_TRUE(
-        torch::equal(tensor, reference->named_parameters()[name].detach()))
-        << name;
-  }
+  absl::StatusOr<GptFsdpRun> run = TrainOnSim(kWorld, kSteps, kLocal, options);
+  ASSERT_THAT(run.status(), IsOk());
+  EXPECT_EQ(run->losses, expected_losses);
+  ExpectParamsEqual(run->full_state, reference);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -266,60 +275,24 @@ INSTANTIATE_TEST_SUITE_P(
 // bitwise single-process training that folds the first steps' gradients
 // over 2 ranks and the next over 4 (the same global batch of 8).
 TEST(TorchGptTest, SavesReshardsAndResumesBitwise) {
-  absl::StatusOr<TextBatches> text =
-      TextBatches::FromFile(kText, SmallConfig().n_positions);
-  ASSERT_THAT(text.status(), IsOk());
-  auto adamw_options = torch::optim::AdamWOptions(3e-3).weight_decay(0.01);
   const std::string dir = absl::StrCat(std::getenv("TEST_TMPDIR"), "/resume");
-
   Gpt reference = MakeGpt();
-  torch::optim::AdamW reference_adamw(TrainableTensors(*reference),
-                                      adamw_options);
-  auto loss = [&](int first_step, int64_t local) {
-    return [&, first_step, local](int step, int, int rank) {
-      torch::Tensor batch = text->Batch(first_step + step, rank * local, local);
-      return NextTokenLoss(reference->forward(batch.narrow(1, 0, text->seq())),
-                           batch);
-    };
-  };
+  torch::optim::AdamW reference_adamw(TrainableTensors(*reference), Adamw());
   FoldOptions before;
   before.world = 2;
   before.steps = 2;
   std::vector<float> expected =
-      TrainFolded(*reference, reference_adamw, before, loss(0, 4));
+      TrainReference(reference, reference_adamw, before, 4);
   FoldOptions after;
   after.world = 4;
   after.shard_group_size = 2;
   after.steps = 2;
-  for (float l : TrainFolded(*reference, reference_adamw, after, loss(2, 2))) {
+  for (float l : TrainReference(reference, reference_adamw, after, 2, 2)) {
     expected.push_back(l);
   }
 
-  std::vector<float> losses;
-  auto train = [&](int world_size, int64_t local, const GptFsdpOptions& options,
-                   const std::function<absl::Status(
-                       libtorch::FsdpModule&, torch::optim::Optimizer&)>& save)
-      -> absl::StatusOr<GptFsdpRun> {
-    SimOptions sim;
-    sim.world_size = world_size;
-    FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<SimWorld> world,
-                               SimWorld::Create(sim));
-    GptFsdpRun run0;
-    FLATPARAM_RETURN_IF_ERROR(
-        world->Run([&](SimCommunicator& comm) -> absl::Status {
-          HostDeviceOps device;
-          Gpt model = MakeGpt();
-          FLATPARAM_ASSIGN_OR_RETURN(
-              GptFsdpRun run,
-              TrainGptUnderFsdp(model, comm, device, *text, 2, local,
-                                adamw_options, nullptr, save, options));
-          if (comm.rank() == 0) run0 = std::move(run);
-          return absl::OkStatus();
-        }));
-    return run0;
-  };
-  absl::StatusOr<GptFsdpRun> first = train(
-      2, 4, GptFsdpOptions{},
+  absl::StatusOr<GptFsdpRun> first = TrainOnSim(
+      2, 2, 4, GptFsdpOptions{},
       [&](libtorch::FsdpModule& fsdp, torch::optim::Optimizer& adamw) {
         return fsdp.SaveCheckpoint(checkpoint::PosixFileSystem(), dir, &adamw);
       });
@@ -333,17 +306,13 @@ TEST(TorchGptTest, SavesReshardsAndResumesBitwise) {
                        torch::optim::Optimizer& adamw) {
     return fsdp.LoadCheckpoint(checkpoint::PosixFileSystem(), dir, &adamw);
   };
-  absl::StatusOr<GptFsdpRun> second = train(4, 2, resumed, nullptr);
+  absl::StatusOr<GptFsdpRun> second = TrainOnSim(4, 2, 2, resumed);
   ASSERT_THAT(second.status(), IsOk());
 
-  losses = first->losses;
+  std::vector<float> losses = first->losses;
   losses.insert(losses.end(), second->losses.begin(), second->losses.end());
   EXPECT_EQ(losses, expected);
-  for (const auto& [name, tensor] : second->full_state) {
-    EXPECT_TRUE(
-        torch::equal(tensor, reference->named_parameters()[name].detach()))
-        << name;
-  }
+  ExpectParamsEqual(second->full_state, reference);
 }
 
 // A GPT-2 checkpoint as Hugging Face publishes it ("gpt2"'s safetensors,
