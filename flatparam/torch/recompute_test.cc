@@ -203,13 +203,12 @@ TEST(RecomputeTest, FailuresInTheBackwardAreLibTorchErrors) {
   }
 }
 
+// The bitwise comparisons rely on torch_test_main's single intra-op
+// thread.
+TEST(TorchTestMainTest, OneIntraOpThread) {
+  EXPECT_EQ(torch::get_num_threads(), 1);
+}
+
 }  // namespace
 }  // namespace libtorch
 }  // namespace flatparam
-
-int main(int argc, char** argv) {
-  // One intra-op thread: LibTorch's kernels then reduce in one order.
-  torch::set_num_threads(1);
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
-}
