@@ -29,6 +29,31 @@
 //                                Communicator::AllGather / ReduceScatter of
 //                                the same bytes, wall time alike.
 //
+//   step/overlap:1, step/overlap:0
+//                                one training step of the gpt2 preset
+//                                (124 M float32 parameters, 14 units,
+//                                FULL_SHARD at world size 1) through
+//                                FsdpRuntime on CudaDeviceOps and the
+//                                one-rank NCCL communicator, its compute
+//                                synthetic kernels on the compute stream
+//                                (refmodel/synthetic_step.h: 2 P T / F per
+//                                unit forward, twice that backward, T =
+//                                2048 tokens, F = 100 TFLOP/s; spin_kernel.h
+//                                spins for that long on the GPU, so the
+//                                host runs ahead as with real kernels);
+//                                overlap:1 with BACKWARD_PRE prefetch,
+//                                overlap:0 without prefetch and each
+//                                reduction finished at once. Baseline: the
+//                                plan (sim/cost_model.h's PredictStep for
+//                                the same units, tokens and FLOP/s at world
+//                                size 1, which has no communication): the
+//                                counters compute_ms, exposed_ms (step -
+//                                compute: the copies, kernels and host
+//                                work the compute did not hide),
+//                                plan_step_ms, step_vs_plan. Wall time of
+//                                the step to the device's idle, 5 steps
+//                                after one that records the order.
+//
 // Timing. Copies and collectives: UseManualTime with CUDA events on the
 // stream the work runs on, recorded immediately around it (for collectives
 // around the NCCL call itself, TimedNcclApi, as nccl-tests does); the
@@ -55,6 +80,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -66,6 +92,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "benchmarks/bench_flags.h"
+#include "benchmarks/spin_kernel.h"
 #include "benchmarks/timed_nccl_api.h"
 #include "comm/communicator.h"
 #include "comm/conformance/bandwidth.h"
@@ -76,6 +103,11 @@
 #include "flatparam/device/device.h"
 #include "flatparam/handle.h"
 #include "flatparam/layout.h"
+#include "flatparam/model.h"
+#include "flatparam/presets.h"
+#include "flatparam/runtime.h"
+#include "refmodel/synthetic_step.h"
+#include "sim/cost_model.h"
 
 namespace flatparam {
 namespace bench {
@@ -426,6 +458,101 @@ void BM_Handle(benchmark::State& state) {
   if (!st.ok()) Fail(state, st);
 }
 
+// step/overlap:{1,0}; range(0): 1 with BACKWARD_PRE prefetch and
+// overlapped reductions, 0 without.
+constexpr char kStepModel[] = "gpt2";
+constexpr double kStepTokens = 2048;
+constexpr double kStepFlops = 100e12;
+
+void BM_Step(benchmark::State& state) {
+  const bool overlap = state.range(0) == 1;
+  Gpu* gpu = GpuOrSkip(state);
+  if (gpu == nullptr) return;
+  CudaDeviceOps& ops = *gpu->ops;
+  auto run = [&]() -> absl::Status {
+    FLATPARAM_ASSIGN_OR_RETURN(ModelSpec spec, PresetModel(kStepModel));
+    for (ParamSpec& p : spec.params) p.dtype = DType::kFloat32;
+    LayoutOptions lo;
+    lo.world_size = 1;
+    lo.strategy = ShardingStrategy::kFullShard;
+    FLATPARAM_ASSIGN_OR_RETURN(ModelLayout layout,
+                               ModelLayout::Create(spec, lo));
+    std::map<std::string, HostTensor> init;
+    std::map<std::string, ConstBufferRef> refs;
+    for (const ParamSpec& p : layout.spec().params) {
+      if (!p.tied_to.empty()) continue;
+      HostTensor t(DType::kFloat32, p.shape);
+      for (int64_t k = 0; k < t.numel(); ++k) t.SetDouble(k, 0.001 * (k % 7));
+      refs[p.fqn] = t.cref();
+      init.emplace(p.fqn, std::move(t));
+    }
+    FLATPARAM_ASSIGN_OR_RETURN(
+        std::vector<absl::Duration> forward,
+        refmodel::SyntheticForwardTimes(layout, kStepTokens, kStepFlops));
+    double compute = 0;
+    for (absl::Duration d : forward) compute += 3 * absl::ToDoubleSeconds(d);
+
+    RuntimeOptions options;
+    // The host runs ahead of the kernels, as a GPU trainer's does: the
+    // forward needs no prefetch to overlap (PyTorch's default).
+    options.forward_prefetch = false;
+    options.backward_prefetch =
+        overlap ? BackwardPrefetch::kBackwardPre : BackwardPrefetch::kNone;
+    FLATPARAM_ASSIGN_OR_RETURN(
+        std::unique_ptr<FsdpRuntime> rt,
+        FsdpRuntime::CreateFromNamedParams(layout, refs, gpu->comm.get(), &ops,
+                                           HandleOptions{}, options));
+    init.clear();  // the runtime holds the values on the device now
+    // On the current stream when the runtime calls: the compute stream.
+    const refmodel::KernelFn kernel =
+        [&ops](const refmodel::KernelCall& call) -> absl::Status {
+      return Cuda(LaunchSpinKernel(ops.stream(),
+                                   absl::ToInt64Nanoseconds(call.duration)),
+                  call.name);
+    };
+    auto step = [&]() -> absl::StatusOr<double> {
+      FLATPARAM_RETURN_IF_ERROR(
+          Cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));
+      return WallTime([&]() -> absl::Status {
+        FLATPARAM_RETURN_IF_ERROR(
+            refmodel::RunSyntheticStep(*rt, forward, kernel, !overlap));
+        FLATPARAM_RETURN_IF_ERROR(rt->ZeroGrad());
+        return Cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      });
+    };
+    FLATPARAM_RETURN_IF_ERROR(step().status());  // records the order
+    double total = 0;
+    for (auto _ : state) {
+      FLATPARAM_ASSIGN_OR_RETURN(double t, step());
+      state.SetIterationTime(t);
+      total += t;
+    }
+
+    cost::StepOptions plan_options;
+    plan_options.strategy = lo.strategy;
+    plan_options.link.nodes = 1;
+    plan_options.link.gpus_per_node = 1;
+    plan_options.tokens_per_rank = kStepTokens;
+    plan_options.peak_flops = kStepFlops;
+    plan_options.efficiency = 1;
+    plan_options.overlap = overlap;
+    plan_options.backward_prefetch = overlap;
+    FLATPARAM_ASSIGN_OR_RETURN(
+        cost::StepPrediction plan,
+        cost::PredictStep(cost::UnitsOf(layout), plan_options));
+    const double per_step =
+        total / static_cast<double>(std::max<int64_t>(1, state.iterations()));
+    state.counters["compute_ms"] = compute * 1e3;
+    state.counters["exposed_ms"] = (per_step - compute) * 1e3;
+    state.counters["plan_step_ms"] = plan.step_seconds * 1e3;
+    state.counters["plan_exposed_ms"] = plan.exposed_comm_seconds * 1e3;
+    state.counters["step_vs_plan"] = per_step / plan.step_seconds;
+    return absl::OkStatus();
+  };
+  const absl::Status st = run();
+  if (!st.ok()) Fail(state, st);
+}
+
 void Sizes(benchmark::internal::Benchmark* b, int64_t max_bytes,
            std::vector<int64_t> variants, const std::string& arg_name) {
   b->ArgNames({"bytes", arg_name});
@@ -454,6 +581,13 @@ void Register(int64_t max_bytes) {
         "reduce_scatter");
   Sizes(benchmark::RegisterBenchmark("handle", BM_Handle), max_bytes, {0, 1},
         "reduce_grad");
+  benchmark::RegisterBenchmark("step", BM_Step)
+      ->ArgName("overlap")
+      ->Arg(1)
+      ->Arg(0)
+      ->UseManualTime()
+      ->Unit(benchmark::kMillisecond)
+      ->Iterations(5);
 }
 
 }  // namespace
