@@ -120,7 +120,7 @@ std::unique_ptr<Communicator> RelabelCudaAsHost(Communicator* inner);
 
 // Everything a rank function gets.
 struct RankContext {
-  SimCommunicator& world;
+  Communicator& world;
   int world_rank;
   FlatParamHandle& handle;
   const FlatParamLayout& layout;
