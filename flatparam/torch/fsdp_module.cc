@@ -663,11 +663,14 @@ absl::Status FsdpModule::Backward(const torch::Tensor& loss,
   try {
     loss.backward({}, retain_graph);
   } catch (const c10::Error& e) {
-    // The backward was abandoned part-way (some units unsharded, some
-    // reductions issued): the module refuses further steps, as after a
-    // hook's failure.
-    Fail(absl::InvalidArgumentError(absl::StrCat(
-        "LibTorch error in the backward: ", e.what_without_backtrace())));
+    absl::Status error = absl::InvalidArgumentError(absl::StrCat(
+        "LibTorch error in the backward: ", e.what_without_backtrace()));
+    // Before any hook ran (a loss that needs no gradient, say) nothing
+    // changed. After one, the backward was abandoned part-way (units
+    // unsharded, reductions issued, no final callback): the module refuses
+    // further steps, as after a hook's failure.
+    if (!in_backward_) return error;
+    Fail(error);
   }
   return hook_error_;
 }

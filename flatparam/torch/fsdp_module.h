@@ -231,7 +231,9 @@ class FsdpModule {
       const std::function<torch::Tensor(const torch::Tensor&)>& forward,
       Recomputation where = Recomputation::kInsideUnit);
   // `loss.backward()` (with `retain_graph`), returning the first failure of
-  // the hooks, or the c10::Error the backward threw, as a Status.
+  // the hooks, or the c10::Error the backward threw, as a Status. A failure
+  // after the backward's first hook (a collective, a recompute) leaves the
+  // module failed: every later call returns FailedPrecondition with it.
   absl::Status Backward(const torch::Tensor& loss, bool retain_graph = false);
 
   // ---- The optimizer ----

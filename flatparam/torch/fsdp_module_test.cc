@@ -648,6 +648,11 @@ TEST(FsdpModuleErrorsTest, RecomputationFailuresAreStatuses) {
       EXPECT_NE(out.status().message().find("\"h.1\""), std::string::npos)
           << out.status();
 
+      // A backward that fails before any hook runs (a loss without a
+      // gradient) leaves the module usable.
+      EXPECT_EQ((*fsdp)->Backward(torch::zeros({1})).code(),
+                absl::StatusCode::kInvalidArgument);
+
       // The same module, failing only when recomputed.
       auto calls = std::make_shared<int>(0);
       out = forward("h.0", [calls, block0](const torch::Tensor& x) {
