@@ -1,34 +1,39 @@
+// FsdpModule: wrapping a module, binding its parameters to flatparam's
+// memory, and the forward's and backward's hooks. State dicts, optimizer
+// state and checkpoints are in fsdp_module_state.cc.
 #include "flatparam/torch/fsdp_module.h"
 
+#include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include "absl/memory/memory.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "flatparam/base/status_macros.h"
-#include "flatparam/checkpoint/checkpoint_dir.h"
-#include "flatparam/checkpoint/collective_checkpoint.h"
-#include "flatparam/checkpoint/convert.h"
-#include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/torch/internal/fsdp_module_internal.h"
 
 namespace flatparam {
 namespace libtorch {
-namespace {
+
+namespace internal_fsdp_module {
 
 absl::StatusOr<DType> FromTorch(c10::ScalarType type) {
   switch (type) {
@@ -65,72 +70,51 @@ torch::TensorOptions Options(DType dtype) {
   return torch::TensorOptions().dtype(ToTorch(dtype)).device(torch::kCPU);
 }
 
-// A CPU tensor over `buffer`'s memory (not owned).
 torch::Tensor Over(const BufferRef& buffer) {
   return torch::from_blob(buffer.data, {buffer.count}, Options(buffer.dtype));
 }
 
-// Runs `hook` after a gradient accumulator has accumulated (PyTorch's
-// post-accumulate-grad hook on the flat parameter).
-class PostAccumulateHook : public torch::autograd::FunctionPostHook {
- public:
-  explicit PostAccumulateHook(std::function<void()> hook)
-      : hook_(std::move(hook)) {}
-  torch::autograd::variable_list operator()(
-      const torch::autograd::variable_list& outputs,
-      const torch::autograd::variable_list& /*inputs*/) override {
-    hook_();
-    return outputs;
+void SwappableViews::Make(DType new_dtype, const FlatParamLayout& layout) {
+  torch::NoGradGuard no_grad;
+  dtype = new_dtype;
+  int64_t numel = 0;
+  for (const ParamInfo& p : layout.params()) {
+    numel = std::max(numel, p.offset + p.numel);
   }
-
- private:
-  std::function<void()> hook_;
-};
-
-// Tensors over one storage whose data pointer is swapped (see the file
-// comment of fsdp_module.h): one view per parameter.
-struct SwappableViews {
-  DType dtype = DType::kFloat32;
-  c10::Storage storage;
-  std::vector<torch::Tensor> views;
-  void* bound = nullptr;
-  bool made = false;
-
-  // (Re)makes the views for `dtype`; `layout` gives offsets and shapes.
-  void Make(DType new_dtype, const FlatParamLayout& layout) {
-    torch::NoGradGuard no_grad;
-    dtype = new_dtype;
-    int64_t numel = 0;
-    for (const ParamInfo& p : layout.params()) {
-      numel = std::max(numel, p.offset + p.numel);
+  const int64_t bytes = numel * DTypeSize(dtype);
+  storage = c10::Storage(c10::Storage::use_byte_size_t(), bytes,
+                         at::DataPtr(nullptr, at::Device(at::kCPU)),
+                         /*allocator=*/nullptr, /*resizable=*/false);
+  views.clear();
+  for (const ParamInfo& p : layout.params()) {
+    std::vector<int64_t> strides(p.shape.size(), 1);
+    for (int d = static_cast<int>(p.shape.size()) - 2; d >= 0; --d) {
+      strides[d] = strides[d + 1] * p.shape[d + 1];
     }
-    const int64_t bytes = numel * DTypeSize(dtype);
-    storage = c10::Storage(c10::Storage::use_byte_size_t(), bytes,
-                           at::DataPtr(nullptr, at::Device(at::kCPU)),
-                           /*allocator=*/nullptr, /*resizable=*/false);
-    views.clear();
-    for (const ParamInfo& p : layout.params()) {
-      std::vector<int64_t> strides(p.shape.size(), 1);
-      for (int d = static_cast<int>(p.shape.size()) - 2; d >= 0; --d) {
-        strides[d] = strides[d + 1] * p.shape[d + 1];
-      }
-      torch::Tensor view = torch::empty({0}, Options(dtype));
-      view.set_(storage, p.offset, p.shape, strides);
-      views.push_back(view);
-    }
-    bound = nullptr;
-    made = true;
+    torch::Tensor view = torch::empty({0}, Options(dtype));
+    view.set_(storage, p.offset, p.shape, strides);
+    views.push_back(view);
   }
+  bound = nullptr;
+}
 
-  // Points the storage at `buffer` (or at nothing).
-  void Point(const std::optional<BufferRef>& buffer) {
-    void* data = buffer ? buffer->data : nullptr;
-    if (data == bound) return;
-    storage.set_data_ptr_noswap(at::DataPtr(data, at::Device(at::kCPU)));
-    storage.set_nbytes(buffer ? buffer->bytes() : 0);
-    bound = data;
-  }
-};
+void SwappableViews::Point(const std::optional<BufferRef>& buffer) {
+  void* data = buffer ? buffer->data : nullptr;
+  if (data == bound) return;
+  storage.set_data_ptr_noswap(at::DataPtr(data, at::Device(at::kCPU)));
+  storage.set_nbytes(buffer ? buffer->bytes() : 0);
+  bound = data;
+}
+
+}  // namespace internal_fsdp_module
+
+using internal_fsdp_module::FromTorch;
+using internal_fsdp_module::Options;
+using internal_fsdp_module::Over;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+namespace {
 
 std::string Describe(const std::vector<std::string>& names) {
   std::vector<std::string> quoted;
@@ -139,35 +123,144 @@ std::string Describe(const std::vector<std::string>& names) {
   return absl::StrJoin(quoted, ", ");
 }
 
+// A Status for an exception the caller's forward threw, naming `where`.
+absl::Status ForwardException(const std::string& where) {
+  try {
+    throw;
+  } catch (const c10::Error& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("LibTorch error in the forward", where, ": ",
+                     e.what_without_backtrace(),
+                     " (if a parameter is empty: a unit's parameters hold "
+                     "values only inside its FsdpModule::Unit(...) call)"));
+  } catch (const std::exception& e) {
+    return absl::UnknownError(
+        absl::StrCat("exception in the forward", where, ": ", e.what()));
+  } catch (...) {
+    return absl::UnknownError(
+        absl::StrCat("an exception that is not a std::exception was thrown "
+                     "in the forward",
+                     where));
+  }
+}
+
+bool NeedsGradient(const torch::Tensor& t) {
+  return t.defined() && t.requires_grad();
+}
+
+// Whether the backward the engine runs now will run `node` (it is in the
+// graph, and a backward that computes only some gradients needs it).
+bool WillRun(Node* node) {
+  const std::unordered_set<Node*>* in_graph =
+      torch::autograd::get_current_graph_task_nodes_in_graph();
+  if (in_graph == nullptr || in_graph->count(node) == 0) return false;
+  const auto* exec = torch::autograd::get_current_graph_task_exec_info();
+  if (exec == nullptr || exec->empty()) return true;
+  auto it = exec->find(node);
+  return it != exec->end() && it->second.needed_;
+}
+
 }  // namespace
 
-struct FsdpModule::UnitState {
-  std::string name;
-  // The module's tensor of each layout parameter (primaries; a tied name is
-  // the same tensor).
-  std::vector<torch::Tensor> params;
-  std::vector<char> trainable;
-  // The gradient accumulator each trainable parameter's hook is on.
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
-  int num_trainable = 0;
-  bool has_frozen = false;
-  SwappableViews param_views;
-  SwappableViews grad_views;
-  // Whether the parameters are the views now (else empty tensors), and
-  // whether their grad() are the gradient views.
-  bool exposed = false;
-  bool grads_exposed = false;
-  // This backward.
-  bool pre_backward_ran = false;
-  bool post_backward_ran = false;
-  int grads_arrived = 0;
+// ---------------------------------------------------------------------------
+// The hooks: thin objects that call back into the module while it lives.
+
+struct FsdpModule::HookTarget {
+  FsdpModule* module = nullptr;
 };
 
-FsdpModule::FsdpModule(std::shared_ptr<torch::nn::Module> module,
-                       Communicator* world)
-    : module_(std::move(module)), world_(world) {}
+// On a trainable parameter's gradient accumulator: after it accumulated
+// (PyTorch's post-accumulate-grad hook on the flat parameter).
+class FsdpModule::AccumulateHook : public torch::autograd::FunctionPostHook {
+ public:
+  AccumulateHook(std::shared_ptr<HookTarget> target, int unit, int index)
+      : target_(std::move(target)), unit_(unit), index_(index) {}
+  variable_list operator()(const variable_list& outputs,
+                           const variable_list& /*inputs*/) override {
+    if (target_->module != nullptr) {
+      target_->module->OnGradAccumulated(unit_, index_);
+    }
+    return outputs;
+  }
 
-FsdpModule::~FsdpModule() = default;
+ private:
+  std::shared_ptr<HookTarget> target_;
+  int unit_;
+  int index_;
+};
+
+// Before an autograd node of a unit's forward runs: the unit is gathered
+// (if no output hook did it yet).
+class FsdpModule::NodePreHook : public torch::autograd::FunctionPreHook {
+ public:
+  NodePreHook(std::shared_ptr<HookTarget> target, int64_t iteration, int unit)
+      : target_(std::move(target)), iteration_(iteration), unit_(unit) {}
+  variable_list operator()(const variable_list& grads) override {
+    if (FsdpModule* m = target_->module) {
+      m->CheckHookIteration(iteration_);
+      m->OnNodeStart(unit_);
+    }
+    return grads;
+  }
+
+ private:
+  std::shared_ptr<HookTarget> target_;
+  int64_t iteration_;
+  int unit_;
+};
+
+// After it ran: one node fewer before the unit's backward is complete.
+class FsdpModule::NodePostHook : public torch::autograd::FunctionPostHook {
+ public:
+  NodePostHook(std::shared_ptr<HookTarget> target, int64_t iteration, int unit,
+               size_t node)
+      : target_(std::move(target)),
+        iteration_(iteration),
+        unit_(unit),
+        node_(node) {}
+  variable_list operator()(const variable_list& outputs,
+                           const variable_list& /*inputs*/) override {
+    FsdpModule* m = target_->module;
+    if (m != nullptr && m->iteration_ == iteration_) {
+      m->OnNodeDone(unit_, node_);
+    }
+    return outputs;
+  }
+
+ private:
+  std::shared_ptr<HookTarget> target_;
+  int64_t iteration_;
+  int unit_;
+  size_t node_;
+};
+
+// ---------------------------------------------------------------------------
+// Wrapping
+
+FsdpModule::FsdpModule(std::shared_ptr<torch::nn::Module> module,
+                       Communicator* world, bool use_orig_params)
+    : module_(std::move(module)),
+      world_(world),
+      use_orig_params_(use_orig_params),
+      hooks_(std::make_shared<HookTarget>()) {
+  hooks_->module = this;
+}
+
+FsdpModule::~FsdpModule() {
+  hooks_->module = nullptr;
+  // The module's parameters (and tensors autograd saved from them) must
+  // not point into the runtime's memory once it is freed.
+  torch::NoGradGuard no_grad;
+  for (auto& u : units_) {
+    torch::Tensor empty = torch::empty({0}, Options(u->param_views.dtype));
+    for (torch::Tensor& t : u->params) {
+      t.set_data(empty);
+      t.mutable_grad().reset();
+    }
+    u->param_views.Point(std::nullopt);
+    u->grad_views.Point(std::nullopt);
+  }
+}
 
 absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
     std::shared_ptr<torch::nn::Module> module, Communicator* world,
@@ -202,7 +295,8 @@ absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
         world->size(), " ranks)"));
   }
 
-  auto fsdp = absl::WrapUnique(new FsdpModule(module, world));
+  auto fsdp =
+      absl::WrapUnique(new FsdpModule(module, world, options.use_orig_params));
   ModelSpec spec;
   spec.name = module->name();
   spec.wrap = options.wrap;
@@ -282,10 +376,34 @@ absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
   LayoutOptions layout_options;
   layout_options.world_size = shard_size;
   layout_options.strategy = options.strategy;
-  layout_options.align_addresses = options.align_addresses;
+  layout_options.align_addresses =
+      options.align_addresses || options.use_orig_params;
   layout_options.compute_dtype = options.handle.param_dtype;
   FLATPARAM_ASSIGN_OR_RETURN(ModelLayout layout,
                              ModelLayout::Create(spec, layout_options));
+  // The flat path's optimizer steps a unit's whole shard: weight decay
+  // would move the frozen elements of a unit that mixes them.
+  if (!options.use_orig_params) {
+    for (const FlatParamLayout& fp : layout.flat_params()) {
+      const ParamInfo* frozen = nullptr;
+      const ParamInfo* trainable = nullptr;
+      for (const ParamInfo& p : fp.params()) {
+        (p.requires_grad ? trainable : frozen) = &p;
+      }
+      if (frozen != nullptr && trainable != nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "FsdpModule::Wrap: unit \"", fp.unit(),
+            "\" mixes frozen parameters (\"", frozen->fqn,
+            "\") and trainable ones (\"", trainable->fqn,
+            "\"); an optimizer over its flat shard would step the frozen "
+            "elements too (weight decay moves them). Set "
+            "FsdpOptions::use_orig_params = true (PyTorch's "
+            "use_orig_params=True: the optimizer steps each trainable "
+            "parameter's piece), or give the frozen parameters units of "
+            "their own"));
+      }
+    }
+  }
   FLATPARAM_ASSIGN_OR_RETURN(
       fsdp->runtime_,
       FsdpRuntime::CreateFromNamedParams(layout, initial, world, device,
@@ -295,6 +413,7 @@ absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
   // hold the values now.
   torch::NoGradGuard no_grad;
   const ModelLayout& final_layout = fsdp->runtime_->layout();
+  std::map<std::string, std::pair<int, int>> where;
   for (int u = 0; u < fsdp->runtime_->num_units(); ++u) {
     const FlatParamLayout& fp = final_layout.flat_params()[u];
     auto state = std::make_unique<UnitState>();
@@ -302,21 +421,44 @@ absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
     const FlatParamHandle& handle = fsdp->runtime_->handle(u);
     for (int i = 0; i < static_cast<int>(fp.params().size()); ++i) {
       state->params.push_back(tensors.at(fp.params()[i].fqn));
+      state->fqns.push_back(fp.params()[i].fqn);
       const bool trainable = handle.requires_grad(i);
       state->trainable.push_back(trainable ? 1 : 0);
       state->num_trainable += trainable ? 1 : 0;
-      state->has_frozen = state->has_frozen || !trainable;
+      where[fp.params()[i].fqn] = {u, i};
     }
     state->accumulators.resize(fp.params().size());
+    state->expected_graphs.resize(fp.params().size());
+    state->arrived.assign(fp.params().size(), 0);
     const DType dtype = options.handle.param_dtype.value_or(fp.dtype());
     state->param_views.Make(dtype, fp);
     state->grad_views.Make(dtype, fp);
     torch::Tensor empty = torch::empty({0}, Options(dtype));
     for (torch::Tensor& t : state->params) t.set_data(empty);
     fsdp->units_.push_back(std::move(state));
-    BufferRef shard = handle.sharded_param();
-    fsdp->sharded_params_.push_back(Over(shard).set_requires_grad(true));
+    if (!options.use_orig_params) {
+      fsdp->optimizer_tensors_.push_back(
+          Over(handle.sharded_param()).set_requires_grad(true));
+    }
   }
+  if (options.use_orig_params) {
+    // One tensor per original parameter, in named_parameters() order.
+    for (const auto& [name, t] : fsdp->wrapped_params_) {
+      auto it = where.find(name);
+      if (it == where.end() || tensors.count(name) == 0) continue;
+      auto [u, i] = it->second;
+      fsdp->orig_params_.push_back(OrigParam{name, u, i});
+      fsdp->optimizer_tensors_.push_back(torch::Tensor());
+    }
+  }
+  fsdp->bound_grads_.resize(fsdp->optimizer_tensors_.size());
+  fsdp->versions_at_forward_.resize(fsdp->optimizer_tensors_.size());
+  fsdp->training_ = module->is_training();
+  for (int u = 0; u < fsdp->runtime_->num_units(); ++u) {
+    FLATPARAM_RETURN_IF_ERROR(
+        fsdp->runtime_->handle(u).SetTraining(fsdp->training_));
+  }
+  fsdp->BindShardedGrads();
   return fsdp;
 }
 
@@ -327,26 +469,33 @@ std::vector<std::string> FsdpModule::unit_names() const {
 }
 
 absl::Status FsdpModule::CheckModuleUnchanged() const {
-  auto now = module_->named_parameters(/*recurse=*/true);
+  // named_parameters() builds an ordered dict of strings; walking the
+  // modules compares tensors without it.
   size_t i = 0;
-  for (const auto& item : now) {
+  absl::Status status;
+  auto check = [&](const std::string& name, const torch::Tensor& t) {
+    if (!status.ok()) return;
     if (i >= wrapped_params_.size()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the module has a parameter \"", item.key(),
+      status = absl::FailedPreconditionError(absl::StrCat(
+          "the module has a parameter \"", name,
           "\" it did not have when it was wrapped; wrap the module again "
           "(after FullStateDict) to change its parameters"));
+      return;
     }
-    const auto& [name, tensor] = wrapped_params_[i];
-    if (item.key() != name ||
-        item.value().unsafeGetTensorImpl() != tensor.unsafeGetTensorImpl()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the module's parameter \"", item.key(), "\" (number ", i,
-          ") is not the tensor \"", name,
+    if (t.unsafeGetTensorImpl() !=
+        wrapped_params_[i].second.unsafeGetTensorImpl()) {
+      status = absl::FailedPreconditionError(absl::StrCat(
+          "the module's parameter \"", name, "\" (number ", i,
+          ") is not the tensor \"", wrapped_params_[i].first,
           "\" it was wrapped with (a parameter replaced or reassigned "
           "after Wrap); wrap the module again to change its parameters"));
     }
     ++i;
+  };
+  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+    check(item.key(), item.value());
   }
+  FLATPARAM_RETURN_IF_ERROR(status);
   if (i != wrapped_params_.size()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the module lost parameter \"", wrapped_params_[i].first,
@@ -355,6 +504,9 @@ absl::Status FsdpModule::CheckModuleUnchanged() const {
   }
   return absl::OkStatus();
 }
+
+// ---------------------------------------------------------------------------
+// Binding the module's tensors to flatparam's memory
 
 absl::Status FsdpModule::Bind(int unit) {
   UnitState& u = *units_[unit];
@@ -378,11 +530,11 @@ absl::Status FsdpModule::Bind(int unit) {
     // accumulator: hook the one autograd will use from now on.
     for (size_t i = 0; i < u.params.size(); ++i) {
       if (!u.trainable[i]) continue;
-      std::shared_ptr<torch::autograd::Node> acc =
+      std::shared_ptr<Node> acc =
           torch::autograd::impl::grad_accumulator(u.params[i]);
       if (acc == nullptr || acc == u.accumulators[i]) continue;
-      acc->add_post_hook(std::make_unique<PostAccumulateHook>(
-          [this, unit] { OnGradAccumulated(unit); }));
+      acc->add_post_hook(
+          std::make_unique<AccumulateHook>(hooks_, unit, static_cast<int>(i)));
       u.accumulators[i] = std::move(acc);
     }
   } else {
@@ -423,135 +575,274 @@ absl::Status FsdpModule::BindAll() {
 
 void FsdpModule::BindShardedGrads() {
   torch::NoGradGuard no_grad;
-  for (int u = 0; u < static_cast<int>(units_.size()); ++u) {
-    const FlatParamHandle& handle = runtime_->handle(u);
-    torch::Tensor& shard = sharded_params_[u];
-    BufferRef param = handle.sharded_param();
-    if (shard.data_ptr() != param.data) shard.set_data(Over(param));
-    std::optional<BufferRef> grad = handle.sharded_grad();
-    if (grad.has_value()) {
-      shard.mutable_grad() = Over(*grad);
-    } else {
-      shard.mutable_grad().reset();
+  auto bind = [](torch::Tensor& t, const BufferRef& memory,
+                 const std::optional<BufferRef>& grad, torch::Tensor& bound,
+                 bool requires_grad) {
+    if (!t.defined() || (memory.count > 0 && t.data_ptr() != memory.data) ||
+        t.numel() != memory.count) {
+      torch::Tensor over = Over(memory);
+      if (t.defined()) {
+        t.set_data(over);
+      } else {
+        t = over.set_requires_grad(requires_grad);
+      }
     }
+    if (grad.has_value()) {
+      if (!bound.defined() || bound.data_ptr() != grad->data ||
+          bound.numel() != grad->count) {
+        bound = Over(*grad);
+      }
+      t.mutable_grad() = bound;
+    } else {
+      bound = torch::Tensor();
+      t.mutable_grad().reset();
+    }
+  };
+  if (!use_orig_params_) {
+    for (int u = 0; u < static_cast<int>(units_.size()); ++u) {
+      const FlatParamHandle& handle = runtime_->handle(u);
+      bind(optimizer_tensors_[u], handle.sharded_param(), handle.sharded_grad(),
+           bound_grads_[u], true);
+    }
+    return;
+  }
+  for (size_t k = 0; k < orig_params_.size(); ++k) {
+    const OrigParam& p = orig_params_[k];
+    const FlatParamHandle& handle = runtime_->handle(p.unit);
+    const ShardParamInfo info =
+        layout().flat_params()[p.unit].shard_param_info(handle.rank(), p.index);
+    BufferRef shard = handle.sharded_param();
+    BufferRef piece{static_cast<char*>(shard.data) +
+                        info.offset_in_shard * DTypeSize(shard.dtype),
+                    info.in_shard ? info.numel_in_shard : 0, shard.dtype,
+                    shard.device};
+    absl::StatusOr<std::optional<BufferRef>> grad =
+        handle.ShardedGradView(p.index);
+    bind(optimizer_tensors_[k], piece,
+         grad.ok() ? *grad : std::optional<BufferRef>(), bound_grads_[k],
+         handle.requires_grad(p.index));
   }
 }
 
 std::vector<torch::Tensor> FsdpModule::ShardedParameters() const {
-  return sharded_params_;
+  return optimizer_tensors_;
 }
 
-void FsdpModule::Fail(const absl::Status& status) {
-  if (hook_error_.ok()) hook_error_ = status;
-}
-
-void FsdpModule::RegisterPreBackward(const torch::Tensor& output, int unit) {
-  output.register_hook(
-      [this, unit](const torch::Tensor&) { OnPreBackward(unit); });
-}
-
-void FsdpModule::BeginBackward() {
-  if (in_backward_) return;
-  in_backward_ = true;
-  for (auto& u : units_) {
-    u->pre_backward_ran = false;
-    u->post_backward_ran = false;
-    u->grads_arrived = 0;
+absl::StatusOr<std::vector<std::pair<std::string, torch::Tensor>>>
+FsdpModule::NamedShardedParameters() const {
+  if (!use_orig_params_) {
+    return absl::FailedPreconditionError(
+        "FsdpModule::NamedShardedParameters needs FsdpOptions::"
+        "use_orig_params (without it the optimizer steps one flat shard per "
+        "unit: ShardedParameters())");
   }
-  torch::autograd::Engine::get_default_engine().queue_callback(
-      [this] { OnBackwardEnd(); });
-}
-
-void FsdpModule::OnPreBackward(int unit) {
-  if (!hook_error_.ok()) TORCH_CHECK(false, hook_error_.ToString());
-  BeginBackward();
-  UnitState& u = *units_[unit];
-  if (u.pre_backward_ran) return;
-  u.pre_backward_ran = true;
-  absl::Status status = runtime_->PreBackward(unit);
-  if (status.ok()) status = Bind(unit);
-  if (!status.ok()) {
-    Fail(status);
-    TORCH_CHECK(false, status.ToString());
-  }
-}
-
-void FsdpModule::OnGradAccumulated(int unit) {
-  UnitState& u = *units_[unit];
-  if (!in_backward_ || !u.pre_backward_ran || u.post_backward_ran) return;
-  ++u.grads_arrived;
-  if (u.has_frozen || u.grads_arrived < u.num_trainable) return;
-  u.post_backward_ran = true;
-  ++stats_.reductions_in_backward;
-  absl::Status status = runtime_->PostBackward(unit);
-  if (status.ok()) status = Bind(unit);
-  if (!status.ok()) {
-    Fail(status);
-    TORCH_CHECK(false, status.ToString());
-  }
-}
-
-void FsdpModule::OnBackwardEnd() {
-  // Recorded, not thrown: the engine has finished the graph; Backward()
-  // (or the next Forward) reports it.
-  absl::Status status = hook_error_;
-  for (int u = 0; u < static_cast<int>(units_.size()) && status.ok(); ++u) {
-    UnitState& state = *units_[u];
-    if (!state.pre_backward_ran || state.post_backward_ran) continue;
-    state.post_backward_ran = true;
-    ++stats_.reductions_at_end;
-    status = runtime_->PostBackward(u);
-  }
-  absl::Status finalize = runtime_->FinalizeBackward();
-  if (status.ok()) status = finalize;
-  absl::Status bind = BindAll();
-  if (status.ok()) status = bind;
-  BindShardedGrads();
-  in_backward_ = false;
-  ++stats_.backwards;
-  Fail(status);
-}
-
-const char* RecomputationName(Recomputation r) {
-  switch (r) {
-    case Recomputation::kNone:
-      return "none";
-    case Recomputation::kInsideUnit:
-      return "inside";
-    case Recomputation::kAroundUnit:
-      break;
-  }
-  return "around";
-}
-
-absl::StatusOr<torch::Tensor> FsdpModule::RunUnit(
-    int unit, const std::function<absl::StatusOr<torch::Tensor>()>& forward) {
-  FLATPARAM_RETURN_IF_ERROR(runtime_->PreForward(unit));
-  FLATPARAM_RETURN_IF_ERROR(Bind(unit));
-  absl::StatusOr<torch::Tensor> out;
-  try {
-    out = forward();
-  } catch (const c10::Error& e) {
-    const std::string& name = units_[unit]->name;
-    out = absl::InvalidArgumentError(absl::StrCat(
-        "LibTorch error in the forward",
-        name.empty() ? "" : absl::StrCat(" of unit \"", name, "\""), ": ",
-        e.what_without_backtrace(),
-        " (if a parameter is empty: a unit's parameters hold values only "
-        "inside its FsdpModule::Unit(...) call)"));
-  }
-  absl::Status post = runtime_->PostForward(unit);
-  if (post.ok()) post = Bind(unit);
-  FLATPARAM_RETURN_IF_ERROR(out.status());
-  FLATPARAM_RETURN_IF_ERROR(post);
-  if (out->defined() && out->requires_grad() && torch::GradMode::is_enabled()) {
-    RegisterPreBackward(*out, unit);
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (size_t k = 0; k < orig_params_.size(); ++k) {
+    out.emplace_back(orig_params_[k].fqn, optimizer_tensors_[k]);
   }
   return out;
 }
 
-absl::StatusOr<torch::Tensor> FsdpModule::Forward(
-    const std::function<absl::StatusOr<torch::Tensor>()>& forward) {
+// ---------------------------------------------------------------------------
+// Iterations
+
+bool FsdpModule::OptimizerStepped() const {
+  for (size_t k = 0; k < optimizer_tensors_.size(); ++k) {
+    if (static_cast<uint32_t>(optimizer_tensors_[k]._version()) !=
+        versions_at_forward_[k]) {
+      return true;
+    }
+  }
+  return false;
+}
+
+absl::Status FsdpModule::SyncFromModule() {
+  // module->eval() / train().
+  const bool training = module_->is_training();
+  if (training != training_) {
+    for (int u = 0; u < runtime_->num_units(); ++u) {
+      FLATPARAM_RETURN_IF_ERROR(runtime_->handle(u).SetTraining(training));
+    }
+    training_ = training;
+  }
+  // requires_grad changed on the module's parameters.
+  for (int unit = 0; unit < static_cast<int>(units_.size()); ++unit) {
+    UnitState& u = *units_[unit];
+    FlatParamHandle& handle = runtime_->handle(unit);
+    bool changed = false;
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      changed =
+          changed || (u.params[i].requires_grad() != (u.trainable[i] != 0));
+    }
+    if (!changed) continue;
+    if (!use_orig_params_) {
+      const bool first = u.params[0].requires_grad();
+      for (size_t i = 1; i < u.params.size(); ++i) {
+        if (u.params[i].requires_grad() != first) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "parameter \"", u.fqns[i], "\" of unit \"", u.name,
+              "\" has requires_grad=", u.params[i].requires_grad() ? 1 : 0,
+              " and \"", u.fqns[0], "\" requires_grad=", first ? 1 : 0,
+              " (changed after Wrap); without FsdpOptions::use_orig_params a "
+              "unit's parameters are all frozen or all trainable: change "
+              "every parameter of the unit, or wrap with use_orig_params"));
+        }
+      }
+      FLATPARAM_RETURN_IF_ERROR(handle.SetAllRequiresGrad(first));
+    } else {
+      for (size_t i = 0; i < u.params.size(); ++i) {
+        const bool now = u.params[i].requires_grad();
+        if (now == (u.trainable[i] != 0)) continue;
+        FLATPARAM_RETURN_IF_ERROR(
+            handle.SetRequiresGrad(static_cast<int>(i), now));
+      }
+    }
+    u.num_trainable = 0;
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      u.trainable[i] = handle.requires_grad(static_cast<int>(i)) ? 1 : 0;
+      u.num_trainable += u.trainable[i];
+    }
+  }
+  for (size_t k = 0; k < orig_params_.size(); ++k) {
+    const bool trainable =
+        units_[orig_params_[k].unit]->trainable[orig_params_[k].index] != 0;
+    if (optimizer_tensors_[k].requires_grad() != trainable) {
+      optimizer_tensors_[k].set_requires_grad(trainable);
+    }
+  }
+  // The caller's changes to the optimizer tensors' gradients: set to None
+  // (zero_grad(set_to_none)) or replaced.
+  for (size_t k = 0; k < optimizer_tensors_.size(); ++k) {
+    const torch::Tensor& grad = optimizer_tensors_[k].grad();
+    const torch::Tensor& bound = bound_grads_[k];
+    if (grad.defined() && bound.defined() &&
+        grad.unsafeGetTensorImpl() == bound.unsafeGetTensorImpl()) {
+      continue;
+    }
+    if (!grad.defined() && !bound.defined()) continue;
+    const int unit =
+        use_orig_params_ ? orig_params_[k].unit : static_cast<int>(k);
+    FlatParamHandle& handle = runtime_->handle(unit);
+    if (!grad.defined()) {
+      FLATPARAM_RETURN_IF_ERROR(use_orig_params_
+                                    ? handle.SetGradNone(orig_params_[k].index)
+                                    : handle.ZeroGrad(/*set_to_none=*/true));
+      continue;
+    }
+    const std::string what =
+        use_orig_params_
+            ? absl::StrCat("parameter \"", orig_params_[k].fqn, "\"")
+            : absl::StrCat("unit \"", units_[unit]->name, "\"");
+    if (!bound.defined() || grad.numel() != bound.numel() ||
+        grad.scalar_type() != bound.scalar_type()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the gradient of ShardedParameters() of ", what,
+          " was replaced by a tensor of ", grad.numel(), " ",
+          c10::toString(grad.scalar_type()),
+          " elements; FSDP's gradient there ",
+          bound.defined()
+              ? absl::StrCat("has ", bound.numel(), " ",
+                             c10::toString(bound.scalar_type()), " elements")
+              : std::string("is None"),
+          ". Change it in place, or set it to None"));
+    }
+    torch::NoGradGuard no_grad;
+    bound.copy_(grad.reshape({-1}));
+  }
+  BindShardedGrads();
+  return absl::OkStatus();
+}
+
+absl::Status FsdpModule::EndForwardOnlyIteration() {
+  absl::Status status = runtime_->FinalizeBackward();
+  absl::Status bind = BindAll();
+  if (status.ok()) status = bind;
+  iteration_ended_early_ = true;
+  ++stats_.forward_only_iterations;
+  return status;
+}
+
+absl::Status FsdpModule::BetweenIterations(absl::string_view op) {
+  if (in_forward_ || in_backward_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("FsdpModule::", op, " inside a ",
+                     in_forward_ ? "forward" : "backward"));
+  }
+  if (runtime_->in_iteration() && !backward_began_) {
+    return EndForwardOnlyIteration();
+  }
+  return absl::OkStatus();
+}
+
+void FsdpModule::CheckHookIteration(int64_t iteration) const {
+  TORCH_CHECK(iteration == iteration_ && !iteration_ended_early_,
+              "FsdpModule: this backward runs over the graph of a forward "
+              "whose iteration has ended (a later forward began, or a call "
+              "that needs the module between iterations ended a forward "
+              "without backward); run the forward again");
+}
+
+absl::StatusOr<FsdpModule::Outputs> FsdpModule::RunUnit(
+    int unit, const std::function<absl::StatusOr<Outputs>()>& forward) {
+  FLATPARAM_RETURN_IF_ERROR(runtime_->PreForward(unit));
+  FLATPARAM_RETURN_IF_ERROR(Bind(unit));
+  const uint64_t first = at::sequence_number::peek();
+  absl::StatusOr<Outputs> out;
+  try {
+    out = forward();
+  } catch (...) {
+    const std::string& name = units_[unit]->name;
+    out = ForwardException(
+        name.empty() ? "" : absl::StrCat(" of unit \"", name, "\""));
+  }
+  const uint64_t end = at::sequence_number::peek();
+  absl::Status post = runtime_->PostForward(unit);
+  if (post.ok()) post = Bind(unit);
+  FLATPARAM_RETURN_IF_ERROR(out.status());
+  FLATPARAM_RETURN_IF_ERROR(post);
+  if (torch::GradMode::is_enabled()) {
+    TrackNodes(unit, *out, first, end, /*gather=*/true);
+    for (const torch::Tensor& t : *out) {
+      if (NeedsGradient(t)) RegisterPreBackward(t, unit);
+    }
+  }
+  return out;
+}
+
+void FsdpModule::TrackNodes(int unit, const Outputs& outputs, uint64_t first,
+                            uint64_t end, bool gather) {
+  if (first == end) return;
+  UnitState& u = *units_[unit];
+  std::unordered_set<Node*> seen;
+  std::vector<std::shared_ptr<Node>> stack;
+  auto consider = [&](const std::shared_ptr<Node>& node) {
+    if (node == nullptr) return;
+    const uint64_t seq = node->sequence_nr();
+    if (seq < first || seq >= end || !seen.insert(node.get()).second) return;
+    stack.push_back(node);
+  };
+  for (const torch::Tensor& t : outputs) {
+    if (t.defined()) consider(t.grad_fn());
+  }
+  while (!stack.empty()) {
+    std::shared_ptr<Node> node = std::move(stack.back());
+    stack.pop_back();
+    const size_t index = u.nodes.size();
+    u.nodes.push_back({node, false, false});
+    if (gather) {
+      node->add_pre_hook(
+          std::make_unique<NodePreHook>(hooks_, iteration_, unit));
+    }
+    node->add_post_hook(
+        std::make_unique<NodePostHook>(hooks_, iteration_, unit, index));
+    for (const torch::autograd::Edge& edge : node->next_edges()) {
+      consider(edge.function);
+    }
+  }
+}
+
+absl::StatusOr<FsdpModule::Outputs> FsdpModule::RunForward(
+    const std::function<absl::StatusOr<Outputs>()>& forward) {
   if (!hook_error_.ok()) {
     return absl::FailedPreconditionError(
         absl::StrCat("a previous backward failed: ", hook_error_.ToString()));
@@ -560,28 +851,88 @@ absl::StatusOr<torch::Tensor> FsdpModule::Forward(
     return absl::FailedPreconditionError(
         "FsdpModule::Forward inside Forward (use Unit for a unit's forward)");
   }
+  if (in_backward_) {
+    return absl::FailedPreconditionError(
+        "FsdpModule::Forward inside a backward");
+  }
   FLATPARAM_RETURN_IF_ERROR(CheckModuleUnchanged());
-  in_forward_ = true;
-  absl::StatusOr<torch::Tensor> out;
-  std::optional<int> root = runtime_->root_unit();
-  if (root.has_value()) {
-    out = RunUnit(*root, forward);
-  } else {
-    try {
-      out = forward();
-    } catch (const c10::Error& e) {
-      out = absl::InvalidArgumentError(absl::StrCat(
-          "LibTorch error in the forward: ", e.what_without_backtrace()));
+  // A forward whose loss was never back-propagated, then an optimizer step:
+  // the root's gathered parameters are stale; that iteration is over.
+  if (runtime_->in_iteration() && !backward_began_ && OptimizerStepped()) {
+    FLATPARAM_RETURN_IF_ERROR(EndForwardOnlyIteration());
+  }
+  if (!runtime_->in_iteration()) {
+    ++iteration_;
+    iteration_ended_early_ = false;
+    backward_began_ = false;
+    for (auto& u : units_) u->nodes.clear();
+    FLATPARAM_RETURN_IF_ERROR(SyncFromModule());
+  }
+  struct InForward {
+    bool* flag;
+    explicit InForward(bool* f) : flag(f) { *flag = true; }
+    ~InForward() { *flag = false; }
+  };
+  absl::StatusOr<Outputs> out;
+  bool hooked = false;
+  {
+    InForward in_forward(&in_forward_);
+    std::optional<int> root = runtime_->root_unit();
+    if (root.has_value()) {
+      out = RunUnit(*root, forward);
+    } else {
+      try {
+        out = forward();
+      } catch (...) {
+        out = ForwardException("");
+      }
     }
-    // Without a root unit no pre-backward hook marks the backward's start;
-    // this one does, before any recompute in the backward runs a unit.
-    if (out.ok() && out->defined() && out->requires_grad() &&
-        torch::GradMode::is_enabled()) {
-      out->register_hook([this](const torch::Tensor&) { BeginBackward(); });
+    if (out.ok() && torch::GradMode::is_enabled()) {
+      for (const torch::Tensor& t : *out) {
+        if (!NeedsGradient(t)) continue;
+        hooked = true;
+        // Without a root unit no pre-backward hook marks the backward's
+        // start; this one does, on the outermost graph, before any
+        // recompute in the backward runs a unit.
+        if (!root.has_value()) {
+          t.register_hook(
+              [target = hooks_, iteration = iteration_](const torch::Tensor&) {
+                if (FsdpModule* m = target->module) {
+                  m->CheckHookIteration(iteration);
+                  m->BeginBackward();
+                }
+              });
+        }
+      }
     }
   }
-  in_forward_ = false;
+  for (size_t k = 0; k < optimizer_tensors_.size(); ++k) {
+    versions_at_forward_[k] =
+        static_cast<uint32_t>(optimizer_tensors_[k]._version());
+  }
+  // Nothing will run a backward over this forward (evaluation, or a
+  // failed forward): the iteration ends here, as PyTorch's does.
+  if (!hooked) {
+    absl::Status ended = EndForwardOnlyIteration();
+    if (out.ok() && !ended.ok()) return ended;
+  }
   return out;
+}
+
+absl::StatusOr<torch::Tensor> FsdpModule::Forward(
+    const std::function<absl::StatusOr<torch::Tensor>()>& forward) {
+  FLATPARAM_ASSIGN_OR_RETURN(
+      Outputs out, RunForward([&]() -> absl::StatusOr<Outputs> {
+        FLATPARAM_ASSIGN_OR_RETURN(torch::Tensor t, forward());
+        return Outputs{std::move(t)};
+      }));
+  return std::move(out[0]);
+}
+
+absl::StatusOr<torch::autograd::variable_list> FsdpModule::Forward(
+    const std::function<absl::StatusOr<torch::autograd::variable_list>()>&
+        forward) {
+  return RunForward(forward);
 }
 
 absl::StatusOr<int> FsdpModule::UnitIndex(absl::string_view name) const {
@@ -607,8 +958,18 @@ absl::StatusOr<int> FsdpModule::UnitIndex(absl::string_view name) const {
 absl::StatusOr<torch::Tensor> FsdpModule::Unit(
     absl::string_view name, const std::function<torch::Tensor()>& forward) {
   FLATPARAM_ASSIGN_OR_RETURN(int unit, UnitIndex(name));
-  return RunUnit(unit,
-                 [&]() -> absl::StatusOr<torch::Tensor> { return forward(); });
+  FLATPARAM_ASSIGN_OR_RETURN(Outputs out,
+                             RunUnit(unit, [&]() -> absl::StatusOr<Outputs> {
+                               return Outputs{forward()};
+                             }));
+  return std::move(out[0]);
+}
+
+absl::StatusOr<torch::autograd::variable_list> FsdpModule::Unit(
+    absl::string_view name,
+    const std::function<torch::autograd::variable_list()>& forward) {
+  FLATPARAM_ASSIGN_OR_RETURN(int unit, UnitIndex(name));
+  return RunUnit(unit, [&]() -> absl::StatusOr<Outputs> { return forward(); });
 }
 
 absl::StatusOr<torch::Tensor> FsdpModule::RecomputedUnit(
@@ -618,13 +979,9 @@ absl::StatusOr<torch::Tensor> FsdpModule::RecomputedUnit(
   FLATPARAM_ASSIGN_OR_RETURN(int unit, UnitIndex(name));
   switch (where) {
     case Recomputation::kNone:
-      return RunUnit(unit, [&]() -> absl::StatusOr<torch::Tensor> {
-        return forward(input);
-      });
+      return Unit(name, [&] { return forward(input); });
     case Recomputation::kInsideUnit:
-      return RunUnit(unit, [&]() -> absl::StatusOr<torch::Tensor> {
-        return Recompute(forward, input);
-      });
+      return Unit(name, [&] { return Recompute(forward, input); });
     case Recomputation::kAroundUnit:
       break;
   }
@@ -634,9 +991,9 @@ absl::StatusOr<torch::Tensor> FsdpModule::RecomputedUnit(
   // call in the forward, for Backward() in the backward (Fail).
   around_failure_ = absl::OkStatus();
   auto run = [this, unit, forward](const torch::Tensor& x) -> torch::Tensor {
-    absl::StatusOr<torch::Tensor> out = RunUnit(
-        unit, [&]() -> absl::StatusOr<torch::Tensor> { return forward(x); });
-    if (out.ok()) return *out;
+    absl::StatusOr<Outputs> out = RunUnit(
+        unit, [&]() -> absl::StatusOr<Outputs> { return Outputs{forward(x)}; });
+    if (out.ok()) return (*out)[0];
     if (in_backward_) {
       Fail(out.status());
     } else {
@@ -644,14 +1001,216 @@ absl::StatusOr<torch::Tensor> FsdpModule::RecomputedUnit(
     }
     C10_THROW_ERROR(Error, out.status().ToString());
   };
+  const uint64_t first = at::sequence_number::peek();
+  torch::Tensor out;
   try {
-    return Recompute(run, input);
+    out = Recompute(run, input);
   } catch (const c10::Error& e) {
     if (!around_failure_.ok()) return std::exchange(around_failure_, {});
     return absl::InvalidArgumentError(
         absl::StrCat("LibTorch error around the forward of unit \"", name,
                      "\": ", e.what_without_backtrace()));
   }
+  // The unit's backward is complete only once every recompute that runs
+  // it again has run (a unit applied twice is recomputed twice): count the
+  // recompute's node, without gathering the unit there (its forward hooks
+  // inside the recompute do that).
+  if (torch::GradMode::is_enabled()) {
+    TrackNodes(unit, {out}, first, at::sequence_number::peek(),
+               /*gather=*/false);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// The backward
+
+void FsdpModule::Fail(const absl::Status& status) {
+  if (hook_error_.ok()) hook_error_ = status;
+}
+
+void FsdpModule::RegisterPreBackward(const torch::Tensor& output, int unit) {
+  output.register_hook(
+      [target = hooks_, iteration = iteration_, unit](const torch::Tensor&) {
+        if (FsdpModule* m = target->module) {
+          m->CheckHookIteration(iteration);
+          m->OnPreBackward(unit);
+        }
+      });
+}
+
+void FsdpModule::BeginBackward() {
+  if (in_backward_) return;
+  // PyTorch: "FSDP does not support gradients of gradients". The engine
+  // runs a create_graph backward with gradient mode on.
+  TORCH_CHECK(!torch::GradMode::is_enabled(),
+              "FsdpModule does not support gradients of gradients (a "
+              "backward with create_graph=true), as PyTorch's FSDP does not");
+  in_backward_ = true;
+  backward_began_ = true;
+  ++backward_serial_;
+  for (auto& u : units_) {
+    u->pre_backward_ran = false;
+    u->post_backward_ran = false;
+    u->scanned.clear();
+    std::fill(u->arrived.begin(), u->arrived.end(), 0);
+    u->expected_graphs.assign(u->params.size(), {});
+    u->expected_left = 0;
+    u->nodes_left = 0;
+    u->any_arrived = false;
+    u->tracked = false;
+    for (UnitState::TrackedNode& node : u->nodes) {
+      node.counted = false;
+      node.done = false;
+    }
+  }
+  for (int unit = 0; unit < static_cast<int>(units_.size()); ++unit) {
+    ScanGraph(unit);
+  }
+  torch::autograd::Engine::get_default_engine().queue_callback(
+      [target = hooks_] {
+        if (FsdpModule* m = target->module) m->OnBackwardEnd();
+      });
+}
+
+void FsdpModule::ScanGraph(int unit) {
+  UnitState& u = *units_[unit];
+  const std::pair<uint64_t, uint64_t> graph{backward_serial_,
+                                            internal::RecomputeGraphId()};
+  if (std::find(u.scanned.begin(), u.scanned.end(), graph) != u.scanned.end()) {
+    return;
+  }
+  u.scanned.push_back(graph);
+  for (UnitState::TrackedNode& tracked : u.nodes) {
+    if (tracked.counted) continue;
+    std::shared_ptr<Node> node = tracked.node.lock();
+    if (node == nullptr || !WillRun(node.get())) continue;
+    tracked.counted = true;
+    ++u.nodes_left;
+    u.tracked = true;
+  }
+  for (size_t i = 0; i < u.params.size(); ++i) {
+    if (!u.trainable[i] || u.accumulators[i] == nullptr ||
+        !WillRun(u.accumulators[i].get())) {
+      continue;
+    }
+    u.expected_graphs[i].push_back(graph.second);
+    ++u.expected_left;
+    u.tracked = true;
+  }
+}
+
+void FsdpModule::MaybeFinishUnit(int unit) {
+  UnitState& u = *units_[unit];
+  if (!in_backward_ || !u.pre_backward_ran || u.post_backward_ran) return;
+  if (!u.tracked || u.nodes_left > 0 || u.expected_left > 0) return;
+  u.post_backward_ran = true;
+  // Nothing reached its trainable parameters (torch::autograd::grad):
+  // nothing to reduce; FinalizeBackward reshards it.
+  if (u.num_trainable > 0 && !u.any_arrived) {
+    ++stats_.units_without_gradient;
+    return;
+  }
+  ++stats_.reductions_in_backward;
+  absl::Status status = runtime_->PostBackward(unit);
+  if (status.ok()) status = Bind(unit);
+  if (!status.ok()) {
+    Fail(status);
+    TORCH_CHECK(false, status.ToString());
+  }
+}
+
+void FsdpModule::OnPreBackward(int unit) {
+  if (!hook_error_.ok()) TORCH_CHECK(false, hook_error_.ToString());
+  BeginBackward();
+  ScanGraph(unit);
+  UnitState& u = *units_[unit];
+  if (u.pre_backward_ran) return;
+  u.pre_backward_ran = true;
+  absl::Status status = runtime_->PreBackward(unit);
+  if (status.ok()) status = Bind(unit);
+  if (!status.ok()) {
+    Fail(status);
+    TORCH_CHECK(false, status.ToString());
+  }
+}
+
+void FsdpModule::OnNodeStart(int unit) { OnPreBackward(unit); }
+
+void FsdpModule::OnNodeDone(int unit, size_t node) {
+  if (!in_backward_) return;
+  UnitState& u = *units_[unit];
+  if (node >= u.nodes.size()) return;
+  UnitState::TrackedNode& tracked = u.nodes[node];
+  if (!tracked.counted || tracked.done) return;
+  tracked.done = true;
+  --u.nodes_left;
+  MaybeFinishUnit(unit);
+}
+
+void FsdpModule::OnGradAccumulated(int unit, int index) {
+  if (!in_backward_) return;
+  UnitState& u = *units_[unit];
+  if (u.post_backward_ran) {
+    // Never drop a gradient: this one came after the unit's reduction (a
+    // backward flatparam's hooks did not see coming, such as a reentrant
+    // backward of the caller's own).
+    absl::Status late = absl::InternalError(absl::StrCat(
+        "parameter \"", u.fqns[index], "\" of unit \"", u.name,
+        "\" received a gradient after the unit's gradients were reduced "
+        "(its backward looked complete); a reentrant backward other than "
+        "flatparam's Recompute inside the unit is not supported"));
+    Fail(late);
+    TORCH_CHECK(false, late.ToString());
+  }
+  std::vector<uint64_t>& graphs = u.expected_graphs[index];
+  auto it =
+      std::find(graphs.begin(), graphs.end(), internal::RecomputeGraphId());
+  if (it != graphs.end()) {
+    graphs.erase(it);
+    --u.expected_left;
+  }
+  u.arrived[index] = 1;
+  u.any_arrived = true;
+  MaybeFinishUnit(unit);
+}
+
+void FsdpModule::OnBackwardEnd() {
+  // Recorded, not thrown: the engine has finished the graph; Backward()
+  // (or the next Forward) reports it.
+  absl::Status status = hook_error_;
+  for (int unit = 0; unit < static_cast<int>(units_.size()) && status.ok();
+       ++unit) {
+    UnitState& u = *units_[unit];
+    if (!u.pre_backward_ran || u.post_backward_ran) continue;
+    u.post_backward_ran = true;
+    if (u.num_trainable > 0 && !u.any_arrived) {
+      ++stats_.units_without_gradient;
+      continue;
+    }
+    ++stats_.reductions_at_end;
+    status = runtime_->PostBackward(unit);
+  }
+  absl::Status finalize = runtime_->FinalizeBackward();
+  if (status.ok()) status = finalize;
+  absl::Status bind = BindAll();
+  if (status.ok()) status = bind;
+  BindShardedGrads();
+  in_backward_ = false;
+  ++stats_.backwards;
+  Fail(status);
+}
+
+const char* RecomputationName(Recomputation r) {
+  switch (r) {
+    case Recomputation::kNone:
+      return "none";
+    case Recomputation::kInsideUnit:
+      return "inside";
+    case Recomputation::kAroundUnit:
+      break;
+  }
+  return "around";
 }
 
 absl::Status FsdpModule::Backward(const torch::Tensor& loss,
@@ -663,12 +1222,32 @@ absl::Status FsdpModule::Backward(const torch::Tensor& loss,
   try {
     loss.backward({}, retain_graph);
   } catch (const c10::Error& e) {
+    // A parameter's storage is empty outside its unit: a tensor made in a
+    // unit's forward reached the loss without passing through the unit's
+    // outputs, so nothing gathered the unit for its backward.
+    std::string hint;
+    if (absl::StrContains(e.what_without_backtrace(), "storage of size 0")) {
+      std::vector<std::string> sharded;
+      for (int unit = 0; unit < static_cast<int>(units_.size()); ++unit) {
+        if (!units_[unit]->nodes.empty() && !units_[unit]->exposed) {
+          sharded.push_back(units_[unit]->name);
+        }
+      }
+      hint = absl::StrCat(
+          " (a unit's parameters are empty outside its Unit(...) call and "
+          "its backward; units that ran this forward and are not gathered "
+          "now: ",
+          Describe(sharded),
+          ". If a tensor computed inside a unit reaches the loss without "
+          "being returned by the unit's function, return it: Unit takes a "
+          "function with several outputs)");
+    }
     absl::Status error = absl::InvalidArgumentError(absl::StrCat(
-        "LibTorch error in the backward: ", e.what_without_backtrace()));
-    // Before any hook ran (a loss that needs no gradient, say) nothing
-    // changed. After one, the backward was abandoned part-way (units
-    // unsharded, reductions issued, no final callback): the module refuses
-    // further steps, as after a hook's failure.
+        "LibTorch error in the backward: ", e.what_without_backtrace(), hint));
+    // Before any hook ran (a loss that needs no gradient, gradients of
+    // gradients) nothing changed. After one, the backward was abandoned
+    // part-way (units unsharded, reductions issued, no final callback):
+    // the module refuses further steps, as after a hook's failure.
     if (!in_backward_) return error;
     Fail(error);
   }
@@ -676,6 +1255,7 @@ absl::Status FsdpModule::Backward(const torch::Tensor& loss,
 }
 
 absl::Status FsdpModule::ZeroGrad(bool set_to_none) {
+  FLATPARAM_RETURN_IF_ERROR(BetweenIterations("ZeroGrad"));
   FLATPARAM_RETURN_IF_ERROR(runtime_->ZeroGrad(set_to_none));
   BindShardedGrads();
   return absl::OkStatus();
@@ -683,385 +1263,8 @@ absl::Status FsdpModule::ZeroGrad(bool set_to_none) {
 
 absl::StatusOr<double> FsdpModule::ClipGradNorm(double max_norm,
                                                 double norm_type) {
+  FLATPARAM_RETURN_IF_ERROR(BetweenIterations("ClipGradNorm"));
   return runtime_->ClipGradNorm(max_norm, norm_type);
-}
-
-absl::StatusOr<std::map<std::string, torch::Tensor>>
-FsdpModule::FullStateDict() {
-  if (in_forward_ || in_backward_ || runtime_->in_iteration()) {
-    return absl::FailedPreconditionError(
-        "FsdpModule::FullStateDict inside an iteration");
-  }
-  std::map<std::string, torch::Tensor> out;
-  for (int u = 0; u < runtime_->num_units(); ++u) {
-    FlatParamHandle& handle = runtime_->handle(u);
-    const FlatParamLayout& fp = layout().flat_params()[u];
-    FLATPARAM_RETURN_IF_ERROR(
-        handle.BeginSummonFullParams(/*writeback=*/false));
-    absl::Status status;
-    for (int i = 0; i < static_cast<int>(fp.params().size()); ++i) {
-      absl::StatusOr<OrigParamView> view = handle.Param(i);
-      if (!view.ok()) {
-        status = view.status();
-        break;
-      }
-      torch::Tensor t = torch::from_blob(view->data.data, view->shape,
-                                         Options(view->data.dtype))
-                            .clone();
-      out[fp.params()[i].fqn] = t;
-    }
-    absl::Status end = handle.EndSummonFullParams();
-    FLATPARAM_RETURN_IF_ERROR(status);
-    FLATPARAM_RETURN_IF_ERROR(end);
-  }
-  return out;
-}
-
-namespace {
-
-optim::OptimStateValue ToHost(const torch::Tensor& t) {
-  torch::Tensor c = t.contiguous();
-  DType dtype = FromTorch(c.scalar_type()).value_or(DType::kFloat32);
-  HostTensor out(dtype,
-                 std::vector<int64_t>(c.sizes().begin(), c.sizes().end()));
-  std::memcpy(out.data(), c.data_ptr(), out.nbytes());
-  return out;
-}
-
-// The optimizer's kind and its PyTorch hyperparameters.
-struct OptimizerKind {
-  enum { kSgd, kAdam } kind;
-  const char* name;
-};
-
-absl::StatusOr<OptimizerKind> KindOf(torch::optim::Optimizer& optimizer) {
-  if (dynamic_cast<torch::optim::SGD*>(&optimizer) != nullptr) {
-    return OptimizerKind{OptimizerKind::kSgd, "SGD"};
-  }
-  if (dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr) {
-    return OptimizerKind{OptimizerKind::kAdam, "AdamW"};
-  }
-  if (dynamic_cast<torch::optim::Adam*>(&optimizer) != nullptr) {
-    return OptimizerKind{OptimizerKind::kAdam, "Adam"};
-  }
-  return absl::InvalidArgumentError(
-      "optimizer state: only torch::optim::SGD, Adam and AdamW are "
-      "supported");
-}
-
-// Adam's and AdamW's options: the same fields, two classes.
-template <typename Options>
-void AdamHyperparams(const Options& o,
-                     std::map<std::string, optim::HyperValue>& h) {
-  h["lr"] = o.lr();
-  h["betas"] =
-      std::vector<double>{std::get<0>(o.betas()), std::get<1>(o.betas())};
-  h["eps"] = o.eps();
-  h["weight_decay"] = o.weight_decay();
-  h["amsgrad"] = o.amsgrad();
-}
-
-std::map<std::string, optim::HyperValue> Hyperparams(
-    const torch::optim::OptimizerOptions& options) {
-  std::map<std::string, optim::HyperValue> h;
-  h["maximize"] = false;
-  if (auto* o = dynamic_cast<const torch::optim::SGDOptions*>(&options)) {
-    h["lr"] = o->lr();
-    h["momentum"] = o->momentum();
-    h["dampening"] = o->dampening();
-    h["weight_decay"] = o->weight_decay();
-    h["nesterov"] = o->nesterov();
-  } else if (auto* o =
-                 dynamic_cast<const torch::optim::AdamWOptions*>(&options)) {
-    AdamHyperparams(*o, h);
-  } else if (auto* o =
-                 dynamic_cast<const torch::optim::AdamOptions*>(&options)) {
-    AdamHyperparams(*o, h);
-  }
-  return h;
-}
-
-// Adam's and AdamW's per-parameter states: the same fields, two classes.
-template <typename State>
-std::unique_ptr<torch::optim::OptimizerParamState> MakeAdamState(
-    int64_t step, torch::Tensor avg, torch::Tensor avg_sq,
-    torch::Tensor max_avg_sq) {
-  auto state = std::make_unique<State>();
-  state->step(step);
-  state->exp_avg(std::move(avg));
-  state->exp_avg_sq(std::move(avg_sq));
-  state->max_exp_avg_sq(std::move(max_avg_sq));
-  return state;
-}
-
-// PyTorch's names; "step" a 0-d float32 tensor, as PyTorch >= 1.12 keeps it.
-template <typename State>
-void ReadAdamState(const State& state, optim::ParamState& out) {
-  out["step"] =
-      optim::ScalarTensor(DType::kFloat32, static_cast<double>(state.step()));
-  out["exp_avg"] = ToHost(state.exp_avg());
-  out["exp_avg_sq"] = ToHost(state.exp_avg_sq());
-  if (state.max_exp_avg_sq().defined()) {
-    out["max_exp_avg_sq"] = ToHost(state.max_exp_avg_sq());
-  }
-}
-
-std::string StateKey(const torch::Tensor& t) {
-  return c10::guts::to_string(t.unsafeGetTensorImpl());
-}
-
-}  // namespace
-
-absl::Status FsdpModule::SaveCheckpoint(checkpoint::FileSystem& fs,
-                                        const std::string& dir,
-                                        torch::optim::Optimizer* optimizer,
-                                        const nlohmann::json& extra) {
-  Communicator& world = *world_;
-  const ModelLayout& model = layout();
-  const int64_t shard_rank = world.rank() % model.options().world_size;
-  checkpoint::RankState mine;
-  absl::Status prepared = absl::OkStatus();
-  if (in_forward_ || in_backward_ || runtime_->in_iteration()) {
-    prepared = absl::FailedPreconditionError(
-        "FsdpModule::SaveCheckpoint inside an iteration");
-  }
-  for (int u = 0; u < runtime_->num_units() && prepared.ok(); ++u) {
-    BufferRef shard = runtime_->handle(u).sharded_param();
-    HostTensor t = HostTensor::Uninitialized(shard.dtype, {shard.count});
-    std::memcpy(t.data(), shard.data, t.nbytes());
-    mine.flat_params.push_back(std::move(t));
-  }
-  if (prepared.ok() && optimizer != nullptr) {
-    absl::StatusOr<optim::OptimStateDict> state = ShardedOptimState(*optimizer);
-    if (state.ok()) {
-      mine.optim = std::move(*state);
-    } else {
-      prepared = state.status();
-    }
-  }
-  mine.extra = extra;
-  absl::StatusOr<checkpoint::RankContent> content =
-      prepared.ok() ? checkpoint::MakeRankContent(model, shard_rank, mine)
-                    : absl::StatusOr<checkpoint::RankContent>(prepared);
-  // In phases, so that a rank whose content is bad fails every rank
-  // (agreed in Begin) instead of leaving them in the exchange.
-  checkpoint::CollectiveWriteOptions options;
-  options.collective = runtime_->options().collective_options;
-  FLATPARAM_ASSIGN_OR_RETURN(
-      checkpoint::CollectiveWrite begun,
-      checkpoint::BeginCollectiveWrite(fs, dir, model, world.size(), world,
-                                       options, content.status()));
-  const absl::Status written =
-      checkpoint::WriteCollectiveRankFiles(fs, begun, *content, options);
-  return checkpoint::FinishCollectiveWrite(fs, begun, written, world, options);
-}
-
-absl::Status FsdpModule::LoadCheckpoint(checkpoint::FileSystem& fs,
-                                        const std::string& dir,
-                                        torch::optim::Optimizer* optimizer,
-                                        nlohmann::json* extra) {
-  Communicator& world = *world_;
-  const ModelLayout& model = layout();
-  const int64_t shard_rank = world.rank() % model.options().world_size;
-  OptimizerStates optimizer_states;
-  auto load = [&]() -> absl::StatusOr<checkpoint::RankState> {
-    if (in_forward_ || in_backward_ || runtime_->in_iteration()) {
-      return absl::FailedPreconditionError(
-          "FsdpModule::LoadCheckpoint inside an iteration");
-    }
-    checkpoint::CheckpointOpenOptions open;
-    open.ranks = std::vector<int64_t>{};
-    FLATPARAM_ASSIGN_OR_RETURN(
-        checkpoint::ShardedCheckpointReader reader,
-        checkpoint::ShardedCheckpointReader::Open(fs, dir, open));
-    FLATPARAM_ASSIGN_OR_RETURN(
-        checkpoint::RankState state,
-        checkpoint::LoadRankState(reader, model, world.size(), shard_rank));
-    if (optimizer != nullptr && state.optim.state.empty()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the checkpoint at ", dir,
-          " holds no optimizer state; load it without an optimizer to "
-          "start the optimizer afresh"));
-    }
-    if (optimizer != nullptr) {
-      FLATPARAM_ASSIGN_OR_RETURN(optimizer_states,
-                                 ParseOptimState(state.optim, *optimizer));
-    }
-    for (int u = 0; u < runtime_->num_units(); ++u) {
-      BufferRef shard = runtime_->handle(u).sharded_param();
-      const HostTensor& t = state.flat_params[u];
-      if (t.dtype() != shard.dtype || t.numel() != shard.count) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "the checkpoint's shard of unit ", u, " has ", t.numel(), " ",
-            DTypeName(t.dtype()), " elements; this rank's has ", shard.count,
-            " ", DTypeName(shard.dtype)));
-      }
-    }
-    return state;
-  };
-  absl::StatusOr<checkpoint::RankState> state = load();
-  FLATPARAM_RETURN_IF_ERROR(checkpoint::AgreeOnLoad(
-      world, state.status(), runtime_->options().collective_options));
-  if (optimizer != nullptr) {
-    InstallOptimState(std::move(optimizer_states), *optimizer);
-  }
-  for (int u = 0; u < runtime_->num_units(); ++u) {
-    BufferRef shard = runtime_->handle(u).sharded_param();
-    std::memcpy(shard.data, state->flat_params[u].data(),
-                state->flat_params[u].nbytes());
-  }
-  if (extra != nullptr) *extra = state->extra;
-  return absl::OkStatus();
-}
-
-absl::StatusOr<optim::OptimStateDict> FsdpModule::ShardedOptimState(
-    torch::optim::Optimizer& optimizer) const {
-  FLATPARAM_ASSIGN_OR_RETURN(OptimizerKind kind, KindOf(optimizer));
-  std::map<const c10::TensorImpl*, int> unit_of;
-  for (int u = 0; u < static_cast<int>(sharded_params_.size()); ++u) {
-    unit_of[sharded_params_[u].unsafeGetTensorImpl()] = u;
-  }
-  optim::OptimStateDict dict;
-  for (auto& group : optimizer.param_groups()) {
-    optim::ParamGroup out;
-    out.hyperparams = Hyperparams(group.options());
-    for (const torch::Tensor& p : group.params()) {
-      auto it = unit_of.find(p.unsafeGetTensorImpl());
-      if (it == unit_of.end()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "optimizer state: the ", kind.name,
-            " optimizer steps a tensor that is not one of this module's "
-            "ShardedParameters() (shape ",
-            c10::str(p.sizes()), ")"));
-      }
-      const int u = it->second;
-      out.params.push_back(static_cast<int64_t>(u));
-      auto state = optimizer.state().find(StateKey(p));
-      if (state == optimizer.state().end()) continue;
-      optim::ParamState& mine = dict.state[static_cast<int64_t>(u)];
-      if (kind.kind == OptimizerKind::kSgd) {
-        auto& s = static_cast<torch::optim::SGDParamState&>(*state->second);
-        if (s.momentum_buffer().defined()) {
-          mine["momentum_buffer"] = ToHost(s.momentum_buffer());
-        }
-      } else {
-        // AdamWParamState has AdamParamState's fields in another class.
-        if (auto* w = dynamic_cast<torch::optim::AdamWParamState*>(
-                state->second.get())) {
-          ReadAdamState(*w, mine);
-        } else {
-          ReadAdamState(
-              static_cast<torch::optim::AdamParamState&>(*state->second), mine);
-        }
-      }
-    }
-    dict.param_groups.push_back(std::move(out));
-  }
-  return dict;
-}
-
-absl::StatusOr<FsdpModule::OptimizerStates> FsdpModule::ParseOptimState(
-    const optim::OptimStateDict& sharded,
-    torch::optim::Optimizer& optimizer) const {
-  FLATPARAM_ASSIGN_OR_RETURN(OptimizerKind kind, KindOf(optimizer));
-  const int units = static_cast<int>(sharded_params_.size());
-  // Validate everything first, then replace the state.
-  auto tensor = [&](int u, const optim::ParamState& state,
-                    const std::string& name,
-                    bool required) -> absl::StatusOr<torch::Tensor> {
-    auto it = state.find(name);
-    if (it == state.end()) {
-      if (!required) return torch::Tensor();
-      return absl::InvalidArgumentError(
-          absl::StrCat("optimizer state of unit ", u, " (\"", units_[u]->name,
-                       "\"): no \"", name, "\", which ", kind.name, " keeps"));
-    }
-    const HostTensor* t = std::get_if<HostTensor>(&it->second);
-    const int64_t numel = sharded_params_[u].numel();
-    if (t == nullptr || !IsFloatingPoint(t->dtype()) ||
-        (name != "step" && t->numel() != numel) ||
-        (name == "step" && t->numel() != 1)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "optimizer state of unit ", u, " (\"", units_[u]->name, "\"): \"",
-          name, "\" is ", optim::DescribeValue(it->second), "; want ",
-          name == "step" ? "a 0-d floating tensor"
-                         : absl::StrCat("a floating tensor of ", numel,
-                                        " elements (this rank's shard)")));
-    }
-    torch::Tensor out = torch::from_blob(const_cast<void*>(t->data()),
-                                         {t->numel()}, Options(t->dtype()))
-                            .clone()
-                            .to(sharded_params_[u].scalar_type());
-    return out;
-  };
-  OptimizerStates loaded;
-  for (const auto& [key, state] : sharded.state) {
-    const int64_t* index = std::get_if<int64_t>(&key);
-    if (index == nullptr || *index < 0 || *index >= units) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "optimizer state key ", optim::DescribeKey(key),
-          " is not a unit index (the flat-parameter path's keys are 0..",
-          units - 1, ")"));
-    }
-    const int u = static_cast<int>(*index);
-    const std::vector<std::string> allowed =
-        kind.kind == OptimizerKind::kSgd
-            ? std::vector<std::string>{"momentum_buffer"}
-            : std::vector<std::string>{"step", "exp_avg", "exp_avg_sq",
-                                       "max_exp_avg_sq"};
-    for (const auto& [name, value] : state) {
-      if (std::find(allowed.begin(), allowed.end(), name) == allowed.end()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("optimizer state of unit ", u, " (\"", units_[u]->name,
-                         "\"): \"", name, "\" is not a state ", kind.name,
-                         " keeps (", absl::StrJoin(allowed, ", "), ")"));
-      }
-    }
-    const std::string key_string = StateKey(sharded_params_[u]);
-    if (kind.kind == OptimizerKind::kSgd) {
-      FLATPARAM_ASSIGN_OR_RETURN(torch::Tensor buffer,
-                                 tensor(u, state, "momentum_buffer", true));
-      auto s = std::make_unique<torch::optim::SGDParamState>();
-      s->momentum_buffer(buffer);
-      loaded[key_string] = std::move(s);
-      continue;
-    }
-    FLATPARAM_ASSIGN_OR_RETURN(torch::Tensor step,
-                               tensor(u, state, "step", true));
-    FLATPARAM_ASSIGN_OR_RETURN(torch::Tensor avg,
-                               tensor(u, state, "exp_avg", true));
-    FLATPARAM_ASSIGN_OR_RETURN(torch::Tensor avg_sq,
-                               tensor(u, state, "exp_avg_sq", true));
-    FLATPARAM_ASSIGN_OR_RETURN(torch::Tensor max_avg_sq,
-                               tensor(u, state, "max_exp_avg_sq", false));
-    const int64_t steps =
-        static_cast<int64_t>(step.to(torch::kDouble).item<double>());
-    loaded[key_string] = std::string(kind.name) == "AdamW"
-                             ? MakeAdamState<torch::optim::AdamWParamState>(
-                                   steps, avg, avg_sq, max_avg_sq)
-                             : MakeAdamState<torch::optim::AdamParamState>(
-                                   steps, avg, avg_sq, max_avg_sq);
-  }
-  return loaded;
-}
-
-void FsdpModule::InstallOptimState(OptimizerStates states,
-                                   torch::optim::Optimizer& optimizer) const {
-  for (const torch::Tensor& p : sharded_params_) {
-    optimizer.state().erase(StateKey(p));
-  }
-  for (auto& [key, state] : states) {
-    optimizer.state()[key] = std::move(state);
-  }
-}
-
-absl::Status FsdpModule::LoadShardedOptimState(
-    const optim::OptimStateDict& sharded,
-    torch::optim::Optimizer& optimizer) const {
-  FLATPARAM_ASSIGN_OR_RETURN(OptimizerStates states,
-                             ParseOptimState(sharded, optimizer));
-  InstallOptimState(std::move(states), optimizer);
-  return absl::OkStatus();
 }
 
 }  // namespace libtorch

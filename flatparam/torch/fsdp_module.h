@@ -64,17 +64,48 @@
 //     pre-backward hook (Tensor::register_hook) on the result unshards the
 //     unit when the result's gradient arrives, before the unit's backward.
 //   * Post-backward: a hook on each trainable parameter's gradient
-//     accumulator (`AccumulateGrad`, as PyTorch's on the flat parameter's);
-//     once every trainable parameter of a unit has its gradient, the unit
-//     reshards and its reduction starts, overlapping the rest of the
-//     backward. A unit with a frozen parameter, or a parameter that got no
-//     gradient in this backward, reduces at the end of the backward
-//     instead (its frozen parameters' data may still be needed by the
-//     backward after the trainable ones are done).
-//   * The end of the backward (a callback queued on the autograd engine, as
-//     PyTorch's final callback): outstanding post-backwards, then
-//     FsdpRuntime::FinalizeBackward, then the sharded gradients are bound
-//     to ShardedParameters()' `grad()` for the optimizer.
+//     accumulator (`AccumulateGrad`, as PyTorch's on the flat parameter's)
+//     and on every autograd node the unit's forward made (found from its
+//     outputs). A unit reshards and its reduction starts, overlapping the
+//     rest of the backward, once its backward is complete: every node of
+//     its forward that this backward runs has run (so its parameters, frozen
+//     ones included, are no longer read) and every trainable parameter
+//     this backward reaches has its gradient. Parameters are counted once
+//     however often their accumulator fires, and the nodes include a
+//     recompute's (below), so a parameter reached twice (a shared weight
+//     used inside a recomputed block and outside it, a block applied
+//     twice) has all its gradient before the reduction. A unit none of
+//     whose trainable parameters got a gradient (torch::autograd::grad,
+//     which accumulates nothing) is not reduced: its gradient stays as it
+//     was (None), as in PyTorch. A node's pre-hook also gathers its unit
+//     if no output hook did (a tensor that left the unit without being
+//     returned).
+//   * The end of the backward (a callback queued on the autograd engine
+//     from the first hook, which is on the outermost graph, as PyTorch's
+//     final callback): units whose backward did not complete reduce now,
+//     then FsdpRuntime::FinalizeBackward, then the sharded gradients are
+//     bound to ShardedParameters()' `grad()` for the optimizer.
+//   * A forward whose outputs need no gradient (evaluation under
+//     torch::NoGradGuard, or a frozen model) ends its iteration when it
+//     returns: the root's gathered parameters are freed and the module is
+//     between iterations, as PyTorch's is. A forward whose loss is never
+//     back-propagated is ended by the next call that needs the module
+//     between iterations (FullStateDict, SaveCheckpoint, LoadCheckpoint,
+//     ClipGradNorm, ZeroGrad), or by the next Forward once the optimizer
+//     has stepped (ShardedParameters() changed); a backward over its graph
+//     after that is refused.
+//   * At each Forward between iterations, the module's own state is read
+//     back: `module->eval()` / `train()` (FlatParamHandle::SetTraining:
+//     eval passes are neither order-checked nor recorded, and
+//     HandleOptions::use_full_prec_in_eval applies), `requires_grad`
+//     changed on a module parameter since Wrap (applied with
+//     FlatParamHandle::SetRequiresGrad; without use_orig_params only a
+//     whole unit may change), and gradients the caller set to None on
+//     ShardedParameters() (`zero_grad(set_to_none)`: the handle's sharded
+//     gradient becomes None too, so the next reduction does not add to
+//     it) or replaced (copied in).
+//   * Gradients of gradients (`create_graph`) are refused at the
+//     backward's first hook, as PyTorch's FSDP refuses them.
 // Several backwards per forward (retain_graph) work as flatparam/runtime.h
 // describes.
 //
@@ -96,11 +127,25 @@
 //   `Recompute(g, x)` where g calls `Unit(name, ...)` and throws on error.
 // Either way the gradients are bitwise those without recomputation.
 //
-// Optimizers step the sharded flat parameters (FSDP's flat path,
-// `use_orig_params=False`): ShardedParameters() gives one leaf tensor per
-// unit over the handle's local shard, whose `grad()` is the sharded
-// gradient after a backward (undefined while it is None), so `torch::optim`
-// SGD, Adam and AdamW work unchanged. Their state is per flat parameter.
+// Optimizers. By default they step the sharded flat parameters (FSDP's
+// flat path, `use_orig_params=False`): ShardedParameters() gives one leaf
+// tensor per unit over the handle's local shard, whose `grad()` is the
+// sharded gradient after a backward (undefined while it is None), so
+// `torch::optim` SGD, Adam and AdamW work unchanged. Their state is per
+// flat parameter. A unit must then be all trainable or all frozen (the
+// optimizer steps every element of a flat shard, and weight decay would
+// move frozen elements): Wrap refuses a unit that mixes them.
+// With FsdpOptions::use_orig_params (PyTorch's `use_orig_params=True`)
+// ShardedParameters() gives one leaf tensor per original parameter instead:
+// the 1-D piece of it this rank's shard holds (possibly empty), over the
+// same memory, its `grad()` the matching piece of the sharded gradient
+// (undefined for a frozen parameter, or one this rank holds none of). So
+// a frozen parameter is never stepped even in a unit with trainable ones
+// (LoRA), and optimizer parameter groups are built per original parameter
+// (NamedShardedParameters(): no weight decay on biases and norms, say),
+// each group's options applied to its elements only; the optimizer's state
+// is per original parameter (fsdp_optim.h's original-parameter path).
+// Elementwise optimizers (SGD, Adam, AdamW) give the same bits either way.
 //
 // Errors. Every error a caller can cause is an absl::Status: invalid
 // options or modules (unsupported dtypes or devices, views sharing a
@@ -118,7 +163,9 @@
 // runtime; after Wrap the module's parameters hold no memory of their own
 // (flatparam's local shards hold the values). `world` and `device` are the
 // caller's and must outlive it. Destroying the FsdpModule leaves the
-// module's parameters empty: call FullStateDict() first to keep them.
+// module's parameters empty: call FullStateDict() first to keep them. Its
+// hooks stay in autograd graphs and gradient accumulators that may outlive
+// it; they do nothing once it is destroyed.
 //
 // Thread-safety: one thread at a time, the rank's (which runs the forward
 // and the backward: LibTorch runs a CPU backward on the calling thread).
@@ -127,11 +174,13 @@
 
 #include <torch/torch.h>
 
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -159,6 +208,10 @@ struct FsdpOptions {
   int shard_group_size = 0;
   // PyTorch's use_orig_params=True layout (alignment padding).
   bool align_addresses = false;
+  // PyTorch's use_orig_params=True: the optimizer steps each original
+  // parameter's piece of the shard (see the file comment), so a unit may
+  // mix frozen and trainable parameters. Implies align_addresses.
+  bool use_orig_params = false;
   // PyTorch's sync_module_states: rank 0's parameter values are broadcast
   // to every rank before they are sharded, so ranks that initialized their
   // modules differently (different seeds) start alike.
@@ -179,12 +232,17 @@ const char* RecomputationName(Recomputation r);
 struct FsdpModuleStats {
   // Backwards that ran the hooks (ended by the final callback).
   int64_t backwards = 0;
-  // Units' reductions started by a gradient accumulator's hook while the
-  // backward went on (overlapping it), and those left to the end of the
-  // backward (a unit with a frozen parameter, or a parameter that got no
-  // gradient).
+  // Units' post-backwards (reshard, and reduction unless every parameter is
+  // frozen) run by a hook while the backward went on (overlapping it), and
+  // those left to the end of the backward (a unit whose backward the hooks
+  // could not see complete: one used outside the graph the loss reached).
   int64_t reductions_in_backward = 0;
   int64_t reductions_at_end = 0;
+  // Units whose backward began but that got no gradient (not reduced).
+  int64_t units_without_gradient = 0;
+  // Iterations ended by a forward that needed no gradient, or by a call
+  // that needs the module between iterations.
+  int64_t forward_only_iterations = 0;
 };
 
 // One rank's FSDP of a module (see the file comment).
@@ -215,11 +273,23 @@ class FsdpModule {
   // (FailedPrecondition), and the runtime's. Not reentrant.
   absl::StatusOr<torch::Tensor> Forward(
       const std::function<absl::StatusOr<torch::Tensor>()>& forward);
+  // The same for a forward with several outputs (hidden states, an
+  // auxiliary loss): every floating output that requires a gradient is
+  // hooked.
+  absl::StatusOr<torch::autograd::variable_list> Forward(
+      const std::function<absl::StatusOr<torch::autograd::variable_list>()>&
+          forward);
   // Unit `name`'s forward inside Forward's (its hooks around `forward`).
   // NotFound for a name that is not a unit (listing the units),
   // FailedPrecondition outside Forward or for the root unit.
   absl::StatusOr<torch::Tensor> Unit(
       absl::string_view name, const std::function<torch::Tensor()>& forward);
+  // The same for a unit with several outputs (an MoE block's output and
+  // its auxiliary loss): each output that requires a gradient gets the
+  // pre-backward hook.
+  absl::StatusOr<torch::autograd::variable_list> Unit(
+      absl::string_view name,
+      const std::function<torch::autograd::variable_list()>& forward);
   // Unit `name`'s forward `forward(input)` inside Forward's, its
   // activations recomputed in the backward (Recompute) at `where` (see the
   // file comment). `forward` runs again during the backward: what it
@@ -237,36 +307,63 @@ class FsdpModule {
   absl::Status Backward(const torch::Tensor& loss, bool retain_graph = false);
 
   // ---- The optimizer ----
-  // One leaf tensor per unit (in unit order) over its local shard, for a
-  // `torch::optim` optimizer; `grad()` is the sharded gradient (see the
-  // file comment). The tensors stay valid as long as the FsdpModule.
+  // The tensors a `torch::optim` optimizer steps (see the file comment):
+  // one leaf per unit (in unit order) over its local shard; with
+  // use_orig_params one per original parameter (a tied one once, in
+  // `named_parameters()` order) over its piece of the shard. `grad()` is
+  // the matching (piece of the) sharded gradient. The tensors stay valid
+  // as long as the FsdpModule.
   std::vector<torch::Tensor> ShardedParameters() const;
+  // With use_orig_params: ShardedParameters() by name, to build parameter
+  // groups, e.g. weight decay for matrices only:
+  //   std::vector<torch::Tensor> decay, no_decay;
+  //   for (auto& [name, p] : fsdp->NamedShardedParameters())
+  //     (absl::EndsWith(name, "weight") && !IsNorm(name) ? decay : no_decay)
+  //         .push_back(p);
+  //   torch::optim::AdamW adamw(
+  //       {torch::optim::OptimizerParamGroup(decay, decay_options),
+  //        torch::optim::OptimizerParamGroup(no_decay, no_decay_options)},
+  //       defaults);
+  // FailedPrecondition without use_orig_params (the flat shards are not
+  // per parameter).
+  absl::StatusOr<std::vector<std::pair<std::string, torch::Tensor>>>
+  NamedShardedParameters() const;
   // FsdpRuntime::ZeroGrad, and ShardedParameters()' gradients undefined
   // (set_to_none) or zero.
   absl::Status ZeroGrad(bool set_to_none = true);
   // FsdpRuntime::ClipGradNorm (collective).
   absl::StatusOr<double> ClipGradNorm(double max_norm, double norm_type = 2.0);
+  // PyTorch's `with model.no_sync():`: gradients accumulate unsharded and
+  // nothing is reduced in the backwards that begin while the scope lives
+  // (each post-backward reads the setting, as PyTorch's reads
+  // `_sync_gradients`); the previous setting comes back when it ends.
+  FsdpRuntime::NoSyncScope NoSync() { return runtime_->NoSync(); }
 
   // ---- Optimizer state (flatparam/optim) ----
-  // `optimizer`'s state as this rank's sharded optimizer-state dict of the
-  // flat-parameter path (flatparam/optim/fsdp_optim.h), so that it
-  // consolidates (ConsolidateOptimState over runtime().shard_group()),
-  // reshards to any world size and strategy (ShardFullOptimState), and
-  // goes into checkpoints like any flatparam model's. `optimizer`'s
-  // parameters must be ShardedParameters() (in any order and groups);
-  // keys are unit indices. States as Python's torch.optim names them:
-  // SGD's "momentum_buffer" (with momentum, once it has stepped), Adam's and
-  // AdamW's "step" (a 0-d float32 tensor, as PyTorch >= 1.12 keeps it),
-  // "exp_avg", "exp_avg_sq" and, with amsgrad, "max_exp_avg_sq". param_groups
-  // carry the hyperparameters under PyTorch's names. InvalidArgument for
-  // another optimizer type, or a parameter that is not a shard of this module.
+  // `optimizer`'s state as this rank's sharded optimizer-state dict
+  // (flatparam/optim/fsdp_optim.h), so that it consolidates
+  // (ConsolidateOptimState over runtime().shard_group(), with
+  // FsdpOptimOptions::use_orig_params as the module's), reshards to any
+  // world size and strategy (ShardFullOptimState), and goes into
+  // checkpoints like any flatparam model's. `optimizer`'s parameters must
+  // be ShardedParameters() (in any order and groups). The flat-parameter
+  // path: keys are unit indices. With use_orig_params, the
+  // original-parameter path: keys are parameter names, tensor states the
+  // 1-D pieces of this rank's shard, for the parameters it holds. States as
+  // Python's torch.optim names them: SGD's "momentum_buffer" (with momentum,
+  // once it has stepped), Adam's and AdamW's "step" (a 0-d float32 tensor, as
+  // PyTorch >= 1.12 keeps it), "exp_avg", "exp_avg_sq" and, with amsgrad,
+  // "max_exp_avg_sq". param_groups carry the hyperparameters under PyTorch's
+  // names. InvalidArgument for another optimizer type, or a parameter that is
+  // not a shard of this module.
   absl::StatusOr<optim::OptimStateDict> ShardedOptimState(
       torch::optim::Optimizer& optimizer) const;
   // Sets `optimizer`'s per-parameter state from such a dict of this rank
   // (ShardedOptimState's, or one ShardFullOptimState made from a full
   // dict at another world size), replacing what it had; the optimizer's
   // own options (learning rate, ...) stay. InvalidArgument, naming the
-  // unit and the state, for a key that is not a unit, a state the
+  // unit or parameter and the state, for a key that is not a unit (or,
+  // with use_orig_params, a parameter this rank holds), a state the
   // optimizer does not keep, a missing one, or a tensor of another size
   // or a non-floating dtype.
   absl::Status LoadShardedOptimState(const optim::OptimStateDict& sharded,
@@ -279,7 +376,13 @@ class FsdpModule {
   // rank writing its own shard files; `extra` (a JSON object) is kept in
   // the rank files. `fsdp checkpoint` consolidates, reshards and exports it
   // to Hugging Face safetensors. Collective over the world; between
-  // iterations. Errors are agreed by every rank (checkpoint's).
+  // iterations. Errors are agreed by every rank (checkpoint's). The
+  // checkpoint holds optimizer state on the flat-parameter path; with
+  // use_orig_params each unit's parameters' states are laid out in its
+  // flat shard (zeros for a parameter without state), which needs one
+  // "step" per unit and one parameter group per unit (InvalidArgument,
+  // naming the parameters, otherwise); LoadCheckpoint gives each
+  // trainable parameter its piece back.
   absl::Status SaveCheckpoint(
       checkpoint::FileSystem& fs, const std::string& dir,
       torch::optim::Optimizer* optimizer,
@@ -315,10 +418,25 @@ class FsdpModule {
 
  private:
   struct UnitState;
+  // What the hooks call: the module while it lives, nothing once it is
+  // destroyed (a graph or accumulator may outlive it).
+  struct HookTarget;
+  class NodePreHook;
+  class NodePostHook;
+  class AccumulateHook;
+  // An optimizer tensor of use_orig_params: parameter `index` of `unit`.
+  struct OrigParam {
+    std::string fqn;
+    int unit = 0;
+    int index = 0;
+  };
   using OptimizerStates =
       std::map<std::string, std::unique_ptr<torch::optim::OptimizerParamState>>;
-  FsdpModule(std::shared_ptr<torch::nn::Module> module, Communicator* world);
+  using Outputs = torch::autograd::variable_list;
+  FsdpModule(std::shared_ptr<torch::nn::Module> module, Communicator* world,
+             bool use_orig_params);
 
+  // ---- Optimizer state (fsdp_module_state.cc) ----
   // LoadShardedOptimState in two steps: everything validated and made,
   // then installed (so that LoadCheckpoint changes nothing until every
   // rank agrees).
@@ -327,10 +445,39 @@ class FsdpModule {
       torch::optim::Optimizer& optimizer) const;
   void InstallOptimState(OptimizerStates states,
                          torch::optim::Optimizer& optimizer) const;
+  // use_orig_params: an original-parameter dict of this rank in the
+  // checkpoint's flat-parameter form, and back.
+  absl::StatusOr<optim::OptimStateDict> OrigToFlatOptimState(
+      const optim::OptimStateDict& orig) const;
+  absl::StatusOr<optim::OptimStateDict> FlatToOrigOptimState(
+      const optim::OptimStateDict& flat) const;
+  // The optimizer tensor's parameter (use_orig_params) or unit (flat), by
+  // tensor identity; -1 when it is not one of ShardedParameters().
+  int OptimizerTensorIndex(const torch::Tensor& t) const;
 
+  // ---- Iterations ----
   absl::Status CheckModuleUnchanged() const;
-  absl::StatusOr<torch::Tensor> RunUnit(
-      int unit, const std::function<absl::StatusOr<torch::Tensor>()>& forward);
+  // At an iteration's first forward: eval/train, requires_grad changes and
+  // the caller's changes to ShardedParameters()' gradients.
+  absl::Status SyncFromModule();
+  // Ends an iteration whose forward gets no backward (see the file
+  // comment).
+  absl::Status EndForwardOnlyIteration();
+  // For calls that need the module between iterations: ends a
+  // forward-only iteration; FailedPrecondition inside a forward or a
+  // backward, naming `op`.
+  absl::Status BetweenIterations(absl::string_view op);
+  bool OptimizerStepped() const;
+  absl::StatusOr<Outputs> RunForward(
+      const std::function<absl::StatusOr<Outputs>()>& forward);
+  absl::StatusOr<Outputs> RunUnit(
+      int unit, const std::function<absl::StatusOr<Outputs>()>& forward);
+  // Hooks the autograd nodes unit `unit`'s forward made (sequence numbers
+  // [first, end)), found from its outputs: each counts towards the unit's
+  // backward being complete, and with `gather` its pre-hook gathers the
+  // unit.
+  void TrackNodes(int unit, const Outputs& outputs, uint64_t first,
+                  uint64_t end, bool gather);
   // Points the unit's parameters (and, in its backward, gradients) at the
   // handle's current memory, or empties them.
   absl::Status Bind(int unit);
@@ -338,24 +485,50 @@ class FsdpModule {
   void BindShardedGrads();
   absl::StatusOr<int> UnitIndex(absl::string_view name) const;
   void RegisterPreBackward(const torch::Tensor& output, int unit);
+
+  // ---- The backward's hooks (run inside the autograd engine; failures
+  // are recorded and abort the backward) ----
   // The first hook of a backward: its bookkeeping and the final callback.
   void BeginBackward();
-  // The hooks (run inside the autograd engine; failures are recorded and
-  // abort the backward).
+  // Counts what the graph the engine runs now holds of `unit`: its nodes
+  // and its trainable parameters' accumulators (once per graph).
+  void ScanGraph(int unit);
+  // The unit's post-backward once its backward is complete.
+  void MaybeFinishUnit(int unit);
   void OnPreBackward(int unit);
-  void OnGradAccumulated(int unit);
+  void OnGradAccumulated(int unit, int index);
+  void OnNodeStart(int unit);
+  void OnNodeDone(int unit, size_t node);
   void OnBackwardEnd();
+  // Throws (a c10::Error) unless a hook of iteration `iteration` may run.
+  void CheckHookIteration(int64_t iteration) const;
   void Fail(const absl::Status& status);
 
   std::shared_ptr<torch::nn::Module> module_;
   Communicator* const world_;
+  const bool use_orig_params_;
+  std::shared_ptr<HookTarget> hooks_;
   std::unique_ptr<FsdpRuntime> runtime_;
   std::vector<std::unique_ptr<UnitState>> units_;
   // The module's parameters as wrapped, by name (to detect changes).
   std::vector<std::pair<std::string, torch::Tensor>> wrapped_params_;
-  std::vector<torch::Tensor> sharded_params_;
+  // The optimizer's tensors (ShardedParameters()), the gradient each was
+  // last given (to notice the caller's changes), and each one's version
+  // when the last forward ended (to notice an optimizer step).
+  std::vector<torch::Tensor> optimizer_tensors_;
+  std::vector<OrigParam> orig_params_;
+  std::vector<torch::Tensor> bound_grads_;
+  std::vector<uint32_t> versions_at_forward_;
+  bool training_ = true;
   bool in_forward_ = false;
   bool in_backward_ = false;
+  // The iteration the hooks registered now belong to; a forward-only
+  // iteration ended early refuses its graph's backward.
+  int64_t iteration_ = 0;
+  bool iteration_ended_early_ = false;
+  bool backward_began_ = false;
+  // Counts the backwards, so that ScanGraph scans each graph once.
+  uint64_t backward_serial_ = 0;
   absl::Status hook_error_;
   // RecomputedUnit(kAroundUnit)'s failure in the forward, thrown through
   // LibTorch's autograd function.

@@ -12,13 +12,17 @@
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "comm/mpi/mpi_communicator.h"
 #include "comm/mpi/mpi_gtest.h"
 #include "flatparam/device/device.h"
+#include "flatparam/torch/torch_loops_testutil.h"
 #include "flatparam/torch/torch_testutil.h"
 
 namespace flatparam {
@@ -60,6 +64,50 @@ TEST(FsdpModuleMpiTest, BitwiseEqualToSingleProcessTraining) {
     for (const auto& [name, tensor] : got->state) {
       ASSERT_TRUE(expected.count(name)) << name;
       EXPECT_TRUE(torch::equal(tensor, expected.at(name))) << name;
+    }
+  }
+}
+
+// The loops users write (torch_loops_testutil.h), across processes.
+std::vector<LoopOptions> LoopCases(int world) {
+  std::vector<LoopOptions> cases = {
+      {ShardingStrategy::kFullShard},
+      {ShardingStrategy::kFullShard, 0, Recomputation::kNone, true},
+  };
+  if (world % 2 == 0 && world > 2) {
+    cases.push_back(
+        {ShardingStrategy::kHybridShard, 2, Recomputation::kNone, true});
+  }
+  return cases;
+}
+
+TEST(FsdpModuleMpiTest, UserLoopsBitwiseEqualToSingleProcess) {
+  ASSERT_NE(g_world, nullptr);
+  for (const LoopOptions& o : LoopCases(g_world->size())) {
+    SCOPED_TRACE(LoopName(o));
+    HostDeviceOps device;
+    auto expect_ok = [](const char* loop, const absl::Status& status) {
+      EXPECT_TRUE(status.ok()) << loop << ": " << status;
+    };
+    int64_t peak = 0, bound = 0;
+    expect_ok("LoRA", LoraLoop(*g_world, device, o, 5, &peak, &bound));
+    expect_ok("autograd::grad", AutogradGradLoop(*g_world, device, o));
+    expect_ok("requires_grad", RequiresGradChangeLoop(*g_world, device, o));
+    expect_ok("set to None", SetToNoneLoop(*g_world, device, o));
+    expect_ok("several outputs", SeveralOutputsLoop(*g_world, device, o));
+    const char* tmp = std::getenv("TEST_TMPDIR");
+    // Every rank names the same directory (the launcher gives them one
+    // TEST_TMPDIR).
+    absl::Status eval = EvaluateThenSaveLoop(
+        *g_world, device, o,
+        absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/mpi_eval_", LoopName(o)));
+    EXPECT_TRUE(eval.ok()) << eval;
+    for (Recomputation r : {Recomputation::kNone, Recomputation::kInsideUnit,
+                            Recomputation::kAroundUnit}) {
+      LoopOptions shared = o;
+      shared.recompute = r;
+      absl::Status status = SharedWeightLoop(*g_world, device, shared, 2);
+      EXPECT_TRUE(status.ok()) << RecomputationName(r) << ": " << status;
     }
   }
 }

@@ -69,15 +69,14 @@ TEST_P(FsdpModuleTrainingTest, BitwiseEqualToSingleProcessTraining) {
     const bool frozen = !c.frozen.empty() && name.rfind(c.frozen, 0) == 0;
     EXPECT_EQ(torch::equal(tensor, InitialParams().at(name)), frozen) << name;
   }
-  // Every unit reduced once per backward: during the backward (as its
-  // last gradient arrived), except a unit with a frozen parameter, which
-  // reduces at its end.
-  const int frozen_units = c.frozen.empty() ? 0 : 1;
+  // Every unit's post-backward ran once per backward, during the backward
+  // (once its backward was complete), a frozen unit's too (it reshards
+  // there, reducing nothing); none was left to the backward's end.
   const int backwards = c.steps * c.micro_batches;
   EXPECT_EQ(got->stats.backwards, backwards);
-  EXPECT_EQ(got->stats.reductions_in_backward,
-            backwards * (kLayers + 1 - frozen_units));
-  EXPECT_EQ(got->stats.reductions_at_end, backwards * frozen_units);
+  EXPECT_EQ(got->stats.reductions_in_backward, backwards * (kLayers + 1));
+  EXPECT_EQ(got->stats.reductions_at_end, 0);
+  EXPECT_EQ(got->stats.units_without_gradient, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(

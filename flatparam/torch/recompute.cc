@@ -1,7 +1,9 @@
 #include "flatparam/torch/recompute.h"
 
+#include <torch/csrc/autograd/engine.h>
 #include <torch/torch.h>
 
+#include <cstdint>
 #include <mutex>
 #include <optional>
 #include <utility>
@@ -9,6 +11,11 @@
 namespace flatparam {
 namespace libtorch {
 namespace {
+
+// RecomputeGraphId's state (per thread: a CPU backward runs on the thread
+// that called it, and its recomputes' backwards inside it).
+thread_local uint64_t current_graph_id = 0;
+thread_local uint64_t graphs_seen = 0;
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -51,6 +58,14 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
 
   static variable_list backward(AutogradContext* ctx,
                                 variable_list grad_outputs) {
+    // The recompute's backward would accumulate into every parameter f
+    // reads, whatever the outer backward asked for.
+    TORCH_CHECK(
+        torch::autograd::Engine::get_default_engine().is_checkpoint_valid(),
+        "flatparam Recompute is not compatible with "
+        "torch::autograd::grad() or with backward() given `inputs`: "
+        "use loss.backward() without `inputs` (PyTorch's reentrant "
+        "checkpoint refuses them too)");
     auto state = c10::static_intrusive_pointer_cast<RecomputeState>(
         ctx->saved_data["state"].toCapsule());
     const variable_list saved = ctx->get_saved_variables();
@@ -98,7 +113,14 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
         grads.push_back(grad_outputs[i]);
       }
     }
-    if (!roots.empty()) torch::autograd::backward(roots, grads);
+    if (!roots.empty()) {
+      struct GraphId {
+        uint64_t outer = current_graph_id;
+        GraphId() { current_graph_id = ++graphs_seen; }
+        ~GraphId() { current_graph_id = outer; }
+      } graph_id;
+      torch::autograd::backward(roots, grads);
+    }
 
     // One gradient per forward argument: none for the state, one per
     // input, none for the anchor.
@@ -115,6 +137,10 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
 };
 
 }  // namespace
+
+namespace internal {
+uint64_t RecomputeGraphId() { return current_graph_id; }
+}  // namespace internal
 
 variable_list Recompute(const TensorsFunction& f, const variable_list& inputs,
                         const RecomputeOptions& options) {

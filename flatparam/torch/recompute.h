@@ -37,7 +37,19 @@
 // Errors: an exception `f` throws in the forward propagates to the caller;
 // one it throws in the backward propagates out of `backward()` (a
 // c10::Error, as every LibTorch backward failure). With gradient mode off
-// (evaluation) Recompute is `f(inputs)`.
+// (evaluation) Recompute is `f(inputs)`. A backward that computes only some
+// gradients (`torch::autograd::grad()`, or `backward()` with `inputs`) is
+// refused with a c10::Error when it reaches a recompute, as PyTorch's
+// reentrant checkpoint refuses it: the recompute's own backward would
+// accumulate into every parameter `f` reads.
+//
+// Random numbers: only LibTorch's default CPU generator is saved and
+// restored, and it is process-wide (another thread drawing from it between
+// the forward and the recompute does not change what the recompute draws,
+// but the recompute moves it for nobody else either). On CUDA the device
+// generators and the autocast state must be saved and restored too
+// (PyTorch's checkpoint does); flatparam's LibTorch integration runs on
+// the CPU today, and that is to be added with its CUDA path.
 //
 // Thread-safety: as `f`; the generator's state is read and set under its
 // mutex.
@@ -70,6 +82,15 @@ torch::autograd::variable_list Recompute(
 // The same for one input and one output.
 torch::Tensor Recompute(const TensorFunction& f, const torch::Tensor& input,
                         const RecomputeOptions& options = {});
+
+namespace internal {
+// Which backward graph the calling thread's autograd hooks run in, as far
+// as Recompute can tell: 0 outside any recompute's backward, and a value
+// not seen before on this thread for each backward a recompute runs inside
+// the engine (restored when it ends). FsdpModule uses it to notice a new
+// graph.
+uint64_t RecomputeGraphId();
+}  // namespace internal
 
 }  // namespace libtorch
 }  // namespace flatparam

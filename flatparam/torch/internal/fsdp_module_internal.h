@@ -1,0 +1,99 @@
+// What fsdp_module.cc (wrapping, the hooks) and fsdp_module_state.cc
+// (state dicts, optimizer state, checkpoints) share: conversions between
+// LibTorch's and flatparam's tensors, and a unit's state. Private to
+// //flatparam/torch.
+#ifndef FLATPARAM_TORCH_INTERNAL_FSDP_MODULE_INTERNAL_H_
+#define FLATPARAM_TORCH_INTERNAL_FSDP_MODULE_INTERNAL_H_
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "flatparam/base/buffer.h"
+#include "flatparam/base/dtype.h"
+#include "flatparam/layout.h"
+#include "flatparam/torch/fsdp_module.h"
+
+namespace flatparam {
+namespace libtorch {
+namespace internal_fsdp_module {
+
+// flatparam's dtype of a LibTorch floating dtype; InvalidArgument for
+// another.
+absl::StatusOr<DType> FromTorch(c10::ScalarType type);
+c10::ScalarType ToTorch(DType dtype);
+torch::TensorOptions Options(DType dtype);
+// A CPU tensor over `buffer`'s memory (not owned).
+torch::Tensor Over(const BufferRef& buffer);
+
+// Tensors over one storage whose data pointer is swapped (see the file
+// comment of fsdp_module.h): one view per parameter.
+struct SwappableViews {
+  DType dtype = DType::kFloat32;
+  c10::Storage storage;
+  std::vector<torch::Tensor> views;
+  void* bound = nullptr;
+
+  // (Re)makes the views for `dtype`; `layout` gives offsets and shapes.
+  void Make(DType new_dtype, const FlatParamLayout& layout);
+  // Points the storage at `buffer` (or at nothing).
+  void Point(const std::optional<BufferRef>& buffer);
+};
+
+}  // namespace internal_fsdp_module
+
+// One unit's LibTorch side.
+struct FsdpModule::UnitState {
+  std::string name;
+  // The module's tensor of each layout parameter (primaries; a tied name is
+  // the same tensor), and its name.
+  std::vector<torch::Tensor> params;
+  std::vector<std::string> fqns;
+  std::vector<char> trainable;
+  // The gradient accumulator each trainable parameter's hook is on.
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  int num_trainable = 0;
+  internal_fsdp_module::SwappableViews param_views;
+  internal_fsdp_module::SwappableViews grad_views;
+  // Whether the parameters are the views now (else empty tensors), and
+  // whether their grad() are the gradient views.
+  bool exposed = false;
+  bool grads_exposed = false;
+
+  // The autograd nodes this iteration's forwards of the unit made (hooked
+  // by TrackNodes), and per backward whether each is counted (in the graph
+  // the engine runs) and has run.
+  struct TrackedNode {
+    std::weak_ptr<torch::autograd::Node> node;
+    bool counted = false;
+    bool done = false;
+  };
+  std::vector<TrackedNode> nodes;
+
+  // This backward.
+  bool pre_backward_ran = false;
+  bool post_backward_ran = false;
+  // The graphs ScanGraph has counted (the backward's serial and
+  // Recompute's graph id).
+  std::vector<std::pair<uint64_t, uint64_t>> scanned;
+  // Per parameter: the graphs this backward runs that hold its accumulator
+  // and in which it has not fired yet (Recompute's graph ids), and whether
+  // it has fired at all.
+  std::vector<std::vector<uint64_t>> expected_graphs;
+  std::vector<char> arrived;
+  int expected_left = 0;
+  int nodes_left = 0;
+  bool any_arrived = false;
+  // Whether ScanGraph found anything of the unit to wait for.
+  bool tracked = false;
+};
+
+}  // namespace libtorch
+}  // namespace flatparam
+
+#endif  // FLATPARAM_TORCH_INTERNAL_FSDP_MODULE_INTERNAL_H_

@@ -1,0 +1,121 @@
+// Training loops as LibTorch users write them, each run under FsdpModule on
+// one rank of any communicator and checked bit for bit against the same
+// loop in plain single-process LibTorch (the ranks' gradients folded as
+// FSDP's reduction folds them, refmodel::TrainFolded). Shared by the
+// simulator test (fsdp_module_loops_test) and the MPI one
+// (fsdp_module_mpi_test). Test-only.
+//
+// Each loop is collective: every rank of `world` calls it with the same
+// options; it returns OK when this rank's parameters (and whatever else
+// the loop checks) equal the reference's, and an error naming the first
+// difference otherwise.
+//
+// Thread-safety: the initial parameters are made once (thread-safe); the
+// loops are functions of their arguments.
+#ifndef FLATPARAM_TORCH_TORCH_LOOPS_TESTUTIL_H_
+#define FLATPARAM_TORCH_TORCH_LOOPS_TESTUTIL_H_
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "comm/communicator.h"
+#include "flatparam/device/device.h"
+#include "flatparam/layout.h"
+#include "flatparam/torch/fsdp_module.h"
+
+namespace flatparam {
+namespace libtorch {
+namespace testing {
+
+struct LoopOptions {
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  // Hybrid strategies: ranks per shard group (0: the world).
+  int shard_group_size = 0;
+  Recomputation recompute = Recomputation::kNone;
+  bool use_orig_params = false;
+};
+std::string LoopName(const LoopOptions& o);
+
+// A LoRA block: a frozen layer norm and linear layer plus trainable
+// low-rank adapters `lora_a` [r, d] and `lora_b` [d, r] in the same block.
+struct LoraBlockImpl : torch::nn::Module {
+  LoraBlockImpl(int64_t d, int64_t r);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::nn::LayerNorm ln{nullptr};
+  torch::nn::Linear fc{nullptr};
+  torch::Tensor lora_a, lora_b;
+};
+TORCH_MODULE(LoraBlock);
+
+// A frozen embedding "wte" (tied to the head), LoRA blocks "h.i" and a
+// frozen final norm "ln_f": only the adapters train.
+struct LoraNetImpl : torch::nn::Module {
+  LoraNetImpl(int64_t vocab, int64_t d, int64_t r, int layers);
+  torch::Tensor forward(const torch::Tensor& tokens);
+  torch::nn::Embedding wte{nullptr};
+  torch::nn::ModuleList h{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+};
+TORCH_MODULE(LoraNet);
+inline constexpr int kLoraLayers = 4;
+
+// LoRA fine-tuning with AdamW (weight decay 0.01, LibTorch's default) for
+// `steps` steps, use_orig_params on: the frozen weights stay bitwise
+// unchanged, the adapters are bitwise single-process training, and the
+// peak unsharded-parameter memory of the rank (FULL_SHARD) is at most
+// root + 2 x the largest block's padded unsharded bytes (the root kept,
+// the unit whose backward runs, the one BACKWARD_PRE prefetched), where
+// keeping the mixed units gathered until the backward's end would take
+// root + kLoraLayers x block. `*peak` and `*bound` get the figures.
+absl::Status LoraLoop(Communicator& world, DeviceOps& device,
+                      const LoopOptions& options, int steps, int64_t* peak,
+                      int64_t* bound);
+
+// A weight reached twice in one backward: each block also reads the tied
+// embedding (owned by the root unit), and block h.0 is applied twice; the
+// blocks are recomputed per options.recompute, in the reference too.
+absl::Status SharedWeightLoop(Communicator& world, DeviceOps& device,
+                              const LoopOptions& options, int steps);
+
+// torch::autograd::grad() over the module's parameters between steps: it
+// returns their gradients, leaves ShardedParameters()' gradients as they
+// were (None) and reduces nothing; gradients of gradients
+// (create_graph) are refused with an error that says so, and the module
+// trains on afterwards, bitwise the loop without them.
+absl::Status AutogradGradLoop(Communicator& world, DeviceOps& device,
+                              const LoopOptions& options);
+
+// requires_grad changed on module parameters between steps (a block's
+// fc1 frozen after step 1 and unfrozen after step 3, with use_orig_params;
+// a whole block without it): bitwise the reference making the same
+// changes.
+absl::Status RequiresGradChangeLoop(Communicator& world, DeviceOps& device,
+                                    const LoopOptions& options);
+
+// The optimizer's own set-to-None zero_grad (each parameter's grad()
+// reset) instead of FsdpModule::ZeroGrad: bitwise the reference.
+absl::Status SetToNoneLoop(Communicator& world, DeviceOps& device,
+                           const LoopOptions& options);
+
+// Train, evaluate under torch::NoGradGuard (and with gradients on, a loss
+// never back-propagated), save a checkpoint, load it into a fresh wrap,
+// train on: bitwise the loop without evaluation.
+absl::Status EvaluateThenSaveLoop(Communicator& world, DeviceOps& device,
+                                  const LoopOptions& options,
+                                  const std::string& dir);
+
+// Each block returns two tensors (its output and an auxiliary loss from
+// its own parameters) and the loss adds the auxiliary ones: bitwise the
+// reference.
+absl::Status SeveralOutputsLoop(Communicator& world, DeviceOps& device,
+                                const LoopOptions& options);
+
+}  // namespace testing
+}  // namespace libtorch
+}  // namespace flatparam
+
+#endif  // FLATPARAM_TORCH_TORCH_LOOPS_TESTUTIL_H_
