@@ -19,6 +19,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -129,6 +131,15 @@ absl::Status Export() {
 }  // namespace flatparam
 
 int main(int argc, char** argv) {
+  // --help lists this file's flags (absl's default matches files named
+  // after the binary, which this one is not).
+  absl::SetProgramUsageMessage(flatparam::kUsage);
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::StrContains(file, "torch_files_main");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   // absl flag names use underscores; accept the dashed spelling too
   // (--world-size=2), in the name part only.
   std::vector<std::string> normalized(argv, argv + argc);

@@ -18,6 +18,17 @@ set -euo pipefail
 tool=$1
 check=$2
 
+# --help prints the usage and the flags (absl's default printed "No flags
+# matched" for this binary).
+help=$("$tool" --help 2>&1 || true)
+for want in "usage: fsdp_torch_files import" "--world_size" "--optimizer_keys"; do
+  if ! grep -qF -- "$want" <<<"$help"; then
+    echo "FAIL: fsdp_torch_files --help lacks '$want':"
+    echo "$help"
+    exit 1
+  fi
+done
+
 python=""
 for p in /usr/bin/python3 python3; do
   if command -v "$p" >/dev/null 2>&1 && "$p" -c 'import torch' 2>/dev/null; then

@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <unordered_set>
 #include <utility>
@@ -28,6 +29,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "flatparam/base/status_macros.h"
+#include "flatparam/model_json.h"
 #include "flatparam/torch/internal/fsdp_module_internal.h"
 
 namespace flatparam {
@@ -297,9 +299,40 @@ absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
 
   auto fsdp =
       absl::WrapUnique(new FsdpModule(module, world, options.use_orig_params));
+  fsdp->cast_root_forward_inputs_ = options.cast_root_forward_inputs;
+  fsdp->cast_forward_inputs_ = options.cast_forward_inputs;
   ModelSpec spec;
   spec.name = module->name();
   spec.wrap = options.wrap;
+  if (!options.wrap_module_types.empty()) {
+    std::set<std::string> types;
+    std::set<std::string> matched;
+    for (const auto& item : module->named_modules(/*name_prefix=*/"",
+                                                  /*include_self=*/false)) {
+      // Module::name() is the qualified class name; the last component
+      // alone names it too.
+      const std::string type = item.value()->name();
+      const size_t colon = type.rfind("::");
+      const std::string last =
+          colon == std::string::npos ? type : type.substr(colon + 2);
+      types.insert(last);
+      for (const std::string& want : options.wrap_module_types) {
+        if (want == type || want == last) {
+          spec.wrap.push_back(item.key());
+          matched.insert(want);
+          break;
+        }
+      }
+    }
+    for (const std::string& type : options.wrap_module_types) {
+      if (matched.count(type) == 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "FsdpOptions::wrap_module_types: no module of \"", module->name(),
+            "\" is a \"", type,
+            "\" (its submodules' types: ", absl::StrJoin(types, ", "), ")"));
+      }
+    }
+  }
   std::map<std::string, ConstBufferRef> initial;
   std::map<const c10::TensorImpl*, std::string> by_impl;
   std::map<const c10::StorageImpl*, std::string> by_storage;
@@ -460,6 +493,10 @@ absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
   }
   fsdp->BindShardedGrads();
   return fsdp;
+}
+
+nlohmann::json FsdpModule::ModelFile() const {
+  return ModelSpecToJson(layout().spec());
 }
 
 std::vector<std::string> FsdpModule::unit_names() const {
@@ -970,6 +1007,50 @@ absl::StatusOr<torch::autograd::variable_list> FsdpModule::Unit(
     const std::function<torch::autograd::variable_list()>& forward) {
   FLATPARAM_ASSIGN_OR_RETURN(int unit, UnitIndex(name));
   return RunUnit(unit, [&]() -> absl::StatusOr<Outputs> { return forward(); });
+}
+
+torch::autograd::variable_list FsdpModule::CastInputs(
+    int unit, const torch::autograd::variable_list& inputs, bool cast) const {
+  const FlatParamHandle& handle = runtime_->handle(unit);
+  // PyTorch casts to param_dtype only where it computes in it (not in eval
+  // under use_full_prec_in_eval).
+  if (!cast || !handle.uses_param_mixed_precision() ||
+      (!training_ && handle.options().use_full_prec_in_eval)) {
+    return inputs;
+  }
+  const c10::ScalarType dtype =
+      internal_fsdp_module::ToTorch(handle.param_dtype());
+  torch::autograd::variable_list out;
+  out.reserve(inputs.size());
+  for (const torch::Tensor& t : inputs) {
+    out.push_back(t.defined() && t.is_floating_point() &&
+                          t.scalar_type() != dtype
+                      ? t.to(dtype)
+                      : t);
+  }
+  return out;
+}
+
+absl::StatusOr<torch::autograd::variable_list> FsdpModule::Forward(
+    const torch::autograd::variable_list& inputs,
+    const std::function<absl::StatusOr<torch::autograd::variable_list>(
+        const torch::autograd::variable_list&)>& forward) {
+  return RunForward([&]() -> absl::StatusOr<Outputs> {
+    std::optional<int> root = runtime_->root_unit();
+    return forward(root.has_value()
+                       ? CastInputs(*root, inputs, cast_root_forward_inputs_)
+                       : inputs);
+  });
+}
+
+absl::StatusOr<torch::autograd::variable_list> FsdpModule::Unit(
+    absl::string_view name, const torch::autograd::variable_list& inputs,
+    const std::function<torch::autograd::variable_list(
+        const torch::autograd::variable_list&)>& forward) {
+  FLATPARAM_ASSIGN_OR_RETURN(int unit, UnitIndex(name));
+  return RunUnit(unit, [&]() -> absl::StatusOr<Outputs> {
+    return forward(CastInputs(unit, inputs, cast_forward_inputs_));
+  });
 }
 
 absl::StatusOr<torch::Tensor> FsdpModule::RecomputedUnit(

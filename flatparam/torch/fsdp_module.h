@@ -200,8 +200,15 @@ namespace libtorch {
 
 struct FsdpOptions {
   // Module names (or globs over them) that are units of their own; see the
-  // file comment. Empty: the whole module is one unit.
+  // file comment. Empty (and no wrap_module_types): the whole module is
+  // one unit.
   std::vector<std::string> wrap;
+  // Module types whose every instance is a unit of its own (PyTorch's
+  // ModuleWrapPolicy({Block})), as `torch::nn::Module::name()` gives them
+  // ("my::BlockImpl" for TORCH_MODULE(Block)) or by its last component
+  // ("BlockImpl"). Added to `wrap`; InvalidArgument for a type no
+  // submodule has.
+  std::vector<std::string> wrap_module_types;
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
   // Hybrid strategies: ranks per shard group (a divisor of the world size);
   // 0 means the world.
@@ -216,6 +223,14 @@ struct FsdpOptions {
   // to every rank before they are sharded, so ranks that initialized their
   // modules differently (different seeds) start alike.
   bool sync_module_states = false;
+  // PyTorch's MixedPrecision.cast_root_forward_inputs and
+  // cast_forward_inputs: with a param_dtype, the floating inputs given to
+  // Forward(inputs, f) (root) and Unit(name, inputs, f) are cast to it
+  // (differentiably: their gradients come back in their own dtype); not in
+  // eval mode under use_full_prec_in_eval. Inputs a function captures are
+  // not seen, and not cast.
+  bool cast_root_forward_inputs = true;
+  bool cast_forward_inputs = false;
   // Mixed precision, CPU offload, ... (HandleOptions), and prefetch,
   // limit_all_gathers, ... (RuntimeOptions).
   HandleOptions handle;
@@ -279,6 +294,13 @@ class FsdpModule {
   absl::StatusOr<torch::autograd::variable_list> Forward(
       const std::function<absl::StatusOr<torch::autograd::variable_list>()>&
           forward);
+  // The same with the forward's inputs passed through, as a module's
+  // forward takes them: floating inputs are cast to the mixed-precision
+  // param_dtype first (FsdpOptions::cast_root_forward_inputs).
+  absl::StatusOr<torch::autograd::variable_list> Forward(
+      const torch::autograd::variable_list& inputs,
+      const std::function<absl::StatusOr<torch::autograd::variable_list>(
+          const torch::autograd::variable_list&)>& forward);
   // Unit `name`'s forward inside Forward's (its hooks around `forward`).
   // NotFound for a name that is not a unit (listing the units),
   // FailedPrecondition outside Forward or for the root unit.
@@ -290,6 +312,13 @@ class FsdpModule {
   absl::StatusOr<torch::autograd::variable_list> Unit(
       absl::string_view name,
       const std::function<torch::autograd::variable_list()>& forward);
+  // The same with the unit's inputs passed through: with
+  // FsdpOptions::cast_forward_inputs, floating inputs are cast to the
+  // unit's param_dtype first (an fp32 activation into a bf16 unit).
+  absl::StatusOr<torch::autograd::variable_list> Unit(
+      absl::string_view name, const torch::autograd::variable_list& inputs,
+      const std::function<torch::autograd::variable_list(
+          const torch::autograd::variable_list&)>& forward);
   // Unit `name`'s forward `forward(input)` inside Forward's, its
   // activations recomputed in the backward (Recompute) at `where` (see the
   // file comment). `forward` runs again during the backward: what it
@@ -414,6 +443,10 @@ class FsdpModule {
   torch::nn::Module& module() { return *module_; }
   // Unit names in unit order ("" is the root).
   std::vector<std::string> unit_names() const;
+  // The model file (flatparam/model_json.h) of the wrapped module: its
+  // parameters, ties and units, as `fsdp_torch_files import --model=` and
+  // the `fsdp checkpoint` tools take it.
+  nlohmann::json ModelFile() const;
   const FsdpModuleStats& stats() const { return stats_; }
 
  private:
@@ -468,6 +501,10 @@ class FsdpModule {
   // backward, naming `op`.
   absl::Status BetweenIterations(absl::string_view op);
   bool OptimizerStepped() const;
+  // `inputs` with floating tensors cast to unit `unit`'s param_dtype when
+  // `cast` and mixed precision is in force.
+  torch::autograd::variable_list CastInputs(
+      int unit, const torch::autograd::variable_list& inputs, bool cast) const;
   absl::StatusOr<Outputs> RunForward(
       const std::function<absl::StatusOr<Outputs>()>& forward);
   absl::StatusOr<Outputs> RunUnit(
@@ -507,6 +544,8 @@ class FsdpModule {
   std::shared_ptr<torch::nn::Module> module_;
   Communicator* const world_;
   const bool use_orig_params_;
+  bool cast_root_forward_inputs_ = true;
+  bool cast_forward_inputs_ = false;
   std::shared_ptr<HookTarget> hooks_;
   std::unique_ptr<FsdpRuntime> runtime_;
   std::vector<std::unique_ptr<UnitState>> units_;

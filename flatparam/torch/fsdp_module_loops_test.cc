@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,8 @@
 #include "flatparam/base/status_macros.h"
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/device/device.h"
+#include "flatparam/model.h"
+#include "flatparam/model_json.h"
 #include "flatparam/torch/fsdp_module.h"
 #include "flatparam/torch/recompute.h"
 #include "flatparam/torch/torch_loops_testutil.h"
@@ -125,6 +128,17 @@ TEST_P(LoopsTest, SeveralOutputsPerUnit) {
                     [&](Communicator& comm, DeviceOps& device) {
                       return SeveralOutputsLoop(comm, device,
                                                 GetParam().options);
+                    }),
+              IsOk());
+}
+
+TEST_P(LoopsTest, ParameterGroupsByNameWithNoSync) {
+  const std::string dir = TmpDir(absl::StrCat(
+      "groups_", LoopName(GetParam().options), "_w", GetParam().world));
+  EXPECT_THAT(OnSim(GetParam().world,
+                    [&](Communicator& comm, DeviceOps& device) {
+                      return ParamGroupsLoop(comm, device, GetParam().options,
+                                             dir);
                     }),
               IsOk());
 }
@@ -301,6 +315,77 @@ TEST(FsdpModuleEvalTest, FollowsTheModulesTrainingFlag) {
       ASSERT_THAT(out.status(), IsOk());
       EXPECT_EQ(seen, training ? torch::kBFloat16 : torch::kFloat) << training;
     }
+  });
+}
+
+// Units by module type, as PyTorch's ModuleWrapPolicy({Block}); the model
+// file the import tools take, from the module.
+TEST(FsdpModuleWrapTest, UnitsByModuleTypeAndTheModelFile) {
+  OnOneRank([](Communicator& comm, DeviceOps& device) {
+    FsdpOptions options;
+    options.wrap_module_types = {"BlockImpl"};
+    Net net = MakeNet();
+    absl::StatusOr<std::unique_ptr<FsdpModule>> fsdp =
+        FsdpModule::Wrap(net.ptr(), &comm, &device, options);
+    ASSERT_THAT(fsdp.status(), IsOk());
+    EXPECT_EQ((*fsdp)->unit_names(),
+              (std::vector<std::string>{"", "h.0", "h.1", "h.2"}));
+    const nlohmann::json file = (*fsdp)->ModelFile();
+    absl::StatusOr<ModelSpec> spec =
+        ParseModelSpecJson(file.dump(), "ModelFile()");
+    ASSERT_THAT(spec.status(), IsOk());
+    EXPECT_EQ(spec->params.size(), (*fsdp)->layout().spec().params.size());
+    EXPECT_EQ(file.dump(), ModelSpecToJson(*spec).dump());
+
+    options.wrap_module_types = {"Blok"};
+    absl::Status status =
+        FsdpModule::Wrap(MakeNet().ptr(), &comm, &device, options).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(absl::StrContains(status.message(), "BlockImpl")) << status;
+  });
+}
+
+// Mixed precision casts the floating inputs passed to Forward and Unit, as
+// PyTorch's cast_root_forward_inputs / cast_forward_inputs do: an fp32
+// activation into a bfloat16 unit works, and its gradient comes back in
+// fp32; without the cast LibTorch refuses the dtypes.
+TEST(FsdpModuleMixedPrecisionTest, ForwardInputsAreCast) {
+  OnOneRank([](Communicator& comm, DeviceOps& device) {
+    Net net = MakeNet();
+    FsdpOptions options;
+    options.wrap = {"h.*"};
+    options.handle.param_dtype = DType::kBFloat16;
+    options.cast_forward_inputs = true;
+    absl::StatusOr<std::unique_ptr<FsdpModule>> fsdp =
+        FsdpModule::Wrap(net.ptr(), &comm, &device, options);
+    ASSERT_THAT(fsdp.status(), IsOk());
+    torch::Tensor x = torch::randn({2, kSeq, kDim}, torch::requires_grad());
+    auto* block = net->h[0]->as<BlockImpl>();
+    absl::StatusOr<torch::autograd::variable_list> out = (*fsdp)->Forward(
+        {x},
+        [&](const torch::autograd::variable_list& in)
+            -> absl::StatusOr<torch::autograd::variable_list> {
+          if (in[0].scalar_type() != torch::kBFloat16) {
+            return absl::InternalError("the root's input was not cast");
+          }
+          return (*fsdp)->Unit(
+              "h.0", {x}, [&](const torch::autograd::variable_list& i) {
+                return torch::autograd::variable_list{block->forward(i[0])};
+              });
+        });
+    ASSERT_THAT(out.status(), IsOk());
+    EXPECT_EQ((*out)[0].scalar_type(), torch::kBFloat16);
+    ASSERT_THAT((*fsdp)->Backward((*out)[0].to(torch::kFloat).sum()), IsOk());
+    ASSERT_TRUE(x.grad().defined());
+    EXPECT_EQ(x.grad().scalar_type(), torch::kFloat);
+
+    // Captured by the function instead: not cast, and LibTorch refuses.
+    absl::StatusOr<torch::Tensor> plain =
+        (*fsdp)->Forward([&]() -> absl::StatusOr<torch::Tensor> {
+          return (*fsdp)->Unit("h.0", [&] { return block->forward(x); });
+        });
+    EXPECT_EQ(plain.status().code(), absl::StatusCode::kInvalidArgument)
+        << plain.status();
   });
 }
 

@@ -102,6 +102,11 @@ TEST(FsdpModuleMpiTest, UserLoopsBitwiseEqualToSingleProcess) {
         *g_world, device, o,
         absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/mpi_eval_", LoopName(o)));
     EXPECT_TRUE(eval.ok()) << eval;
+    absl::Status groups =
+        ParamGroupsLoop(*g_world, device, o,
+                        absl::StrCat(tmp != nullptr ? tmp : "/tmp",
+                                     "/mpi_groups_", LoopName(o)));
+    EXPECT_TRUE(groups.ok()) << groups;
     for (Recomputation r : {Recomputation::kNone, Recomputation::kInsideUnit,
                             Recomputation::kAroundUnit}) {
       LoopOptions shared = o;

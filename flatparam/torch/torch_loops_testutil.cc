@@ -5,6 +5,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -617,6 +618,83 @@ absl::Status SeveralOutputsLoop(Communicator& world, DeviceOps& device,
   }
   FLATPARAM_ASSIGN_OR_RETURN(Params got, fsdp->FullStateDict());
   return ExpectEqual(got, Named(*reference), "several outputs per unit");
+}
+
+absl::Status ParamGroupsLoop(Communicator& world, DeviceOps& device,
+                             const LoopOptions& options,
+                             const std::string& dir) {
+  const int steps = 4;
+  const int micro = 2;
+  auto decays = [](const std::string& name) {
+    return absl::StrContains(name, "fc") && absl::EndsWith(name, ".weight");
+  };
+  auto make =
+      [&](const std::vector<std::pair<std::string, torch::Tensor>>& named) {
+        std::vector<torch::Tensor> decay, no_decay;
+        for (const auto& [name, p] : named) {
+          (decays(name) ? decay : no_decay).push_back(p);
+        }
+        std::vector<torch::optim::OptimizerParamGroup> groups;
+        groups.emplace_back(
+            decay, std::make_unique<torch::optim::AdamWOptions>(
+                       torch::optim::AdamWOptions(0.01).weight_decay(0.1)));
+        groups.emplace_back(
+            no_decay, std::make_unique<torch::optim::AdamWOptions>(
+                          torch::optim::AdamWOptions(0.01).weight_decay(0)));
+        return std::make_unique<torch::optim::AdamW>(
+            groups, torch::optim::AdamWOptions(0.01));
+      };
+
+  Net reference = MakeNet();
+  std::vector<std::pair<std::string, torch::Tensor>> ref_named;
+  for (const auto& p : reference->named_parameters()) {
+    if (p.key() != "lm_head.weight") ref_named.emplace_back(p.key(), p.value());
+  }
+  auto ref_opt = make(ref_named);
+  refmodel::FoldOptions fold = Fold(world, options, steps);
+  fold.micro_batches = micro;
+  refmodel::TrainFolded(
+      *reference, *ref_opt, fold, [&](int step, int m, int r) {
+        torch::Tensor tokens = RankTokens(step * micro + m, r);
+        return Loss(NetForward(reference, tokens), tokens);
+      });
+
+  LoopOptions orig = options;
+  orig.use_orig_params = true;
+  auto run = [&](int first, int last, bool load, bool save) -> absl::Status {
+    Net net = MakeNet();
+    FLATPARAM_ASSIGN_OR_RETURN(
+        std::unique_ptr<FsdpModule> fsdp,
+        FsdpModule::Wrap(net.ptr(), &world, &device, Wrapping(orig)));
+    FLATPARAM_ASSIGN_OR_RETURN(auto named, fsdp->NamedShardedParameters());
+    auto optimizer = make(named);
+    if (load) {
+      FLATPARAM_RETURN_IF_ERROR(fsdp->LoadCheckpoint(
+          checkpoint::PosixFileSystem(), dir, optimizer.get()));
+    }
+    for (int step = first; step < last; ++step) {
+      for (int m = 0; m < micro; ++m) {
+        // PyTorch's `with model.no_sync():` for all but the last.
+        std::optional<FsdpRuntime::NoSyncScope> no_sync;
+        if (m < micro - 1) no_sync.emplace(fsdp->NoSync());
+        torch::Tensor tokens = RankTokens(step * micro + m, world.rank());
+        FLATPARAM_ASSIGN_OR_RETURN(
+            torch::Tensor logits,
+            ForwardNet(net, *fsdp, tokens, nullptr, options.recompute));
+        FLATPARAM_RETURN_IF_ERROR(fsdp->Backward(Loss(logits, tokens)));
+      }
+      optimizer->step();
+      FLATPARAM_RETURN_IF_ERROR(fsdp->ZeroGrad());
+    }
+    if (save) {
+      return fsdp->SaveCheckpoint(checkpoint::PosixFileSystem(), dir,
+                                  optimizer.get());
+    }
+    FLATPARAM_ASSIGN_OR_RETURN(Params got, fsdp->FullStateDict());
+    return ExpectEqual(got, Named(*reference), "parameter groups");
+  };
+  FLATPARAM_RETURN_IF_ERROR(run(0, steps / 2, false, true));
+  return run(steps / 2, steps, true, false);
 }
 
 }  // namespace testing

@@ -114,6 +114,15 @@ absl::Status EvaluateThenSaveLoop(Communicator& world, DeviceOps& device,
 absl::Status SeveralOutputsLoop(Communicator& world, DeviceOps& device,
                                 const LoopOptions& options);
 
+// AdamW with PyTorch's usual two parameter groups, built by name with
+// use_orig_params: weight decay for the matrices, none for biases, norms
+// and the embedding, and micro-batches under FsdpModule::NoSync(); saved
+// and loaded (the checkpoint keeps the groups' names) halfway: bitwise the
+// reference with the same groups.
+absl::Status ParamGroupsLoop(Communicator& world, DeviceOps& device,
+                             const LoopOptions& options,
+                             const std::string& dir);
+
 }  // namespace testing
 }  // namespace libtorch
 }  // namespace flatparam
