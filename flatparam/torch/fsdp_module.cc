@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <map>
@@ -390,6 +391,51 @@ absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
   if (spec.params.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("module \"", module->name(), "\" has no parameters"));
+  }
+  for (const auto& item : module->named_buffers(/*recurse=*/true)) {
+    const torch::Tensor& b = item.value();
+    if (!b.defined()) continue;
+    if (!b.device().is_cpu() || !b.is_contiguous()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "buffer \"", item.key(), "\" is ",
+          b.device().is_cpu() ? "not contiguous" : "not on the CPU",
+          "; FsdpModule keeps buffers as contiguous CPU tensors"));
+    }
+    fsdp->buffers_.emplace_back(item.key(), b);
+    fsdp->buffer_dtypes_.push_back(b.scalar_type());
+  }
+  if (options.sync_module_states) {
+    // PyTorch's sync_module_states broadcasts buffers too (BatchNorm's
+    // running statistics), byte for byte: collectives move floating
+    // elements, so the bytes travel as float32 words (a broadcast copies
+    // them unchanged) and come back.
+    BroadcastOptions from_rank0;
+    from_rank0.root = 0;
+    for (auto& [name, b] : fsdp->buffers_) {
+      if (b.numel() == 0) continue;
+      const int64_t nbytes = static_cast<int64_t>(b.nbytes());
+      std::vector<float> words((nbytes + 3) / 4, 0.0f);
+      std::memcpy(words.data(), b.data_ptr(), nbytes);
+      BufferRef bytes{words.data(), static_cast<int64_t>(words.size()),
+                      DType::kFloat32, Device::Host()};
+      absl::Status status = world->Broadcast(bytes, from_rank0)->Wait();
+      std::memcpy(b.data_ptr(), words.data(), nbytes);
+      if (!status.ok()) {
+        return absl::Status(status.code(),
+                            absl::StrCat("sync_module_states, buffer \"", name,
+                                         "\": ", status.message()));
+      }
+    }
+  }
+  if (options.buffer_dtype.has_value()) {
+    torch::NoGradGuard no_grad;
+    const c10::ScalarType dtype =
+        internal_fsdp_module::ToTorch(*options.buffer_dtype);
+    for (auto& [name, b] : fsdp->buffers_) {
+      if (b.is_floating_point() && b.scalar_type() != dtype) {
+        b.set_data(b.to(dtype));
+      }
+    }
   }
   if (options.sync_module_states) {
     BroadcastOptions from_rank0;
@@ -800,6 +846,11 @@ absl::Status FsdpModule::EndForwardOnlyIteration() {
 }
 
 absl::Status FsdpModule::BetweenIterations(absl::string_view op) {
+  if (summoned_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("FsdpModule::", op,
+                     " while SummonFullParams' scope lives (end it first)"));
+  }
   if (in_forward_ || in_backward_) {
     return absl::FailedPreconditionError(
         absl::StrCat("FsdpModule::", op, " inside a ",
@@ -891,6 +942,11 @@ absl::StatusOr<FsdpModule::Outputs> FsdpModule::RunForward(
   if (in_backward_) {
     return absl::FailedPreconditionError(
         "FsdpModule::Forward inside a backward");
+  }
+  if (summoned_) {
+    return absl::FailedPreconditionError(
+        "FsdpModule::Forward while SummonFullParams' scope lives (end it "
+        "first)");
   }
   FLATPARAM_RETURN_IF_ERROR(CheckModuleUnchanged());
   // A forward whose loss was never back-propagated, then an optimizer step:

@@ -179,6 +179,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -231,6 +232,10 @@ struct FsdpOptions {
   // not seen, and not cast.
   bool cast_root_forward_inputs = true;
   bool cast_forward_inputs = false;
+  // PyTorch's MixedPrecision.buffer_dtype: the module's floating buffers
+  // (BatchNorm's running statistics, ...) are cast to it at Wrap; state
+  // dicts give them back in their own dtype. Unset: they keep theirs.
+  std::optional<DType> buffer_dtype;
   // Mixed precision, CPU offload, ... (HandleOptions), and prefetch,
   // limit_all_gathers, ... (RuntimeOptions).
   HandleOptions handle;
@@ -242,6 +247,18 @@ struct FsdpOptions {
 enum class Recomputation { kNone, kInsideUnit, kAroundUnit };
 // "none", "inside", "around".
 const char* RecomputationName(Recomputation r);
+
+// PyTorch's FullStateDictConfig.
+struct StateDictOptions {
+  // Only rank 0 of each shard group gets the tensors (every rank of a
+  // non-hybrid world but rank 0 gets an empty dict); the others still take
+  // part in the all-gathers.
+  bool rank0_only = false;
+  // PyTorch's offload_to_cpu. The tensors are CPU tensors whatever it says
+  // (LibTorch modules run on the CPU under FsdpModule today); accepted so
+  // that code written for a device keeps compiling.
+  bool offload_to_cpu = true;
+};
 
 // What the hooks did, summed over the backwards.
 struct FsdpModuleStats {
@@ -430,11 +447,69 @@ class FsdpModule {
                               torch::optim::Optimizer* optimizer,
                               nlohmann::json* extra = nullptr);
 
-  // ---- State ----
+  // ---- State dicts (PyTorch's FSDP state_dict_type) ----
   // The full, unsharded parameters by name (every non-tied parameter, in
-  // the parameters' dtype and shape, as `module.state_dict()` holds them):
-  // collective (it all-gathers every unit). Between iterations.
+  // the parameters' dtype and shape): collective (it all-gathers every
+  // unit). Between iterations. Kept for its callers; StateDict() is
+  // PyTorch's FULL_STATE_DICT.
   absl::StatusOr<std::map<std::string, torch::Tensor>> FullStateDict();
+  // PyTorch's FULL_STATE_DICT, what Python's `module.state_dict()` holds:
+  // every parameter and buffer, in state_dict order (each module's own
+  // parameters, then its buffers, then its submodules'), a tied parameter
+  // under each of its names (one tensor), parameters unsharded in their
+  // dtype and shape, buffers as the module holds them (cast back to their
+  // dtype under buffer_dtype). Collective, one unit gathered at a time;
+  // between iterations (a forward without backward is ended first).
+  absl::StatusOr<torch::OrderedDict<std::string, torch::Tensor>> StateDict(
+      const StateDictOptions& options = {});
+  // Loads such a dict on every rank (collective: each rank passes the same
+  // values, as Python's FSDP FULL_STATE_DICT load does): parameters into
+  // their shards, buffers into the module. Values are copied with
+  // LibTorch's casting (as `load_state_dict`), shapes must match.
+  // `strict`: InvalidArgument naming the missing and the unexpected keys,
+  // as Python's load_state_dict(strict=True). InvalidArgument too for a
+  // shape that differs, or the names of one tied parameter with different
+  // values. Nothing changes when it fails.
+  absl::Status LoadStateDict(
+      const torch::OrderedDict<std::string, torch::Tensor>& state,
+      bool strict = true);
+  // PyTorch's SHARDED_STATE_DICT: each parameter chunked on dim 0 across
+  // the world's ranks as torch.chunk does (rank r holds rows
+  // [r * c, min(rows, (r + 1) * c)), c = ceil(rows / world), possibly none;
+  // a 0-d parameter whole on every rank); buffers each rank's own; keys as
+  // StateDict's. Collective.
+  absl::StatusOr<torch::OrderedDict<std::string, torch::Tensor>>
+  ShardedStateDict();
+  // Loads every rank's ShardedStateDict() (made at this world size; each
+  // rank passes its own): collective. InvalidArgument naming missing and
+  // unexpected keys, or a chunk of another shape.
+  absl::Status LoadShardedStateDict(
+      const torch::OrderedDict<std::string, torch::Tensor>& state);
+
+  // ---- Summoning full parameters (PyTorch's summon_full_params) ----
+  // While the returned scope lives, the module's parameters hold their full
+  // values (unit by unit gathered at once: the whole model's memory), for
+  // generation, inspection or weight surgery; with writeback, changes made
+  // in place go back into the shards when it ends; with with_grads, each
+  // trainable parameter's grad() is its full gradient. rank0_only: only
+  // rank 0 of each shard group sees them (others see empty parameters);
+  // not with writeback. Collective (begin and end). Between iterations;
+  // Forward and Backward fail while it lives. End() reports the
+  // write-back's errors; the destructor ends it too, printing an error.
+  class SummonedParams {
+   public:
+    ~SummonedParams();
+    SummonedParams(const SummonedParams&) = delete;
+    SummonedParams& operator=(const SummonedParams&) = delete;
+    absl::Status End();
+
+   private:
+    friend class FsdpModule;
+    explicit SummonedParams(FsdpModule* module) : module_(module) {}
+    FsdpModule* module_;
+  };
+  absl::StatusOr<std::unique_ptr<SummonedParams>> SummonFullParams(
+      const SummonOptions& options = {});
 
   // ---- Introspection ----
   FsdpRuntime& runtime() { return *runtime_; }
@@ -501,6 +576,23 @@ class FsdpModule {
   // backward, naming `op`.
   absl::Status BetweenIterations(absl::string_view op);
   bool OptimizerStepped() const;
+  // State-dict order (see StateDict): each entry a parameter (unit, index)
+  // or a buffer (index into buffers_).
+  struct StateEntry {
+    std::string name;
+    int unit = -1;
+    int index = 0;
+    int buffer = -1;
+  };
+  std::vector<StateEntry> StateEntries() const;
+  // The buffers' values in their own dtype.
+  torch::Tensor BufferValue(int buffer) const;
+  // Checks `state`'s keys against the module's (strict) and tied names'
+  // agreement.
+  absl::Status CheckStateKeys(
+      const torch::OrderedDict<std::string, torch::Tensor>& state,
+      bool strict) const;
+  absl::Status EndSummon();
   // `inputs` with floating tensors cast to unit `unit`'s param_dtype when
   // `cast` and mixed precision is in force.
   torch::autograd::variable_list CastInputs(
@@ -544,6 +636,11 @@ class FsdpModule {
   std::shared_ptr<torch::nn::Module> module_;
   Communicator* const world_;
   const bool use_orig_params_;
+  // The module's buffers (named_buffers()), with their dtypes at Wrap.
+  std::vector<std::pair<std::string, torch::Tensor>> buffers_;
+  std::vector<c10::ScalarType> buffer_dtypes_;
+  bool summoned_ = false;
+  SummonOptions summon_options_;
   bool cast_root_forward_inputs_ = true;
   bool cast_forward_inputs_ = false;
   std::shared_ptr<HookTarget> hooks_;

@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <functional>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -21,6 +22,7 @@
 #include "flatparam/device/device.h"
 #include "flatparam/model.h"
 #include "flatparam/model_json.h"
+#include "flatparam/optim/optim_state.h"
 #include "flatparam/torch/fsdp_module.h"
 #include "flatparam/torch/recompute.h"
 #include "flatparam/torch/torch_loops_testutil.h"
@@ -387,6 +389,291 @@ TEST(FsdpModuleMixedPrecisionTest, ForwardInputsAreCast) {
     EXPECT_EQ(plain.status().code(), absl::StatusCode::kInvalidArgument)
         << plain.status();
   });
+}
+
+// A small network with BatchNorm: blocks "h.i" of Linear + BatchNorm1d,
+// a head; buffers: each norm's running statistics and batch count.
+struct BnBlockImpl : torch::nn::Module {
+  BnBlockImpl()
+      : fc(register_module("fc", torch::nn::Linear(6, 6))),
+        bn(register_module("bn", torch::nn::BatchNorm1d(6))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return x + torch::relu(bn(fc(x)));
+  }
+  torch::nn::Linear fc;
+  torch::nn::BatchNorm1d bn;
+};
+TORCH_MODULE(BnBlock);
+struct BnNetImpl : torch::nn::Module {
+  BnNetImpl() {
+    h = register_module("h", torch::nn::ModuleList());
+    for (int i = 0; i < 2; ++i) h->push_back(BnBlock());
+    head = register_module("head", torch::nn::Linear(6, 3));
+  }
+  torch::nn::ModuleList h{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(BnNet);
+
+BnNet MakeBnNet() {
+  static const auto* initial = [] {
+    torch::manual_seed(5);
+    BnNet net;
+    auto* out = new std::map<std::string, torch::Tensor>();
+    for (const auto& p : net->named_parameters()) {
+      (*out)[p.key()] = p.value().detach().clone();
+    }
+    return out;
+  }();
+  BnNet net;
+  torch::NoGradGuard no_grad;
+  for (auto& p : net->named_parameters()) p.value().copy_(initial->at(p.key()));
+  return net;
+}
+
+// One step of the BN network under FsdpModule on this rank's batch.
+absl::Status BnStep(BnNet& net, FsdpModule& fsdp,
+                    torch::optim::Optimizer& optimizer, int step, int rank) {
+  torch::Tensor x = torch::sin(torch::arange(24, torch::kFloat) * 0.37 +
+                               step * 1.3 + rank * 0.7)
+                        .reshape({4, 6});
+  torch::Tensor target = torch::tensor({0, 1, 2, (step + rank) % 3});
+  FLATPARAM_ASSIGN_OR_RETURN(
+      torch::Tensor logits,
+      fsdp.Forward([&]() -> absl::StatusOr<torch::Tensor> {
+        torch::Tensor y = x;
+        for (size_t i = 0; i < net->h->size(); ++i) {
+          auto* block = net->h[i]->as<BnBlockImpl>();
+          FLATPARAM_ASSIGN_OR_RETURN(y, fsdp.Unit(absl::StrCat("h.", i), [&] {
+            return block->forward(y);
+          }));
+        }
+        return net->head(y);
+      }));
+  FLATPARAM_RETURN_IF_ERROR(
+      fsdp.Backward(torch::nn::functional::cross_entropy(logits, target)));
+  optimizer.step();
+  return fsdp.ZeroGrad();
+}
+
+absl::Status ExpectSameDict(
+    const torch::OrderedDict<std::string, torch::Tensor>& a,
+    const torch::OrderedDict<std::string, torch::Tensor>& b) {
+  if (a.keys() != b.keys()) return absl::InternalError("keys differ");
+  for (const auto& item : a) {
+    if (!torch::equal(item.value(), b[item.key()])) {
+      return absl::InternalError(absl::StrCat("\"", item.key(), "\" differs"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// A BatchNorm network resumes bitwise through StateDict (parameters and
+// each rank's running statistics) and the sharded optimizer state:
+// 2 + 2 steps equal 4.
+TEST(FsdpModuleStateDictTest, BatchNormResumesBitwise) {
+  EXPECT_THAT(
+      OnSim(2,
+            [](Communicator& comm, DeviceOps& device) -> absl::Status {
+              FsdpOptions options;
+              options.wrap = {"h.*"};
+              auto train =
+                  [&](int first, int last,
+                      const torch::OrderedDict<std::string, torch::Tensor>* sd,
+                      const optim::OptimStateDict* optim_sd,
+                      torch::OrderedDict<std::string, torch::Tensor>* out_sd,
+                      optim::OptimStateDict* out_optim) -> absl::Status {
+                BnNet net = MakeBnNet();
+                FLATPARAM_ASSIGN_OR_RETURN(
+                    std::unique_ptr<FsdpModule> fsdp,
+                    FsdpModule::Wrap(net.ptr(), &comm, &device, options));
+                torch::optim::AdamW adamw(fsdp->ShardedParameters(),
+                                          torch::optim::AdamWOptions(0.01));
+                if (sd != nullptr) {
+                  FLATPARAM_RETURN_IF_ERROR(fsdp->LoadStateDict(*sd));
+                  FLATPARAM_RETURN_IF_ERROR(
+                      fsdp->LoadShardedOptimState(*optim_sd, adamw));
+                }
+                for (int step = first; step < last; ++step) {
+                  FLATPARAM_RETURN_IF_ERROR(
+                      BnStep(net, *fsdp, adamw, step, comm.rank()));
+                }
+                FLATPARAM_ASSIGN_OR_RETURN(*out_sd, fsdp->StateDict());
+                FLATPARAM_ASSIGN_OR_RETURN(*out_optim,
+                                           fsdp->ShardedOptimState(adamw));
+                return absl::OkStatus();
+              };
+              torch::OrderedDict<std::string, torch::Tensor> straight, half,
+                  resumed;
+              optim::OptimStateDict o1, o2, o3;
+              FLATPARAM_RETURN_IF_ERROR(
+                  train(0, 4, nullptr, nullptr, &straight, &o1));
+              FLATPARAM_RETURN_IF_ERROR(
+                  train(0, 2, nullptr, nullptr, &half, &o2));
+              FLATPARAM_RETURN_IF_ERROR(train(2, 4, &half, &o2, &resumed, &o3));
+              if (!straight.contains("h.0.bn.running_mean") ||
+                  !straight.contains("h.1.bn.num_batches_tracked")) {
+                return absl::InternalError("buffers missing from StateDict");
+              }
+              if (straight["h.0.bn.num_batches_tracked"].item<int64_t>() != 4) {
+                return absl::InternalError("the batch count is not 4");
+              }
+              return ExpectSameDict(straight, resumed);
+            }),
+      IsOk());
+}
+
+// sync_module_states broadcasts buffers too; buffer_dtype casts them and
+// StateDict gives them back in their dtype.
+TEST(FsdpModuleStateDictTest, BuffersAreSyncedAndCast) {
+  EXPECT_THAT(
+      OnSim(
+          2,
+          [](Communicator& comm, DeviceOps& device) -> absl::Status {
+            BnNet net = MakeBnNet();
+            net->h[0]->as<BnBlockImpl>()->bn->running_mean.fill_(1.0 +
+                                                                 comm.rank());
+            FsdpOptions options;
+            options.wrap = {"h.*"};
+            options.sync_module_states = true;
+            options.buffer_dtype = DType::kBFloat16;
+            FLATPARAM_ASSIGN_OR_RETURN(
+                std::unique_ptr<FsdpModule> fsdp,
+                FsdpModule::Wrap(net.ptr(), &comm, &device, options));
+            if (net->h[0]->as<BnBlockImpl>()->bn->running_mean.scalar_type() !=
+                torch::kBFloat16) {
+              return absl::InternalError("buffer_dtype not applied");
+            }
+            FLATPARAM_ASSIGN_OR_RETURN(auto sd, fsdp->StateDict());
+            const torch::Tensor& mean = sd["h.0.bn.running_mean"];
+            if (mean.scalar_type() != torch::kFloat ||
+                !torch::equal(mean, torch::ones({6}))) {
+              return absl::InternalError(
+                  "rank 0's running mean did not reach every rank");
+            }
+            return absl::OkStatus();
+          }),
+      IsOk());
+}
+
+// StateDict is Python's state_dict(): its order, tied names both present,
+// buffers; rank0_only leaves the other ranks empty; LoadStateDict is
+// strict and names what does not fit; the sharded form round-trips.
+TEST(FsdpModuleStateDictTest, KeysOrderStrictnessAndShardedForm) {
+  EXPECT_THAT(
+      OnSim(
+          2,
+          [](Communicator& comm, DeviceOps& device) -> absl::Status {
+            Net net = MakeNet();
+            std::vector<std::string> python_order;
+            // Python's state_dict() order for this module.
+            for (const auto& m : net->named_modules()) {
+              const std::string prefix = m.key().empty() ? "" : m.key() + ".";
+              for (const auto& p : m.value()->named_parameters(false)) {
+                python_order.push_back(prefix + p.key());
+              }
+            }
+            FsdpOptions options;
+            options.wrap = {"h.*"};
+            FLATPARAM_ASSIGN_OR_RETURN(
+                std::unique_ptr<FsdpModule> fsdp,
+                FsdpModule::Wrap(net.ptr(), &comm, &device, options));
+            FLATPARAM_ASSIGN_OR_RETURN(auto sd, fsdp->StateDict());
+            if (sd.keys() != python_order) {
+              return absl::InternalError("not state_dict()'s order");
+            }
+            for (const auto& item : sd) {
+              if (!torch::equal(item.value(), InitialParams().at(item.key()))) {
+                return absl::InternalError(item.key() + " differs");
+              }
+            }
+            StateDictOptions rank0;
+            rank0.rank0_only = true;
+            FLATPARAM_ASSIGN_OR_RETURN(auto only, fsdp->StateDict(rank0));
+            if ((comm.rank() == 0) != (only.size() == sd.size())) {
+              return absl::InternalError("rank0_only");
+            }
+
+            // Strict loading names what is missing and unexpected.
+            auto broken = sd;
+            broken.erase("h.1.fc1.bias");
+            broken.insert("h.9.fc1.bias", torch::zeros({3}));
+            absl::Status status = fsdp->LoadStateDict(broken);
+            if (status.code() != absl::StatusCode::kInvalidArgument ||
+                !absl::StrContains(status.message(), "h.1.fc1.bias") ||
+                !absl::StrContains(status.message(), "h.9.fc1.bias")) {
+              return absl::InternalError(
+                  absl::StrCat("strict load: ", status.ToString()));
+            }
+            auto resized = sd;
+            resized["h.0.fc2.bias"] = torch::zeros({7});
+            status = fsdp->LoadStateDict(resized);
+            if (!absl::StrContains(status.message(), "size mismatch")) {
+              return absl::InternalError(
+                  absl::StrCat("size: ", status.ToString()));
+            }
+
+            // A loaded dict comes back; the sharded form round-trips.
+            auto shifted = sd;
+            for (auto& item : shifted) item.value() = item.value() + 0.25;
+            shifted["lm_head.weight"] = shifted["wte.weight"];
+            FLATPARAM_RETURN_IF_ERROR(fsdp->LoadStateDict(shifted));
+            FLATPARAM_ASSIGN_OR_RETURN(auto back, fsdp->StateDict());
+            FLATPARAM_RETURN_IF_ERROR(ExpectSameDict(back, shifted));
+            FLATPARAM_ASSIGN_OR_RETURN(auto sharded, fsdp->ShardedStateDict());
+            const int64_t rows = sharded["h.0.fc1.weight"].size(0);
+            if (rows != kDim) {  // 12 rows over 2 ranks
+              return absl::InternalError("chunk rows");
+            }
+            FLATPARAM_RETURN_IF_ERROR(fsdp->LoadStateDict(sd));
+            FLATPARAM_RETURN_IF_ERROR(fsdp->LoadShardedStateDict(sharded));
+            FLATPARAM_ASSIGN_OR_RETURN(back, fsdp->StateDict());
+            return ExpectSameDict(back, shifted);
+          }),
+      IsOk());
+}
+
+// SummonFullParams: the module's parameters hold their full values in the
+// scope (weight surgery with writeback), and the module refuses a forward
+// meanwhile.
+TEST(FsdpModuleStateDictTest, SummonFullParamsScope) {
+  EXPECT_THAT(
+      OnSim(2,
+            [](Communicator& comm, DeviceOps& device) -> absl::Status {
+              Net net = MakeNet();
+              FsdpOptions options;
+              options.wrap = {"h.*"};
+              FLATPARAM_ASSIGN_OR_RETURN(
+                  std::unique_ptr<FsdpModule> fsdp,
+                  FsdpModule::Wrap(net.ptr(), &comm, &device, options));
+              SummonOptions summon;
+              summon.writeback = true;
+              {
+                FLATPARAM_ASSIGN_OR_RETURN(auto scope,
+                                           fsdp->SummonFullParams(summon));
+                auto* block = net->h[1]->as<BlockImpl>();
+                if (!torch::equal(block->fc1->weight,
+                                  InitialParams().at("h.1.fc1.weight"))) {
+                  return absl::InternalError("not the full parameter");
+                }
+                torch::NoGradGuard no_grad;
+                block->fc1->weight.mul_(2);
+                if (ForwardNet(net, *fsdp, Tokens(0, 0, 2)).ok()) {
+                  return absl::InternalError("a forward while summoned");
+                }
+                FLATPARAM_RETURN_IF_ERROR(scope->End());
+              }
+              if (net->h[1]->as<BlockImpl>()->fc1->weight.numel() != 0) {
+                return absl::InternalError("parameters full after the scope");
+              }
+              FLATPARAM_ASSIGN_OR_RETURN(auto sd, fsdp->StateDict());
+              if (!torch::equal(sd["h.1.fc1.weight"],
+                                InitialParams().at("h.1.fc1.weight") * 2)) {
+                return absl::InternalError("writeback lost");
+              }
+              return ForwardNet(net, *fsdp, Tokens(0, 0, 2)).status();
+            }),
+      IsOk());
 }
 
 // A std::exception from the caller's forward is a Status, and the module
