@@ -29,6 +29,7 @@
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/hf_checkpoint.h"
+#include "flatparam/model_json.h"
 #include "flatparam/torch/torch_save.h"
 #include "tools/layout_request.h"
 
@@ -36,7 +37,9 @@ ABSL_FLAG(std::string, in, "", "the input: torch.save files or a checkpoint");
 ABSL_FLAG(std::string, out, "", "the output directory");
 ABSL_FLAG(std::string, optimizer, "",
           "import: a torch.save file of the optimizer's full state dict");
-ABSL_FLAG(std::string, model, "", "import: a preset name or a model file");
+ABSL_FLAG(std::string, model, "",
+          "import: a preset name or a model file; export: the model, for "
+          "a full checkpoint's tied names");
 ABSL_FLAG(int64_t, world_size, 8, "import: ranks of the job");
 ABSL_FLAG(std::string, strategy, "FULL_SHARD", "import: sharding strategy");
 ABSL_FLAG(int64_t, shard_group_size, 0,
@@ -66,7 +69,7 @@ constexpr char kUsage[] =
     "--out=CKPT\n"
     "       fsdp_torch_files export --in=CKPT --out=DIR "
     "[--max-shard-size=5GB] [--dtype=D] [--optimizer-keys=id|name] "
-    "[--no-optimizer] [--overwrite]\n";
+    "[--no-optimizer] [--overwrite] [--model=NAME|PATH]\n";
 
 absl::Status Import() {
   tools::LayoutRequest request;
@@ -115,6 +118,11 @@ absl::Status Export() {
         absl::StrCat("--optimizer-keys=", keys, ": expected id or name"));
   }
   options.optimizer = !absl::GetFlag(FLAGS_no_optimizer);
+  // A full checkpoint records no model: --model gives its tied names.
+  if (!absl::GetFlag(FLAGS_model).empty()) {
+    FLATPARAM_ASSIGN_OR_RETURN(options.model,
+                               LoadModelSpec(absl::GetFlag(FLAGS_model)));
+  }
   options.convert.overwrite = absl::GetFlag(FLAGS_overwrite);
   FLATPARAM_ASSIGN_OR_RETURN(
       libtorch::TorchExportReport report,

@@ -428,7 +428,9 @@ class FsdpModule {
   // flat shard (zeros for a parameter without state), which needs one
   // "step" per unit and one parameter group per unit (InvalidArgument,
   // naming the parameters, otherwise); LoadCheckpoint gives each
-  // trainable parameter its piece back.
+  // trainable parameter its piece back. The module's buffers are not in
+  // the files yet (a warning says so once): keep StateDict()'s buffers
+  // alongside and LoadStateDict(..., /*strict=*/false) them.
   absl::Status SaveCheckpoint(
       checkpoint::FileSystem& fs, const std::string& dir,
       torch::optim::Optimizer* optimizer,

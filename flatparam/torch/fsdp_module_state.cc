@@ -9,6 +9,7 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -490,6 +491,15 @@ absl::Status FsdpModule::SaveCheckpoint(checkpoint::FileSystem& fs,
   const int64_t shard_rank = world.rank() % model.options().world_size;
   checkpoint::RankState mine;
   absl::Status prepared = BetweenIterations("SaveCheckpoint");
+  static std::once_flag buffers_warned;
+  if (!buffers_.empty()) {
+    std::call_once(buffers_warned, [&] {
+      std::cerr << "FsdpModule::SaveCheckpoint: the module's buffers (\""
+                << buffers_.front().first
+                << "\", ...) are not saved in the checkpoint; keep "
+                   "StateDict()'s buffers alongside\n";
+    });
+  }
   for (int u = 0; u < runtime_->num_units() && prepared.ok(); ++u) {
     BufferRef shard = runtime_->handle(u).sharded_param();
     HostTensor t = HostTensor::Uninitialized(shard.dtype, {shard.count});

@@ -76,9 +76,17 @@
 //
 // Export (ExportTorchCheckpoint). The input is a full or sharded
 // checkpoint. The weights are exported as ExportHfCheckpoint exports them
-// (names, order, tied parameters written once, max_shard_bytes splitting,
-// dtype cast), into pytorch_model.bin or pytorch_model-{i:05d}-of-{n:05d}.bin
-// plus pytorch_model.bin.index.json. The optimizer state, if the
+// (names, order, max_shard_bytes splitting, dtype cast), into
+// pytorch_model.bin or pytorch_model-{i:05d}-of-{n:05d}.bin plus
+// pytorch_model.bin.index.json, and each tied name of the model (a
+// sharded checkpoint's layout, or `model` for a full one) is written too,
+// after the file's tensors, over its target's storage, as `state_dict()`
+// holds it and torch.save writes it: Python's load_state_dict(strict=True)
+// takes the file, and torch.load gives the names one storage. (The
+// safetensors export writes a tied parameter once, as transformers'
+// save_pretrained does: safetensors cannot share storage, and
+// from_pretrained re-ties it.) The index maps a tied name to its target's
+// file; its total_size counts each storage once. The optimizer state, if the
 // checkpoint has any (and `optimizer` is set), is consolidated and written
 // to optimizer.bin as PyTorch's optimizer.state_dict() lays it out, keyed
 // by ID or, with kParamName, by name as FSDP.full_optim_state_dict writes
@@ -144,6 +152,14 @@ absl::StatusOr<TorchStateDict> ReadTorchStateDict(checkpoint::FileSystem& fs,
 // OrderedDict in the given order). InvalidArgument for a repeated name;
 // the file system's errors (a partial file is removed). Not atomic: write
 // to a temporary name and rename for that.
+// The same with tied names: each (name, target) is written after the
+// tensors as a second tensor over `target`'s storage, as torch.save writes
+// a state_dict() whose names share a parameter. InvalidArgument for a
+// target that is not among `tensors`.
+absl::Status WriteTorchStateDict(
+    checkpoint::FileSystem& fs, const std::string& path,
+    const TorchStateDict& tensors,
+    const std::vector<std::pair<std::string, std::string>>& tied);
 absl::Status WriteTorchStateDict(checkpoint::FileSystem& fs,
                                  const std::string& path,
                                  const TorchStateDict& tensors);
@@ -191,6 +207,9 @@ struct TorchExportOptions {
   // checkpoint (which does not record it), the order its param groups
   // list them in.
   std::vector<std::string> param_order;
+  // The model, for the tied names of a full checkpoint (which records no
+  // model); a sharded checkpoint's layout.json gives them otherwise.
+  std::optional<ModelSpec> model;
 };
 
 struct TorchExportReport {

@@ -366,6 +366,22 @@ absl::StatusOr<TorchExportReport> ExportTorchCheckpoint(
 
   StagingDir staging(fs, StagingPath(out_dir, "torch-export"));
   FLATPARAM_RETURN_IF_ERROR(staging.Create());
+  // The model's tied names (tied name, target), from the sharded
+  // checkpoint's layout or the caller's model.
+  std::vector<std::pair<std::string, std::string>> ties;
+  {
+    std::optional<ModelSpec> spec = options.model;
+    if (!spec.has_value()) {
+      absl::StatusOr<checkpoint::ShardedCheckpointReader> sharded =
+          checkpoint::ShardedCheckpointReader::Open(fs, in_dir);
+      if (sharded.ok()) spec = sharded->layout().spec();
+    }
+    if (spec.has_value()) {
+      for (const ParamSpec& p : spec->params) {
+        if (!p.tied_to.empty()) ties.emplace_back(p.fqn, p.tied_to);
+      }
+    }
+  }
   TorchExportReport report;
   report.tensors = hf_report.tensors;
   report.total_size = hf_report.total_size;
@@ -381,6 +397,11 @@ absl::StatusOr<TorchExportReport> ExportTorchCheckpoint(
       for (auto& [tensor, f] : doc["weight_map"].items()) {
         f = TorchFileName(f.get<std::string>());
       }
+      for (const auto& [name, target] : ties) {
+        if (doc["weight_map"].contains(target)) {
+          doc["weight_map"][name] = doc["weight_map"][target];
+        }
+      }
       FLATPARAM_RETURN_IF_ERROR(checkpoint::WriteFileDurably(
           fs, JoinPath(staging.path(), kTorchIndexFileName),
           doc.dump(2) + "\n"));
@@ -390,11 +411,19 @@ absl::StatusOr<TorchExportReport> ExportTorchCheckpoint(
     FLATPARAM_ASSIGN_OR_RETURN(checkpoint::SafetensorsReader reader,
                                checkpoint::SafetensorsReader::Open(fs, src));
     TorchStateDict tensors;
+    std::set<std::string> here;
     for (const checkpoint::SafetensorsEntry& e : reader.tensors()) {
       FLATPARAM_ASSIGN_OR_RETURN(HostTensor t, reader.ReadHostTensor(e.name));
       tensors.emplace_back(e.name, std::move(t));
+      here.insert(e.name);
     }
-    FLATPARAM_RETURN_IF_ERROR(WriteTorchStateDict(fs, dst, tensors));
+    std::vector<std::pair<std::string, std::string>> tied_here;
+    for (const auto& tie : ties) {
+      if (here.count(tie.second) > 0 && here.count(tie.first) == 0) {
+        tied_here.push_back(tie);
+      }
+    }
+    FLATPARAM_RETURN_IF_ERROR(WriteTorchStateDict(fs, dst, tensors, tied_here));
     report.files.push_back(TorchFileName(name));
   }
 

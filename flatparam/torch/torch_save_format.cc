@@ -819,9 +819,16 @@ class Pickler {
     Op('R');
   }
   void Bool(bool b) { Op(b ? 0x88 : 0x89); }
+  // A tensor over its own storage; the same HostTensor again (a tied
+  // name) is a second tensor over the same storage, as torch.save writes
+  // tensors that share one.
   void Tensor(const HostTensor& t) {
-    const std::string key = absl::StrCat(tensors_.size());
-    tensors_.push_back(&t);
+    auto [it, fresh] = storage_keys_.emplace(&t, "");
+    if (fresh) {
+      it->second = absl::StrCat(tensors_.size());
+      tensors_.push_back(&t);
+    }
+    const std::string key = it->second;
     Global("torch._utils", "_rebuild_tensor_v2");
     Op('(');
     // Persistent id ('storage', storage_type, key, 'cpu', numel).
@@ -904,6 +911,7 @@ class Pickler {
  private:
   std::string out_;
   std::vector<const HostTensor*> tensors_;
+  std::map<const HostTensor*, std::string> storage_keys_;
 };
 
 // Writes the pickle and its tensors' storages as a torch.save archive.
@@ -972,6 +980,21 @@ absl::StatusOr<TorchStateDict> ReadTorchStateDict(FileSystem& fs,
 
 absl::Status WriteTorchStateDict(FileSystem& fs, const std::string& path,
                                  const TorchStateDict& tensors) {
+  return WriteTorchStateDict(fs, path, tensors, {});
+}
+
+absl::Status WriteTorchStateDict(
+    FileSystem& fs, const std::string& path, const TorchStateDict& tensors,
+    const std::vector<std::pair<std::string, std::string>>& tied) {
+  std::map<std::string, const HostTensor*> by_name;
+  for (const auto& [name, t] : tensors) by_name[name] = &t;
+  for (const auto& [name, target] : tied) {
+    if (by_name.count(target) == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": tied name '", name, "' names '", target,
+                       "', which is not among the file's tensors"));
+    }
+  }
   std::set<std::string> seen;
   Pickler p;
   p.Op(0x80);
@@ -986,6 +1009,14 @@ absl::Status WriteTorchStateDict(FileSystem& fs, const std::string& path,
       }
       p.Str(name);
       p.Tensor(t);
+    }
+    for (const auto& [name, target] : tied) {
+      if (!seen.insert(name).second) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(path, ": tensor name '", name, "' repeated"));
+      }
+      p.Str(name);
+      p.Tensor(*by_name.at(target));
     }
     p.Op('u');
   }

@@ -122,8 +122,9 @@ def load_weights(out):
             if doc["weight_map"][n] != fname:
                 fail(f"{fname} holds {n}, the index says {doc['weight_map'][n]}")
         sd.update(part)
-    if sum(t.numel() * t.element_size() for t in sd.values()) != \
-            doc["metadata"]["total_size"]:
+    # Each storage once (a tied name shares its target's).
+    storages = {t.data_ptr(): t.numel() * t.element_size() for t in sd.values()}
+    if sum(storages.values()) != doc["metadata"]["total_size"]:
         fail(f"{index}: total_size")
     return sd
 
@@ -158,17 +159,17 @@ def check(root, outs):
             if f.endswith(".bin"):
                 check_globals(os.path.join(out, f))
         got = load_weights(out)
-        # A tied parameter is written once, under its target's name, as
-        # save_pretrained writes it.
-        untied = sorted(n for n in want if n not in TIES)
-        if sorted(got) != untied:
-            fail(f"{out}: names {sorted(got)} != {untied}")
+        # Every name of state_dict(), a tied one over its target's storage,
+        # as torch.save writes a state_dict(): strict loading takes it.
+        if sorted(got) != sorted(want):
+            fail(f"{out}: names {sorted(got)} != {sorted(want)}")
         for n in want:
-            same_tensor(want[n], got[TIES.get(n, n)], f"{out}: {n}")
+            same_tensor(want[n], got[n], f"{out}: {n}")
+        for n, target in TIES.items():
+            if got[n].data_ptr() != got[target].data_ptr():
+                fail(f"{out}: {n} does not share {target}'s storage")
         net = Net()
-        missing, unexpected = net.load_state_dict(got, strict=False)
-        if missing != list(TIES) or unexpected:
-            fail(f"{out}: load_state_dict: {missing}, {unexpected}")
+        net.load_state_dict(got, strict=True)
         same_tensor(want["out.weight"], net.out.weight.detach(),
                     f"{out}: re-tied out.weight")
         opt_path = os.path.join(out, "optimizer.bin")
