@@ -687,6 +687,12 @@ class Engine {
     BreakLocked(state, status);
   }
 
+  // The first error that broke any communicator of this process.
+  absl::Status FirstBreak() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return first_break_;
+  }
+
   // Tests the in-flight requests once (unless another thread is driving)
   // and returns how many abandoned ones MPI has not completed.
   int PendingAbandoned() {
@@ -1014,6 +1020,7 @@ class Engine {
       state.broken = status;
       state.is_broken.store(true, std::memory_order_release);
     }
+    if (first_break_.ok()) first_break_ = status;
     std::deque<std::shared_ptr<Op>> keep;
     for (const std::shared_ptr<Op>& op : state.unstarted) {
       if (op->phase == Phase::kQueued) {
@@ -1165,6 +1172,7 @@ class Engine {
   bool driving_ = false;
   int waiters_ = 0;
   int abandoned_ = 0;
+  absl::Status first_break_;
   absl::Time last_submit_ = absl::InfinitePast();
   bool thread_dormant_ = false;
   bool stop_ = false;
@@ -1333,6 +1341,11 @@ bool MpiHasProgressThread() {
   return initialized && !finalized && Engine::Get().HasProgressThread();
 }
 
+namespace {
+[[noreturn]] void AbortJob(absl::string_view program, absl::string_view who,
+                           absl::string_view why);
+}  // namespace
+
 absl::Status FinalizeMpi(absl::Duration grace) {
   int initialized = 0;
   int finalized = 0;
@@ -1344,6 +1357,20 @@ absl::Status FinalizeMpi(absl::Duration grace) {
     absl::SleepFor(absl::Milliseconds(1));
   }
   if (!g_flatparam_initialized_mpi) return absl::OkStatus();
+  // A collective that timed out and that its peers never completed: a peer
+  // is stopped, gone or elsewhere, and MPI_Finalize, which waits for every
+  // process, would wait for it forever. End the job instead, however the
+  // program got here (its own main and MpiSession, a test harness).
+  if (Engine::Get().PendingAbandoned() > 0) {
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    AbortJob("flatparam", absl::StrFormat("rank %d", rank),
+             absl::StrFormat(
+                 "instead of finalising MPI: a collective of this process "
+                 "timed out and its peers never completed it (%s), so a "
+                 "peer may never reach MPI_Finalize",
+                 Engine::Get().FirstBreak().message()));
+  }
   g_flatparam_initialized_mpi = false;
   // MPI_Finalize would stop it too (StopEngineOnFinalize); stopping first
   // keeps MPI_Finalize from starting while the thread is inside MPI.

@@ -202,7 +202,13 @@ struct MpiOptions {
 // or CreateWorld) and it is not finalised yet. Does nothing when MPI is not
 // initialised or already finalised.
 // MPI_Finalize itself waits for every process of the job: it hangs if a
-// peer never gets there. Returns Internal if MPI_Finalize fails.
+// peer never gets there. So when a timed-out collective is still pending
+// after `grace` (its peer is stopped, dead or elsewhere), it does not
+// finalise: it prints why (the timeout's message, naming the rank that
+// sent nothing) and ends the whole job as RunOnMpiWorld does (MPI_Abort,
+// _exit(1) 2 s later as a fallback), so that a program with its own main
+// and MpiSession ends within the timeout plus `grace` too. Returns
+// Internal if MPI_Finalize fails.
 absl::Status FinalizeMpi(absl::Duration grace = absl::Seconds(1));
 
 // How many collectives abandoned after a timeout MPI has not completed yet

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -1163,7 +1164,19 @@ absl::StatusOr<torch::Tensor> FsdpModule::RecomputedUnit(
 // The backward
 
 void FsdpModule::Fail(const absl::Status& status) {
-  if (hook_error_.ok()) hook_error_ = status;
+  if (status.ok() || !hook_error_.ok()) return;
+  hook_error_ = status;
+  // A collective that timed out or failed inside the backward usually ends
+  // the job soon after (RunOnMpiWorld, FinalizeMpi): say which unit, at
+  // once, in case the caller never prints what Backward() returns.
+  if (absl::IsDeadlineExceeded(status) || absl::IsAborted(status) ||
+      absl::IsUnavailable(status)) {
+    std::fprintf(stderr,
+                 "FsdpModule: the backward failed in its hooks (rank %d; "
+                 "the module refuses further steps): %s\n",
+                 world_->rank(), status.ToString().c_str());
+    std::fflush(stderr);
+  }
 }
 
 void FsdpModule::RegisterPreBackward(const torch::Tensor& output, int unit) {
