@@ -411,9 +411,16 @@ class FsdpModule {
   // unit or parameter and the state, for a key that is not a unit (or,
   // with use_orig_params, a parameter this rank holds), a state the
   // optimizer does not keep, a missing one, or a tensor of another size
-  // or a non-floating dtype.
-  absl::Status LoadShardedOptimState(const optim::OptimStateDict& sharded,
-                                     torch::optim::Optimizer& optimizer) const;
+  // or a non-floating dtype. With `restore_hyperparameters`, each of the
+  // optimizer's parameter groups also takes the dict's group's
+  // hyperparameters (lr, betas, eps, weight_decay, amsgrad; SGD's lr,
+  // momentum, dampening, weight_decay, nesterov), so that a learning-rate
+  // schedule resumes where it stopped, as Python's load_state_dict does:
+  // the groups pair by position and must list the same parameters
+  // (InvalidArgument naming the group otherwise).
+  absl::Status LoadShardedOptimState(
+      const optim::OptimStateDict& sharded, torch::optim::Optimizer& optimizer,
+      bool restore_hyperparameters = false) const;
 
   // ---- Checkpoints (flatparam/checkpoint) ----
   // Writes a sharded checkpoint of the module's parameters and, when
@@ -426,8 +433,8 @@ class FsdpModule {
   // checkpoint holds optimizer state on the flat-parameter path; with
   // use_orig_params each unit's parameters' states are laid out in its
   // flat shard (zeros for a parameter without state), which needs one
-  // "step" per unit and one parameter group per unit (InvalidArgument,
-  // naming the parameters, otherwise); LoadCheckpoint gives each
+  // "step" per unit (InvalidArgument, naming the parameters, otherwise),
+  // and the groups list parameter names; LoadCheckpoint gives each
   // trainable parameter its piece back. The module's buffers are not in
   // the files yet (a warning says so once): keep StateDict()'s buffers
   // alongside and LoadStateDict(..., /*strict=*/false) them.
@@ -443,11 +450,13 @@ class FsdpModule {
   // rank, naming it). FailedPrecondition when the checkpoint is of another
   // model (the first difference named) or holds no optimizer state while
   // `optimizer` is given; DataLoss for damaged files. The rank files'
-  // "extra" goes to `extra` if set.
+  // "extra" goes to `extra` if set. `restore_hyperparameters`: as
+  // LoadShardedOptimState's.
   absl::Status LoadCheckpoint(checkpoint::FileSystem& fs,
                               const std::string& dir,
                               torch::optim::Optimizer* optimizer,
-                              nlohmann::json* extra = nullptr);
+                              nlohmann::json* extra = nullptr,
+                              bool restore_hyperparameters = false);
 
   // ---- State dicts (PyTorch's FSDP state_dict_type) ----
   // The full, unsharded parameters by name (every non-tied parameter, in
@@ -555,6 +564,14 @@ class FsdpModule {
       torch::optim::Optimizer& optimizer) const;
   void InstallOptimState(OptimizerStates states,
                          torch::optim::Optimizer& optimizer) const;
+  // The dict's groups' hyperparameters, checked against `optimizer`'s
+  // groups (see LoadShardedOptimState), and their installation.
+  absl::StatusOr<std::vector<std::map<std::string, optim::HyperValue>>>
+  ParseHyperparams(const optim::OptimStateDict& sharded,
+                   torch::optim::Optimizer& optimizer) const;
+  static void InstallHyperparams(
+      const std::vector<std::map<std::string, optim::HyperValue>>& groups,
+      torch::optim::Optimizer& optimizer);
   // use_orig_params: an original-parameter dict of this rank in the
   // checkpoint's flat-parameter form, and back.
   absl::StatusOr<optim::OptimStateDict> OrigToFlatOptimState(

@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/base/status_matchers.h"
+#include "flatparam/checkpoint/file_system.h"
 #include "flatparam/device/device.h"
 #include "flatparam/model.h"
 #include "flatparam/model_json.h"
@@ -674,6 +675,69 @@ TEST(FsdpModuleStateDictTest, SummonFullParamsScope) {
               return ForwardNet(net, *fsdp, Tokens(0, 0, 2)).status();
             }),
       IsOk());
+}
+
+// A learning-rate schedule resumes where it stopped: LoadCheckpoint with
+// restore_hyperparameters gives each group its saved options back, so 2
+// steps, a save, a load into a fresh optimizer (at the initial learning
+// rate) and 2 more equal 4 straight; without it they differ.
+TEST(FsdpModuleOptimizerTest, RestoresSavedHyperparameters) {
+  for (bool orig : {false, true}) {
+    SCOPED_TRACE(orig);
+    const std::string dir = TmpDir(absl::StrCat("hyper_", orig));
+    auto run = [&](int first, int last, bool save, bool load, bool restore,
+                   std::map<std::string, torch::Tensor>* out) {
+      return OnSim(
+          2, [&](Communicator& comm, DeviceOps& device) -> absl::Status {
+            Net net = MakeNet();
+            FsdpOptions options;
+            options.wrap = {"h.*"};
+            options.use_orig_params = orig;
+            FLATPARAM_ASSIGN_OR_RETURN(
+                std::unique_ptr<FsdpModule> fsdp,
+                FsdpModule::Wrap(net.ptr(), &comm, &device, options));
+            torch::optim::AdamW adamw(fsdp->ShardedParameters(),
+                                      torch::optim::AdamWOptions(0.02));
+            if (load) {
+              FLATPARAM_RETURN_IF_ERROR(
+                  fsdp->LoadCheckpoint(checkpoint::PosixFileSystem(), dir,
+                                       &adamw, nullptr, restore));
+            }
+            for (int step = first; step < last; ++step) {
+              torch::Tensor tokens = Tokens(step, comm.rank() * 2, 2);
+              FLATPARAM_ASSIGN_OR_RETURN(torch::Tensor logits,
+                                         ForwardNet(net, *fsdp, tokens));
+              FLATPARAM_RETURN_IF_ERROR(fsdp->Backward(Loss(logits, tokens)));
+              adamw.step();
+              FLATPARAM_RETURN_IF_ERROR(fsdp->ZeroGrad());
+              // The schedule: the learning rate halves after every step.
+              for (auto& group : adamw.param_groups()) {
+                auto& o =
+                    static_cast<torch::optim::AdamWOptions&>(group.options());
+                o.lr(o.lr() / 2);
+              }
+            }
+            if (save) {
+              FLATPARAM_RETURN_IF_ERROR(fsdp->SaveCheckpoint(
+                  checkpoint::PosixFileSystem(), dir, &adamw));
+            }
+            FLATPARAM_ASSIGN_OR_RETURN(auto params, fsdp->FullStateDict());
+            if (comm.rank() == 0) *out = std::move(params);
+            return absl::OkStatus();
+          });
+    };
+    std::map<std::string, torch::Tensor> straight, unused, restored, reset;
+    ASSERT_THAT(run(0, 4, false, false, false, &straight), IsOk());
+    ASSERT_THAT(run(0, 2, true, false, false, &unused), IsOk());
+    ASSERT_THAT(run(2, 4, false, true, true, &restored), IsOk());
+    ASSERT_THAT(run(2, 4, false, true, false, &reset), IsOk());
+    bool reset_differs = false;
+    for (const auto& [name, t] : straight) {
+      EXPECT_TRUE(torch::equal(t, restored.at(name))) << name;
+      reset_differs = reset_differs || !torch::equal(t, reset.at(name));
+    }
+    EXPECT_TRUE(reset_differs);
+  }
 }
 
 // A std::exception from the caller's forward is a Status, and the module

@@ -13,6 +13,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -535,11 +536,13 @@ absl::Status FsdpModule::SaveCheckpoint(checkpoint::FileSystem& fs,
 absl::Status FsdpModule::LoadCheckpoint(checkpoint::FileSystem& fs,
                                         const std::string& dir,
                                         torch::optim::Optimizer* optimizer,
-                                        nlohmann::json* extra) {
+                                        nlohmann::json* extra,
+                                        bool restore_hyperparameters) {
   Communicator& world = *world_;
   const ModelLayout& model = layout();
   const int64_t shard_rank = world.rank() % model.options().world_size;
   OptimizerStates optimizer_states;
+  std::vector<std::map<std::string, optim::HyperValue>> hyperparams;
   auto load = [&]() -> absl::StatusOr<checkpoint::RankState> {
     FLATPARAM_RETURN_IF_ERROR(BetweenIterations("LoadCheckpoint"));
     checkpoint::CheckpointOpenOptions open;
@@ -565,6 +568,10 @@ absl::Status FsdpModule::LoadCheckpoint(checkpoint::FileSystem& fs,
       FLATPARAM_ASSIGN_OR_RETURN(optimizer_states,
                                  ParseOptimState(state.optim, *optimizer));
     }
+    if (optimizer != nullptr && restore_hyperparameters) {
+      FLATPARAM_ASSIGN_OR_RETURN(hyperparams,
+                                 ParseHyperparams(state.optim, *optimizer));
+    }
     for (int u = 0; u < runtime_->num_units(); ++u) {
       BufferRef shard = runtime_->handle(u).sharded_param();
       const HostTensor& t = state.flat_params[u];
@@ -582,6 +589,7 @@ absl::Status FsdpModule::LoadCheckpoint(checkpoint::FileSystem& fs,
       world, state.status(), runtime_->options().collective_options));
   if (optimizer != nullptr) {
     InstallOptimState(std::move(optimizer_states), *optimizer);
+    if (restore_hyperparameters) InstallHyperparams(hyperparams, *optimizer);
   }
   for (int u = 0; u < runtime_->num_units(); ++u) {
     BufferRef shard = runtime_->handle(u).sharded_param();
@@ -762,12 +770,120 @@ void FsdpModule::InstallOptimState(OptimizerStates states,
   }
 }
 
+absl::StatusOr<std::vector<std::map<std::string, optim::HyperValue>>>
+FsdpModule::ParseHyperparams(const optim::OptimStateDict& sharded,
+                             torch::optim::Optimizer& optimizer) const {
+  FLATPARAM_ASSIGN_OR_RETURN(OptimizerKind kind, KindOf(optimizer));
+  auto& groups = optimizer.param_groups();
+  if (sharded.param_groups.size() != groups.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("restoring hyperparameters: the state has ",
+                     sharded.param_groups.size(), " parameter groups, the ",
+                     kind.name, " optimizer ", groups.size()));
+  }
+  std::vector<std::map<std::string, optim::HyperValue>> out;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    std::vector<optim::ParamKey> mine;
+    for (const torch::Tensor& p : groups[g].params()) {
+      const int k = OptimizerTensorIndex(p);
+      if (k < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "restoring hyperparameters: group ", g, " of the ", kind.name,
+            " optimizer steps a tensor that is not one of this module's "
+            "ShardedParameters()"));
+      }
+      mine.push_back(use_orig_params_
+                         ? optim::ParamKey(orig_params_[k].fqn)
+                         : optim::ParamKey(static_cast<int64_t>(k)));
+    }
+    std::vector<optim::ParamKey> theirs = sharded.param_groups[g].params;
+    std::sort(mine.begin(), mine.end());
+    std::sort(theirs.begin(), theirs.end());
+    if (mine != theirs) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "restoring hyperparameters: parameter group ", g,
+          " of the state lists other parameters than the optimizer's group ", g,
+          " (groups pair by position, as load_state_dict pairs them)"));
+    }
+    const auto& h = sharded.param_groups[g].hyperparams;
+    const std::vector<std::string> names =
+        kind.kind == OptimizerKind::kSgd
+            ? std::vector<std::string>{"lr", "momentum", "dampening",
+                                       "weight_decay", "nesterov"}
+            : std::vector<std::string>{"lr", "betas", "eps", "weight_decay",
+                                       "amsgrad"};
+    std::map<std::string, optim::HyperValue> values;
+    for (const std::string& name : names) {
+      auto it = h.find(name);
+      const bool is_bool = name == "nesterov" || name == "amsgrad";
+      const bool ok =
+          it != h.end() &&
+          (is_bool ? std::holds_alternative<bool>(it->second)
+           : name == "betas"
+               ? std::holds_alternative<std::vector<double>>(it->second) &&
+                     std::get<std::vector<double>>(it->second).size() == 2
+               : std::holds_alternative<double>(it->second) ||
+                     std::holds_alternative<int64_t>(it->second));
+      if (!ok) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("restoring hyperparameters: parameter group ", g,
+                         " has ", it == h.end() ? "no" : "an unusable", " \"",
+                         name, "\", which ", kind.name, " needs"));
+      }
+      values[name] = it->second;
+    }
+    out.push_back(std::move(values));
+  }
+  return out;
+}
+
+void FsdpModule::InstallHyperparams(
+    const std::vector<std::map<std::string, optim::HyperValue>>& groups,
+    torch::optim::Optimizer& optimizer) {
+  auto number = [](const optim::HyperValue& v) {
+    return std::holds_alternative<double>(v)
+               ? std::get<double>(v)
+               : static_cast<double>(std::get<int64_t>(v));
+  };
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& h = groups[g];
+    torch::optim::OptimizerOptions& options =
+        optimizer.param_groups()[g].options();
+    if (auto* o = dynamic_cast<torch::optim::SGDOptions*>(&options)) {
+      o->lr(number(h.at("lr")));
+      o->momentum(number(h.at("momentum")));
+      o->dampening(number(h.at("dampening")));
+      o->weight_decay(number(h.at("weight_decay")));
+      o->nesterov(std::get<bool>(h.at("nesterov")));
+      continue;
+    }
+    auto adam = [&](auto* o) {
+      const auto& betas = std::get<std::vector<double>>(h.at("betas"));
+      o->lr(number(h.at("lr")));
+      o->betas(std::make_tuple(betas[0], betas[1]));
+      o->eps(number(h.at("eps")));
+      o->weight_decay(number(h.at("weight_decay")));
+      o->amsgrad(std::get<bool>(h.at("amsgrad")));
+    };
+    if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&options)) {
+      adam(o);
+    } else if (auto* o = dynamic_cast<torch::optim::AdamOptions*>(&options)) {
+      adam(o);
+    }
+  }
+}
+
 absl::Status FsdpModule::LoadShardedOptimState(
-    const optim::OptimStateDict& sharded,
-    torch::optim::Optimizer& optimizer) const {
+    const optim::OptimStateDict& sharded, torch::optim::Optimizer& optimizer,
+    bool restore_hyperparameters) const {
   FLATPARAM_ASSIGN_OR_RETURN(OptimizerStates states,
                              ParseOptimState(sharded, optimizer));
+  std::vector<std::map<std::string, optim::HyperValue>> hyper;
+  if (restore_hyperparameters) {
+    FLATPARAM_ASSIGN_OR_RETURN(hyper, ParseHyperparams(sharded, optimizer));
+  }
   InstallOptimState(std::move(states), optimizer);
+  if (restore_hyperparameters) InstallHyperparams(hyper, optimizer);
   return absl::OkStatus();
 }
 
