@@ -760,10 +760,25 @@ absl::StatusOr<OptimSidecar> SidecarFromPyTorch(
     optim::ParamGroup out_group;
     for (size_t i = 0; i < ids->size(); ++i) {
       const json& id = (*ids)[i];
+      // FSDP.full_optim_state_dict lists parameter names (a shared
+      // parameter under its first name); optimizer.state_dict() IDs.
+      if (id.is_string()) {
+        auto it = params.find(id.get<std::string>());
+        if (it == params.end()) {
+          return absl::FailedPreconditionError(absl::StrFormat(
+              "%s.params[%d] is \"%s\", which is not a parameter of model "
+              "'%s' (params are parameter names, as "
+              "FSDP.full_optim_state_dict lists them, or IDs, as "
+              "optimizer.state_dict() does)",
+              at, i, id.get<std::string>(), spec.name));
+        }
+        out_group.params.push_back(it->second->fqn);
+        continue;
+      }
       if (!id.is_number_unsigned()) {
         return absl::DataLossError(absl::StrFormat(
-            "%s.params[%d] is %s, not a parameter ID (a non-negative "
-            "integer)",
+            "%s.params[%d] is %s, neither a parameter ID (a non-negative "
+            "integer) nor a parameter name",
             at, i, id.dump(-1, ' ', false, json::error_handler_t::replace)));
       }
       if (id.get<uint64_t>() >= order.size()) {
@@ -816,6 +831,29 @@ absl::StatusOr<std::unique_ptr<FullOptimShards>> PlanOptimizerImport(
   if (doc.is_array()) {
     FLATPARAM_ASSIGN_OR_RETURN(
         sidecar, SidecarFromPyTorch(doc, path, *file, layout, params));
+  } else if (doc.is_object() && !doc.contains("format") &&
+             doc.contains("param_groups")) {
+    // {"param_groups": [...]} (and at most an empty "state": the tensors
+    // are optim.safetensors's), as a state dict's JSON part is written.
+    for (const auto& [key, value] : doc.items()) {
+      if (key == "param_groups" ||
+          (key == "state" && (value.empty() || value.is_null()))) {
+        continue;
+      }
+      return absl::DataLossError(absl::StrFormat(
+          "%s: unexpected \"%s\" beside \"param_groups\" (optim.json is "
+          "the param groups of the optimizer's state dict, its state is "
+          "optim.safetensors; or flatparam's \"format\": "
+          "\"flatparam.optim.v1\" sidecar)",
+          path, key));
+    }
+    if (!doc["param_groups"].is_array()) {
+      return absl::DataLossError(
+          absl::StrCat(path, ": \"param_groups\" is not a list"));
+    }
+    FLATPARAM_ASSIGN_OR_RETURN(
+        sidecar,
+        SidecarFromPyTorch(doc["param_groups"], path, *file, layout, params));
   } else {
     FLATPARAM_ASSIGN_OR_RETURN(sidecar, ParseOptimSidecar(doc, path));
   }

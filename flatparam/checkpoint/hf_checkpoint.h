@@ -53,9 +53,12 @@
 //     ["param_groups"]) writes them, a JSON array:
 //       [{"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-08,
 //         "weight_decay": 0, "foreach": null, ..., "params": [0, 1, 2]}]
-//     "params" lists parameter IDs, ID i being the model's i-th parameter
-//     in parameters() order (each shared parameter once, under its first
-//     name: optim_state.h's ModelParamOrder); the other members are
+//     or the same array as {"param_groups": [...]} (an empty "state"
+//     allowed beside it). "params" lists parameter IDs, ID i being the
+//     model's i-th parameter in parameters() order (each shared parameter
+//     once, under its first name: optim_state.h's ModelParamOrder), or
+//     parameter names, as FSDP.full_optim_state_dict() lists them (a tied
+//     name stands for its parameter); the other members are
 //     hyperparameters (null, bool, int, float, str; a list of numbers is a
 //     tuple of floats). The state is then optim.safetensors's tensors, each
 //     under the parameter its name names (a tied alias is refused: PyTorch

@@ -1154,13 +1154,29 @@ TEST(HfCheckpointTest, OptimizerStateImportsAsShardCheckpointShardsIt) {
                                      fs, JoinPath(full, kOptimJsonFileName))),
                                  spec)
                   .dump());
+    // FSDP.full_optim_state_dict's param groups list names, and a state
+    // dict's JSON part is an object: both forms import alike.
+    const std::string named = "/named_" + o;
+    CopyFiles(fs, torch, named, {kModelFileName, kOptimFileName});
+    json named_groups = PyTorchParamGroups(
+        json::parse(ReadWholeFile(fs, JoinPath(full, kOptimJsonFileName))),
+        spec);
+    const json typed_groups =
+        json::parse(ReadWholeFile(fs, JoinPath(full, kOptimJsonFileName)))
+            .at("param_groups");
+    for (size_t g = 0; g < named_groups.size(); ++g) {
+      named_groups[g]["params"] = typed_groups[g].at("params");
+    }
+    WriteText(
+        fs, JoinPath(named, kOptimJsonFileName),
+        json{{"param_groups", named_groups}, {"state", json::object()}}.dump());
 
     for (size_t i = 0; i < layouts.size(); ++i) {
       SCOPED_TRACE(i);
       const auto& [options, world] = layouts[i];
       const std::string ref = absl::StrCat("/ref_", o, i);
       FLATPARAM_ASSERT_OK(ShardCheckpoint(fs, full, spec, options, world, ref));
-      for (const std::string& in : {typed, torch}) {
+      for (const std::string& in : {typed, torch, named}) {
         SCOPED_TRACE(in);
         const std::string out = absl::StrCat(in, "_", i);
         FLATPARAM_ASSERT_OK_AND_ASSIGN(
@@ -1386,10 +1402,19 @@ TEST(HfCheckpointTest, OptimizerStateThatCannotBeImportedIsRefused) {
        "optim.json: param_groups[0].params[1] is parameter ID 5, but model "
        "'tiny' has 5 parameters"},
       {{{"state.emb.weight.step", step}},
-       R"([{"lr": 0.1, "params": [0, "seq.0.bias"]}])",
+       R"([{"lr": 0.1, "params": [0, "seq.9.bias"]}])",
+       kMismatch,
+       "optim.json: param_groups[0].params[1] is \"seq.9.bias\", which is "
+       "not a parameter of model 'tiny'"},
+      {{{"state.emb.weight.step", step}},
+       R"([{"lr": 0.1, "params": [0, 1.5]}])",
        kDataLoss,
-       "optim.json: param_groups[0].params[1] is \"seq.0.bias\", not a "
-       "parameter ID"},
+       "optim.json: param_groups[0].params[1] is 1.5, neither a parameter "
+       "ID"},
+      {{{"state.emb.weight.step", step}},
+       R"({"param_groups": [], "extra": 1})",
+       kDataLoss,
+       "unexpected \"extra\" beside \"param_groups\""},
       {{{"state.emb.weight.step", step}},
        R"([{"lr": 0.1}])",
        kDataLoss,
