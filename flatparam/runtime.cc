@@ -148,10 +148,47 @@ FsdpRuntime::~FsdpRuntime() {
   handles_.clear();
 }
 
+namespace {
+
+absl::Status CheckInitialCount(const FlatParamLayout& l, int unit,
+                               size_t count) {
+  if (count == l.params().size()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "FsdpRuntime: %d initial parameters for unit %d (%s), which has %d",
+      count, unit, QuotedUnit(l.unit()), l.params().size()));
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<FsdpRuntime>> FsdpRuntime::Create(
     const ModelLayout& layout,
     absl::Span<const std::vector<ConstBufferRef>> initial_params,
     Communicator* world, DeviceOps* device, const HandleOptions& handle_options,
+    const RuntimeOptions& options) {
+  const std::vector<FlatParamLayout>& flat = layout.flat_params();
+  if (!flat.empty() && initial_params.size() != flat.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "FsdpRuntime: %d lists of initial parameters for %d flat parameters",
+        initial_params.size(), flat.size()));
+  }
+  // Checked before anything communicates (CreateUnitByUnit checks each
+  // unit's as it comes).
+  for (size_t u = 0; u < initial_params.size(); ++u) {
+    FLATPARAM_RETURN_IF_ERROR(CheckInitialCount(flat[u], static_cast<int>(u),
+                                                initial_params[u].size()));
+  }
+  return CreateUnitByUnit(
+      layout,
+      [&](int u) -> absl::StatusOr<std::vector<ConstBufferRef>> {
+        return initial_params[u];
+      },
+      nullptr, world, device, handle_options, options);
+}
+
+absl::StatusOr<std::unique_ptr<FsdpRuntime>> FsdpRuntime::CreateUnitByUnit(
+    const ModelLayout& layout, const UnitParamsFn& unit_params,
+    const std::function<void(int unit)>& release, Communicator* world,
+    DeviceOps* device, const HandleOptions& handle_options,
     const RuntimeOptions& options) {
   if (world == nullptr || device == nullptr) {
     return absl::InvalidArgumentError(
@@ -183,20 +220,6 @@ absl::StatusOr<std::unique_ptr<FsdpRuntime>> FsdpRuntime::Create(
         shard_size, ShardingStrategyName(strategy), world->size(),
         hybrid ? ", not a multiple" : ""));
   }
-  if (initial_params.size() != flat.size()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "FsdpRuntime: %d lists of initial parameters for %d flat parameters",
-        initial_params.size(), flat.size()));
-  }
-  for (size_t u = 0; u < flat.size(); ++u) {
-    if (initial_params[u].size() != flat[u].params().size()) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "FsdpRuntime: %d initial parameters for unit %d (%s), which has %d",
-          initial_params[u].size(), u, QuotedUnit(flat[u].unit()),
-          flat[u].params().size()));
-    }
-  }
-
   auto rt =
       std::unique_ptr<FsdpRuntime>(new FsdpRuntime(layout, device, options));
   Communicator* shard = world;
@@ -217,10 +240,17 @@ absl::StatusOr<std::unique_ptr<FsdpRuntime>> FsdpRuntime::Create(
   const int n = static_cast<int>(flat.size());
   for (int u = 0; u < n; ++u) {
     const FlatParamLayout& l = flat[u];
+    absl::StatusOr<std::vector<ConstBufferRef>> initial = unit_params(u);
+    FLATPARAM_RETURN_IF_ERROR(WithContext(
+        initial.status(), absl::StrFormat("FsdpRuntime: initial parameters of "
+                                          "unit %d (%s)",
+                                          u, QuotedUnit(l.unit()))));
+    FLATPARAM_RETURN_IF_ERROR(CheckInitialCount(l, u, initial->size()));
     absl::StatusOr<std::unique_ptr<FlatParamHandle>> handle =
-        FlatParamHandle::Create(l, initial_params[u], rt->shard_group_.get(),
+        FlatParamHandle::Create(l, *initial, rt->shard_group_.get(),
                                 rt->replicate_group_.get(), device,
                                 handle_options);
+    if (release) release(u);
     FLATPARAM_RETURN_IF_ERROR(WithContext(
         handle.status(),
         absl::StrFormat("FsdpRuntime: unit %d (%s)", u, QuotedUnit(l.unit()))));

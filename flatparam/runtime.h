@@ -273,6 +273,21 @@ class FsdpRuntime {
       const HandleOptions& handle_options = {},
       const RuntimeOptions& options = {});
 
+  // The same with each unit's initial parameters asked for when its handle
+  // is made, in unit order (the handle copies what it keeps), then
+  // `release(unit)` (if set): so a caller can materialise one unit's
+  // parameters at a time (a model initialised on the meta device) and hold
+  // no more than one unit's full values besides the shards. An error from
+  // `unit_params` is returned with the unit; so is a list of the wrong
+  // length. Otherwise as Create.
+  using UnitParamsFn =
+      std::function<absl::StatusOr<std::vector<ConstBufferRef>>(int unit)>;
+  static absl::StatusOr<std::unique_ptr<FsdpRuntime>> CreateUnitByUnit(
+      const ModelLayout& layout, const UnitParamsFn& unit_params,
+      const std::function<void(int unit)>& release, Communicator* world,
+      DeviceOps* device, const HandleOptions& handle_options = {},
+      const RuntimeOptions& options = {});
+
   // The same with the initial parameters by fully-qualified name (as a
   // state dict): every non-tied parameter of layout.spec() must be present;
   // a tied parameter's name may be present and is ignored (it shares its

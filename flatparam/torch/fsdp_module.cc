@@ -127,6 +127,39 @@ std::string Describe(const std::vector<std::string>& names) {
   return absl::StrJoin(quoted, ", ");
 }
 
+// PyTorch's sync_module_states for one tensor: rank 0's bytes on every
+// rank. Collectives move floating elements, so other dtypes' bytes travel
+// as float32 words (a broadcast copies them unchanged) and come back.
+absl::Status BroadcastFromRank0(Communicator& world, torch::Tensor& t,
+                                const std::string& what) {
+  if (t.numel() == 0) return absl::OkStatus();
+  BroadcastOptions from_rank0;
+  from_rank0.root = 0;
+  absl::Status status;
+  absl::StatusOr<DType> dtype = FromTorch(t.scalar_type());
+  if (dtype.ok()) {
+    status = world
+                 .Broadcast(
+                     BufferRef{t.data_ptr(), t.numel(), *dtype, Device::Host()},
+                     from_rank0)
+                 ->Wait();
+  } else {
+    const int64_t nbytes = static_cast<int64_t>(t.nbytes());
+    std::vector<float> words((nbytes + 3) / 4, 0.0f);
+    std::memcpy(words.data(), t.data_ptr(), nbytes);
+    status = world
+                 .Broadcast(
+                     BufferRef{words.data(), static_cast<int64_t>(words.size()),
+                               DType::kFloat32, Device::Host()},
+                     from_rank0)
+                 ->Wait();
+    std::memcpy(t.data_ptr(), words.data(), nbytes);
+  }
+  if (status.ok()) return status;
+  return absl::Status(status.code(), absl::StrCat("sync_module_states, ", what,
+                                                  ": ", status.message()));
+}
+
 // A Status for an exception the caller's forward threw, naming `where`.
 absl::Status ForwardException(const std::string& where) {
   try {
@@ -335,7 +368,6 @@ absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
       }
     }
   }
-  std::map<std::string, ConstBufferRef> initial;
   std::map<const c10::TensorImpl*, std::string> by_impl;
   std::map<const c10::StorageImpl*, std::string> by_storage;
   std::map<std::string, torch::Tensor> tensors;
@@ -354,6 +386,17 @@ absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
       p.tied_to = tied->second;
       spec.params.push_back(p);
       continue;
+    }
+    if (t.is_meta()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parameter \"", name,
+          "\" is on the meta device. LibTorch 1.13 cannot move a parameter "
+          "from the meta device to the CPU in place (set_data: \"incompatible "
+          "tensor type\"), and FsdpModule keeps the module's parameter "
+          "objects: build the module on the CPU with uninitialised storage "
+          "(torch::empty touches no memory until written) and give "
+          "FsdpOptions::param_init_fn, which Wrap calls unit by unit, "
+          "freeing each unit's full values once sharded"));
     }
     if (!t.device().is_cpu()) {
       return absl::InvalidArgumentError(
@@ -385,73 +428,11 @@ absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
     p.dtype = *dtype;
     p.requires_grad = t.requires_grad();
     spec.params.push_back(p);
-    initial[name] =
-        ConstBufferRef{t.data_ptr(), t.numel(), *dtype, Device::Host()};
     tensors[name] = t;
   }
   if (spec.params.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("module \"", module->name(), "\" has no parameters"));
-  }
-  for (const auto& item : module->named_buffers(/*recurse=*/true)) {
-    const torch::Tensor& b = item.value();
-    if (!b.defined()) continue;
-    if (!b.device().is_cpu() || !b.is_contiguous()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "buffer \"", item.key(), "\" is ",
-          b.device().is_cpu() ? "not contiguous" : "not on the CPU",
-          "; FsdpModule keeps buffers as contiguous CPU tensors"));
-    }
-    fsdp->buffers_.emplace_back(item.key(), b);
-    fsdp->buffer_dtypes_.push_back(b.scalar_type());
-  }
-  if (options.sync_module_states) {
-    // PyTorch's sync_module_states broadcasts buffers too (BatchNorm's
-    // running statistics), byte for byte: collectives move floating
-    // elements, so the bytes travel as float32 words (a broadcast copies
-    // them unchanged) and come back.
-    BroadcastOptions from_rank0;
-    from_rank0.root = 0;
-    for (auto& [name, b] : fsdp->buffers_) {
-      if (b.numel() == 0) continue;
-      const int64_t nbytes = static_cast<int64_t>(b.nbytes());
-      std::vector<float> words((nbytes + 3) / 4, 0.0f);
-      std::memcpy(words.data(), b.data_ptr(), nbytes);
-      BufferRef bytes{words.data(), static_cast<int64_t>(words.size()),
-                      DType::kFloat32, Device::Host()};
-      absl::Status status = world->Broadcast(bytes, from_rank0)->Wait();
-      std::memcpy(b.data_ptr(), words.data(), nbytes);
-      if (!status.ok()) {
-        return absl::Status(status.code(),
-                            absl::StrCat("sync_module_states, buffer \"", name,
-                                         "\": ", status.message()));
-      }
-    }
-  }
-  if (options.buffer_dtype.has_value()) {
-    torch::NoGradGuard no_grad;
-    const c10::ScalarType dtype =
-        internal_fsdp_module::ToTorch(*options.buffer_dtype);
-    for (auto& [name, b] : fsdp->buffers_) {
-      if (b.is_floating_point() && b.scalar_type() != dtype) {
-        b.set_data(b.to(dtype));
-      }
-    }
-  }
-  if (options.sync_module_states) {
-    BroadcastOptions from_rank0;
-    from_rank0.root = 0;
-    for (auto& [name, t] : tensors) {
-      torch::NoGradGuard no_grad;
-      BufferRef buffer{t.data_ptr(), t.numel(), initial[name].dtype,
-                       Device::Host()};
-      absl::Status status = world->Broadcast(buffer, from_rank0)->Wait();
-      if (!status.ok()) {
-        return absl::Status(status.code(),
-                            absl::StrCat("sync_module_states, parameter \"",
-                                         name, "\": ", status.message()));
-      }
-    }
   }
   LayoutOptions layout_options;
   layout_options.world_size = shard_size;
@@ -484,10 +465,122 @@ absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
       }
     }
   }
+  // Each parameter's own module, for param_init_fn.
+  std::map<const c10::TensorImpl*, std::shared_ptr<torch::nn::Module>> owner;
+  for (const auto& item : module->named_modules()) {
+    for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
+      owner.emplace(p.value().unsafeGetTensorImpl(), item.value());
+    }
+  }
+  std::set<const torch::nn::Module*> initialised;
+  // Runs param_init_fn on `m` once, checking it kept the parameters.
+  auto initialise = [&](torch::nn::Module& m) -> absl::Status {
+    if (!options.param_init_fn || !initialised.insert(&m).second) {
+      return absl::OkStatus();
+    }
+    torch::NoGradGuard no_grad;
+    std::vector<const c10::TensorImpl*> before;
+    for (const auto& p : m.named_parameters(/*recurse=*/false)) {
+      before.push_back(p.value().unsafeGetTensorImpl());
+    }
+    options.param_init_fn(m);
+    size_t i = 0;
+    for (const auto& p : m.named_parameters(/*recurse=*/false)) {
+      if (i >= before.size() ||
+          p.value().unsafeGetTensorImpl() != before[i++]) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("param_init_fn replaced parameter \"", p.key(),
+                         "\" of module \"", m.name(),
+                         "\"; give the parameter its values in place (copy_, "
+                         "torch::nn::init)"));
+      }
+    }
+    return absl::OkStatus();
+  };
+  const bool sync = options.sync_module_states;
+  // With an initialisation or rank 0's values to receive, each unit's full
+  // values are freed as soon as its shard is made (a rank then holds one
+  // unit's full values at a time); otherwise they are the caller's,
+  // freed once every unit is made.
+  const bool free_per_unit = options.param_init_fn != nullptr || sync;
   FLATPARAM_ASSIGN_OR_RETURN(
       fsdp->runtime_,
-      FsdpRuntime::CreateFromNamedParams(layout, initial, world, device,
-                                         options.handle, options.runtime));
+      FsdpRuntime::CreateUnitByUnit(
+          layout,
+          [&](int u) -> absl::StatusOr<std::vector<ConstBufferRef>> {
+            std::vector<ConstBufferRef> refs;
+            const DType unit_dtype = layout.flat_params()[u].dtype();
+            for (const ParamInfo& info : layout.flat_params()[u].params()) {
+              torch::Tensor& t = tensors.at(info.fqn);
+              FLATPARAM_RETURN_IF_ERROR(
+                  initialise(*owner.at(t.unsafeGetTensorImpl())));
+              const std::vector<int64_t> shape(t.sizes().begin(),
+                                               t.sizes().end());
+              if (!t.device().is_cpu() || shape != info.shape ||
+                  FromTorch(t.scalar_type()).value_or(DType::kInt64) !=
+                      unit_dtype ||
+                  !t.is_contiguous()) {
+                return absl::InvalidArgumentError(absl::StrCat(
+                    "parameter \"", info.fqn, "\" became ", t.device().str(),
+                    " ", c10::toString(t.scalar_type()), " ",
+                    c10::str(t.sizes()),
+                    t.is_contiguous() ? "" : " (not contiguous)",
+                    " in param_init_fn; it must stay a contiguous CPU tensor "
+                    "of its shape and dtype"));
+              }
+              if (sync) {
+                FLATPARAM_RETURN_IF_ERROR(BroadcastFromRank0(
+                    *world, t, absl::StrCat("parameter \"", info.fqn, "\"")));
+              }
+              refs.push_back(ConstBufferRef{t.data_ptr(), t.numel(), unit_dtype,
+                                            Device::Host()});
+            }
+            return refs;
+          },
+          // The handle holds the unit's shard now: the full values go (one
+          // unit's at a time, for a module made on the meta device).
+          [&](int u) {
+            torch::NoGradGuard no_grad;
+            for (const ParamInfo& info : layout.flat_params()[u].params()) {
+              torch::Tensor& t = tensors.at(info.fqn);
+              if (free_per_unit) t.set_data(torch::empty({0}, t.options()));
+            }
+          },
+          world, device, options.handle, options.runtime));
+
+  // Buffers: initialised where their module owns no parameter (so
+  // param_init_fn has not run on it), rank 0's if synced, cast if asked.
+  for (const auto& item : module->named_modules()) {
+    if (!item.value()->named_buffers(/*recurse=*/false).is_empty()) {
+      FLATPARAM_RETURN_IF_ERROR(initialise(*item.value()));
+    }
+  }
+  for (const auto& item : module->named_buffers(/*recurse=*/true)) {
+    torch::Tensor b = item.value();
+    if (!b.defined()) continue;
+    if (!b.device().is_cpu() || !b.is_contiguous()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "buffer \"", item.key(), "\" is ",
+          b.device().is_cpu() ? "not contiguous" : b.device().str(),
+          "; FsdpModule keeps buffers as contiguous CPU tensors"));
+    }
+    if (sync) {
+      FLATPARAM_RETURN_IF_ERROR(BroadcastFromRank0(
+          *world, b, absl::StrCat("buffer \"", item.key(), "\"")));
+    }
+    fsdp->buffers_.emplace_back(item.key(), b);
+    fsdp->buffer_dtypes_.push_back(b.scalar_type());
+  }
+  if (options.buffer_dtype.has_value()) {
+    torch::NoGradGuard no_grad;
+    const c10::ScalarType dtype =
+        internal_fsdp_module::ToTorch(*options.buffer_dtype);
+    for (auto& [name, b] : fsdp->buffers_) {
+      if (b.is_floating_point() && b.scalar_type() != dtype) {
+        b.set_data(b.to(dtype));
+      }
+    }
+  }
 
   // The module's parameters give up their memory: flatparam's local shards
   // hold the values now.

@@ -157,7 +157,8 @@
 //
 // Devices and dtypes: CPU tensors (LibTorch's) with flatparam's host
 // DeviceOps; float32, float64, float16 and bfloat16 parameters, one dtype
-// per unit (flatparam's rule). Other devices are refused.
+// per unit (flatparam's rule). Other devices, the meta device included,
+// are refused (FsdpOptions::param_init_fn defers initialisation instead).
 //
 // Memory: the FsdpModule keeps the module (shared_ptr) and owns the
 // runtime; after Wrap the module's parameters hold no memory of their own
@@ -220,10 +221,27 @@ struct FsdpOptions {
   // parameter's piece of the shard (see the file comment), so a unit may
   // mix frozen and trainable parameters. Implies align_addresses.
   bool use_orig_params = false;
-  // PyTorch's sync_module_states: rank 0's parameter values are broadcast
-  // to every rank before they are sharded, so ranks that initialized their
-  // modules differently (different seeds) start alike.
+  // PyTorch's sync_module_states: rank 0's parameter (and buffer) values
+  // are broadcast to every rank before they are sharded, unit by unit, so
+  // ranks that initialized their modules differently (different seeds)
+  // start alike; the other ranks may build theirs with uninitialised
+  // storage (rank 0 alone initialises the model). Each unit's full values
+  // are freed once its shard is made.
   bool sync_module_states = false;
+  // PyTorch's param_init_fn, for a module too large to initialise whole on
+  // every rank: build it with uninitialised CPU storage (torch::empty,
+  // which touches no memory until written; LibTorch 1.13 cannot move a
+  // parameter off the meta device in place, so meta parameters are
+  // refused), and Wrap makes the units one at a time, calling
+  // param_init_fn(m) before each on every submodule `m` owning one of the
+  // unit's parameters (and, after the last, on those with buffers only).
+  // It gives `m`'s own parameters and buffers their values in place
+  // (torch::nn::init, copy_ from a file); replacing a parameter is
+  // InvalidArgument. Each unit's full values are freed once its shard is
+  // made, so a rank writes no more than one unit's full parameters at a
+  // time besides its shards. On an error, the units already made have
+  // empty parameters.
+  std::function<void(torch::nn::Module&)> param_init_fn;
   // PyTorch's MixedPrecision.cast_root_forward_inputs and
   // cast_forward_inputs: with a param_dtype, the floating inputs given to
   // Forward(inputs, f) (root) and Unit(name, inputs, f) are cast to it

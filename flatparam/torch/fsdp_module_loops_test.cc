@@ -5,11 +5,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -28,6 +31,7 @@
 #include "flatparam/torch/recompute.h"
 #include "flatparam/torch/torch_loops_testutil.h"
 #include "flatparam/torch/torch_testutil.h"
+#include "refmodel/torch_gpt.h"
 #include "sim/sim.h"
 
 namespace flatparam {
@@ -738,6 +742,130 @@ TEST(FsdpModuleOptimizerTest, RestoresSavedHyperparameters) {
     }
     EXPECT_TRUE(reset_differs);
   }
+}
+
+// Deferred initialisation: a module built with uninitialised storage (here
+// NaNs, so that a value not initialised shows), param_init_fn giving each
+// submodule its values as Wrap makes its unit, never more than one unit's
+// initialised full parameters held at a time; training from it is bitwise
+// training from the eagerly initialised module. Or rank 0 alone
+// initialises, and the others receive its values with sync_module_states.
+TEST(FsdpModuleDeferredInitTest, UnitByUnitInitialisation) {
+  for (bool rank0_init : {false, true}) {
+    SCOPED_TRACE(rank0_init);
+    EXPECT_THAT(
+        OnSim(
+            2,
+            [&](Communicator& comm, DeviceOps& device) -> absl::Status {
+              Net net = MakeNet();
+              if (!rank0_init || comm.rank() != 0) {
+                torch::NoGradGuard no_grad;
+                for (auto& p : net->parameters()) p.fill_(NAN);
+              }
+              std::set<const c10::TensorImpl*> initialised;
+              int64_t most = 0;
+              FsdpOptions options;
+              options.wrap = {"h.*"};
+              options.sync_module_states = rank0_init;
+              if (!rank0_init) {
+                options.param_init_fn = [&](torch::nn::Module& m) {
+                  std::string prefix;
+                  for (const auto& item : net->named_modules()) {
+                    if (item.value().get() == &m) prefix = item.key();
+                  }
+                  torch::NoGradGuard no_grad;
+                  for (auto& p : m.named_parameters(/*recurse=*/false)) {
+                    p.value().copy_(InitialParams().at(
+                        prefix.empty() ? p.key() : prefix + "." + p.key()));
+                    initialised.insert(p.value().unsafeGetTensorImpl());
+                  }
+                  // Initialised full values held now (this unit's).
+                  int64_t held = 0;
+                  for (const auto& p : net->parameters()) {
+                    if (initialised.count(p.unsafeGetTensorImpl()) > 0) {
+                      held += p.nbytes();
+                    }
+                  }
+                  most = std::max(most, held);
+                };
+              }
+              FLATPARAM_ASSIGN_OR_RETURN(
+                  std::unique_ptr<FsdpModule> fsdp,
+                  FsdpModule::Wrap(net.ptr(), &comm, &device, options));
+              int64_t unit_bytes = 0;
+              for (const FlatParamLayout& fp : fsdp->layout().flat_params()) {
+                unit_bytes = std::max(unit_bytes, fp.param_numel() * 4);
+              }
+              if (most > unit_bytes) {
+                return absl::InternalError(
+                    absl::StrCat("held ", most,
+                                 " bytes of initialised full parameters; "
+                                 "the largest unit has ",
+                                 unit_bytes));
+              }
+              Net reference = MakeNet();
+              auto ref_opt = MakeOptimizer(
+                  Optim::kAdamW, refmodel::TrainableTensors(*reference));
+              refmodel::FoldOptions fold;
+              fold.world = 2;
+              fold.steps = 2;
+              refmodel::TrainFolded(
+                  *reference, *ref_opt, fold, [&](int step, int, int r) {
+                    torch::Tensor tokens = Tokens(step, r * 2, 2);
+                    torch::Tensor x = reference->wte(tokens.narrow(1, 0, kSeq));
+                    for (size_t i = 0; i < reference->h->size(); ++i) {
+                      x = reference->h[i]->as<BlockImpl>()->forward(x);
+                    }
+                    return Loss(reference->Head(x), tokens);
+                  });
+              auto adamw =
+                  MakeOptimizer(Optim::kAdamW, fsdp->ShardedParameters());
+              for (int step = 0; step < 2; ++step) {
+                torch::Tensor tokens = Tokens(step, comm.rank() * 2, 2);
+                FLATPARAM_ASSIGN_OR_RETURN(torch::Tensor logits,
+                                           ForwardNet(net, *fsdp, tokens));
+                FLATPARAM_RETURN_IF_ERROR(fsdp->Backward(Loss(logits, tokens)));
+                adamw->step();
+                FLATPARAM_RETURN_IF_ERROR(fsdp->ZeroGrad());
+              }
+              FLATPARAM_ASSIGN_OR_RETURN(auto got, fsdp->FullStateDict());
+              for (const auto& p : reference->named_parameters()) {
+                auto it = got.find(p.key());
+                if (it != got.end() && !torch::equal(it->second, p.value())) {
+                  return absl::InternalError(p.key() + " differs");
+                }
+              }
+              return absl::OkStatus();
+            }),
+        IsOk());
+  }
+}
+
+// Meta parameters are refused (LibTorch cannot move them to the CPU in
+// place), saying what to do; so is an initialisation that changes a
+// parameter's dtype.
+TEST(FsdpModuleDeferredInitTest, WhatCannotBeInitialisedIsRefused) {
+  OnOneRank([](Communicator& comm, DeviceOps& device) {
+    auto meta = std::make_shared<torch::nn::Module>();
+    meta->register_parameter("w", torch::empty({3}, torch::kMeta));
+    absl::Status status = FsdpModule::Wrap(meta, &comm, &device).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(absl::StrContains(status.message(), "param_init_fn")) << status;
+
+    Net net = MakeNet();
+    FsdpOptions options;
+    options.wrap = {"h.*"};
+    options.param_init_fn = [](torch::nn::Module& m) {
+      torch::NoGradGuard no_grad;
+      for (auto& p : m.named_parameters(/*recurse=*/false)) {
+        p.value().set_data(p.value().to(torch::kDouble));
+      }
+    };
+    status = FsdpModule::Wrap(net.ptr(), &comm, &device, options).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(absl::StrContains(status.message(), "in param_init_fn"))
+        << status;
+  });
 }
 
 // A std::exception from the caller's forward is a Status, and the module

@@ -582,7 +582,8 @@ TEST(FsdpModuleErrorsTest, WrapRefusesWhatItCannotShard) {
     meta->register_parameter("w", torch::empty({3}, torch::kMeta));
     status = FsdpModule::Wrap(meta, &comm, &device).status();
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(status.message().find("\"w\" is on meta"), std::string::npos)
+    EXPECT_NE(status.message().find("\"w\" is on the meta device"),
+              std::string::npos)
         << status;
 
     // A wrap name that is no module.
