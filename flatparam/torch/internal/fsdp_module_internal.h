@@ -1,10 +1,13 @@
-// What fsdp_module.cc (wrapping, the hooks) and fsdp_module_state.cc
-// (state dicts, optimizer state, checkpoints) share: conversions between
-// LibTorch's and flatparam's tensors, and a unit's state. Private to
+// What the files of FsdpModule share (fsdp_module.cc: wrapping and
+// binding; fsdp_module_hooks.cc: the forward's and backward's hooks;
+// fsdp_module_state.cc: state dicts; fsdp_module_optim.cc: optimizer state
+// and checkpoints): conversions between LibTorch's and flatparam's
+// tensors, a unit's state, and the hook objects. Private to
 // //flatparam/torch.
 #ifndef FLATPARAM_TORCH_INTERNAL_FSDP_MODULE_INTERNAL_H_
 #define FLATPARAM_TORCH_INTERNAL_FSDP_MODULE_INTERNAL_H_
 
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/torch.h>
 
 #include <cstdint>
@@ -30,6 +33,8 @@ c10::ScalarType ToTorch(DType dtype);
 torch::TensorOptions Options(DType dtype);
 // A CPU tensor over `buffer`'s memory (not owned).
 torch::Tensor Over(const BufferRef& buffer);
+// "a", "b", ... for messages.
+std::string Quoted(const std::vector<std::string>& names);
 
 // Tensors over one storage whose data pointer is swapped (see the file
 // comment of fsdp_module.h): one view per parameter.
@@ -91,6 +96,80 @@ struct FsdpModule::UnitState {
   bool any_arrived = false;
   // Whether ScanGraph found anything of the unit to wait for.
   bool tracked = false;
+};
+
+// The hooks: thin objects that call back into the module while it lives.
+
+struct FsdpModule::HookTarget {
+  FsdpModule* module = nullptr;
+};
+
+// On a trainable parameter's gradient accumulator: after it accumulated
+// (PyTorch's post-accumulate-grad hook on the flat parameter).
+class FsdpModule::AccumulateHook : public torch::autograd::FunctionPostHook {
+ public:
+  AccumulateHook(std::shared_ptr<HookTarget> target, int unit, int index)
+      : target_(std::move(target)), unit_(unit), index_(index) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
+    if (target_->module != nullptr) {
+      target_->module->OnGradAccumulated(unit_, index_);
+    }
+    return outputs;
+  }
+
+ private:
+  std::shared_ptr<HookTarget> target_;
+  int unit_;
+  int index_;
+};
+
+// Before an autograd node of a unit's forward runs: the unit is gathered
+// (if no output hook did it yet).
+class FsdpModule::NodePreHook : public torch::autograd::FunctionPreHook {
+ public:
+  NodePreHook(std::shared_ptr<HookTarget> target, int64_t iteration, int unit)
+      : target_(std::move(target)), iteration_(iteration), unit_(unit) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& grads) override {
+    if (FsdpModule* m = target_->module) {
+      m->CheckHookIteration(iteration_);
+      m->OnNodeStart(unit_);
+    }
+    return grads;
+  }
+
+ private:
+  std::shared_ptr<HookTarget> target_;
+  int64_t iteration_;
+  int unit_;
+};
+
+// After it ran: one node fewer before the unit's backward is complete.
+class FsdpModule::NodePostHook : public torch::autograd::FunctionPostHook {
+ public:
+  NodePostHook(std::shared_ptr<HookTarget> target, int64_t iteration, int unit,
+               size_t node)
+      : target_(std::move(target)),
+        iteration_(iteration),
+        unit_(unit),
+        node_(node) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
+    FsdpModule* m = target_->module;
+    if (m != nullptr && m->iteration_ == iteration_) {
+      m->OnNodeDone(unit_, node_);
+    }
+    return outputs;
+  }
+
+ private:
+  std::shared_ptr<HookTarget> target_;
+  int64_t iteration_;
+  int unit_;
+  size_t node_;
 };
 
 }  // namespace libtorch
