@@ -198,6 +198,15 @@ TEST(FsdpModuleLoraTest, PeakMemoryIsFullShards) {
   EXPECT_LE(peak, bound);
 }
 
+// `net` wrapped with one unit per block.
+absl::StatusOr<std::unique_ptr<FsdpModule>> WrapBlocks(Net& net,
+                                                       Communicator& comm,
+                                                       DeviceOps& device) {
+  FsdpOptions options;
+  options.wrap = {"h.*"};
+  return FsdpModule::Wrap(net.ptr(), &comm, &device, options);
+}
+
 void OnOneRank(const std::function<void(Communicator&, DeviceOps&)>& body) {
   ASSERT_THAT(OnSim(1,
                     [&](Communicator& comm, DeviceOps& device) {
@@ -874,10 +883,8 @@ TEST(FsdpModuleDeferredInitTest, WhatCannotBeInitialisedIsRefused) {
 TEST(FsdpModuleMisuseTest, ExceptionsAndUnreturnedTensors) {
   OnOneRank([](Communicator& comm, DeviceOps& device) {
     Net net = MakeNet();
-    FsdpOptions options;
-    options.wrap = {"h.*"};
     absl::StatusOr<std::unique_ptr<FsdpModule>> fsdp =
-        FsdpModule::Wrap(net.ptr(), &comm, &device, options);
+        WrapBlocks(net, comm, device);
     ASSERT_THAT(fsdp.status(), IsOk());
     torch::Tensor tokens = Tokens(0, 0, 2);
     absl::StatusOr<torch::Tensor> out =
@@ -922,10 +929,8 @@ TEST(FsdpModuleMisuseTest, ExceptionsAndUnreturnedTensors) {
 TEST(FsdpModuleMisuseTest, HooksAreInertAfterTheModuleIsDestroyed) {
   OnOneRank([](Communicator& comm, DeviceOps& device) {
     Net net = MakeNet();
-    FsdpOptions options;
-    options.wrap = {"h.*"};
     absl::StatusOr<std::unique_ptr<FsdpModule>> fsdp =
-        FsdpModule::Wrap(net.ptr(), &comm, &device, options);
+        WrapBlocks(net, comm, device);
     ASSERT_THAT(fsdp.status(), IsOk());
     torch::Tensor tokens = Tokens(0, 0, 2);
     absl::StatusOr<torch::Tensor> out = ForwardNet(net, **fsdp, tokens);

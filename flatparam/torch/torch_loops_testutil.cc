@@ -117,6 +117,34 @@ absl::Status FsdpNetStep(Net& net, FsdpModule& fsdp,
   return absl::OkStatus();
 }
 
+// The testing Net trained `steps` reference steps with AdamW from data
+// step 0: its parameters.
+Params ReferenceNetParams(const Communicator& world, const LoopOptions& o,
+                          int steps) {
+  Net reference = MakeNet();
+  auto optimizer =
+      MakeOptimizer(Optim::kAdamW, refmodel::TrainableTensors(*reference));
+  TrainNetReference(reference, *optimizer, Fold(world, o, steps), 0);
+  return Named(*reference);
+}
+
+// A fresh testing Net under FsdpModule with AdamW over its shards.
+struct WrappedNet {
+  Net net{nullptr};
+  std::unique_ptr<FsdpModule> fsdp;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+};
+absl::StatusOr<WrappedNet> WrapNetWithAdamW(Communicator& world,
+                                            DeviceOps& device,
+                                            const LoopOptions& o) {
+  WrappedNet w;
+  w.net = MakeNet();
+  FLATPARAM_ASSIGN_OR_RETURN(
+      w.fsdp, FsdpModule::Wrap(w.net.ptr(), &world, &device, Wrapping(o)));
+  w.optimizer = MakeOptimizer(Optim::kAdamW, w.fsdp->ShardedParameters());
+  return w;
+}
+
 const Params& LoraInitial() {
   static const Params* params = [] {
     torch::manual_seed(11);
@@ -314,16 +342,12 @@ absl::Status SharedWeightLoop(Communicator& world, DeviceOps& device,
 absl::Status AutogradGradLoop(Communicator& world, DeviceOps& device,
                               const LoopOptions& options) {
   const int steps = 3;
-  Net reference = MakeNet();
-  auto ref_opt =
-      MakeOptimizer(Optim::kAdamW, refmodel::TrainableTensors(*reference));
-  TrainNetReference(reference, *ref_opt, Fold(world, options, steps), 0);
-
-  Net net = MakeNet();
-  FLATPARAM_ASSIGN_OR_RETURN(
-      std::unique_ptr<FsdpModule> fsdp,
-      FsdpModule::Wrap(net.ptr(), &world, &device, Wrapping(options)));
-  auto optimizer = MakeOptimizer(Optim::kAdamW, fsdp->ShardedParameters());
+  const Params reference = ReferenceNetParams(world, options, steps);
+  FLATPARAM_ASSIGN_OR_RETURN(WrappedNet w,
+                             WrapNetWithAdamW(world, device, options));
+  Net& net = w.net;
+  std::unique_ptr<FsdpModule>& fsdp = w.fsdp;
+  torch::optim::Optimizer* optimizer = w.optimizer.get();
   FLATPARAM_RETURN_IF_ERROR(
       FsdpNetStep(net, *fsdp, *optimizer, 0, world.rank(), options.recompute));
 
@@ -399,8 +423,7 @@ absl::Status AutogradGradLoop(Communicator& world, DeviceOps& device,
                                           world.rank(), options.recompute));
   }
   FLATPARAM_ASSIGN_OR_RETURN(Params got, fsdp->FullStateDict());
-  return ExpectEqual(got, Named(*reference),
-                     "training around autograd::grad calls");
+  return ExpectEqual(got, reference, "training around autograd::grad calls");
 }
 
 absl::Status RequiresGradChangeLoop(Communicator& world, DeviceOps& device,
@@ -458,43 +481,32 @@ absl::Status RequiresGradChangeLoop(Communicator& world, DeviceOps& device,
 absl::Status SetToNoneLoop(Communicator& world, DeviceOps& device,
                            const LoopOptions& options) {
   const int steps = 3;
-  Net reference = MakeNet();
-  auto ref_opt =
-      MakeOptimizer(Optim::kAdamW, refmodel::TrainableTensors(*reference));
-  TrainNetReference(reference, *ref_opt, Fold(world, options, steps), 0);
-
-  Net net = MakeNet();
-  FLATPARAM_ASSIGN_OR_RETURN(
-      std::unique_ptr<FsdpModule> fsdp,
-      FsdpModule::Wrap(net.ptr(), &world, &device, Wrapping(options)));
-  auto optimizer = MakeOptimizer(Optim::kAdamW, fsdp->ShardedParameters());
+  const Params reference = ReferenceNetParams(world, options, steps);
+  FLATPARAM_ASSIGN_OR_RETURN(WrappedNet w,
+                             WrapNetWithAdamW(world, device, options));
   for (int step = 0; step < steps; ++step) {
-    FLATPARAM_RETURN_IF_ERROR(FsdpNetStep(net, *fsdp, *optimizer, step,
+    FLATPARAM_RETURN_IF_ERROR(FsdpNetStep(w.net, *w.fsdp, *w.optimizer, step,
                                           world.rank(), options.recompute,
                                           /*zero_grad=*/false));
     // zero_grad(set_to_none=true), as LibTorch 2.x's optimizers do it.
-    for (torch::Tensor p : fsdp->ShardedParameters()) p.mutable_grad().reset();
+    for (torch::Tensor p : w.fsdp->ShardedParameters()) {
+      p.mutable_grad().reset();
+    }
   }
-  FLATPARAM_ASSIGN_OR_RETURN(Params got, fsdp->FullStateDict());
-  return ExpectEqual(got, Named(*reference), "gradients set to None");
+  FLATPARAM_ASSIGN_OR_RETURN(Params got, w.fsdp->FullStateDict());
+  return ExpectEqual(got, reference, "gradients set to None");
 }
 
 absl::Status EvaluateThenSaveLoop(Communicator& world, DeviceOps& device,
                                   const LoopOptions& options,
                                   const std::string& dir) {
-  const int steps = 4;
-  Net reference = MakeNet();
-  auto ref_opt =
-      MakeOptimizer(Optim::kAdamW, refmodel::TrainableTensors(*reference));
-  TrainNetReference(reference, *ref_opt, Fold(world, options, steps), 0);
-
-  Params got;
+  const Params reference = ReferenceNetParams(world, options, 4);
   {
-    Net net = MakeNet();
-    FLATPARAM_ASSIGN_OR_RETURN(
-        std::unique_ptr<FsdpModule> fsdp,
-        FsdpModule::Wrap(net.ptr(), &world, &device, Wrapping(options)));
-    auto optimizer = MakeOptimizer(Optim::kAdamW, fsdp->ShardedParameters());
+    FLATPARAM_ASSIGN_OR_RETURN(WrappedNet w,
+                               WrapNetWithAdamW(world, device, options));
+    Net& net = w.net;
+    std::unique_ptr<FsdpModule>& fsdp = w.fsdp;
+    torch::optim::Optimizer* optimizer = w.optimizer.get();
     for (int step = 0; step < 2; ++step) {
       FLATPARAM_RETURN_IF_ERROR(FsdpNetStep(net, *fsdp, *optimizer, step,
                                             world.rank(), options.recompute));
@@ -518,8 +530,8 @@ absl::Status EvaluateThenSaveLoop(Communicator& world, DeviceOps& device,
     FLATPARAM_ASSIGN_OR_RETURN(torch::Tensor logits,
                                ForwardNet(net, *fsdp, tokens));
     torch::Tensor eval_loss = Loss(logits, tokens);
-    FLATPARAM_RETURN_IF_ERROR(fsdp->SaveCheckpoint(
-        checkpoint::PosixFileSystem(), dir, optimizer.get()));
+    FLATPARAM_RETURN_IF_ERROR(
+        fsdp->SaveCheckpoint(checkpoint::PosixFileSystem(), dir, optimizer));
     // Its graph cannot be back-propagated once the iteration is over.
     bool refused = false;
     try {
@@ -533,15 +545,15 @@ absl::Status EvaluateThenSaveLoop(Communicator& world, DeviceOps& device,
           "a backward over an ended iteration's graph was not refused");
     }
     FLATPARAM_RETURN_IF_ERROR(fsdp->SaveCheckpoint(
-        checkpoint::PosixFileSystem(), dir + ".again", optimizer.get()));
+        checkpoint::PosixFileSystem(), dir + ".again", optimizer));
   }
-  Net net = MakeNet();
-  FLATPARAM_ASSIGN_OR_RETURN(
-      std::unique_ptr<FsdpModule> fsdp,
-      FsdpModule::Wrap(net.ptr(), &world, &device, Wrapping(options)));
-  auto optimizer = MakeOptimizer(Optim::kAdamW, fsdp->ShardedParameters());
+  FLATPARAM_ASSIGN_OR_RETURN(WrappedNet w,
+                             WrapNetWithAdamW(world, device, options));
+  Net& net = w.net;
+  std::unique_ptr<FsdpModule>& fsdp = w.fsdp;
+  torch::optim::Optimizer* optimizer = w.optimizer.get();
   FLATPARAM_RETURN_IF_ERROR(fsdp->LoadCheckpoint(checkpoint::PosixFileSystem(),
-                                                 dir, optimizer.get()));
+                                                 dir, optimizer));
   // Step 2, then a forward with gradients on whose loss is never
   // back-propagated between the backward and the optimizer's step: the
   // next forward must see the stepped parameters, not the root's stale
@@ -558,8 +570,8 @@ absl::Status EvaluateThenSaveLoop(Communicator& world, DeviceOps& device,
   }
   FLATPARAM_RETURN_IF_ERROR(
       FsdpNetStep(net, *fsdp, *optimizer, 3, world.rank(), options.recompute));
-  FLATPARAM_ASSIGN_OR_RETURN(got, fsdp->FullStateDict());
-  return ExpectEqual(got, Named(*reference), "evaluation, save, load");
+  FLATPARAM_ASSIGN_OR_RETURN(Params got, fsdp->FullStateDict());
+  return ExpectEqual(got, reference, "evaluation, save, load");
 }
 
 absl::Status SeveralOutputsLoop(Communicator& world, DeviceOps& device,
