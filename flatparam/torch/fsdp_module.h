@@ -90,10 +90,11 @@
 //     returns: the root's gathered parameters are freed and the module is
 //     between iterations, as PyTorch's is. A forward whose loss is never
 //     back-propagated is ended by the next call that needs the module
-//     between iterations (FullStateDict, SaveCheckpoint, LoadCheckpoint,
-//     ClipGradNorm, ZeroGrad), or by the next Forward once the optimizer
-//     has stepped (ShardedParameters() changed); a backward over its graph
-//     after that is refused.
+//     between iterations (StateDict, SaveCheckpoint, LoadCheckpoint,
+//     ClipGradNorm), or by the next Forward once the optimizer has stepped
+//     (ShardedParameters() changed); a backward over its graph after that
+//     is refused. An evaluation between a step's forward and its backward
+//     (and ZeroGrad there) leaves the step's iteration open.
 //   * At each Forward between iterations, the module's own state is read
 //     back: `module->eval()` / `train()` (FlatParamHandle::SetTraining:
 //     eval passes are neither order-checked nor recorded, and
@@ -700,6 +701,8 @@ class FsdpModule {
   int64_t iteration_ = 0;
   bool iteration_ended_early_ = false;
   bool backward_began_ = false;
+  // Whether a forward of this iteration left a graph for a backward.
+  bool graph_pending_ = false;
   // Counts the backwards, so that ScanGraph scans each graph once.
   uint64_t backward_serial_ = 0;
   absl::Status hook_error_;

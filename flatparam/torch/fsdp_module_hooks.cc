@@ -215,6 +215,7 @@ absl::StatusOr<FsdpModule::Outputs> FsdpModule::RunForward(
     ++iteration_;
     iteration_ended_early_ = false;
     backward_began_ = false;
+    graph_pending_ = false;
     for (auto& u : units_) u->nodes.clear();
     FLATPARAM_RETURN_IF_ERROR(SyncFromModule());
   }
@@ -241,6 +242,7 @@ absl::StatusOr<FsdpModule::Outputs> FsdpModule::RunForward(
       for (const torch::Tensor& t : *out) {
         if (!NeedsGradient(t)) continue;
         hooked = true;
+        graph_pending_ = true;
         // Without a root unit no pre-backward hook marks the backward's
         // start; this one does, on the outermost graph, before any
         // recompute in the backward runs a unit.
@@ -260,9 +262,11 @@ absl::StatusOr<FsdpModule::Outputs> FsdpModule::RunForward(
     versions_at_forward_[k] =
         static_cast<uint32_t>(optimizer_tensors_[k]._version());
   }
-  // Nothing will run a backward over this forward (evaluation, or a
-  // failed forward): the iteration ends here, as PyTorch's does.
-  if (!hooked) {
+  // Nothing will run a backward over this iteration's forwards
+  // (evaluation, or a failed forward): the iteration ends here, as
+  // PyTorch's does. (An evaluation inside a training step, between its
+  // forward and its backward, leaves the step's iteration open.)
+  if (!hooked && !graph_pending_) {
     absl::Status ended = EndForwardOnlyIteration();
     if (out.ok() && !ended.ok()) return ended;
   }
@@ -660,7 +664,15 @@ absl::Status FsdpModule::Backward(const torch::Tensor& loss,
 }
 
 absl::Status FsdpModule::ZeroGrad(bool set_to_none) {
-  FLATPARAM_RETURN_IF_ERROR(BetweenIterations("ZeroGrad"));
+  // Gradients only: allowed between a forward and its backward too (the
+  // optimizer.zero_grad() of a loop that zeroes after the forward).
+  if (in_forward_ || in_backward_ || summoned_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "FsdpModule::ZeroGrad inside a ", in_forward_ ? "forward"
+                                          : in_backward_
+                                              ? "backward"
+                                              : "SummonFullParams scope"));
+  }
   FLATPARAM_RETURN_IF_ERROR(runtime_->ZeroGrad(set_to_none));
   BindShardedGrads();
   return absl::OkStatus();

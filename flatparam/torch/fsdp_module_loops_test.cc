@@ -130,6 +130,14 @@ TEST_P(LoopsTest, EvaluateThenSaveThenResume) {
               IsOk());
 }
 
+TEST_P(LoopsTest, ZeroGradAndEvaluationInsideAStep) {
+  EXPECT_THAT(OnSim(GetParam().world,
+                    [&](Communicator& comm, DeviceOps& device) {
+                      return InsideAStepLoop(comm, device, GetParam().options);
+                    }),
+              IsOk());
+}
+
 TEST_P(LoopsTest, SeveralOutputsPerUnit) {
   EXPECT_THAT(OnSim(GetParam().world,
                     [&](Communicator& comm, DeviceOps& device) {

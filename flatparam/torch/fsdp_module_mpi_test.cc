@@ -95,6 +95,7 @@ TEST(FsdpModuleMpiTest, UserLoopsBitwiseEqualToSingleProcess) {
     expect_ok("requires_grad", RequiresGradChangeLoop(*g_world, device, o));
     expect_ok("set to None", SetToNoneLoop(*g_world, device, o));
     expect_ok("several outputs", SeveralOutputsLoop(*g_world, device, o));
+    expect_ok("inside a step", InsideAStepLoop(*g_world, device, o));
     const char* tmp = std::getenv("TEST_TMPDIR");
     // Every rank names the same directory (the launcher gives them one
     // TEST_TMPDIR).

@@ -552,8 +552,8 @@ absl::Status EvaluateThenSaveLoop(Communicator& world, DeviceOps& device,
   Net& net = w.net;
   std::unique_ptr<FsdpModule>& fsdp = w.fsdp;
   torch::optim::Optimizer* optimizer = w.optimizer.get();
-  FLATPARAM_RETURN_IF_ERROR(fsdp->LoadCheckpoint(checkpoint::PosixFileSystem(),
-                                                 dir, optimizer));
+  FLATPARAM_RETURN_IF_ERROR(
+      fsdp->LoadCheckpoint(checkpoint::PosixFileSystem(), dir, optimizer));
   // Step 2, then a forward with gradients on whose loss is never
   // back-propagated between the backward and the optimizer's step: the
   // next forward must see the stepped parameters, not the root's stale
@@ -572,6 +572,31 @@ absl::Status EvaluateThenSaveLoop(Communicator& world, DeviceOps& device,
       FsdpNetStep(net, *fsdp, *optimizer, 3, world.rank(), options.recompute));
   FLATPARAM_ASSIGN_OR_RETURN(Params got, fsdp->FullStateDict());
   return ExpectEqual(got, reference, "evaluation, save, load");
+}
+
+absl::Status InsideAStepLoop(Communicator& world, DeviceOps& device,
+                             const LoopOptions& options) {
+  const int steps = 3;
+  const Params reference = ReferenceNetParams(world, options, steps);
+  FLATPARAM_ASSIGN_OR_RETURN(WrappedNet w,
+                             WrapNetWithAdamW(world, device, options));
+  for (int step = 0; step < steps; ++step) {
+    torch::Tensor tokens = RankTokens(step, world.rank());
+    FLATPARAM_ASSIGN_OR_RETURN(
+        torch::Tensor logits,
+        ForwardNet(w.net, *w.fsdp, tokens, nullptr, options.recompute));
+    FLATPARAM_RETURN_IF_ERROR(w.fsdp->ZeroGrad());
+    {
+      torch::NoGradGuard no_grad;
+      FLATPARAM_ASSIGN_OR_RETURN(
+          torch::Tensor eval,
+          ForwardNet(w.net, *w.fsdp, RankTokens(50 + step, world.rank())));
+    }
+    FLATPARAM_RETURN_IF_ERROR(w.fsdp->Backward(Loss(logits, tokens)));
+    w.optimizer->step();
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(Params got, w.fsdp->FullStateDict());
+  return ExpectEqual(got, reference, "ZeroGrad and evaluation inside a step");
 }
 
 absl::Status SeveralOutputsLoop(Communicator& world, DeviceOps& device,

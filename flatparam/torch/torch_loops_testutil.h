@@ -108,6 +108,12 @@ absl::Status EvaluateThenSaveLoop(Communicator& world, DeviceOps& device,
                                   const LoopOptions& options,
                                   const std::string& dir);
 
+// Inside each step, between the forward and the backward: ZeroGrad (the
+// loop that zeroes after the forward) and an evaluation forward under
+// torch::NoGradGuard; the step still trains bitwise as the reference.
+absl::Status InsideAStepLoop(Communicator& world, DeviceOps& device,
+                             const LoopOptions& options);
+
 // Each block returns two tensors (its output and an auxiliary loss from
 // its own parameters) and the loss adds the auxiliary ones: bitwise the
 // reference.
