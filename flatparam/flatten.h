@@ -9,12 +9,16 @@
 // and returns InvalidArgument naming the parameter and both sizes otherwise
 // (and for a view on a device other than the host).
 //
-//   Flatten            params            -> unsharded flat parameter (padding
-//   42) FlattenShard       params            -> one rank's padded shard,
-//   directly CopyShard          unsharded flat    -> one rank's padded shard
-//   (padding 0) ConcatShards       every rank's shard-> padded unsharded flat
-//   parameter Unflatten          unsharded flat    -> params (padding skipped)
-//   UnflattenShard     one rank's shard  -> the pieces of params it holds
+// clang-format off
+//   function        from                 to
+//   Flatten         params               the unsharded flat parameter
+//                                        (alignment padding 42)
+//   FlattenShard    params               one rank's padded shard, directly
+//   CopyShard       the unsharded flat   one rank's padded shard (padding 0)
+//   ConcatShards    every rank's shard   the padded unsharded flat parameter
+//   Unflatten       the unsharded flat   params (padding skipped)
+//   UnflattenShard  one rank's shard     the pieces of params it holds
+// clang-format on
 //
 // Views of a flat parameter (PyTorch's `use_orig_params` views) are
 // `ParamView` (into the unsharded buffer) and `ShardView` (into a rank's
