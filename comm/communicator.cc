@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "flatparam/base/buffer_checks.h"
 #include "flatparam/base/status_macros.h"
 
 namespace flatparam {
@@ -22,11 +23,6 @@ class DoneWork final : public Work {
   absl::Status status_;
 };
 
-std::string Describe(ConstBufferRef b) {
-  return absl::StrFormat("%d x %s on %s", b.count, DTypeName(b.dtype),
-                         DeviceName(b.device));
-}
-
 absl::Status CheckBuffer(int rank, absl::string_view op, int64_t seq,
                          absl::string_view which, ConstBufferRef b) {
   if (b.count < 0) {
@@ -37,7 +33,7 @@ absl::Status CheckBuffer(int rank, absl::string_view op, int64_t seq,
   if (b.count > 0 && b.data == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrFormat("rank %d: %s #%d: %s (%s) has a null pointer", rank, op,
-                        seq, which, Describe(b)));
+                        seq, which, DescribeBuffer(b)));
   }
   if (!IsFloatingPoint(b.dtype)) {
     return absl::UnimplementedError(absl::StrFormat(
@@ -57,7 +53,7 @@ absl::Status CheckPair(int rank, absl::string_view op, int64_t seq,
     return absl::InvalidArgumentError(absl::StrFormat(
         "rank %d: %s #%d: input (%s) and output (%s) differ in dtype or "
         "device",
-        rank, op, seq, Describe(input), Describe(output)));
+        rank, op, seq, DescribeBuffer(input), DescribeBuffer(output)));
   }
   if (input.count != want_input || output.count != want_output) {
     return absl::InvalidArgumentError(absl::StrFormat(

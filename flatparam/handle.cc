@@ -423,6 +423,7 @@ absl::Status FlatParamHandle::PrepareGradientForBackward() {
   }
   // The gradient buffers are the caller's backward's: compute stream.
   OnStream on_compute(device_, options_.streams.compute);
+  assert(on_compute.status().ok());
   if (has_sharded_grad_ && keeps_low_precision_grads()) {
     FLATPARAM_RETURN_IF_ERROR(
         StreamWaits(options_.streams.compute, options_.streams.post_backward));
@@ -519,6 +520,7 @@ absl::Status FlatParamHandle::FinalizeBackward(bool sync_gradients) {
   if (sync_gradients && has_sharded_grad_ && keeps_low_precision_grads() &&
       has_saved_or_cpu_grad) {
     OnStream on_post_backward(device_, streams.post_backward);
+    assert(on_post_backward.status().ok());
     FLATPARAM_RETURN_IF_ERROR(CastShardedGradTo(param_dtype_));
   }
   // PyTorch's final callback: the computation stream waits for the

@@ -76,6 +76,7 @@ absl::Status FlatParamHandle::StartReduceGradImpl() {
   }
   FLATPARAM_RETURN_IF_ERROR(UsedBy(unsharded_grad_, streams.post_backward));
   OnStream on_post_backward(device_, streams.post_backward);
+  assert(on_post_backward.status().ok());
   TrackedBuffer grad = std::move(unsharded_grad_);
   ++grad_epoch_;
   FLATPARAM_RETURN_IF_ERROR(ZeroUngradedSegments(grad.ref()));
@@ -172,6 +173,7 @@ absl::Status FlatParamHandle::FinishReduceGradImpl() {
   }
   pending.input.Reset();
   OnStream on_post_backward(device_, post_backward);
+  assert(on_post_backward.status().ok());
   TrackedBuffer shard = std::move(pending.shard);
   // 4. Hybrid: sum the shard group's results across replicas.
   if (IsHybridStrategy(strategy()) && !pending.all_reduce_issued) {
@@ -281,6 +283,7 @@ absl::Status FlatParamHandle::AccumulateGrad(int index, ConstBufferRef grad) {
   }
   // The caller's backward: the compute stream.
   OnStream on_compute(device_, options_.streams.compute);
+  assert(on_compute.status().ok());
   TrackedBuffer moved;
   TrackedBuffer cast;
   if (grad.device != view.device) {

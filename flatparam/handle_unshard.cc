@@ -115,6 +115,7 @@ absl::Status FlatParamHandle::StartUnshardImpl() {
   }
   local_shard_written_ = false;
   OnStream on_unshard(device_, streams.unshard);
+  assert(on_unshard.status().ok());
   if (uses_sharded_strategy()) {
     TrackedBuffer& target = padded_unsharded();
     if (!target.allocated()) {

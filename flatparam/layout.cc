@@ -7,15 +7,11 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
+#include "flatparam/base/shape.h"
 #include "flatparam/base/status_macros.h"
 
 namespace flatparam {
 namespace {
-
-std::string ShapeString(absl::Span<const int64_t> shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
 
 void SplitFqn(const std::string& fqn, std::string* module_name,
               std::string* param_name) {

@@ -19,6 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/json_limits.h"
+#include "flatparam/base/shape.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/presets.h"
 
@@ -239,9 +240,7 @@ absl::Status CheckTiedFields(const SchemaErrors& errors,
                               tied.fqn, key, mine, target->fqn, theirs));
   };
   if (f.shape.has_value() && *f.shape != target->shape) {
-    return differs("shape",
-                   absl::StrCat("[", absl::StrJoin(*f.shape, ", "), "]"),
-                   absl::StrCat("[", absl::StrJoin(target->shape, ", "), "]"));
+    return differs("shape", ShapeString(*f.shape), ShapeString(target->shape));
   }
   if (f.dtype.has_value() && *f.dtype != target->dtype) {
     return differs("dtype", std::string(DTypeName(*f.dtype)),

@@ -12,9 +12,12 @@
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/internal/handle_test_hooks.h"
+#include "flatparam/internal/on_stream.h"
 
 namespace flatparam {
 namespace {
+
+using internal_handle::OnStream;
 
 // Forwards every call to `inner` and counts the buffer collectives in
 // `stats`. Neither is owned.
@@ -49,24 +52,6 @@ class CountingCommunicator final : public ForwardingCommunicator {
   }
 
   CommStats* stats_;
-};
-
-// Makes `stream` current for the scope, restoring the previous one.
-class OnStream {
- public:
-  OnStream(DeviceOps* device, Stream stream)
-      : device_(device), previous_(device->current_stream()) {
-    status_ = device_->SetStream(stream);
-  }
-  ~OnStream() { (void)device_->SetStream(previous_); }
-  OnStream(const OnStream&) = delete;
-  OnStream& operator=(const OnStream&) = delete;
-  const absl::Status& status() const { return status_; }
-
- private:
-  DeviceOps* device_;
-  Stream previous_;
-  absl::Status status_;
 };
 
 absl::Status WithContext(const absl::Status& status, absl::string_view what) {

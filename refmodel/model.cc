@@ -8,14 +8,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
+#include "flatparam/base/shape.h"
 #include "flatparam/base/status_macros.h"
 
 namespace flatparam {
 namespace refmodel {
 namespace {
-
-constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ULL;
 
 // A row-major [rows, cols] matrix of T owned by the model's scratch space.
 template <typename T>
@@ -38,13 +36,6 @@ void Accumulate(T* grad, const std::vector<T>& g) {
 }
 
 }  // namespace
-
-uint64_t SplitMix64(uint64_t state) {
-  uint64_t z = state + kGolden;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
 
 std::string LayerUnit(int layer) { return absl::StrCat("layers.", layer); }
 std::string LayerWeightName(int layer) {
@@ -186,8 +177,7 @@ std::map<std::string, HostTensor> ReferenceModel::InitParams() const {
     float* data = t.data_as<float>();
     uint64_t state = seed_mix ^ k;
     for (int64_t i = 0; i < t.numel(); ++i) {
-      const uint64_t x = SplitMix64(state);
-      state += kGolden;
+      const uint64_t x = SplitMix64Next(&state);
       const double u = static_cast<double>(x >> 40) * 0x1p-24;
       data[i] = static_cast<float>((2.0 * u - 1.0) * a);
     }
@@ -210,10 +200,9 @@ absl::Status ReferenceModel::CheckParams(
     const HostTensor& t = it->second;
     if (t.dtype() != dtype || t.shape() != p.shape) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "parameter \"%s\" has dtype %s and shape [%s]; expected %s and "
-          "[%s]",
-          p.fqn, DTypeName(t.dtype()), absl::StrJoin(t.shape(), ", "),
-          DTypeName(dtype), absl::StrJoin(p.shape, ", ")));
+          "parameter \"%s\" has dtype %s and shape %s; expected %s and %s",
+          p.fqn, DTypeName(t.dtype()), ShapeString(t.shape()), DTypeName(dtype),
+          ShapeString(p.shape)));
     }
   }
   if (params.size() != expected) {

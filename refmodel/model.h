@@ -42,6 +42,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "flatparam/base/dtype.h"
+#include "flatparam/base/splitmix64.h"
 #include "flatparam/flatten.h"
 #include "flatparam/model.h"
 
@@ -279,8 +280,8 @@ std::string LayerWeightName(int layer);
 std::string LayerBiasName(int layer);
 
 // splitmix64's output function applied to `state + golden ratio`: a 64-bit
-// mixing function with a fixed, documented definition.
-uint64_t SplitMix64(uint64_t state);
+// mixing function with a fixed, documented definition (base/splitmix64.h).
+using ::flatparam::SplitMix64;
 
 }  // namespace refmodel
 }  // namespace flatparam

@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "flatparam/base/dtype.h"
+#include "flatparam/base/shape.h"
 #include "flatparam/base/status_macros.h"
 
 namespace flatparam {
@@ -51,9 +52,9 @@ absl::Status CheckState(const OptimizerState& state, int64_t numel,
     if (t.dtype() != DType::kFloat32 || t.numel() != want ||
         (is_step && !t.shape().empty())) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "%s state \"%s\" has dtype %s and shape [%s]; expected float32 "
+          "%s state \"%s\" has dtype %s and shape %s; expected float32 "
           "with %s",
-          optimizer, name, DTypeName(t.dtype()), absl::StrJoin(t.shape(), ", "),
+          optimizer, name, DTypeName(t.dtype()), ShapeString(t.shape()),
           is_step ? std::string("shape [] (0-d)")
                   : absl::StrFormat("%d elements", numel)));
     }

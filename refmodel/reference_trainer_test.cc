@@ -3,7 +3,6 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <map>
 #include <string>
 #include <vector>
@@ -12,6 +11,7 @@
 #include "flatparam/flatten.h"
 #include "refmodel/model.h"
 #include "refmodel/optimizer.h"
+#include "refmodel/tensor_diff.h"
 
 namespace flatparam {
 namespace refmodel {
@@ -25,19 +25,6 @@ ReferenceModel MakeModel(const Config& config) {
   auto model = ReferenceModel::Create(config);
   EXPECT_TRUE(model.ok()) << model.status();
   return *std::move(model);
-}
-
-// Largest |a - b| over all tensors of two maps with the same keys.
-double MaxAbsDiff(const TensorMap& a, const TensorMap& b) {
-  double worst = 0;
-  for (const auto& [name, t] : a) {
-    const HostTensor& u = b.at(name);
-    EXPECT_EQ(t.numel(), u.numel()) << name;
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      worst = std::max(worst, std::abs(t.GetDouble(i) - u.GetDouble(i)));
-    }
-  }
-  return worst;
 }
 
 TEST(GradientReductionTest, FsdpFactorsMatchPyTorch) {

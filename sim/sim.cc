@@ -22,6 +22,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "comm/host_reduce.h"
+#include "flatparam/base/buffer_checks.h"
+#include "flatparam/base/splitmix64.h"
 #include "flatparam/base/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "sim/chrome_trace.h"
@@ -68,13 +70,6 @@ bool HasBuffers(OpKind kind) {
 // used from another rank's thread.
 thread_local const void* tls_rank = nullptr;
 
-uint64_t SplitMix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
 std::string FormatTime(absl::Duration d) { return absl::FormatDuration(d); }
 
 // "ranks 0-6: text" for runs of consecutive ranks with equal text.
@@ -107,13 +102,6 @@ std::string JoinCapped(const std::vector<int>& ranks, size_t cap) {
     absl::StrAppend(&s, " and ", ranks.size() - cap, " more");
   }
   return s;
-}
-
-bool Overlaps(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
-  if (a_bytes == 0 || b_bytes == 0) return false;
-  const char* x = static_cast<const char*>(a);
-  const char* y = static_cast<const char*>(b);
-  return x < y + b_bytes && y < x + a_bytes;
 }
 
 }  // namespace
@@ -351,7 +339,8 @@ absl::Status ValidateCall(const internal_sim::Call& c, int rank, int group_rank,
   const int64_t out_bytes = c.output.bytes();
   const char* in = static_cast<const char*>(c.input.data);
   const char* out = static_cast<const char*>(c.output.data);
-  if (c.kind == OpKind::kBroadcast || !Overlaps(in, in_bytes, out, out_bytes)) {
+  if (c.kind == OpKind::kBroadcast ||
+      !BytesOverlap(in, in_bytes, out, out_bytes)) {
     return absl::OkStatus();
   }
   bool in_place = false;

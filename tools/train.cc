@@ -29,6 +29,7 @@
 #include "refmodel/model.h"
 #include "refmodel/optimizer.h"
 #include "refmodel/reference_trainer.h"
+#include "refmodel/tensor_diff.h"
 #include "refmodel/train_state.h"
 #include "sim/sim.h"
 #include "tools/collective_timeout.h"
@@ -50,35 +51,10 @@ absl::Status Bad(absl::string_view message) {
   return absl::InvalidArgumentError(message);
 }
 
-// Largest |a - b| over equal-keyed maps; NaN when one side is NaN and the
-// other is not.
-double MaxAbsDiff(const TensorMap& a, const TensorMap& b) {
-  double worst = 0;
-  for (const auto& [name, t] : a) {
-    auto it = b.find(name);
-    if (it == b.end() || it->second.numel() != t.numel()) return std::nan("");
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      const double x = t.GetDouble(i);
-      const double y = it->second.GetDouble(i);
-      if (std::isnan(x) != std::isnan(y)) return std::nan("");
-      if (!std::isnan(x)) worst = std::max(worst, std::abs(x - y));
-    }
-  }
-  return a.size() == b.size() ? worst : std::nan("");
-}
-
-double MaxAbsDiff(const std::map<std::string, refmodel::OptimizerState>& a,
-                  const std::map<std::string, refmodel::OptimizerState>& b) {
-  double worst = 0;
-  for (const auto& [name, state] : a) {
-    auto it = b.find(name);
-    if (it == b.end()) return std::nan("");
-    const double d = MaxAbsDiff(state.tensors, it->second.tensors);
-    if (std::isnan(d)) return d;
-    worst = std::max(worst, d);
-  }
-  return a.size() == b.size() ? worst : std::nan("");
-}
+// Largest |a - b| over two runs' parameters or optimizer states
+// (refmodel/tensor_diff.h), and here over two loss sequences.
+using refmodel::MaxAbs;
+using refmodel::MaxAbsDiff;
 
 double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
   if (a.size() != b.size()) return std::nan("");
@@ -100,16 +76,6 @@ double Worst(std::initializer_list<double> diffs) {
     worst = std::max(worst, d);
   }
   return worst;
-}
-
-double MaxAbs(const TensorMap& params) {
-  double m = 0;
-  for (const auto& [name, t] : params) {
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      m = std::max(m, std::abs(t.GetDouble(i)));
-    }
-  }
-  return m;
 }
 
 // RankSummary <-> bytes, for AllGatherBytes.

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "flatparam/base/shape.h"
 
 namespace flatparam {
 
@@ -21,7 +22,7 @@ void showValue(ShardingStrategy strategy, std::ostream& os) {
 void showValue(const ParamSpec& spec, std::ostream& os) {
   os << "{fqn=\"" << spec.fqn << "\"";
   if (!spec.tied_to.empty()) os << ", tied_to=\"" << spec.tied_to << "\"";
-  os << ", shape=[" << absl::StrJoin(spec.shape, ", ") << "] (numel "
+  os << ", shape=" << ShapeString(spec.shape) << " (numel "
      << NumElements(spec.shape) << "), " << DTypeName(spec.dtype);
   if (!spec.requires_grad) os << ", requires_grad=false";
   os << "}";

@@ -35,6 +35,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "flatparam/base/dtype.h"
+#include "flatparam/base/splitmix64.h"
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
 #include "flatparam/model.h"
@@ -415,13 +416,6 @@ DrawnLayout DrawLayout(Scale scale) {
   return {std::move(specs), options, *std::move(layout)};
 }
 
-uint64_t SplitMix64(uint64_t* state) {
-  uint64_t z = (*state += 0x9e3779b97f4a7c15ULL);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
 // A data-sized layout plus parameter tensors holding arbitrary bit patterns
 // (NaNs, infinities and subnormals included: copies must be bitwise).
 struct DataCase {
@@ -441,7 +435,7 @@ HostTensor Filled(DType dtype, const std::vector<int64_t>& shape,
   HostTensor t(dtype, shape);
   unsigned char* bytes = static_cast<unsigned char*>(t.data());
   for (size_t i = 0; i < t.nbytes(); ++i) {
-    bytes[i] = static_cast<unsigned char>(SplitMix64(state));
+    bytes[i] = static_cast<unsigned char>(SplitMix64Next(state));
   }
   return t;
 }

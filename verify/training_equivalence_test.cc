@@ -64,6 +64,7 @@
 #include "refmodel/model.h"
 #include "refmodel/optimizer.h"
 #include "refmodel/reference_trainer.h"
+#include "refmodel/tensor_diff.h"
 #include "verify/training_testutil.h"
 
 namespace flatparam {
@@ -153,16 +154,6 @@ TrainingCase GenMixedPrecisionCase() {
   return c;
 }
 
-double MaxAbs(const TensorMap& params) {
-  double m = 0;
-  for (const auto& [name, t] : params) {
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      m = std::max(m, std::abs(t.GetDouble(i)));
-    }
-  }
-  return m;
-}
-
 RC_GTEST_PROP(TrainingEquivalence,
               MixedPrecisionEqualsEmulationBitwiseAndStaysWithinAdamWBound,
               ()) {
@@ -184,7 +175,7 @@ RC_GTEST_PROP(TrainingEquivalence,
       refmodel::ReferenceModel::Create(c.options.model);
   RC_ASSERT(model.ok());
   const double bound = refmodel::AdamWDivergenceBound(
-      adamw, c.options.steps, MaxAbs(model->InitParams()));
+      adamw, c.options.steps, refmodel::MaxAbs(model->InitParams()));
   const double diff = MaxAbsDiff(ranks[0].params, full.params);
   RC_ASSERT(diff <= bound);
 }

@@ -1,12 +1,12 @@
 #include "verify/training_testutil.h"
 
-#include <cmath>
 #include <cstring>
 #include <memory>
 #include <variant>
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "flatparam/base/shape.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/device/device.h"
 #include "flatparam/layout.h"
@@ -183,9 +183,9 @@ namespace {
 // Where two tensors first differ, or "" when bitwise equal.
 std::string FirstDifference(const HostTensor& a, const HostTensor& b) {
   if (a.dtype() != b.dtype() || a.shape() != b.shape()) {
-    return absl::StrFormat("%s [%s] vs %s [%s]", DTypeName(a.dtype()),
-                           absl::StrJoin(a.shape(), ", "), DTypeName(b.dtype()),
-                           absl::StrJoin(b.shape(), ", "));
+    return absl::StrFormat("%s %s vs %s %s", DTypeName(a.dtype()),
+                           ShapeString(a.shape()), DTypeName(b.dtype()),
+                           ShapeString(b.shape()));
   }
   const size_t size = DTypeSize(a.dtype());
   for (int64_t i = 0; i < a.numel(); ++i) {
@@ -244,32 +244,6 @@ bool SameStates(const std::map<std::string, OptimizerState>& a,
 bool SameFloats(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() &&
          std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
-double MaxAbsDiff(const std::map<std::string, HostTensor>& a,
-                  const std::map<std::string, HostTensor>& b) {
-  double worst = 0;
-  for (const auto& [name, t] : a) {
-    const HostTensor& u = b.at(name);
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      const double x = t.GetDouble(i);
-      const double y = u.GetDouble(i);
-      if (std::isnan(x) != std::isnan(y)) return std::nan("");
-      if (!std::isnan(x)) worst = std::max(worst, std::abs(x - y));
-    }
-  }
-  return worst;
-}
-
-double MaxAbsDiff(const std::map<std::string, OptimizerState>& a,
-                  const std::map<std::string, OptimizerState>& b) {
-  double worst = 0;
-  for (const auto& [name, state] : a) {
-    const double d = MaxAbsDiff(state.tensors, b.at(name).tensors);
-    if (std::isnan(d)) return d;
-    worst = std::max(worst, d);
-  }
-  return worst;
 }
 
 }  // namespace verify

@@ -24,6 +24,7 @@
 #include "refmodel/fsdp_trainer.h"
 #include "refmodel/optimizer.h"
 #include "refmodel/reference_trainer.h"
+#include "refmodel/tensor_diff.h"
 #include "sim/sim.h"
 
 namespace flatparam {
@@ -84,12 +85,9 @@ bool SameStates(const std::map<std::string, refmodel::OptimizerState>& a,
 bool SameFloats(const std::vector<float>& a, const std::vector<float>& b);
 
 // Largest |a - b| over the tensors of two maps with equal keys and numels
-// (NaN if any element is NaN in one and not the other).
-double MaxAbsDiff(const std::map<std::string, HostTensor>& a,
-                  const std::map<std::string, HostTensor>& b);
-// The same over every tensor state of two optimizer-state maps.
-double MaxAbsDiff(const std::map<std::string, refmodel::OptimizerState>& a,
-                  const std::map<std::string, refmodel::OptimizerState>& b);
+// (NaN if any element is NaN in one and not the other), and the same over
+// every tensor state of two optimizer-state maps: refmodel/tensor_diff.h.
+using refmodel::MaxAbsDiff;
 
 }  // namespace verify
 }  // namespace flatparam

@@ -9,17 +9,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "comm/host_reduce.h"
+#include "flatparam/base/splitmix64.h"
 
 namespace flatparam {
 namespace conformance {
 namespace {
-
-uint64_t SplitMix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 
 // Inputs of different kinds differ, so that a backend that mixes up
 // collectives cannot pass by accident.

@@ -25,6 +25,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "comm/host_reduce.h"
+#include "flatparam/base/buffer_checks.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_macros.h"
 
@@ -324,13 +325,6 @@ char g_empty_buffer[1];
 
 void* NonNull(void* p) { return p != nullptr ? p : g_empty_buffer; }
 const void* NonNull(const void* p) { return p != nullptr ? p : g_empty_buffer; }
-
-// Whether [a, a + a_bytes) and [b, b + b_bytes) share a byte.
-bool Overlap(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
-  const auto x = reinterpret_cast<uintptr_t>(a);
-  const auto y = reinterpret_cast<uintptr_t>(b);
-  return a_bytes > 0 && b_bytes > 0 && x < y + b_bytes && y < x + a_bytes;
-}
 
 // Memory a collective owns while MPI uses it (the check header, receive and
 // staging buffers, MPI's count arrays) and the arguments its steps need. The
@@ -1513,8 +1507,8 @@ std::unique_ptr<Work> MpiCommunicator::AllGather(
           m->recv = Alloc(m->bytes * m->size);
           in = m->send.get();
           out = m->recv.get();
-        } else if (!in_place &&
-                   Overlap(input.data, m->bytes, out, m->bytes * m->size)) {
+        } else if (!in_place && BytesOverlap(input.data, m->bytes, out,
+                                             m->bytes * m->size)) {
           // The sends read the input while the receives write the output.
           m->send = StageIn(input.data, m->bytes);
           in = m->send.get();
@@ -1590,7 +1584,7 @@ std::unique_ptr<Work> MpiCommunicator::ReduceScatter(
         // This rank's own slice is folded from the input where it is,
         // unless the fold's output overlaps it (in place): then from a copy.
         const char* own = in + m->rank * m->bytes;
-        m->own_copied = Overlap(output.data, m->bytes, own, m->bytes);
+        m->own_copied = BytesOverlap(output.data, m->bytes, own, m->bytes);
         if (m->own_copied) {
           CopyBytes(m->recv.get() + m->rank * m->bytes, own, m->bytes);
         }
@@ -1670,7 +1664,7 @@ std::unique_ptr<Work> MpiCommunicator::AllReduce(ConstBufferRef input,
           // writes the caller's output before Wait() returns, staged too.
           m->n = static_cast<int>(input.count);
           m->recv = Alloc(bytes * size);
-          m->own_copied = Overlap(output.data, bytes, in, bytes);
+          m->own_copied = BytesOverlap(output.data, bytes, in, bytes);
           if (m->own_copied) CopyBytes(m->recv.get() + rank * bytes, in, bytes);
           op.steps.push_back(ExchangeStep(
               "MPI_Isend/MPI_Irecv (all-gather of the inputs)",
@@ -1723,7 +1717,7 @@ std::unique_ptr<Work> MpiCommunicator::AllReduce(ConstBufferRef input,
         const char* own_in = in + static_cast<int64_t>(m->displs[rank]) * elem;
         char* own_out = static_cast<char*>(m->out) +
                         static_cast<int64_t>(m->displs[rank]) * elem;
-        m->own_copied = Overlap(own_out, chunk_bytes, own_in, chunk_bytes);
+        m->own_copied = BytesOverlap(own_out, chunk_bytes, own_in, chunk_bytes);
         if (m->own_copied) {
           CopyBytes(m->recv.get() + rank * chunk_bytes, own_in, chunk_bytes);
         }

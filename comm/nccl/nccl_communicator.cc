@@ -7,7 +7,6 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -16,6 +15,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "flatparam/base/backoff.h"
+#include "flatparam/base/buffer_checks.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_macros.h"
 
@@ -75,27 +76,6 @@ namespace {
 
 using internal_nccl::CommState;
 using internal_nccl::StreamHandle;
-
-// Spins briefly (collectives on fast links finish in microseconds), then
-// sleeps with exponential backoff up to 1 ms, never past the deadline.
-class Backoff {
- public:
-  void Pause(absl::Time deadline) {
-    if (spins_ < 64) {
-      ++spins_;
-      std::this_thread::yield();
-      return;
-    }
-    const absl::Duration left = deadline - absl::Now();
-    const absl::Duration nap = std::min(sleep_, left);
-    if (nap > absl::ZeroDuration()) absl::SleepFor(nap);
-    sleep_ = std::min(sleep_ * 2, absl::Milliseconds(1));
-  }
-
- private:
-  int spins_ = 0;
-  absl::Duration sleep_ = absl::Microseconds(10);
-};
 
 // Makes `device` current and restores the caller's device when destroyed:
 // events must be created on the device of the stream they are recorded on.
@@ -385,13 +365,6 @@ absl::StatusOr<ResolvedOp> ResolveOp(const CommState& s, absl::string_view op,
   return resolved;
 }
 
-bool Overlap(ConstBufferRef a, ConstBufferRef b) {
-  if (a.count == 0 || b.count == 0) return false;
-  const auto a0 = reinterpret_cast<uintptr_t>(a.data);
-  const auto b0 = reinterpret_cast<uintptr_t>(b.data);
-  return a0 < b0 + b.bytes() && b0 < a0 + a.bytes();
-}
-
 // Host buffers are Unimplemented (NCCL reads device memory); a buffer of
 // another device, or one whose memory is not what its label says, is
 // InvalidArgument.
@@ -440,7 +413,7 @@ absl::Status CheckCudaPair(const CommState& s, absl::string_view op,
                            ConstBufferRef output, bool in_place) {
   FLATPARAM_RETURN_IF_ERROR(CheckCudaBuffer(s, op, seq, "input", input));
   FLATPARAM_RETURN_IF_ERROR(CheckCudaBuffer(s, op, seq, "output", output));
-  if (!in_place && Overlap(input, output)) {
+  if (!in_place && BuffersOverlap(input, output)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "rank %d: %s #%d: input (%s at %p) and output (%s at %p) overlap but "
         "are not in place",

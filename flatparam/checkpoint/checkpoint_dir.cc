@@ -21,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/json_limits.h"
+#include "flatparam/base/shape.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/internal/checkpoint_write.h"
 #include "flatparam/checkpoint/internal/verified_file.h"
@@ -50,10 +51,6 @@ absl::Status Annotate(const absl::Status& status, absl::string_view context) {
   if (status.ok()) return status;
   return absl::Status(status.code(),
                       absl::StrCat(context, ": ", status.message()));
-}
-
-std::string ShapeString(absl::Span<const int64_t> shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
 std::string Quote(const json& value) {

@@ -70,18 +70,6 @@ std::vector<absl::Status> WriteOnSim(FileSystem& fs, const std::string& dir,
       std::move(faults));
 }
 
-// The two directories hold the same file names with the same bytes.
-void ExpectSameDirectory(FileSystem& fs, const std::string& a,
-                         const std::string& b) {
-  const std::vector<std::string> names_a = ListDir(fs, a);
-  ASSERT_EQ(names_a, ListDir(fs, b));
-  for (const std::string& name : names_a) {
-    EXPECT_EQ(ReadWholeFile(fs, JoinPath(a, name)),
-              ReadWholeFile(fs, JoinPath(b, name)))
-        << name << " differs";
-  }
-}
-
 // The "version" recorded in rank 0's sidecar of the checkpoint at `dir`.
 int VersionAt(FileSystem& fs, const std::string& dir) {
   absl::StatusOr<ShardedCheckpointReader> reader =

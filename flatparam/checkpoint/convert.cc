@@ -20,6 +20,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "flatparam/base/dtype.h"
+#include "flatparam/base/shape.h"
+#include "flatparam/base/splitmix64.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/internal/checkpoint_write.h"
 #include "flatparam/checkpoint/internal/flat_stream.h"
@@ -218,14 +220,6 @@ absl::Status ZeroRead(DType dtype, int64_t n, char* out) {
 // ---------------------------------------------------------------------------
 // Pseudo-random initial values.
 
-uint64_t Mix(uint64_t x) {
-  // splitmix64's finaliser.
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
 uint64_t HashString(absl::string_view s) {
   uint64_t h = 0xcbf29ce484222325ULL;
   for (char c : s) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ULL;
@@ -247,7 +241,7 @@ TensorSource RandomSource(std::string name, DType dtype,
     }
     const uint64_t first = offset / size;
     for (size_t i = 0; i < out.size() / size; ++i) {
-      const uint64_t bits = Mix(stream ^ Mix(first + i));
+      const uint64_t bits = SplitMix64(stream ^ SplitMix64(first + i));
       double v = static_cast<double>(bits >> 11) * 0x1.0p-53 - 0.5;
       if (non_negative) v = std::fabs(v) * 1e-3;
       StoreFromDouble(out.data(), dtype, i, v);
@@ -643,8 +637,8 @@ class ReshardedRanks {
 
 std::string DescribeParam(const ParamSpec& p) {
   if (!p.tied_to.empty()) return absl::StrCat("tied to '", p.tied_to, "'");
-  return absl::StrFormat("[%s] %s%s", absl::StrJoin(p.shape, ", "),
-                         DTypeName(p.dtype), p.requires_grad ? "" : ", frozen");
+  return absl::StrFormat("%s %s%s", ShapeString(p.shape), DTypeName(p.dtype),
+                         p.requires_grad ? "" : ", frozen");
 }
 
 // The first difference between two models' parameters and units, in a
@@ -838,7 +832,7 @@ absl::Status InitCheckpoint(FileSystem& fs, const ModelSpec& spec,
   OptimSidecar sidecar;
   ParamGroup group;
   Keep keep;
-  const uint64_t seed = Mix(options.seed);
+  const uint64_t seed = SplitMix64(options.seed);
   for (const ParamSpec& p : spec.params) {
     if (!p.tied_to.empty()) continue;
     const uint64_t stream = seed ^ HashString(p.fqn);
@@ -848,8 +842,8 @@ absl::Status InitCheckpoint(FileSystem& fs, const ModelSpec& spec,
     auto& st = sidecar.state[ParamKey(p.fqn)];
     auto add = [&](const std::string& name, uint64_t salt, bool non_negative) {
       std::string tensor = OptimStateTensorName(p.fqn, name);
-      content.optim.push_back(RandomSource(tensor, p.dtype, p.shape,
-                                           Mix(stream ^ salt), non_negative));
+      content.optim.push_back(RandomSource(
+          tensor, p.dtype, p.shape, SplitMix64(stream ^ salt), non_negative));
       st[name] = SidecarValue{std::move(tensor), std::monostate()};
     };
     switch (options.optimizer) {

@@ -36,6 +36,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "flatparam/base/dtype.h"
+#include "flatparam/base/splitmix64.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/convert.h"
 #include "flatparam/checkpoint/file_system.h"
@@ -72,13 +73,6 @@ Target GenTarget() {
   return t;
 }
 
-uint64_t Mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
 // Parameters with arbitrary bit patterns (NaNs included).
 std::map<std::string, HostTensor> GenParams(const ModelSpec& spec) {
   const uint64_t seed = *gen::arbitrary<uint64_t>();
@@ -89,7 +83,7 @@ std::map<std::string, HostTensor> GenParams(const ModelSpec& spec) {
     HostTensor t(p.dtype, p.shape);
     auto* bytes = static_cast<unsigned char*>(t.data());
     for (size_t i = 0; i < t.nbytes(); ++i) {
-      bytes[i] = static_cast<unsigned char>(Mix(++k));
+      bytes[i] = static_cast<unsigned char>(SplitMix64(++k));
     }
     params.emplace(p.fqn, std::move(t));
   }

@@ -25,6 +25,7 @@
 #include "absl/strings/strip.h"
 #include "flatparam/base/fqn.h"
 #include "flatparam/base/json_limits.h"
+#include "flatparam/base/shape.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/internal/checkpoint_write.h"
@@ -50,10 +51,6 @@ constexpr char kOptimStatePrefix[] = "state.";
 
 uint64_t ChunkBytes(uint64_t requested) {
   return std::max<uint64_t>(8, requested / 8 * 8);
-}
-
-std::string ShapeString(absl::Span<const int64_t> shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
 // "BF16 [4096, 32000]": a tensor as its file declares it.

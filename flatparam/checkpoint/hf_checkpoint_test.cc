@@ -119,18 +119,6 @@ void WriteFull(FileSystem& fs, const std::string& dir,
   FLATPARAM_ASSERT_OK(WriteFullCheckpoint(fs, dir, content));
 }
 
-// Every file of `a` and `b` (apart from manifest.json) byte for byte.
-void ExpectSameFiles(FileSystem& fs, const std::string& a,
-                     const std::string& b) {
-  const std::vector<std::string> names = ListDir(fs, a);
-  EXPECT_EQ(names, ListDir(fs, b));
-  for (const std::string& name : names) {
-    EXPECT_EQ(ReadWholeFile(fs, JoinPath(a, name)),
-              ReadWholeFile(fs, JoinPath(b, name)))
-        << name;
-  }
-}
-
 std::string IndexJson(const std::map<std::string, std::string>& weight_map,
                       std::optional<uint64_t> total_size) {
   json doc = {{"weight_map", weight_map}};
@@ -223,14 +211,14 @@ TEST(HfCheckpointTest, SingleFileImportEqualsShardOfAFullCheckpoint) {
     EXPECT_EQ(report.files, 1);
     EXPECT_EQ(report.imported, 6);
     EXPECT_EQ(report.tied_copies, 0);
-    ExpectSameFiles(fs, absl::StrCat("/ref", i), absl::StrCat("/imp", i));
+    ExpectSameDirectory(fs, absl::StrCat("/ref", i), absl::StrCat("/imp", i));
     EXPECT_THAT(VerifyCheckpoint(fs, absl::StrCat("/imp", i)), IsOk());
   }
   // The file's path works as well as its directory.
   FLATPARAM_ASSERT_OK(ImportHfCheckpoint(fs, "/hf/model.safetensors", spec,
                                          TestLayoutOptions(3), 0, "/imp_file")
                           .status());
-  ExpectSameFiles(fs, "/ref1", "/imp_file");
+  ExpectSameDirectory(fs, "/ref1", "/imp_file");
 }
 
 // The same weights spread over an index, under wrapper-prefixed names, with
@@ -274,7 +262,7 @@ TEST(HfCheckpointTest, IndexShardedImportWithWrappersTiesAndBuffers) {
   EXPECT_EQ(report.imported, 6);
   EXPECT_EQ(report.tied_copies, 1);
   EXPECT_EQ(report.ignored, 1);
-  ExpectSameFiles(fs, "/ref", "/imp");
+  ExpectSameDirectory(fs, "/ref", "/imp");
 
   // A checkpoint that lists only the tied copy: it is read in the target's
   // place.
@@ -288,7 +276,7 @@ TEST(HfCheckpointTest, IndexShardedImportWithWrappersTiesAndBuffers) {
   FLATPARAM_ASSERT_OK(
       ImportHfCheckpoint(fs, "/hf2", spec, TestLayoutOptions(3), 0, "/imp2")
           .status());
-  ExpectSameFiles(fs, "/ref", "/imp2");
+  ExpectSameDirectory(fs, "/ref", "/imp2");
 }
 
 // Import -> reshard -> export gives the weights back bit for bit; export of
@@ -330,13 +318,13 @@ TEST(HfCheckpointTest, ExportRoundTripsAndAgreesWithConsolidation) {
   // Exporting the consolidated checkpoint writes the same bytes.
   FLATPARAM_ASSERT_OK(ConsolidateCheckpoint(fs, "/s3", "/full"));
   FLATPARAM_ASSERT_OK(ExportHfCheckpoint(fs, "/full", "/out_full").status());
-  ExpectSameFiles(fs, "/out", "/out_full");
+  ExpectSameDirectory(fs, "/out", "/out_full");
   // And importing the export at the first layout gives the first checkpoint
   // back, byte for byte.
   FLATPARAM_ASSERT_OK(
       ImportHfCheckpoint(fs, "/out", bf16, TestLayoutOptions(4), 0, "/s4b")
           .status());
-  ExpectSameFiles(fs, "/s4", "/s4b");
+  ExpectSameDirectory(fs, "/s4", "/s4b");
 }
 
 TEST(HfCheckpointTest, ExportSplitsAtTensorBoundariesWithAnIndex) {
@@ -387,7 +375,7 @@ TEST(HfCheckpointTest, ExportSplitsAtTensorBoundariesWithAnIndex) {
   FLATPARAM_ASSERT_OK(
       ImportHfCheckpoint(fs, "/out", spec, TestLayoutOptions(2), 0, "/imp")
           .status());
-  ExpectSameFiles(fs, "/ref", "/imp");
+  ExpectSameDirectory(fs, "/ref", "/imp");
   // No manifest: an export is not a flatparam checkpoint. Writing again
   // replaces it whole.
   options.max_shard_bytes = 1000;
@@ -434,7 +422,7 @@ TEST(HfCheckpointTest, NameOptionsRenameBeforeMatching) {
   FLATPARAM_ASSERT_OK(
       ImportHfCheckpoint(fs, "/hf2", spec, TestLayoutOptions(2), 0, "/ref")
           .status());
-  ExpectSameFiles(fs, "/ref", "/s");
+  ExpectSameDirectory(fs, "/ref", "/s");
   // Stripping goes first, and leaves names without the prefix alone.
   HfNameOptions swap;
   swap.strip_prefix = "h.";
@@ -1189,7 +1177,7 @@ TEST(HfCheckpointTest, OptimizerStateImportsAsShardCheckpointShardsIt) {
         EXPECT_EQ(DescribeOptimizerImport(report),
                   "; optimizer state of 5 parameters in 1 param group "
                   "imported");
-        ExpectSameFiles(fs, ref, out);
+        ExpectSameDirectory(fs, ref, out);
       }
     }
 
@@ -1347,7 +1335,7 @@ TEST(HfCheckpointTest, OptimizerStateThatCannotBeImportedIsRefused) {
     EXPECT_EQ(DescribeOptimizerImport(report),
               absl::StrCat("; optimizer state left behind (--weights-only): ",
                            absl::StrJoin(files, ", ")));
-    ExpectSameFiles(fs, "/ref", "/x");
+    ExpectSameDirectory(fs, "/ref", "/x");
     FLATPARAM_ASSERT_OK(RemoveRecursively(fs, "/x"));
   }
   // Importable state is left behind too when told to.
@@ -1357,7 +1345,7 @@ TEST(HfCheckpointTest, OptimizerStateThatCannotBeImportedIsRefused) {
                                    import(dir, weights_only));
     EXPECT_THAT(report.optimizer_left_behind,
                 ElementsAre(kOptimJsonFileName, kOptimFileName));
-    ExpectSameFiles(fs, "/ref", "/x");
+    ExpectSameDirectory(fs, "/ref", "/x");
     FLATPARAM_ASSERT_OK(RemoveRecursively(fs, "/x"));
   }
   // No optimizer state: nothing to say.

@@ -16,8 +16,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 #include "flatparam/base/json_limits.h"
+#include "flatparam/base/shape.h"
 #include "flatparam/base/status_macros.h"
 
 namespace flatparam {
@@ -32,10 +32,6 @@ using optim::ParamKey;
 constexpr uint64_t kCanonicalNan = 0x7ff8000000000000ULL;
 constexpr char kOptimTensorPrefix[] = "optim.";
 constexpr char kStateTensorPrefix[] = "state.";
-
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
 
 json FloatToJson(double d) {
   if (std::isfinite(d)) return d;
@@ -711,11 +707,10 @@ absl::StatusOr<RankState> RankStateFromContent(const ModelLayout& layout,
     if (t.dtype() != flat[i].dtype() ||
         t.shape() != std::vector<int64_t>{flat[i].sharded_numel()}) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "rank content tensor '%s' is %s [%s], the layout's flat parameter "
+          "rank content tensor '%s' is %s %s, the layout's flat parameter "
           "is %s [%d]",
-          FlatParamTensorName(i), DTypeName(t.dtype()),
-          absl::StrJoin(t.shape(), ", "), DTypeName(flat[i].dtype()),
-          flat[i].sharded_numel()));
+          FlatParamTensorName(i), DTypeName(t.dtype()), ShapeString(t.shape()),
+          DTypeName(flat[i].dtype()), flat[i].sharded_numel()));
     }
     state.flat_params.push_back(std::move(t));
   }

@@ -43,6 +43,7 @@ srcs=(
   flatparam/base/dtype.cc
   flatparam/base/json_limits.cc
   flatparam/base/copy.cc
+  flatparam/base/shape.cc
 )
 
 "$cxx" -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined \

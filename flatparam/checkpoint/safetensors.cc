@@ -13,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "flatparam/base/json_limits.h"
+#include "flatparam/base/shape.h"
 #include "flatparam/base/status_macros.h"
 
 #ifdef ABSL_IS_BIG_ENDIAN
@@ -40,10 +41,6 @@ constexpr DTypeNamePair kDTypeNames[] = {
     {DType::kInt16, "I16"},   {DType::kInt32, "I32"},
     {DType::kInt64, "I64"},   {DType::kBool, "BOOL"},
 };
-
-std::string ShapeString(absl::Span<const int64_t> shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
 
 // a * b, or false on overflow of uint64.
 bool MulOverflows(uint64_t a, uint64_t b, uint64_t* out) {

@@ -8,24 +8,13 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "flatparam/base/buffer_checks.h"
 #include "flatparam/base/copy.h"
 #include "flatparam/base/element_traits.h"
 #include "flatparam/base/status_macros.h"
 
 namespace flatparam {
 namespace {
-
-std::string Describe(ConstBufferRef b) {
-  return absl::StrFormat("%d x %s on %s", b.count, DTypeName(b.dtype),
-                         DeviceName(b.device));
-}
-
-bool Overlap(ConstBufferRef a, ConstBufferRef b) {
-  if (a.count == 0 || b.count == 0 || a.device != b.device) return false;
-  const char* a0 = static_cast<const char*>(a.data);
-  const char* b0 = static_cast<const char*>(b.data);
-  return a0 < b0 + b.bytes() && b0 < a0 + a.bytes();
-}
 
 bool Identical(ConstBufferRef a, ConstBufferRef b) {
   return a.data == b.data && a.device == b.device && a.bytes() == b.bytes();
@@ -40,11 +29,11 @@ absl::Status CheckBuffer(absl::string_view op, absl::string_view which,
   if (!IsFloatingPoint(b.dtype)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s: %s (%s) is not float32, float64, float16 or bfloat16", op, which,
-        Describe(b)));
+        DescribeBuffer(b)));
   }
   if (b.count > 0 && b.data == nullptr) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: %s (%s) has a null pointer", op, which, Describe(b)));
+        "%s: %s (%s) has a null pointer", op, which, DescribeBuffer(b)));
   }
   return absl::OkStatus();
 }
@@ -130,7 +119,7 @@ absl::Status DeviceOps::CheckPlacement(absl::string_view op,
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s (%s ops on %s): buffer %s is neither on the host nor on the "
         "compute device",
-        op, name(), DeviceName(device()), Describe(b)));
+        op, name(), DeviceName(device()), DescribeBuffer(b)));
   }
   return absl::OkStatus();
 }
@@ -222,13 +211,13 @@ absl::Status DeviceOps::Copy(BufferRef dst, ConstBufferRef src) {
   if (dst.dtype != src.dtype || dst.count != src.count) {
     return absl::InvalidArgumentError(
         absl::StrFormat("Copy: dst (%s) and src (%s) differ in dtype or count",
-                        Describe(dst), Describe(src)));
+                        DescribeBuffer(dst), DescribeBuffer(src)));
   }
   if (dst.count == 0 || Identical(dst, src)) return absl::OkStatus();
-  if (Overlap(dst, src)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("Copy: dst (%s at %p) and src (%s at %p) overlap",
-                        Describe(dst), dst.data, Describe(src), src.data));
+  if (BuffersOverlap(dst, src)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "Copy: dst (%s at %p) and src (%s at %p) overlap", DescribeBuffer(dst),
+        dst.data, DescribeBuffer(src), src.data));
   }
   return DoCopy(dst, src);
 }
@@ -249,22 +238,23 @@ absl::Status DeviceOps::Cast(BufferRef dst, ConstBufferRef src) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "Cast: dst (%s) and src (%s) differ in count or placement; use Copy "
         "to move data between devices",
-        Describe(dst), Describe(src)));
+        DescribeBuffer(dst), DescribeBuffer(src)));
   }
   if (dst.count == 0) return absl::OkStatus();
   if (dst.dtype == src.dtype) {
     if (Identical(dst, src)) return absl::OkStatus();
-    if (Overlap(dst, src)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "Cast: dst (%s) and src (%s) overlap", Describe(dst), Describe(src)));
+    if (BuffersOverlap(dst, src)) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("Cast: dst (%s) and src (%s) overlap",
+                          DescribeBuffer(dst), DescribeBuffer(src)));
     }
     return DoCopy(dst, src);
   }
-  if (Overlap(dst, src)) {
+  if (BuffersOverlap(dst, src)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("Cast: dst (%s) and src (%s) overlap and differ in "
                         "dtype",
-                        Describe(dst), Describe(src)));
+                        DescribeBuffer(dst), DescribeBuffer(src)));
   }
   return DoCast(dst, src);
 }
@@ -288,13 +278,13 @@ absl::Status DeviceOps::Add(BufferRef acc, ConstBufferRef x) {
   if (acc.dtype != x.dtype || acc.count != x.count || acc.device != x.device) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "Add: acc (%s) and x (%s) differ in dtype, count or placement",
-        Describe(acc), Describe(x)));
+        DescribeBuffer(acc), DescribeBuffer(x)));
   }
   if (acc.count == 0) return absl::OkStatus();
-  if (Overlap(acc, x) && !Identical(acc, x)) {
+  if (BuffersOverlap(acc, x) && !Identical(acc, x)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("Add: acc (%s) and x (%s) overlap partially",
-                        Describe(acc), Describe(x)));
+                        DescribeBuffer(acc), DescribeBuffer(x)));
   }
   return DoAdd(acc, x);
 }

@@ -9,10 +9,8 @@
 #ifndef FLATPARAM_INTERNAL_HANDLE_INTERNAL_H_
 #define FLATPARAM_INTERNAL_HANDLE_INTERNAL_H_
 
-#include <cassert>
-
-#include "flatparam/device/device.h"
 #include "flatparam/internal/handle_test_hooks.h"
+#include "flatparam/internal/on_stream.h"
 
 namespace flatparam {
 namespace internal_handle {
@@ -22,23 +20,9 @@ inline bool Skipped(SkippedOrdering which) {
   return IsSkippedForTesting(which);
 }
 
-// Makes `stream` current for the scope, restoring the previous one.
-class OnStream {
- public:
-  OnStream(DeviceOps* device, Stream stream)
-      : device_(device), previous_(device->current_stream()) {
-    const absl::Status set = device_->SetStream(stream);
-    assert(set.ok());
-    (void)set;
-  }
-  ~OnStream() { (void)device_->SetStream(previous_); }
-  OnStream(const OnStream&) = delete;
-  OnStream& operator=(const OnStream&) = delete;
-
- private:
-  DeviceOps* device_;
-  Stream previous_;
-};
+// OnStream (on_stream.h) scopes the handle's device work to one of
+// HandleOptions::streams, which the handle expects its DeviceOps to take:
+// each use asserts that making the stream current succeeded.
 
 }  // namespace internal_handle
 }  // namespace flatparam

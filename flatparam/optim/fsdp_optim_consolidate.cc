@@ -25,6 +25,7 @@
 #include "absl/types/span.h"
 #include "comm/communicator.h"
 #include "flatparam/base/dtype.h"
+#include "flatparam/base/shape.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
@@ -52,7 +53,6 @@ using internal_optim::ModelIndex;
 using internal_optim::NameSet;
 using internal_optim::ParamStateMeta;
 using internal_optim::PieceOf;
-using internal_optim::ShapeString;
 using internal_optim::StateMeta;
 using internal_optim::TempBuffer;
 using internal_optim::ToLayoutKeys;

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "flatparam/base/shape.h"
 #include "flatparam/base/status_macros.h"
 
 namespace flatparam {
@@ -68,10 +69,6 @@ std::string FormatElement(const HostTensor& t, int64_t i) {
     return absl::StrCat(static_cast<int64_t>(v));
   }
   return FormatFloat(v);
-}
-
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
 std::string Quote(const std::string& s) { return absl::StrCat("'", s, "'"); }

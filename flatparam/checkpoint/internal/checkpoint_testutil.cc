@@ -126,6 +126,17 @@ std::string ReadWholeFile(FileSystem& fs, const std::string& path) {
   return s.ok() ? *std::move(s) : "";
 }
 
+void ExpectSameDirectory(FileSystem& fs, const std::string& a,
+                         const std::string& b) {
+  const std::vector<std::string> names = ListDir(fs, a);
+  ASSERT_EQ(names, ListDir(fs, b));
+  for (const std::string& name : names) {
+    EXPECT_EQ(ReadWholeFile(fs, JoinPath(a, name)),
+              ReadWholeFile(fs, JoinPath(b, name)))
+        << name << " differs";
+  }
+}
+
 ModelSpec BigModelSpec() {
   ModelSpec spec;
   spec.name = "big";

@@ -90,6 +90,12 @@ std::vector<std::string> ListDir(FileSystem& fs, const std::string& dir);
 // The whole file at `path` (up to 1 GiB), or "" and a test failure.
 std::string ReadWholeFile(FileSystem& fs, const std::string& path);
 
+// Directories `a` and `b` hold the same file names with the same bytes; a
+// test failure otherwise (naming each file that differs). Wrap a call in
+// SCOPED_TRACE to say which comparison failed.
+void ExpectSameDirectory(FileSystem& fs, const std::string& a,
+                         const std::string& b);
+
 }  // namespace checkpoint
 }  // namespace flatparam
 

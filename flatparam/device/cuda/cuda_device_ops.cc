@@ -6,11 +6,11 @@
 #include <cstring>
 #include <new>
 #include <string>
-#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "flatparam/base/backoff.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/device/cuda/cuda_device.h"
 #include "flatparam/device/cuda/cuda_kernels.h"
@@ -58,26 +58,6 @@ class DeviceGuard {
   CudaRuntime& rt_;
   int previous_ = -1;
   absl::Status status_;
-};
-
-// Spins briefly (device work often ends in microseconds), then sleeps with
-// exponential backoff up to 1 ms, never past the deadline.
-class Backoff {
- public:
-  void Pause(absl::Time deadline) {
-    if (spins_ < 64) {
-      ++spins_;
-      std::this_thread::yield();
-      return;
-    }
-    const absl::Duration nap = std::min(sleep_, deadline - absl::Now());
-    if (nap > absl::ZeroDuration()) absl::SleepFor(nap);
-    sleep_ = std::min(sleep_ * 2, absl::Milliseconds(1));
-  }
-
- private:
-  int spins_ = 0;
-  absl::Duration sleep_ = absl::Microseconds(10);
 };
 
 KernelDType ToKernel(DType dtype) {

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "flatparam/base/shape.h"
 
 namespace flatparam {
 namespace optim {
@@ -27,10 +28,6 @@ std::string PyTuple(const std::vector<std::string>& names) {
   for (const std::string& n : names) quoted.push_back(Quote(n));
   if (quoted.size() == 1) return absl::StrCat("(", quoted[0], ",)");
   return absl::StrCat("(", absl::StrJoin(quoted, ", "), ")");
-}
-
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
 std::string DescribeSet(const std::vector<std::string>& items) {

@@ -49,8 +49,6 @@ std::string Quote(const std::string& s);
 // Python's repr of a list / tuple of names: ['a', 'b'], ('a',).
 std::string PyList(const std::vector<std::string>& names);
 std::string PyTuple(const std::vector<std::string>& names);
-// [2, 3].
-std::string ShapeString(const std::vector<int64_t>& shape);
 // Distinct items, in order of appearance, as a Python set prints: {a, b}.
 std::string DescribeSet(const std::vector<std::string>& items);
 // A flat parameter's unit: 'encoder.0', or <root>.

@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
+#include "flatparam/base/shape.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/flatten.h"
 #include "flatparam/optim/internal/optim_common.h"

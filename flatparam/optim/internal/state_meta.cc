@@ -4,8 +4,8 @@
 #include <limits>
 #include <utility>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "flatparam/base/shape.h"
 
 namespace flatparam {
 namespace optim {
@@ -49,11 +49,8 @@ OptimStateValue ValueMeta::Materialize() const {
 
 std::string ValueMeta::Describe() const {
   if (!pos_dim) return DescribeValue(value);
-  std::string dims;
-  for (size_t i = 0; i < shape.size(); ++i) {
-    absl::StrAppend(&dims, i ? ", " : "", shape[i]);
-  }
-  return absl::StrFormat("tensor(%s, [%s])", DTypeName(dtype), dims);
+  return absl::StrFormat("tensor(%s, %s)", DTypeName(dtype),
+                         ShapeString(shape));
 }
 
 ParamStateMeta MetaOf(const ParamState& state) {
