@@ -53,9 +53,13 @@ expect_exit 0 checkpoint shard --in="$tmp/g_full" --model=gpt2 \
   --world-size=4 --out="$tmp/g_s4"
 expect_exit 0 checkpoint reshard --in="$tmp/g_s4" --world-size=3 \
   --align-addresses --out="$tmp/g_s3"
+# 100 MiB against the model's 475 MiB; AddressSanitizer's redzones and
+# shadow memory double that in the sanitized build (.bazelrc sets
+# FLATPARAM_SANITIZED there), which still streams far below the model.
 rss=$(sed -n 's/.*peak RSS \([0-9]*\)\..*/\1/p' "$tmp/out")
-[ -n "$rss" ] && [ "$rss" -lt 100 ] ||
-  fail "reshard of gpt2 peaked at ${rss:-?} MiB RSS: $(cat "$tmp/out")"
+rss_limit=$((${FLATPARAM_SANITIZED:-0} == 1 ? 200 : 100))
+[ -n "$rss" ] && [ "$rss" -lt "$rss_limit" ] ||
+  fail "reshard of gpt2 peaked at ${rss:-?} MiB RSS (limit $rss_limit): $(cat "$tmp/out")"
 rm -rf "$tmp/g_s4"
 expect_exit 0 checkpoint consolidate --in="$tmp/g_s3" --out="$tmp/g_full2"
 cmp -s "$tmp/g_full/model.safetensors" "$tmp/g_full2/model.safetensors" ||
