@@ -77,7 +77,16 @@ std::vector<LoopCase> Cases() {
   };
 }
 
-class LoopsTest : public ::testing::TestWithParam<LoopCase> {};
+class LoopsTest : public ::testing::TestWithParam<LoopCase> {
+ protected:
+  // `loop` on every rank of the case's simulated world.
+  using Loop = absl::Status (*)(Communicator&, DeviceOps&, const LoopOptions&);
+  absl::Status Run(Loop loop) {
+    return OnSim(GetParam().world, [&](Communicator& comm, DeviceOps& device) {
+      return loop(comm, device, GetParam().options);
+    });
+  }
+};
 
 TEST_P(LoopsTest, LoraFrozenBaseTrainableAdapters) {
   int64_t peak = 0, bound = 0;
@@ -95,28 +104,15 @@ TEST_P(LoopsTest, LoraFrozenBaseTrainableAdapters) {
 }
 
 TEST_P(LoopsTest, AutogradGradAndGradientsOfGradients) {
-  EXPECT_THAT(OnSim(GetParam().world,
-                    [&](Communicator& comm, DeviceOps& device) {
-                      return AutogradGradLoop(comm, device, GetParam().options);
-                    }),
-              IsOk());
+  EXPECT_THAT(Run(AutogradGradLoop), IsOk());
 }
 
 TEST_P(LoopsTest, RequiresGradChangedBetweenSteps) {
-  EXPECT_THAT(OnSim(GetParam().world,
-                    [&](Communicator& comm, DeviceOps& device) {
-                      return RequiresGradChangeLoop(comm, device,
-                                                    GetParam().options);
-                    }),
-              IsOk());
+  EXPECT_THAT(Run(RequiresGradChangeLoop), IsOk());
 }
 
 TEST_P(LoopsTest, OptimizerSetsGradientsToNone) {
-  EXPECT_THAT(OnSim(GetParam().world,
-                    [&](Communicator& comm, DeviceOps& device) {
-                      return SetToNoneLoop(comm, device, GetParam().options);
-                    }),
-              IsOk());
+  EXPECT_THAT(Run(SetToNoneLoop), IsOk());
 }
 
 TEST_P(LoopsTest, EvaluateThenSaveThenResume) {
@@ -131,20 +127,11 @@ TEST_P(LoopsTest, EvaluateThenSaveThenResume) {
 }
 
 TEST_P(LoopsTest, ZeroGradAndEvaluationInsideAStep) {
-  EXPECT_THAT(OnSim(GetParam().world,
-                    [&](Communicator& comm, DeviceOps& device) {
-                      return InsideAStepLoop(comm, device, GetParam().options);
-                    }),
-              IsOk());
+  EXPECT_THAT(Run(InsideAStepLoop), IsOk());
 }
 
 TEST_P(LoopsTest, SeveralOutputsPerUnit) {
-  EXPECT_THAT(OnSim(GetParam().world,
-                    [&](Communicator& comm, DeviceOps& device) {
-                      return SeveralOutputsLoop(comm, device,
-                                                GetParam().options);
-                    }),
-              IsOk());
+  EXPECT_THAT(Run(SeveralOutputsLoop), IsOk());
 }
 
 TEST_P(LoopsTest, ParameterGroupsByNameWithNoSync) {
