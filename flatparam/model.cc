@@ -173,6 +173,32 @@ absl::StatusOr<ModelLayout> ModelLayout::Create(const ModelSpec& given,
     }
   }
 
+  // Buffers are not laid out, but share the parameters' namespace (a state
+  // dict holds both).
+  absl::flat_hash_set<std::string> buffer_names;
+  for (size_t i = 0; i < spec.buffers.size(); ++i) {
+    const BufferSpec& b = spec.buffers[i];
+    if (b.fqn.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("buffer %d has an empty fqn", i));
+    }
+    if (index_of.contains(b.fqn)) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("buffer \"%s\" has the name of a parameter", b.fqn));
+    }
+    if (!buffer_names.insert(b.fqn).second) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("duplicate buffer name \"%s\"", b.fqn));
+    }
+    for (int64_t d : b.shape) {
+      if (d < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("buffer \"%s\" has a negative dimension: [%s]",
+                            b.fqn, absl::StrJoin(b.shape, ", ")));
+      }
+    }
+  }
+
   // Unit order: root, then by first parameter under the prefix, outer first.
   struct UnitOrder {
     std::string prefix;
@@ -238,6 +264,46 @@ int64_t ModelLayout::sharded_numel() const {
   int64_t total = 0;
   for (const FlatParamLayout& f : flat_params_) total += f.sharded_numel();
   return total;
+}
+
+std::string DescribeBufferDifference(const ModelSpec& a, const ModelSpec& b,
+                                     absl::string_view a_name,
+                                     absl::string_view b_name) {
+  const auto describe = [](const BufferSpec& x) {
+    return absl::StrFormat("[%s] %s", absl::StrJoin(x.shape, ", "),
+                           DTypeName(x.dtype));
+  };
+  absl::flat_hash_map<std::string, const BufferSpec*> in_b;
+  for (const BufferSpec& x : b.buffers) in_b[x.fqn] = &x;
+  absl::flat_hash_set<std::string> in_a;
+  for (const BufferSpec& x : a.buffers) {
+    in_a.insert(x.fqn);
+    auto it = in_b.find(x.fqn);
+    if (it == in_b.end()) {
+      return absl::StrFormat("buffer '%s' (%s) of %s model is not in %s", x.fqn,
+                             describe(x), a_name, b_name);
+    }
+    if (*it->second != x) {
+      return absl::StrFormat("buffer '%s' is %s in %s model and %s in %s",
+                             x.fqn, describe(x), a_name, describe(*it->second),
+                             b_name);
+    }
+  }
+  for (const BufferSpec& x : b.buffers) {
+    if (!in_a.contains(x.fqn)) {
+      return absl::StrFormat("buffer '%s' (%s) of %s model is not in %s", x.fqn,
+                             describe(x), b_name, a_name);
+    }
+  }
+  for (size_t i = 0; i < a.buffers.size(); ++i) {
+    if (a.buffers[i].fqn != b.buffers[i].fqn) {
+      return absl::StrFormat(
+          "the buffers come in another order: #%d is '%s' in %s model and "
+          "'%s' in %s",
+          i, a.buffers[i].fqn, a_name, b.buffers[i].fqn, b_name);
+    }
+  }
+  return "";
 }
 
 }  // namespace flatparam

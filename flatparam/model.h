@@ -12,6 +12,7 @@
 #ifndef FLATPARAM_MODEL_H_
 #define FLATPARAM_MODEL_H_
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -34,11 +35,44 @@ namespace flatparam {
 // "h.1.mlp", ...; "layers.1*" matches "layers.1" and "layers.10" but not
 // "layers.1.attn". ExpandWrapPatterns resolves the globs; ModelLayout::Create
 // does so itself, so model files and presets may hold either form.
+// A buffer: module state that is not a parameter (BatchNorm's running
+// statistics, a step counter), saved with the parameters as
+// `nn.Module.state_dict()` saves it. Buffers are not flattened or sharded:
+// every rank holds each whole, and checkpoints store them whole
+// (checkpoint_dir.h). Any dtype, integers and bool included.
+struct BufferSpec {
+  // Fully-qualified name, e.g. "bn.running_mean"; unique among parameters
+  // and buffers.
+  std::string fqn;
+  // Shape; empty for a 0-d scalar (BatchNorm's num_batches_tracked).
+  std::vector<int64_t> shape;
+  DType dtype = DType::kFloat32;
+
+  friend bool operator==(const BufferSpec& a, const BufferSpec& b) {
+    return a.fqn == b.fqn && a.shape == b.shape && a.dtype == b.dtype;
+  }
+  friend bool operator!=(const BufferSpec& a, const BufferSpec& b) {
+    return !(a == b);
+  }
+};
+
 struct ModelSpec {
   std::string name;
   std::vector<ParamSpec> params;
   std::vector<std::string> wrap;
+  // The model's buffers in module traversal order (`named_buffers()`);
+  // empty for a model without any.
+  std::vector<BufferSpec> buffers;
 };
+
+// The first difference between two models' buffers in a user's words
+// ("buffer 'bn.running_mean' is [8] float32 in the checkpoint's model and
+// [16] float32 in the job's"), with `a_name` and `b_name` naming the two
+// models ("the checkpoint's", "the job's"); empty when they have the same
+// buffers in the same order.
+std::string DescribeBufferDifference(const ModelSpec& a, const ModelSpec& b,
+                                     absl::string_view a_name,
+                                     absl::string_view b_name);
 
 // The flat parameters of a wrapped model.
 class ModelLayout {
@@ -47,7 +81,8 @@ class ModelLayout {
   // values, for: a duplicate or empty fqn, a tie to an unknown or later
   // parameter, a tie that crosses units (both parameter names and both
   // units), ExpandWrapPatterns' errors, a wrap prefix that names no
-  // parameter, and every error FlatParamLayout::Create reports.
+  // parameter, a buffer with an empty name or the name of a parameter or
+  // of another buffer, and every error FlatParamLayout::Create reports.
   static absl::StatusOr<ModelLayout> Create(const ModelSpec& spec,
                                             const LayoutOptions& options);
 

@@ -298,8 +298,8 @@ absl::StatusOr<ModelSpec> ParseModelSpecJson(absl::string_view text,
   if (!doc.is_object()) {
     return errors.Expected("(top level)", "an object with \"params\"", doc);
   }
-  FLATPARAM_RETURN_IF_ERROR(
-      errors.CheckKeys("(top level)", doc, {"name", "params", "wrap"}));
+  FLATPARAM_RETURN_IF_ERROR(errors.CheckKeys(
+      "(top level)", doc, {"name", "params", "wrap", "buffers"}));
   ModelSpec spec;
   spec.name = std::string(source_name);
   if (doc.contains("name")) {
@@ -343,6 +343,38 @@ absl::StatusOr<ModelSpec> ParseModelSpecJson(absl::string_view text,
       spec.wrap.push_back(std::move(prefix));
     }
   }
+  if (doc.contains("buffers")) {
+    const json& buffers = doc["buffers"];
+    if (!buffers.is_array()) {
+      return errors.Expected("buffers", "an array of buffers", buffers);
+    }
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      const std::string path = absl::StrCat("buffers[", i, "]");
+      const json& j = buffers[i];
+      if (!j.is_object()) {
+        return errors.Expected(path, "an object with \"fqn\" and \"shape\"", j);
+      }
+      FLATPARAM_RETURN_IF_ERROR(
+          errors.CheckKeys(path, j, {"fqn", "shape", "dtype"}));
+      if (!j.contains("fqn")) return errors.Error(path, "missing key \"fqn\"");
+      BufferSpec b;
+      FLATPARAM_ASSIGN_OR_RETURN(b.fqn, errors.String(path + ".fqn", j["fqn"]));
+      if (!IsDottedName(b.fqn)) {
+        return errors.Error(path + ".fqn",
+                            absl::StrFormat("\"%s\" is not a dotted name "
+                                            "such as \"bn.running_mean\"",
+                                            b.fqn));
+      }
+      if (!j.contains("shape")) {
+        return errors.Error(path, "missing key \"shape\"");
+      }
+      FLATPARAM_ASSIGN_OR_RETURN(
+          ParamFields f, ParseFields(errors, path, b.fqn, j, &model_numel));
+      b.shape = *f.shape;
+      if (f.dtype.has_value()) b.dtype = *f.dtype;
+      spec.buffers.push_back(std::move(b));
+    }
+  }
   return spec;
 }
 
@@ -365,7 +397,20 @@ nlohmann::json ModelSpecToJson(const ModelSpec& spec) {
                       {"dtype", std::string(DTypeName(p.dtype))},
                       {"requires_grad", p.requires_grad}});
   }
-  return {{"name", spec.name}, {"params", params}, {"wrap", spec.wrap}};
+  json doc = {{"name", spec.name}, {"params", params}, {"wrap", spec.wrap}};
+  // Only when there are any, so that the files of models without buffers
+  // (and the layout.json of checkpoints saved before buffers were) stay as
+  // they were.
+  if (!spec.buffers.empty()) {
+    json buffers = json::array();
+    for (const BufferSpec& b : spec.buffers) {
+      buffers.push_back({{"fqn", b.fqn},
+                         {"shape", b.shape},
+                         {"dtype", std::string(DTypeName(b.dtype))}});
+    }
+    doc["buffers"] = std::move(buffers);
+  }
+  return doc;
 }
 
 }  // namespace flatparam

@@ -12,7 +12,11 @@
 //       {"fqn": "seq.2.weight", "shape": [7, 5]},
 //       {"fqn": "head.weight", "tied_to": "emb.weight"}
 //     ],
-//     "wrap": ["seq.2"]                                (optional)
+//     "wrap": ["seq.2"],                               (optional)
+//     "buffers": [                                     (optional)
+//       {"fqn": "bn.running_mean", "shape": [5]},
+//       {"fqn": "bn.num_batches_tracked", "shape": [], "dtype": "int64"}
+//     ]
 //   }
 //
 // `dtype` defaults to "float32" and accepts every name flatparam::ParseDType
@@ -23,6 +27,10 @@
 // as exporters write them, each of which must then equal its (earlier)
 // primary's (InvalidArgument naming both otherwise); the parsed spec drops
 // them. Unknown keys are errors. `name` defaults to the source name.
+// `buffers` (model.h's BufferSpec) lists the module's buffers in
+// `named_buffers()` order, each with `fqn` and `shape` and an optional
+// `dtype` ("float32" by default, any dtype); ModelSpecToJson writes the key
+// only for a model that has buffers.
 //
 // A `wrap` entry may be a glob ("layers.*", "h.*.mlp"; see ModelSpec in
 // model.h): it is kept as written here and expanded by ModelLayout::Create.

@@ -149,7 +149,7 @@ TEST(ModelJsonTest, SchemaErrorsNameTheJsonPath) {
       {"[]", "m.json: (top level): expected an object"},
       {R"({"params": [], "wrapp": []})",
        "(top level): unknown key \"wrapp\" (allowed keys: name, params, "
-       "wrap)"},
+       "wrap, buffers)"},
       {R"({"wrap": []})", "(top level): missing key \"params\""},
       {R"({"params": {}})",
        "params: expected an array of parameters, got "
@@ -229,6 +229,49 @@ TEST(ModelJsonTest, ToJsonWritesTiesWithoutShape) {
             nlohmann::json({{"fqn", "lm_head.weight"},
                             {"tied_to", "transformer.wte.weight"}}));
   EXPECT_EQ(j["wrap"][3], "transformer.h.3");
+}
+
+TEST(ModelJsonTest, BuffersRoundTripAndAreWrittenOnlyWhenThereAreAny) {
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ModelSpec spec,
+      ParseModelSpecJson(R"({"params": [{"fqn": "bn.weight", "shape": [5]}],
+                             "buffers": [
+                               {"fqn": "bn.running_mean", "shape": [5]},
+                               {"fqn": "bn.num_batches_tracked", "shape": [],
+                                "dtype": "int64"}]})",
+                         "m.json"));
+  ASSERT_EQ(spec.buffers.size(), 2u);
+  EXPECT_EQ(spec.buffers[0],
+            (BufferSpec{"bn.running_mean", {5}, DType::kFloat32}));
+  EXPECT_EQ(spec.buffers[1],
+            (BufferSpec{"bn.num_batches_tracked", {}, DType::kInt64}));
+  const nlohmann::json j = ModelSpecToJson(spec);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelSpec back,
+                                 ParseModelSpecJson(j.dump(), "again"));
+  EXPECT_EQ(back.buffers, spec.buffers);
+  spec.buffers.clear();
+  EXPECT_FALSE(ModelSpecToJson(spec).contains("buffers"));
+
+  const std::vector<std::pair<std::string, std::string>> errors = {
+      {R"({"params": [], "buffers": {}})",
+       "buffers: expected an array of buffers"},
+      {R"({"params": [], "buffers": [{"fqn": "b"}]})",
+       "buffers[0]: missing key \"shape\""},
+      {R"({"params": [], "buffers": [{"shape": [1]}]})",
+       "buffers[0]: missing key \"fqn\""},
+      {R"({"params": [], "buffers": [{"fqn": "b.", "shape": [1]}]})",
+       "buffers[0].fqn: \"b.\" is not a dotted name"},
+      {R"({"params": [], "buffers": [{"fqn": "b", "shape": [-1]}]})",
+       "buffers[0].shape[0]: expected a non-negative integer"},
+      {R"({"params": [], "buffers": [{"fqn": "b", "shape": [], "x": 1}]})",
+       "buffers[0]: unknown key \"x\""},
+  };
+  for (const auto& [text, message] : errors) {
+    EXPECT_THAT(
+        ParseModelSpecJson(text, "m.json"),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(message)))
+        << text;
+  }
 }
 
 TEST(ModelJsonTest, LoadModelSpecPresetAndFile) {

@@ -84,7 +84,8 @@ bool FlagChanged(absl::string_view name) {
 }
 
 const char kLayoutFlagsHelp[] =
-    "  --model=NAME|PATH        preset or model JSON file (required)\n"
+    "  --model=NAME|PATH        preset, model JSON file, or a sharded\n"
+    "                           checkpoint directory (its model; required)\n"
     "  --world-size=W           ranks in the job (default 8)\n"
     "  --strategy=S             FULL_SHARD (default), SHARD_GRAD_OP, "
     "NO_SHARD,\n"

@@ -3,6 +3,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -10,6 +11,8 @@
 #include "absl/strings/str_join.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_macros.h"
+#include "flatparam/checkpoint/checkpoint_dir.h"
+#include "flatparam/checkpoint/file_system.h"
 #include "flatparam/model_json.h"
 #include "flatparam/presets.h"
 
@@ -45,6 +48,25 @@ absl::StatusOr<int64_t> ShardGroupSize(ShardingStrategy strategy,
                         requested, world_size));
   }
   return requested;
+}
+
+absl::StatusOr<ModelSpec> LoadModel(const std::string& model) {
+  checkpoint::FileSystem& fs = checkpoint::PosixFileSystem();
+  absl::StatusOr<bool> is_dir = fs.IsDirectory(model);
+  if (!is_dir.ok() || !*is_dir) return LoadModelSpec(model);
+  checkpoint::CheckpointOpenOptions open;
+  open.ranks = std::vector<int64_t>{};
+  absl::StatusOr<checkpoint::ShardedCheckpointReader> reader =
+      checkpoint::ShardedCheckpointReader::Open(fs, model, open);
+  if (!reader.ok()) {
+    return absl::Status(
+        reader.status().code(),
+        absl::StrCat("--model=", model,
+                     " is a directory, so it must hold a sharded checkpoint "
+                     "whose model it names: ",
+                     reader.status().message()));
+  }
+  return reader->spec();
 }
 
 absl::StatusOr<ResolvedLayout> ResolveLayout(const LayoutRequest& request) {
@@ -96,7 +118,7 @@ absl::StatusOr<ResolvedLayout> ResolveLayout(const LayoutRequest& request) {
       ShardGroupSize(*strategy, request.world_size, request.shard_group_size));
   options.world_size = resolved.shard_group_size;
 
-  FLATPARAM_ASSIGN_OR_RETURN(ModelSpec spec, LoadModelSpec(request.model));
+  FLATPARAM_ASSIGN_OR_RETURN(ModelSpec spec, LoadModel(request.model));
   if (dtype_override.has_value()) {
     for (ParamSpec& p : spec.params) p.dtype = *dtype_override;
   }

@@ -28,7 +28,8 @@ inline constexpr int64_t kMaxWorldSize = int64_t{1} << 20;
 
 // The user's request, with the flags' spelling and defaults.
 struct LayoutRequest {
-  // A preset name (flatparam::PresetNames()) or a model file path. Required.
+  // A preset name (flatparam::PresetNames()), a model file path, or a
+  // sharded checkpoint directory (LoadModel). Required.
   std::string model;
   // W: ranks in the job.
   int64_t world_size = 8;
@@ -67,7 +68,16 @@ int64_t DefaultShardGroupSize(int64_t world_size);
 absl::StatusOr<int64_t> ShardGroupSize(ShardingStrategy strategy,
                                        int64_t world_size, int64_t requested);
 
-// Validates `request`, loads its model (LoadModelSpec), applies the dtype
+// The model `model` names: a preset or a model file (LoadModelSpec), or,
+// for a directory, the model a sharded checkpoint there was saved with (its
+// layout.json's "model_spec", verified as ShardedCheckpointReader::Open
+// verifies the metadata; no tensor file is read), so that a job's own
+// checkpoint, or the file FsdpModule::ModelFile() writes, describes it.
+// NotFound or InvalidArgument as LoadModelSpec gives them; the reader's
+// errors for a directory that holds no valid sharded checkpoint.
+absl::StatusOr<ModelSpec> LoadModel(const std::string& model);
+
+// Validates `request`, loads its model (LoadModel), applies the dtype
 // override and lays the model out. Errors name the offending flag and value;
 // model and layout errors pass through with their own messages.
 absl::StatusOr<ResolvedLayout> ResolveLayout(const LayoutRequest& request);

@@ -38,8 +38,9 @@ ABSL_FLAG(std::string, out, "", "the output directory");
 ABSL_FLAG(std::string, optimizer, "",
           "import: a torch.save file of the optimizer's full state dict");
 ABSL_FLAG(std::string, model, "",
-          "import: a preset name or a model file; export: the model, for "
-          "a full checkpoint's tied names");
+          "import: a preset name, a model file (FsdpModule::ModelFile()) or "
+          "a sharded checkpoint of the model; export: the model, for a full "
+          "checkpoint's tied names");
 ABSL_FLAG(int64_t, world_size, 8, "import: ranks of the job");
 ABSL_FLAG(std::string, strategy, "FULL_SHARD", "import: sharding strategy");
 ABSL_FLAG(int64_t, shard_group_size, 0,
@@ -121,7 +122,7 @@ absl::Status Export() {
   // A full checkpoint records no model: --model gives its tied names.
   if (!absl::GetFlag(FLAGS_model).empty()) {
     FLATPARAM_ASSIGN_OR_RETURN(options.model,
-                               LoadModelSpec(absl::GetFlag(FLAGS_model)));
+                               tools::LoadModel(absl::GetFlag(FLAGS_model)));
   }
   options.convert.overwrite = absl::GetFlag(FLAGS_overwrite);
   FLATPARAM_ASSIGN_OR_RETURN(

@@ -2,12 +2,14 @@
 # torch.save files between Python PyTorch and flatparam, with Debian's
 # python3-torch 1.13 as the independent party: Python writes a state dict
 # (single file and index-sharded by hand; with a parameter tied to the
-# embedding, as GPT-2's lm_head) and an AdamW optimizer state dict;
+# embedding, as GPT-2's lm_head, and BatchNorm buffers, an int64 count
+# among them) and an AdamW optimizer state dict;
 # fsdp_torch_files imports them at world sizes 2 and 3 (FULL_SHARD,
 # SHARD_GRAD_OP with alignment) and exports them (single file with the
 # optimizer keyed by ID; index-sharded with it keyed by name); Python loads
 # every export with torch.load(weights_only=True) and finds the original
-# tensors and optimizer state bit for bit (torch.equal, dtype, shape), and
+# tensors and optimizer state bit for bit (torch.equal, dtype, shape),
+# load_state_dict(strict=True) takes it, and
 # the optimizer state loads into a fresh AdamW. Then bad inputs: a pickle
 # that would call os.system and a legacy-format file are refused (exit 1,
 # message naming them). Skips, passing and saying so, without a python3
@@ -67,8 +69,14 @@ done
 "$tool" import --in="$py/sharded" --optimizer="$tmp/out2_named/optimizer.bin" \
   --model="$py/model.json" --world-size=3 --out="$tmp/ckpt_sharded"
 "$tool" export --in="$tmp/ckpt_sharded" --out="$tmp/out_sharded"
+# The model named by a checkpoint of it (as a job's own checkpoint names
+# the model it saved), instead of a model file.
+"$tool" import --in="$py/pytorch_model.bin" --optimizer="$py/optimizer.pt" \
+  --model="$tmp/ckpt2" --world-size=4 --out="$tmp/ckpt_from_ckpt"
+"$tool" export --in="$tmp/ckpt_from_ckpt" --out="$tmp/out_from_ckpt"
 
-"$python" "$check" check "$tmp" out2 out2_named out3 out3_named out_sharded
+"$python" "$check" check "$tmp" out2 out2_named out3 out3_named out_sharded \
+  out_from_ckpt
 
 # Refusals: exit 1 with the reason.
 "$python" - "$tmp" <<'PY'

@@ -40,6 +40,7 @@ constexpr char kBackupSuffix[] = ".previous";
 constexpr char kOptimStatePrefix[] = "state.";
 constexpr char kFlatParamPrefix[] = "flat_params.";
 constexpr char kOptimShardPrefix[] = "optim.";
+constexpr char kBufferPrefix[] = "buffers.";
 // Metadata keys of rank files.
 constexpr char kRankKey[] = "rank";
 constexpr char kShardGroupSizeKey[] = "shard_group_size";
@@ -505,6 +506,9 @@ absl::Status CheckRankTensors(const ModelLayout& layout,
            *index >= 0 && *index < static_cast<int64_t>(flat.size());
   };
   std::vector<bool> have(flat.size(), false);
+  std::map<std::string, const BufferSpec*, std::less<>> buffers;
+  for (const BufferSpec& b : layout.spec().buffers) buffers[b.fqn] = &b;
+  std::set<std::string, std::less<>> have_buffers;
   for (const TensorDecl& t : tensors) {
     absl::string_view name = t.name;
     int64_t i = 0;
@@ -543,10 +547,32 @@ absl::Status CheckRankTensors(const ModelLayout& layout,
             t.name, absl::StrCat("shape is ", ShapeString(t.shape),
                                  ", expected [] or the shard's [", numel, "]"));
       }
+    } else if (absl::ConsumePrefix(&name, kBufferPrefix)) {
+      auto it = buffers.find(name);
+      if (it == buffers.end()) {
+        return error(t.name, "not buffers.{fqn} for a buffer of the model");
+      }
+      const BufferSpec& b = *it->second;
+      if (t.dtype != b.dtype || t.shape != b.shape) {
+        return error(
+            t.name,
+            absl::StrCat("is ", DTypeName(t.dtype), " ", ShapeString(t.shape),
+                         ", the model's buffer "
+                         "is ",
+                         DTypeName(b.dtype), " ", ShapeString(b.shape)));
+      }
+      have_buffers.emplace(name);
     } else {
       return error(t.name,
-                   "unexpected: rank files hold only flat_params.{i} and "
-                   "optim.{i}.{state}");
+                   "unexpected: rank files hold only flat_params.{i}, "
+                   "optim.{i}.{state} and buffers.{fqn}");
+    }
+  }
+  for (const BufferSpec& b : layout.spec().buffers) {
+    if (have_buffers.count(b.fqn) == 0) {
+      return absl::Status(
+          code, absl::StrCat(file, ": no tensor '", BufferTensorName(b.fqn),
+                             "' (buffer of the model)"));
     }
   }
   for (size_t i = 0; i < have.size(); ++i) {
@@ -756,6 +782,10 @@ std::string RankTensorFileName(int64_t rank) {
 std::string RankJsonFileName(int64_t rank) {
   return absl::StrFormat("rank%05d.json", rank);
 }
+std::string BufferTensorName(absl::string_view fqn) {
+  return absl::StrCat(kBufferPrefix, fqn);
+}
+
 std::string FlatParamTensorName(int64_t flat_param_index) {
   return absl::StrCat(kFlatParamPrefix, flat_param_index);
 }
@@ -977,13 +1007,27 @@ absl::Status FullCheckpointReader::CheckFitsModel(const ModelSpec& spec) const {
   auto error = [](const std::string& file, absl::string_view what) {
     return absl::FailedPreconditionError(absl::StrCat(file, ": ", what));
   };
+  std::map<std::string, const BufferSpec*, std::less<>> buffers;
+  for (const BufferSpec& b : spec.buffers) buffers[b.fqn] = &b;
   for (const SafetensorsEntry& e : model_.tensors()) {
     auto it = params.find(e.name);
     if (it == params.end()) {
-      return error(
-          model_.name(),
-          absl::StrCat("tensor '", e.name, "' is not a parameter of model '",
-                       spec.name, "'"));
+      auto b = buffers.find(e.name);
+      if (b == buffers.end()) {
+        return error(model_.name(),
+                     absl::StrCat("tensor '", e.name,
+                                  "' is not a parameter or buffer of model '",
+                                  spec.name, "'"));
+      }
+      if (e.dtype != b->second->dtype || e.shape != b->second->shape) {
+        return error(
+            model_.name(),
+            absl::StrCat("tensor '", e.name, "' is ", DTypeName(e.dtype), " ",
+                         ShapeString(e.shape), ", the model's buffer is ",
+                         DTypeName(b->second->dtype), " ",
+                         ShapeString(b->second->shape)));
+      }
+      continue;
     }
     const ParamSpec& p = *it->second;
     if (e.dtype != p.dtype || e.shape != p.shape) {
@@ -998,6 +1042,13 @@ absl::Status FullCheckpointReader::CheckFitsModel(const ModelSpec& spec) const {
     if (p.tied_to.empty() && !model_.Contains(p.fqn)) {
       return error(model_.name(),
                    absl::StrCat("parameter '", p.fqn, "' of model '", spec.name,
+                                "' is missing"));
+    }
+  }
+  for (const BufferSpec& b : spec.buffers) {
+    if (!model_.Contains(b.fqn)) {
+      return error(model_.name(),
+                   absl::StrCat("buffer '", b.fqn, "' of model '", spec.name,
                                 "' is missing"));
     }
   }
@@ -1229,6 +1280,9 @@ absl::Status ShardedCheckpointReader::CheckFits(const ModelLayout& layout,
   if (std::optional<JsonDifference> d = FirstDifference(ours, theirs)) {
     return error(absl::StrCat(d->path, ": checkpoint ", d->a, ", job ", d->b));
   }
+  const std::string buffers = DescribeBufferDifference(
+      layout_.spec(), layout.spec(), "the checkpoint's", "the job's");
+  if (!buffers.empty()) return error(buffers);
   return absl::OkStatus();
 }
 

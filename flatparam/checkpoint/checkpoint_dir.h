@@ -6,7 +6,8 @@
 // Two kinds of directory:
 //
 //   Full (consolidated), as PyTorch's full state dicts:
-//     model.safetensors   one tensor per parameter, keyed by FQN
+//     model.safetensors   one tensor per parameter and per buffer, keyed
+//                         by FQN (a state dict)
 //     optim.safetensors   tensor optimizer state, keyed
 //                         "state.{fqn}.{state_name}"; 0-d state (e.g. step)
 //                         as shape-[] tensors
@@ -25,13 +26,16 @@
 //                             elements of the flat parameter's dtype), and
 //                             "optim.{i}.{state_name}": tensor optimizer
 //                             state, a padded shard of the same numel or a
-//                             shape-[] tensor
+//                             shape-[] tensor; and "buffers.{fqn}" for each
+//                             buffer of the model spec (model.h's
+//                             BufferSpec): rank r's whole buffer
 //     rank{r:05d}.json        rank r's non-tensor optimizer state and
 //                             param_groups (a JSON object)
 //     manifest.json
 //   There is one rank file per rank of the shard group (layout.json's
 //   "shard_group_size"): the hybrid strategies' replicas hold identical
-//   shards and are not stored twice.
+//   shards and are not stored twice (nor their buffers: a replica's are
+//   its shard-group rank's when loaded).
 //
 // manifest.json (manifest.h) is written last and lists every other file
 // with its size and XXH3 checksum. Opening a checkpoint verifies it (and,
@@ -115,6 +119,8 @@ std::string RankJsonFileName(int64_t rank);
 std::string FlatParamTensorName(int64_t flat_param_index);
 std::string OptimShardTensorName(int64_t flat_param_index,
                                  absl::string_view state_name);
+// "buffers.bn.running_mean": a buffer's tensor name in rank files.
+std::string BufferTensorName(absl::string_view fqn);
 // "state.layers.0.w.exp_avg": tensor names in optim.safetensors.
 std::string OptimStateTensorName(absl::string_view fqn,
                                  absl::string_view state_name);
@@ -195,8 +201,9 @@ absl::Status WriteFullCheckpoint(FileSystem& fs, const std::string& dir,
 
 // One rank's files of a sharded checkpoint.
 struct RankContent {
-  // rank{r:05d}.safetensors: "flat_params.{i}" for every flat parameter
-  // and any "optim.{i}.{state}", as described in the file comment.
+  // rank{r:05d}.safetensors: "flat_params.{i}" for every flat parameter,
+  // any "optim.{i}.{state}", and "buffers.{fqn}" for every buffer, as
+  // described in the file comment.
   std::vector<TensorSource> tensors;
   // rank{r:05d}.json; must be a JSON object.
   nlohmann::json sidecar = nlohmann::json::object();
@@ -255,9 +262,10 @@ class FullCheckpointReader {
   const SafetensorsReader& optim() const { return optim_; }
   const nlohmann::json& optim_json() const { return optim_json_; }
 
-  // Checks the checkpoint against `spec`: every untied parameter is in
-  // model.safetensors with its dtype and shape; a tied parameter, if
-  // present, matches its primary; nothing else is there; every
+  // Checks the checkpoint against `spec`: every untied parameter and every
+  // buffer is in model.safetensors with its dtype and shape; a tied
+  // parameter, if present, matches its primary; nothing else is there;
+  // every
   // optim.safetensors tensor is "state.{fqn}.{name}" for a parameter of
   // the model, shaped like it or 0-d. FailedPrecondition naming the file,
   // tensor and both values otherwise.
@@ -283,7 +291,8 @@ class ShardedCheckpointReader {
   // layout.json, recomputes the layout from its model spec and options and
   // requires it to equal the stored one, and validates every rank file's
   // header against it (names, dtypes, shapes; "flat_params.{i}" present for
-  // every i) and every rank JSON as an object. DataLoss naming the file and
+  // every i, "buffers.{fqn}" for every buffer of the spec) and every rank
+  // JSON as an object. DataLoss naming the file and
   // the difference otherwise ("layout.json: flat_params[1].sharded_numel
   // is 6, but the layout recomputed from model_spec has 8").
   static absl::StatusOr<ShardedCheckpointReader> Open(
@@ -323,8 +332,9 @@ class ShardedCheckpointReader {
 
   // Checks that a job with `layout` on `world_size` ranks can load this
   // checkpoint without resharding: same world size, strategy, shard group,
-  // alignment and compute dtype, and the same flat parameters (units,
-  // parameters, shapes, dtypes, sizes). FailedPrecondition naming the
+  // alignment and compute dtype, the same flat parameters (units,
+  // parameters, shapes, dtypes, sizes) and the same buffers
+  // (names, shapes, dtypes, order). FailedPrecondition naming the
   // first difference ("world size: checkpoint 8, job 4 (reshard the
   // checkpoint offline)"; "flat_params[2].sharded_numel: checkpoint 10,
   // job 12").

@@ -372,7 +372,8 @@ TEST(FullCheckpointTest, CheckFitsModelNamesTheDifference) {
   other.params.erase(other.params.begin() + 5);  // norm.scale
   EXPECT_THAT(r.CheckFitsModel(other),
               StatusIs(kMismatch, HasSubstr("tensor 'norm.scale' is not a "
-                                            "parameter of model 'tiny'")));
+                                            "parameter or buffer of model "
+                                            "'tiny'")));
 }
 
 TEST(FullCheckpointTest, OptimStateMustBelongToAParameter) {
@@ -633,7 +634,12 @@ TEST(ShardedCheckpointTest, WriteRejectsContentThatDoesNotFitTheLayout) {
   EXPECT_THAT(attempt([](ShardedFixture& f) {
                 f.content.ranks[0].tensors[1].name = "buffers.0";
               }),
-              StatusIs(kInvalid, HasSubstr("'buffers.0': unexpected")));
+              StatusIs(kInvalid, HasSubstr("'buffers.0': not buffers.{fqn} "
+                                           "for a buffer of the model")));
+  EXPECT_THAT(attempt([](ShardedFixture& f) {
+                f.content.ranks[0].tensors[1].name = "moments.0";
+              }),
+              StatusIs(kInvalid, HasSubstr("'moments.0': unexpected")));
   EXPECT_THAT(
       attempt([](ShardedFixture& f) { f.content.ranks[1].sidecar = 3; }),
       StatusIs(kInvalid, HasSubstr("rank00001.json: must be a JSON object")));

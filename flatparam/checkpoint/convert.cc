@@ -212,6 +212,19 @@ void AddUnitState(int64_t u, const std::vector<std::string>& tensor_states,
   }
 }
 
+// A buffer's whole tensor under `name`, its bytes from `read` (offsets
+// into the buffer's bytes).
+TensorSource BufferSource(
+    std::string name, const BufferSpec& b,
+    std::function<absl::Status(uint64_t, absl::Span<char>)> read) {
+  TensorSource src;
+  src.name = std::move(name);
+  src.dtype = b.dtype;
+  src.shape = b.shape;
+  src.fill = std::move(read);
+  return src;
+}
+
 absl::Status ZeroRead(DType dtype, int64_t n, char* out) {
   std::memset(out, 0, n * DTypeSize(dtype));
   return absl::OkStatus();
@@ -435,6 +448,17 @@ absl::Status ConsolidateCheckpoint(FileSystem& fs, const std::string& in_dir,
       content.model.push_back(std::move(src));
     }
   }
+  // Buffers after the parameters: shard-group rank 0's, as PyTorch's full
+  // state dict takes them.
+  for (const BufferSpec& b : layout.spec().buffers) {
+    content.model.push_back(BufferSource(
+        b.fqn, b,
+        [&files, name = BufferTensorName(b.fqn)](
+            uint64_t offset, absl::Span<char> out) -> absl::Status {
+          FLATPARAM_ASSIGN_OR_RETURN(const SafetensorsReader* f, files.Get(0));
+          return f->ReadRange(name, offset, out);
+        }));
+  }
   for (const auto& [unit_index, param] : order) {
     auto unit_states = so.units.find(unit_index);
     if (unit_states == so.units.end()) continue;
@@ -527,6 +551,13 @@ absl::Status ShardCheckpoint(FileSystem& fs, const std::string& in_dir,
           }));
       optim->AppendUnit(static_cast<int>(u), r, rank.tensors);
     }
+    for (const BufferSpec& b : spec.buffers) {
+      rank.tensors.push_back(BufferSource(
+          BufferTensorName(b.fqn), b,
+          [&model, fqn = b.fqn](uint64_t offset, absl::Span<char> out) {
+            return model.ReadRange(fqn, offset, out);
+          }));
+    }
     optim->AppendZeroDim(rank.tensors);
     rank.sidecar = optim->sidecar();
     content.ranks.push_back(std::move(rank));
@@ -570,6 +601,19 @@ class ReshardedRanks {
             OptimShardTensorName(u, name), &flat[u], v.dtype, r,
             OldRead(u, OptimShardTensorName(u, name), v.dtype)));
       }
+    }
+    // Buffers are not sharded: every new rank takes the old shard-group
+    // rank 0's, as a load of PyTorch's full state dict would.
+    for (const BufferSpec& b : layout_.spec().buffers) {
+      const std::string name = BufferTensorName(b.fqn);
+      rank.tensors.push_back(BufferSource(
+          name, b,
+          [files = &files_, name](uint64_t offset,
+                                  absl::Span<char> out) -> absl::Status {
+            FLATPARAM_ASSIGN_OR_RETURN(const SafetensorsReader* f,
+                                       files->Get(0));
+            return f->ReadRange(name, offset, out);
+          }));
     }
     for (const TensorSource& s : zero_dim_) rank.tensors.push_back(s);
     rank.sidecar = sidecar_json_;
@@ -720,6 +764,14 @@ absl::StatusOr<ModelLayout> SameModelLayout(
         a.contains(pointer) ? a[pointer].dump() : "nothing",
         b.contains(pointer) ? b[pointer].dump() : "nothing"));
   }
+  const std::string buffers = DescribeBufferDifference(
+      reader.spec(), layout.spec(), "the checkpoint's", "the job's");
+  if (!buffers.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("the job's model is not the checkpoint's (model "
+                        "'%s'): %s",
+                        reader.spec().name, buffers));
+  }
   return ours;
 }
 
@@ -866,6 +918,15 @@ absl::Status InitCheckpoint(FileSystem& fs, const ModelSpec& spec,
         break;
       }
     }
+  }
+  // Buffers start at zero: their meaning (a mean, a variance, a count) is
+  // the model's, which a spec does not say.
+  for (const BufferSpec& b : spec.buffers) {
+    content.model.push_back(
+        BufferSource(b.fqn, b, [](uint64_t, absl::Span<char> out) {
+          std::memset(out.data(), 0, out.size());
+          return absl::OkStatus();
+        }));
   }
   switch (options.optimizer) {
     case InitOptimizer::kNone:

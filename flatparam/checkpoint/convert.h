@@ -36,7 +36,11 @@
 // unmanaged_params; a full checkpoint's groups must list names (DataLoss
 // for an ID). The rules are the in-memory operations' own code
 // (flatparam/optim/internal/flat_plan.h). Rank sidecars' "extra" is taken
-// from rank 0 by reshard and dropped by consolidate.
+// from rank 0 by reshard and dropped by consolidate. Buffers (model.h's
+// BufferSpec) are not sharded: consolidate takes shard-group rank 0's into
+// model.safetensors, shard gives every rank model.safetensors' values,
+// reshard (and LoadRankState when it reshards) gives every new rank the
+// old rank 0's, and init writes zeros.
 //
 // Streaming and memory. Nothing reads a whole tensor, let alone the whole
 // model: every output tensor is a TensorSource whose fill reads the byte

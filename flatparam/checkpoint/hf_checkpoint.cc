@@ -518,11 +518,14 @@ absl::StatusOr<ImportPlan> PlanImport(const HfCheckpointReader& ckpt,
     return ckpt.files()[t.file].name();
   };
 
+  std::map<std::string, const BufferSpec*> buffer_of;
+  for (const BufferSpec& b : spec.buffers) buffer_of[b.fqn] = &b;
+
   HfImportReport report;
   report.files = static_cast<int64_t>(ckpt.files().size());
   Problems problems;
   for (const auto& [name, t] : ckpt.tensors()) {
-    if (root_of.count(name) > 0) continue;
+    if (root_of.count(name) > 0 || buffer_of.count(name) > 0) continue;
     const bool ignored =
         std::any_of(options.ignored_suffixes.begin(),
                     options.ignored_suffixes.end(), [&](const std::string& s) {
@@ -533,7 +536,8 @@ absl::StatusOr<ImportPlan> PlanImport(const HfCheckpointReader& ckpt,
       continue;
     }
     problems.Add(absl::StrFormat(
-        "%s: unexpected tensor %s (%s): not a parameter of model '%s'",
+        "%s: unexpected tensor %s (%s): not a parameter or buffer of model "
+        "'%s'",
         file_of(t), Named(t), FileType(t.dtype, t.shape), spec.name));
   }
   // The tensor each untied parameter is read from, and tied copies to
@@ -600,6 +604,39 @@ absl::StatusOr<ImportPlan> PlanImport(const HfCheckpointReader& ckpt,
       copies.push_back({&src, &copy, p.fqn});
       ++report.tied_copies;
     }
+  }
+  // Buffers: every one the spec lists, read whole (a buffer the model
+  // recomputes and the file lacks does not belong in the spec).
+  for (const BufferSpec& b : spec.buffers) {
+    auto it = ckpt.tensors().find(b.fqn);
+    if (it == ckpt.tensors().end()) {
+      problems.Add(absl::StrFormat(
+          "missing tensor '%s' (%s), a buffer of model '%s': in no file of "
+          "the checkpoint (if the model recomputes it, remove it from the "
+          "model file's \"buffers\")",
+          b.fqn, SpecType(b.dtype, b.shape), spec.name));
+      continue;
+    }
+    const HfCheckpointReader::Tensor& src = it->second;
+    if (src.shape != b.shape) {
+      problems.Add(absl::StrFormat(
+          "%s: tensor %s has shape %s, the model's buffer '%s' %s",
+          file_of(src), Named(src), ShapeString(src.shape), b.fqn,
+          ShapeString(b.shape)));
+    } else if (src.dtype != b.dtype) {
+      if (options.cast && IsFloatingPoint(src.dtype) &&
+          IsFloatingPoint(b.dtype)) {
+        ++report.cast;
+      } else {
+        problems.Add(absl::StrFormat(
+            "%s: tensor %s is %s, the model's buffer '%s' is %s (convert "
+            "floating-point tensors with --cast)",
+            file_of(src), Named(src), SafetensorsDTypeName(src.dtype), b.fqn,
+            DTypeName(b.dtype)));
+      }
+    }
+    source[b.fqn] = &src;
+    ++report.imported;
   }
   FLATPARAM_RETURN_IF_ERROR(
       problems.ToStatus(absl::StatusCode::kFailedPrecondition,
@@ -1021,6 +1058,25 @@ absl::StatusOr<HfImportReport> ImportHfCheckpoint(
         optim->AppendUnit(static_cast<int>(u), r, rank.tensors);
       }
     }
+    // Every rank starts from the file's buffers.
+    for (const BufferSpec& b : spec.buffers) {
+      const HfCheckpointReader::Tensor* t = source.at(b.fqn);
+      TensorSource src;
+      src.name = BufferTensorName(b.fqn);
+      src.dtype = b.dtype;
+      src.shape = b.shape;
+      src.fill = [&ckpt, t, dtype = b.dtype](uint64_t offset,
+                                             absl::Span<char> out) {
+        if (t->dtype == dtype) return ckpt.ReadRange(*t, offset, out);
+        const size_t size = DTypeSize(dtype);
+        return ReadConverted(
+            [&ckpt, t](uint64_t at, absl::Span<char> bytes) {
+              return ckpt.ReadRange(*t, at, bytes);
+            },
+            t->dtype, dtype, offset / size, out.size() / size, out.data());
+      };
+      rank.tensors.push_back(std::move(src));
+    }
     if (optim != nullptr) optim->AppendZeroDim(rank.tensors);
     rank.sidecar = sidecar;
     content.ranks.push_back(std::move(rank));
@@ -1307,6 +1363,18 @@ absl::StatusOr<HfExportReport> ExportHfCheckpoint(
                                u, FlatParamTensorName(u), size, base + offset,
                                out);
                          }});
+    }
+    // Buffers, as `save_pretrained` writes a model's persistent buffers:
+    // shard-group rank 0's.
+    for (const BufferSpec& b : sharded->spec().buffers) {
+      tensors.push_back(
+          {b.fqn, b.dtype, b.shape,
+           [files, name = BufferTensorName(b.fqn)](
+               uint64_t offset, absl::Span<char> out) -> absl::Status {
+             FLATPARAM_ASSIGN_OR_RETURN(const SafetensorsReader* f,
+                                        files->Get(0));
+             return f->ReadRange(name, offset, out);
+           }});
     }
   }
 

@@ -29,8 +29,10 @@
 //     tensors' byte sizes (DataLoss otherwise);
 //   - names are cleaned (CleanTensorName) and must stay distinct;
 //   - against the model spec (FailedPrecondition): every untied parameter
-//     present with the spec's shape and dtype; no tensor that is not a
-//     parameter (except buffers whose names end in one of
+//     and every buffer of the spec (model.h's BufferSpec; each rank of the
+//     import starts from the file's) present with the spec's shape and
+//     dtype; no tensor that is neither (except those whose names end in one
+//     of
 //     `ignored_suffixes`, by default Hugging Face's recomputed
 //     ".rotary_emb.inv_freq"); a tied parameter (e.g. lm_head.weight tied
 //     to the embedding) may be present as the exporter wrote it -- it must
@@ -89,7 +91,9 @@
 // and come in its order (a sharded checkpoint's layout.json; a full
 // checkpoint's model.safetensors, in its order), each untied parameter
 // once: a tied parameter is written only under its target's name, as
-// save_pretrained does (from_pretrained re-ties it). Tensors are split at
+// save_pretrained does (from_pretrained re-ties it); then the model's
+// buffers, as save_pretrained writes persistent buffers (a sharded
+// checkpoint's shard-group rank 0's). Tensors are split at
 // tensor boundaries into files of at most `max_shard_bytes` of tensor data
 // with huggingface_hub's algorithm (a tensor larger than the cap gets a
 // file of its own; otherwise a tensor that would overflow the current file

@@ -766,7 +766,7 @@ TEST(HfCheckpointTest, ImportChecksEveryNameShapeAndDtype) {
          t.push_back({"extra.weight", HostTensor(DType::kFloat32, {2})});
        },
        {"/hf/model.safetensors: unexpected tensor 'extra.weight' (F32 [2]): "
-        "not a parameter of model 'tiny'"}},
+        "not a parameter or buffer of model 'tiny'"}},
       {"unexpected wrapped",
        [](std::vector<Named>& t) {
          t.push_back({"_fsdp_wrapped_module.extra.weight",

@@ -445,6 +445,32 @@ absl::StatusOr<RankContent> MakeRankContent(const ModelLayout& layout,
     content.tensors.push_back(
         TensorSourceFromHostTensor(FlatParamTensorName(i), t));
   }
+  const std::vector<BufferSpec>& buffers = layout.spec().buffers;
+  for (const BufferSpec& b : buffers) {
+    auto it = state.buffers.find(b.fqn);
+    if (it == state.buffers.end()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "rank %d: no value for buffer '%s' of the model", rank, b.fqn));
+    }
+    const HostTensor& t = it->second;
+    if (t.dtype() != b.dtype || t.shape() != b.shape) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "rank %d: buffer '%s' is %s %s, the model's is %s %s", rank, b.fqn,
+          DTypeName(t.dtype()), ShapeString(t.shape()), DTypeName(b.dtype),
+          ShapeString(b.shape)));
+    }
+    content.tensors.push_back(
+        TensorSourceFromHostTensor(BufferTensorName(b.fqn), t));
+  }
+  if (state.buffers.size() != buffers.size()) {
+    for (const auto& [fqn, t] : state.buffers) {
+      if (std::none_of(buffers.begin(), buffers.end(),
+                       [&](const BufferSpec& b) { return b.fqn == fqn; })) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "rank %d: '%s' is not a buffer of the model", rank, fqn));
+      }
+    }
+  }
   OptimSidecar sidecar;
   sidecar.param_groups = state.optim.param_groups;
   sidecar.extra = state.extra;
@@ -667,6 +693,10 @@ absl::StatusOr<RankState> ReadRankState(const ShardedCheckpointReader& reader,
     FLATPARAM_ASSIGN_OR_RETURN(HostTensor t, take(FlatParamTensorName(i)));
     state.flat_params.push_back(std::move(t));
   }
+  for (const BufferSpec& b : reader.spec().buffers) {
+    FLATPARAM_ASSIGN_OR_RETURN(HostTensor t, take(BufferTensorName(b.fqn)));
+    state.buffers.emplace(b.fqn, std::move(t));
+  }
   FLATPARAM_RETURN_IF_ERROR(FillState(sidecar, take, state.optim));
   state.extra = std::move(sidecar.extra);
   return state;
@@ -713,6 +743,16 @@ absl::StatusOr<RankState> RankStateFromContent(const ModelLayout& layout,
           DTypeName(flat[i].dtype()), flat[i].sharded_numel()));
     }
     state.flat_params.push_back(std::move(t));
+  }
+  for (const BufferSpec& b : layout.spec().buffers) {
+    FLATPARAM_ASSIGN_OR_RETURN(HostTensor t, read(BufferTensorName(b.fqn)));
+    if (t.dtype() != b.dtype || t.shape() != b.shape) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "rank content tensor '%s' is %s %s, the model's buffer is %s %s",
+          BufferTensorName(b.fqn), DTypeName(t.dtype()), ShapeString(t.shape()),
+          DTypeName(b.dtype), ShapeString(b.shape)));
+    }
+    state.buffers.emplace(b.fqn, std::move(t));
   }
   FLATPARAM_RETURN_IF_ERROR(FillState(*sidecar, read, state.optim));
   state.extra = std::move(sidecar->extra);

@@ -108,13 +108,16 @@ struct RankState {
   // Free-form JSON object stored under "extra" in rank{r}.json (the trainer
   // keeps its step counter and options here). Empty object by default.
   nlohmann::json extra = nlohmann::json::object();
+  // This rank's buffers by FQN ("buffers.{fqn}" in the rank file): exactly
+  // the layout spec's buffers, each whole, with its shape and dtype.
+  std::map<std::string, HostTensor> buffers;
 };
 
 // Rank `rank`'s files for `state` under `layout`. Borrowing: the returned
 // RankContent's TensorSources point into `state`, which must outlive the
 // write. InvalidArgument naming key/state for what the format cannot hold
 // (see the file comment), a rank outside the layout's world, or flat
-// parameters that do not match the layout.
+// parameters or buffers that do not match the layout's.
 absl::StatusOr<RankContent> MakeRankContent(const ModelLayout& layout,
                                             int64_t rank,
                                             const RankState& state);
@@ -137,7 +140,8 @@ absl::StatusOr<RankState> RankStateFromContent(const ModelLayout& layout,
 
 // A consolidated checkpoint's content.
 struct FullState {
-  // By FQN, tensors shaped like the parameters.
+  // model.safetensors by FQN: the parameters and, for a model with buffers,
+  // the buffers (a state dict; CheckFitsModel tells them apart by the spec).
   std::map<std::string, HostTensor> params;
   // The full dict keyed by FQN (or user-defined string keys).
   optim::OptimStateDict optim;

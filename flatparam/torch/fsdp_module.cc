@@ -55,17 +55,49 @@ absl::StatusOr<DType> FromTorch(c10::ScalarType type) {
   }
 }
 
+absl::StatusOr<DType> AnyDTypeFromTorch(c10::ScalarType type) {
+  switch (type) {
+    case c10::ScalarType::Char:
+      return DType::kInt8;
+    case c10::ScalarType::Byte:
+      return DType::kUInt8;
+    case c10::ScalarType::Short:
+      return DType::kInt16;
+    case c10::ScalarType::Int:
+      return DType::kInt32;
+    case c10::ScalarType::Long:
+      return DType::kInt64;
+    case c10::ScalarType::Bool:
+      return DType::kBool;
+    default:
+      return FromTorch(type);
+  }
+}
+
 c10::ScalarType ToTorch(DType dtype) {
   switch (dtype) {
+    case DType::kFloat32:
+      return c10::ScalarType::Float;
     case DType::kFloat64:
       return c10::ScalarType::Double;
     case DType::kFloat16:
       return c10::ScalarType::Half;
     case DType::kBFloat16:
       return c10::ScalarType::BFloat16;
-    default:
-      return c10::ScalarType::Float;
+    case DType::kInt8:
+      return c10::ScalarType::Char;
+    case DType::kUInt8:
+      return c10::ScalarType::Byte;
+    case DType::kInt16:
+      return c10::ScalarType::Short;
+    case DType::kInt32:
+      return c10::ScalarType::Int;
+    case DType::kInt64:
+      return c10::ScalarType::Long;
+    case DType::kBool:
+      return c10::ScalarType::Bool;
   }
+  return c10::ScalarType::Float;
 }
 
 torch::TensorOptions Options(DType dtype) {
@@ -323,6 +355,23 @@ absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
   if (spec.params.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("module \"", module->name(), "\" has no parameters"));
+  }
+  // The buffers as a state dict holds them: their own dtype, before any
+  // buffer_dtype cast, so that checkpoints do not depend on it.
+  for (const auto& item : module->named_buffers(/*recurse=*/true)) {
+    const torch::Tensor& b = item.value();
+    if (!b.defined()) continue;
+    BufferSpec buffer;
+    buffer.fqn = item.key();
+    buffer.shape.assign(b.sizes().begin(), b.sizes().end());
+    absl::StatusOr<DType> dtype =
+        internal_fsdp_module::AnyDTypeFromTorch(b.scalar_type());
+    if (!dtype.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "buffer \"", item.key(), "\": ", dtype.status().message()));
+    }
+    buffer.dtype = *dtype;
+    spec.buffers.push_back(std::move(buffer));
   }
   LayoutOptions layout_options;
   layout_options.world_size = shard_size;

@@ -454,9 +454,10 @@ class FsdpModule {
   // flat shard (zeros for a parameter without state), which needs one
   // "step" per unit (InvalidArgument, naming the parameters, otherwise),
   // and the groups list parameter names; LoadCheckpoint gives each
-  // trainable parameter its piece back. The module's buffers are not in
-  // the files yet (a warning says so once): keep StateDict()'s buffers
-  // alongside and LoadStateDict(..., /*strict=*/false) them.
+  // trainable parameter its piece back. The module's buffers are saved
+  // whole, each rank's own, in their own dtype (a buffer_dtype cast
+  // undone); the hybrid strategies' replicas are not stored twice, so a
+  // replica's come back as its shard-group rank's.
   absl::Status SaveCheckpoint(
       checkpoint::FileSystem& fs, const std::string& dir,
       torch::optim::Optimizer* optimizer,
@@ -470,7 +471,11 @@ class FsdpModule {
   // model (the first difference named) or holds no optimizer state while
   // `optimizer` is given; DataLoss for damaged files. The rank files'
   // "extra" goes to `extra` if set. `restore_hyperparameters`: as
-  // LoadShardedOptimState's.
+  // LoadShardedOptimState's. Buffers: each rank gets its own saved ones
+  // when the checkpoint fits the job unresharded, otherwise saved rank 0's
+  // (as a load of PyTorch's full state dict gives them); a checkpoint
+  // without the module's buffers (one written before they were saved) is
+  // another model (FailedPrecondition naming the buffer).
   absl::Status LoadCheckpoint(checkpoint::FileSystem& fs,
                               const std::string& dir,
                               torch::optim::Optimizer* optimizer,

@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -22,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/base/status_matchers.h"
+#include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/device/device.h"
 #include "flatparam/model.h"
@@ -400,83 +402,6 @@ TEST(FsdpModuleMixedPrecisionTest, ForwardInputsAreCast) {
   });
 }
 
-// A small network with BatchNorm: blocks "h.i" of Linear + BatchNorm1d,
-// a head; buffers: each norm's running statistics and batch count.
-struct BnBlockImpl : torch::nn::Module {
-  BnBlockImpl()
-      : fc(register_module("fc", torch::nn::Linear(6, 6))),
-        bn(register_module("bn", torch::nn::BatchNorm1d(6))) {}
-  torch::Tensor forward(const torch::Tensor& x) {
-    return x + torch::relu(bn(fc(x)));
-  }
-  torch::nn::Linear fc;
-  torch::nn::BatchNorm1d bn;
-};
-TORCH_MODULE(BnBlock);
-struct BnNetImpl : torch::nn::Module {
-  BnNetImpl() {
-    h = register_module("h", torch::nn::ModuleList());
-    for (int i = 0; i < 2; ++i) h->push_back(BnBlock());
-    head = register_module("head", torch::nn::Linear(6, 3));
-  }
-  torch::nn::ModuleList h{nullptr};
-  torch::nn::Linear head{nullptr};
-};
-TORCH_MODULE(BnNet);
-
-BnNet MakeBnNet() {
-  static const auto* initial = [] {
-    torch::manual_seed(5);
-    BnNet net;
-    auto* out = new std::map<std::string, torch::Tensor>();
-    for (const auto& p : net->named_parameters()) {
-      (*out)[p.key()] = p.value().detach().clone();
-    }
-    return out;
-  }();
-  BnNet net;
-  torch::NoGradGuard no_grad;
-  for (auto& p : net->named_parameters()) p.value().copy_(initial->at(p.key()));
-  return net;
-}
-
-// One step of the BN network under FsdpModule on this rank's batch.
-absl::Status BnStep(BnNet& net, FsdpModule& fsdp,
-                    torch::optim::Optimizer& optimizer, int step, int rank) {
-  torch::Tensor x = torch::sin(torch::arange(24, torch::kFloat) * 0.37 +
-                               step * 1.3 + rank * 0.7)
-                        .reshape({4, 6});
-  torch::Tensor target = torch::tensor({0, 1, 2, (step + rank) % 3});
-  FLATPARAM_ASSIGN_OR_RETURN(
-      torch::Tensor logits,
-      fsdp.Forward([&]() -> absl::StatusOr<torch::Tensor> {
-        torch::Tensor y = x;
-        for (size_t i = 0; i < net->h->size(); ++i) {
-          auto* block = net->h[i]->as<BnBlockImpl>();
-          FLATPARAM_ASSIGN_OR_RETURN(y, fsdp.Unit(absl::StrCat("h.", i), [&] {
-            return block->forward(y);
-          }));
-        }
-        return net->head(y);
-      }));
-  FLATPARAM_RETURN_IF_ERROR(
-      fsdp.Backward(torch::nn::functional::cross_entropy(logits, target)));
-  optimizer.step();
-  return fsdp.ZeroGrad();
-}
-
-absl::Status ExpectSameDict(
-    const torch::OrderedDict<std::string, torch::Tensor>& a,
-    const torch::OrderedDict<std::string, torch::Tensor>& b) {
-  if (a.keys() != b.keys()) return absl::InternalError("keys differ");
-  for (const auto& item : a) {
-    if (!torch::equal(item.value(), b[item.key()])) {
-      return absl::InternalError(absl::StrCat("\"", item.key(), "\" differs"));
-    }
-  }
-  return absl::OkStatus();
-}
-
 // A BatchNorm network resumes bitwise through StateDict (parameters and
 // each rank's running statistics) and the sharded optimizer state:
 // 2 + 2 steps equal 4.
@@ -530,6 +455,104 @@ TEST(FsdpModuleStateDictTest, BatchNormResumesBitwise) {
               return ExpectSameDict(straight, resumed);
             }),
       IsOk());
+}
+
+// The same through SaveCheckpoint and LoadCheckpoint, as a user resumes:
+// each rank's running statistics are in its rank file, so 2 steps, a save,
+// a load into a fresh module and 2 more equal 4 straight on every rank. A
+// load at another world size gives every rank rank 0's saved statistics;
+// buffer_dtype does not change what is saved.
+TEST(FsdpModuleCheckpointTest, BatchNormResumesBitwiseThroughCheckpoints) {
+  const std::string dir = TmpDir("bn_checkpoint");
+  using Dict = torch::OrderedDict<std::string, torch::Tensor>;
+  // Trains steps [first, last) on `world` ranks, loading `dir` first and
+  // saving it after when asked; each rank's StateDict into `out`.
+  auto run = [&](int world, int first, int last, bool load, bool save,
+                 std::optional<DType> buffer_dtype, std::vector<Dict>* out) {
+    out->assign(world, Dict());
+    return OnSim(
+        world, [&](Communicator& comm, DeviceOps& device) -> absl::Status {
+          BnNet net = MakeBnNet();
+          FsdpOptions options;
+          options.wrap = {"h.*"};
+          options.buffer_dtype = buffer_dtype;
+          FLATPARAM_ASSIGN_OR_RETURN(
+              std::unique_ptr<FsdpModule> fsdp,
+              FsdpModule::Wrap(net.ptr(), &comm, &device, options));
+          torch::optim::AdamW adamw(fsdp->ShardedParameters(),
+                                    torch::optim::AdamWOptions(0.01));
+          if (load) {
+            // A checkpoint saved before any step has no optimizer state.
+            FLATPARAM_RETURN_IF_ERROR(
+                fsdp->LoadCheckpoint(checkpoint::PosixFileSystem(), dir,
+                                     first > 0 ? &adamw : nullptr));
+          }
+          for (int step = first; step < last; ++step) {
+            FLATPARAM_RETURN_IF_ERROR(
+                BnStep(net, *fsdp, adamw, step, comm.rank()));
+          }
+          if (save) {
+            FLATPARAM_RETURN_IF_ERROR(fsdp->SaveCheckpoint(
+                checkpoint::PosixFileSystem(), dir, &adamw));
+          }
+          FLATPARAM_ASSIGN_OR_RETURN((*out)[comm.rank()], fsdp->StateDict());
+          return absl::OkStatus();
+        });
+  };
+  std::vector<Dict> straight, half, resumed;
+  ASSERT_THAT(run(2, 0, 4, false, false, std::nullopt, &straight), IsOk());
+  ASSERT_THAT(run(2, 0, 2, false, true, std::nullopt, &half), IsOk());
+  ASSERT_THAT(run(2, 2, 4, true, false, std::nullopt, &resumed), IsOk());
+  // The ranks saw different batches: their statistics differ, so a load
+  // that gave both the same would fail below.
+  ASSERT_FALSE(torch::equal(half[0]["h.0.bn.running_mean"],
+                            half[1]["h.0.bn.running_mean"]));
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE(r);
+    EXPECT_THAT(ExpectSameDict(straight[r], resumed[r]), IsOk());
+  }
+  // The same as the MPI tests run it.
+  EXPECT_THAT(OnSim(2,
+                    [&](Communicator& comm, DeviceOps& device) {
+                      return BatchNormCheckpointLoop(comm, device,
+                                                     TmpDir("bn_loop"));
+                    }),
+              IsOk());
+
+  // The files hold them as the model does: float32, int64 counts.
+  {
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(checkpoint::ShardedCheckpointReader reader,
+                                   checkpoint::ShardedCheckpointReader::Open(
+                                       checkpoint::PosixFileSystem(), dir));
+    ASSERT_EQ(reader.spec().buffers.size(), 6u);
+    EXPECT_EQ(reader.spec().buffers[2],
+              (BufferSpec{"h.0.bn.num_batches_tracked", {}, DType::kInt64}));
+  }
+
+  // Three ranks: each starts from rank 0's saved statistics.
+  std::vector<Dict> three;
+  ASSERT_THAT(run(3, 2, 2, true, false, std::nullopt, &three), IsOk());
+  for (int r = 0; r < 3; ++r) {
+    for (const char* name : {"h.0.bn.running_mean", "h.1.bn.running_var",
+                             "h.1.bn.num_batches_tracked"}) {
+      EXPECT_TRUE(torch::equal(three[r][name], half[0][name]))
+          << "rank " << r << " " << name;
+    }
+  }
+
+  // Under buffer_dtype the module holds bf16 buffers; the checkpoint keeps
+  // the model's float32 (cast back at save), so it loads into a float32
+  // job as the bf16 values widened. (No steps: LibTorch's batch_norm wants
+  // the parameters' dtype, which a bf16 run would set with param_dtype.)
+  std::vector<Dict> bf16;
+  ASSERT_THAT(run(2, 0, 0, false, true, DType::kBFloat16, &bf16), IsOk());
+  std::vector<Dict> widened;
+  ASSERT_THAT(run(2, 0, 0, true, false, std::nullopt, &widened), IsOk());
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(torch::equal(widened[r]["h.0.bn.running_var"],
+                             bf16[r]["h.0.bn.running_var"]));
+    EXPECT_EQ(widened[r]["h.0.bn.running_var"].scalar_type(), torch::kFloat);
+  }
 }
 
 // sync_module_states broadcasts buffers too; buffer_dtype casts them and

@@ -108,6 +108,10 @@ TEST(FsdpModuleMpiTest, UserLoopsBitwiseEqualToSingleProcess) {
                         absl::StrCat(tmp != nullptr ? tmp : "/tmp",
                                      "/mpi_groups_", LoopName(o)));
     EXPECT_TRUE(groups.ok()) << groups;
+    absl::Status bn = BatchNormCheckpointLoop(
+        *g_world, device,
+        absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/mpi_bn_", LoopName(o)));
+    EXPECT_TRUE(bn.ok()) << bn;
     for (Recomputation r : {Recomputation::kNone, Recomputation::kInsideUnit,
                             Recomputation::kAroundUnit}) {
       LoopOptions shared = o;

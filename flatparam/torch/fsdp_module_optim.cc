@@ -140,14 +140,15 @@ absl::Status FsdpModule::SaveCheckpoint(checkpoint::FileSystem& fs,
   const int64_t shard_rank = world.rank() % model.options().world_size;
   checkpoint::RankState mine;
   absl::Status prepared = BetweenIterations("SaveCheckpoint");
-  static std::once_flag buffers_warned;
-  if (!buffers_.empty()) {
-    std::call_once(buffers_warned, [&] {
-      std::cerr << "FsdpModule::SaveCheckpoint: the module's buffers (\""
-                << buffers_.front().first
-                << "\", ...) are not saved in the checkpoint; keep "
-                   "StateDict()'s buffers alongside\n";
-    });
+  // This rank's buffers in their own dtype (a buffer_dtype cast undone), as
+  // the spec lists them.
+  for (size_t b = 0; b < buffers_.size() && prepared.ok(); ++b) {
+    const torch::Tensor c =
+        buffers_[b].second.to(buffer_dtypes_[b]).contiguous();
+    const BufferSpec& spec = model.spec().buffers[b];
+    HostTensor t = HostTensor::Uninitialized(spec.dtype, spec.shape);
+    std::memcpy(t.data(), c.data_ptr(), t.nbytes());
+    mine.buffers.emplace(buffers_[b].first, std::move(t));
   }
   for (int u = 0; u < runtime_->num_units() && prepared.ok(); ++u) {
     BufferRef shard = runtime_->handle(u).sharded_param();
@@ -243,6 +244,18 @@ absl::Status FsdpModule::LoadCheckpoint(checkpoint::FileSystem& fs,
     BufferRef shard = runtime_->handle(u).sharded_param();
     std::memcpy(shard.data, state->flat_params[u].data(),
                 state->flat_params[u].nbytes());
+  }
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& [name, b] : buffers_) {
+      const HostTensor& saved = state->buffers.at(name);
+      // copy_ casts to the buffer_dtype the module runs with.
+      b.copy_(torch::from_blob(
+          const_cast<void*>(saved.data()),
+          std::vector<int64_t>(saved.shape().begin(), saved.shape().end()),
+          torch::TensorOptions().dtype(
+              internal_fsdp_module::ToTorch(saved.dtype()))));
+    }
   }
   if (extra != nullptr) *extra = state->extra;
   return absl::OkStatus();

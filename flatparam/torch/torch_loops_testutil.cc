@@ -734,6 +734,94 @@ absl::Status ParamGroupsLoop(Communicator& world, DeviceOps& device,
   return run(steps / 2, steps, true, false);
 }
 
+BnNet MakeBnNet() {
+  static const auto* initial = [] {
+    torch::manual_seed(5);
+    BnNet net;
+    auto* out = new std::map<std::string, torch::Tensor>();
+    for (const auto& p : net->named_parameters()) {
+      (*out)[p.key()] = p.value().detach().clone();
+    }
+    return out;
+  }();
+  BnNet net;
+  torch::NoGradGuard no_grad;
+  for (auto& p : net->named_parameters()) p.value().copy_(initial->at(p.key()));
+  return net;
+}
+
+// One step of the BN network under FsdpModule on this rank's batch.
+absl::Status BnStep(BnNet& net, FsdpModule& fsdp,
+                    torch::optim::Optimizer& optimizer, int step, int rank) {
+  torch::Tensor x = torch::sin(torch::arange(24, torch::kFloat) * 0.37 +
+                               step * 1.3 + rank * 0.7)
+                        .reshape({4, 6});
+  torch::Tensor target = torch::tensor({0, 1, 2, (step + rank) % 3});
+  FLATPARAM_ASSIGN_OR_RETURN(
+      torch::Tensor logits,
+      fsdp.Forward([&]() -> absl::StatusOr<torch::Tensor> {
+        torch::Tensor y = x;
+        for (size_t i = 0; i < net->h->size(); ++i) {
+          auto* block = net->h[i]->as<BnBlockImpl>();
+          FLATPARAM_ASSIGN_OR_RETURN(y, fsdp.Unit(absl::StrCat("h.", i), [&] {
+            return block->forward(y);
+          }));
+        }
+        return net->head(y);
+      }));
+  FLATPARAM_RETURN_IF_ERROR(
+      fsdp.Backward(torch::nn::functional::cross_entropy(logits, target)));
+  optimizer.step();
+  return fsdp.ZeroGrad();
+}
+
+absl::Status ExpectSameDict(
+    const torch::OrderedDict<std::string, torch::Tensor>& a,
+    const torch::OrderedDict<std::string, torch::Tensor>& b) {
+  if (a.keys() != b.keys()) return absl::InternalError("keys differ");
+  for (const auto& item : a) {
+    if (!torch::equal(item.value(), b[item.key()])) {
+      return absl::InternalError(absl::StrCat("\"", item.key(), "\" differs"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BatchNormCheckpointLoop(Communicator& world, DeviceOps& device,
+                                     const std::string& dir) {
+  using Dict = torch::OrderedDict<std::string, torch::Tensor>;
+  FsdpOptions options;
+  options.wrap = {"h.*"};
+  auto run = [&](int first, int last, bool load,
+                 bool save) -> absl::StatusOr<Dict> {
+    BnNet net = MakeBnNet();
+    FLATPARAM_ASSIGN_OR_RETURN(
+        std::unique_ptr<FsdpModule> fsdp,
+        FsdpModule::Wrap(net.ptr(), &world, &device, options));
+    torch::optim::AdamW adamw(fsdp->ShardedParameters(),
+                              torch::optim::AdamWOptions(0.01));
+    if (load) {
+      FLATPARAM_RETURN_IF_ERROR(
+          fsdp->LoadCheckpoint(checkpoint::PosixFileSystem(), dir, &adamw));
+    }
+    for (int step = first; step < last; ++step) {
+      FLATPARAM_RETURN_IF_ERROR(BnStep(net, *fsdp, adamw, step, world.rank()));
+    }
+    if (save) {
+      FLATPARAM_RETURN_IF_ERROR(
+          fsdp->SaveCheckpoint(checkpoint::PosixFileSystem(), dir, &adamw));
+    }
+    return fsdp->StateDict();
+  };
+  FLATPARAM_ASSIGN_OR_RETURN(Dict straight, run(0, 4, false, false));
+  FLATPARAM_RETURN_IF_ERROR(run(0, 2, false, true).status());
+  FLATPARAM_ASSIGN_OR_RETURN(Dict resumed, run(2, 4, true, false));
+  if (!straight.contains("h.1.bn.running_var")) {
+    return absl::InternalError("no buffers in StateDict");
+  }
+  return ExpectSameDict(straight, resumed);
+}
+
 }  // namespace testing
 }  // namespace libtorch
 }  // namespace flatparam

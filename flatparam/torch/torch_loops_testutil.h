@@ -129,6 +129,52 @@ absl::Status ParamGroupsLoop(Communicator& world, DeviceOps& device,
                              const LoopOptions& options,
                              const std::string& dir);
 
+// A small network with BatchNorm: blocks "h.i" of Linear + BatchNorm1d,
+// a head; buffers: each norm's running statistics and batch count.
+struct BnBlockImpl : torch::nn::Module {
+  BnBlockImpl()
+      : fc(register_module("fc", torch::nn::Linear(6, 6))),
+        bn(register_module("bn", torch::nn::BatchNorm1d(6))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return x + torch::relu(bn(fc(x)));
+  }
+  torch::nn::Linear fc;
+  torch::nn::BatchNorm1d bn;
+};
+TORCH_MODULE(BnBlock);
+struct BnNetImpl : torch::nn::Module {
+  BnNetImpl() {
+    h = register_module("h", torch::nn::ModuleList());
+    for (int i = 0; i < 2; ++i) h->push_back(BnBlock());
+    head = register_module("head", torch::nn::Linear(6, 3));
+  }
+  torch::nn::ModuleList h{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(BnNet);
+
+// The network with its initial parameters (the same in every call and on
+// every rank).
+BnNet MakeBnNet();
+
+// One step of the BN network under FsdpModule on this rank's batch (each
+// rank's differs, so each rank's running statistics do).
+absl::Status BnStep(BnNet& net, FsdpModule& fsdp,
+                    torch::optim::Optimizer& optimizer, int step, int rank);
+
+// OK when `a` and `b` have the same keys in the same order and equal
+// tensors; otherwise an error naming the first that differs.
+absl::Status ExpectSameDict(
+    const torch::OrderedDict<std::string, torch::Tensor>& a,
+    const torch::OrderedDict<std::string, torch::Tensor>& b);
+
+// The BN network trained 2 steps, saved with SaveCheckpoint into `dir`,
+// loaded into a fresh wrap with LoadCheckpoint and trained 2 more: this
+// rank's StateDict (its parameters and its own running statistics) is
+// bitwise that of 4 steps straight.
+absl::Status BatchNormCheckpointLoop(Communicator& world, DeviceOps& device,
+                                     const std::string& dir);
+
 }  // namespace testing
 }  // namespace libtorch
 }  // namespace flatparam

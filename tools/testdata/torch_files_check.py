@@ -1,7 +1,9 @@
 """Python PyTorch's side of torch_files_python_test.sh: an independent party
 (Debian's python3-torch) for flatparam's torch.save files.
 
-  torch_files_check.py write DIR   writes, under DIR/py: pytorch_model.bin,
+  torch_files_check.py write DIR   writes, under DIR/py: pytorch_model.bin
+                                   (a net with a tied weight and BatchNorm
+                                   buffers),
                                    optimizer.pt (AdamW after 3 steps),
                                    model.json (flatparam's model file),
                                    sharded/ (the same state dict split by
@@ -32,6 +34,9 @@ class Net(torch.nn.Module):
         self.emb = torch.nn.Embedding(11, 6)
         self.ln = torch.nn.LayerNorm(6)
         self.fc = torch.nn.Linear(6, 5)
+        # Buffers: running statistics and an int64 batch count, which a
+        # strict load_state_dict needs back.
+        self.bn = torch.nn.BatchNorm1d(5)
         self.head = torch.nn.Linear(5, 3, bias=False)
         # Tied to the embedding, as GPT-2's lm_head is: state_dict() holds
         # both names over one storage; parameters() holds it once.
@@ -40,7 +45,8 @@ class Net(torch.nn.Module):
 
     def forward(self, x):
         h = self.ln(self.emb(x))
-        return self.head(torch.relu(self.fc(h))), self.out(h)
+        y = self.bn(self.fc(h).transpose(1, 2)).transpose(1, 2)
+        return self.head(torch.relu(y)), self.out(h)
 
 
 # Tied name -> the name it is tied to.
@@ -83,7 +89,14 @@ def write(root):
     if [q.get("tied_to") for q in params if "tied_to" in q] != \
             list(TIES.values()):
         fail(f"unexpected ties in {params}")
-    spec = {"name": "net", "wrap": ["fc"], "params": params}
+    buffers = [{"fqn": n, "shape": list(b.shape),
+                "dtype": str(b.dtype).replace("torch.", "")}
+               for n, b in net.named_buffers()]
+    if [b["fqn"] for b in buffers] != ["bn.running_mean", "bn.running_var",
+                                       "bn.num_batches_tracked"]:
+        fail(f"unexpected buffers {buffers}")
+    spec = {"name": "net", "wrap": ["fc"], "params": params,
+            "buffers": buffers}
     with open(os.path.join(py, "model.json"), "w") as f:
         json.dump(spec, f)
     names = list(sd)
@@ -170,6 +183,8 @@ def check(root, outs):
                 fail(f"{out}: {n} does not share {target}'s storage")
         net = Net()
         net.load_state_dict(got, strict=True)
+        same_tensor(want["bn.num_batches_tracked"], net.bn.num_batches_tracked,
+                    f"{out}: loaded bn.num_batches_tracked")
         same_tensor(want["out.weight"], net.out.weight.detach(),
                     f"{out}: re-tied out.weight")
         opt_path = os.path.join(out, "optimizer.bin")

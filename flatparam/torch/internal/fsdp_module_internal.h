@@ -29,6 +29,10 @@ namespace internal_fsdp_module {
 // flatparam's dtype of a LibTorch floating dtype; InvalidArgument for
 // another.
 absl::StatusOr<DType> FromTorch(c10::ScalarType type);
+// Every dtype flatparam names, integers and bool included (buffers);
+// InvalidArgument for another (complex, quantized).
+absl::StatusOr<DType> AnyDTypeFromTorch(c10::ScalarType type);
+// Every DType.
 c10::ScalarType ToTorch(DType dtype);
 torch::TensorOptions Options(DType dtype);
 // A CPU tensor over `buffer`'s memory (not owned).

@@ -1,0 +1,356 @@
+// Buffers (model.h's BufferSpec) through every checkpoint path: rank files,
+// load-time reshard, offline reshard, consolidate, shard, init, and the
+// Hugging Face import and export. Each rank holds its own values, so that a
+// test can tell which rank's buffers arrived where.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "flatparam/base/dtype.h"
+#include "flatparam/base/status_matchers.h"
+#include "flatparam/checkpoint/checkpoint_dir.h"
+#include "flatparam/checkpoint/convert.h"
+#include "flatparam/checkpoint/file_system.h"
+#include "flatparam/checkpoint/hf_checkpoint.h"
+#include "flatparam/checkpoint/internal/counting_file_system.h"
+#include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/checkpoint/safetensors.h"
+#include "flatparam/flatten.h"
+#include "flatparam/layout.h"
+#include "flatparam/model.h"
+
+namespace flatparam {
+namespace checkpoint {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr auto kInvalid = absl::StatusCode::kInvalidArgument;
+constexpr auto kMismatch = absl::StatusCode::kFailedPrecondition;
+
+ModelSpec Spec() {
+  ModelSpec m;
+  m.name = "bn";
+  m.params = {{"a.w", {4, 3}}, {"a.b", {4}}, {"c.w", {5}}};
+  m.wrap = {"a"};
+  m.buffers = {{"a.bn.running_mean", {3}, DType::kFloat32},
+               {"a.bn.num_batches_tracked", {}, DType::kInt64},
+               {"c.scale", {2}, DType::kFloat64}};
+  return m;
+}
+
+ModelLayout Layout(int64_t world) {
+  LayoutOptions o;
+  o.world_size = world;
+  return *ModelLayout::Create(Spec(), o);
+}
+
+// Buffer values that say which rank they came from: every element of rank
+// r's buffers is 10 * (r + 1) plus the element's index.
+std::map<std::string, HostTensor> Buffers(const ModelSpec& spec, int r) {
+  std::map<std::string, HostTensor> out;
+  for (const BufferSpec& b : spec.buffers) {
+    HostTensor t(b.dtype, b.shape);
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      const int64_t v = 10 * (r + 1) + i;
+      if (b.dtype == DType::kInt64) {
+        t.data_as<int64_t>()[i] = v;
+      } else {
+        t.SetDouble(i, static_cast<double>(v));
+      }
+    }
+    out.emplace(b.fqn, std::move(t));
+  }
+  return out;
+}
+
+bool SameBytes(const HostTensor& a, const HostTensor& b) {
+  return a.dtype() == b.dtype() && a.shape() == b.shape() &&
+         std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
+}
+
+// Expects `got` to hold exactly rank `r`'s buffers.
+void ExpectRanksBuffers(const std::map<std::string, HostTensor>& got, int r) {
+  const std::map<std::string, HostTensor> want = Buffers(Spec(), r);
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [fqn, t] : want) {
+    ASSERT_EQ(got.count(fqn), 1u) << fqn;
+    EXPECT_TRUE(SameBytes(got.at(fqn), t))
+        << fqn << " is not rank " << r << "'s";
+  }
+}
+
+std::vector<RankState> Ranks(const ModelLayout& layout) {
+  std::vector<RankState> ranks(layout.options().world_size);
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    for (const FlatParamLayout& f : layout.flat_params()) {
+      ranks[r].flat_params.push_back(
+          HostTensor::Flat(f.dtype(), f.sharded_numel()));
+    }
+    ranks[r].buffers = Buffers(layout.spec(), static_cast<int>(r));
+  }
+  return ranks;
+}
+
+absl::Status Write(FileSystem& fs, const std::string& dir,
+                   const ModelLayout& layout,
+                   const std::vector<RankState>& ranks) {
+  ShardedCheckpointContent content;
+  content.layout = &layout;
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    FLATPARAM_ASSIGN_OR_RETURN(RankContent c,
+                               MakeRankContent(layout, r, ranks[r]));
+    content.ranks.push_back(std::move(c));
+  }
+  return WriteShardedCheckpoint(fs, dir, content);
+}
+
+TEST(BuffersTest, EachRankFileHoldsItsRanksBuffers) {
+  FaultInjectionFileSystem fs;
+  const ModelLayout layout = Layout(2);
+  FLATPARAM_ASSERT_OK(Write(fs, "/s", layout, Ranks(layout)));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(ShardedCheckpointReader reader,
+                                 ShardedCheckpointReader::Open(fs, "/s"));
+  EXPECT_EQ(reader.spec().buffers, Spec().buffers);
+  for (int r = 0; r < 2; ++r) {
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(RankState state, ReadRankState(reader, r));
+    ExpectRanksBuffers(state.buffers, r);
+    // At the saved world size a job gets its own rank's back.
+    LoadPath path;
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(RankState loaded,
+                                   LoadRankState(reader, layout, 2, r, &path));
+    EXPECT_EQ(path, LoadPath::kOwnRank);
+    ExpectRanksBuffers(loaded.buffers, r);
+  }
+}
+
+TEST(BuffersTest, ReshardingGivesEveryRankRankZerosBuffers) {
+  FaultInjectionFileSystem fs;
+  const ModelLayout two = Layout(2);
+  FLATPARAM_ASSERT_OK(Write(fs, "/s", two, Ranks(two)));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(ShardedCheckpointReader reader,
+                                 ShardedCheckpointReader::Open(fs, "/s"));
+  const ModelLayout three = Layout(3);
+  for (int r = 0; r < 3; ++r) {
+    LoadPath path;
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(RankState loaded,
+                                   LoadRankState(reader, three, 3, r, &path));
+    EXPECT_EQ(path, LoadPath::kResharded);
+    ExpectRanksBuffers(loaded.buffers, 0);
+  }
+  LayoutOptions four;
+  four.world_size = 4;
+  FLATPARAM_ASSERT_OK(ReshardCheckpoint(fs, "/s", four, 0, "/s4"));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(ShardedCheckpointReader resharded,
+                                 ShardedCheckpointReader::Open(fs, "/s4"));
+  for (int r = 0; r < 4; ++r) {
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(RankState state,
+                                   ReadRankState(resharded, r));
+    ExpectRanksBuffers(state.buffers, 0);
+  }
+}
+
+TEST(BuffersTest, ConsolidateTakesRankZerosAndShardGivesThemToEveryRank) {
+  FaultInjectionFileSystem fs;
+  const ModelLayout two = Layout(2);
+  FLATPARAM_ASSERT_OK(Write(fs, "/s", two, Ranks(two)));
+  FLATPARAM_ASSERT_OK(ConsolidateCheckpoint(fs, "/s", "/full"));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(FullCheckpointReader full,
+                                 FullCheckpointReader::Open(fs, "/full"));
+  FLATPARAM_ASSERT_OK(full.CheckFitsModel(Spec()));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(FullState state, ReadFullState(full));
+  for (const auto& [fqn, t] : Buffers(Spec(), 0)) {
+    ASSERT_EQ(state.params.count(fqn), 1u) << fqn;
+    EXPECT_TRUE(SameBytes(state.params.at(fqn), t)) << fqn;
+  }
+
+  // The full checkpoint is a model with these buffers and no other.
+  ModelSpec without = Spec();
+  without.buffers.pop_back();
+  EXPECT_THAT(full.CheckFitsModel(without),
+              StatusIs(kMismatch, HasSubstr("tensor 'c.scale' is not a "
+                                            "parameter or buffer of model")));
+  ModelSpec more = Spec();
+  more.buffers.push_back({"c.extra", {1}, DType::kFloat32});
+  EXPECT_THAT(full.CheckFitsModel(more),
+              StatusIs(kMismatch, HasSubstr("buffer 'c.extra' of model 'bn' "
+                                            "is missing")));
+  ModelSpec other = Spec();
+  other.buffers[0].shape = {4};
+  EXPECT_THAT(full.CheckFitsModel(other),
+              StatusIs(kMismatch,
+                       HasSubstr("tensor 'a.bn.running_mean' is float32 [3], "
+                                 "the model's buffer is float32 [4]")));
+
+  LayoutOptions three;
+  three.world_size = 3;
+  FLATPARAM_ASSERT_OK(ShardCheckpoint(fs, "/full", Spec(), three, 0, "/s3"));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(ShardedCheckpointReader sharded,
+                                 ShardedCheckpointReader::Open(fs, "/s3"));
+  for (int r = 0; r < 3; ++r) {
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(RankState s, ReadRankState(sharded, r));
+    ExpectRanksBuffers(s.buffers, 0);
+  }
+}
+
+TEST(BuffersTest, InitShardConsolidateIsByteIdentical) {
+  FaultInjectionFileSystem fs;
+  FLATPARAM_ASSERT_OK(InitCheckpoint(fs, Spec(), "/init"));
+  LayoutOptions two;
+  two.world_size = 2;
+  FLATPARAM_ASSERT_OK(ShardCheckpoint(fs, "/init", Spec(), two, 0, "/s"));
+  FLATPARAM_ASSERT_OK(ConsolidateCheckpoint(fs, "/s", "/back"));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      std::string a, ReadFileToString(fs, "/init/model.safetensors", 1 << 20));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      std::string b, ReadFileToString(fs, "/back/model.safetensors", 1 << 20));
+  EXPECT_EQ(a, b);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(FullCheckpointReader init,
+                                 FullCheckpointReader::Open(fs, "/init"));
+  EXPECT_TRUE(init.model().Contains("a.bn.num_batches_tracked"));
+}
+
+TEST(BuffersTest, RankContentMustHoldExactlyTheModelsBuffers) {
+  const ModelLayout layout = Layout(2);
+  std::vector<RankState> ranks = Ranks(layout);
+  RankState missing = ranks[0];
+  missing.buffers.erase("c.scale");
+  EXPECT_THAT(MakeRankContent(layout, 0, missing),
+              StatusIs(kInvalid, HasSubstr("rank 0: no value for buffer "
+                                           "'c.scale' of the model")));
+  RankState wrong = ranks[0];
+  wrong.buffers["c.scale"] = HostTensor(DType::kFloat32, {2});
+  EXPECT_THAT(MakeRankContent(layout, 0, wrong),
+              StatusIs(kInvalid, HasSubstr("rank 0: buffer 'c.scale' is "
+                                           "float32 [2], the model's is "
+                                           "float64 [2]")));
+  RankState extra = ranks[0];
+  extra.buffers["c.other"] = HostTensor(DType::kFloat32, {2});
+  EXPECT_THAT(MakeRankContent(layout, 0, extra),
+              StatusIs(kInvalid, HasSubstr("rank 0: 'c.other' is not a "
+                                           "buffer of the model")));
+
+  // The writer checks the files' tensors against the layout whoever made
+  // them: a rank file without a buffer is refused.
+  FaultInjectionFileSystem fs;
+  ShardedCheckpointContent content;
+  content.layout = &layout;
+  for (int r = 0; r < 2; ++r) {
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(RankContent c,
+                                   MakeRankContent(layout, r, ranks[r]));
+    content.ranks.push_back(std::move(c));
+  }
+  content.ranks[1].tensors.pop_back();
+  EXPECT_THAT(
+      WriteShardedCheckpoint(fs, "/x", content),
+      StatusIs(kInvalid, HasSubstr("rank00001.safetensors: no tensor "
+                                   "'buffers.c.scale' (buffer of the model)")));
+}
+
+TEST(BuffersTest, AJobWithOtherBuffersIsAnotherModel) {
+  FaultInjectionFileSystem fs;
+  const ModelLayout two = Layout(2);
+  FLATPARAM_ASSERT_OK(Write(fs, "/s", two, Ranks(two)));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(ShardedCheckpointReader reader,
+                                 ShardedCheckpointReader::Open(fs, "/s"));
+  ModelSpec job = Spec();
+  job.buffers.push_back({"c.new", {1}, DType::kFloat32});
+  LayoutOptions o;
+  o.world_size = 2;
+  const ModelLayout more = *ModelLayout::Create(job, o);
+  EXPECT_THAT(reader.CheckFits(more, 2),
+              StatusIs(kMismatch, HasSubstr("buffer 'c.new' ([1] float32) of "
+                                            "the job's model is not in the "
+                                            "checkpoint's")));
+  EXPECT_THAT(LoadRankState(reader, more, 2, 0),
+              StatusIs(kMismatch, HasSubstr("buffer 'c.new'")));
+  // So is one saved before buffers were: the checkpoint has none.
+  ModelSpec none = Spec();
+  none.buffers.clear();
+  const ModelLayout old = *ModelLayout::Create(none, o);
+  FLATPARAM_ASSERT_OK(Write(fs, "/old", old, [&] {
+    std::vector<RankState> ranks = Ranks(old);
+    for (RankState& r : ranks) r.buffers.clear();
+    return ranks;
+  }()));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(ShardedCheckpointReader old_reader,
+                                 ShardedCheckpointReader::Open(fs, "/old"));
+  EXPECT_THAT(
+      LoadRankState(old_reader, two, 2, 0),
+      StatusIs(kMismatch, HasSubstr("buffer 'a.bn.running_mean' ([3] float32) "
+                                    "of the job's model is not in the "
+                                    "checkpoint's")));
+  // The layout.json of a model without buffers has no "buffers" key, as
+  // before buffers were saved.
+  EXPECT_FALSE(old_reader.layout_json()["model_spec"].contains("buffers"));
+  EXPECT_TRUE(reader.layout_json()["model_spec"].contains("buffers"));
+}
+
+TEST(BuffersTest, HuggingFaceExportAndImportCarryThem) {
+  FaultInjectionFileSystem fs;
+  const ModelLayout two = Layout(2);
+  FLATPARAM_ASSERT_OK(Write(fs, "/s", two, Ranks(two)));
+  FLATPARAM_ASSERT_OK(fs.CreateDir("/hf"));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(HfExportReport report,
+                                 ExportHfCheckpoint(fs, "/s", "/hf/out"));
+  EXPECT_EQ(report.tensors, 3 + 3);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      SafetensorsReader file,
+      SafetensorsReader::Open(fs, "/hf/out/model.safetensors"));
+  for (const auto& [fqn, t] : Buffers(Spec(), 0)) {
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(HostTensor got, file.ReadHostTensor(fqn));
+    EXPECT_TRUE(SameBytes(got, t)) << fqn;
+  }
+
+  // The export imports back, every rank starting from its buffers.
+  LayoutOptions three;
+  three.world_size = 3;
+  FLATPARAM_ASSERT_OK(
+      ImportHfCheckpoint(fs, "/hf/out", Spec(), three, 0, "/imported")
+          .status());
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      ShardedCheckpointReader imported,
+      ShardedCheckpointReader::Open(fs, "/imported"));
+  for (int r = 0; r < 3; ++r) {
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(RankState s, ReadRankState(imported, r));
+    ExpectRanksBuffers(s.buffers, 0);
+  }
+
+  // A model with a buffer the files lack does not fit them.
+  ModelSpec more = Spec();
+  more.buffers.push_back({"c.recomputed", {2}, DType::kFloat32});
+  EXPECT_THAT(
+      ImportHfCheckpoint(fs, "/hf/out", more, three, 0, "/x").status(),
+      StatusIs(kMismatch,
+               HasSubstr("missing tensor 'c.recomputed' (float32 [2]), a "
+                         "buffer of model 'bn': in no file of the "
+                         "checkpoint (if the model recomputes it, remove it "
+                         "from the model file's \"buffers\")")));
+  EXPECT_FALSE(*fs.Exists("/x"));
+}
+
+TEST(BuffersTest, ModelLayoutChecksTheirNames) {
+  ModelSpec clash = Spec();
+  clash.buffers.push_back({"a.w", {1}, DType::kFloat32});
+  EXPECT_THAT(ModelLayout::Create(clash, LayoutOptions()).status(),
+              StatusIs(kInvalid, HasSubstr("buffer \"a.w\" has the name of a "
+                                           "parameter")));
+  ModelSpec twice = Spec();
+  twice.buffers.push_back(twice.buffers[0]);
+  EXPECT_THAT(ModelLayout::Create(twice, LayoutOptions()).status(),
+              StatusIs(kInvalid, HasSubstr("duplicate buffer name "
+                                           "\"a.bn.running_mean\"")));
+  ModelSpec empty = Spec();
+  empty.buffers.push_back({"", {1}, DType::kFloat32});
+  EXPECT_THAT(ModelLayout::Create(empty, LayoutOptions()).status(),
+              StatusIs(kInvalid, HasSubstr("buffer 3 has an empty fqn")));
+}
+
+}  // namespace
+}  // namespace checkpoint
+}  // namespace flatparam
