@@ -368,10 +368,13 @@ absl::StatusOr<ModelSpec> ParseModelSpecJson(absl::string_view text,
       if (!j.contains("shape")) {
         return errors.Error(path, "missing key \"shape\"");
       }
-      FLATPARAM_ASSIGN_OR_RETURN(
-          ParamFields f, ParseFields(errors, path, b.fqn, j, &model_numel));
-      b.shape = *f.shape;
-      if (f.dtype.has_value()) b.dtype = *f.dtype;
+      // (Moved out whole: GCC 12 at -O2 misreads a copy out of the
+      // optional members as uninitialised.)
+      absl::StatusOr<ParamFields> fields =
+          ParseFields(errors, path, b.fqn, j, &model_numel);
+      if (!fields.ok()) return fields.status();
+      b.shape = std::move(fields->shape).value_or(std::vector<int64_t>());
+      b.dtype = fields->dtype.value_or(DType::kFloat32);
       spec.buffers.push_back(std::move(b));
     }
   }
