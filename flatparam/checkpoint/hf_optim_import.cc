@@ -19,6 +19,7 @@
 #include "flatparam/base/shape.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
+#include "flatparam/checkpoint/checkpoint_names.h"
 #include "flatparam/checkpoint/hf_checkpoint.h"
 #include "flatparam/checkpoint/internal/checkpoint_write.h"
 #include "flatparam/checkpoint/internal/full_optim_shards.h"
@@ -40,7 +41,6 @@ using internal_checkpoint::FullOptimShards;
 using internal_checkpoint::Problems;
 
 constexpr char kOptimizerFilePrefix[] = "optimizer";
-constexpr char kOptimStatePrefix[] = "state.";
 
 // Who a "state.{fqn}.{state}" tensor of optim.safetensors belongs to: the
 // longest FQN of the model (a tied alias included) followed by a non-empty
