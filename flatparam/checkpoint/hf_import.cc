@@ -16,7 +16,6 @@
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/hf_checkpoint.h"
-#include "flatparam/checkpoint/internal/checkpoint_write.h"
 #include "flatparam/checkpoint/internal/flat_stream.h"
 #include "flatparam/checkpoint/internal/full_optim_shards.h"
 #include "flatparam/checkpoint/internal/hf_internal.h"

@@ -21,7 +21,6 @@
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/checkpoint_names.h"
 #include "flatparam/checkpoint/hf_checkpoint.h"
-#include "flatparam/checkpoint/internal/checkpoint_write.h"
 #include "flatparam/checkpoint/internal/full_optim_shards.h"
 #include "flatparam/checkpoint/internal/hf_internal.h"
 #include "flatparam/checkpoint/manifest.h"
