@@ -23,6 +23,7 @@
 #include "flatparam/base/json_limits.h"
 #include "flatparam/base/shape.h"
 #include "flatparam/base/status_macros.h"
+#include "flatparam/checkpoint/checkpoint_names.h"
 #include "flatparam/checkpoint/internal/checkpoint_write.h"
 #include "flatparam/checkpoint/internal/verified_file.h"
 #include "flatparam/layout.h"
@@ -34,13 +35,8 @@ namespace checkpoint {
 namespace {
 
 using json = nlohmann::json;
+using internal_checkpoint::NormalizeDir;
 
-constexpr char kTmpInfix[] = ".tmp-";
-constexpr char kBackupSuffix[] = ".previous";
-constexpr char kOptimStatePrefix[] = "state.";
-constexpr char kFlatParamPrefix[] = "flat_params.";
-constexpr char kOptimShardPrefix[] = "optim.";
-constexpr char kBufferPrefix[] = "buffers.";
 // Metadata keys of rank files.
 constexpr char kRankKey[] = "rank";
 constexpr char kShardGroupSizeKey[] = "shard_group_size";
@@ -125,11 +121,6 @@ absl::StatusOr<json> ReadJsonObject(FileSystem& fs, const std::string& path) {
         absl::StrCat(path, ": a JSON ", doc.type_name(), ", not an object"));
   }
   return doc;
-}
-
-std::string NormalizeDir(absl::string_view dir) {
-  while (dir.size() > 1 && dir.back() == '/') dir.remove_suffix(1);
-  return std::string(dir);
 }
 
 absl::Status CheckDirName(const std::string& dir) {
@@ -775,32 +766,6 @@ absl::StatusOr<std::vector<PendingFile>> RankFiles(const ModelLayout& layout,
 }
 
 }  // namespace internal_checkpoint
-
-std::string RankTensorFileName(int64_t rank) {
-  return absl::StrFormat("rank%05d.safetensors", rank);
-}
-std::string RankJsonFileName(int64_t rank) {
-  return absl::StrFormat("rank%05d.json", rank);
-}
-std::string BufferTensorName(absl::string_view fqn) {
-  return absl::StrCat(kBufferPrefix, fqn);
-}
-
-std::string FlatParamTensorName(int64_t flat_param_index) {
-  return absl::StrCat(kFlatParamPrefix, flat_param_index);
-}
-std::string OptimShardTensorName(int64_t flat_param_index,
-                                 absl::string_view state_name) {
-  return absl::StrCat(kOptimShardPrefix, flat_param_index, ".", state_name);
-}
-std::string OptimStateTensorName(absl::string_view fqn,
-                                 absl::string_view state_name) {
-  return absl::StrCat(kOptimStatePrefix, fqn, ".", state_name);
-}
-
-std::string BackupDirFor(absl::string_view dir) {
-  return absl::StrCat(NormalizeDir(dir), kBackupSuffix);
-}
 
 absl::StatusOr<std::string> ResolveCheckpointDir(FileSystem& fs,
                                                  const std::string& dir_arg) {

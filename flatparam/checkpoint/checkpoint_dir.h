@@ -96,6 +96,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "flatparam/checkpoint/checkpoint_names.h"
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/manifest.h"
 #include "flatparam/checkpoint/safetensors.h"
@@ -104,29 +105,9 @@
 namespace flatparam {
 namespace checkpoint {
 
-inline constexpr char kModelFileName[] = "model.safetensors";
-inline constexpr char kOptimFileName[] = "optim.safetensors";
-inline constexpr char kOptimJsonFileName[] = "optim.json";
-inline constexpr char kLayoutFileName[] = "layout.json";
 // JSON documents (layout.json, optim.json, rank*.json) larger than this are
 // rejected unread.
 inline constexpr uint64_t kMaxJsonFileBytes = uint64_t{1} << 30;
-
-// "rank00003.safetensors" / "rank00003.json".
-std::string RankTensorFileName(int64_t rank);
-std::string RankJsonFileName(int64_t rank);
-// "flat_params.3", "optim.3.exp_avg": tensor names in rank files.
-std::string FlatParamTensorName(int64_t flat_param_index);
-std::string OptimShardTensorName(int64_t flat_param_index,
-                                 absl::string_view state_name);
-// "buffers.bn.running_mean": a buffer's tensor name in rank files.
-std::string BufferTensorName(absl::string_view fqn);
-// "state.layers.0.w.exp_avg": tensor names in optim.safetensors.
-std::string OptimStateTensorName(absl::string_view fqn,
-                                 absl::string_view state_name);
-
-// DIR.previous: where a write keeps the checkpoint it replaces (step 3).
-std::string BackupDirFor(absl::string_view dir);
 
 // The directory holding the checkpoint at `dir` after any crash: `dir` if
 // it exists, else BackupDirFor(dir) if that exists, else NotFound. Reads

@@ -3,7 +3,8 @@
 // uses it for a full checkpoint's optim.safetensors and optim.json, and
 // ImportHfCheckpoint (hf_checkpoint.h) for the same two files beside a
 // Hugging Face-style model.safetensors, so both write the same bytes.
-// Implemented in convert.cc, whose helpers it shares with the reshard.
+// Implemented in full_optim_shards.cc; the sidecar helpers it shares with
+// the reshard are internal/sidecar_meta.h's.
 //
 //   FLATPARAM_ASSIGN_OR_RETURN(OptimSidecar full,
 //                              ParseOptimSidecar(doc, sidecar_name));
