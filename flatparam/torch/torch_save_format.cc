@@ -5,11 +5,14 @@
 #include <caffe2/serialize/read_adapter_interface.h>
 
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <set>
 #include <string>
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -137,6 +140,9 @@ constexpr char kRebuildParameter[] = "torch._utils._rebuild_parameter";
 constexpr size_t kMaxStack = 1 << 20;
 constexpr size_t kMaxMemo = 1 << 22;
 constexpr int kMaxDims = 64;
+// State dicts nest about five containers deep (optimizer state: dict, dict,
+// dict, tensor; param_groups: list, dict, list).
+constexpr size_t kMaxDepth = 100;
 
 // A reader adapter over a RandomAccessFile for LibTorch's zip reader.
 // Errors are thrown as c10::Error (caught at this file's boundary).
@@ -174,7 +180,106 @@ class Unpickler {
         archive_(archive),
         tensor_budget_(tensor_budget) {}
 
+  // The containers made stay referenced here until Run returns, so that
+  // Run can break what a hostile pickle builds (a list that holds itself, a
+  // chain nested 200,000 deep) before freeing it: freeing such a value
+  // recursively would leak it or overflow the stack.
+  ~Unpickler() { TearDown(nullptr); }
+
+  // The value, checked to be nested at most kMaxDepth containers deep and
+  // to hold no container within itself, so that whoever walks it
+  // recursively (the readers below) stays within kMaxDepth frames.
   absl::StatusOr<NodePtr> Run() {
+    absl::StatusOr<NodePtr> value = RunOps();
+    if (value.ok()) {
+      absl::Status shape = CheckShape(**value);
+      if (!shape.ok()) value = shape;
+    }
+    stack_.clear();
+    memo_.clear();
+    TearDown(value.ok() ? value->get() : nullptr);
+    return value;
+  }
+
+ private:
+  NodePtr Container(Node::Kind kind) {
+    NodePtr n = Make(kind);
+    containers_.push_back(n);
+    return n;
+  }
+
+  static void ForEachChild(Node& n, const std::function<void(Node*)>& f) {
+    for (const NodePtr& c : n.items) f(c.get());
+    for (const auto& [k, v] : n.dict) {
+      f(k.get());
+      f(v.get());
+    }
+  }
+
+  // Iteratively: depth and cycles, naming what is wrong.
+  absl::Status CheckShape(Node& root) {
+    enum : uint8_t { kOnPath = 1, kDone = 2 };
+    std::unordered_map<Node*, uint8_t> state;
+    struct Frame {
+      Node* node;
+      std::vector<Node*> children;
+      size_t next = 0;
+    };
+    std::vector<Frame> path;
+    auto enter = [&](Node* n) {
+      Frame f{n, {}};
+      ForEachChild(*n, [&](Node* c) { f.children.push_back(c); });
+      state[n] = kOnPath;
+      path.push_back(std::move(f));
+    };
+    enter(&root);
+    while (!path.empty()) {
+      Frame& top = path.back();
+      if (top.next == top.children.size()) {
+        state[top.node] = kDone;
+        path.pop_back();
+        continue;
+      }
+      Node* c = top.children[top.next++];
+      if (c->items.empty() && c->dict.empty()) continue;
+      const uint8_t s = state[c];
+      if (s == kOnPath) {
+        return Corrupt("a %s that contains itself (a cycle)",
+                       KindName(c->kind));
+      }
+      if (s == kDone) continue;
+      if (path.size() >= kMaxDepth) {
+        return Corrupt("containers nested deeper than %d", kMaxDepth);
+      }
+      enter(c);
+    }
+    return absl::OkStatus();
+  }
+
+  // Empties every container made except those `keep` holds (all of them
+  // when `keep` is null). No container is freed while others are emptied
+  // (containers_ holds them all), so nothing is freed recursively.
+  void TearDown(Node* keep) {
+    std::unordered_set<Node*> kept;
+    if (keep != nullptr) {
+      std::vector<Node*> todo = {keep};
+      while (!todo.empty()) {
+        Node* n = todo.back();
+        todo.pop_back();
+        if (!kept.insert(n).second) continue;
+        ForEachChild(*n, [&](Node* c) { todo.push_back(c); });
+      }
+    }
+    for (const NodePtr& c : containers_) {
+      if (kept.count(c.get()) > 0) continue;
+      c->items.clear();
+      c->dict.clear();
+      c->dict_index.clear();
+    }
+    containers_.clear();
+  }
+
+  absl::StatusOr<NodePtr> RunOps() {
     while (true) {
       if (pos_ >= data_.size()) return Corrupt("pickle ends without STOP");
       const uint8_t op = static_cast<uint8_t>(data_[pos_++]);
@@ -282,7 +387,7 @@ class Unpickler {
     return absl::OkStatus();
   }
   absl::Status PushTuple(std::vector<NodePtr> items) {
-    NodePtr n = Make(Node::kTuple);
+    NodePtr n = Container(Node::kTuple);
     n->items = std::move(items);
     Push(n);
     return absl::OkStatus();
@@ -452,7 +557,7 @@ class Unpickler {
     }
     if (fn->s == kOrderedDict) {
       if (!args->items.empty()) return Refused("OrderedDict(...) with items");
-      Push(Make(Node::kDict));
+      Push(Container(Node::kDict));
       return absl::OkStatus();
     }
     if (fn->s == kRebuildTensor) {
@@ -502,10 +607,10 @@ class Unpickler {
         Push(Make(Node::kMark));
         return absl::OkStatus();
       case '}':  // EMPTY_DICT
-        Push(Make(Node::kDict));
+        Push(Container(Node::kDict));
         return absl::OkStatus();
       case ']':  // EMPTY_LIST
-        Push(Make(Node::kList));
+        Push(Container(Node::kList));
         return absl::OkStatus();
       case ')':  // EMPTY_TUPLE
         return PushTuple({});
@@ -639,6 +744,8 @@ class Unpickler {
   std::map<uint64_t, NodePtr> memo_;
   std::map<std::string, NodePtr> storages_;
   uint64_t tensor_budget_;
+  // Every tuple, list and dict made (see ~Unpickler).
+  std::vector<NodePtr> containers_;
 };
 
 // Reads and unpickles a torch.save file.

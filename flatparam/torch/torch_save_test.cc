@@ -28,6 +28,7 @@ namespace flatparam {
 namespace libtorch {
 namespace {
 
+using ::flatparam::IsOk;
 using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
@@ -238,6 +239,59 @@ TEST(TorchSaveTest, SurvivesDamagedPickles) {
     }
   }
   EXPECT_GT(errors, 0);
+}
+
+// Hostile shapes: a value nested 200,000 containers deep (freeing or
+// walking it recursively overflowed the stack: SIGSEGV) and containers
+// that hold themselves (leaked, and walked forever) are refused with the
+// reason; a state dict's few levels are read as before.
+TEST(TorchSaveTest, RefusesDeepNestingAndCycles) {
+  using namespace std::string_literals;  // NOLINT: NUL bytes in pickles
+  const std::string path = Tmp("hostile_shape.pt");
+  auto read = [&](const std::string& pickle) {
+    WriteArchive(path, {{"data.pkl", pickle}});
+    return ReadTorchStateDict(Fs(), path).status();
+  };
+  const std::string proto = "\x80\x02"s;
+  const std::string key_a = "\x8c\x01"s + "a";  // SHORT_BINUNICODE "a"
+  constexpr int kDeep = 200000;
+  const std::string deep_list =
+      std::string(kDeep, ']') + std::string(kDeep - 1, 'a');
+  // [[[...]]]: EMPTY_LIST x N, APPEND x N-1.
+  EXPECT_THAT(read(proto + deep_list + "."),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr("containers nested deeper than 100")));
+  // {"a": {"a": ...}}: (EMPTY_DICT, "a") x N, EMPTY_DICT, SETITEM x N.
+  std::string dicts = proto;
+  for (int i = 0; i < kDeep; ++i) dicts += "}" + key_a;
+  dicts += "}" + std::string(kDeep, 's') + ".";
+  EXPECT_THAT(read(dicts),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr("containers nested deeper than 100")));
+  // l = []; l.append(l): EMPTY_LIST, BINPUT 0, BINGET 0, APPEND.
+  const std::string cycle = "]q\x00"s + "h\x00"s + "a";
+  EXPECT_THAT(read(proto + cycle + "."),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr("a list that contains itself")));
+  // d = {}; d["a"] = [d]: a cycle through two containers.
+  EXPECT_THAT(read(proto + "}q\x00"s + key_a + "]h\x00"s + "as."),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr("a dict that contains itself")));
+  // {"a": <cycle or deep chain>, "a": {}}: the second value replaces the
+  // first, which the memo alone still holds. It is freed without a crash
+  // or a leak (ASan's leak check would report one), and the value is
+  // judged for what it is.
+  for (const std::string& garbage : {cycle, deep_list}) {
+    EXPECT_THAT(read(proto + "}(" + key_a + garbage + key_a + "}u."),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         HasSubstr("not a tensor")));
+  }
+  // 99 levels below the root dict are within the limit: refused for what
+  // they are (a list where a tensor belongs), not for their depth.
+  EXPECT_THAT(read(proto + "}" + key_a + std::string(99, ']') +
+                   std::string(98, 'a') + "s."),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("not a tensor")));
 }
 
 TEST(TorchSaveTest, ReadsOnlyLittleEndianStorages) {
