@@ -1,6 +1,6 @@
 // OnStream: makes a DeviceOps stream current for a scope and restores the
 // previous one when the scope ends. Private to the flat-parameter runtime
-// (the handle's implementation files and runtime.cc).
+// (the handle's implementation files and runtime_clip.cc).
 //
 //   OnStream on_compute(device, streams.compute);
 //   FLATPARAM_RETURN_IF_ERROR(on_compute.status());
