@@ -11,8 +11,12 @@
 //   2-5. PublishCheckpoint: the names, the manifest, the swap.
 // On an error after step 0 the writer calls RecoverCheckpointDir (best
 // effort), which removes the temporary directory and puts back a moved-away
-// checkpoint.
+// checkpoint. WriteCheckpointFiles runs the whole sequence in one process.
 //
+// checkpoint_write.cc defines these and the protocol's public ends,
+// checkpoint_dir.h's ResolveCheckpointDir and RecoverCheckpointDir.
+// Ownership: a PendingFile may borrow the content it was made from (see
+// there); nothing else is kept.
 // Thread-safety: pure functions apart from the file system they are given.
 #ifndef FLATPARAM_CHECKPOINT_INTERNAL_CHECKPOINT_WRITE_H_
 #define FLATPARAM_CHECKPOINT_INTERNAL_CHECKPOINT_WRITE_H_
@@ -30,6 +34,7 @@
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/manifest.h"
+#include "flatparam/checkpoint/safetensors.h"
 #include "flatparam/layout.h"
 
 namespace flatparam {
@@ -50,6 +55,13 @@ struct PendingFile {
 absl::StatusOr<std::string> DumpJson(const nlohmann::json& doc,
                                      absl::string_view what);
 PendingFile JsonFile(std::string name, std::string text);
+
+// A safetensors file of `tensors` (borrowed: they must outlive the
+// PendingFile) with `metadata`, written in pieces of at most `chunk_bytes`.
+// SafetensorsFileSize's errors, prefixed with `name`.
+absl::StatusOr<PendingFile> SafetensorsFile(
+    std::string name, const std::vector<TensorSource>& tensors,
+    std::map<std::string, std::string> metadata, uint64_t chunk_bytes);
 
 // What a write puts into its directory, so that step 0 can tell a
 // directory it may replace from one it must not touch.
@@ -116,6 +128,16 @@ absl::Status PublishCheckpoint(FileSystem& fs, const std::string& dir,
 // `outcome->replaced` (may be null) to what `dir` held.
 absl::Status SwapInDirectory(FileSystem& fs, const std::string& dir,
                              const std::string& tmp, DirWriteOutcome* outcome);
+
+// Steps 0-5 in one process (WriteFullCheckpoint, WriteShardedCheckpoint):
+// prepares `dir` for a checkpoint of `kind`, writes `files` into a new
+// temporary directory (reporting to options.progress), publishes it with
+// its manifest, and on an error recovers `dir` (best effort) and returns
+// the error.
+absl::Status WriteCheckpointFiles(FileSystem& fs, const std::string& dir,
+                                  CheckpointKind kind,
+                                  const std::vector<PendingFile>& files,
+                                  const CheckpointWriteOptions& options);
 
 // W for a sharded checkpoint of `layout` on `world_size` ranks (0: the
 // layout's own); InvalidArgument when it does not fit the strategy.
