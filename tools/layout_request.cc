@@ -55,7 +55,7 @@ absl::StatusOr<ModelSpec> LoadModel(const std::string& model) {
   absl::StatusOr<bool> is_dir = fs.IsDirectory(model);
   if (!is_dir.ok() || !*is_dir) return LoadModelSpec(model);
   checkpoint::CheckpointOpenOptions open;
-  open.ranks = std::vector<int64_t>{};
+  open.ranks.emplace();  // metadata only: no rank file is read
   absl::StatusOr<checkpoint::ShardedCheckpointReader> reader =
       checkpoint::ShardedCheckpointReader::Open(fs, model, open);
   if (!reader.ok()) {

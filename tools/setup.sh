@@ -28,6 +28,7 @@ APT_PACKAGES=(
   librapidcheck-dev
   nlohmann-json3-dev
   libxxhash-dev
+  libzip-dev
   openmpi-bin
   libopenmpi-dev
   pkgconf

@@ -2,10 +2,10 @@
 // pickler, LibTorch's zip reader and writer).
 #include <c10/util/Exception.h>
 #include <caffe2/serialize/inline_container.h>
-#include <caffe2/serialize/read_adapter_interface.h>
 
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -18,10 +18,12 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "flatparam/base/status_macros.h"
+#include "flatparam/torch/internal/zip_reader.h"
 #include "flatparam/torch/torch_save.h"
 
 namespace flatparam {
@@ -144,40 +146,20 @@ constexpr int kMaxDims = 64;
 // dict, tensor; param_groups: list, dict, list).
 constexpr size_t kMaxDepth = 100;
 
-// A reader adapter over a RandomAccessFile for LibTorch's zip reader.
-// Errors are thrown as c10::Error (caught at this file's boundary).
-class FileReadAdapter : public caffe2::serialize::ReadAdapterInterface {
- public:
-  FileReadAdapter(std::unique_ptr<RandomAccessFile> file, uint64_t size)
-      : file_(std::move(file)), size_(size) {}
-  size_t size() const override { return size_; }
-  size_t read(uint64_t pos, void* buf, size_t n,
-              const char* what) const override {
-    if (pos >= size_) return 0;
-    n = std::min<uint64_t>(n, size_ - pos);
-    absl::Status s =
-        file_->ReadAt(pos, absl::Span<char>(static_cast<char*>(buf), n));
-    TORCH_CHECK(s.ok(), what, ": ", s.ToString());
-    return n;
-  }
-
- private:
-  std::unique_ptr<RandomAccessFile> file_;
-  uint64_t size_;
-};
-
 // The restricted unpickler (see the header). Not thread-safe; one per file.
 class Unpickler {
  public:
   // `tensor_budget`: the most bytes all tensors together may take once
   // copied out (a stride-0 view of a small storage can be arbitrarily
   // large).
+  // `zip` holds the records under `prefix` ("archive/").
   Unpickler(absl::string_view data, std::string file,
-            caffe2::serialize::PyTorchStreamReader* archive,
+            const internal_torch::ZipReader* zip, std::string prefix,
             uint64_t tensor_budget)
       : data_(data),
         file_(std::move(file)),
-        archive_(archive),
+        zip_(zip),
+        prefix_(std::move(prefix)),
         tensor_budget_(tensor_budget) {}
 
   // The containers made stay referenced here until Run returns, so that
@@ -451,22 +433,28 @@ class Unpickler {
   absl::Status LoadStorage(Storage& st) {
     if (st.bytes) return absl::OkStatus();
     const std::string record = "data/" + st.key;
-    std::string bytes;
-    try {
-      if (!archive_->hasRecord(record)) {
-        return Corrupt("storage record %s missing", record);
-      }
-      auto [ptr, size] = archive_->getRecord(record);
-      bytes.assign(static_cast<const char*>(ptr.get()), size);
-    } catch (const std::exception& e) {
-      return absl::DataLossError(
-          absl::StrCat(file_, ": reading ", record, ": ", e.what()));
+    absl::StatusOr<internal_torch::ZipReader::Member> member =
+        zip_->Find(prefix_ + record);
+    if (absl::IsNotFound(member.status())) {
+      return Corrupt("storage record %s missing", record);
     }
-    const uint64_t need = static_cast<uint64_t>(st.numel) * DTypeSize(st.dtype);
-    if (bytes.size() < need) {
-      return Corrupt("storage %s holds %d bytes, its %d %s elements need %d",
-                     record, bytes.size(), st.numel, DTypeName(st.dtype), need);
+    if (!member.ok()) return member.status();
+    // A storage's record holds its elements, no more and no fewer (as
+    // torch.save writes it); compared by division, which cannot overflow.
+    const uint64_t size = member->size;
+    const uint64_t element = DTypeSize(st.dtype);
+    if (size % element != 0 ||
+        size / element != static_cast<uint64_t>(st.numel)) {
+      return Corrupt(
+          "storage %s holds %d bytes, its %d %s elements need %s", record, size,
+          st.numel, DTypeName(st.dtype),
+          static_cast<uint64_t>(st.numel) <=
+                  std::numeric_limits<uint64_t>::max() / element
+              ? absl::StrCat(static_cast<uint64_t>(st.numel) * element)
+              : std::string("more than 2^64"));
     }
+    FLATPARAM_ASSIGN_OR_RETURN(std::string bytes,
+                               zip_->Read(prefix_ + record, size));
     st.bytes = std::make_shared<std::string>(std::move(bytes));
     return absl::OkStatus();
   }
@@ -738,7 +726,8 @@ class Unpickler {
   absl::string_view data_;
   size_t pos_ = 0;
   std::string file_;
-  caffe2::serialize::PyTorchStreamReader* archive_;
+  const internal_torch::ZipReader* zip_;
+  std::string prefix_;
   std::vector<NodePtr> stack_;
   std::vector<size_t> marks_;
   std::map<uint64_t, NodePtr> memo_;
@@ -772,39 +761,43 @@ absl::StatusOr<NodePtr> LoadTorchFile(FileSystem& fs, const std::string& path) {
     return absl::DataLossError(
         absl::StrCat(path, ": not a torch.save file (no zip archive)"));
   }
-  try {
-    caffe2::serialize::PyTorchStreamReader archive(
-        std::make_shared<FileReadAdapter>(std::move(file), size));
-    if (!archive.hasRecord("data.pkl")) {
-      return absl::DataLossError(absl::StrCat(
-          path,
-          ": a zip archive without data.pkl (not a torch.save file; "
-          "TorchScript archives are not state dicts)"));
+  FLATPARAM_ASSIGN_OR_RETURN(
+      std::unique_ptr<internal_torch::ZipReader> zip,
+      internal_torch::ZipReader::Open(std::move(file), size, path));
+  // PyTorch's writer puts every record under one folder ("archive/", or
+  // the file's stem); data.pkl names it.
+  std::string prefix;
+  int pickles = 0;
+  for (const std::string& name : zip->names()) {
+    const size_t slash = name.find('/');
+    if (slash != std::string::npos && name.substr(slash) == "/data.pkl") {
+      prefix = name.substr(0, slash + 1);
+      ++pickles;
     }
-    // PyTorch >= 2.1 records the storages' byte order; older files are
-    // little-endian.
-    if (archive.hasRecord("byteorder")) {
-      auto [bo, bo_len] = archive.getRecord("byteorder");
-      const std::string order(static_cast<const char*>(bo.get()), bo_len);
-      if (order != "little") {
-        return absl::FailedPreconditionError(absl::StrCat(
-            path, ": storages in byte order '", order.substr(0, 16),
-            "' (only little-endian files are read)"));
-      }
-    }
-    auto [ptr, len] = archive.getRecord("data.pkl");
-    std::string pickle(static_cast<const char*>(ptr.get()), len);
-    Unpickler unpickler(pickle, path, &archive, size + (uint64_t{1} << 30));
-    return unpickler.Run();
-  } catch (const std::exception& e) {
-    // c10::Error derives from std::exception.
-    std::string what = e.what();
-    if (const auto* ce = dynamic_cast<const c10::Error*>(&e)) {
-      what = ce->what_without_backtrace();
-    }
-    return absl::DataLossError(
-        absl::StrCat(path, ": damaged torch.save archive: ", what));
   }
+  if (pickles != 1) {
+    return absl::DataLossError(absl::StrCat(
+        path, pickles == 0
+                  ? ": a zip archive without data.pkl (not a torch.save "
+                    "file; TorchScript archives are not state dicts)"
+                  : ": a zip archive with more than one data.pkl"));
+  }
+  // PyTorch >= 2.1 records the storages' byte order; older files are
+  // little-endian.
+  if (zip->Has(prefix + "byteorder")) {
+    FLATPARAM_ASSIGN_OR_RETURN(const std::string order,
+                               zip->Read(prefix + "byteorder", 64));
+    if (order != "little") {
+      return absl::FailedPreconditionError(
+          absl::StrCat(path, ": storages in byte order '", order.substr(0, 16),
+                       "' (only little-endian files are read)"));
+    }
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(const std::string pickle,
+                             zip->Read(prefix + "data.pkl", size));
+  Unpickler unpickler(pickle, path, zip.get(), prefix,
+                      size + (uint64_t{1} << 30));
+  return unpickler.Run();
 }
 
 // A scalar node (None, bool, int, float, str) as a `Value` (an optimizer

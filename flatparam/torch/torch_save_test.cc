@@ -5,6 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -292,6 +295,70 @@ TEST(TorchSaveTest, RefusesDeepNestingAndCycles) {
                    std::string(98, 'a') + "s."),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("not a tensor")));
+}
+
+// The peak resident set's growth while `f` runs (Linux: VmHWM after
+// resetting it through /proc/self/clear_refs); -1 where unavailable.
+int64_t PeakGrowth(const std::function<void()>& f) {
+  auto hwm = []() -> int64_t {
+    std::ifstream status("/proc/self/status");
+    std::string line;
+    while (std::getline(status, line)) {
+      if (line.rfind("VmHWM:", 0) == 0) {
+        return static_cast<int64_t>(std::stoll(line.substr(6))) << 10;
+      }
+    }
+    return -1;
+  };
+  {
+    std::ofstream clear("/proc/self/clear_refs");
+    clear << "5";
+  }
+  const int64_t before = hwm();
+  f();
+  return before < 0 ? -1 : hwm() - before;
+}
+
+// Storage records are read streaming, never more than their tensors need:
+// a deflated record (as Python's zipfile may write one) is read like a
+// stored one; one whose size is not its storage's is refused unread, so
+// 64 MiB of zeros deflated into 64 KiB is never inflated (LibTorch's
+// reader allocated and inflated it whole: 1.2 GB and 6 s for 512 MiB).
+TEST(TorchSaveTest, ReadsNoMoreOfARecordThanItsTensorNeeds) {
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      TorchStateDict plain,
+      ReadTorchStateDict(Fs(), Data("tiny_state_dict.pt")));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(TorchStateDict deflated,
+                                 ReadTorchStateDict(Fs(), Data("deflated.pt")));
+  ASSERT_EQ(deflated.size(), plain.size());
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_EQ(std::memcmp(deflated[i].second.data(), plain[i].second.data(),
+                          plain[i].second.nbytes()),
+              0)
+        << plain[i].first;
+  }
+
+  absl::Status bomb;
+  const int64_t growth = PeakGrowth([&] {
+    bomb = ReadTorchStateDict(Fs(), Data("deflate_bomb.pt")).status();
+  });
+  EXPECT_THAT(bomb, StatusIs(absl::StatusCode::kDataLoss,
+                             HasSubstr("storage data/0 holds 67108864 bytes, "
+                                       "its 12 float32 elements need 48")));
+  if (growth >= 0 && std::getenv("FLATPARAM_SANITIZED") == nullptr) {
+    EXPECT_LT(growth, 8 << 20);
+  }
+
+  // A stored record larger than its storage is refused too.
+  std::map<std::string, std::string> records =
+      Records(Data("tiny_state_dict.pt"));
+  records["data/0"] += std::string(8, '\0');
+  const std::string path = Tmp("long_record.pt");
+  WriteArchive(path, records);
+  EXPECT_THAT(ReadTorchStateDict(Fs(), path),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr("storage data/0 holds 56 bytes, its 12 "
+                                 "float32 elements need 48")));
 }
 
 TEST(TorchSaveTest, ReadsOnlyLittleEndianStorages) {

@@ -11,9 +11,15 @@ dtypes.pt           one tensor of each storage type flatparam reads
 evil_os_system.pt   a pickle that would call os.system (refused)
 custom_class.pt     a pickled instance of a user's class (refused)
 legacy_format.pt    _use_new_zipfile_serialization=False (refused)
+deflated.pt         tiny_state_dict.pt with its first storage deflated
+                    (as Python's zipfile may write it; read)
+deflate_bomb.pt     the same with 64 MiB of zeros deflated to about 64 KiB
+                    where the storage's 48 bytes belong (refused unread,
+                    without inflating it)
 """
 import collections
 import os
+import zipfile
 
 import torch
 
@@ -35,6 +41,21 @@ class Evil:
 
 class Custom:
     pass
+
+
+def rezip(src, dst, member, data):
+    """Copies the zip `src` to `dst`, every record stored as it was except
+    `member`, deflated, with `data` (its own bytes when None)."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for info in zin.infolist():
+            raw = zin.read(info.filename)
+            if info.filename.endswith(member):
+                zout.writestr(info.filename, raw if data is None else data,
+                              compress_type=zipfile.ZIP_DEFLATED,
+                              compresslevel=9)
+            else:
+                zout.writestr(info.filename, raw,
+                              compress_type=zipfile.ZIP_STORED)
 
 
 def main():
@@ -62,6 +83,9 @@ def main():
     torch.save({"a": Custom()}, "custom_class.pt")
     torch.save(m.state_dict(), "legacy_format.pt",
                _use_new_zipfile_serialization=False)
+    rezip("tiny_state_dict.pt", "deflated.pt", "/data/0", None)
+    rezip("tiny_state_dict.pt", "deflate_bomb.pt", "/data/0",
+          bytes(64 << 20))
 
 
 if __name__ == "__main__":
