@@ -17,8 +17,14 @@
 //
 // File format. torch.save's zip format (the default since PyTorch 1.6): a
 // zip archive "<name>/data.pkl" (a protocol-2 pickle) plus one record
-// "<name>/data/<key>" per storage. The archive is read and written by
-// LibTorch's own zip code (caffe2::serialize::PyTorchStream{Reader,Writer}).
+// "<name>/data/<key>" per storage. The archive is written by LibTorch's own
+// zip code (caffe2::serialize::PyTorchStreamWriter) and read through
+// libzip (internal/zip_reader.h), streaming: a record is read only when
+// its size is what its use needs (a storage's record holds exactly its
+// storage's bytes; DataLoss otherwise), so a deflated record cannot
+// inflate past that (LibTorch's reader inflated any record whole at the
+// size the archive claims); stored and deflated records are read, and
+// every record's CRC-32 is checked.
 // The pickle is read by a restricted unpickler of this file, not LibTorch's:
 // LibTorch 1.13's C++ unpickler (torch::pickle_load) cannot read what
 // Python writes (an OrderedDict with _metadata: "Expected GenericDict but
@@ -34,7 +40,10 @@
 // Any other global (os.system, a user's class, ...) is refused when its
 // GLOBAL opcode is read, naming it (FailedPrecondition), as is any other
 // opcode. Values are None, bool, int (64-bit), float, str, tuples, lists,
-// dicts and tensors. Tensors are copied out of their storages into owned
+// dicts and tensors, nested at most 100 containers deep, and no container
+// may hold itself (DataLoss: the value could not be freed or walked
+// without recursion otherwise). Tensors are copied out of their storages
+// into owned
 // contiguous HostTensors (any strides, offsets within the storage checked).
 // The legacy non-zip format (_use_new_zipfile_serialization=False) is
 // refused (FailedPrecondition, saying how to re-save), as are big-endian
