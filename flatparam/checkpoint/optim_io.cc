@@ -463,7 +463,8 @@ absl::StatusOr<RankContent> MakeRankContent(const ModelLayout& layout,
         TensorSourceFromHostTensor(BufferTensorName(b.fqn), t));
   }
   if (state.buffers.size() != buffers.size()) {
-    for (const auto& [fqn, t] : state.buffers) {
+    for (const auto& entry : state.buffers) {
+      const std::string& fqn = entry.first;
       if (std::none_of(buffers.begin(), buffers.end(),
                        [&](const BufferSpec& b) { return b.fqn == fqn; })) {
         return absl::InvalidArgumentError(absl::StrFormat(

@@ -30,6 +30,11 @@ srcs=(
   flatparam/checkpoint/optim_sidecar_fuzz.cc
   flatparam/checkpoint/optim_io.cc
   flatparam/checkpoint/checkpoint_dir.cc
+  flatparam/checkpoint/checkpoint_dir_read.cc
+  flatparam/checkpoint/checkpoint_names.cc
+  flatparam/checkpoint/internal/checkpoint_format.cc
+  flatparam/checkpoint/internal/checkpoint_write.cc
+  flatparam/checkpoint/internal/verified_file.cc
   flatparam/checkpoint/manifest.cc
   flatparam/checkpoint/safetensors.cc
   flatparam/checkpoint/file_system.cc
@@ -44,6 +49,7 @@ srcs=(
   flatparam/base/json_limits.cc
   flatparam/base/copy.cc
   flatparam/base/shape.cc
+  flatparam/base/buffer.cc
 )
 
 "$cxx" -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined \

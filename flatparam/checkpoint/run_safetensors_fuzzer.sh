@@ -29,6 +29,7 @@ absl_libs=$(pkg-config --libs absl_status absl_statusor absl_str_format \
   "$root/flatparam/flatten.cc" "$root/flatparam/layout.cc" \
   "$root/flatparam/base/dtype.cc" "$root/flatparam/base/copy.cc" \
   "$root/flatparam/base/json_limits.cc" "$root/flatparam/base/shape.cc" \
+  "$root/flatparam/base/buffer.cc" \
   $absl_libs -o "$out"
 
 mkdir -p "$corpus"
