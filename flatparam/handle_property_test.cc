@@ -12,8 +12,8 @@
 #include "flatparam/base/status_macros.h"
 #include "flatparam/flatten.h"
 #include "flatparam/handle.h"
-#include "flatparam/handle_testutil.h"
 #include "flatparam/layout.h"
+#include "testing/handle_testutil.h"
 #include "verify/generators.h"
 
 namespace flatparam {

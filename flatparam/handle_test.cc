@@ -17,10 +17,10 @@
 #include "flatparam/base/status_macros.h"
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/flatten.h"
-#include "flatparam/handle_testutil.h"
 #include "flatparam/internal/handle_test_hooks.h"
 #include "sim/fault.h"
 #include "sim/sim.h"
+#include "testing/handle_testutil.h"
 
 namespace flatparam {
 namespace {

@@ -78,7 +78,6 @@
 #include "flatparam/device/device.h"
 #include "flatparam/flatten.h"
 #include "flatparam/handle.h"
-#include "flatparam/handle_testutil.h"
 #include "flatparam/internal/handle_test_hooks.h"
 #include "flatparam/layout.h"
 #include "flatparam/memory_stats.h"
@@ -86,6 +85,7 @@
 #include "flatparam/runtime.h"
 #include "sim/sim.h"
 #include "sim/sim_device.h"
+#include "testing/handle_testutil.h"
 #include "verify/generators.h"
 
 namespace flatparam {

@@ -25,13 +25,13 @@
 #include "flatparam/device/device.h"
 #include "flatparam/flatten.h"
 #include "flatparam/handle.h"
-#include "flatparam/handle_testutil.h"
 #include "flatparam/layout.h"
 #include "flatparam/memory_stats.h"
 #include "flatparam/model.h"
 #include "refmodel/synthetic_step.h"
 #include "sim/sim.h"
 #include "sim/sim_device.h"
+#include "testing/handle_testutil.h"
 
 namespace flatparam {
 namespace {

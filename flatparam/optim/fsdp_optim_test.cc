@@ -24,11 +24,11 @@
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/flatten.h"
-#include "flatparam/handle_testutil.h"
 #include "flatparam/layout.h"
 #include "flatparam/model.h"
 #include "flatparam/optim/optim_state.h"
 #include "sim/sim.h"
+#include "testing/handle_testutil.h"
 
 namespace flatparam {
 namespace optim {

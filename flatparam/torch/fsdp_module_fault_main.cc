@@ -29,7 +29,7 @@
 #include "flatparam/base/status_macros.h"
 #include "flatparam/device/device.h"
 #include "flatparam/torch/fsdp_module.h"
-#include "flatparam/torch/torch_testutil.h"
+#include "testing/torch_testutil.h"
 
 ABSL_FLAG(std::string, fault, "none", "none or stop-in-backward");
 ABSL_FLAG(int, fault_rank, 2, "The rank that stops.");

@@ -31,10 +31,10 @@
 #include "flatparam/optim/optim_state.h"
 #include "flatparam/torch/fsdp_module.h"
 #include "flatparam/torch/recompute.h"
-#include "flatparam/torch/torch_loops_testutil.h"
-#include "flatparam/torch/torch_testutil.h"
 #include "refmodel/torch_gpt.h"
 #include "sim/sim.h"
+#include "testing/torch_loops_testutil.h"
+#include "testing/torch_testutil.h"
 
 namespace flatparam {
 namespace libtorch {

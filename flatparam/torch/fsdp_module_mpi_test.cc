@@ -22,8 +22,8 @@
 #include "comm/mpi/mpi_communicator.h"
 #include "comm/mpi/mpi_gtest.h"
 #include "flatparam/device/device.h"
-#include "flatparam/torch/torch_loops_testutil.h"
-#include "flatparam/torch/torch_testutil.h"
+#include "testing/torch_loops_testutil.h"
+#include "testing/torch_testutil.h"
 
 namespace flatparam {
 namespace libtorch {

@@ -22,8 +22,8 @@
 #include "flatparam/handle.h"
 #include "flatparam/optim/fsdp_optim.h"
 #include "flatparam/optim/optim_state.h"
-#include "flatparam/torch/torch_testutil.h"
 #include "sim/sim.h"
+#include "testing/torch_testutil.h"
 
 namespace flatparam {
 namespace libtorch {

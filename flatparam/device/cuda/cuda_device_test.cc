@@ -31,9 +31,9 @@
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/device/device.h"
 #include "flatparam/handle.h"
-#include "flatparam/handle_testutil.h"
 #include "flatparam/layout.h"
 #include "sim/sim.h"
+#include "testing/handle_testutil.h"
 
 #ifdef FLATPARAM_CUDA_FAKE
 #include "absl/time/clock.h"

@@ -30,8 +30,8 @@
 #include "flatparam/device/cuda/fake_nccl_on_cuda.h"
 #include "flatparam/device/device.h"
 #include "flatparam/handle.h"
-#include "flatparam/handle_testutil.h"
 #include "flatparam/layout.h"
+#include "testing/handle_testutil.h"
 #include "verify/generators.h"
 
 namespace flatparam {

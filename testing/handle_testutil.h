@@ -6,8 +6,8 @@
 // Thread-safety: RunWithHandles runs the rank function on the simulator's
 // rank threads one at a time, so rank functions may write shared results
 // without locks.
-#ifndef FLATPARAM_HANDLE_TESTUTIL_H_
-#define FLATPARAM_HANDLE_TESTUTIL_H_
+#ifndef TESTING_HANDLE_TESTUTIL_H_
+#define TESTING_HANDLE_TESTUTIL_H_
 
 #include <cstdint>
 #include <functional>
@@ -178,4 +178,4 @@ std::vector<double> ReducedShard(const Scenario& s,
 }  // namespace testing_handle
 }  // namespace flatparam
 
-#endif  // FLATPARAM_HANDLE_TESTUTIL_H_
+#endif  // TESTING_HANDLE_TESTUTIL_H_

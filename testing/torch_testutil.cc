@@ -1,4 +1,4 @@
-#include "flatparam/torch/torch_testutil.h"
+#include "testing/torch_testutil.h"
 
 #include <torch/torch.h>
 

@@ -1,4 +1,4 @@
-#include "flatparam/torch/torch_loops_testutil.h"
+#include "testing/torch_loops_testutil.h"
 
 #include <torch/torch.h>
 
@@ -18,8 +18,8 @@
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/torch/recompute.h"
-#include "flatparam/torch/torch_testutil.h"
 #include "refmodel/torch_gpt.h"
+#include "testing/torch_testutil.h"
 
 namespace flatparam {
 namespace libtorch {

@@ -11,8 +11,8 @@
 // Thread-safety: InitialParams() is made once (thread-safe); the rest are
 // functions of their arguments (MakeNet overwrites what the default
 // generator drew).
-#ifndef FLATPARAM_TORCH_TORCH_TESTUTIL_H_
-#define FLATPARAM_TORCH_TORCH_TESTUTIL_H_
+#ifndef TESTING_TORCH_TESTUTIL_H_
+#define TESTING_TORCH_TESTUTIL_H_
 
 #include <torch/torch.h>
 
@@ -123,4 +123,4 @@ absl::StatusOr<torch::Tensor> ForwardNet(
 }  // namespace libtorch
 }  // namespace flatparam
 
-#endif  // FLATPARAM_TORCH_TORCH_TESTUTIL_H_
+#endif  // TESTING_TORCH_TESTUTIL_H_

@@ -1,4 +1,4 @@
-#include "flatparam/handle_testutil.h"
+#include "testing/handle_testutil.h"
 
 #include <cmath>
 #include <cstring>

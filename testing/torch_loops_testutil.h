@@ -12,8 +12,8 @@
 //
 // Thread-safety: the initial parameters are made once (thread-safe); the
 // loops are functions of their arguments.
-#ifndef FLATPARAM_TORCH_TORCH_LOOPS_TESTUTIL_H_
-#define FLATPARAM_TORCH_TORCH_LOOPS_TESTUTIL_H_
+#ifndef TESTING_TORCH_LOOPS_TESTUTIL_H_
+#define TESTING_TORCH_LOOPS_TESTUTIL_H_
 
 #include <torch/torch.h>
 
@@ -179,4 +179,4 @@ absl::Status BatchNormCheckpointLoop(Communicator& world, DeviceOps& device,
 }  // namespace libtorch
 }  // namespace flatparam
 
-#endif  // FLATPARAM_TORCH_TORCH_LOOPS_TESTUTIL_H_
+#endif  // TESTING_TORCH_LOOPS_TESTUTIL_H_
