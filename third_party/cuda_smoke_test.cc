@@ -1,12 +1,12 @@
 // Checks that the CUDA runtime and NCCL found by cuda_configure link and
 // load. Without a GPU (or a driver) the device part is skipped with a
 // message; without a CUDA installation the whole test is skipped; under
-// FLATPARAM_REQUIRE_GPU=1 either is a failure (flatparam/base/gpu_testing.h).
+// FLATPARAM_REQUIRE_GPU=1 either is a failure (flatparam/base/gpu_testutil.h).
 #include <gtest/gtest.h>
 
 #include <string>
 
-#include "flatparam/base/gpu_testing.h"
+#include "flatparam/base/gpu_testutil.h"
 
 #ifdef FLATPARAM_HAVE_CUDA
 #include <cuda_runtime.h>

@@ -29,7 +29,7 @@
 #include "comm/communicator.h"
 #include "comm/nccl/nccl_backend.h"
 #include "comm/nccl/thread_bootstrap_testutil.h"
-#include "flatparam/base/gpu_testing.h"
+#include "flatparam/base/gpu_testutil.h"
 #include "flatparam/device/cuda/cuda_device.h"
 #include "flatparam/device/device.h"
 #include "flatparam/layout.h"

@@ -25,7 +25,7 @@
 #include "comm/nccl/nccl_communicator.h"
 #include "comm/nccl/thread_bootstrap_testutil.h"
 #include "flatparam/base/dtype.h"
-#include "flatparam/base/gpu_testing.h"
+#include "flatparam/base/gpu_testutil.h"
 #include "flatparam/base/status_matchers.h"
 
 namespace flatparam {

@@ -26,7 +26,7 @@
 #include "comm/communicator.h"
 #include "comm/nccl/nccl_backend.h"
 #include "flatparam/base/dtype.h"
-#include "flatparam/base/gpu_testing.h"
+#include "flatparam/base/gpu_testutil.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/device/device.h"

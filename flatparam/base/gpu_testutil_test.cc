@@ -1,4 +1,4 @@
-#include "flatparam/base/gpu_testing.h"
+#include "flatparam/base/gpu_testutil.h"
 
 #include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>

@@ -5,8 +5,8 @@
 // sets it) the same condition is a test failure instead.
 //
 // Thread-safety: reads the environment; call from the test's thread.
-#ifndef FLATPARAM_BASE_GPU_TESTING_H_
-#define FLATPARAM_BASE_GPU_TESTING_H_
+#ifndef FLATPARAM_BASE_GPU_TESTUTIL_H_
+#define FLATPARAM_BASE_GPU_TESTUTIL_H_
 
 #include <gtest/gtest.h>
 
@@ -37,4 +37,4 @@ inline bool GpuRequiredByEnvironment() {
     GTEST_SKIP() << (why);                                              \
   } while (0)
 
-#endif  // FLATPARAM_BASE_GPU_TESTING_H_
+#endif  // FLATPARAM_BASE_GPU_TESTUTIL_H_
