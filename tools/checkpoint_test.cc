@@ -8,6 +8,8 @@
 #include <string>
 
 #include "flatparam/base/status_matchers.h"
+#include "flatparam/model.h"
+#include "tools/layout_request.h"
 
 namespace flatparam {
 namespace tools {
@@ -151,6 +153,20 @@ TEST(CheckpointCommandTest, RunsEveryActionAndSummarises) {
   consolidate.out = Tmp("full3");
   EXPECT_THAT(RunCheckpoint(consolidate, out, progress, false),
               StatusIs(absl::StatusCode::kDataLoss));
+
+  // --model may name the sharded checkpoint: the model it was saved with.
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelSpec from_dir, LoadModel(Tmp("sharded")));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelSpec from_file, LoadModel(model));
+  EXPECT_EQ(from_dir.name, from_file.name);
+  ASSERT_EQ(from_dir.params.size(), from_file.params.size());
+  for (size_t i = 0; i < from_dir.params.size(); ++i) {
+    EXPECT_EQ(from_dir.params[i].fqn, from_file.params[i].fqn);
+  }
+  // A directory that holds no sharded checkpoint says so.
+  EXPECT_THAT(LoadModel(Tmp("full")),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr("is a directory, so it must hold a sharded "
+                                 "checkpoint")));
 }
 
 TEST(CheckpointCommandTest, ExportsImportsAndVerifiesHuggingFace) {

@@ -17,6 +17,7 @@
 #include "flatparam/checkpoint/convert.h"
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/hf_checkpoint.h"
+#include "flatparam/checkpoint/internal/checkpoint_testutil.h"
 #include "flatparam/checkpoint/internal/counting_file_system.h"
 #include "flatparam/checkpoint/optim_io.h"
 #include "flatparam/checkpoint/safetensors.h"
@@ -97,23 +98,10 @@ std::vector<RankState> Ranks(const ModelLayout& layout) {
   return ranks;
 }
 
-absl::Status Write(FileSystem& fs, const std::string& dir,
-                   const ModelLayout& layout,
-                   const std::vector<RankState>& ranks) {
-  ShardedCheckpointContent content;
-  content.layout = &layout;
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    FLATPARAM_ASSIGN_OR_RETURN(RankContent c,
-                               MakeRankContent(layout, r, ranks[r]));
-    content.ranks.push_back(std::move(c));
-  }
-  return WriteShardedCheckpoint(fs, dir, content);
-}
-
 TEST(BuffersTest, EachRankFileHoldsItsRanksBuffers) {
   FaultInjectionFileSystem fs;
   const ModelLayout layout = Layout(2);
-  FLATPARAM_ASSERT_OK(Write(fs, "/s", layout, Ranks(layout)));
+  FLATPARAM_ASSERT_OK(WriteRankStates(fs, "/s", layout, Ranks(layout)));
   FLATPARAM_ASSERT_OK_AND_ASSIGN(ShardedCheckpointReader reader,
                                  ShardedCheckpointReader::Open(fs, "/s"));
   EXPECT_EQ(reader.spec().buffers, Spec().buffers);
@@ -132,7 +120,7 @@ TEST(BuffersTest, EachRankFileHoldsItsRanksBuffers) {
 TEST(BuffersTest, ReshardingGivesEveryRankRankZerosBuffers) {
   FaultInjectionFileSystem fs;
   const ModelLayout two = Layout(2);
-  FLATPARAM_ASSERT_OK(Write(fs, "/s", two, Ranks(two)));
+  FLATPARAM_ASSERT_OK(WriteRankStates(fs, "/s", two, Ranks(two)));
   FLATPARAM_ASSERT_OK_AND_ASSIGN(ShardedCheckpointReader reader,
                                  ShardedCheckpointReader::Open(fs, "/s"));
   const ModelLayout three = Layout(3);
@@ -158,7 +146,7 @@ TEST(BuffersTest, ReshardingGivesEveryRankRankZerosBuffers) {
 TEST(BuffersTest, ConsolidateTakesRankZerosAndShardGivesThemToEveryRank) {
   FaultInjectionFileSystem fs;
   const ModelLayout two = Layout(2);
-  FLATPARAM_ASSERT_OK(Write(fs, "/s", two, Ranks(two)));
+  FLATPARAM_ASSERT_OK(WriteRankStates(fs, "/s", two, Ranks(two)));
   FLATPARAM_ASSERT_OK(ConsolidateCheckpoint(fs, "/s", "/full"));
   FLATPARAM_ASSERT_OK_AND_ASSIGN(FullCheckpointReader full,
                                  FullCheckpointReader::Open(fs, "/full"));
@@ -255,7 +243,7 @@ TEST(BuffersTest, RankContentMustHoldExactlyTheModelsBuffers) {
 TEST(BuffersTest, AJobWithOtherBuffersIsAnotherModel) {
   FaultInjectionFileSystem fs;
   const ModelLayout two = Layout(2);
-  FLATPARAM_ASSERT_OK(Write(fs, "/s", two, Ranks(two)));
+  FLATPARAM_ASSERT_OK(WriteRankStates(fs, "/s", two, Ranks(two)));
   FLATPARAM_ASSERT_OK_AND_ASSIGN(ShardedCheckpointReader reader,
                                  ShardedCheckpointReader::Open(fs, "/s"));
   ModelSpec job = Spec();
@@ -273,7 +261,7 @@ TEST(BuffersTest, AJobWithOtherBuffersIsAnotherModel) {
   ModelSpec none = Spec();
   none.buffers.clear();
   const ModelLayout old = *ModelLayout::Create(none, o);
-  FLATPARAM_ASSERT_OK(Write(fs, "/old", old, [&] {
+  FLATPARAM_ASSERT_OK(WriteRankStates(fs, "/old", old, [&] {
     std::vector<RankState> ranks = Ranks(old);
     for (RankState& r : ranks) r.buffers.clear();
     return ranks;
@@ -294,7 +282,7 @@ TEST(BuffersTest, AJobWithOtherBuffersIsAnotherModel) {
 TEST(BuffersTest, HuggingFaceExportAndImportCarryThem) {
   FaultInjectionFileSystem fs;
   const ModelLayout two = Layout(2);
-  FLATPARAM_ASSERT_OK(Write(fs, "/s", two, Ranks(two)));
+  FLATPARAM_ASSERT_OK(WriteRankStates(fs, "/s", two, Ranks(two)));
   FLATPARAM_ASSERT_OK(fs.CreateDir("/hf"));
   FLATPARAM_ASSERT_OK_AND_ASSIGN(HfExportReport report,
                                  ExportHfCheckpoint(fs, "/s", "/hf/out"));

@@ -258,13 +258,12 @@ absl::Status ConsolidateCheckpoint(FileSystem& fs, const std::string& in_dir,
   // Buffers after the parameters: shard-group rank 0's, as PyTorch's full
   // state dict takes them.
   for (const BufferSpec& b : layout.spec().buffers) {
-    content.model.push_back(BufferSource(
-        b.fqn, b,
-        [&files, name = BufferTensorName(b.fqn)](
-            uint64_t offset, absl::Span<char> out) -> absl::Status {
-          FLATPARAM_ASSIGN_OR_RETURN(const SafetensorsReader* f, files.Get(0));
-          return f->ReadRange(name, offset, out);
-        }));
+    content.model.push_back(
+        BufferSource(b.fqn, b,
+                     [&files, name = BufferTensorName(b.fqn)](
+                         uint64_t offset, absl::Span<char> out) {
+                       return files.ReadRange(0, name, offset, out);
+                     }));
   }
   for (const auto& [unit_index, param] : order) {
     auto unit_states = so.units.find(unit_index);
@@ -415,11 +414,8 @@ class ReshardedRanks {
       const std::string name = BufferTensorName(b.fqn);
       rank.tensors.push_back(BufferSource(
           name, b,
-          [files = &files_, name](uint64_t offset,
-                                  absl::Span<char> out) -> absl::Status {
-            FLATPARAM_ASSIGN_OR_RETURN(const SafetensorsReader* f,
-                                       files->Get(0));
-            return f->ReadRange(name, offset, out);
+          [files = &files_, name](uint64_t offset, absl::Span<char> out) {
+            return files->ReadRange(0, name, offset, out);
           }));
     }
     for (const TensorSource& s : zero_dim_) rank.tensors.push_back(s);

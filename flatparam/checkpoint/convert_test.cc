@@ -16,6 +16,7 @@
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/file_system.h"
+#include "flatparam/checkpoint/internal/checkpoint_testutil.h"
 #include "flatparam/checkpoint/internal/counting_file_system.h"
 #include "flatparam/checkpoint/manifest.h"
 #include "flatparam/checkpoint/optim_io.h"
@@ -68,29 +69,16 @@ std::vector<RankState> Ranks(const ModelLayout& layout) {
   return ranks;
 }
 
-absl::Status Write(FileSystem& fs, const std::string& dir,
-                   const ModelLayout& layout,
-                   const std::vector<RankState>& ranks) {
-  ShardedCheckpointContent content;
-  content.layout = &layout;
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    absl::StatusOr<RankContent> c = MakeRankContent(layout, r, ranks[r]);
-    if (!c.ok()) return c.status();
-    content.ranks.push_back(*std::move(c));
-  }
-  return WriteShardedCheckpoint(fs, dir, content);
-}
-
 TEST(ConvertTest, ConsolidateChecksTheRanksAgainstRankZero) {
   const ModelLayout layout = Layout(2);
   FaultInjectionFileSystem fs;
   std::vector<RankState> ranks = Ranks(layout);
-  FLATPARAM_ASSERT_OK(Write(fs, "/ok", layout, ranks));
+  FLATPARAM_ASSERT_OK(WriteRankStates(fs, "/ok", layout, ranks));
   FLATPARAM_ASSERT_OK(ConsolidateCheckpoint(fs, "/ok", "/full"));
 
   std::vector<RankState> missing = ranks;
   missing[1].optim.state.erase(ParamKey(int64_t{1}));
-  FLATPARAM_ASSERT_OK(Write(fs, "/missing", layout, missing));
+  FLATPARAM_ASSERT_OK(WriteRankStates(fs, "/missing", layout, missing));
   EXPECT_THAT(ConsolidateCheckpoint(fs, "/missing", "/x"),
               StatusIs(kMismatch,
                        HasSubstr("Rank 1 is missing states for the parameters: "
@@ -98,7 +86,7 @@ TEST(ConvertTest, ConsolidateChecksTheRanksAgainstRankZero) {
 
   std::vector<RankState> scalar = ranks;
   scalar[1].optim.state[ParamKey(int64_t{1})]["beta"] = 0.25;
-  FLATPARAM_ASSERT_OK(Write(fs, "/scalar", layout, scalar));
+  FLATPARAM_ASSERT_OK(WriteRankStates(fs, "/scalar", layout, scalar));
   EXPECT_THAT(ConsolidateCheckpoint(fs, "/scalar", "/x"),
               StatusIs(kInvalid, HasSubstr("Differing replicated optimizer "
                                            "state values across ranks for "
@@ -110,7 +98,7 @@ TEST(ConvertTest, ConsolidateChecksTheRanksAgainstRankZero) {
 
   std::vector<RankState> names = ranks;
   names[1].optim.state[ParamKey(int64_t{1})]["extra"] = int64_t{1};
-  FLATPARAM_ASSERT_OK(Write(fs, "/names", layout, names));
+  FLATPARAM_ASSERT_OK(WriteRankStates(fs, "/names", layout, names));
   EXPECT_THAT(ConsolidateCheckpoint(fs, "/names", "/x"),
               StatusIs(kInvalid, HasSubstr("Differing optimizer state names "
                                            "across ranks")));
@@ -241,7 +229,7 @@ TEST(ConvertTest, ShardListsGroupsLikeShardFullOptimState) {
 TEST(ConvertTest, VerifyReportsAndCatchesDamage) {
   const ModelLayout layout = Layout(2);
   FaultInjectionFileSystem fs;
-  FLATPARAM_ASSERT_OK(Write(fs, "/s", layout, Ranks(layout)));
+  FLATPARAM_ASSERT_OK(WriteRankStates(fs, "/s", layout, Ranks(layout)));
   FLATPARAM_ASSERT_OK_AND_ASSIGN(CheckpointReport sharded,
                                  VerifyCheckpoint(fs, "/s"));
   EXPECT_EQ(sharded.kind, CheckpointKind::kSharded);
@@ -346,7 +334,7 @@ TEST(ConvertTest, FullSidecarChecksMatchReadFullState) {
 TEST(ConvertTest, RankSidecarChecksMatchReadRankState) {
   const ModelLayout layout = Layout(2);
   FaultInjectionFileSystem fs;
-  FLATPARAM_ASSERT_OK(Write(fs, "/s", layout, Ranks(layout)));
+  FLATPARAM_ASSERT_OK(WriteRankStates(fs, "/s", layout, Ranks(layout)));
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
       std::string text, ReadFileToString(fs, "/s/rank00001.json", 1 << 20));
   nlohmann::json doc = nlohmann::json::parse(text);
@@ -375,7 +363,7 @@ TEST(ConvertTest, DeeplyNestedSidecarsAreRefused) {
   const std::string deep = std::string(100000, '[') + std::string(100000, ']');
   const ModelLayout layout = Layout(2);
   FaultInjectionFileSystem fs;
-  FLATPARAM_ASSERT_OK(Write(fs, "/s", layout, Ranks(layout)));
+  FLATPARAM_ASSERT_OK(WriteRankStates(fs, "/s", layout, Ranks(layout)));
   FLATPARAM_ASSERT_OK(WriteFileDurably(
       fs, "/s/rank00000.json", absl::StrCat(R"({"format": )", deep, "}")));
   Remanifest(fs, "/s", CheckpointKind::kSharded);
@@ -455,7 +443,7 @@ TEST(LoadRankStateTest, ReadsItsByteRangesOfTheOldRanksAndNothingElse) {
 TEST(LoadRankStateTest, FitsReadsTheRankAndRefusesAnotherModel) {
   FaultInjectionFileSystem fs;
   const ModelLayout layout = Layout(2);
-  ASSERT_THAT(Write(fs, "ckpt", layout, Ranks(layout)), IsOk());
+  ASSERT_THAT(WriteRankStates(fs, "ckpt", layout, Ranks(layout)), IsOk());
   CheckpointOpenOptions metadata_only;
   metadata_only.ranks.emplace();
   FLATPARAM_ASSERT_OK_AND_ASSIGN(

@@ -313,14 +313,11 @@ absl::StatusOr<HfExportReport> ExportHfCheckpoint(
     // Buffers, as `save_pretrained` writes a model's persistent buffers:
     // shard-group rank 0's.
     for (const BufferSpec& b : sharded->spec().buffers) {
-      tensors.push_back(
-          {b.fqn, b.dtype, b.shape,
-           [files, name = BufferTensorName(b.fqn)](
-               uint64_t offset, absl::Span<char> out) -> absl::Status {
-             FLATPARAM_ASSIGN_OR_RETURN(const SafetensorsReader* f,
-                                        files->Get(0));
-             return f->ReadRange(name, offset, out);
-           }});
+      tensors.push_back({b.fqn, b.dtype, b.shape,
+                         [files, name = BufferTensorName(b.fqn)](
+                             uint64_t offset, absl::Span<char> out) {
+                           return files->ReadRange(0, name, offset, out);
+                         }});
     }
   }
 

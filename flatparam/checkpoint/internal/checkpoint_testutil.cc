@@ -114,6 +114,19 @@ ShardedFixture MakeShardedFixture(const ModelLayout& layout, int64_t world_size,
   return f;
 }
 
+absl::Status WriteRankStates(FileSystem& fs, const std::string& dir,
+                             const ModelLayout& layout,
+                             const std::vector<RankState>& ranks) {
+  ShardedCheckpointContent content;
+  content.layout = &layout;
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    absl::StatusOr<RankContent> c = MakeRankContent(layout, r, ranks[r]);
+    if (!c.ok()) return c.status();
+    content.ranks.push_back(*std::move(c));
+  }
+  return WriteShardedCheckpoint(fs, dir, content);
+}
+
 std::vector<std::string> ListDir(FileSystem& fs, const std::string& dir) {
   absl::StatusOr<std::vector<std::string>> children = fs.GetChildren(dir);
   EXPECT_TRUE(children.ok()) << children.status();

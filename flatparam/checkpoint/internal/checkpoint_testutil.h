@@ -22,8 +22,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/file_system.h"
+#include "flatparam/checkpoint/optim_io.h"
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
 #include "flatparam/model.h"
@@ -83,6 +85,12 @@ ModelSpec BigModelSpec();
 // The process's peak resident set (VmHWM) in bytes; 0 where
 // /proc/self/status does not say.
 int64_t PeakResidentBytes();
+
+// A sharded checkpoint of `ranks` (one per shard-group rank of `layout`)
+// at `dir`: MakeRankContent for each, then WriteShardedCheckpoint.
+absl::Status WriteRankStates(FileSystem& fs, const std::string& dir,
+                             const ModelLayout& layout,
+                             const std::vector<RankState>& ranks);
 
 // fs.GetChildren(dir), or {} and a test failure.
 std::vector<std::string> ListDir(FileSystem& fs, const std::string& dir);

@@ -82,6 +82,12 @@ absl::StatusOr<const SafetensorsReader*> RankFileSet::Get(int64_t rank) {
   return &*files_[rank];
 }
 
+absl::Status RankFileSet::ReadRange(int64_t rank, const std::string& name,
+                                    uint64_t offset, absl::Span<char> out) {
+  FLATPARAM_ASSIGN_OR_RETURN(const SafetensorsReader* f, Get(rank));
+  return f->ReadRange(name, offset, out);
+}
+
 absl::Status RankFileSet::ReadFlatBytes(int unit, const std::string& name,
                                         size_t size, uint64_t byte_begin,
                                         absl::Span<char> out) {

@@ -60,6 +60,11 @@ class RankFileSet {
   // Rank `rank`'s tensor file (ShardedCheckpointReader::OpenRank's checks).
   absl::StatusOr<const SafetensorsReader*> Get(int64_t rank);
 
+  // Reads bytes [offset, offset + out.size()) of tensor `name` of rank
+  // `rank`'s file (a whole tensor such as a buffer, not a flat shard).
+  absl::Status ReadRange(int64_t rank, const std::string& name, uint64_t offset,
+                         absl::Span<char> out);
+
   // Reads bytes [byte_begin, byte_begin + out.size()) of the padded
   // unsharded form of flat tensor `name` (of flat parameter `unit`,
   // elements of `size` bytes) from the rank files holding them.
