@@ -456,6 +456,7 @@ class RankTrainer {
                                 DType::kFloat32, Device::Host()},
                       options_.collective_options, "all-gather of the losses"));
     result_.losses.push_back(FoldLosses(all, world, m_count));
+    if (options_.on_loss) options_.on_loss(step, result_.losses.back());
     return absl::OkStatus();
   }
 

@@ -207,6 +207,12 @@ struct FsdpTrainOptions {
       absl::FunctionRef<absl::StatusOr<FsdpRankState>()> copy_state)>
       after_step;
 
+  // Called on every rank after each step's loss all-gather with the global
+  // step just trained and its loss (FsdpRankResult::losses' value): for
+  // progress lines. Runs on the rank's thread; it must not issue
+  // collectives.
+  std::function<void(int64_t step, float loss)> on_loss;
+
   // The options (timeout) of every collective the trainer issues: the
   // handles' (HandleOptions::collective_options), the runtime's
   // (RuntimeOptions::collective_options: the hybrid strategies' group

@@ -1,5 +1,7 @@
 #include "tools/collective_timeout.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_format.h"
 
 namespace flatparam {
@@ -13,6 +15,10 @@ absl::Status ValidateCollectiveTimeout(absl::Duration timeout) {
       "--timeout=%s: expected a positive, finite duration such as 30s or 2m "
       "(the longest any one collective may wait)",
       absl::FormatDuration(timeout)));
+}
+
+absl::Duration MpiStartTimeout(absl::Duration timeout) {
+  return std::max(timeout, absl::Minutes(1));
 }
 
 }  // namespace tools

@@ -17,6 +17,13 @@ namespace tools {
 // flag and the value ("--timeout=0: ...", "--timeout=-5s: ...").
 absl::Status ValidateCollectiveTimeout(absl::Duration timeout);
 
+// How long MPI's start may wait for every process of the job under a
+// --timeout of `timeout`: the longer of it and one minute. A collective's
+// peers are already running; a job's processes still load (a large binary,
+// a loaded machine), and a start bounded by a few seconds' --timeout would
+// fail jobs that are only slow to start.
+absl::Duration MpiStartTimeout(absl::Duration timeout);
+
 }  // namespace tools
 }  // namespace flatparam
 

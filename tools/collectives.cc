@@ -1,6 +1,7 @@
 #include "tools/collectives.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <utility>
@@ -257,14 +258,28 @@ absl::StatusOr<CollectivesReport> RunCollectivesOnRank(
     FLATPARAM_RETURN_IF_ERROR(RunConformance(comm, memory, options, report));
   }
   if (options.sweep) {
+    std::vector<std::pair<CollectiveKind, int64_t>> rows;
     for (CollectiveKind kind : kSweepKinds) {
       for (int64_t bytes = options.min_bytes; bytes <= options.max_bytes;
            bytes *= options.step_factor) {
-        FLATPARAM_ASSIGN_OR_RETURN(
-            SweepRow row, SweepOne(comm, memory, kind, bytes, options, clock));
-        report.rows.push_back(row);
+        rows.emplace_back(kind, bytes);
         if (bytes > options.max_bytes / options.step_factor) break;
       }
+    }
+    for (size_t k = 0; k < rows.size(); ++k) {
+      const auto [kind, bytes] = rows[k];
+      if (options.progress && comm.rank() == 0) {
+        // One write per line: under mpirun, lines of the ranks' streams
+        // interleave, never their characters.
+        const std::string line = absl::StrFormat(
+            "fsdp collectives: sweep row %d of %d: %s, %d bytes\n", k + 1,
+            rows.size(), conformance::CollectiveKindName(kind), bytes);
+        std::fwrite(line.data(), 1, line.size(), stderr);
+        std::fflush(stderr);
+      }
+      FLATPARAM_ASSIGN_OR_RETURN(
+          SweepRow row, SweepOne(comm, memory, kind, bytes, options, clock));
+      report.rows.push_back(row);
     }
   }
   return report;

@@ -69,6 +69,10 @@ struct CollectivesOptions {
   int64_t step_factor = 4;
   int64_t iterations = 0;
   int64_t warmup = -1;
+  // --progress: rank 0 prints "fsdp collectives: sweep row K of N: OP,
+  // B bytes" to stderr as each row of the sweep starts, so that a long
+  // sweep shows where it is (and a hang, which size it hung at).
+  bool progress = false;
   // --timeout: the CollectiveOptions::timeout of every collective the
   // command issues (the conformance cases, the sweep's barriers and
   // collectives, the gathers of the ranks' summaries) and, under mpirun,

@@ -30,6 +30,8 @@ ABSL_FLAG(int64_t, large_elements,
           flatparam::conformance::kDefaultLargeElements,
           "Elements of the conformance suite's large cases (0: none).");
 ABSL_FLAG(bool, sweep, true, "Run the bandwidth sweep.");
+ABSL_FLAG(bool, progress, false,
+          "Rank 0 prints each sweep row to stderr as it starts.");
 ABSL_FLAG(int64_t, min_bytes, 1 << 10, "The sweep's smallest size.");
 ABSL_FLAG(int64_t, max_bytes, 16 << 20, "The sweep's largest size.");
 ABSL_FLAG(int64_t, step_factor, 4, "Ratio of consecutive sweep sizes.");
@@ -65,6 +67,7 @@ int CollectivesMain(const std::vector<char*>& args) {
   options.step_factor = absl::GetFlag(FLAGS_step_factor);
   options.iterations = absl::GetFlag(FLAGS_iterations);
   options.warmup = absl::GetFlag(FLAGS_warmup);
+  options.progress = absl::GetFlag(FLAGS_progress);
   options.timeout = absl::GetFlag(FLAGS_timeout).value_or(options.timeout);
   absl::Status status;
   if (const std::string dtype = absl::GetFlag(FLAGS_dtype); !dtype.empty()) {
@@ -103,7 +106,7 @@ constexpr char kHelp[] =
     "                        [--iterations=N] [--warmup=N] [--dtype=DTYPE]\n"
     "                        [--no-conformance] [--no-sweep] "
     "[--large-elements=N]\n"
-    "                        [--timeout=DURATION]\n"
+    "                        [--progress] [--timeout=DURATION]\n"
     "       mpirun -np 4 fsdp collectives [--backend=mpi|nccl]\n"
     "\n"
     "Runs the collective conformance suite (every op and dtype, counts 0, "
@@ -140,6 +143,8 @@ constexpr char kHelp[] =
     "  --warmup=N               untimed per size (default 0 sim, 2 others)\n"
     "  --dtype=DTYPE            the sweep's dtype (default float32)\n"
     "  --no-conformance         skip the conformance suite\n"
+    "  --progress               rank 0 prints each sweep row to stderr as it\n"
+    "                           starts\n"
     "  --no-sweep               skip the bandwidth sweep\n"
     "  --large-elements=N       the suite's large cases (default 2097155; "
     "0: none)\n"
@@ -151,7 +156,9 @@ constexpr char kHelp[] =
     "(default\n"
     "                           30s, the conformance suite's case timeout; "
     "sim:\n"
-    "                           virtual time)\n";
+    "                           virtual time); MPI's start may take the "
+    "longer of\n"
+    "                           it and 1m\n";
 
 void PrintHelp(std::ostream& out) { out << kHelp; }
 

@@ -11,6 +11,7 @@
 #include "comm/mpi/mpi_communicator.h"
 #include "comm/nccl/nccl_backend.h"
 #include "flatparam/base/status_macros.h"
+#include "tools/collective_timeout.h"
 #include "tools/collectives.h"
 
 namespace flatparam {
@@ -62,6 +63,7 @@ absl::Status RunCollectivesMpi(const CollectivesOptions& options,
   MpiWorldOptions mpi;
   mpi.comm.create_timeout = options.timeout;
   mpi.timeout = options.timeout;
+  mpi.start_timeout = MpiStartTimeout(options.timeout);
   mpi.program = "fsdp collectives";
   return RunOnMpiWorld(
       [&](MpiCommunicator& world) { return RunOnWorld(world, options, out); },

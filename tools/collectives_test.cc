@@ -87,6 +87,28 @@ TEST(CollectivesTest, SimTable) {
   EXPECT_THAT(table, Not(HasSubstr("WRONG")));
 }
 
+// --progress: rank 0 alone names each sweep row on stderr as it starts;
+// without it, nothing is printed there.
+TEST(CollectivesTest, ProgressNamesEachSweepRowOnce) {
+  CollectivesOptions options = Quick(3, 2);
+  options.conformance = false;
+  options.max_bytes = 4096;
+  std::ostringstream out;
+  ::testing::internal::CaptureStderr();
+  ASSERT_THAT(RunCollectivesSim(options, out), IsOk());
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+  options.progress = true;
+  ::testing::internal::CaptureStderr();
+  ASSERT_THAT(RunCollectivesSim(options, out), IsOk());
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(),
+            "fsdp collectives: sweep row 1 of 6: all_gather, 1024 bytes\n"
+            "fsdp collectives: sweep row 2 of 6: all_gather, 4096 bytes\n"
+            "fsdp collectives: sweep row 3 of 6: reduce_scatter, 1024 bytes\n"
+            "fsdp collectives: sweep row 4 of 6: reduce_scatter, 4096 bytes\n"
+            "fsdp collectives: sweep row 5 of 6: all_reduce, 1024 bytes\n"
+            "fsdp collectives: sweep row 6 of 6: all_reduce, 4096 bytes\n");
+}
+
 TEST(CollectivesTest, SizesRoundDownToWholeElementsPerRank) {
   std::ostringstream out;
   CollectivesOptions options = Quick(3, 2);

@@ -39,7 +39,8 @@ ABSL_FLAG(uint64_t, seed, 0,
 ABSL_FLAG(std::optional<absl::Duration>, timeout, std::nullopt,
           "The longest any one collective may wait, e.g. 30s or 2m, before "
           "the run fails with an error naming the rank and the op (default: "
-          "collectives 30s, train 5m).");
+          "collectives 30s, train 5m). Under mpirun, MPI's start may wait the "
+          "longer of this and 1m for every process of the job.");
 
 ABSL_FLAG(bool, overwrite, false,
           "Write into an output directory (or file) that holds files this "

@@ -36,14 +36,18 @@ rank_pid() {
   return 1
 }
 
-# fault_run NAME SIGNAL RANK FSDP_ARGS...: starts the job, waits until its
-# ranks have worked for a while, sends SIGNAL to RANK, and waits for the
-# job's end; sets $status and $elapsed_ms (from the signal to the end).
+# fault_run NAME SIGNAL RANK READY FSDP_ARGS...: starts the job, waits
+# until its ranks work (until its stderr matches the regex READY, and a
+# second more), sends SIGNAL to RANK, and waits for the job's end; sets
+# $status and $elapsed_ms (from the signal to the end). READY, not a fixed
+# sleep: on a loaded machine MPI's start may take longer than --timeout,
+# and a rank stopped inside the start is another test's case
+# (comm/mpi/mpi_fault_test.sh).
 # The job runs fsdp through a link named for the run, so that its processes
 # can be found (and none left behind).
 fault_run() {
-  local name=$1 signal=$2 rank=$3
-  shift 3
+  local name=$1 signal=$2 rank=$3 ready=$4
+  shift 4
   local program="$tmp/fsdp-fault-$name"
   ln -sf "$(realpath "$fsdp")" "$program"
   MPI_TEST_TIMEOUT_S=$limit_s "$mpirun_test" "$program" "$@" \
@@ -59,7 +63,15 @@ fault_run() {
     wait "$job"
     return
   fi
-  sleep 3  # Past the start: the ranks train (or sweep).
+  for i in $(seq 1 600); do
+    grep -Eq -- "$ready" "$tmp/err" && break
+    kill -0 "$job" 2>/dev/null || break
+    sleep 0.1
+  done
+  if ! grep -Eq -- "$ready" "$tmp/err"; then
+    fail "$name: never printed /$ready/: $(head -c 2000 "$tmp/err")"
+  fi
+  sleep 1  # The ranks work on.
   kill "-$signal" "$pid"
   local start
   start=$(now_ms)
@@ -93,7 +105,11 @@ names_rank_2="no data arrived from $list_with_2|$list_with_2 ha(s|ve) not taken 
 # Rank 2 stopped while the ranks train: the others time out, name it, and
 # end the job. The stop lands wherever rank 2 is, so the collective that
 # times out is an all-gather or, in the backward, a reduce-scatter.
-fault_run train-stop STOP 2 train --backend=mpi --steps=1000000
+# What the jobs print once their ranks train, or sweep.
+train_ready='^fsdp train: step [0-9]+ loss'
+sweep_ready='^fsdp collectives: sweep row 1 of'
+fault_run train-stop STOP 2 "$train_ready" train --backend=mpi \
+  --steps=1000000 --log-every=50
 expect_err train-stop '^fsdp train: .*rank [013]: (all_gather|reduce_scatter|all_reduce) #[0-9]+ .*timed out after 4s' \
   "a timeout"
 expect_err train-stop "$names_rank_2" \
@@ -101,8 +117,8 @@ expect_err train-stop "$names_rank_2" \
 expect_err train-stop 'ending the MPI job \(MPI_Abort\)' "the job's end"
 
 # The same during the collectives' sweep.
-fault_run collectives-stop STOP 2 collectives --backend=mpi --conformance=false \
-  --iterations=1000000 --max-bytes=65536
+fault_run collectives-stop STOP 2 "$sweep_ready" collectives --backend=mpi \
+  --conformance=false --progress --iterations=1000000 --max-bytes=65536
 expect_err collectives-stop '^fsdp collectives: rank [013] of 4: .*timed out after 4s' \
   "a timeout"
 expect_err collectives-stop "$names_rank_2" \
@@ -110,9 +126,11 @@ expect_err collectives-stop "$names_rank_2" \
 expect_err collectives-stop 'ending the MPI job \(MPI_Abort\)' "the job's end"
 
 # A killed rank: mpirun ends the job at once.
-fault_run train-kill KILL 1 train --backend=mpi --steps=1000000
-fault_run collectives-kill KILL 1 collectives --backend=mpi --conformance=false \
-  --iterations=1000000 --max-bytes=65536
+fault_run train-kill KILL 1 "$train_ready" train --backend=mpi \
+  --steps=1000000 --log-every=50
+fault_run collectives-kill KILL 1 "$sweep_ready" collectives \
+  --backend=mpi --conformance=false --progress --iterations=1000000 \
+  --max-bytes=65536
 
 # Rank 2 stopped, or killed, while it loads its shard of a checkpoint (an
 # LD_PRELOAD library signals it at the open of its rank file): the others

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -467,6 +468,9 @@ absl::Status ValidateTrainCommandOptions(const TrainCommandOptions& o) {
         absl::StrFormat("--global-batch=%d: must be >= 1 (0: 2 per "
                         "rank)",
                         o.global_batch));
+  }
+  if (o.log_every < 0) {
+    return Bad(absl::StrFormat("--log-every=%d: must be >= 0", o.log_every));
   }
   if (o.save_every.has_value() && *o.save_every < 1) {
     return Bad(absl::StrFormat("--save-every=%d: must be >= 1", *o.save_every));
@@ -939,11 +943,26 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
   if (initial_state.has_value()) {
     report.options.initial_state.emplace(*std::move(initial_state));
   }
+  if (command.log_every > 0 && world.rank() == 0) {
+    report.options.on_loss = [every = command.log_every, first_step,
+                              begin = absl::Now()](int64_t step, float loss) {
+      if ((step - first_step + 1) % every != 0) return;
+      // One write per line: under mpirun the lines of ranks' streams
+      // interleave, never their characters.
+      const std::string line = absl::StrFormat(
+          "fsdp train: step %d loss %.9g (%s elapsed)\n", step, loss,
+          absl::FormatDuration(
+              absl::Trunc(absl::Now() - begin, absl::Milliseconds(1))));
+      std::fwrite(line.data(), 1, line.size(), stderr);
+      std::fflush(stderr);
+    };
+  }
   absl::StatusOr<refmodel::FsdpRankResult> trained =
       refmodel::TrainFsdpOnRank(world, device, report.options);
   // Neither the loaded state nor the hook is part of the report.
   report.options.initial_state.reset();
   report.options.after_step = nullptr;
+  report.options.on_loss = nullptr;
   if (saver.has_value()) {
     // Also after a failure, a save in flight is finished (collectively:
     // every save's errors and every collective failure reach every rank,

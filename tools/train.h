@@ -163,6 +163,10 @@ struct TrainCommandOptions {
   // --async-save (needs --save): write the saves in the background
   // (AsyncCheckpointSaver).
   bool async_save = false;
+  // --log-every=N (>= 0): rank 0 prints "fsdp train: step S loss L (T
+  // elapsed)" to stderr after every N-th step of the run (0: never), so
+  // that a long run shows it is alive.
+  int64_t log_every = 0;
   // --timeout: the CollectiveOptions::timeout of every collective the
   // command issues: the handles' and the rest of the trainer's
   // (FsdpTrainOptions::collective_options), the status exchanges of a

@@ -53,6 +53,9 @@ ABSL_FLAG(std::optional<int64_t>, save_every, std::nullopt,
 ABSL_FLAG(bool, async_save, false,
           "With --save: write the checkpoints in the background while "
           "training goes on (AsyncCheckpointSaver).");
+ABSL_FLAG(int64_t, log_every, 0,
+          "Rank 0 prints the step and its loss to stderr after every N-th "
+          "step (0: never).");
 ABSL_FLAG(std::string, load, "",
           "Resume from the sharded checkpoint in this directory.");
 
@@ -92,6 +95,7 @@ int TrainMain(const std::vector<char*>& args) {
   options.load_dir = absl::GetFlag(FLAGS_load);
   options.save_every = absl::GetFlag(FLAGS_save_every);
   options.async_save = absl::GetFlag(FLAGS_async_save);
+  options.log_every = absl::GetFlag(FLAGS_log_every);
   options.timeout = absl::GetFlag(FLAGS_timeout).value_or(options.timeout);
   for (const char* flag : {"seed", "optimizer", "lr", "global_batch",
                            "micro_batches", "mixed_precision", "sync"}) {
@@ -125,7 +129,7 @@ constexpr char kHelp[] =
     "                  [--global-batch=B] [--check-reference]\n"
     "                  [--save=DIR [--save-every=N] [--async-save]] "
     "[--load=DIR]\n"
-    "                  [--timeout=DURATION]\n"
+    "                  [--log-every=N] [--timeout=DURATION]\n"
     "       mpirun -np 4 fsdp train [--backend=mpi|nccl] ...\n"
     "\n"
     "Trains the reference model (a per-token MLP language model: vocab 17,\n"
@@ -223,7 +227,11 @@ constexpr char kHelp[] =
     "                           exchanges; mpi/nccl: also setup), e.g. 30s "
     "or 2m;\n"
     "                           must be positive (default 5m; sim: virtual "
-    "time)\n";
+    "time);\n"
+    "                           MPI's start may take the longer of it and 1m\n"
+    "  --log-every=N            rank 0 prints \"fsdp train: step S loss L\"\n"
+    "                           to stderr after every N-th step (default 0:\n"
+    "                           never)\n";
 
 void PrintHelp(std::ostream& out) { out << kHelp; }
 

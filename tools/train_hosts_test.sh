@@ -49,11 +49,14 @@ grep -q 'bitwise equal' "$tmp/out" || fail "4 hosts: not bitwise equal"
 # host_fault NAME ACTION TARGET [TIMEOUT_S [FSDP_ARGS...]]: runs fsdp (by
 # default training) on 4 hosts, one rank each, until ACTION hits TARGET
 # (stop or kill rank TARGET, or cut host TARGET's link), then checks that
-# the job ends within the bound and leaves nothing behind.
+# the job ends within the bound and leaves nothing behind. FSDP_ARGS must
+# make the job print its progress (train --log-every, collectives
+# --progress).
 host_fault() {
   local name=$1 action=$2 target=$3 timeout_s=${4:-$timeout_s}
   local command=("${@:5}")
-  [ "${#command[@]}" -gt 0 ] || command=(train --backend=mpi --steps=1000000)
+  [ "${#command[@]}" -gt 0 ] ||
+    command=(train --backend=mpi --steps=1000000 --log-every=50)
   hosts_mpirun 4 1 "$fsdp" "${command[@]}" \
     --timeout="${timeout_s}s" >"$tmp/out" 2>"$tmp/err" &
   local job=$! pid="" i
@@ -62,7 +65,17 @@ host_fault() {
     sleep 0.1
   done
   [ -n "$pid" ] || fail "$name: rank 3 never started: $(head -c 2000 "$tmp/err")"
-  sleep 3  # Past the start: the ranks train.
+  # Past the start for certain (a loaded machine may take longer than
+  # --timeout to start MPI): the job says its ranks train, or sweep.
+  local ready='^fsdp (train: step [0-9]+ loss|collectives: sweep row 1 of)'
+  for i in $(seq 1 600); do
+    grep -Eq -- "$ready" "$tmp/err" && break
+    kill -0 "$job" 2>/dev/null || break
+    sleep 0.1
+  done
+  grep -Eq -- "$ready" "$tmp/err" ||
+    fail "$name: never printed /$ready/: $(head -c 2000 "$tmp/err")"
+  sleep 1  # The ranks work on.
   case $action in
     stop) kill -STOP "$(hosts_rank_pid "$target")" ;;
     kill) kill -KILL "$(hosts_rank_pid "$target")" ;;
@@ -102,7 +115,7 @@ host_fault cut cut 2 10
 grep -qE 'lost communication with a remote daemon|unable to reliably start one or more daemons|no data arrived from rank 2' \
   "$tmp/err" || fail "cut: the lost host is not reported: $(head -c 3000 "$tmp/err")"
 host_fault collectives-cut cut 2 10 collectives --backend=mpi \
-  --conformance=false --iterations=1000000 --max-bytes=65536
+  --conformance=false --progress --iterations=1000000 --max-bytes=65536
 
 # A link that loses packets for 3 s and then recovers, well within the
 # timeout: TCP retransmits, and the run succeeds bitwise.

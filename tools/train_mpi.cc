@@ -11,6 +11,7 @@
 #include "flatparam/base/status_macros.h"
 #include "flatparam/device/cuda/cuda_device.h"
 #include "flatparam/device/device.h"
+#include "tools/collective_timeout.h"
 #include "tools/train.h"
 
 namespace flatparam {
@@ -81,6 +82,7 @@ absl::Status RunTrainMpi(const TrainCommandOptions& options,
   MpiWorldOptions mpi;
   mpi.comm.create_timeout = options.timeout;
   mpi.timeout = options.timeout;
+  mpi.start_timeout = MpiStartTimeout(options.timeout);
   mpi.program = "fsdp train";
   return RunOnMpiWorld(
       [&](MpiCommunicator& world) { return RunOnWorld(world, options, out); },

@@ -17,6 +17,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "comm/communicator.h"
@@ -95,6 +98,42 @@ TEST(RunTrainSimTest, WithoutCheckPrintsNoVerdict) {
   EXPECT_THAT(RunTrainSim(o, out), IsOk());
   EXPECT_THAT(out.str(), Not(HasSubstr("# check")));
   EXPECT_THAT(out.str(), HasSubstr("formula "));
+}
+
+// --log-every: rank 0 alone prints every N-th step's loss to stderr, the
+// same loss as the report's table; the report itself is unchanged.
+TEST(RunTrainSimTest, LogEveryPrintsEveryNthStepsLossOnce) {
+  TrainCommandOptions o = Options("FULL_SHARD", 4);
+  o.check_reference = false;
+  o.steps = 5;
+  std::ostringstream quiet;
+  ASSERT_THAT(RunTrainSim(o, quiet), IsOk());
+  o.log_every = 2;
+  std::ostringstream out;
+  ::testing::internal::CaptureStderr();
+  const absl::Status status = RunTrainSim(o, out);
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ASSERT_THAT(status, IsOk());
+  EXPECT_EQ(out.str(), quiet.str());
+  std::vector<std::string> lines = absl::StrSplit(log, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 2) << log;
+  for (int i = 0; i < 2; ++i) {
+    const int step = 1 + 2 * i;  // After the 2nd and the 4th step.
+    const std::string prefix =
+        absl::StrFormat("fsdp train: step %d loss ", step);
+    ASSERT_TRUE(absl::StartsWith(lines[i], prefix)) << lines[i];
+    const size_t paren = lines[i].rfind(" (");
+    ASSERT_NE(paren, std::string::npos) << lines[i];
+    const std::string value =
+        lines[i].substr(prefix.size(), paren - prefix.size());
+    EXPECT_THAT(out.str(),
+                HasSubstr(absl::StrFormat("\n%4d  %s\n", step, value)));
+    EXPECT_THAT(lines[i], HasSubstr(" elapsed)"));
+  }
+  o.log_every = -1;
+  EXPECT_THAT(RunTrainSim(o, out),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--log-every=-1: must be >= 0")));
 }
 
 // A result that is off by one bit fails the check, and the verdict says so.

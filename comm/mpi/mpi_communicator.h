@@ -315,13 +315,21 @@ class MpiCommunicator final : public Communicator {
   std::shared_ptr<internal_mpi::CommState> state_;
 };
 
+// RunOnMpiWorld's default bound on MPI's start.
+inline constexpr absl::Duration kDefaultMpiStartTimeout = absl::Minutes(5);
+
 // How RunOnMpiWorld starts and ends an MPI job.
 struct MpiWorldOptions {
   // The world communicator's options (its create_timeout bounds the
   // world's creation).
   MpiOptions comm;
-  // Bounds every wait of the job's start and end that involves the other
-  // processes: MPI_Init_thread, the exit handshake and MPI_Finalize.
+  // Bounds MPI_Init_thread, which waits for every process of the job.
+  // Longer than a collective's timeout by default: a job's processes load
+  // and start at their own pace (a loaded machine, a large binary, a slow
+  // file system), while a collective's peers are already running.
+  absl::Duration start_timeout = kDefaultMpiStartTimeout;
+  // Bounds every wait of the job's end that involves the other processes:
+  // the exit handshake and MPI_Finalize.
   absl::Duration timeout = kDefaultCollectiveTimeout;
   // Prefixes what RunOnMpiWorld prints: "<program>: <message>".
   std::string program = "flatparam";
@@ -332,7 +340,7 @@ struct MpiWorldOptions {
 // program's main(). It never waits without a deadline for a peer that may
 // never come (a stopped or killed process, a cut link):
 //
-//  - Start. A watchdog bounds MPI_Init_thread by options.timeout: MPI's
+//  - Start. A watchdog bounds MPI_Init_thread by options.start_timeout: MPI's
 //    start waits for every process of the job, so a process that never
 //    reaches it (stopped, not launched) would hold the others forever. When
 //    it fires, the process prints "<program>: rank R: MPI did not start
@@ -363,7 +371,8 @@ absl::Status RunOnMpiWorld(
     const std::function<absl::Status(MpiCommunicator&)>& fn,
     const MpiWorldOptions& options);
 // The same with default MpiWorldOptions but for the communicator's options;
-// options.create_timeout also bounds the start and the end.
+// options.create_timeout also bounds the end (the start keeps its default
+// bound, kDefaultMpiStartTimeout).
 absl::Status RunOnMpiWorld(
     const std::function<absl::Status(MpiCommunicator&)>& fn,
     const MpiOptions& options = {});

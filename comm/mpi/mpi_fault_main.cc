@@ -2,7 +2,8 @@
 // within its timeout, run under mpirun by mpi_fault_test.sh: every rank
 // all-gathers in a loop, and one rank injects a fault.
 //
-//   mpi_fault_main --fault=F [--fault_rank=R] [--timeout=4s] [--ops=N]
+//   mpi_fault_main --fault=F [--fault_rank=R] [--timeout=4s]
+//                  [--start_timeout=60s] [--ops=N]
 //
 // Faults, on rank R (every rank for all-error):
 //   none               no fault: the job finalises cleanly, every rank OK.
@@ -44,7 +45,9 @@ ABSL_FLAG(std::string, fault, "none",
           "all-error or stop-at-end");
 ABSL_FLAG(int, fault_rank, 2, "The rank that injects the fault.");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(4),
-          "Every collective's timeout, and RunOnMpiWorld's.");
+          "Every collective's timeout, and RunOnMpiWorld's for the job's end.");
+ABSL_FLAG(absl::Duration, start_timeout, absl::Seconds(60),
+          "RunOnMpiWorld's bound on MPI's start.");
 ABSL_FLAG(int, ops, 20, "All-gathers per rank.");
 
 namespace flatparam {
@@ -120,6 +123,7 @@ int Main(int argc, char** argv) {
   MpiWorldOptions options;
   options.comm.create_timeout = timeout;
   options.timeout = timeout;
+  options.start_timeout = absl::GetFlag(FLAGS_start_timeout);
   options.program = "mpi_fault";
   int rank = -1;
   const absl::Status status = RunOnMpiWorld(

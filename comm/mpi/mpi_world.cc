@@ -159,19 +159,20 @@ absl::Status RunOnMpiWorld(
     const std::function<absl::Status(MpiCommunicator&)>& fn,
     const MpiWorldOptions& options) {
   const std::string& program = options.program;
+  const std::string start_timeout = absl::FormatDuration(options.start_timeout);
   const std::string timeout = absl::FormatDuration(options.timeout);
   std::string who = LauncherRank() >= 0
                         ? absl::StrFormat("rank %d", LauncherRank())
                         : std::string("this process");
   absl::StatusOr<MpiSession> session = [&] {
     Watchdog start(
-        options.timeout, program,
+        options.start_timeout, program,
         absl::StrFormat(
             "%s: MPI did not start within %s: MPI_Init waits for every "
             "process of the job, and at least one has not reached it "
             "(stopped, still starting, or not launched); exiting, so that "
             "mpirun ends the job",
-            who, timeout));
+            who, start_timeout));
     return MpiSession::Start(nullptr, nullptr);
   }();
   if (!session.ok()) return session.status();
