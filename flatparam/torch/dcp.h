@@ -48,13 +48,17 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/checkpoint/file_system.h"
+#include "flatparam/checkpoint/hf_checkpoint.h"
 #include "flatparam/flatten.h"
+#include "flatparam/layout.h"
+#include "flatparam/model.h"
 #include "nlohmann/json.hpp"
 
 namespace flatparam {
@@ -139,6 +143,43 @@ class DcpReader {
   std::string dir_;
   DcpMetadata metadata_;
 };
+
+struct DcpImportOptions {
+  // cast, ignored_suffixes, names and convert as for safetensors
+  // (weights_only is decided by `optimizer` and what the checkpoint holds).
+  checkpoint::HfImportOptions hf;
+  // The prefix of the model's keys: "model." where DCP flattened
+  // {"model": ..., "optim": ...}, "" for keys at the top level (FSDP1's
+  // SHARDED_STATE_DICT, torchtitan). Unset: whichever holds more of the
+  // model's parameters.
+  std::optional<std::string> model_prefix;
+  // The prefix of the optimizer's keys, which are
+  // "<prefix>state.<fqn>.<state name>" and either "<prefix>param_groups" (a
+  // bytes item: the list of groups, "params" naming parameters by FQN) or
+  // "<prefix>param_groups.<fqn>.<hyperparameter>"
+  // (get_optimizer_state_dict(..., flatten_optimizer_state_dict=True):
+  // parameters with equal hyperparameters become one group). Unset: the
+  // first of "optim.", "optimizer." and "" under which a parameter of the
+  // model has state; none: weights only.
+  std::optional<std::string> optim_prefix;
+  // Import the optimizer state when there is some.
+  bool optimizer = true;
+};
+
+// Imports the DCP checkpoint in `in_dir` (model and, with
+// options.optimizer, optimizer state) into a sharded checkpoint of `spec`
+// at `world_size` ranks in `out_dir`, as ImportHfCheckpoint does (same
+// checks of names, dtypes, shapes and tied copies, same report; errors name
+// `in_dir`). The tensors are staged as safetensors in a sibling of
+// `out_dir` (removed afterwards) and read chunk by chunk: for tensors
+// chunked on their first dimension (FSDP, FSDP2, torchtitan) one chunk is
+// in memory at a time; other chunkings hold one whole tensor. On error
+// `out_dir` is unchanged.
+absl::StatusOr<checkpoint::HfImportReport> ImportDcpCheckpoint(
+    checkpoint::FileSystem& fs, const std::string& in_dir,
+    const ModelSpec& spec, const LayoutOptions& layout_options,
+    int64_t world_size, const std::string& out_dir,
+    const DcpImportOptions& options = {});
 
 }  // namespace libtorch
 }  // namespace flatparam

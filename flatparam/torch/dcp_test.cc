@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -10,13 +11,18 @@
 
 #include "absl/strings/str_cat.h"
 #include "flatparam/base/status_matchers.h"
+#include "flatparam/checkpoint/checkpoint_dir.h"
+#include "flatparam/checkpoint/convert.h"
+#include "flatparam/checkpoint/safetensors.h"
 #include "nlohmann/json.hpp"
 
 namespace flatparam {
 namespace libtorch {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using json = nlohmann::json;
 
 checkpoint::FileSystem& Fs() { return checkpoint::PosixFileSystem(); }
@@ -184,6 +190,135 @@ TEST(DcpReaderTest, ATruncatedOrMissingMetadataIsAnError) {
                        HasSubstr("the pickle is a dict, not a Metadata")));
   EXPECT_THAT(DcpReader::Open(Fs(), Fixture("nowhere")),
               StatusIs(absl::StatusCode::kNotFound));
+}
+
+std::string TempDir(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  return absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", name);
+}
+
+// The fixtures' model: float32 weights (the bfloat16 bias is cast), the
+// int64 "count" of the 1.13 fixtures a buffer.
+ModelSpec FixtureModel(bool with_count) {
+  ModelSpec m;
+  m.name = "dcp-fixture";
+  m.params = {{"embed.weight", {7, 3}},
+              {"layers.0.weight", {5, 3}},
+              {"layers.0.bias", {5}}};
+  m.wrap = {"layers.0"};
+  if (with_count) m.buffers = {{"count", {3}, DType::kInt64}};
+  return m;
+}
+
+LayoutOptions Layout(int64_t world_size) {
+  LayoutOptions o;
+  o.world_size = world_size;
+  return o;
+}
+
+void ExpectTensor(const checkpoint::SafetensorsReader& file,
+                  const std::string& name, const json& want) {
+  SCOPED_TRACE(name);
+  absl::StatusOr<HostTensor> t = file.ReadHostTensor(name);
+  ASSERT_THAT(t, IsOk());
+  EXPECT_EQ(t->shape(), want["shape"].get<std::vector<int64_t>>());
+  const std::vector<double> values = want["values"].get<std::vector<double>>();
+  ASSERT_EQ(t->numel(), static_cast<int64_t>(values.size()));
+  for (int64_t i = 0; i < t->numel(); ++i) {
+    const double got = t->dtype() == DType::kInt64
+                           ? static_cast<double>(t->data_as<int64_t>()[i])
+                           : t->GetDouble(i);
+    ASSERT_EQ(got, values[i]) << "element " << i;
+  }
+}
+
+// The 2.x layout's model and AdamW state, imported at 3 ranks and
+// consolidated: every value equals what Python saved, bit for bit, and the
+// param group carries over.
+TEST(ImportDcpCheckpointTest, ModelAndOptimizerOfThe2LayoutAtThreeRanks) {
+  const std::string out = TempDir("v2_w3");
+  DcpImportOptions options;
+  options.hf.cast = true;
+  absl::StatusOr<checkpoint::HfImportReport> report = ImportDcpCheckpoint(
+      Fs(), Fixture("v2"), FixtureModel(false), Layout(3), 3, out, options);
+  ASSERT_THAT(report, IsOk());
+  EXPECT_EQ(report->imported, 3);
+  EXPECT_EQ(report->cast, 1);
+  EXPECT_TRUE(report->optimizer);
+  EXPECT_EQ(report->optimizer_params, 3);
+  EXPECT_EQ(report->optimizer_groups, 1);
+  ASSERT_THAT(checkpoint::ConsolidateCheckpoint(Fs(), out, out + "_full"),
+              IsOk());
+  absl::StatusOr<checkpoint::FullCheckpointReader> full =
+      checkpoint::FullCheckpointReader::Open(Fs(), out + "_full");
+  ASSERT_THAT(full, IsOk());
+  const json& want = Expected()["v2"];
+  for (const char* fqn : {"embed.weight", "layers.0.weight", "layers.0.bias"}) {
+    ExpectTensor(full->model(), fqn, want[absl::StrCat("model.", fqn)]);
+    for (const char* state : {"exp_avg", "exp_avg_sq", "step"}) {
+      ExpectTensor(full->optim(), absl::StrCat("state.", fqn, ".", state),
+                   want[absl::StrCat("optim.state.", fqn, ".", state)]);
+    }
+  }
+  ASSERT_TRUE(full->optim_json().contains("param_groups"))
+      << full->optim_json().dump();
+  const json& groups = full->optim_json()["param_groups"];
+  ASSERT_EQ(groups.size(), 1) << full->optim_json().dump();
+  EXPECT_EQ(groups[0].value("hyperparams", json()).value("lr", json()),
+            json({{"float", 0.01}}))
+      << groups.dump();
+  EXPECT_EQ(groups[0].value("hyperparams", json()).value("betas", json()),
+            json({{"floats", {0.9, 0.999}}}));
+  EXPECT_EQ(groups[0].value("params", json()),
+            json({"embed.weight", "layers.0.weight", "layers.0.bias"}));
+}
+
+// PyTorch 1.13's checkpoints (keys at the top level, no optimizer), saved
+// by 2 and 4 ranks, imported at 3: the weights and the buffer equal
+// Python's.
+TEST(ImportDcpCheckpointTest, WeightsOfPyTorch113CheckpointsAtThreeRanks) {
+  for (const char* dir : {"w2", "w4"}) {
+    SCOPED_TRACE(dir);
+    const std::string out = TempDir(absl::StrCat(dir, "_w3"));
+    DcpImportOptions options;
+    options.hf.cast = true;
+    absl::StatusOr<checkpoint::HfImportReport> report = ImportDcpCheckpoint(
+        Fs(), Fixture(dir), FixtureModel(true), Layout(3), 3, out, options);
+    ASSERT_THAT(report, IsOk());
+    EXPECT_FALSE(report->optimizer);
+    ASSERT_THAT(checkpoint::ConsolidateCheckpoint(Fs(), out, out + "_full"),
+                IsOk());
+    absl::StatusOr<checkpoint::FullCheckpointReader> full =
+        checkpoint::FullCheckpointReader::Open(Fs(), out + "_full");
+    ASSERT_THAT(full, IsOk());
+    for (const char* fqn :
+         {"embed.weight", "layers.0.weight", "layers.0.bias", "count"}) {
+      ExpectTensor(full->model(), fqn, Expected()["v1"][fqn]);
+    }
+  }
+}
+
+// What does not fit the model is refused before anything is written,
+// naming the user's directory, not the staged files.
+TEST(ImportDcpCheckpointTest, AMismatchIsRefusedNamingTheCheckpoint) {
+  const std::string out = TempDir("mismatch");
+  ModelSpec wrong = FixtureModel(false);
+  wrong.params[0].shape = {7, 4};
+  DcpImportOptions options;
+  options.hf.cast = true;
+  absl::StatusOr<checkpoint::HfImportReport> report = ImportDcpCheckpoint(
+      Fs(), Fixture("v2"), wrong, Layout(2), 2, out, options);
+  EXPECT_THAT(report, StatusIs(absl::StatusCode::kFailedPrecondition,
+                               AllOf(HasSubstr(Fixture("v2")),
+                                     HasSubstr("embed.weight"),
+                                     Not(HasSubstr(".tmp")))));
+  EXPECT_THAT(Fs().Exists(out), IsOkAndHolds(false));
+  // Without the cast, the bfloat16 bias is named.
+  EXPECT_THAT(ImportDcpCheckpoint(Fs(), Fixture("v2"), FixtureModel(false),
+                                  Layout(2), 2, out),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("layers.0.bias")));
+  EXPECT_THAT(Fs().Exists(out), IsOkAndHolds(false));
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/optim_io.h"
 #include "flatparam/checkpoint/safetensors.h"
+#include "flatparam/torch/internal/staging.h"
 #include "flatparam/torch/torch_save.h"
 
 namespace flatparam {
@@ -27,57 +28,11 @@ namespace {
 
 using checkpoint::FileSystem;
 using checkpoint::JoinPath;
-
-// Removes a staging directory when it goes out of scope.
-class StagingDir {
- public:
-  StagingDir(FileSystem& fs, std::string path)
-      : fs_(fs), path_(std::move(path)) {}
-  ~StagingDir() { checkpoint::RemoveRecursively(fs_, path_).IgnoreError(); }
-  absl::Status Create() {
-    FLATPARAM_RETURN_IF_ERROR(checkpoint::RemoveRecursively(fs_, path_));
-    return fs_.CreateDir(path_);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  FileSystem& fs_;
-  std::string path_;
-};
-
-// The output replaces whatever is at `out`: it must be neither the input
-// nor a directory holding it (by spelling, as hf_checkpoint.cc checks).
-absl::Status CheckDistinct(const std::string& in, const std::string& out) {
-  auto strip = [](std::string p) {
-    while (p.size() > 1 && p.back() == '/') p.pop_back();
-    return p;
-  };
-  const std::string i = strip(in);
-  const std::string o = strip(out);
-  if (i == o || absl::StartsWith(i, absl::StrCat(o, "/"))) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the output directory ", out, " is or holds the input ",
-                     in, ", and writing it would replace it; write elsewhere"));
-  }
-  return absl::OkStatus();
-}
-
-std::string StagingPath(const std::string& out_dir, absl::string_view what) {
-  std::string base = out_dir;
-  while (base.size() > 1 && base.back() == '/') base.pop_back();
-  return absl::StrCat(base, ".", what, ".tmp");
-}
-
-absl::Status WriteSafetensorsFile(
-    FileSystem& fs, const std::string& path,
-    const std::vector<checkpoint::TensorSource>& sources) {
-  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::WritableFile> file,
-                             fs.NewWritableFile(path));
-  FLATPARAM_RETURN_IF_ERROR(
-      checkpoint::WriteSafetensors(*file, path, sources, {{"format", "pt"}}));
-  FLATPARAM_RETURN_IF_ERROR(file->Sync());
-  return file->Close();
-}
+using internal_torch::CheckDistinct;
+using internal_torch::StagingDir;
+using internal_torch::StagingPath;
+using internal_torch::WithUserPaths;
+using internal_torch::WriteSafetensorsFile;
 
 // Writes one torch.save file's tensors as the safetensors file `staged`.
 absl::Status StageFile(FileSystem& fs, const TorchStateDict& tensors,
@@ -331,15 +286,9 @@ absl::StatusOr<checkpoint::HfImportReport> ImportTorchCheckpoint(
     renames[JoinPath(st, checkpoint::kOptimFileName)] = opt;
     renames[JoinPath(st, checkpoint::kOptimJsonFileName)] = opt;
     renames[st] = in;
-    // Reverse order: a path before its prefixes (the directory last).
-    std::string message(report.status().message());
-    for (auto it = renames.rbegin(); it != renames.rend(); ++it) {
-      message = absl::StrReplaceAll(message, {{it->first, it->second}});
-    }
-    return absl::Status(
-        report.status().code(),
-        absl::StrCat("importing ", in, opt.empty() ? "" : " and ", opt, ": ",
-                     message));
+    return WithUserPaths(
+        report.status(), renames,
+        absl::StrCat("importing ", in, opt.empty() ? "" : " and ", opt));
   }
   return report;
 }

@@ -135,10 +135,11 @@ def write_v2(out, world):
     flat = {}  # key -> full tensor or python value
     for name, t in model.items():
         flat["model." + name] = t
+        # float32 state (mixed precision keeps the optimizer in float32).
         flat[f"optim.state.{name}.exp_avg"] = torch.randn(
-            t.shape, generator=g).to(t.dtype)
+            t.shape, generator=g)
         flat[f"optim.state.{name}.exp_avg_sq"] = torch.rand(
-            t.shape, generator=g).to(t.dtype)
+            t.shape, generator=g)
         flat[f"optim.state.{name}.step"] = torch.tensor(3.0)
     flat["optim.param_groups"] = [{
         "lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-08,
