@@ -1,11 +1,18 @@
-// fsdp_torch_files: torch.save files in and out of flatparam checkpoints
-// (flatparam/torch/torch_save.h). A binary of its own because it links
-// LibTorch's serialization, which `fsdp` must not load (160 MiB resident).
+// fsdp_torch_files: PyTorch's files in and out of flatparam checkpoints:
+// torch.save files (flatparam/torch/torch_save.h) and Distributed
+// Checkpoint directories (flatparam/torch/dcp.h). A binary of its own
+// because it links LibTorch's serialization, which `fsdp` must not load
+// (160 MiB resident).
 //
-//   fsdp_torch_files import --in=pytorch_model.bin|INDEX|DIR
+//   fsdp_torch_files import --in=pytorch_model.bin|INDEX|DIR|DCPDIR
 //       [--optimizer=optimizer.pt] --model=NAME|PATH --world-size=W
 //       [--strategy=S] [--shard-group-size=G] [--align-addresses]
-//       [--dtype=D] [--cast] --out=CKPT
+//       [--dtype=D] [--cast] [--dcp-model-prefix=P] [--dcp-optim-prefix=P]
+//       [--no-optimizer] --out=CKPT
+//
+// A directory holding `.metadata` is a DCP checkpoint: its model and (unless
+// --no-optimizer) optimizer state are imported; the prefixes of their keys
+// are found unless given (dcp.h's DcpImportOptions).
 //   fsdp_torch_files export --in=CKPT --out=DIR [--max-shard-size=5GB]
 //       [--dtype=D] [--optimizer-keys=id|name] [--no-optimizer] [--overwrite]
 //
@@ -14,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,6 +38,7 @@
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/hf_checkpoint.h"
 #include "flatparam/model_json.h"
+#include "flatparam/torch/dcp.h"
 #include "flatparam/torch/torch_save.h"
 #include "tools/layout_request.h"
 
@@ -58,16 +67,25 @@ ABSL_FLAG(std::string, dtype, "",
 ABSL_FLAG(std::string, optimizer_keys, "id",
           "export: optimizer.bin keyed by parameter ID (optimizer."
           "state_dict()) or by name (FSDP.full_optim_state_dict)");
-ABSL_FLAG(bool, no_optimizer, false, "export: leave optimizer state out");
+ABSL_FLAG(bool, no_optimizer, false,
+          "export: leave optimizer state out; import of a DCP checkpoint: "
+          "the weights alone");
+ABSL_FLAG(std::optional<std::string>, dcp_model_prefix, std::nullopt,
+          "import of a DCP checkpoint: the model keys' prefix (\"model.\", "
+          "or \"\" for keys at the top level; default: found)");
+ABSL_FLAG(std::optional<std::string>, dcp_optim_prefix, std::nullopt,
+          "import of a DCP checkpoint: the optimizer keys' prefix "
+          "(\"optim.\", \"optimizer.\" or \"\"; default: found)");
 ABSL_FLAG(bool, overwrite, false, "export: replace an existing output");
 
 namespace flatparam {
 namespace {
 
 constexpr char kUsage[] =
-    "usage: fsdp_torch_files import --in=FILE|INDEX|DIR [--optimizer=FILE] "
-    "--model=NAME|PATH --world-size=W [--strategy=S] [--dtype=D] [--cast] "
-    "--out=CKPT\n"
+    "usage: fsdp_torch_files import --in=FILE|INDEX|DIR|DCPDIR "
+    "[--optimizer=FILE] --model=NAME|PATH --world-size=W [--strategy=S] "
+    "[--dtype=D] [--cast] [--dcp-model-prefix=P] [--dcp-optim-prefix=P] "
+    "[--no-optimizer] --out=CKPT\n"
     "       fsdp_torch_files export --in=CKPT --out=DIR "
     "[--max-shard-size=5GB] [--dtype=D] [--optimizer-keys=id|name] "
     "[--no-optimizer] [--overwrite] [--model=NAME|PATH]\n";
@@ -85,15 +103,34 @@ absl::Status Import() {
   }
   FLATPARAM_ASSIGN_OR_RETURN(tools::ResolvedLayout resolved,
                              tools::ResolveLayout(request));
-  libtorch::TorchImportOptions options;
-  options.optimizer = absl::GetFlag(FLAGS_optimizer);
-  options.hf.cast = absl::GetFlag(FLAGS_cast);
-  FLATPARAM_ASSIGN_OR_RETURN(
-      checkpoint::HfImportReport report,
-      libtorch::ImportTorchCheckpoint(
-          checkpoint::PosixFileSystem(), absl::GetFlag(FLAGS_in),
-          resolved.layout.spec(), resolved.layout.options(),
-          resolved.world_size, absl::GetFlag(FLAGS_out), options));
+  checkpoint::FileSystem& fs = checkpoint::PosixFileSystem();
+  const std::string in = absl::GetFlag(FLAGS_in);
+  checkpoint::HfImportReport report;
+  FLATPARAM_ASSIGN_OR_RETURN(const bool dcp, libtorch::IsDcpCheckpoint(fs, in));
+  if (dcp) {
+    if (!absl::GetFlag(FLAGS_optimizer).empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--optimizer: ", in,
+          " is a DCP checkpoint, which holds its optimizer state itself"));
+    }
+    libtorch::DcpImportOptions options;
+    options.hf.cast = absl::GetFlag(FLAGS_cast);
+    options.model_prefix = absl::GetFlag(FLAGS_dcp_model_prefix);
+    options.optim_prefix = absl::GetFlag(FLAGS_dcp_optim_prefix);
+    options.optimizer = !absl::GetFlag(FLAGS_no_optimizer);
+    FLATPARAM_ASSIGN_OR_RETURN(
+        report, libtorch::ImportDcpCheckpoint(
+                    fs, in, resolved.layout.spec(), resolved.layout.options(),
+                    resolved.world_size, absl::GetFlag(FLAGS_out), options));
+  } else {
+    libtorch::TorchImportOptions options;
+    options.optimizer = absl::GetFlag(FLAGS_optimizer);
+    options.hf.cast = absl::GetFlag(FLAGS_cast);
+    FLATPARAM_ASSIGN_OR_RETURN(
+        report, libtorch::ImportTorchCheckpoint(
+                    fs, in, resolved.layout.spec(), resolved.layout.options(),
+                    resolved.world_size, absl::GetFlag(FLAGS_out), options));
+  }
   std::cout << absl::GetFlag(FLAGS_out) << ": imported " << report.imported
             << " tensors (" << report.cast << " cast, " << report.tied_copies
             << " tied copies checked, " << report.ignored

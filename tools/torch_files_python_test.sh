@@ -14,11 +14,16 @@
 # that would call os.system and a legacy-format file are refused (exit 1,
 # message naming them). Skips, passing and saying so, without a python3
 # that imports torch.
-# Usage: torch_files_python_test.sh FSDP_TORCH_FILES CHECK_PY
+# Then Distributed Checkpoint: Python's DCP (1.13's writer, on 2 and 4 gloo
+# ranks) saves the same model and optimizer; fsdp_torch_files imports it at
+# 3 ranks and exports torch.save files, which Python finds equal, bit for
+# bit, to the originals.
+# Usage: torch_files_python_test.sh FSDP_TORCH_FILES CHECK_PY DCP_SHIM_PY
 set -euo pipefail
 
 tool=$1
 check=$2
+shim_dir=$(dirname "$3")  # dcp_shim.py: torch 1.13's DCP on Python 3.11
 
 # --help prints the usage and the flags (absl's default printed "No flags
 # matched" for this binary).
@@ -75,8 +80,25 @@ done
   --model="$tmp/ckpt2" --world-size=4 --out="$tmp/ckpt_from_ckpt"
 "$tool" export --in="$tmp/ckpt_from_ckpt" --out="$tmp/out_from_ckpt"
 
+# Distributed Checkpoint: PyTorch 1.13's own DCP writer on 2 and 4 gloo
+# ranks (ShardedTensors chunked on dim 0, DCP 2.x's flattened keys), into
+# flatparam at 3 ranks, out as torch.save files Python compares.
+for w in 2 4; do
+  port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  "$python" "$check" write_dcp "$tmp" "$w" "$port" "$shim_dir"
+  strategy=FULL_SHARD
+  align=
+  if [ "$w" = 4 ]; then
+    strategy=SHARD_GRAD_OP
+    align=--align-addresses
+  fi
+  "$tool" import --in="$tmp/dcp_w$w" --model="$py/model.json" --world-size=3 \
+    --strategy=$strategy $align --out="$tmp/ckpt_dcp$w"
+  "$tool" export --in="$tmp/ckpt_dcp$w" --out="$tmp/out_dcp$w"
+done
+
 "$python" "$check" check "$tmp" out2 out2_named out3 out3_named out_sharded \
-  out_from_ckpt
+  out_from_ckpt out_dcp2 out_dcp4
 
 # Refusals: exit 1 with the reason.
 "$python" - "$tmp" <<'PY'

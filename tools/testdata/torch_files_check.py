@@ -9,6 +9,20 @@
                                    sharded/ (the same state dict split by
                                    hand into two files plus
                                    pytorch_model.bin.index.json)
+  torch_files_check.py write_dcp DIR W PORT SHIM_DIR   saves the same
+                                   net and AdamW state as a Distributed
+                                   Checkpoint in DIR/dcp_wW with PyTorch
+                                   1.13's own writer on W gloo ranks, each
+                                   tensor a ShardedTensor chunked on dim 0
+                                   as FSDP's SHARDED_STATE_DICT chunks it
+                                   (0-d tensors replicated), keys flattened
+                                   as DCP 2.x flattens {"model": ...,
+                                   "optim": ...}: model.<fqn>,
+                                   optim.state.<fqn>.<name>,
+                                   optim.param_groups (a bytes item naming
+                                   parameters by FQN). SHIM_DIR holds
+                                   dcp_shim.py (torch 1.13's DCP on Python
+                                   3.11).
   torch_files_check.py check DIR OUT...  loads each export DIR/OUT with
                                    torch.load(weights_only=True) and checks
                                    it equals DIR/py's files bit for bit; the
@@ -113,6 +127,54 @@ def write(root):
               "w") as f:
         json.dump({"metadata": {"total_size": total},
                    "weight_map": weight_map}, f)
+
+
+def _sharded(t, rank, world):
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    if t.dim() == 0:
+        return t
+    chunks = torch.chunk(t, world, dim=0)
+    offset = sum(c.shape[0] for c in chunks[:rank])
+    shards = []
+    if rank < len(chunks):
+        shards = [Shard.from_tensor_and_offsets(
+            chunks[rank].clone(), [offset] + [0] * (t.dim() - 1), rank)]
+    return ShardedTensor._init_from_local_shards(shards, *t.shape)
+
+
+def _import_dcp(shim_dir):
+    sys.path.insert(0, shim_dir)
+    import dcp_shim  # noqa: F401  (before torch.distributed._shard)
+    import torch.distributed._shard.checkpoint as dcp
+    return dcp
+
+
+def _save_dcp(rank, world, out, port, shim_dir):
+    import torch.distributed as dist
+    dcp = _import_dcp(shim_dir)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    net, opt = trained()
+    names = [n for n, _ in net.named_parameters()]
+    sd = {f"model.{n}": _sharded(t, rank, world)
+          for n, t in net.state_dict().items()}
+    osd = opt.state_dict()
+    for i, state in osd["state"].items():
+        for k, v in state.items():
+            sd[f"optim.state.{names[i]}.{k}"] = _sharded(v, rank, world)
+    sd["optim.param_groups"] = [
+        dict(g, params=[names[i] for i in g["params"]])
+        for g in osd["param_groups"]]
+    dcp.save_state_dict(sd, dcp.FileSystemWriter(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def write_dcp(root, world, port, shim_dir):
+    import torch.multiprocessing as mp
+    out = os.path.join(root, f"dcp_w{world}")
+    mp.spawn(_save_dcp, args=(world, out, port, shim_dir), nprocs=world)
 
 
 def same_tensor(a, b, where):
@@ -225,5 +287,8 @@ def check(root, outs):
 if __name__ == "__main__":
     if sys.argv[1] == "write":
         write(sys.argv[2])
+    elif sys.argv[1] == "write_dcp":
+        write_dcp(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
+                  sys.argv[5])
     else:
         check(sys.argv[2], sys.argv[3:])
