@@ -15,6 +15,9 @@
 // are found unless given (dcp.h's DcpImportOptions).
 //   fsdp_torch_files export --in=CKPT --out=DIR [--max-shard-size=5GB]
 //       [--dtype=D] [--optimizer-keys=id|name] [--no-optimizer] [--overwrite]
+//   fsdp_torch_files export --format=dcp --in=CKPT --out=DIR
+//       [--dcp-world-size=W] [--dcp-format=2|1.13] [--no-optimizer]
+//       [--overwrite] [--model=NAME|PATH]
 //
 // Exit status: 0 on success, 1 when the operation fails (the error is
 // printed), 2 for a usage error.
@@ -39,6 +42,7 @@
 #include "flatparam/checkpoint/hf_checkpoint.h"
 #include "flatparam/model_json.h"
 #include "flatparam/torch/dcp.h"
+#include "flatparam/torch/dcp_export.h"
 #include "flatparam/torch/torch_save.h"
 #include "tools/layout_request.h"
 
@@ -77,6 +81,15 @@ ABSL_FLAG(std::optional<std::string>, dcp_optim_prefix, std::nullopt,
           "import of a DCP checkpoint: the optimizer keys' prefix "
           "(\"optim.\", \"optimizer.\" or \"\"; default: found)");
 ABSL_FLAG(bool, overwrite, false, "export: replace an existing output");
+ABSL_FLAG(std::string, format, "torch",
+          "export: torch (torch.save files) or dcp (a Distributed "
+          "Checkpoint directory)");
+ABSL_FLAG(int64_t, dcp_world_size, 1,
+          "export --format=dcp: the ranks it appears saved by (chunks per "
+          "tensor)");
+ABSL_FLAG(std::string, dcp_format, "2",
+          "export --format=dcp: 2 (torch.distributed.checkpoint) or 1.13 "
+          "(torch.distributed._shard.checkpoint)");
 
 namespace flatparam {
 namespace {
@@ -88,7 +101,10 @@ constexpr char kUsage[] =
     "[--no-optimizer] --out=CKPT\n"
     "       fsdp_torch_files export --in=CKPT --out=DIR "
     "[--max-shard-size=5GB] [--dtype=D] [--optimizer-keys=id|name] "
-    "[--no-optimizer] [--overwrite] [--model=NAME|PATH]\n";
+    "[--no-optimizer] [--overwrite] [--model=NAME|PATH]\n"
+    "       fsdp_torch_files export --format=dcp --in=CKPT --out=DIR "
+    "[--dcp-world-size=W] [--dcp-format=2|1.13] [--no-optimizer] "
+    "[--overwrite] [--model=NAME|PATH]\n";
 
 absl::Status Import() {
   tools::LayoutRequest request;
@@ -139,7 +155,43 @@ absl::Status Import() {
   return absl::OkStatus();
 }
 
+absl::Status ExportDcp() {
+  libtorch::DcpExportOptions options;
+  options.world_size = absl::GetFlag(FLAGS_dcp_world_size);
+  const std::string format = absl::GetFlag(FLAGS_dcp_format);
+  if (format == "1.13") {
+    options.format = libtorch::DcpExportOptions::Format::kPyTorch113;
+  } else if (format != "2") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--dcp-format=", format, ": expected 2 or 1.13"));
+  }
+  options.optimizer = !absl::GetFlag(FLAGS_no_optimizer);
+  options.convert.overwrite = absl::GetFlag(FLAGS_overwrite);
+  if (!absl::GetFlag(FLAGS_model).empty()) {
+    FLATPARAM_ASSIGN_OR_RETURN(options.model,
+                               tools::LoadModel(absl::GetFlag(FLAGS_model)));
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(
+      libtorch::DcpExportReport report,
+      libtorch::ExportDcpCheckpoint(checkpoint::PosixFileSystem(),
+                                    absl::GetFlag(FLAGS_in),
+                                    absl::GetFlag(FLAGS_out), options));
+  std::cout << absl::GetFlag(FLAGS_out) << ": exported " << report.tensors
+            << " tensors in " << report.chunks << " chunks and "
+            << report.bytes_items << " bytes items for " << options.world_size
+            << " ranks"
+            << (report.optimizer ? ", with the optimizer state" : "")
+            << " (PyTorch " << format << " DCP)\n";
+  return absl::OkStatus();
+}
+
 absl::Status Export() {
+  const std::string format = absl::GetFlag(FLAGS_format);
+  if (format == "dcp") return ExportDcp();
+  if (format != "torch") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--format=", format, ": expected torch or dcp"));
+  }
   libtorch::TorchExportOptions options;
   FLATPARAM_ASSIGN_OR_RETURN(
       options.max_shard_bytes,

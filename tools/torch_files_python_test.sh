@@ -17,7 +17,8 @@
 # Then Distributed Checkpoint: Python's DCP (1.13's writer, on 2 and 4 gloo
 # ranks) saves the same model and optimizer; fsdp_torch_files imports it at
 # 3 ranks and exports torch.save files, which Python finds equal, bit for
-# bit, to the originals.
+# bit, to the originals; and exports DCP directories, which Python's DCP
+# loads and finds equal.
 # Usage: torch_files_python_test.sh FSDP_TORCH_FILES CHECK_PY DCP_SHIM_PY
 set -euo pipefail
 
@@ -97,8 +98,22 @@ for w in 2 4; do
   "$tool" export --in="$tmp/ckpt_dcp$w" --out="$tmp/out_dcp$w"
 done
 
+# And back out as DCP: 1.13's layout, loaded by 1.13's own
+# load_state_dict; 2.x's, loaded through 1.13 with 2.x's module paths
+# aliased, and imported again by flatparam (at 2 ranks) for the torch.save
+# comparison below.
+"$tool" export --format=dcp --dcp-format=1.13 --dcp-world-size=3 \
+  --in="$tmp/ckpt_dcp2" --out="$tmp/dcp_out113"
+"$python" "$check" check_dcp "$tmp" dcp_out113 "$shim_dir"
+"$tool" export --format=dcp --dcp-world-size=4 --in="$tmp/ckpt_dcp4" \
+  --out="$tmp/dcp_out2"
+"$python" "$check" check_dcp "$tmp" dcp_out2 "$shim_dir" 2
+"$tool" import --in="$tmp/dcp_out2" --model="$py/model.json" --world-size=2 \
+  --out="$tmp/ckpt_dcp_back"
+"$tool" export --in="$tmp/ckpt_dcp_back" --out="$tmp/out_dcp_back"
+
 "$python" "$check" check "$tmp" out2 out2_named out3 out3_named out_sharded \
-  out_from_ckpt out_dcp2 out_dcp4
+  out_from_ckpt out_dcp2 out_dcp4 out_dcp_back
 
 # Refusals: exit 1 with the reason.
 "$python" - "$tmp" <<'PY'

@@ -24,6 +24,7 @@
 #include "absl/strings/str_join.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/torch/internal/pickle.h"
+#include "flatparam/torch/internal/torch_save_writer.h"
 #include "flatparam/torch/internal/zip_reader.h"
 #include "flatparam/torch/torch_save.h"
 
@@ -260,13 +261,13 @@ class Pickler {
   std::map<const HostTensor*, std::string> storage_keys_;
 };
 
-// Writes the pickle and its tensors' storages as a torch.save archive.
-absl::Status WriteTorchFile(FileSystem& fs, const std::string& path,
-                            Pickler& p) {
+// Appends the pickle and its tensors' storages to `file` as a torch.save
+// archive; the archive's size. `path` names the file in errors.
+absl::StatusOr<uint64_t> AppendArchive(checkpoint::WritableFile& file,
+                                       const std::string& path, Pickler& p) {
   p.Op('.');
-  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::WritableFile> file,
-                             fs.NewWritableFile(path));
   absl::Status write_status;
+  uint64_t written = 0;
   try {
     // The callback reports every write as done and keeps the first error:
     // LibTorch 1.13's writer throws on a short write and, when that
@@ -276,7 +277,8 @@ absl::Status WriteTorchFile(FileSystem& fs, const std::string& path,
                                                       size_t n) -> size_t {
       if (write_status.ok()) {
         write_status =
-            file->Append(absl::string_view(static_cast<const char*>(buf), n));
+            file.Append(absl::string_view(static_cast<const char*>(buf), n));
+        written += n;
       }
       return n;
     });
@@ -292,11 +294,53 @@ absl::Status WriteTorchFile(FileSystem& fs, const std::string& path,
           absl::StrCat(path, ": writing the torch.save archive: ", e.what()));
     }
   }
+  if (!write_status.ok()) return write_status;
+  return written;
+}
+
+// Writes the pickle and its tensors' storages as the torch.save file
+// `path`.
+absl::Status WriteTorchFile(FileSystem& fs, const std::string& path,
+                            Pickler& p) {
+  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::WritableFile> file,
+                             fs.NewWritableFile(path));
+  absl::Status write_status = AppendArchive(*file, path, p).status();
   if (write_status.ok()) write_status = file->Sync();
   const absl::Status closed = file->Close();
   if (write_status.ok()) write_status = closed;
   if (!write_status.ok()) fs.RemoveFile(path).IgnoreError();  // partial
   return write_status;
+}
+
+// Pickles `groups` as optimizer.state_dict()["param_groups"] holds them.
+void ParamGroups(Pickler& p, const std::vector<optim::ParamGroup>& groups) {
+  p.Op(']');
+  if (groups.empty()) return;
+  p.Op('(');
+  for (const optim::ParamGroup& g : groups) {
+    p.Op('}');
+    p.Op('(');
+    for (const auto& [name, v] : g.hyperparams) {
+      p.Str(name);
+      p.Hyper(v);
+    }
+    p.Str("params");
+    p.Op(']');
+    if (!g.params.empty()) {
+      p.Op('(');
+      for (const optim::ParamKey& k : g.params) p.Key(k);
+      p.Op('e');
+    }
+    p.Op('u');
+  }
+  p.Op('e');
+}
+
+Pickler Protocol2() {
+  Pickler p;
+  p.Op(0x80);
+  p.LE(2, 1);
+  return p;
 }
 
 }  // namespace
@@ -482,30 +526,37 @@ absl::Status WriteTorchOptimStateDict(FileSystem& fs, const std::string& path,
     p.Op('u');
   }
   p.Str("param_groups");
-  p.Op(']');
-  if (!dict.param_groups.empty()) {
-    p.Op('(');
-    for (const optim::ParamGroup& g : dict.param_groups) {
-      p.Op('}');
-      p.Op('(');
-      for (const auto& [name, v] : g.hyperparams) {
-        p.Str(name);
-        p.Hyper(v);
-      }
-      p.Str("params");
-      p.Op(']');
-      if (!g.params.empty()) {
-        p.Op('(');
-        for (const optim::ParamKey& k : g.params) p.Key(k);
-        p.Op('e');
-      }
-      p.Op('u');
-    }
-    p.Op('e');
-  }
+  ParamGroups(p, dict.param_groups);
   p.Op('u');
   return WriteTorchFile(fs, path, p);
 }
 
+namespace internal_torch {
+
+absl::StatusOr<uint64_t> AppendTorchTensorArchive(
+    checkpoint::WritableFile& file, const std::string& path,
+    const HostTensor& tensor) {
+  Pickler p = Protocol2();
+  p.Tensor(tensor);
+  return AppendArchive(file, path, p);
+}
+
+absl::StatusOr<uint64_t> AppendTorchValueArchive(
+    checkpoint::WritableFile& file, const std::string& path,
+    const optim::OptimStateValue& value) {
+  Pickler p = Protocol2();
+  p.Value(value);
+  return AppendArchive(file, path, p);
+}
+
+absl::StatusOr<uint64_t> AppendTorchParamGroupsArchive(
+    checkpoint::WritableFile& file, const std::string& path,
+    const std::vector<optim::ParamGroup>& groups) {
+  Pickler p = Protocol2();
+  ParamGroups(p, groups);
+  return AppendArchive(file, path, p);
+}
+
+}  // namespace internal_torch
 }  // namespace libtorch
 }  // namespace flatparam

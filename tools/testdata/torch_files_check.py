@@ -23,6 +23,13 @@
                                    parameters by FQN). SHIM_DIR holds
                                    dcp_shim.py (torch 1.13's DCP on Python
                                    3.11).
+  torch_files_check.py check_dcp DIR OUT SHIM_DIR [2]  loads the DCP export
+                                   DIR/OUT with PyTorch 1.13's
+                                   load_state_dict into a state dict of the
+                                   same flattened keys and checks every
+                                   tensor and the param groups equal DIR/py's
+                                   bit for bit; the weights load into a Net
+                                   with load_state_dict(strict=True).
   torch_files_check.py check DIR OUT...  loads each export DIR/OUT with
                                    torch.load(weights_only=True) and checks
                                    it equals DIR/py's files bit for bit; the
@@ -177,6 +184,44 @@ def write_dcp(root, world, port, shim_dir):
     mp.spawn(_save_dcp, args=(world, out, port, shim_dir), nprocs=world)
 
 
+def check_dcp(root, out, shim_dir, alias_2x=False):
+    dcp = _import_dcp(shim_dir)
+    if alias_2x:
+        # A PyTorch 2.x-layout export read by 1.13: 2.x's module paths
+        # resolve to 1.13's classes of the same fields (the extra
+        # storage_meta and version become attributes; planner_data is not
+        # used by the load). This checks the pickle and the layout, not 2.x's
+        # own classes.
+        import torch.distributed._shard.checkpoint.filesystem as fs113
+        import torch.distributed._shard.checkpoint.metadata as md113
+        sys.modules["torch.distributed.checkpoint.metadata"] = md113
+        sys.modules["torch.distributed.checkpoint.filesystem"] = fs113
+    py = os.path.join(root, "py")
+    want = torch.load(os.path.join(py, "pytorch_model.bin"))
+    want_opt = torch.load(os.path.join(py, "optimizer.pt"))
+    names = [n for n, _ in Net().named_parameters()]
+    sd = {f"model.{n}": torch.full_like(t, 7) for n, t in want.items()}
+    for i, state in want_opt["state"].items():
+        for k, v in state.items():
+            sd[f"optim.state.{names[i]}.{k}"] = torch.full_like(v, 7)
+    sd["optim.param_groups"] = None
+    dcp.load_state_dict(sd, dcp.FileSystemReader(os.path.join(root, out)),
+                        no_dist=True)
+    for n, t in want.items():
+        same_tensor(t, sd[f"model.{n}"], f"{out}: model.{n}")
+    for i, state in want_opt["state"].items():
+        for k, v in state.items():
+            key = f"optim.state.{names[i]}.{k}"
+            same_tensor(v, sd[key], f"{out}: {key}")
+    groups = [dict(g, params=[names[i] for i in g["params"]])
+              for g in want_opt["param_groups"]]
+    if sd["optim.param_groups"] != groups:
+        fail(f"{out}: param_groups {sd['optim.param_groups']} != {groups}")
+    net = Net()
+    net.load_state_dict({n: sd[f"model.{n}"] for n in want}, strict=True)
+    print(f"{out}: equal after PyTorch's DCP load ({len(sd)} keys)")
+
+
 def same_tensor(a, b, where):
     if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or \
             a.shape != b.shape or not torch.equal(a, b):
@@ -287,6 +332,9 @@ def check(root, outs):
 if __name__ == "__main__":
     if sys.argv[1] == "write":
         write(sys.argv[2])
+    elif sys.argv[1] == "check_dcp":
+        check_dcp(sys.argv[2], sys.argv[3], sys.argv[4],
+                  len(sys.argv) > 5 and sys.argv[5] == "2")
     elif sys.argv[1] == "write_dcp":
         write_dcp(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
                   sys.argv[5])

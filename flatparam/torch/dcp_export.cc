@@ -1,0 +1,536 @@
+#include "flatparam/torch/dcp_export.h"
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "flatparam/base/status_macros.h"
+#include "flatparam/checkpoint/checkpoint_dir.h"
+#include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/checkpoint/safetensors.h"
+#include "flatparam/optim/optim_state.h"
+#include "flatparam/torch/dcp.h"
+#include "flatparam/torch/internal/staging.h"
+#include "flatparam/torch/internal/torch_save_writer.h"
+
+namespace flatparam {
+namespace libtorch {
+namespace {
+
+using checkpoint::FileSystem;
+using checkpoint::JoinPath;
+
+// The module paths of the Metadata classes a format names.
+struct Paths {
+  std::string metadata;    // Metadata, ..., MetadataIndex
+  std::string properties;  // TensorProperties and its enum
+  std::string enum_name;   // the memory-format enum's class name
+  std::string filesystem;  // _StorageInfo
+};
+
+Paths PathsOf(DcpExportOptions::Format format) {
+  if (format == DcpExportOptions::Format::kPyTorch113) {
+    return {"torch.distributed._shard.checkpoint.metadata",
+            "torch.distributed._shard.sharded_tensor.metadata",
+            "MEM_FORMAT_ENCODING",
+            "torch.distributed._shard.checkpoint.filesystem"};
+  }
+  return {"torch.distributed.checkpoint.metadata",
+          "torch.distributed._shard.sharded_tensor.metadata",
+          "MEM_FORMAT_ENCODING", "torch.distributed.checkpoint.filesystem"};
+}
+
+// A protocol-2 pickle of the Metadata object, as Python's pickle writes
+// dataclasses (NEWOBJ of the class, BUILD with its attributes).
+class MetadataPickler {
+ public:
+  MetadataPickler() {
+    Op(0x80);
+    out_.push_back(2);
+  }
+  std::string Finish() {
+    Op('.');
+    return std::move(out_);
+  }
+
+  void Op(uint8_t op) { out_.push_back(static_cast<char>(op)); }
+  void Int(int64_t v) {
+    Op(0x8a);  // LONG1 with 8 bytes: any int64
+    out_.push_back(8);
+    for (int k = 0; k < 8; ++k) {
+      out_.push_back(static_cast<char>(static_cast<uint64_t>(v) >> (8 * k)));
+    }
+  }
+  void Str(absl::string_view s) {
+    Op('X');
+    const uint32_t n = static_cast<uint32_t>(s.size());
+    for (int k = 0; k < 4; ++k) out_.push_back(static_cast<char>(n >> (8 * k)));
+    out_.append(s.data(), s.size());
+  }
+  void None() { Op('N'); }
+  void Bool(bool b) { Op(b ? 0x88 : 0x89); }
+  void Global(absl::string_view module, absl::string_view name) {
+    Op('c');
+    absl::StrAppend(&out_, module, "\n", name, "\n");
+  }
+  void Size(const std::vector<int64_t>& dims) {  // torch.Size((dims...))
+    Global("torch", "Size");
+    Op('(');
+    for (int64_t d : dims) Int(d);
+    Op('t');
+    Op(0x85);  // TUPLE1
+    Op('R');
+  }
+  // NEWOBJ of `cls` without arguments; the caller then pushes its state
+  // and calls Build().
+  void NewObject(absl::string_view module, absl::string_view cls) {
+    Global(module, cls);
+    Op(')');
+    Op(0x81);
+  }
+  void Build() { Op('b'); }
+  void BeginDict() {
+    Op('}');
+    Op('(');
+  }
+  void EndDict() { Op('u'); }
+  void BeginList() {
+    Op(']');
+    Op('(');
+  }
+  void EndList() { Op('e'); }
+  void BeginTuple() { Op('('); }
+  void EndTuple() { Op('t'); }
+
+ private:
+  std::string out_;
+};
+
+// torch.chunk's pieces of dim 0 over `world` ranks: (offset, size) per rank
+// that gets one.
+std::vector<std::pair<int64_t, int64_t>> Chunks(int64_t rows, int64_t world) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  const int64_t size = (rows + world - 1) / world;
+  for (int64_t start = 0; start < rows; start += size) {
+    out.emplace_back(start, std::min(size, rows - start));
+  }
+  return out;
+}
+
+struct Item {
+  std::string key;
+  // Tensors: dtype, shape and chunks; bytes items: storage only.
+  bool tensor = true;
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  std::vector<DcpChunk> chunks;
+  DcpStorage storage;
+  std::vector<std::string> path;  // planner_data
+};
+
+class Exporter {
+ public:
+  Exporter(FileSystem& fs, std::string dir, const DcpExportOptions& options)
+      : fs_(fs), dir_(std::move(dir)), options_(options) {}
+
+  absl::Status Open() {
+    for (int64_t r = 0; r < options_.world_size; ++r) {
+      const std::string name = absl::StrFormat("__%d_0.distcp", r);
+      FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::WritableFile> f,
+                                 fs_.NewWritableFile(JoinPath(dir_, name)));
+      files_.push_back({name, std::move(f), 0});
+    }
+    return absl::OkStatus();
+  }
+
+  // Tensor `key` of `dtype` and `shape`, whose bytes `read` gives by range:
+  // chunked on dim 0 across the ranks.
+  absl::Status AddTensor(
+      const std::string& key, std::vector<std::string> path, DType dtype,
+      const std::vector<int64_t>& shape,
+      const std::function<absl::Status(uint64_t, absl::Span<char>)>& read) {
+    Item item;
+    item.key = key;
+    item.dtype = dtype;
+    item.shape = shape;
+    item.path = std::move(path);
+    std::vector<std::pair<int64_t, int64_t>> pieces;
+    int64_t rest = 1;  // elements per row
+    for (size_t d = 1; d < shape.size(); ++d) rest *= shape[d];
+    if (shape.empty() || shape[0] == 0 || rest == 0) {
+      pieces = {{0, shape.empty() ? 0 : shape[0]}};
+    } else {
+      pieces = Chunks(shape[0], options_.world_size);
+    }
+    const uint64_t row_bytes = static_cast<uint64_t>(rest) * DTypeSize(dtype);
+    for (size_t r = 0; r < pieces.size(); ++r) {
+      DcpChunk c;
+      c.offsets.assign(shape.size(), 0);
+      c.sizes = shape;
+      if (!shape.empty()) {
+        c.offsets[0] = pieces[r].first;
+        c.sizes[0] = pieces[r].second;
+      }
+      HostTensor piece = HostTensor::Uninitialized(dtype, c.sizes);
+      if (piece.nbytes() > 0) {
+        FLATPARAM_RETURN_IF_ERROR(read(
+            shape.empty() ? 0 : pieces[r].first * row_bytes,
+            absl::MakeSpan(static_cast<char*>(piece.data()), piece.nbytes())));
+      }
+      File& f = files_[r];
+      FLATPARAM_ASSIGN_OR_RETURN(uint64_t n,
+                                 internal_torch::AppendTorchTensorArchive(
+                                     *f.file, JoinPath(dir_, f.name), piece));
+      c.storage = {f.name, f.size, n};
+      f.size += n;
+      item.chunks.push_back(std::move(c));
+      ++chunks_;
+    }
+    items_.push_back(std::move(item));
+    return absl::OkStatus();
+  }
+
+  // A bytes item on rank 0, written by `append`.
+  absl::Status AddBytes(
+      const std::string& key, std::vector<std::string> path,
+      const std::function<absl::StatusOr<uint64_t>(
+          checkpoint::WritableFile&, const std::string&)>& append) {
+    File& f = files_[0];
+    FLATPARAM_ASSIGN_OR_RETURN(uint64_t n,
+                               append(*f.file, JoinPath(dir_, f.name)));
+    Item item;
+    item.key = key;
+    item.tensor = false;
+    item.storage = {f.name, f.size, n};
+    item.path = std::move(path);
+    f.size += n;
+    items_.push_back(std::move(item));
+    return absl::OkStatus();
+  }
+
+  // Syncs and closes the .distcp files and writes .metadata.
+  absl::Status Finish(DcpExportReport& report) {
+    for (File& f : files_) {
+      FLATPARAM_RETURN_IF_ERROR(f.file->Sync());
+      FLATPARAM_RETURN_IF_ERROR(f.file->Close());
+      report.files.push_back(f.name);
+    }
+    FLATPARAM_RETURN_IF_ERROR(checkpoint::WriteFileDurably(
+        fs_, JoinPath(dir_, kDcpMetadataFileName), Pickle()));
+    report.files.push_back(kDcpMetadataFileName);
+    for (const Item& i : items_) {
+      (i.tensor ? report.tensors : report.bytes_items) += 1;
+    }
+    report.chunks = chunks_;
+    return absl::OkStatus();
+  }
+
+ private:
+  struct File {
+    std::string name;
+    std::unique_ptr<checkpoint::WritableFile> file;
+    uint64_t size = 0;
+  };
+
+  std::string Pickle() const {
+    const Paths paths = PathsOf(options_.format);
+    const bool v2 = options_.format == DcpExportOptions::Format::kPyTorch2;
+    MetadataPickler p;
+    p.NewObject(paths.metadata, "Metadata");
+    p.BeginDict();
+    p.Str("state_dict_metadata");
+    p.BeginDict();
+    for (const Item& i : items_) {
+      p.Str(i.key);
+      if (!i.tensor) {
+        p.NewObject(paths.metadata, "BytesStorageMetadata");
+        continue;
+      }
+      p.NewObject(paths.metadata, "TensorStorageMetadata");
+      p.BeginDict();
+      p.Str("properties");
+      p.NewObject(paths.properties, "TensorProperties");
+      // __getstate__: (dtype, layout, requires_grad, memory format,
+      // pin_memory).
+      p.BeginTuple();
+      p.Global("torch", DTypeName(i.dtype));
+      p.Global("torch.serialization", "_get_layout");
+      p.Str("torch.strided");
+      p.Op(0x85);
+      p.Op('R');
+      p.Bool(false);
+      p.Global("builtins", "getattr");
+      p.Global(paths.properties, paths.enum_name);
+      p.Str("TORCH_CONTIGUOUS_FORMAT");
+      p.Op(0x86);  // TUPLE2
+      p.Op('R');
+      p.Bool(false);
+      p.EndTuple();
+      p.Build();
+      p.Str("size");
+      p.Size(i.shape);
+      p.Str("chunks");
+      p.BeginList();
+      for (const DcpChunk& c : i.chunks) {
+        p.NewObject(paths.metadata, "ChunkStorageMetadata");
+        p.BeginDict();
+        p.Str("offsets");
+        p.Size(c.offsets);
+        p.Str("sizes");
+        p.Size(c.sizes);
+        p.EndDict();
+        p.Build();
+      }
+      p.EndList();
+      p.EndDict();
+      p.Build();
+    }
+    p.EndDict();
+    p.Str("planner_data");
+    if (v2) {
+      p.BeginDict();
+      for (const Item& i : items_) {
+        p.Str(i.key);
+        p.BeginTuple();
+        for (const std::string& part : i.path) p.Str(part);
+        p.EndTuple();
+      }
+      p.EndDict();
+    } else {
+      p.None();
+    }
+    p.Str("storage_data");
+    p.BeginDict();
+    auto index = [&](const std::string& key,
+                     const std::vector<int64_t>* offsets, int64_t k) {
+      p.NewObject(paths.metadata, "MetadataIndex");
+      p.BeginDict();
+      p.Str("fqn");
+      p.Str(key);
+      p.Str("offset");
+      if (offsets != nullptr) {
+        p.Size(*offsets);
+      } else {
+        p.None();
+      }
+      p.Str("index");
+      if (offsets != nullptr) {
+        p.Int(k);
+      } else {
+        p.None();
+      }
+      p.EndDict();
+      p.Build();
+    };
+    auto info = [&](const DcpStorage& s) {
+      p.NewObject(paths.filesystem, "_StorageInfo");
+      p.BeginDict();
+      p.Str("relative_path");
+      p.Str(s.file);
+      p.Str("offset");
+      p.Int(static_cast<int64_t>(s.offset));
+      p.Str("length");
+      p.Int(static_cast<int64_t>(s.length));
+      p.EndDict();
+      p.Build();
+    };
+    for (const Item& i : items_) {
+      if (!i.tensor) {
+        index(i.key, nullptr, 0);
+        info(i.storage);
+        continue;
+      }
+      for (size_t k = 0; k < i.chunks.size(); ++k) {
+        index(i.key, &i.chunks[k].offsets, static_cast<int64_t>(k));
+        info(i.chunks[k].storage);
+      }
+    }
+    p.EndDict();
+    if (v2) {
+      p.Str("storage_meta");
+      p.None();
+      p.Str("version");
+      p.Str("1.0.0");
+    }
+    p.EndDict();
+    p.Build();
+    return p.Finish();
+  }
+
+  FileSystem& fs_;
+  std::string dir_;
+  const DcpExportOptions& options_;
+  std::vector<File> files_;
+  std::vector<Item> items_;
+  int64_t chunks_ = 0;
+};
+
+// The nested-dict path of a flattened key: the prefix's name, then the
+// rest (`parts` more levels split off at dots from the left).
+std::vector<std::string> PathOf(const std::string& prefix,
+                                std::vector<std::string> rest) {
+  std::vector<std::string> out;
+  if (!prefix.empty()) {
+    out.push_back(prefix.back() == '.' ? prefix.substr(0, prefix.size() - 1)
+                                       : prefix);
+  }
+  for (std::string& r : rest) out.push_back(std::move(r));
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<DcpExportReport> ExportDcpCheckpoint(
+    FileSystem& fs, const std::string& in_dir, const std::string& out_dir,
+    const DcpExportOptions& options) {
+  if (options.world_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("DCP world size %d: must be >= 1", options.world_size));
+  }
+  FLATPARAM_RETURN_IF_ERROR(internal_torch::CheckDistinct(in_dir, out_dir));
+  FLATPARAM_ASSIGN_OR_RETURN(bool out_exists, fs.Exists(out_dir));
+  if (out_exists && !options.convert.overwrite) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(out_dir, " exists; set overwrite to replace it"));
+  }
+  // The model's tied names, from a sharded checkpoint's layout or the
+  // caller's model; a sharded checkpoint consolidated on disk.
+  std::optional<ModelSpec> spec = options.model;
+  // The model's parameters in parameters() order, which every param
+  // group lists them in (as optimizer.state_dict() does); a full
+  // checkpoint keeps its groups' order.
+  std::vector<std::string> param_order;
+  internal_torch::StagingDir full_dir(
+      fs, internal_torch::StagingPath(out_dir, "dcp-export-full"));
+  std::string full_path = in_dir;
+  if (!checkpoint::FullCheckpointReader::Open(fs, in_dir).ok()) {
+    FLATPARAM_ASSIGN_OR_RETURN(
+        checkpoint::ShardedCheckpointReader sharded,
+        checkpoint::ShardedCheckpointReader::Open(fs, in_dir));
+    if (!spec.has_value()) spec = sharded.layout().spec();
+    param_order = optim::ModelParamOrder(sharded.layout());
+    checkpoint::ConvertOptions convert = options.convert;
+    convert.overwrite = true;
+    convert.outcome = nullptr;
+    convert.progress = nullptr;
+    FLATPARAM_RETURN_IF_ERROR(checkpoint::ConsolidateCheckpoint(
+        fs, in_dir, full_dir.path(), convert));
+    full_path = full_dir.path();
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(
+      checkpoint::FullCheckpointReader reader,
+      checkpoint::FullCheckpointReader::Open(fs, full_path));
+
+  internal_torch::StagingDir staging(
+      fs, internal_torch::StagingPath(out_dir, "dcp-export"));
+  FLATPARAM_RETURN_IF_ERROR(staging.Create());
+  Exporter out(fs, staging.path(), options);
+  FLATPARAM_RETURN_IF_ERROR(out.Open());
+  DcpExportReport report;
+
+  const checkpoint::SafetensorsReader& model = reader.model();
+  auto add_model = [&](const std::string& name,
+                       const checkpoint::SafetensorsEntry& e) {
+    return out.AddTensor(
+        options.model_prefix + name, PathOf(options.model_prefix, {name}),
+        e.dtype, e.shape,
+        [&model, source = e.name](uint64_t at, absl::Span<char> span) {
+          return model.ReadRange(source, at, span);
+        });
+  };
+  for (const checkpoint::SafetensorsEntry& e : model.tensors()) {
+    FLATPARAM_RETURN_IF_ERROR(add_model(e.name, e));
+  }
+  if (spec.has_value()) {
+    for (const ParamSpec& p : spec->params) {
+      if (!p.tied_to.empty() && !model.Contains(p.fqn) &&
+          model.Contains(p.tied_to)) {
+        FLATPARAM_ASSIGN_OR_RETURN(const checkpoint::SafetensorsEntry* target,
+                                   model.Find(p.tied_to));
+        FLATPARAM_RETURN_IF_ERROR(add_model(p.fqn, *target));
+      }
+    }
+  }
+
+  if (options.optimizer && !reader.optim_json().is_null() &&
+      !reader.optim_json().empty()) {
+    FLATPARAM_ASSIGN_OR_RETURN(
+        checkpoint::OptimSidecar sidecar,
+        checkpoint::ParseOptimSidecar(reader.optim_json(),
+                                      checkpoint::kOptimJsonFileName));
+    const checkpoint::SafetensorsReader& optim = reader.optim();
+    const std::string& op = options.optim_prefix;
+    for (const auto& [key, states] : sidecar.state) {
+      const auto* fqn = std::get_if<std::string>(&key);
+      if (fqn == nullptr) {
+        return absl::DataLossError(
+            absl::StrCat(full_path,
+                         ": optim.json keys a state by ID; a full checkpoint's "
+                         "state is keyed by name"));
+      }
+      for (const auto& [name, sv] : states) {
+        const std::string item = absl::StrCat(op, "state.", *fqn, ".", name);
+        std::vector<std::string> path = PathOf(op, {"state", *fqn, name});
+        if (sv.tensor.has_value()) {
+          FLATPARAM_ASSIGN_OR_RETURN(const checkpoint::SafetensorsEntry* e,
+                                     optim.Find(*sv.tensor));
+          FLATPARAM_RETURN_IF_ERROR(out.AddTensor(
+              item, std::move(path), e->dtype, e->shape,
+              [&optim, source = e->name](uint64_t at, absl::Span<char> span) {
+                return optim.ReadRange(source, at, span);
+              }));
+        } else {
+          FLATPARAM_RETURN_IF_ERROR(out.AddBytes(
+              item, std::move(path),
+              [&value = sv.value](checkpoint::WritableFile& f,
+                                  const std::string& p) {
+                return internal_torch::AppendTorchValueArchive(f, p, value);
+              }));
+        }
+      }
+    }
+    std::map<std::string, size_t> rank;
+    for (size_t i = 0; i < param_order.size(); ++i) {
+      rank.emplace(param_order[i], i);
+    }
+    auto rank_of = [&](const optim::ParamKey& k) {
+      const auto* name = std::get_if<std::string>(&k);
+      auto it = name == nullptr ? rank.end() : rank.find(*name);
+      return it == rank.end() ? param_order.size() : it->second;
+    };
+    for (optim::ParamGroup& g : sidecar.param_groups) {
+      std::stable_sort(g.params.begin(), g.params.end(),
+                       [&](const optim::ParamKey& a, const optim::ParamKey& b) {
+                         return rank_of(a) < rank_of(b);
+                       });
+    }
+    FLATPARAM_RETURN_IF_ERROR(out.AddBytes(
+        absl::StrCat(op, "param_groups"), PathOf(op, {"param_groups"}),
+        [&groups = sidecar.param_groups](checkpoint::WritableFile& f,
+                                         const std::string& p) {
+          return internal_torch::AppendTorchParamGroupsArchive(f, p, groups);
+        }));
+    report.optimizer = true;
+  }
+  FLATPARAM_RETURN_IF_ERROR(out.Finish(report));
+  FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(staging.path()));
+  if (out_exists) {
+    FLATPARAM_RETURN_IF_ERROR(checkpoint::RemoveRecursively(fs, out_dir));
+  }
+  FLATPARAM_RETURN_IF_ERROR(fs.Rename(staging.path(), out_dir));
+  FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(checkpoint::Dirname(out_dir)));
+  return report;
+}
+
+}  // namespace libtorch
+}  // namespace flatparam
