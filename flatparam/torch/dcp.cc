@@ -329,6 +329,20 @@ class MetadataParser {
           return Bad("%s: no storage for its chunk at %s", key,
                      Shape(c.offsets));
         }
+        // torch.save stores a tensor's bytes uncompressed, so its archive
+        // is larger than they are: a chunk cannot claim more memory than
+        // its file holds.
+        __int128 bytes = DTypeSize(e.dtype);
+        for (int64_t d : c.sizes) {
+          bytes *= d;
+          if (bytes > (__int128{1} << 64)) break;
+        }
+        if (bytes > static_cast<__int128>(c.storage.length)) {
+          return Bad("%s: a chunk at %s of sizes %s (%s) is stored in %d "
+                     "bytes, fewer than its elements take",
+                     key, Shape(c.offsets), Shape(c.sizes), DTypeName(e.dtype),
+                     c.storage.length);
+        }
       }
     }
     return absl::OkStatus();

@@ -149,6 +149,8 @@ TEST(DcpReaderTest, RefusesHostileOrDamagedMetadata) {
        "w: a chunk at [2, 0] of sizes [3, 2] reaches beyond the tensor's "
        "size [4, 2]"},
       {"huge", absl::StatusCode::kDataLoss, "w: size overflows"},
+      {"claims_more", absl::StatusCode::kDataLoss,
+       "w: a chunk at [0, 0] of sizes [524288, 2] (float32) is stored in"},
       {"slash", absl::StatusCode::kDataLoss,
        "relative_path \"../__0_0.distcp\" is not a file name"},
       {"dotdot", absl::StatusCode::kDataLoss,

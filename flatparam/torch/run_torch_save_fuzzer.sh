@@ -28,6 +28,7 @@ absl_libs=$(pkg-config --libs absl_status absl_statusor absl_str_format \
   -DJSON_DIAGNOSTICS=1 -I"$root" -I"$api" -Wno-deprecated-declarations \
   "$root/flatparam/torch/torch_save_fuzz.cc" \
   "$root/flatparam/torch/torch_save_format.cc" \
+  "$root/flatparam/torch/internal/pickle.cc" \
   "$root/flatparam/torch/internal/zip_reader.cc" \
   "$root/flatparam/checkpoint/file_system.cc" \
   "$root/flatparam/optim/optim_state.cc" \
