@@ -570,6 +570,27 @@ absl::StatusOr<NodePtr> LoadItem(FileSystem& fs, const std::string& dir,
                              fs.NewRandomAccessFile(path));
   const std::string name = absl::StrFormat("%s (%s, bytes %d-%d)", path, what,
                                            s.offset, s.offset + s.length);
+  // PyTorch's FileSystemWriter may serialize items other than by
+  // torch.save (serialization_format=SAFETENSORS: each .distcp file one
+  // safetensors file): say so rather than "not a zip archive".
+  char magic[9] = {};
+  if (s.length >= 4) {
+    FLATPARAM_RETURN_IF_ERROR(
+        file->ReadAt(s.offset, absl::Span<char>(magic, 4)));
+  }
+  if (s.length < 4 || std::memcmp(magic, "PK\x03\x04", 4) != 0) {
+    absl::StatusOr<uint64_t> size = file->Size();
+    if (size.ok() && *size >= 9 &&
+        file->ReadAt(0, absl::Span<char>(magic, 9)).ok() && magic[8] == '{') {
+      return absl::FailedPreconditionError(absl::StrCat(
+          name,
+          ": the .distcp file is a safetensors file (DCP saved with "
+          "serialization_format=SAFETENSORS), which this reader does not "
+          "support; save with the default torch.save serialization"));
+    }
+    return absl::DataLossError(
+        absl::StrCat(name, ": not a torch.save archive"));
+  }
   return internal_torch::LoadTorchArchive(
       std::make_unique<SliceFile>(std::move(file), s.offset, s.length, name),
       s.length, name);

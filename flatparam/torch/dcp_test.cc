@@ -172,6 +172,13 @@ TEST(DcpReaderTest, RefusesHostileOrDamagedMetadata) {
     EXPECT_THAT(DcpReader::Open(Fs(), Fixture(absl::StrCat("bad/", c.dir))),
                 StatusIs(c.code, HasSubstr(c.message)));
   }
+  // Items serialized as safetensors: refused, saying how to save.
+  absl::StatusOr<DcpReader> st =
+      DcpReader::Open(Fs(), Fixture("bad/safetensors"));
+  ASSERT_THAT(st, IsOk());
+  EXPECT_THAT(st->ReadTensor("w"),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("serialization_format=SAFETENSORS")));
   // Metadata that disagrees with the item: found when it is read.
   absl::StatusOr<DcpReader> dcp =
       DcpReader::Open(Fs(), Fixture("bad/wrong_dtype"));
@@ -273,6 +280,46 @@ TEST(ImportDcpCheckpointTest, ModelAndOptimizerOfThe2LayoutAtThreeRanks) {
             json({{"floats", {0.9, 0.999}}}));
   EXPECT_EQ(groups[0].value("params", json()),
             json({"embed.weight", "layers.0.weight", "layers.0.bias"}));
+}
+
+// torchtitan's layout: model keys at the top level, the optimizer under
+// "optimizer." with flattened param groups (the embedding without weight
+// decay: two groups), other states as bytes items. The prefixes are found.
+TEST(ImportDcpCheckpointTest, TorchtitanLayoutWithFlattenedParamGroups) {
+  const std::string out = TempDir("titan_w2");
+  absl::StatusOr<checkpoint::HfImportReport> report = ImportDcpCheckpoint(
+      Fs(), Fixture("titan"), FixtureModel(false), Layout(2), 2, out);
+  ASSERT_THAT(report, IsOk());
+  EXPECT_EQ(report->imported, 3);
+  EXPECT_EQ(report->optimizer_params, 3);
+  EXPECT_EQ(report->optimizer_groups, 2);
+  ASSERT_THAT(checkpoint::ConsolidateCheckpoint(Fs(), out, out + "_full"),
+              IsOk());
+  absl::StatusOr<checkpoint::FullCheckpointReader> full =
+      checkpoint::FullCheckpointReader::Open(Fs(), out + "_full");
+  ASSERT_THAT(full, IsOk());
+  const json& want = Expected()["titan"];
+  for (const char* fqn : {"embed.weight", "layers.0.weight", "layers.0.bias"}) {
+    ExpectTensor(full->model(), fqn, want[fqn]);
+    for (const char* state : {"exp_avg", "exp_avg_sq", "step"}) {
+      ExpectTensor(full->optim(), absl::StrCat("state.", fqn, ".", state),
+                   want[absl::StrCat("optimizer.state.", fqn, ".", state)]);
+    }
+  }
+  const json& groups = full->optim_json()["param_groups"];
+  ASSERT_EQ(groups.size(), 2) << groups.dump();
+  EXPECT_EQ(groups[0]["params"], json({"embed.weight"}));
+  EXPECT_EQ(groups[0]["hyperparams"]["weight_decay"], json({{"float", 0.0}}));
+  EXPECT_EQ(groups[1]["params"], json({"layers.0.weight", "layers.0.bias"}));
+  EXPECT_EQ(groups[1]["hyperparams"]["weight_decay"], json({{"float", 0.01}}));
+  // Naming a prefix that holds nothing of the model: a clear error.
+  DcpImportOptions wrong;
+  wrong.model_prefix = "model.";
+  EXPECT_THAT(
+      ImportDcpCheckpoint(Fs(), Fixture("titan"), FixtureModel(false),
+                          Layout(2), 2, TempDir("titan_wrong"), wrong),
+      StatusIs(absl::StatusCode::kFailedPrecondition,
+               HasSubstr("no tensor under the model prefix \"model.\"")));
 }
 
 // PyTorch 1.13's checkpoints (keys at the top level, no optimizer), saved

@@ -298,6 +298,10 @@ absl::StatusOr<std::vector<ParamGroup>> PlanGroups(
     const ModelIndex& index, const std::vector<ParamGroup>& groups,
     bool use_orig_params) {
   std::vector<ParamGroup> out;
+  // Without use_orig_params a flat parameter is one tensor of the
+  // optimizer, in exactly one group: the group, and the parameter that
+  // put it there, per unit.
+  std::map<int, std::pair<size_t, ParamKey>> unit_group;
   for (size_t g = 0; g < groups.size(); ++g) {
     ParamGroup group;
     group.hyperparams = groups[g].hyperparams;
@@ -315,6 +319,17 @@ absl::StatusOr<std::vector<ParamGroup>> PlanGroups(
       if (use_orig_params) {
         group.params.push_back(key);
       } else if (pos != nullptr) {
+        auto [it, fresh] = unit_group.emplace(pos->unit, std::make_pair(g, key));
+        if (!fresh && it->second.first != g) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "param_groups[%d] holds %s and param_groups[%d] holds %s, both "
+              "of flat parameter \"%s\": without use_orig_params "
+              "(align_addresses) a flat parameter is one tensor of the "
+              "optimizer, in one param group; put them in one group, wrap "
+              "them in different units, or use align_addresses",
+              it->second.first, DescribeKey(it->second.second), g,
+              DescribeKey(key), index.unit(pos->unit).unit()));
+        }
         flat_keys.insert(int64_t{pos->unit});
       } else {
         unmanaged_positions.insert(

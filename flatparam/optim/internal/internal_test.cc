@@ -220,6 +220,38 @@ TEST(StateMetaTest, MetaOfPointsIntoTheDict) {
   EXPECT_TRUE(BitwiseEqual(meta.at("step").Materialize(), st["step"]));
 }
 
+// Without use_orig_params a flat parameter's parameters in two groups
+// (a bias without weight decay beside its weight) are refused: the flat
+// parameter would be put in both groups and stepped twice. With it, each
+// parameter keeps its own group.
+TEST(FlatPlanTest, AFlatParameterSplitAcrossGroupsIsRefused) {
+  ModelSpec spec;
+  spec.params = {{"a.w", {4}}, {"a.b", {2}}, {"c.w", {3}}};
+  spec.wrap = {"a"};
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(ModelLayout layout,
+                                 ModelLayout::Create(spec, LayoutOptions()));
+  const ModelIndex index(layout, {});
+  ParamGroup decay;
+  decay.params = {std::string("c.w"), std::string("a.w")};
+  decay.hyperparams = {{"weight_decay", 0.1}};
+  ParamGroup no_decay;
+  no_decay.params = {std::string("a.b")};
+  no_decay.hyperparams = {{"weight_decay", 0.0}};
+  EXPECT_THAT(
+      PlanGroups(index, {decay, no_decay}, false),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               ::testing::HasSubstr("param_groups[0] holds 'a.w' and "
+                                    "param_groups[1] holds 'a.b', both of "
+                                    "flat parameter \"a\"")));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::vector<ParamGroup> orig,
+                                 PlanGroups(index, {decay, no_decay}, true));
+  EXPECT_EQ(orig[1].params, no_decay.params);
+  // Units wholly in one group each are fine.
+  no_decay.params = {std::string("c.w")};
+  decay.params = {std::string("a.w"), std::string("a.b")};
+  EXPECT_THAT(PlanGroups(index, {decay, no_decay}, false), IsOk());
+}
+
 // The flat path's groups: flat parameters sorted, then unmanaged
 // parameters in unmanaged_params order (first occurrence), and back.
 TEST(FlatPlanTest, GroupsKeepTheOptimizersOrderOfUnmanagedParams) {

@@ -18,9 +18,17 @@ Run with Debian's python3-torch 1.13 (/usr/bin/python3), from this folder:
             concatenated into __{rank}_0.distcp, TensorProperties pickled by
             its __getstate__ tuple with the _MEM_FORMAT_ENCODING enum,
             planner_data, storage_meta and version.
+  titan/    torchtitan's layout in the 2.x format (2 ranks): model keys at
+            the top level, the optimizer under "optimizer." flattened per
+            parameter (param_groups.<fqn>.<hyperparameter>; the
+            embedding without weight decay), train_state and lr_scheduler
+            items.
   bad/<case>/  Hostile or damaged variants of a one-tensor 2.x checkpoint
             ("w", float32 [4, 2] in two chunks of rows 0-1 and 2-3; ok/ is
             the undamaged one): see BAD_CASES.
+  ../dcp_seeds/  Seeds of //flatparam/torch:dcp_metadata_fuzz_test
+            (dcp_metadata_fuzz.cc): a mode byte (0 parse, 1 open with v2's
+            .distcp files), then a .metadata of the fixtures above.
   expected.json  Every tensor's dtype, shape and values (exact doubles),
             and the bytes items' values, for both.
 """
@@ -125,33 +133,66 @@ def v2_classes():
     return c
 
 
-def write_v2(out, world):
+ADAMW_GROUP = {
+    "lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-08, "weight_decay": 0.01,
+    "amsgrad": False, "maximize": False, "foreach": None,
+    "capturable": False, "differentiable": False, "fused": None}
+
+
+def v2_state(model_prefix, optim_prefix, titan):
+    """The flattened state dict (key -> tensor or value) and planner_data.
+
+    titan: torchtitan's layout -- model keys at the top level, the
+    optimizer flattened by get_optimizer_state_dict(...,
+    flatten_optimizer_state_dict=True): param_groups.<fqn>.<name> per
+    parameter (the embedding without weight decay: two groups) -- and
+    torchtitan's other states as bytes items.
+    """
+    model = {k: v for k, v in model_tensors().items() if k != "count"}
+    if titan:
+        model["layers.0.bias"] = model["layers.0.bias"].float()
+    g = torch.Generator().manual_seed(1)
+    flat, planner = {}, {}
+
+    def put(path, value):
+        key = ".".join(path)
+        flat[key] = value
+        planner[key] = tuple(path)
+
+    mp = [model_prefix[:-1]] if model_prefix else []
+    op = [optim_prefix[:-1]] if optim_prefix else []
+    for name, t in model.items():
+        put(mp + [name], t)
+    for name, t in model.items():
+        # float32 state (mixed precision keeps the optimizer in float32).
+        put(op + ["state", name, "exp_avg"], torch.randn(t.shape, generator=g))
+        put(op + ["state", name, "exp_avg_sq"], torch.rand(t.shape,
+                                                           generator=g))
+        put(op + ["state", name, "step"], torch.tensor(3.0))
+    if titan:
+        for name in model:
+            group = dict(ADAMW_GROUP)
+            if name == "embed.weight":
+                group["weight_decay"] = 0.0
+            for k, v in group.items():
+                put(op + ["param_groups", name, k], v)
+        put(["train_state"], {"step": 3})
+        put(["lr_scheduler", "last_epoch"], 3)
+    else:
+        put(op + ["param_groups"], [dict(ADAMW_GROUP, params=list(model))])
+    return flat, planner
+
+
+def write_v2(out, world, titan=False):
     c = v2_classes()
     if os.path.exists(out):
         shutil.rmtree(out)
     os.makedirs(out)
-    model = {k: v for k, v in model_tensors().items() if k != "count"}
-    g = torch.Generator().manual_seed(1)
-    flat = {}  # key -> full tensor or python value
-    for name, t in model.items():
-        flat["model." + name] = t
-        # float32 state (mixed precision keeps the optimizer in float32).
-        flat[f"optim.state.{name}.exp_avg"] = torch.randn(
-            t.shape, generator=g)
-        flat[f"optim.state.{name}.exp_avg_sq"] = torch.rand(
-            t.shape, generator=g)
-        flat[f"optim.state.{name}.step"] = torch.tensor(3.0)
-    flat["optim.param_groups"] = [{
-        "lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-08,
-        "weight_decay": 0.01, "amsgrad": False, "maximize": False,
-        "foreach": None, "capturable": False, "differentiable": False,
-        "fused": None, "params": list(model)}]
-    sdm, storage, planner = {}, {}, {}
+    flat, planner = (v2_state("", "optimizer.", True) if titan
+                     else v2_state("model.", "optim.", False))
+    sdm, storage = {}, {}
     streams = [io.BytesIO() for _ in range(world)]
     for key, value in flat.items():
-        parts = key.split(".", 2) if key.startswith("optim.state.") else \
-            key.split(".", 1)
-        planner[key] = tuple(parts)
         if not isinstance(value, torch.Tensor):
             buf = io.BytesIO()
             torch.save(value, buf)
@@ -215,7 +256,23 @@ BAD_CASES = {
     "zstd": {"transforms": ["zstd"]},
     "wrong_dtype": {"dtype": torch.float64},
     "unknown_key": {"unknown_key": True},
+    # Items serialized as safetensors (FileSystemWriter's
+    # serialization_format=SAFETENSORS): the file is one safetensors file.
+    "safetensors": {"safetensors": True},
 }
+
+
+def safetensors_bytes(tensors):
+    """A safetensors file of float32 tensors, by the format's spec."""
+    header, data = {}, b""
+    for name, t in tensors.items():
+        raw = t.contiguous().numpy().tobytes()
+        header[name] = {"dtype": "F32", "shape": list(t.shape),
+                        "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    return len(text).to_bytes(8, "little") + text + data
 
 
 def write_bad(root):
@@ -237,8 +294,14 @@ def write_bad(root):
             off = stream.tell()
             torch.save(piece.clone(), stream)
             ranges.append((off, stream.tell() - off))
+        if change.get("safetensors"):
+            blob = safetensors_bytes({"w.0": w[0:2], "w.1": w[2:4]})
+            start = len(blob) - 32
+            ranges = [(start, 16), (start + 16, 16)]
+        else:
+            blob = stream.getvalue()
         with open(os.path.join(out, "__0_0.distcp"), "wb") as f:
-            f.write(stream.getvalue())
+            f.write(blob)
         chunk_specs = change.get("chunks", [((0, 0), (2, 2)), ((2, 0), (2, 2))])
         chunks = [c.Chunk(torch.Size(o), torch.Size(z)) for o, z in chunk_specs]
         storage = {}
@@ -279,7 +342,7 @@ def describe(value):
 
 
 def main():
-    expected = {"v1": {}, "v2": {}}
+    expected = {}
     for world, port in ((2, 29611), (4, 29612)):
         out = os.path.join(HERE, f"w{world}")
         if os.path.exists(out):
@@ -288,8 +351,24 @@ def main():
     expected["v1"] = {k: describe(v) for k, v in model_tensors().items()}
     expected["v1"]["step"] = {"bytes": 7}
     flat = write_v2(os.path.join(HERE, "v2"), 3)
+    titan = write_v2(os.path.join(HERE, "titan"), 2, titan=True)
     write_bad(os.path.join(HERE, "bad"))
     expected["v2"] = {k: describe(v) for k, v in flat.items()}
+    expected["titan"] = {k: describe(v) for k, v in titan.items()}
+    seeds = os.path.join(HERE, "..", "dcp_seeds")
+    os.makedirs(seeds, exist_ok=True)
+
+    def seed(name, mode, fixture):
+        with open(os.path.join(HERE, fixture, ".metadata"), "rb") as f:
+            data = f.read()
+        with open(os.path.join(seeds, name), "wb") as f:
+            f.write(bytes([mode]) + data)
+    for fixture in ("v2", "w2", "w4", "titan"):
+        seed(f"{fixture}_parse", 0, fixture)
+    seed("v2_open", 1, "v2")
+    seed("bad_ok_open", 1, "bad/ok")
+    for case in BAD_CASES:
+        seed(f"bad_{case}", 0, f"bad/{case}")
     with open(os.path.join(HERE, "expected.json"), "w") as f:
         json.dump(expected, f, indent=1, sort_keys=True)
         f.write("\n")
