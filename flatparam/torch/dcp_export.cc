@@ -470,6 +470,7 @@ absl::StatusOr<DcpExportReport> ExportDcpCheckpoint(
                                       checkpoint::kOptimJsonFileName));
     const checkpoint::SafetensorsReader& optim = reader.optim();
     const std::string& op = options.optim_prefix;
+    const bool any = !sidecar.state.empty() || !sidecar.param_groups.empty();
     for (const auto& [key, states] : sidecar.state) {
       const auto* fqn = std::get_if<std::string>(&key);
       if (fqn == nullptr) {
@@ -514,13 +515,15 @@ absl::StatusOr<DcpExportReport> ExportDcpCheckpoint(
                          return rank_of(a) < rank_of(b);
                        });
     }
-    FLATPARAM_RETURN_IF_ERROR(out.AddBytes(
-        absl::StrCat(op, "param_groups"), PathOf(op, {"param_groups"}),
-        [&groups = sidecar.param_groups](checkpoint::WritableFile& f,
-                                         const std::string& p) {
-          return internal_torch::AppendTorchParamGroupsArchive(f, p, groups);
-        }));
-    report.optimizer = true;
+    if (any) {
+      FLATPARAM_RETURN_IF_ERROR(out.AddBytes(
+          absl::StrCat(op, "param_groups"), PathOf(op, {"param_groups"}),
+          [&groups = sidecar.param_groups](checkpoint::WritableFile& f,
+                                           const std::string& p) {
+            return internal_torch::AppendTorchParamGroupsArchive(f, p, groups);
+          }));
+      report.optimizer = true;
+    }
   }
   FLATPARAM_RETURN_IF_ERROR(out.Finish(report));
   FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(staging.path()));

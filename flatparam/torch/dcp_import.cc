@@ -104,6 +104,10 @@ checkpoint::TensorSource DcpTensorSource(const DcpReader& dcp,
       std::memcpy(out.data() + done, static_cast<const char*>(t.data()) + in,
                   n);
       done += n;
+      // The writer pulls each byte once, in order: a piece read to its end
+      // is not needed again (and every tensor's source is alive until the
+      // file is written, so a piece kept would keep them all).
+      if (in + n == t.nbytes()) state->held.reset();
     }
     return absl::OkStatus();
   };
