@@ -1222,12 +1222,23 @@ TEST(HfCheckpointTest, PyTorchParamGroupsKeepTheirTypes) {
                                  {"state.seq.2.bias.momentum_buffer", m2}}));
   // IDs: emb.weight 0, seq.0.weight 1, seq.0.bias 2, seq.2.weight 3,
   // seq.2.bias 4 (head.weight is emb.weight's).
+  // Groups that split a flat parameter (seq.0.weight of the root's in
+  // group 0, the rest of the root's in group 1) are refused: the flat
+  // parameter would be in both groups, stepped twice.
+  WriteText(fs, "/in/optim.json",
+            R"([{"lr": 0.1, "momentum": 0.9, "params": [4, 1, 3]}, )"
+            R"({"lr": 0.01, "momentum": 0, "params": [0, 2]}])");
+  EXPECT_THAT(
+      ImportHfCheckpoint(fs, "/in", spec, TestLayoutOptions(2), 0, "/out"),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("param_groups[0] holds 'seq.0.weight' and "
+                         "param_groups[1] holds 'emb.weight'")));
   WriteText(fs, "/in/optim.json",
             R"([{"lr": 0.1, "momentum": 0.9, "dampening": 0, )"
             R"("weight_decay": 0.0, "nesterov": false, "maximize": false, )"
             R"("foreach": null, "differentiable": false, "note": "a", )"
-            R"("betas": [0.9, 0.999], "params": [4, 1, 3]}, )"
-            R"({"lr": 0.01, "momentum": 0, "params": [0, 2]}])");
+            R"("betas": [0.9, 0.999], "params": [4, 3]}, )"
+            R"({"lr": 0.01, "momentum": 0, "params": [0, 1, 2]}])");
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
       const HfImportReport report,
       ImportHfCheckpoint(fs, "/in", spec, TestLayoutOptions(2), 0, "/out"));
@@ -1255,13 +1266,11 @@ TEST(HfCheckpointTest, PyTorchParamGroupsKeepTheirTypes) {
     ASSERT_EQ(g0.hyperparams.count(name), 1u) << name;
     EXPECT_TRUE(BitwiseEqual(g0.hyperparams.at(name), value)) << name;
   }
-  // Group 0 holds seq.0.weight (the root's flat parameter) and seq.2's;
-  // group 1 the root's only.
+  // Group 0 holds seq.2's flat parameter, group 1 the root's.
   const int64_t root =
       reader.layout().flat_params()[0].params()[0].fqn == "seq.2.weight" ? 1
                                                                          : 0;
-  EXPECT_THAT(g0.params, testing::UnorderedElementsAre(ParamKey(int64_t{0}),
-                                                       ParamKey(int64_t{1})));
+  EXPECT_THAT(g0.params, ElementsAre(ParamKey(1 - root)));
   EXPECT_THAT(rank.optim.param_groups[1].params, ElementsAre(ParamKey(root)));
   EXPECT_TRUE(
       BitwiseEqual(rank.optim.param_groups[1].hyperparams.at("momentum"),

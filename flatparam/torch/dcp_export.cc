@@ -20,6 +20,7 @@
 #include "flatparam/checkpoint/safetensors.h"
 #include "flatparam/optim/optim_state.h"
 #include "flatparam/torch/dcp.h"
+#include "flatparam/torch/internal/dcp_metadata_writer.h"
 #include "flatparam/torch/internal/staging.h"
 #include "flatparam/torch/internal/torch_save_writer.h"
 
@@ -30,113 +31,7 @@ namespace {
 using checkpoint::FileSystem;
 using checkpoint::JoinPath;
 
-// The module paths of the Metadata classes a format names.
-struct Paths {
-  std::string metadata;    // Metadata, ..., MetadataIndex
-  std::string properties;  // TensorProperties and its enum
-  std::string enum_name;   // the memory-format enum's class name
-  std::string filesystem;  // _StorageInfo
-};
-
-Paths PathsOf(DcpExportOptions::Format format) {
-  if (format == DcpExportOptions::Format::kPyTorch113) {
-    return {"torch.distributed._shard.checkpoint.metadata",
-            "torch.distributed._shard.sharded_tensor.metadata",
-            "MEM_FORMAT_ENCODING",
-            "torch.distributed._shard.checkpoint.filesystem"};
-  }
-  return {"torch.distributed.checkpoint.metadata",
-          "torch.distributed._shard.sharded_tensor.metadata",
-          "MEM_FORMAT_ENCODING", "torch.distributed.checkpoint.filesystem"};
-}
-
-// A protocol-2 pickle of the Metadata object, as Python's pickle writes
-// dataclasses (NEWOBJ of the class, BUILD with its attributes).
-class MetadataPickler {
- public:
-  MetadataPickler() {
-    Op(0x80);
-    out_.push_back(2);
-  }
-  std::string Finish() {
-    Op('.');
-    return std::move(out_);
-  }
-
-  void Op(uint8_t op) { out_.push_back(static_cast<char>(op)); }
-  void Int(int64_t v) {
-    Op(0x8a);  // LONG1 with 8 bytes: any int64
-    out_.push_back(8);
-    for (int k = 0; k < 8; ++k) {
-      out_.push_back(static_cast<char>(static_cast<uint64_t>(v) >> (8 * k)));
-    }
-  }
-  void Str(absl::string_view s) {
-    Op('X');
-    const uint32_t n = static_cast<uint32_t>(s.size());
-    for (int k = 0; k < 4; ++k) out_.push_back(static_cast<char>(n >> (8 * k)));
-    out_.append(s.data(), s.size());
-  }
-  void None() { Op('N'); }
-  void Bool(bool b) { Op(b ? 0x88 : 0x89); }
-  void Global(absl::string_view module, absl::string_view name) {
-    Op('c');
-    absl::StrAppend(&out_, module, "\n", name, "\n");
-  }
-  void Size(const std::vector<int64_t>& dims) {  // torch.Size((dims...))
-    Global("torch", "Size");
-    Op('(');
-    for (int64_t d : dims) Int(d);
-    Op('t');
-    Op(0x85);  // TUPLE1
-    Op('R');
-  }
-  // NEWOBJ of `cls` without arguments; the caller then pushes its state
-  // and calls Build().
-  void NewObject(absl::string_view module, absl::string_view cls) {
-    Global(module, cls);
-    Op(')');
-    Op(0x81);
-  }
-  void Build() { Op('b'); }
-  void BeginDict() {
-    Op('}');
-    Op('(');
-  }
-  void EndDict() { Op('u'); }
-  void BeginList() {
-    Op(']');
-    Op('(');
-  }
-  void EndList() { Op('e'); }
-  void BeginTuple() { Op('('); }
-  void EndTuple() { Op('t'); }
-
- private:
-  std::string out_;
-};
-
-// torch.chunk's pieces of dim 0 over `world` ranks: (offset, size) per rank
-// that gets one.
-std::vector<std::pair<int64_t, int64_t>> Chunks(int64_t rows, int64_t world) {
-  std::vector<std::pair<int64_t, int64_t>> out;
-  const int64_t size = (rows + world - 1) / world;
-  for (int64_t start = 0; start < rows; start += size) {
-    out.emplace_back(start, std::min(size, rows - start));
-  }
-  return out;
-}
-
-struct Item {
-  std::string key;
-  // Tensors: dtype, shape and chunks; bytes items: storage only.
-  bool tensor = true;
-  DType dtype = DType::kFloat32;
-  std::vector<int64_t> shape;
-  std::vector<DcpChunk> chunks;
-  DcpStorage storage;
-  std::vector<std::string> path;  // planner_data
-};
+using internal_torch::DcpItem;
 
 class Exporter {
  public:
@@ -159,7 +54,7 @@ class Exporter {
       const std::string& key, std::vector<std::string> path, DType dtype,
       const std::vector<int64_t>& shape,
       const std::function<absl::Status(uint64_t, absl::Span<char>)>& read) {
-    Item item;
+    DcpItem item;
     item.key = key;
     item.dtype = dtype;
     item.shape = shape;
@@ -170,7 +65,7 @@ class Exporter {
     if (shape.empty() || shape[0] == 0 || rest == 0) {
       pieces = {{0, shape.empty() ? 0 : shape[0]}};
     } else {
-      pieces = Chunks(shape[0], options_.world_size);
+      pieces = internal_torch::TorchChunkRows(shape[0], options_.world_size);
     }
     const uint64_t row_bytes = static_cast<uint64_t>(rest) * DTypeSize(dtype);
     for (size_t r = 0; r < pieces.size(); ++r) {
@@ -208,7 +103,7 @@ class Exporter {
     File& f = files_[0];
     FLATPARAM_ASSIGN_OR_RETURN(uint64_t n,
                                append(*f.file, JoinPath(dir_, f.name)));
-    Item item;
+    DcpItem item;
     item.key = key;
     item.tensor = false;
     item.storage = {f.name, f.size, n};
@@ -226,9 +121,13 @@ class Exporter {
       report.files.push_back(f.name);
     }
     FLATPARAM_RETURN_IF_ERROR(checkpoint::WriteFileDurably(
-        fs_, JoinPath(dir_, kDcpMetadataFileName), Pickle()));
+        fs_, JoinPath(dir_, kDcpMetadataFileName),
+        internal_torch::PickleDcpMetadata(
+            items_, options_.format == DcpExportOptions::Format::kPyTorch2
+                        ? internal_torch::DcpMetadataFormat::kPyTorch2
+                        : internal_torch::DcpMetadataFormat::kPyTorch113)));
     report.files.push_back(kDcpMetadataFileName);
-    for (const Item& i : items_) {
+    for (const DcpItem& i : items_) {
       (i.tensor ? report.tensors : report.bytes_items) += 1;
     }
     report.chunks = chunks_;
@@ -242,151 +141,13 @@ class Exporter {
     uint64_t size = 0;
   };
 
-  std::string Pickle() const {
-    const Paths paths = PathsOf(options_.format);
-    const bool v2 = options_.format == DcpExportOptions::Format::kPyTorch2;
-    MetadataPickler p;
-    p.NewObject(paths.metadata, "Metadata");
-    p.BeginDict();
-    p.Str("state_dict_metadata");
-    p.BeginDict();
-    for (const Item& i : items_) {
-      p.Str(i.key);
-      if (!i.tensor) {
-        p.NewObject(paths.metadata, "BytesStorageMetadata");
-        continue;
-      }
-      p.NewObject(paths.metadata, "TensorStorageMetadata");
-      p.BeginDict();
-      p.Str("properties");
-      p.NewObject(paths.properties, "TensorProperties");
-      // __getstate__: (dtype, layout, requires_grad, memory format,
-      // pin_memory).
-      p.BeginTuple();
-      p.Global("torch", DTypeName(i.dtype));
-      p.Global("torch.serialization", "_get_layout");
-      p.Str("torch.strided");
-      p.Op(0x85);
-      p.Op('R');
-      p.Bool(false);
-      p.Global("builtins", "getattr");
-      p.Global(paths.properties, paths.enum_name);
-      p.Str("TORCH_CONTIGUOUS_FORMAT");
-      p.Op(0x86);  // TUPLE2
-      p.Op('R');
-      p.Bool(false);
-      p.EndTuple();
-      p.Build();
-      p.Str("size");
-      p.Size(i.shape);
-      p.Str("chunks");
-      p.BeginList();
-      for (const DcpChunk& c : i.chunks) {
-        p.NewObject(paths.metadata, "ChunkStorageMetadata");
-        p.BeginDict();
-        p.Str("offsets");
-        p.Size(c.offsets);
-        p.Str("sizes");
-        p.Size(c.sizes);
-        p.EndDict();
-        p.Build();
-      }
-      p.EndList();
-      p.EndDict();
-      p.Build();
-    }
-    p.EndDict();
-    p.Str("planner_data");
-    if (v2) {
-      p.BeginDict();
-      for (const Item& i : items_) {
-        p.Str(i.key);
-        p.BeginTuple();
-        for (const std::string& part : i.path) p.Str(part);
-        p.EndTuple();
-      }
-      p.EndDict();
-    } else {
-      p.None();
-    }
-    p.Str("storage_data");
-    p.BeginDict();
-    auto index = [&](const std::string& key,
-                     const std::vector<int64_t>* offsets, int64_t k) {
-      p.NewObject(paths.metadata, "MetadataIndex");
-      p.BeginDict();
-      p.Str("fqn");
-      p.Str(key);
-      p.Str("offset");
-      if (offsets != nullptr) {
-        p.Size(*offsets);
-      } else {
-        p.None();
-      }
-      p.Str("index");
-      if (offsets != nullptr) {
-        p.Int(k);
-      } else {
-        p.None();
-      }
-      p.EndDict();
-      p.Build();
-    };
-    auto info = [&](const DcpStorage& s) {
-      p.NewObject(paths.filesystem, "_StorageInfo");
-      p.BeginDict();
-      p.Str("relative_path");
-      p.Str(s.file);
-      p.Str("offset");
-      p.Int(static_cast<int64_t>(s.offset));
-      p.Str("length");
-      p.Int(static_cast<int64_t>(s.length));
-      p.EndDict();
-      p.Build();
-    };
-    for (const Item& i : items_) {
-      if (!i.tensor) {
-        index(i.key, nullptr, 0);
-        info(i.storage);
-        continue;
-      }
-      for (size_t k = 0; k < i.chunks.size(); ++k) {
-        index(i.key, &i.chunks[k].offsets, static_cast<int64_t>(k));
-        info(i.chunks[k].storage);
-      }
-    }
-    p.EndDict();
-    if (v2) {
-      p.Str("storage_meta");
-      p.None();
-      p.Str("version");
-      p.Str("1.0.0");
-    }
-    p.EndDict();
-    p.Build();
-    return p.Finish();
-  }
-
   FileSystem& fs_;
   std::string dir_;
   const DcpExportOptions& options_;
   std::vector<File> files_;
-  std::vector<Item> items_;
+  std::vector<DcpItem> items_;
   int64_t chunks_ = 0;
 };
-
-// The nested-dict path of a flattened key: the prefix's name, then the
-// rest (`parts` more levels split off at dots from the left).
-std::vector<std::string> PathOf(const std::string& prefix,
-                                std::vector<std::string> rest) {
-  std::vector<std::string> out;
-  if (!prefix.empty()) {
-    out.push_back(prefix.back() == '.' ? prefix.substr(0, prefix.size() - 1)
-                                       : prefix);
-  }
-  for (std::string& r : rest) out.push_back(std::move(r));
-  return out;
-}
 
 }  // namespace
 
@@ -442,9 +203,9 @@ absl::StatusOr<DcpExportReport> ExportDcpCheckpoint(
   auto add_model = [&](const std::string& name,
                        const checkpoint::SafetensorsEntry& e) {
     return out.AddTensor(
-        options.model_prefix + name, PathOf(options.model_prefix, {name}),
-        e.dtype, e.shape,
-        [&model, source = e.name](uint64_t at, absl::Span<char> span) {
+        options.model_prefix + name,
+        internal_torch::DcpPathOf(options.model_prefix, {name}), e.dtype,
+        e.shape, [&model, source = e.name](uint64_t at, absl::Span<char> span) {
           return model.ReadRange(source, at, span);
         });
   };
@@ -481,7 +242,8 @@ absl::StatusOr<DcpExportReport> ExportDcpCheckpoint(
       }
       for (const auto& [name, sv] : states) {
         const std::string item = absl::StrCat(op, "state.", *fqn, ".", name);
-        std::vector<std::string> path = PathOf(op, {"state", *fqn, name});
+        std::vector<std::string> path =
+            internal_torch::DcpPathOf(op, {"state", *fqn, name});
         if (sv.tensor.has_value()) {
           FLATPARAM_ASSIGN_OR_RETURN(const checkpoint::SafetensorsEntry* e,
                                      optim.Find(*sv.tensor));
@@ -517,7 +279,8 @@ absl::StatusOr<DcpExportReport> ExportDcpCheckpoint(
     }
     if (any) {
       FLATPARAM_RETURN_IF_ERROR(out.AddBytes(
-          absl::StrCat(op, "param_groups"), PathOf(op, {"param_groups"}),
+          absl::StrCat(op, "param_groups"),
+          internal_torch::DcpPathOf(op, {"param_groups"}),
           [&groups = sidecar.param_groups](checkpoint::WritableFile& f,
                                            const std::string& p) {
             return internal_torch::AppendTorchParamGroupsArchive(f, p, groups);
