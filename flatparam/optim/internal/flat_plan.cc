@@ -319,7 +319,8 @@ absl::StatusOr<std::vector<ParamGroup>> PlanGroups(
       if (use_orig_params) {
         group.params.push_back(key);
       } else if (pos != nullptr) {
-        auto [it, fresh] = unit_group.emplace(pos->unit, std::make_pair(g, key));
+        auto [it, fresh] =
+            unit_group.emplace(pos->unit, std::make_pair(g, key));
         if (!fresh && it->second.first != g) {
           return absl::InvalidArgumentError(absl::StrFormat(
               "param_groups[%d] holds %s and param_groups[%d] holds %s, both "
