@@ -338,10 +338,11 @@ class MetadataParser {
           if (bytes > (__int128{1} << 64)) break;
         }
         if (bytes > static_cast<__int128>(c.storage.length)) {
-          return Bad("%s: a chunk at %s of sizes %s (%s) is stored in %d "
-                     "bytes, fewer than its elements take",
-                     key, Shape(c.offsets), Shape(c.sizes), DTypeName(e.dtype),
-                     c.storage.length);
+          return Bad(
+              "%s: a chunk at %s of sizes %s (%s) is stored in %d "
+              "bytes, fewer than its elements take",
+              key, Shape(c.offsets), Shape(c.sizes), DTypeName(e.dtype),
+              c.storage.length);
         }
       }
     }
@@ -458,35 +459,51 @@ absl::StatusOr<nlohmann::json> ToJson(const Node& n, const std::string& where) {
   }
 }
 
-// Copies the box `chunk` (contiguous, chunk.sizes) into `full`.
-void CopyBox(const HostTensor& chunk, const std::vector<int64_t>& offsets,
-             HostTensor& full) {
-  const std::vector<int64_t>& shape = full.shape();
-  const std::vector<int64_t>& sizes = chunk.shape();
-  const size_t es = DTypeSize(full.dtype());
-  if (chunk.numel() == 0) return;
-  if (shape.empty()) {
-    std::memcpy(full.data(), chunk.data(), es);
+// Copies where the box `src` (contiguous, of src.shape(), at
+// `src_offsets` in the tensor) and the box `dst` (at `dst_offsets`) meet,
+// from one to the other. Boxes of a 0-d tensor are its one element.
+void CopyIntersection(const HostTensor& src,
+                      const std::vector<int64_t>& src_offsets, HostTensor& dst,
+                      const std::vector<int64_t>& dst_offsets) {
+  const size_t es = DTypeSize(dst.dtype());
+  const size_t dims = dst.shape().size();
+  if (dims == 0) {
+    if (src.numel() == 1 && dst.numel() == 1) {
+      std::memcpy(dst.data(), src.data(), es);
+    }
     return;
   }
-  const size_t dims = shape.size();
-  std::vector<int64_t> strides(dims, 1);
-  for (size_t d = dims - 1; d-- > 0;)
-    strides[d] = strides[d + 1] * shape[d + 1];
-  const int64_t row = sizes[dims - 1];
-  const int64_t rows = chunk.numel() / row;
-  std::vector<int64_t> idx(dims - 1, 0);
-  const char* src = static_cast<const char*>(chunk.data());
-  char* dst = static_cast<char*>(full.data());
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t at = offsets[dims - 1];
-    for (size_t d = 0; d + 1 < dims; ++d)
-      at += (offsets[d] + idx[d]) * strides[d];
-    std::memcpy(dst + at * es, src + r * row * es, row * es);
-    for (size_t d = dims - 1; d-- > 0;) {
-      if (++idx[d] < sizes[d]) break;
-      idx[d] = 0;
+  std::vector<int64_t> lo(dims), hi(dims);
+  for (size_t d = 0; d < dims; ++d) {
+    lo[d] = std::max(src_offsets[d], dst_offsets[d]);
+    hi[d] = std::min(src_offsets[d] + src.shape()[d],
+                     dst_offsets[d] + dst.shape()[d]);
+    if (lo[d] >= hi[d]) return;
+  }
+  auto strides = [dims](const std::vector<int64_t>& shape) {
+    std::vector<int64_t> out(dims, 1);
+    for (size_t d = dims - 1; d-- > 0;) out[d] = out[d + 1] * shape[d + 1];
+    return out;
+  };
+  const std::vector<int64_t> ss = strides(src.shape());
+  const std::vector<int64_t> ds = strides(dst.shape());
+  const int64_t run = hi[dims - 1] - lo[dims - 1];
+  std::vector<int64_t> idx(lo);  // the current row's first element
+  const char* from = static_cast<const char*>(src.data());
+  char* to = static_cast<char*>(dst.data());
+  while (true) {
+    int64_t s_at = 0, d_at = 0;
+    for (size_t d = 0; d < dims; ++d) {
+      s_at += (idx[d] - src_offsets[d]) * ss[d];
+      d_at += (idx[d] - dst_offsets[d]) * ds[d];
     }
+    std::memcpy(to + d_at * es, from + s_at * es, run * es);
+    size_t d = dims - 1;
+    while (d-- > 0) {
+      if (++idx[d] < hi[d]) break;
+      idx[d] = lo[d];
+    }
+    if (d == static_cast<size_t>(-1)) break;
   }
 }
 
@@ -641,9 +658,50 @@ absl::StatusOr<HostTensor> DcpReader::ReadTensor(const std::string& key) const {
   HostTensor full = HostTensor::Uninitialized(e.dtype, e.shape);
   for (size_t k = 0; k < e.chunks.size(); ++k) {
     FLATPARAM_ASSIGN_OR_RETURN(HostTensor chunk, ReadChunk(key, k));
-    CopyBox(chunk, e.chunks[k].offsets, full);
+    CopyIntersection(chunk, e.chunks[k].offsets, full,
+                     std::vector<int64_t>(e.shape.size(), 0));
   }
   return full;
+}
+
+absl::StatusOr<HostTensor> DcpReader::ReadBox(
+    const std::string& key, const std::vector<int64_t>& offsets,
+    const std::vector<int64_t>& sizes) const {
+  auto it = metadata_.entries.find(key);
+  if (it == metadata_.entries.end()) {
+    return absl::NotFoundError(
+        absl::StrCat(dir_, ": no item \"", key, "\" in the checkpoint"));
+  }
+  const DcpEntry& e = it->second;
+  bool inside = e.kind == DcpEntry::Kind::kTensor &&
+                offsets.size() == e.shape.size() &&
+                sizes.size() == e.shape.size();
+  for (size_t d = 0; inside && d < e.shape.size(); ++d) {
+    inside = offsets[d] >= 0 && sizes[d] >= 0 && offsets[d] <= e.shape[d] &&
+             sizes[d] <= e.shape[d] - offsets[d];
+  }
+  if (!inside) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(dir_, ": ", key, " has no box at ", Shape(offsets),
+                     " of sizes ", Shape(sizes),
+                     e.kind == DcpEntry::Kind::kTensor
+                         ? absl::StrCat(" (its size is ", Shape(e.shape), ")")
+                         : std::string(" (a bytes item)")));
+  }
+  HostTensor out = HostTensor::Uninitialized(e.dtype, sizes);
+  if (out.numel() == 0) return out;
+  for (size_t k = 0; k < e.chunks.size(); ++k) {
+    const DcpChunk& c = e.chunks[k];
+    bool meets = true;
+    for (size_t d = 0; d < e.shape.size(); ++d) {
+      meets &= c.sizes[d] > 0 && c.offsets[d] < offsets[d] + sizes[d] &&
+               offsets[d] < c.offsets[d] + c.sizes[d];
+    }
+    if (!meets) continue;
+    FLATPARAM_ASSIGN_OR_RETURN(HostTensor chunk, ReadChunk(key, k));
+    CopyIntersection(chunk, c.offsets, out, offsets);
+  }
+  return out;
 }
 
 absl::StatusOr<nlohmann::json> DcpReader::ReadBytes(

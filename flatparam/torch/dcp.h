@@ -129,6 +129,13 @@ class DcpReader {
                                        size_t index) const;
   // Tensor `key` whole, assembled from its chunks.
   absl::StatusOr<HostTensor> ReadTensor(const std::string& key) const;
+  // The box [offsets, offsets + sizes) of tensor `key`, from the chunks
+  // that meet it (only those are read): a rank's own rows of a checkpoint
+  // saved at another world size. InvalidArgument for a box outside the
+  // tensor or a bytes item.
+  absl::StatusOr<HostTensor> ReadBox(const std::string& key,
+                                     const std::vector<int64_t>& offsets,
+                                     const std::vector<int64_t>& sizes) const;
   // Bytes item `key` (a torch.save'd value) as JSON: None null, bool,
   // int, float, str, lists and tuples arrays, dicts with str or int keys
   // objects (int keys as their decimal text). FailedPrecondition for a

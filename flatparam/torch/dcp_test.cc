@@ -117,6 +117,33 @@ TEST(DcpReaderTest, ReadsThePyTorch2Layout) {
   ASSERT_EQ(step.chunks.size(), 1);
 }
 
+// A box across chunks (rows 1-3 of a tensor chunked 2, 2, 1 by 4 ranks;
+// columns 1-2) equals that slice of Python's tensor.
+TEST(DcpReaderTest, ReadBoxAssemblesTheChunksItMeets) {
+  absl::StatusOr<DcpReader> dcp = DcpReader::Open(Fs(), Fixture("w4"));
+  ASSERT_THAT(dcp, IsOk());
+  absl::StatusOr<HostTensor> box =
+      dcp->ReadBox("layers.0.weight", {1, 1}, {3, 2});
+  ASSERT_THAT(box, IsOk());
+  ASSERT_EQ(box->shape(), (std::vector<int64_t>{3, 2}));
+  const std::vector<double> all =
+      Expected()["v1"]["layers.0.weight"]["values"].get<std::vector<double>>();
+  for (int64_t r = 0; r < 3; ++r) {
+    for (int64_t c = 0; c < 2; ++c) {
+      EXPECT_EQ(box->GetDouble(r * 2 + c), all[(1 + r) * 3 + 1 + c])
+          << r << "," << c;
+    }
+  }
+  // An empty box, and a 0-d tensor's one element.
+  EXPECT_THAT(dcp->ReadBox("layers.0.weight", {5, 0}, {0, 3}), IsOk());
+  EXPECT_THAT(dcp->ReadBox("layers.0.weight", {4, 0}, {2, 3}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("no box at [4, 0] of sizes [2, 3]")));
+  EXPECT_THAT(
+      dcp->ReadBox("step", {}, {}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("a bytes item")));
+}
+
 TEST(DcpReaderTest, ReadChunkGivesTheStoredPieceAndRejectsMisuse) {
   absl::StatusOr<DcpReader> dcp = DcpReader::Open(Fs(), Fixture("bad/ok"));
   ASSERT_THAT(dcp, IsOk());
