@@ -497,6 +497,51 @@ absl::Status SetToNoneLoop(Communicator& world, DeviceOps& device,
   return ExpectEqual(got, reference, "gradients set to None");
 }
 
+absl::Status DcpResumeLoop(Communicator& world, DeviceOps& device,
+                           const LoopOptions& options, const std::string& dir) {
+  const Params reference = ReferenceNetParams(world, options, 4);
+  {
+    FLATPARAM_ASSIGN_OR_RETURN(WrappedNet w,
+                               WrapNetWithAdamW(world, device, options));
+    for (int step = 0; step < 2; ++step) {
+      FLATPARAM_RETURN_IF_ERROR(FsdpNetStep(w.net, *w.fsdp, *w.optimizer, step,
+                                            world.rank(), options.recompute));
+    }
+    FLATPARAM_RETURN_IF_ERROR(w.fsdp->SaveDcpCheckpoint(
+        checkpoint::PosixFileSystem(), dir, w.optimizer.get()));
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(WrappedNet w,
+                             WrapNetWithAdamW(world, device, options));
+  FLATPARAM_RETURN_IF_ERROR(w.fsdp->LoadDcpCheckpoint(
+      checkpoint::PosixFileSystem(), dir, w.optimizer.get()));
+  for (int step = 2; step < 4; ++step) {
+    FLATPARAM_RETURN_IF_ERROR(FsdpNetStep(w.net, *w.fsdp, *w.optimizer, step,
+                                          world.rank(), options.recompute));
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(Params got, w.fsdp->FullStateDict());
+  return ExpectEqual(got, reference, "saved and resumed through DCP");
+}
+
+absl::Status DcpSaveOrReshardLoop(Communicator& world, DeviceOps& device,
+                                  const LoopOptions& options,
+                                  const std::string& dir,
+                                  const std::string& again) {
+  FLATPARAM_ASSIGN_OR_RETURN(WrappedNet w,
+                             WrapNetWithAdamW(world, device, options));
+  if (again.empty()) {
+    for (int step = 0; step < 2; ++step) {
+      FLATPARAM_RETURN_IF_ERROR(FsdpNetStep(w.net, *w.fsdp, *w.optimizer, step,
+                                            world.rank(), options.recompute));
+    }
+    return w.fsdp->SaveDcpCheckpoint(checkpoint::PosixFileSystem(), dir,
+                                     w.optimizer.get());
+  }
+  FLATPARAM_RETURN_IF_ERROR(w.fsdp->LoadDcpCheckpoint(
+      checkpoint::PosixFileSystem(), dir, w.optimizer.get()));
+  return w.fsdp->SaveDcpCheckpoint(checkpoint::PosixFileSystem(), again,
+                                   w.optimizer.get());
+}
+
 absl::Status EvaluateThenSaveLoop(Communicator& world, DeviceOps& device,
                                   const LoopOptions& options,
                                   const std::string& dir) {

@@ -108,6 +108,20 @@ absl::Status EvaluateThenSaveLoop(Communicator& world, DeviceOps& device,
                                   const LoopOptions& options,
                                   const std::string& dir);
 
+// Train two steps, SaveDcpCheckpoint into `dir` (new), load it with
+// LoadDcpCheckpoint into a fresh wrap and optimizer, train two more:
+// bitwise the four-step reference.
+absl::Status DcpResumeLoop(Communicator& world, DeviceOps& device,
+                           const LoopOptions& options, const std::string& dir);
+
+// With `again` empty: trains two steps and saves a DCP directory to `dir`.
+// Otherwise: loads `dir` (saved at any world size) into a fresh wrap and
+// optimizer and saves them to `again` at this world size.
+absl::Status DcpSaveOrReshardLoop(Communicator& world, DeviceOps& device,
+                                  const LoopOptions& options,
+                                  const std::string& dir,
+                                  const std::string& again);
+
 // Inside each step, between the forward and the backward: ZeroGrad (the
 // loop that zeroes after the forward) and an evaluation forward under
 // torch::NoGradGuard; the step still trains bitwise as the reference.

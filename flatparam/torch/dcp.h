@@ -59,6 +59,7 @@
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
 #include "flatparam/model.h"
+#include "flatparam/optim/optim_state.h"
 #include "nlohmann/json.hpp"
 
 namespace flatparam {
@@ -150,6 +151,16 @@ class DcpReader {
   std::string dir_;
   DcpMetadata metadata_;
 };
+
+// The optimizer state under `prefix` (keys as DcpImportOptions describes)
+// as a full state dict keyed by parameter name, every tensor read whole:
+// for loading into a running job. `params` are the model's parameter
+// names. An empty dict when there is none; FailedPrecondition for a key
+// that is not of a parameter of `params`, groups naming other names, or
+// state without groups.
+absl::StatusOr<optim::OptimStateDict> ReadDcpOptimState(
+    const DcpReader& dcp, const std::string& prefix,
+    const std::vector<std::string>& params);
 
 struct DcpImportOptions {
   // cast, ignored_suffixes, names and convert as for safetensors

@@ -9,6 +9,7 @@
 #include <set>
 #include <string>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -188,17 +189,25 @@ std::string FindModelPrefix(const DcpMetadata& md,
   return best;
 }
 
-// Stages the optimizer state under `prefix` as optim.safetensors +
-// optim.json in `dir`; false when there is none.
-absl::StatusOr<bool> StageOptimizer(FileSystem& fs, const DcpReader& dcp,
+// The optimizer state under a prefix, as found: each parameter's states
+// (a tensor by its DCP key, or a value), and the param groups.
+struct DcpOptim {
+  std::map<
+      std::string,
+      std::map<std::string, std::variant<std::string, optim::OptimStateValue>>>
+      state;
+  std::vector<optim::ParamGroup> param_groups;
+};
+
+// Parses the optimizer keys under `prefix` (see DcpImportOptions), reading
+// the bytes items; tensors are left unread.
+absl::StatusOr<DcpOptim> ParseOptim(const DcpReader& dcp,
                                     const std::string& prefix,
-                                    const std::vector<std::string>& params,
-                                    const std::string& dir) {
+                                    const std::vector<std::string>& params) {
   const DcpMetadata& md = dcp.metadata();
   const std::string where = dcp.dir();
   const std::set<std::string> known(params.begin(), params.end());
-  checkpoint::OptimSidecar sidecar;
-  std::vector<checkpoint::TensorSource> sources;
+  DcpOptim sidecar;
   const std::string state_head = absl::StrCat(prefix, "state.");
   const std::string groups_key = absl::StrCat(prefix, "param_groups");
   const std::string groups_head = absl::StrCat(groups_key, ".");
@@ -219,16 +228,15 @@ absl::StatusOr<bool> StageOptimizer(FileSystem& fs, const DcpReader& dcp,
                          state_head, "<parameter>.<state name>)"));
       }
       const std::string name = rest.substr(dot + 1);
-      checkpoint::SidecarValue sv;
       if (e.kind == DcpEntry::Kind::kTensor) {
-        sv.tensor = checkpoint::OptimStateTensorName(fqn, name);
-        sources.push_back(DcpTensorSource(dcp, key, *sv.tensor));
+        sidecar.state[fqn].emplace(name, key);
       } else {
         FLATPARAM_ASSIGN_OR_RETURN(json v, dcp.ReadBytes(key));
         FLATPARAM_ASSIGN_OR_RETURN(
-            sv.value, ToStateValue(v, absl::StrCat(where, ": ", key)));
+            optim::OptimStateValue value,
+            ToStateValue(v, absl::StrCat(where, ": ", key)));
+        sidecar.state[fqn].emplace(name, std::move(value));
       }
-      sidecar.state[optim::ParamKey(fqn)].emplace(name, std::move(sv));
       continue;
     }
     if (key == groups_key) {
@@ -303,12 +311,37 @@ absl::StatusOr<bool> StageOptimizer(FileSystem& fs, const DcpReader& dcp,
     }
     g->params.push_back(p);
   }
-  if (sidecar.state.empty() && sidecar.param_groups.empty()) return false;
-  if (sidecar.param_groups.empty()) {
+  if (!sidecar.state.empty() && sidecar.param_groups.empty()) {
     return absl::FailedPreconditionError(
         absl::StrCat(where, ": optimizer state under \"", prefix,
                      "\" without param groups (", groups_key, ")"));
   }
+  return sidecar;
+}
+
+// Stages the optimizer state under `prefix` as optim.safetensors +
+// optim.json in `dir`; false when there is none.
+absl::StatusOr<bool> StageOptimizer(FileSystem& fs, const DcpReader& dcp,
+                                    const std::string& prefix,
+                                    const std::vector<std::string>& params,
+                                    const std::string& dir) {
+  FLATPARAM_ASSIGN_OR_RETURN(DcpOptim parsed, ParseOptim(dcp, prefix, params));
+  if (parsed.state.empty() && parsed.param_groups.empty()) return false;
+  checkpoint::OptimSidecar sidecar;
+  std::vector<checkpoint::TensorSource> sources;
+  for (auto& [fqn, states] : parsed.state) {
+    for (auto& [name, v] : states) {
+      checkpoint::SidecarValue sv;
+      if (const auto* key = std::get_if<std::string>(&v)) {
+        sv.tensor = checkpoint::OptimStateTensorName(fqn, name);
+        sources.push_back(DcpTensorSource(dcp, *key, *sv.tensor));
+      } else {
+        sv.value = std::move(std::get<optim::OptimStateValue>(v));
+      }
+      sidecar.state[optim::ParamKey(fqn)].emplace(name, std::move(sv));
+    }
+  }
+  sidecar.param_groups = std::move(parsed.param_groups);
   FLATPARAM_ASSIGN_OR_RETURN(json doc,
                              checkpoint::OptimSidecarToJson(sidecar, false));
   FLATPARAM_RETURN_IF_ERROR(internal_torch::WriteSafetensorsFile(
@@ -319,6 +352,26 @@ absl::StatusOr<bool> StageOptimizer(FileSystem& fs, const DcpReader& dcp,
 }
 
 }  // namespace
+
+absl::StatusOr<optim::OptimStateDict> ReadDcpOptimState(
+    const DcpReader& dcp, const std::string& prefix,
+    const std::vector<std::string>& params) {
+  FLATPARAM_ASSIGN_OR_RETURN(DcpOptim parsed, ParseOptim(dcp, prefix, params));
+  optim::OptimStateDict out;
+  for (auto& [fqn, states] : parsed.state) {
+    optim::ParamState& mine = out.state[optim::ParamKey(fqn)];
+    for (auto& [name, v] : states) {
+      if (const auto* key = std::get_if<std::string>(&v)) {
+        FLATPARAM_ASSIGN_OR_RETURN(HostTensor t, dcp.ReadTensor(*key));
+        mine.emplace(name, std::move(t));
+      } else {
+        mine.emplace(name, std::move(std::get<optim::OptimStateValue>(v)));
+      }
+    }
+  }
+  out.param_groups = std::move(parsed.param_groups);
+  return out;
+}
 
 absl::StatusOr<checkpoint::HfImportReport> ImportDcpCheckpoint(
     FileSystem& fs, const std::string& in_dir, const ModelSpec& spec,

@@ -196,6 +196,7 @@
 #include "flatparam/model.h"
 #include "flatparam/optim/optim_state.h"
 #include "flatparam/runtime.h"
+#include "flatparam/torch/dcp_export.h"
 #include "flatparam/torch/recompute.h"
 
 namespace flatparam {
@@ -294,6 +295,16 @@ struct FsdpModuleStats {
   // Iterations ended by a forward that needed no gradient, or by a call
   // that needs the module between iterations.
   int64_t forward_only_iterations = 0;
+};
+
+// FsdpModule::SaveDcpCheckpoint's and LoadDcpCheckpoint's options.
+struct FsdpDcpOptions {
+  // PyTorch 2.x's layout (torch.distributed.checkpoint), or 1.13's.
+  DcpExportOptions::Format format = DcpExportOptions::Format::kPyTorch2;
+  // The keys' prefixes: DCP 2.x's flattening of {"model": ..., "optim":
+  // ...}.
+  std::string model_prefix = "model.";
+  std::string optim_prefix = "optim.";
 };
 
 // One rank's FSDP of a module (see the file comment).
@@ -481,6 +492,44 @@ class FsdpModule {
                               torch::optim::Optimizer* optimizer,
                               nlohmann::json* extra = nullptr,
                               bool restore_hyperparameters = false);
+
+  // ---- PyTorch Distributed Checkpoint (dcp.h) ----
+  // Saves the module, and the optimizer's state when `optimizer` is given,
+  // as a DCP directory, what PyTorch FSDP's SHARDED_STATE_DICT and
+  // optim_state_dict saved by torch.distributed.checkpoint.save at this
+  // world size hold (dcp_export.h's layout): every state_dict() name
+  // (tied ones too), "optim.state.<fqn>.<state>" and "optim.param_groups";
+  // each parameter and state of at least one dimension chunked on dim 0
+  // across the world's ranks as torch.chunk chunks it, rank r writing its
+  // rows to __r_0.distcp; buffers (rank 0's), 0-d tensors and bytes items
+  // written by rank 0, which writes .metadata last (under a temporary name,
+  // then renamed: until then the directory is no checkpoint). `dir` must
+  // be new or empty (FailedPrecondition naming it otherwise: nothing is
+  // overwritten). Collective over the world; between iterations; errors
+  // agreed by every rank; on error each rank removes its own file.
+  // Memory: the whole model and optimizer state on every rank (StateDict
+  // and ConsolidateOptimState gather them), as PyTorch's FULL_STATE_DICT
+  // holds on rank 0.
+  absl::Status SaveDcpCheckpoint(checkpoint::FileSystem& fs,
+                                 const std::string& dir,
+                                 torch::optim::Optimizer* optimizer,
+                                 const FsdpDcpOptions& options = {});
+  // Loads a DCP directory saved at any world size (by SaveDcpCheckpoint,
+  // PyTorch FSDP or FSDP2, torchtitan, or ExportDcpCheckpoint): each rank
+  // reads its own rows of each parameter (the chunks that meet them) and
+  // buffers whole, then LoadShardedStateDict; with `optimizer`, the
+  // optimizer state whole on every rank, sharded for the rank
+  // (ShardFullOptimState) and installed as LoadCheckpoint installs it
+  // (`restore_hyperparameters` likewise). FailedPrecondition naming the
+  // key for a missing tensor or one of another shape, or for no optimizer
+  // state while `optimizer` is given; the reader's errors (dcp.h).
+  // Collective; between iterations; nothing changes unless every rank
+  // succeeds.
+  absl::Status LoadDcpCheckpoint(checkpoint::FileSystem& fs,
+                                 const std::string& dir,
+                                 torch::optim::Optimizer* optimizer,
+                                 const FsdpDcpOptions& options = {},
+                                 bool restore_hyperparameters = false);
 
   // ---- State dicts (PyTorch's FSDP state_dict_type) ----
   // The full, unsharded parameters by name (every non-tied parameter, in

@@ -29,6 +29,7 @@
 #include "flatparam/model.h"
 #include "flatparam/model_json.h"
 #include "flatparam/optim/optim_state.h"
+#include "flatparam/torch/dcp.h"
 #include "flatparam/torch/fsdp_module.h"
 #include "flatparam/torch/recompute.h"
 #include "refmodel/torch_gpt.h"
@@ -115,6 +116,82 @@ TEST_P(LoopsTest, RequiresGradChangedBetweenSteps) {
 
 TEST_P(LoopsTest, OptimizerSetsGradientsToNone) {
   EXPECT_THAT(Run(SetToNoneLoop), IsOk());
+}
+
+// Saved as a DCP directory and resumed from it, bitwise.
+TEST_P(LoopsTest, ResumesThroughDistributedCheckpoint) {
+  const std::string dir = TmpDir(absl::StrCat(
+      "dcp_", LoopName(GetParam().options), "_w", GetParam().world));
+  EXPECT_THAT(OnSim(GetParam().world,
+                    [&](Communicator& comm, DeviceOps& device) {
+                      return DcpResumeLoop(comm, device, GetParam().options,
+                                           dir);
+                    }),
+              IsOk());
+}
+
+// A DCP saved at 2 ranks, loaded at 3 (each rank reading its own rows)
+// and saved again: every tensor, model and optimizer state, and the param
+// groups are the same, chunked for 3; saving into a directory that holds
+// files is refused.
+TEST(FsdpModuleDcpTest, LoadsAtAnotherWorldSizeAndSavesTheSame) {
+  for (const bool orig : {false, true}) {
+    SCOPED_TRACE(orig ? "use_orig_params" : "flat");
+    LoopOptions options;
+    options.use_orig_params = orig;
+    const std::string dir = TmpDir(absl::StrCat("dcp_w2_", orig));
+    const std::string again = TmpDir(absl::StrCat("dcp_w3_", orig));
+    ASSERT_THAT(OnSim(2,
+                      [&](Communicator& comm, DeviceOps& device) {
+                        return DcpSaveOrReshardLoop(comm, device, options, dir,
+                                                    "");
+                      }),
+                IsOk());
+    ASSERT_THAT(OnSim(3,
+                      [&](Communicator& comm, DeviceOps& device) {
+                        return DcpSaveOrReshardLoop(comm, device, options, dir,
+                                                    again);
+                      }),
+                IsOk());
+    absl::StatusOr<DcpReader> a =
+        DcpReader::Open(checkpoint::PosixFileSystem(), dir);
+    absl::StatusOr<DcpReader> b =
+        DcpReader::Open(checkpoint::PosixFileSystem(), again);
+    ASSERT_THAT(a, IsOk());
+    ASSERT_THAT(b, IsOk());
+    ASSERT_EQ(a->metadata().entries.size(), b->metadata().entries.size());
+    int resharded = 0;
+    for (const auto& [key, e] : a->metadata().entries) {
+      SCOPED_TRACE(key);
+      auto it = b->metadata().entries.find(key);
+      ASSERT_NE(it, b->metadata().entries.end());
+      if (e.kind == DcpEntry::Kind::kBytes) {
+        absl::StatusOr<nlohmann::json> x = a->ReadBytes(key);
+        absl::StatusOr<nlohmann::json> y = b->ReadBytes(key);
+        ASSERT_THAT(x, IsOk());
+        ASSERT_THAT(y, IsOk());
+        EXPECT_EQ(*x, *y);
+        continue;
+      }
+      absl::StatusOr<HostTensor> x = a->ReadTensor(key);
+      absl::StatusOr<HostTensor> y = b->ReadTensor(key);
+      ASSERT_THAT(x, IsOk());
+      ASSERT_THAT(y, IsOk());
+      EXPECT_TRUE(*x == *y);
+      resharded += e.chunks.size() != it->second.chunks.size();
+    }
+    EXPECT_GT(resharded, 0);
+    EXPECT_TRUE(a->metadata().entries.count("optim.param_groups"));
+    // Not into a directory that holds files.
+    EXPECT_THAT(OnSim(2,
+                      [&](Communicator& comm, DeviceOps& device) {
+                        return DcpSaveOrReshardLoop(comm, device, options,
+                                                    again, "");
+                      }),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         ::testing::HasSubstr("a DCP checkpoint is saved into "
+                                              "a new or empty directory")));
+  }
 }
 
 TEST_P(LoopsTest, EvaluateThenSaveThenResume) {

@@ -190,16 +190,17 @@ absl::Status FsdpModule::LoadStateDict(
   return absl::OkStatus();
 }
 
-namespace {
+namespace internal_fsdp_module {
 
-// torch.chunk's rows of rank `rank` of `world`: [first, first + count).
 std::pair<int64_t, int64_t> ChunkRows(int64_t rows, int world, int rank) {
   const int64_t chunk = (rows + world - 1) / world;
   const int64_t first = std::min(rows, chunk * rank);
   return {first, std::min(rows, first + chunk) - first};
 }
 
-}  // namespace
+}  // namespace internal_fsdp_module
+
+using internal_fsdp_module::ChunkRows;
 
 absl::StatusOr<torch::OrderedDict<std::string, torch::Tensor>>
 FsdpModule::ShardedStateDict() {

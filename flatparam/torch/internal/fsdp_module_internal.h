@@ -39,6 +39,10 @@ torch::TensorOptions Options(DType dtype);
 torch::Tensor Over(const BufferRef& buffer);
 // "a", "b", ... for messages.
 std::string Quoted(const std::vector<std::string>& names);
+// torch.chunk's rows of rank `rank` of `world` ranks of a tensor of `rows`
+// rows (PyTorch's SHARDED_STATE_DICT chunking): (first, count), count 0
+// for a rank past the last chunk.
+std::pair<int64_t, int64_t> ChunkRows(int64_t rows, int world, int rank);
 
 // Tensors over one storage whose data pointer is swapped (see the file
 // comment of fsdp_module.h): one view per parameter.
