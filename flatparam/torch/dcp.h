@@ -39,8 +39,16 @@
 // naming the key and the values. Reading an item checks that the archive
 // holds one tensor of the chunk's dtype and sizes.
 //
-// Memory: the metadata; ReadChunk one chunk; ReadTensor the tensor plus
-// one chunk at a time.
+// A tensor chunk's item must be at least as large as the chunk's bytes
+// (torch.save stores them uncompressed), so a .metadata cannot make a read
+// allocate more than its files hold.
+//
+// Memory: the metadata; ReadChunk one chunk (its archive's storage record
+// and the tensor: twice its bytes); ReadTensor and ReadBox their result
+// plus one chunk at a time. ImportDcpCheckpoint: measured on gpt2-large's
+// 3.1 GB of float32 weights saved by 8 ranks (chunks up to 32 MiB), peak
+// RSS 254 MiB, 160 MiB of which is fsdp_torch_files with LibTorch loaded
+// (README, "PyTorch Distributed Checkpoint").
 // Ownership: the reader borrows the FileSystem, which must outlive it.
 // Thread-safety: const methods may be called concurrently.
 #ifndef FLATPARAM_TORCH_DCP_H_

@@ -25,7 +25,8 @@
 // inflate past that (LibTorch's reader inflated any record whole at the
 // size the archive claims); stored and deflated records are read, and
 // every record's CRC-32 is checked.
-// The pickle is read by a restricted unpickler of this file, not LibTorch's:
+// The pickle is read by a restricted unpickler (internal/pickle.h, shared
+// with the DCP reader), not LibTorch's:
 // LibTorch 1.13's C++ unpickler (torch::pickle_load) cannot read what
 // Python writes (an OrderedDict with _metadata: "Expected GenericDict but
 // got None"; a one-element list or dict, opcodes APPEND and SETITEM:
