@@ -173,24 +173,16 @@ absl::StatusOr<DcpExportReport> ExportDcpCheckpoint(
   std::vector<std::string> param_order;
   internal_torch::StagingDir full_dir(
       fs, internal_torch::StagingPath(out_dir, "dcp-export-full"));
-  std::string full_path = in_dir;
-  if (!checkpoint::FullCheckpointReader::Open(fs, in_dir).ok()) {
-    FLATPARAM_ASSIGN_OR_RETURN(
-        checkpoint::ShardedCheckpointReader sharded,
-        checkpoint::ShardedCheckpointReader::Open(fs, in_dir));
-    if (!spec.has_value()) spec = sharded.layout().spec();
-    param_order = optim::ModelParamOrder(sharded.layout());
-    checkpoint::ConvertOptions convert = options.convert;
-    convert.overwrite = true;
-    convert.outcome = nullptr;
-    convert.progress = nullptr;
-    FLATPARAM_RETURN_IF_ERROR(checkpoint::ConsolidateCheckpoint(
-        fs, in_dir, full_dir.path(), convert));
-    full_path = full_dir.path();
-  }
+  std::optional<ModelLayout> sharded;
   FLATPARAM_ASSIGN_OR_RETURN(
       checkpoint::FullCheckpointReader reader,
-      checkpoint::FullCheckpointReader::Open(fs, full_path));
+      internal_torch::OpenAsFull(fs, in_dir, full_dir, options.convert,
+                                 &sharded));
+  const std::string& full_path = reader.path();
+  if (sharded.has_value()) {
+    if (!spec.has_value()) spec = sharded->spec();
+    param_order = optim::ModelParamOrder(*sharded);
+  }
 
   internal_torch::StagingDir staging(
       fs, internal_torch::StagingPath(out_dir, "dcp-export"));

@@ -42,6 +42,19 @@ const json& Expected() {
   return *expected;
 }
 
+// `t` has expected.json's shape and values (exact doubles) for it.
+void ExpectValues(const HostTensor& t, const json& want) {
+  EXPECT_EQ(t.shape(), want["shape"].get<std::vector<int64_t>>());
+  const std::vector<double> values = want["values"].get<std::vector<double>>();
+  ASSERT_EQ(t.numel(), static_cast<int64_t>(values.size()));
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const double got = t.dtype() == DType::kInt64
+                           ? static_cast<double>(t.data_as<int64_t>()[i])
+                           : t.GetDouble(i);
+    ASSERT_EQ(got, values[i]) << "element " << i;
+  }
+}
+
 // Every tensor of `dir` equals Python's, bit for bit; every bytes item too.
 void ExpectAllItems(const DcpReader& dcp, const json& expected) {
   ASSERT_EQ(dcp.metadata().entries.size(), expected.size());
@@ -61,16 +74,7 @@ void ExpectAllItems(const DcpReader& dcp, const json& expected) {
     absl::StatusOr<HostTensor> t = dcp.ReadTensor(key);
     ASSERT_THAT(t, IsOk());
     EXPECT_EQ(DTypeName(t->dtype()), want["dtype"].get<std::string>());
-    EXPECT_EQ(t->shape(), want["shape"].get<std::vector<int64_t>>());
-    const std::vector<double> values =
-        want["values"].get<std::vector<double>>();
-    ASSERT_EQ(t->numel(), static_cast<int64_t>(values.size()));
-    for (int64_t i = 0; i < t->numel(); ++i) {
-      const double got = t->dtype() == DType::kInt64
-                             ? static_cast<double>(t->data_as<int64_t>()[i])
-                             : t->GetDouble(i);
-      ASSERT_EQ(got, values[i]) << "element " << i;
-    }
+    ExpectValues(*t, want);
   }
 }
 
@@ -257,15 +261,7 @@ void ExpectTensor(const checkpoint::SafetensorsReader& file,
   SCOPED_TRACE(name);
   absl::StatusOr<HostTensor> t = file.ReadHostTensor(name);
   ASSERT_THAT(t, IsOk());
-  EXPECT_EQ(t->shape(), want["shape"].get<std::vector<int64_t>>());
-  const std::vector<double> values = want["values"].get<std::vector<double>>();
-  ASSERT_EQ(t->numel(), static_cast<int64_t>(values.size()));
-  for (int64_t i = 0; i < t->numel(); ++i) {
-    const double got = t->dtype() == DType::kInt64
-                           ? static_cast<double>(t->data_as<int64_t>()[i])
-                           : t->GetDouble(i);
-    ASSERT_EQ(got, values[i]) << "element " << i;
-  }
+  ExpectValues(*t, want);
 }
 
 // The 2.x layout's model and AdamW state, imported at 3 ranks and

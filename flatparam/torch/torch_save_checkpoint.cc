@@ -378,26 +378,15 @@ absl::StatusOr<TorchExportReport> ExportTorchCheckpoint(
 
   if (options.optimizer) {
     StagingDir full_dir(fs, StagingPath(out_dir, "torch-export-full"));
-    std::string full_path = in_dir;
     std::vector<std::string> order = options.param_order;
-    if (!checkpoint::FullCheckpointReader::Open(fs, in_dir).ok()) {
-      if (order.empty()) {
-        FLATPARAM_ASSIGN_OR_RETURN(
-            checkpoint::ShardedCheckpointReader sharded,
-            checkpoint::ShardedCheckpointReader::Open(fs, in_dir));
-        order = optim::ModelParamOrder(sharded.layout());
-      }
-      checkpoint::ConvertOptions convert = options.convert;
-      convert.overwrite = true;
-      convert.outcome = nullptr;
-      convert.progress = nullptr;
-      FLATPARAM_RETURN_IF_ERROR(checkpoint::ConsolidateCheckpoint(
-          fs, in_dir, full_dir.path(), convert));
-      full_path = full_dir.path();
-    }
+    std::optional<ModelLayout> sharded;
     FLATPARAM_ASSIGN_OR_RETURN(
         checkpoint::FullCheckpointReader reader,
-        checkpoint::FullCheckpointReader::Open(fs, full_path));
+        internal_torch::OpenAsFull(fs, in_dir, full_dir, options.convert,
+                                   &sharded));
+    if (order.empty() && sharded.has_value()) {
+      order = optim::ModelParamOrder(*sharded);
+    }
     FLATPARAM_ASSIGN_OR_RETURN(checkpoint::FullState state,
                                checkpoint::ReadFullState(reader));
     if (!state.optim.empty()) {

@@ -43,6 +43,26 @@ absl::Status CheckDistinct(const std::string& in, const std::string& out) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<checkpoint::FullCheckpointReader> OpenAsFull(
+    checkpoint::FileSystem& fs, const std::string& in_dir,
+    const StagingDir& full_dir, const checkpoint::ConvertOptions& convert,
+    std::optional<ModelLayout>* sharded_layout) {
+  if (checkpoint::FullCheckpointReader::Open(fs, in_dir).ok()) {
+    return checkpoint::FullCheckpointReader::Open(fs, in_dir);
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(
+      checkpoint::ShardedCheckpointReader sharded,
+      checkpoint::ShardedCheckpointReader::Open(fs, in_dir));
+  sharded_layout->emplace(sharded.layout());
+  checkpoint::ConvertOptions options = convert;
+  options.overwrite = true;
+  options.outcome = nullptr;
+  options.progress = nullptr;
+  FLATPARAM_RETURN_IF_ERROR(
+      checkpoint::ConsolidateCheckpoint(fs, in_dir, full_dir.path(), options));
+  return checkpoint::FullCheckpointReader::Open(fs, full_dir.path());
+}
+
 absl::Status WriteSafetensorsFile(
     checkpoint::FileSystem& fs, const std::string& path,
     const std::vector<checkpoint::TensorSource>& sources) {

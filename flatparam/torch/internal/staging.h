@@ -10,13 +10,17 @@
 #define FLATPARAM_TORCH_INTERNAL_STAGING_H_
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "flatparam/checkpoint/checkpoint_dir.h"
+#include "flatparam/checkpoint/convert.h"
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/safetensors.h"
+#include "flatparam/layout.h"
 
 namespace flatparam {
 namespace libtorch {
@@ -49,6 +53,15 @@ std::string StagingPath(const std::string& out_dir, absl::string_view what);
 // input or a directory holding it (by spelling, as hf_checkpoint.cc
 // checks).
 absl::Status CheckDistinct(const std::string& in, const std::string& out);
+
+// `in_dir` opened as a full checkpoint: itself when it is one, else the
+// sharded checkpoint there consolidated into `full_dir` (with `convert`'s
+// options but overwrite, outcome and progress); `sharded_layout` receives
+// its layout then. The exporters' start.
+absl::StatusOr<checkpoint::FullCheckpointReader> OpenAsFull(
+    checkpoint::FileSystem& fs, const std::string& in_dir,
+    const StagingDir& full_dir, const checkpoint::ConvertOptions& convert,
+    std::optional<ModelLayout>* sharded_layout);
 
 // Writes `sources` as the safetensors file `path` ("format": "pt"),
 // synced and closed.
