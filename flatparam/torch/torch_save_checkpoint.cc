@@ -410,12 +410,8 @@ absl::StatusOr<TorchExportReport> ExportTorchCheckpoint(
       report.optimizer = true;
     }
   }
-  FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(staging.path()));
-  if (out_exists) {
-    FLATPARAM_RETURN_IF_ERROR(checkpoint::RemoveRecursively(fs, out_dir));
-  }
-  FLATPARAM_RETURN_IF_ERROR(fs.Rename(staging.path(), out_dir));
-  FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(checkpoint::Dirname(out_dir)));
+  FLATPARAM_RETURN_IF_ERROR(
+      internal_torch::PublishStaged(fs, staging, out_dir, out_exists));
   return report;
 }
 

@@ -63,6 +63,17 @@ absl::StatusOr<checkpoint::FullCheckpointReader> OpenAsFull(
   return checkpoint::FullCheckpointReader::Open(fs, full_dir.path());
 }
 
+absl::Status PublishStaged(checkpoint::FileSystem& fs,
+                           const StagingDir& staging,
+                           const std::string& out_dir, bool replace) {
+  FLATPARAM_RETURN_IF_ERROR(fs.SyncDir(staging.path()));
+  if (replace) {
+    FLATPARAM_RETURN_IF_ERROR(checkpoint::RemoveRecursively(fs, out_dir));
+  }
+  FLATPARAM_RETURN_IF_ERROR(fs.Rename(staging.path(), out_dir));
+  return fs.SyncDir(checkpoint::Dirname(out_dir));
+}
+
 absl::Status WriteSafetensorsFile(
     checkpoint::FileSystem& fs, const std::string& path,
     const std::vector<checkpoint::TensorSource>& sources) {

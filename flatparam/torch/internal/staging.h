@@ -63,6 +63,13 @@ absl::StatusOr<checkpoint::FullCheckpointReader> OpenAsFull(
     const StagingDir& full_dir, const checkpoint::ConvertOptions& convert,
     std::optional<ModelLayout>* sharded_layout);
 
+// Puts the finished `staging` in place as `out_dir`: syncs it, removes an
+// existing `out_dir` when `replace` (the caller's overwrite, checked
+// before anything was written), renames, syncs the parent.
+absl::Status PublishStaged(checkpoint::FileSystem& fs,
+                           const StagingDir& staging,
+                           const std::string& out_dir, bool replace);
+
 // Writes `sources` as the safetensors file `path` ("format": "pt"),
 // synced and closed.
 absl::Status WriteSafetensorsFile(
