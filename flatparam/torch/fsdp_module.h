@@ -520,9 +520,11 @@ class FsdpModule {
   // buffers whole, then LoadShardedStateDict; with `optimizer`, the
   // optimizer state whole on every rank, sharded for the rank
   // (ShardFullOptimState) and installed as LoadCheckpoint installs it
-  // (`restore_hyperparameters` likewise). FailedPrecondition naming the
-  // key for a missing tensor or one of another shape, or for no optimizer
-  // state while `optimizer` is given; the reader's errors (dcp.h).
+  // (`restore_hyperparameters` likewise; a checkpoint saved before the
+  // optimizer's first step holds param groups but no state, and leaves the
+  // optimizer as it is). FailedPrecondition naming the key for a missing
+  // tensor or one of another shape, or for no optimizer keys at all while
+  // `optimizer` is given; the reader's errors (dcp.h).
   // Collective; between iterations; nothing changes unless every rank
   // succeeds.
   absl::Status LoadDcpCheckpoint(checkpoint::FileSystem& fs,

@@ -298,6 +298,7 @@ absl::Status FsdpModule::LoadDcpCheckpoint(checkpoint::FileSystem& fs,
   const int64_t shard_rank = world.rank() % model.options().world_size;
   torch::OrderedDict<std::string, torch::Tensor> rows;
   OptimizerStates optimizer_states;
+  bool has_state = false;
   std::vector<std::map<std::string, optim::HyperValue>> hyperparams;
   const absl::Status loaded = [&]() -> absl::Status {
     FLATPARAM_RETURN_IF_ERROR(BetweenIterations("LoadDcpCheckpoint"));
@@ -344,11 +345,14 @@ absl::Status FsdpModule::LoadDcpCheckpoint(checkpoint::FileSystem& fs,
     FLATPARAM_ASSIGN_OR_RETURN(
         optim::OptimStateDict full,
         ReadDcpOptimState(dcp, options.optim_prefix, params));
-    if (full.state.empty()) {
+    if (full.state.empty() && full.param_groups.empty()) {
       return absl::FailedPreconditionError(absl::StrCat(
           dir, " holds no optimizer state under \"", options.optim_prefix,
           "\"; load it without an optimizer to start the optimizer afresh"));
     }
+    // Saved before the optimizer's first step: groups, no state yet.
+    if (full.state.empty()) return absl::OkStatus();
+    has_state = true;
     FLATPARAM_ASSIGN_OR_RETURN(
         optim::OptimStateDict sharded,
         optim::ShardFullOptimState(model, full, shard_rank));
@@ -369,7 +373,7 @@ absl::Status FsdpModule::LoadDcpCheckpoint(checkpoint::FileSystem& fs,
   }();
   FLATPARAM_RETURN_IF_ERROR(checkpoint::AgreeOnLoad(world, loaded, co));
   FLATPARAM_RETURN_IF_ERROR(LoadShardedStateDict(rows));
-  if (optimizer != nullptr) {
+  if (has_state) {
     InstallOptimState(std::move(optimizer_states), *optimizer);
     if (restore_hyperparameters) InstallHyperparams(hyperparams, *optimizer);
   }
