@@ -51,8 +51,10 @@ HostTensor Rows(const HostTensor& t, int64_t first, int64_t count) {
   shape[0] = count;
   HostTensor out = HostTensor::Uninitialized(t.dtype(), shape);
   const size_t row = t.shape()[0] == 0 ? 0 : t.nbytes() / t.shape()[0];
-  std::memcpy(out.data(), static_cast<const char*>(t.data()) + first * row,
-              out.nbytes());
+  if (out.nbytes() > 0) {
+    std::memcpy(out.data(), static_cast<const char*>(t.data()) + first * row,
+                out.nbytes());
+  }
   return out;
 }
 
@@ -61,7 +63,7 @@ absl::StatusOr<HostTensor> ToHost(const torch::Tensor& t) {
   FLATPARAM_ASSIGN_OR_RETURN(DType dtype, AnyDTypeFromTorch(c.scalar_type()));
   HostTensor out = HostTensor::Uninitialized(
       dtype, std::vector<int64_t>(c.sizes().begin(), c.sizes().end()));
-  std::memcpy(out.data(), c.data_ptr(), out.nbytes());
+  if (out.nbytes() > 0) std::memcpy(out.data(), c.data_ptr(), out.nbytes());
   return out;
 }
 
@@ -334,7 +336,8 @@ absl::Status FsdpModule::LoadDcpCheckpoint(checkpoint::FileSystem& fs,
       FLATPARAM_ASSIGN_OR_RETURN(HostTensor h,
                                  dcp.ReadBox(key, offsets, sizes));
       torch::Tensor t = torch::empty(sizes, Options(h.dtype()));
-      std::memcpy(t.data_ptr(), h.data(), h.nbytes());
+      // (An empty tensor's data may be null: a rank past the last chunk.)
+      if (h.nbytes() > 0) std::memcpy(t.data_ptr(), h.data(), h.nbytes());
       rows.insert(e.name, std::move(t));
     }
     if (optimizer == nullptr) return absl::OkStatus();

@@ -9,10 +9,12 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "comm/nccl/nccl_communicator.h"
@@ -61,6 +63,9 @@ class FakeNcclOnCudaTest : public ::testing::Test {
         absl::StatusOr<std::unique_ptr<NcclCommunicator>> comm =
             NcclCommunicator::Create(*nccl_, *group[r], device, options);
         if (!comm.ok()) {
+          // The ranks' threads fail together (two ranks on one device):
+          // the map is shared.
+          absl::MutexLock lock(&create_errors_mu_);
           create_errors_[r] = comm.status();
           return;
         }
@@ -72,6 +77,9 @@ class FakeNcclOnCudaTest : public ::testing::Test {
 
   std::unique_ptr<FakeCudaRuntime> cuda_;
   std::unique_ptr<FakeNcclOnCuda> nccl_;
+  absl::Mutex create_errors_mu_;
+  // Written by the ranks' threads under create_errors_mu_; read after they
+  // are joined.
   std::map<int, absl::Status> create_errors_;
 };
 
