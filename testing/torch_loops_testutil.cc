@@ -145,6 +145,16 @@ absl::StatusOr<WrappedNet> WrapNetWithAdamW(Communicator& world,
   return w;
 }
 
+// Data steps [first, last) of `w` on this rank.
+absl::Status TrainWrapped(WrappedNet& w, const Communicator& world,
+                          const LoopOptions& o, int first, int last) {
+  for (int step = first; step < last; ++step) {
+    FLATPARAM_RETURN_IF_ERROR(FsdpNetStep(w.net, *w.fsdp, *w.optimizer, step,
+                                          world.rank(), o.recompute));
+  }
+  return absl::OkStatus();
+}
+
 const Params& LoraInitial() {
   static const Params* params = [] {
     torch::manual_seed(11);
@@ -503,10 +513,7 @@ absl::Status DcpResumeLoop(Communicator& world, DeviceOps& device,
   {
     FLATPARAM_ASSIGN_OR_RETURN(WrappedNet w,
                                WrapNetWithAdamW(world, device, options));
-    for (int step = 0; step < 2; ++step) {
-      FLATPARAM_RETURN_IF_ERROR(FsdpNetStep(w.net, *w.fsdp, *w.optimizer, step,
-                                            world.rank(), options.recompute));
-    }
+    FLATPARAM_RETURN_IF_ERROR(TrainWrapped(w, world, options, 0, 2));
     FLATPARAM_RETURN_IF_ERROR(w.fsdp->SaveDcpCheckpoint(
         checkpoint::PosixFileSystem(), dir, w.optimizer.get()));
   }
@@ -514,10 +521,7 @@ absl::Status DcpResumeLoop(Communicator& world, DeviceOps& device,
                              WrapNetWithAdamW(world, device, options));
   FLATPARAM_RETURN_IF_ERROR(w.fsdp->LoadDcpCheckpoint(
       checkpoint::PosixFileSystem(), dir, w.optimizer.get()));
-  for (int step = 2; step < 4; ++step) {
-    FLATPARAM_RETURN_IF_ERROR(FsdpNetStep(w.net, *w.fsdp, *w.optimizer, step,
-                                          world.rank(), options.recompute));
-  }
+  FLATPARAM_RETURN_IF_ERROR(TrainWrapped(w, world, options, 2, 4));
   FLATPARAM_ASSIGN_OR_RETURN(Params got, w.fsdp->FullStateDict());
   return ExpectEqual(got, reference, "saved and resumed through DCP");
 }
@@ -529,10 +533,7 @@ absl::Status DcpSaveOrReshardLoop(Communicator& world, DeviceOps& device,
   FLATPARAM_ASSIGN_OR_RETURN(WrappedNet w,
                              WrapNetWithAdamW(world, device, options));
   if (again.empty()) {
-    for (int step = 0; step < 2; ++step) {
-      FLATPARAM_RETURN_IF_ERROR(FsdpNetStep(w.net, *w.fsdp, *w.optimizer, step,
-                                            world.rank(), options.recompute));
-    }
+    FLATPARAM_RETURN_IF_ERROR(TrainWrapped(w, world, options, 0, 2));
     return w.fsdp->SaveDcpCheckpoint(checkpoint::PosixFileSystem(), dir,
                                      w.optimizer.get());
   }

@@ -194,6 +194,47 @@ TEST(FsdpModuleDcpTest, LoadsAtAnotherWorldSizeAndSavesTheSame) {
   }
 }
 
+// Rank 1 cannot create its file: every rank returns rank 1's error, rank
+// 0 removes the file it wrote, and no .metadata is written (the directory
+// is no checkpoint).
+class FailRankFile : public checkpoint::ForwardingFileSystem {
+ public:
+  using ForwardingFileSystem::ForwardingFileSystem;
+  absl::StatusOr<std::unique_ptr<checkpoint::WritableFile>> NewWritableFile(
+      const std::string& path) override {
+    if (absl::EndsWith(path, "/__1_0.distcp")) {
+      return absl::UnavailableError("injected: disk full");
+    }
+    return ForwardingFileSystem::NewWritableFile(path);
+  }
+};
+
+TEST(FsdpModuleDcpTest, ARankThatCannotWriteFailsEveryRankAndLeavesNoFiles) {
+  const std::string dir = TmpDir("dcp_fail");
+  FailRankFile fs(checkpoint::PosixFileSystem());
+  EXPECT_THAT(
+      OnSim(2,
+            [&](Communicator& comm, DeviceOps& device) -> absl::Status {
+              torch::manual_seed(5);
+              torch::nn::Linear linear(4, 3);
+              FLATPARAM_ASSIGN_OR_RETURN(
+                  std::unique_ptr<FsdpModule> fsdp,
+                  FsdpModule::Wrap(linear.ptr(), &comm, &device, {}));
+              absl::Status saved = fsdp->SaveDcpCheckpoint(fs, dir, nullptr);
+              if (!absl::StrContains(saved.message(), "rank 1") ||
+                  !absl::StrContains(saved.message(), "injected: disk full")) {
+                return absl::InternalError(absl::StrCat(
+                    "rank ", comm.rank(), " returned ", saved.ToString()));
+              }
+              return absl::OkStatus();
+            }),
+      IsOk());
+  EXPECT_THAT(checkpoint::PosixFileSystem().GetChildren(dir),
+              IsOkAndHolds(::testing::IsEmpty()));
+  EXPECT_THAT(IsDcpCheckpoint(checkpoint::PosixFileSystem(), dir),
+              IsOkAndHolds(false));
+}
+
 TEST_P(LoopsTest, EvaluateThenSaveThenResume) {
   const std::string dir = TmpDir(absl::StrCat(
       "eval_", LoopName(GetParam().options), "_w", GetParam().world));

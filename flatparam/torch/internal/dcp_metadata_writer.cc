@@ -14,24 +14,25 @@ namespace libtorch {
 namespace internal_torch {
 namespace {
 
-// The module paths of the Metadata classes a format names.
+// TensorProperties and its memory-format enum, MEM_FORMAT_ENCODING, in
+// both formats: where 1.13 and 2.0-2.3 define them (later releases read
+// those checkpoints).
+constexpr char kPropertiesModule[] =
+    "torch.distributed._shard.sharded_tensor.metadata";
+
+// The module paths of the other classes a format names.
 struct Paths {
   std::string metadata;    // Metadata, ..., MetadataIndex
-  std::string properties;  // TensorProperties and its enum
-  std::string enum_name;   // the memory-format enum's class name
   std::string filesystem;  // _StorageInfo
 };
 
 Paths PathsOf(DcpMetadataFormat format) {
   if (format == DcpMetadataFormat::kPyTorch113) {
     return {"torch.distributed._shard.checkpoint.metadata",
-            "torch.distributed._shard.sharded_tensor.metadata",
-            "MEM_FORMAT_ENCODING",
             "torch.distributed._shard.checkpoint.filesystem"};
   }
   return {"torch.distributed.checkpoint.metadata",
-          "torch.distributed._shard.sharded_tensor.metadata",
-          "MEM_FORMAT_ENCODING", "torch.distributed.checkpoint.filesystem"};
+          "torch.distributed.checkpoint.filesystem"};
 }
 
 // A protocol-2 pickle of the Metadata object, as Python's pickle writes
@@ -120,7 +121,7 @@ std::string PickleDcpMetadata(const std::vector<DcpItem>& items_,
     p.NewObject(paths.metadata, "TensorStorageMetadata");
     p.BeginDict();
     p.Str("properties");
-    p.NewObject(paths.properties, "TensorProperties");
+    p.NewObject(kPropertiesModule, "TensorProperties");
     // __getstate__: (dtype, layout, requires_grad, memory format,
     // pin_memory).
     p.BeginTuple();
@@ -131,7 +132,7 @@ std::string PickleDcpMetadata(const std::vector<DcpItem>& items_,
     p.Op('R');
     p.Bool(false);
     p.Global("builtins", "getattr");
-    p.Global(paths.properties, paths.enum_name);
+    p.Global(kPropertiesModule, "MEM_FORMAT_ENCODING");
     p.Str("TORCH_CONTIGUOUS_FORMAT");
     p.Op(0x86);  // TUPLE2
     p.Op('R');
