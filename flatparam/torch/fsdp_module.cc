@@ -584,9 +584,50 @@ std::vector<std::string> FsdpModule::unit_names() const {
   return names;
 }
 
+namespace {
+
+// Module::parameters_ is protected: a derived class may name it, and a
+// pointer to it reads any module's parameters in place, without the
+// ordered dict of joined names that named_parameters() builds.
+struct OwnParameters : torch::nn::Module {
+  static const torch::OrderedDict<std::string, torch::Tensor>& Of(
+      const torch::nn::Module& m) {
+    return m.*(&OwnParameters::parameters_);
+  }
+};
+
+// Compares `m`'s parameters, in named_parameters(recurse=true)'s order
+// (the module's own, then each child's in turn), with `wrapped` from
+// `*next` on; false at the first difference.
+bool SameParameters(
+    const torch::nn::Module& m,
+    const std::vector<std::pair<std::string, torch::Tensor>>& wrapped,
+    size_t* next) {
+  for (const auto& item : OwnParameters::Of(m)) {
+    if (!item.value().defined()) continue;  // named_parameters skips them
+    if (*next >= wrapped.size() ||
+        item.value().unsafeGetTensorImpl() !=
+            wrapped[*next].second.unsafeGetTensorImpl()) {
+      return false;
+    }
+    ++*next;
+  }
+  for (const auto& child : m.children()) {
+    if (!SameParameters(*child, wrapped, next)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 absl::Status FsdpModule::CheckModuleUnchanged() const {
-  // named_parameters() builds an ordered dict of strings; walking the
-  // modules compares tensors without it.
+  // Every Forward checks: compare tensor pointers in place first, and
+  // build the names only to say what changed.
+  size_t next = 0;
+  if (SameParameters(*module_, wrapped_params_, &next) &&
+      next == wrapped_params_.size()) {
+    return absl::OkStatus();
+  }
   size_t i = 0;
   absl::Status status;
   auto check = [&](const std::string& name, const torch::Tensor& t) {

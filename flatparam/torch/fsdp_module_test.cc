@@ -723,6 +723,26 @@ TEST(FsdpModuleErrorsTest, MisuseInTheForwardIsAStatus) {
     EXPECT_NE(out.status().message().find("\"extra\""), std::string::npos)
         << out.status();
   });
+  OnOneRank([](SimCommunicator& comm, DeviceOps& device) {
+    Net net = MakeNet();
+    absl::StatusOr<std::unique_ptr<FsdpModule>> fsdp =
+        WrapNet(net, comm, device);
+    ASSERT_THAT(fsdp.status(), IsOk());
+    torch::Tensor tokens = Tokens(0, 0, 2).narrow(1, 0, kSeq);
+    // A submodule replaced after wrapping: same names, other tensors.
+    net->h[1]->as<BlockImpl>()->replace_module(
+        "fc1", torch::nn::Linear(kDim, 2 * kDim));
+    absl::StatusOr<torch::Tensor> out =
+        (*fsdp)->Forward([&]() -> absl::StatusOr<torch::Tensor> {
+          return net->Head(net->wte(tokens));
+        });
+    EXPECT_EQ(out.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_NE(out.status().message().find("\"h.1.fc1.weight\""),
+              std::string::npos)
+        << out.status();
+    EXPECT_NE(out.status().message().find("reassigned"), std::string::npos)
+        << out.status();
+  });
 }
 
 // The bitwise comparisons rely on torch_test_main's single intra-op
