@@ -260,17 +260,41 @@ def _libtorch_configure_impl(ctx):
         origin = "the system (libtorch-dev)"
     api = include + "/torch/csrc/api/include"
     available = ctx.path(api + "/torch/torch.h").exists and ctx.path(lib + "/libtorch.so").exists
+
+    # c10d's gloo process group (//comm/c10d): its header includes gloo's.
+    # Debian's libtorch links the system's libgloo (libgloo-dev has the
+    # headers and libgloo.so); a LibTorch from pytorch.org has gloo inside
+    # libtorch_cpu.so and ships its headers under include/gloo.
+    gloo_linkopts = []
+    if ctx.path(include + "/gloo/algorithm.h").exists:
+        gloo_include = include
+    else:
+        gloo_include = "/usr/include"
+    c10d_available = available and \
+                     ctx.path(include + "/torch/csrc/distributed/c10d/ProcessGroupGloo.hpp").exists and \
+                     ctx.path(gloo_include + "/gloo/algorithm.h").exists
+    if c10d_available and not home:
+        for d in ["/usr/lib/" + _multiarch(ctx), "/usr/lib"]:
+            if ctx.path(d + "/libgloo.so").exists:
+                gloo_linkopts = ["-L" + d, "-lgloo"]
+                break
+        if not gloo_linkopts:
+            c10d_available = False
     ctx.file("WORKSPACE", 'workspace(name = "%s")\n' % ctx.name)
-    ctx.file("defs.bzl", "AVAILABLE = %s\n" % available)
+    ctx.file("defs.bzl", "AVAILABLE = %s\nC10D_AVAILABLE = %s\n" % (available, c10d_available))
     if not available:
         print("LibTorch: none (no %s/torch/torch.h with %s/libtorch.so; run tools/setup.sh or set LIBTORCH_HOME); LibTorch targets are skipped" % (api, lib))
         ctx.file("BUILD.bazel", """
 package(default_visibility = ["//visibility:public"])
 
-# No LibTorch was found; this target is empty.
+# No LibTorch was found; these targets are empty.
 cc_library(name = "lib")
+
+cc_library(name = "gloo")
 """)
         return
+    if not c10d_available:
+        print("LibTorch's c10d gloo process group: not buildable here (no gloo headers or libgloo.so; tools/setup.sh installs libgloo-dev); //comm/c10d is skipped")
 
     # The C++ API's headers live below the main include directory, so they
     # need an include path of their own; linked in here so that Bazel tracks
@@ -293,7 +317,17 @@ cc_library(
     includes = {includes},
     linkopts = ["-L{lib}", "-Wl,-rpath,{lib}", "-ltorch", "-ltorch_cpu", "-lc10", "-pthread"],
 )
-""".format(origin = origin, include = include, lib = lib, hdrs = hdrs, includes = _quote_list(includes)))
+
+# What c10d's ProcessGroupGloo header needs beyond LibTorch: the macro
+# that enables it, and gloo's library (its headers are under the include
+# path above).
+cc_library(
+    name = "gloo",
+    defines = {gloo_defines},
+    linkopts = {gloo_linkopts},
+    deps = [":lib"],
+)
+""".format(origin = origin, include = include, lib = lib, hdrs = hdrs, includes = _quote_list(includes), gloo_linkopts = _quote_list(gloo_linkopts), gloo_defines = _quote_list(["USE_C10D_GLOO"] if c10d_available else [])))
 
 libtorch_configure = repository_rule(
     implementation = _libtorch_configure_impl,

@@ -9,7 +9,8 @@
 #   Debian: Bazel 4 (bazel-bootstrap), Abseil, GoogleTest/GoogleMock, Google
 #           Benchmark, RapidCheck, nlohmann-json, xxHash, OpenMPI, pkg-config,
 #           clang-format, libtorch-dev (LibTorch 1.13 for //flatparam/torch,
-#           CPU) and python3-torch (the independent reader and writer of
+#           CPU), libgloo-dev (the headers of c10d's gloo process group,
+#           for //comm/c10d) and python3-torch (the independent reader and writer of
 #           torch.save files in its tests), python3-numpy (the independent safetensors
 #           reader of //tools:hf_cli_test), and iproute2 and nftables (the
 #           test hosts of //tools:train_hosts_test: network namespaces, and
@@ -35,6 +36,7 @@ APT_PACKAGES=(
   clang-format
   python3-numpy
   libtorch-dev
+  libgloo-dev
   python3-torch
   iproute2
   nftables

@@ -920,7 +920,7 @@ int main(int argc, char** argv) {
   }
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  flatparam::InitGoogleTestOnMpiRank(rank, &argc, argv);
+  flatparam::InitGoogleTestOnRank(rank, &argc, argv);
 
   bool failed = false;
   {

@@ -4,7 +4,7 @@
 //     auto session = MpiSession::Start(&argc, &argv);
 //     int rank = 0;
 //     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-//     InitGoogleTestOnMpiRank(rank, &argc, argv);
+//     InitGoogleTestOnRank(rank, &argc, argv);
 //     auto world = MpiCommunicator::CreateWorld();
 //     const bool failed = RunAllTestsOnAllRanks(**world);
 //     ...
@@ -20,19 +20,12 @@
 
 #include "comm/communicator.h"
 #include "comm/mpi/mpi_communicator.h"
+#include "testing/multirank_gtest.h"
 
 namespace flatparam {
 
-// InitGoogleTest for rank `rank` of an mpirun job (see the file comment).
-void InitGoogleTestOnMpiRank(int rank, int* argc, char** argv);
-
-// Runs every test on this rank, then combines every rank's verdict over
-// `world` (a max all-reduce), so that all ranks exit alike. Returns true
-// when any rank failed (or the verdicts could not be combined).
-bool RunAllTestsOnAllRanks(Communicator& world);
-
 // The whole main() of a multi-process gtest binary whose tests use one
-// world communicator: MpiSession::Start, InitGoogleTestOnMpiRank, the
+// world communicator: MpiSession::Start, InitGoogleTestOnRank, the
 // world (MpiCommunicator::CreateWorld, stored in `*world` while the tests
 // run, null before and after), RunAllTestsOnAllRanks, MpiSession::Finish.
 // Returns the exit code: 0 when every test passed on every rank and MPI

@@ -1,0 +1,47 @@
+// What a C10dCommunicator and its work objects share (private to
+// //comm/c10d).
+#ifndef FLATPARAM_COMM_C10D_INTERNAL_SHARED_H_
+#define FLATPARAM_COMM_C10D_INTERNAL_SHARED_H_
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include "absl/status/status.h"
+#include "comm/c10d/c10d_communicator.h"
+#include "comm/communicator.h"
+
+namespace flatparam {
+
+// What the communicator and its work objects share: the group, its
+// store, and whether it was aborted. Guarded by `mu` where noted.
+struct C10dCommunicator::Shared {
+  int rank = 0;
+  int size = 0;
+  // The store the group was made from; Split makes subgroups from it.
+  c10::intrusive_ptr<c10d::Store> store;
+  // The store the diagnosis of a failure asks (the same, or a connection
+  // of its own with a short timeout; see FromEnvironment).
+  c10::intrusive_ptr<c10d::Store> probe_store;
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  // Keys of this group in the stores start with it.
+  std::string prefix;
+  C10dOptions options;
+  // The gloo device subgroups are made on (made on first use).
+  std::shared_ptr<::gloo::transport::Device> device;
+  int64_t next_seq = 0;
+
+  std::mutex mu;
+  absl::Status aborted;  // guarded by mu
+
+  // The status a failed collective reports, after asking the store which
+  // peers reached it. Aborts the group.
+  absl::Status Fail(CollectiveOp op, int64_t seq, absl::Status status);
+  std::string Diagnose(CollectiveOp op, int64_t seq);
+};
+
+}  // namespace flatparam
+
+#endif  // FLATPARAM_COMM_C10D_INTERNAL_SHARED_H_

@@ -1,0 +1,31 @@
+// Running one GoogleTest binary on every rank of a multi-process job
+// (test-only), whatever launched it (mpirun, torchrun, a script) and
+// whichever Communicator joins the ranks.
+//
+//   InitGoogleTestOnRank(rank, &argc, argv);
+//   ... make `world` ...
+//   const bool failed = RunAllTestsOnAllRanks(*world);
+//
+// Rank 0 keeps gtest's printer and Bazel's result files; the other ranks
+// print only their failures, prefixed "[rank N]", so a failure on any rank
+// is visible in the one test log.
+//
+// Thread-safety: call from the main thread, once.
+#ifndef FLATPARAM_TESTING_MULTIRANK_GTEST_H_
+#define FLATPARAM_TESTING_MULTIRANK_GTEST_H_
+
+#include "comm/communicator.h"
+
+namespace flatparam {
+
+// InitGoogleTest for rank `rank` of the job (see the file comment).
+void InitGoogleTestOnRank(int rank, int* argc, char** argv);
+
+// Runs every test on this rank, then combines every rank's verdict over
+// `world` (a max all-reduce), so that all ranks exit alike. Returns true
+// when any rank failed (or the verdicts could not be combined).
+bool RunAllTestsOnAllRanks(Communicator& world);
+
+}  // namespace flatparam
+
+#endif  // FLATPARAM_TESTING_MULTIRANK_GTEST_H_
