@@ -2,7 +2,7 @@
 // formula, and the formula against the measured peaks for every prefetch
 // setting. Its equivalence with TrainReference is proven by the property
 // suite in verify/training_equivalence_test.cc (on the simulator) and
-// verify/training_mpi_test.cc (MPI).
+// verify/training_multiprocess_test.cc (MPI and c10d).
 #include "refmodel/fsdp_trainer.h"
 
 #include <gmock/gmock.h>

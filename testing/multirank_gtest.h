@@ -2,9 +2,10 @@
 // (test-only), whatever launched it (mpirun, torchrun, a script) and
 // whichever Communicator joins the ranks.
 //
-//   InitGoogleTestOnRank(rank, &argc, argv);
-//   ... make `world` ...
-//   const bool failed = RunAllTestsOnAllRanks(*world);
+//   Communicator* g_world = nullptr;  // the tests use it
+//   int main(int argc, char** argv) {
+//     return MultirankGtestMain(&argc, argv, &g_world);
+//   }
 //
 // Rank 0 keeps gtest's printer and Bazel's result files; the other ranks
 // print only their failures, prefixed "[rank N]", so a failure on any rank
@@ -25,6 +26,17 @@ void InitGoogleTestOnRank(int rank, int* argc, char** argv);
 // `world` (a max all-reduce), so that all ranks exit alike. Returns true
 // when any rank failed (or the verdicts could not be combined).
 bool RunAllTestsOnAllRanks(Communicator& world);
+
+// The whole main() of a multi-process gtest binary whose tests use one
+// world communicator, stored in `*world` while the tests run (null before
+// and after). Declared here, defined by the backend's library the binary
+// links, so that one test file builds for every backend:
+//   //comm/mpi:mpi_gtest    under mpirun;
+//   //comm/c10d:c10d_gtest  as torchrun's workers (the world from
+//                           C10dCommunicator::FromEnvironment).
+// Returns the exit code: 0 when every test passed on every rank; failures
+// to start are printed to stderr.
+int MultirankGtestMain(int* argc, char** argv, Communicator** world);
 
 }  // namespace flatparam
 

@@ -1,7 +1,8 @@
 // Tests of the c10d backend. A multi-process test: envrun_test.sh starts
 // the ranks as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
-// main() makes the world with C10dCommunicator::FromEnvironment, runs every
-// test on every rank and combines the verdicts. Rank 0 prints gtest's
+// main() (c10d_gtest.cc's MultirankGtestMain) makes the world with
+// C10dCommunicator::FromEnvironment, runs every test on every rank and
+// combines the verdicts. Rank 0 prints gtest's
 // output; the others print only their failures, prefixed "[rank N]".
 //
 // The backend-independent cases are comm/conformance's suite, bit for bit
@@ -33,7 +34,12 @@ namespace {
 
 using ::testing::HasSubstr;
 
-C10dCommunicator* g_world = nullptr;
+Communicator* g_world = nullptr;  // Set up by main().
+
+// The world as what it is (c10d_gtest.cc makes it).
+C10dCommunicator& C10dWorld() {
+  return *static_cast<C10dCommunicator*>(g_world);
+}
 
 void ExpectKindPasses(conformance::CollectiveKind kind) {
   conformance::ExpectCasesPass(
@@ -93,7 +99,7 @@ TEST(C10dCommunicatorTest, DeviceBuffersAreUnimplemented) {
 
 TEST(C10dCommunicatorTest, WrapRefusesNullArguments) {
   EXPECT_EQ(C10dCommunicator::Wrap(c10::intrusive_ptr<c10d::Store>(),
-                                   g_world->process_group())
+                                   C10dWorld().process_group())
                 .status()
                 .code(),
             absl::StatusCode::kInvalidArgument);
@@ -177,21 +183,5 @@ TEST(C10dCommunicatorTest, ATimeoutNamesTheRankThatSentNothing) {
 }  // namespace flatparam
 
 int main(int argc, char** argv) {
-  const char* rank_text = std::getenv("RANK");
-  const int rank = rank_text != nullptr ? std::atoi(rank_text) : 0;
-  flatparam::InitGoogleTestOnRank(rank, &argc, argv);
-  bool failed = false;
-  {
-    absl::StatusOr<std::unique_ptr<flatparam::C10dCommunicator>> world =
-        flatparam::C10dCommunicator::FromEnvironment();
-    if (!world.ok()) {
-      std::fprintf(stderr, "[rank %d] %s\n", rank,
-                   world.status().ToString().c_str());
-      return 1;
-    }
-    flatparam::g_world = world->get();
-    failed = flatparam::RunAllTestsOnAllRanks(**world);
-    flatparam::g_world = nullptr;
-  }
-  return failed ? 1 : 0;
+  return flatparam::MultirankGtestMain(&argc, argv, &flatparam::g_world);
 }

@@ -13,7 +13,9 @@
 
 namespace flatparam {
 
-int MpiGtestMain(int* argc, char** argv, MpiCommunicator** world) {
+// MultirankGtestMain under mpirun: MpiSession::Start, the world
+// (MpiCommunicator::CreateWorld), the tests, MpiSession::Finish.
+int MultirankGtestMain(int* argc, char** argv, Communicator** world) {
   absl::StatusOr<MpiSession> session = MpiSession::Start(argc, &argv);
   if (!session.ok()) {
     std::fprintf(stderr, "%s\n", session.status().ToString().c_str());

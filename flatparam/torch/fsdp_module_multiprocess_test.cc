@@ -1,14 +1,15 @@
-// FsdpModule over MPI equals single-process LibTorch training, bit for bit:
-// the MPI backend folds reductions on the host in rank order, as the
-// simulator does, so fsdp_module_test's property holds across processes.
+// FsdpModule across processes equals single-process LibTorch training, bit
+// for bit: the MPI and c10d backends fold reductions on the host in rank
+// order, as the simulator does, so fsdp_module_test's property holds across
+// processes.
 //
-// A multi-process test: run under mpirun (fsdp_module_mpi_test_2 and _4
-// launch it through comm/mpi/mpirun_test.sh with 2 and 4 ranks). Every rank
-// trains under FsdpModule and compares the full state dict with
-// TrainReference computed on that rank. main() combines every rank's
-// verdict; rank 0 prints gtest's output, the others only their failures.
+// A multi-process test, one binary per backend from this file (main() is
+// the backend's MultirankGtestMain): fsdp_module_mpi_test_2 and _4 run it
+// under mpirun, fsdp_module_c10d_test_2 and _4 as torchrun's workers. Every
+// rank trains under FsdpModule and compares the full state dict with
+// TrainReference computed on that rank. Rank 0 prints gtest's output, the
+// others only their failures.
 #include <gtest/gtest.h>
-#include <mpi.h>
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -19,9 +20,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "comm/mpi/mpi_communicator.h"
-#include "comm/mpi/mpi_gtest.h"
+#include "comm/communicator.h"
 #include "flatparam/device/device.h"
+#include "testing/multirank_gtest.h"
 #include "testing/torch_loops_testutil.h"
 #include "testing/torch_testutil.h"
 
@@ -31,7 +32,7 @@ namespace {
 
 using namespace ::flatparam::libtorch::testing;  // NOLINT
 
-MpiCommunicator* g_world = nullptr;  // Set up by main().
+Communicator* g_world = nullptr;  // Set up by main().
 
 std::vector<Case> Cases(int world) {
   std::vector<Case> cases = {
@@ -129,5 +130,6 @@ TEST(FsdpModuleMpiTest, UserLoopsBitwiseEqualToSingleProcess) {
 int main(int argc, char** argv) {
   // One intra-op thread: LibTorch's kernels then reduce in one order.
   torch::set_num_threads(1);
-  return flatparam::MpiGtestMain(&argc, argv, &flatparam::libtorch::g_world);
+  return flatparam::MultirankGtestMain(&argc, argv,
+                                       &flatparam::libtorch::g_world);
 }

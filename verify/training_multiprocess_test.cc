@@ -1,19 +1,21 @@
-// Sharded training over MPI equals single-process training, bit for bit:
-// the MPI backend folds reductions on the host in rank order, as the
-// simulator does (comm/mpi/mpi_communicator.h), so the property proven on
-// the simulator (training_equivalence_test.cc) holds across processes too.
+// Sharded training across processes equals single-process training, bit
+// for bit: the MPI and c10d backends fold reductions on the host in rank
+// order, as the simulator does (comm/host_reduce.h), so the property proven
+// on the simulator (training_equivalence_test.cc) holds across processes
+// too.
 //
-// A multi-process test: run under mpirun (training_mpi_test launches it
-// through comm/mpi/mpirun_test.sh with 4 ranks; any size >= 1 works). Every
-// rank trains its shard with TrainFsdpOnRank on the MPI world and compares
-// the gathered results with TrainReference computed on that rank. The cases
-// are a fixed table (every strategy, alignment, offload, micro-batches in
-// both modes, bf16 and fp16 mixed precision), so every rank runs the same
-// collectives. main() combines every rank's verdict; rank 0 prints gtest's
-// output, the others only their failures, prefixed with "[rank N]".
+// A multi-process test, one binary per backend from this file (the main()
+// comes from the backend's MultirankGtestMain, testing/multirank_gtest.h):
+// training_mpi_test runs it under mpirun with 4 ranks, training_c10d_test_2
+// and _4 as torchrun's workers (comm/c10d/envrun_test.sh); any size >= 1
+// works. Every rank trains its shard with TrainFsdpOnRank on the world and
+// compares the gathered results with TrainReference computed on that rank.
+// The cases are a fixed table (every strategy, alignment, offload,
+// micro-batches in both modes, bf16 and fp16 mixed precision), so every
+// rank runs the same collectives. Rank 0 prints gtest's output, the others
+// only their failures, prefixed with "[rank N]".
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <mpi.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -23,20 +25,19 @@
 
 #include "absl/strings/str_format.h"
 #include "comm/communicator.h"
-#include "comm/mpi/mpi_communicator.h"
-#include "comm/mpi/mpi_gtest.h"
 #include "flatparam/device/device.h"
 #include "flatparam/layout.h"
 #include "flatparam/memory_stats.h"
 #include "refmodel/fsdp_trainer.h"
 #include "refmodel/reference_trainer.h"
+#include "testing/multirank_gtest.h"
 #include "verify/training_testutil.h"
 
 namespace flatparam {
 namespace verify {
 namespace {
 
-MpiCommunicator* g_world = nullptr;  // Set up by main().
+Communicator* g_world = nullptr;  // Set up by main().
 
 struct Case {
   std::string name;
@@ -97,9 +98,9 @@ std::vector<Case> Cases(int world) {
   return cases;
 }
 
-class TrainingMpiTest : public ::testing::TestWithParam<int> {};
+class TrainingMultiprocessTest : public ::testing::TestWithParam<int> {};
 
-TEST_P(TrainingMpiTest, EqualsTheReferenceBitwise) {
+TEST_P(TrainingMultiprocessTest, EqualsTheReferenceBitwise) {
   const Case c = Cases(g_world->size())[GetParam()];
   SCOPED_TRACE(c.name);
   HostDeviceOps device;
@@ -129,7 +130,8 @@ TEST_P(TrainingMpiTest, EqualsTheReferenceBitwise) {
   EXPECT_GT(got->comm.total_bytes(), 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, TrainingMpiTest, ::testing::Range(0, 8),
+INSTANTIATE_TEST_SUITE_P(Cases, TrainingMultiprocessTest,
+                         ::testing::Range(0, 8),
                          [](const ::testing::TestParamInfo<int>& info) {
                            // The names do not depend on the world size.
                            return Cases(2)[info.param].name;
@@ -140,5 +142,6 @@ INSTANTIATE_TEST_SUITE_P(Cases, TrainingMpiTest, ::testing::Range(0, 8),
 }  // namespace flatparam
 
 int main(int argc, char** argv) {
-  return flatparam::MpiGtestMain(&argc, argv, &flatparam::verify::g_world);
+  return flatparam::MultirankGtestMain(&argc, argv,
+                                       &flatparam::verify::g_world);
 }

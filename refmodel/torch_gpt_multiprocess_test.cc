@@ -1,14 +1,15 @@
-// The GPT learns GPL-3's text under FsdpModule over MPI (FULL_SHARD, AdamW),
-// bitwise single-process LibTorch training with the ranks' gradients folded
-// in FSDP's order: the MPI backend folds reductions on the host in rank
-// order, as the simulator does (torch_gpt_test), so the property holds
-// across processes.
+// The GPT learns GPL-3's text under FsdpModule across processes
+// (FULL_SHARD, AdamW), bitwise single-process LibTorch training with the
+// ranks' gradients folded in FSDP's order: the MPI and c10d backends fold
+// reductions on the host in rank order, as the simulator does
+// (torch_gpt_test), so the property holds across processes.
 //
-// A multi-process test: torch_gpt_mpi_test_2 and _4 run it under mpirun
-// (comm/mpi/mpirun_test.sh). Every rank trains and compares its losses and
-// the full state dict with the single-process run computed on that rank.
+// A multi-process test, one binary per backend from this file (main() is
+// the backend's MultirankGtestMain): torch_gpt_mpi_test_2 and _4 run it
+// under mpirun, torch_gpt_c10d_test_2 and _4 as torchrun's workers. Every
+// rank trains and compares its losses and the full state dict with the
+// single-process run computed on that rank.
 #include <gtest/gtest.h>
-#include <mpi.h>
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -16,17 +17,17 @@
 #include <string>
 #include <vector>
 
-#include "comm/mpi/mpi_communicator.h"
-#include "comm/mpi/mpi_gtest.h"
+#include "comm/communicator.h"
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/device/device.h"
 #include "refmodel/torch_gpt.h"
+#include "testing/multirank_gtest.h"
 
 namespace flatparam {
 namespace refmodel {
 namespace {
 
-MpiCommunicator* g_world = nullptr;  // Set up by main().
+Communicator* g_world = nullptr;  // Set up by main().
 
 constexpr char kText[] = "/usr/share/common-licenses/GPL-3";
 
@@ -104,5 +105,6 @@ TEST(TorchGptMpiTest, LearnsTextOverMpiBitwiseAsSingleProcess) {
 int main(int argc, char** argv) {
   // One intra-op thread: LibTorch's kernels then reduce in one order.
   torch::set_num_threads(1);
-  return flatparam::MpiGtestMain(&argc, argv, &flatparam::refmodel::g_world);
+  return flatparam::MultirankGtestMain(&argc, argv,
+                                       &flatparam::refmodel::g_world);
 }
