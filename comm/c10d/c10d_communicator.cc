@@ -87,20 +87,44 @@ absl::Status CheckHost(int rank, CollectiveOp op, int64_t seq,
 
 }  // namespace
 
-std::string C10dCommunicator::Shared::Diagnose(CollectiveOp op, int64_t seq) {
-  // Every rank whose collective failed posts that it got this far; a rank
-  // that never posts within the grace is stopped, dead, or behind.
-  auto key = [&](int r) {
-    return absl::StrCat(prefix, "reached/", seq, "/", r);
-  };
-  const std::string what = absl::StrCat(CollectiveOpName(op), " #", seq);
+std::string C10dCommunicator::Shared::ReachedKey(int64_t seq, int r) const {
+  return absl::StrCat(prefix, "at/", seq, "/", r);
+}
+
+void C10dCommunicator::Shared::PostReached(int64_t seq) {
+  if (store_unreachable) return;
   try {
-    probe_store->set(key(rank), std::vector<uint8_t>{1});
+    probe_store->set(ReachedKey(seq, rank), std::vector<uint8_t>{1});
   } catch (...) {
-    return absl::StrCat("; the store did not answer (",
-                        ExceptionMessage(std::current_exception()),
-                        "): the rank hosting it may be stopped or dead");
+    store_unreachable = true;
   }
+}
+
+absl::Status C10dCommunicator::Shared::AbortedByPeer() {
+  if (store_unreachable) return absl::OkStatus();
+  try {
+    const std::string key = absl::StrCat(prefix, "abort");
+    if (!probe_store->check({key})) return absl::OkStatus();
+    const std::vector<uint8_t> why = probe_store->get(key);
+    return absl::AbortedError(
+        absl::StrCat("the group was aborted by another rank: ",
+                     std::string(why.begin(), why.end())));
+  } catch (...) {
+    store_unreachable = true;
+    return absl::OkStatus();
+  }
+}
+
+std::string C10dCommunicator::Shared::Diagnose(CollectiveOp op, int64_t seq) {
+  // Every rank that waited past the first slice, or whose collective
+  // failed, has posted that it got this far; a rank that has not within
+  // the grace is stopped, dead, or behind.
+  const std::string what = absl::StrCat(CollectiveOpName(op), " #", seq);
+  const std::string no_store =
+      "; the store did not answer: the rank hosting it may be stopped or "
+      "dead";
+  PostReached(seq);
+  if (store_unreachable) return no_store;
   std::vector<int> missing;
   for (int r = 0; r < size; ++r) {
     if (r != rank) missing.push_back(r);
@@ -111,11 +135,10 @@ std::string C10dCommunicator::Shared::Diagnose(CollectiveOp op, int64_t seq) {
     for (int r : missing) {
       bool there = false;
       try {
-        there = probe_store->check({key(r)});
+        there = probe_store->check({ReachedKey(seq, r)});
       } catch (...) {
-        return absl::StrCat("; the store did not answer (",
-                            ExceptionMessage(std::current_exception()),
-                            "): the rank hosting it may be stopped or dead");
+        store_unreachable = true;
+        return no_store;
       }
       if (!there) still.push_back(r);
     }
@@ -137,17 +160,35 @@ absl::Status C10dCommunicator::Shared::Fail(CollectiveOp op, int64_t seq,
     std::lock_guard<std::mutex> lock(mu);
     if (!aborted.ok()) return status;  // another work failed first
   }
+  // A failure another rank reported quotes that rank's diagnosis already.
+  const bool from_peer =
+      absl::StrContains(status.message(), "aborted by another rank");
   std::string diagnosis;
-  if (absl::IsDeadlineExceeded(status) || absl::IsAborted(status)) {
+  if (!from_peer &&
+      (absl::IsDeadlineExceeded(status) || absl::IsAborted(status))) {
     diagnosis = Diagnose(op, seq);
   }
   absl::Status failed(status.code(), absl::StrCat(status.message(), diagnosis));
+  // The other ranks stop waiting for this group (see WaitStep), unless
+  // this failure is that abort itself.
+  if (!store_unreachable && !from_peer) {
+    try {
+      const std::string why(failed.message());
+      probe_store->set(absl::StrCat(prefix, "abort"),
+                       std::vector<uint8_t>(why.begin(), why.end()));
+    } catch (...) {
+      store_unreachable = true;
+    }
+  }
   std::lock_guard<std::mutex> lock(mu);
   if (aborted.ok()) aborted = failed;
   return failed;
 }
 
 namespace {
+
+inline constexpr absl::Duration kC10dFirstSlice = absl::Milliseconds(500);
+inline constexpr absl::Duration kC10dSlice = absl::Milliseconds(200);
 
 // One collective: c10d works run in sequence (`steps`), each issued after
 // the previous one's completion, then `finish` copies the result out.
@@ -171,14 +212,7 @@ class C10dWork final : public Work {
 
   absl::Status Wait() override {
     while (status_.ok() && current_ < steps_.size()) {
-      const absl::Duration left = deadline_ - absl::Now();
-      try {
-        if (left <= absl::ZeroDuration() || !work_->wait(Millis(left))) {
-          status_ = absl::DeadlineExceededError("timed out");
-        }
-      } catch (...) {
-        status_ = FromC10d(ExceptionMessage(std::current_exception()), "c10d");
-      }
+      status_ = WaitStep();
       if (!status_.ok()) break;
       after_step_(static_cast<int>(current_));
       ++current_;
@@ -201,6 +235,40 @@ class C10dWork final : public Work {
   }
 
  private:
+  // Waits for the current c10d work in slices: the first kC10dFirstSlice
+  // long, then kC10dSlice each. A rank still waiting after the first posts
+  // that it reached this collective, and between slices it looks for the
+  // group's abort key, which the first rank whose collective failed sets:
+  // so the diagnosis knows who got this far, and no rank waits out its
+  // whole timeout for a group another rank has already found broken. A
+  // collective that completes within the first slice costs no store
+  // operation.
+  absl::Status WaitStep() {
+    bool first = true;
+    while (true) {
+      const absl::Duration left = deadline_ - absl::Now();
+      if (left <= absl::ZeroDuration()) {
+        return absl::DeadlineExceededError("timed out");
+      }
+      const absl::Duration slice =
+          std::min(left, first ? kC10dFirstSlice : kC10dSlice);
+      try {
+        if (work_->wait(Millis(slice))) return absl::OkStatus();
+      } catch (...) {
+        const std::string message = ExceptionMessage(std::current_exception());
+        // c10d's own wait gave up after `slice` (its wording); gloo's
+        // deadline reads "Timed out waiting ..." and is an error.
+        if (!absl::StrContains(message, "Operation timed out")) {
+          return FromC10d(message, "c10d");
+        }
+      }
+      if (first) shared_->PostReached(seq_);
+      first = false;
+      absl::Status aborted = shared_->AbortedByPeer();
+      if (!aborted.ok()) return aborted;
+    }
+  }
+
   void Issue() {
     const absl::Duration left = deadline_ - absl::Now();
     if (left <= absl::ZeroDuration()) {
@@ -253,12 +321,22 @@ C10dCommunicator::C10dCommunicator(c10::intrusive_ptr<c10d::Store> store,
   shared_->size = size_;
   shared_->store = std::move(store);
   shared_->probe_store = shared_->store;
-  shared_->group = std::move(group);
   shared_->prefix = std::move(prefix);
   shared_->options = options;
 }
 
-C10dCommunicator::~C10dCommunicator() = default;
+C10dCommunicator::~C10dCommunicator() {
+  // After a failure, c10d's worker threads may still be inside gloo
+  // operations with queued ones behind them, and ~ProcessGroupGloo waits
+  // for them all, one deadline after another. A failed group is given up
+  // instead: this reference is let go of without destroying the group
+  // (its threads end with the process), so teardown never waits on peers.
+  std::lock_guard<std::mutex> lock(shared_->mu);
+  if (!shared_->aborted.ok()) {
+    c10::intrusive_ptr<c10d::ProcessGroup> given_up = group_;
+    given_up.release();
+  }
+}
 
 absl::StatusOr<std::unique_ptr<C10dCommunicator>> C10dCommunicator::Wrap(
     c10::intrusive_ptr<c10d::Store> store,

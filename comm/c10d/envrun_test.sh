@@ -28,17 +28,37 @@ export ASAN_OPTIONS="detect_leaks=0${ASAN_OPTIONS:+:${ASAN_OPTIONS}}"
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 echo "envrun: ${ranks} ranks of ${binary}, store 127.0.0.1:${port}"
 
+scratch="${TEST_TMPDIR:-$(mktemp -d)}"
 pids=()
 for ((r = 0; r < ranks; r++)); do
-  (RANK=$r WORLD_SIZE=$ranks LOCAL_RANK=$r LOCAL_WORLD_SIZE=$ranks \
+  # Each rank in a process group of its own (its id in a file), so that a
+  # failed run can end the whole rank, whatever it started.
+  (setsid -w sh -c 'echo $$ >"$0"; exec "$@"' "${scratch}/envrun_rank_$r.pgid" \
+    env RANK=$r WORLD_SIZE=$ranks LOCAL_RANK=$r LOCAL_WORLD_SIZE=$ranks \
     MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-    timeout --kill-after=5 "${limit}" "${binary}" "$@" 2>&1 |
+    timeout --foreground --kill-after=5 "${limit}" "${binary}" "$@" 2>&1 |
     sed -u "s/^/[rank $r] /") &
   pids+=($!)
 done
+# As mpirun and torchrun do: once a rank has failed, the others get a
+# grace period to end on their own (and print why), then are killed, a
+# stopped one included (SIGKILL reaches a stopped process).
 status=0
-for ((r = 0; r < ranks; r++)); do
-  wait "${pids[$r]}" || status=1
+remaining=${ranks}
+while [[ ${remaining} -gt 0 ]]; do
+  if ! wait -n; then
+    status=1
+    break
+  fi
+  remaining=$((remaining - 1))
 done
-# With pipefail, each rank's pipeline fails when its binary does.
+if [[ ${status} -ne 0 ]]; then
+  sleep "${ENVRUN_KILL_GRACE_S:-5}"
+  for ((r = 0; r < ranks; r++)); do
+    pgid=$(cat "${scratch}/envrun_rank_$r.pgid" 2>/dev/null || true)
+    [[ -n "${pgid}" ]] && kill -KILL -- "-${pgid}" 2>/dev/null || true
+  done
+  wait || true
+  echo "envrun: a rank failed; the others were ended" >&2
+fi
 exit "${status}"

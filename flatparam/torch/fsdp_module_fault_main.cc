@@ -8,11 +8,9 @@
 //   fsdp_module_fault_main --fault=none|stop-in-backward [--fault_rank=2]
 //       [--timeout=3s] [--launcher=session|run_on_mpi_world] [--steps=4]
 //
-// The faulting rank prints "fsdp_module_fault: rank R: fault F at T" (T:
-// Unix time in milliseconds) to stderr, flushed, just before the fault; a
-// rank whose step fails prints "fsdp_module_fault: rank R: <error>" and
-// returns 1 from main, as a user's trainer would.
-#include <signal.h>
+// The training is fsdp_module_fault_train.h's (which says what the faulting
+// rank prints); a rank whose step fails prints "fsdp_module_fault: rank R:
+// <error>" and returns 1 from main, as a user's trainer would.
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -29,9 +27,10 @@
 #include "flatparam/base/status_macros.h"
 #include "flatparam/device/device.h"
 #include "flatparam/torch/fsdp_module.h"
-#include "testing/torch_testutil.h"
+#include "flatparam/torch/fsdp_module_fault_train.h"
 
-ABSL_FLAG(std::string, fault, "none", "none or stop-in-backward");
+ABSL_FLAG(std::string, fault, "none",
+          "none, stop-in-backward or exit-in-backward");
 ABSL_FLAG(int, fault_rank, 2, "The rank that stops.");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(3),
           "Every collective's timeout (FsdpModule's and the launcher's).");
@@ -44,40 +43,13 @@ namespace flatparam {
 namespace libtorch {
 namespace {
 
-using namespace ::flatparam::libtorch::testing;  // NOLINT
-
-absl::Status Train(Communicator& world) {
-  const absl::Duration timeout = absl::GetFlag(FLAGS_timeout);
-  const bool faulty = absl::GetFlag(FLAGS_fault) == "stop-in-backward" &&
-                      world.rank() == absl::GetFlag(FLAGS_fault_rank);
-  HostDeviceOps device;
-  Net net = MakeNet();
-  FsdpOptions options;
-  options.wrap = {"h.*"};
-  options.handle.collective_options.timeout = timeout;
-  options.runtime.collective_options.timeout = timeout;
-  FLATPARAM_ASSIGN_OR_RETURN(
-      std::unique_ptr<FsdpModule> fsdp,
-      FsdpModule::Wrap(net.ptr(), &world, &device, options));
-  torch::optim::AdamW adamw(fsdp->ShardedParameters(),
-                            torch::optim::AdamWOptions(0.01));
-  for (int step = 0; step < absl::GetFlag(FLAGS_steps); ++step) {
-    torch::Tensor tokens = Tokens(step, world.rank() * 2, 2);
-    FLATPARAM_ASSIGN_OR_RETURN(torch::Tensor logits,
-                               ForwardNet(net, *fsdp, tokens));
-    torch::Tensor loss = Loss(logits, tokens);
-    if (faulty && step == 2) {
-      std::fprintf(stderr, "fsdp_module_fault: rank %d: fault %s at %lld\n",
-                   world.rank(), absl::GetFlag(FLAGS_fault).c_str(),
-                   static_cast<long long>(absl::ToUnixMillis(absl::Now())));
-      std::fflush(stderr);
-      raise(SIGSTOP);
-    }
-    FLATPARAM_RETURN_IF_ERROR(fsdp->Backward(loss));
-    adamw.step();
-    FLATPARAM_RETURN_IF_ERROR(fsdp->ZeroGrad());
-  }
-  return absl::OkStatus();
+FaultTrainOptions FromFlags() {
+  FaultTrainOptions options;
+  options.fault = absl::GetFlag(FLAGS_fault);
+  options.fault_rank = absl::GetFlag(FLAGS_fault_rank);
+  options.timeout = absl::GetFlag(FLAGS_timeout);
+  options.steps = absl::GetFlag(FLAGS_steps);
+  return options;
 }
 
 int Main(int argc, char** argv) {
@@ -94,7 +66,7 @@ int Main(int argc, char** argv) {
     status = RunOnMpiWorld(
         [&](MpiCommunicator& world) {
           rank = world.rank();
-          return Train(world);
+          return TrainWithFault(world, FromFlags());
         },
         options);
   } else {
@@ -114,7 +86,7 @@ int Main(int argc, char** argv) {
       status = world.status();
     } else {
       rank = (*world)->rank();
-      status = Train(**world);
+      status = TrainWithFault(**world, FromFlags());
     }
     if (!status.ok()) {
       std::fprintf(stderr, "fsdp_module_fault: rank %d: %s\n", rank,

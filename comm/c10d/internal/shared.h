@@ -25,7 +25,6 @@ struct C10dCommunicator::Shared {
   // The store the diagnosis of a failure asks (the same, or a connection
   // of its own with a short timeout; see FromEnvironment).
   c10::intrusive_ptr<c10d::Store> probe_store;
-  c10::intrusive_ptr<c10d::ProcessGroup> group;
   // Keys of this group in the stores start with it.
   std::string prefix;
   C10dOptions options;
@@ -36,10 +35,23 @@ struct C10dCommunicator::Shared {
   std::mutex mu;
   absl::Status aborted;  // guarded by mu
 
+  // Set once a store operation failed: the store's host is gone, and the
+  // store is not asked again (each try would wait its timeout).
+  bool store_unreachable = false;
+
   // The status a failed collective reports, after asking the store which
-  // peers reached it. Aborts the group.
+  // peers reached it. Aborts the group, and tells the other ranks so
+  // through the store (unless the failure is that abort itself).
   absl::Status Fail(CollectiveOp op, int64_t seq, absl::Status status);
+  // "; rank R did not reach OP #SEQ ..." or why that is not known.
   std::string Diagnose(CollectiveOp op, int64_t seq);
+  // The key rank `r` sets once it has reached collective `seq`.
+  std::string ReachedKey(int64_t seq, int r) const;
+  // Posts that this rank reached `seq` (a store write).
+  void PostReached(int64_t seq);
+  // Aborted quoting the first failure when another rank aborted the
+  // group; OK otherwise (also when the store cannot be reached).
+  absl::Status AbortedByPeer();
 };
 
 }  // namespace flatparam
