@@ -47,7 +47,7 @@ Gpt MakeGpt() {
   return Gpt(SmallConfig());
 }
 
-TEST(TorchGptMpiTest, LearnsTextOverMpiBitwiseAsSingleProcess) {
+TEST(TorchGptMultiprocessTest, LearnsTextBitwiseAsSingleProcess) {
   ASSERT_NE(g_world, nullptr);
   const int world = g_world->size();
   constexpr int kSteps = 60;

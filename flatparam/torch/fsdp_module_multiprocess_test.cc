@@ -53,7 +53,7 @@ std::vector<Case> Cases(int world) {
   return cases;
 }
 
-TEST(FsdpModuleMpiTest, BitwiseEqualToSingleProcessTraining) {
+TEST(FsdpModuleMultiprocessTest, BitwiseEqualToSingleProcessTraining) {
   ASSERT_NE(g_world, nullptr);
   for (const Case& c : Cases(g_world->size())) {
     SCOPED_TRACE(Name(c));
@@ -82,7 +82,7 @@ std::vector<LoopOptions> LoopCases(int world) {
   return cases;
 }
 
-TEST(FsdpModuleMpiTest, UserLoopsBitwiseEqualToSingleProcess) {
+TEST(FsdpModuleMultiprocessTest, UserLoopsBitwiseEqualToSingleProcess) {
   ASSERT_NE(g_world, nullptr);
   for (const LoopOptions& o : LoopCases(g_world->size())) {
     SCOPED_TRACE(LoopName(o));
