@@ -15,18 +15,28 @@
 //   mpirun --allow-run-as-root --oversubscribe --bind-to none -np 4
 //       bazel-bin/benchmarks/collectives_bench --backend=mpi
 //
+//   # c10d (ProcessGroupGloo, as under torchrun), 2 processes, next to
+//   # gloo's own collectives ("c10d_raw/...": for reduce_scatter, which
+//   # 1.13's gloo lacks, its all_reduce of the input), flatparam's MPI
+//   # backend ("mpi/...") and raw MPI ("mpi_raw/...") on the same sizes in
+//   # the same run; mpirun only drives the benchmark.
+//   bazel build -c opt //benchmarks:collectives_bench_c10d
+//   mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2
+//       bazel-bin/benchmarks/collectives_bench_c10d --backend=c10d
+//
 //   # NCCL, one GPU per rank (the node-local rank), CUDA-event timing.
 //   mpirun -np 8 bazel-bin/benchmarks/collectives_bench --backend=nccl
 //
 // Flags (besides Google Benchmark's):
-//   --backend=sim|mpi|nccl  default sim
+//   --backend=sim|mpi|c10d|nccl  default sim
 //   --ranks=N               sim only: ranks in the world (default 8)
 //   --max_bytes=B           the largest size; default per backend: sim
 //                           64 MiB (8 ranks x an output and an input buffer
 //                           of up to 64 MiB, with the simulator's own
 //                           staging, stays well under 8 GiB), mpi 256 MiB
 //                           (4 processes x about 1.5 GiB for all_reduce's
-//                           buffers and MPI's staging), nccl 1 GiB.
+//                           buffers and MPI's staging), c10d 256 MiB,
+//                           nccl 1 GiB.
 // The sizes grow by 4x. With --benchmark_min_time=0.05 the whole sim sweep
 // takes about 10 s and the MPI sweep about a minute on a 2-core machine.
 //
@@ -61,6 +71,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "benchmarks/collectives_bench_c10d.h"
 #include "benchmarks/collectives_bench_gpu.h"
 #include "benchmarks/mpi_bench_driver.h"
 #include "comm/communicator.h"
@@ -98,8 +109,10 @@ struct Flags {
 
 // Whose collective a benchmark times.
 enum class Impl : int32_t {
-  kFlatparam = 0,  // the Communicator
-  kRawMpi = 1,     // MPI's own collective on MPI_COMM_WORLD
+  kFlatparam = 0,   // the Communicator
+  kRawMpi = 1,      // MPI's own collective on MPI_COMM_WORLD
+  kMpiBackend = 2,  // flatparam's MPI backend, next to another backend
+  kRawC10d = 3,     // c10d's gloo group itself (--backend=c10d)
 };
 
 // One benchmark's buffers on one rank, filled with kExact values (sums
@@ -144,6 +157,14 @@ class Collective {
         return comm_->Broadcast(output_.ref(), {});
     }
     return CompletedWork(absl::InternalError("unknown collective"));
+  }
+
+  // The same collective by `raw` (c10d's own), on this collective's
+  // buffers.
+  std::unique_ptr<Work> IssueRaw(
+      const std::function<std::unique_ptr<Work>(CollectiveKind, const void*,
+                                                void*, int64_t)>& raw) {
+    return raw(case_.kind, input_.ref().data, output_.ref().data, case_.count);
   }
 
   // The same collective by MPI itself (host buffers only).
@@ -273,6 +294,12 @@ void RunSim(benchmark::State& state, CollectiveKind kind, int64_t bytes,
 
 struct Context {
   Communicator* comm = nullptr;
+  // flatparam's MPI backend, when `comm` is another one (Impl::kMpiBackend).
+  Communicator* mpi = nullptr;
+  // c10d's own collectives (Impl::kRawC10d).
+  std::function<std::unique_ptr<Work>(CollectiveKind, const void*, void*,
+                                      int64_t)>
+      raw_c10d;
   DeviceMemory* memory = nullptr;
   // Times one collective (wall clock or CUDA events).
   std::function<absl::StatusOr<double>(const IssueFn&)> time;
@@ -283,8 +310,9 @@ struct Context {
 void Execute(CollectiveKind kind, Impl impl, int64_t bytes, int64_t iterations,
              Context& context, benchmark::State* state) {
   const bool raw = impl == Impl::kRawMpi;
+  Communicator& comm = impl == Impl::kMpiBackend ? *context.mpi : *context.comm;
   absl::StatusOr<Collective> made =
-      Collective::Make(*context.comm, *context.memory, kind, bytes);
+      Collective::Make(comm, *context.memory, kind, bytes);
   // Every rank learns whether every rank could allocate, so none hangs.
   int failed = made.ok() ? 0 : 1;
   int any = 0;
@@ -301,7 +329,10 @@ void Execute(CollectiveKind kind, Impl impl, int64_t bytes, int64_t iterations,
   }
   Collective& c = *made;
   double seconds = 0;
-  const IssueFn issue = [&c, raw] { return raw ? c.IssueRawMpi() : c.Issue(); };
+  const IssueFn issue = [&c, raw, impl, &context] {
+    if (impl == Impl::kRawC10d) return c.IssueRaw(context.raw_c10d);
+    return raw ? c.IssueRawMpi() : c.Issue();
+  };
   auto once = [&]() -> double {
     absl::StatusOr<double> t = context.time(issue);
     if (!t.ok()) Die(kProgram, t.status());
@@ -334,14 +365,15 @@ std::vector<int64_t> Sizes(int64_t max_bytes) {
 Flags ParseFlags(int* argc, char** argv) {
   Flags flags;
   BenchFlags parser(kProgram);
-  parser.String("backend", &flags.backend, {"sim", "mpi", "nccl"});
+  parser.String("backend", &flags.backend, {"sim", "mpi", "c10d", "nccl"});
   parser.Int64("ranks", &flags.ranks, 1);
   parser.Int64("max_bytes", &flags.max_bytes, 1);
   parser.Parse(argc, argv);
   if (flags.max_bytes == 0) {
-    flags.max_bytes = flags.backend == "sim"   ? int64_t{64} << 20
-                      : flags.backend == "mpi" ? int64_t{256} << 20
-                                               : kMaxBytes;
+    flags.max_bytes = flags.backend == "sim" ? int64_t{64} << 20
+                      : flags.backend == "mpi" || flags.backend == "c10d"
+                          ? int64_t{256} << 20
+                          : kMaxBytes;
   }
   return flags;
 }
@@ -388,7 +420,16 @@ int MpiMain(const Flags& flags, int* argc, char*** argv) {
       return t;
     };
     GpuContext gpu;
+    std::unique_ptr<Communicator> c10d;
     const bool nccl = flags.backend == "nccl";
+    if (flags.backend == "c10d") {
+      absl::StatusOr<C10dWorld> made = MakeC10dWorld(**world);
+      if (!made.ok()) Die(kProgram, made.status());
+      c10d = std::move(made->comm);
+      context.raw_c10d = std::move(made->raw);
+      context.mpi = context.comm;
+      context.comm = c10d.get();
+    }
     if (nccl) {
       absl::StatusOr<GpuContext> made = MakeGpuContext(**world, LocalRank());
       if (!made.ok()) {
@@ -408,19 +449,23 @@ int MpiMain(const Flags& flags, int* argc, char*** argv) {
     }
     const int n = context.comm->size();
     std::vector<Impl> impls = {Impl::kFlatparam};
+    if (c10d != nullptr) {
+      impls.push_back(Impl::kRawC10d);
+      impls.push_back(Impl::kMpiBackend);
+    }
     if (!nccl) impls.push_back(Impl::kRawMpi);
     std::vector<MpiBenchmark> benchmarks;
     for (CollectiveKind kind : kKinds) {
       for (Impl impl : impls) {
         for (int64_t bytes : Sizes(flags.max_bytes)) {
           MpiBenchmark b;
-          b.name = impl == Impl::kRawMpi
-                       ? absl::StrFormat("mpi_raw/%s/ranks:%d/bytes:%d",
-                                         conformance::CollectiveKindName(kind),
-                                         n, bytes)
-                       : absl::StrFormat(
-                             "%s/%s/ranks:%d/bytes:%d", flags.backend,
-                             conformance::CollectiveKindName(kind), n, bytes);
+          const std::string name = impl == Impl::kRawMpi       ? "mpi_raw"
+                                   : impl == Impl::kMpiBackend ? "mpi"
+                                   : impl == Impl::kRawC10d    ? "c10d_raw"
+                                                               : flags.backend;
+          b.name =
+              absl::StrFormat("%s/%s/ranks:%d/bytes:%d", name,
+                              conformance::CollectiveKindName(kind), n, bytes);
           b.run = [&context, kind, impl, bytes](benchmark::State* state,
                                                 int64_t iterations) {
             Execute(kind, impl, bytes, iterations, context, state);
@@ -434,6 +479,8 @@ int MpiMain(const Flags& flags, int* argc, char*** argv) {
     }
     RunMpiBenchmarks(benchmarks);
     gpu = GpuContext();
+    context.raw_c10d = nullptr;
+    c10d.reset();
   }
   const absl::Status finished = session->Finish();
   if (!finished.ok()) Die(kProgram, finished);

@@ -87,6 +87,38 @@ absl::Status CheckHost(int rank, CollectiveOp op, int64_t seq,
 
 }  // namespace
 
+at::Tensor C10dCommunicator::Shared::Acquire(std::vector<at::Tensor>* staging,
+                                             int64_t bytes) {
+  at::Tensor t;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(bytes);
+    if (it != cache.end()) {
+      t = std::move(it->second);
+      cache.erase(it);
+      cached_bytes -= bytes;
+    }
+  }
+  if (!t.defined()) t = NewBytes(bytes);
+  staging->push_back(t);
+  return t;
+}
+
+void C10dCommunicator::Shared::Recycle(std::vector<at::Tensor>* staging) {
+  std::lock_guard<std::mutex> lock(mu);
+  for (at::Tensor& t : *staging) {
+    const int64_t bytes = t.numel();
+    // use_count 1: only `staging` holds it (c10d let go of it).
+    if (bytes == 0 || t.use_count() != 1 ||
+        cached_bytes + bytes > options.staging_cache_bytes) {
+      continue;
+    }
+    cached_bytes += bytes;
+    cache.emplace(bytes, std::move(t));
+  }
+  staging->clear();
+}
+
 std::string C10dCommunicator::Shared::ReachedKey(int64_t seq, int r) const {
   return absl::StrCat(prefix, "at/", seq, "/", r);
 }
@@ -198,8 +230,10 @@ class C10dWork final : public Work {
 
   C10dWork(std::shared_ptr<C10dCommunicator::Shared> shared, CollectiveOp op,
            int64_t seq, std::string what, absl::Duration timeout,
-           std::vector<Step> steps, std::function<void(int step)> after_step)
-      : shared_(std::move(shared)),
+           std::vector<Step> steps, std::function<void(int step)> after_step,
+           std::vector<at::Tensor> staging = {})
+      : staging_(std::move(staging)),
+        shared_(std::move(shared)),
         op_(op),
         seq_(seq),
         what_(std::move(what)),
@@ -217,6 +251,14 @@ class C10dWork final : public Work {
       after_step_(static_cast<int>(current_));
       ++current_;
       if (current_ < steps_.size()) Issue();
+    }
+    if (status_.ok() && !staging_.empty()) {
+      // Done: nothing else refers to the staging tensors once the steps,
+      // their results and c10d's work are gone.
+      steps_.clear();
+      after_step_ = nullptr;
+      work_.reset();
+      shared_->Recycle(&staging_);
     }
     if (!status_.ok() && !failed_) {
       failed_ = true;
@@ -282,6 +324,9 @@ class C10dWork final : public Work {
     }
   }
 
+  // The staging tensors of this collective: back to the communicator's
+  // cache once it completed and c10d holds none of them.
+  std::vector<at::Tensor> staging_;
   std::shared_ptr<C10dCommunicator::Shared> shared_;
   CollectiveOp op_;
   int64_t seq_;
@@ -379,11 +424,13 @@ std::unique_ptr<Work> C10dCommunicator::AllGather(
   const int64_t bytes = input.count * DTypeSize(input.dtype);
   if (bytes == 0) return Finished(absl::OkStatus());
   // Staged: c10d sees only these tensors (see the file comment).
+  std::vector<at::Tensor> staging;
   auto in = std::make_shared<std::vector<at::Tensor>>(
-      std::vector<at::Tensor>{NewBytes(bytes)});
+      std::vector<at::Tensor>{shared_->Acquire(&staging, bytes)});
   std::memcpy((*in)[0].data_ptr(), input.data, bytes);
   auto out = std::make_shared<std::vector<std::vector<at::Tensor>>>(1);
-  for (int r = 0; r < size_; ++r) (*out)[0].push_back(NewBytes(bytes));
+  for (int r = 0; r < size_; ++r)
+    (*out)[0].push_back(shared_->Acquire(&staging, bytes));
   auto group = group_;
   std::vector<C10dWork::Step> steps = {[group, in, out](absl::Duration left) {
     c10d::AllgatherOptions o;
@@ -394,11 +441,13 @@ std::unique_ptr<Work> C10dCommunicator::AllGather(
   return std::make_unique<C10dWork>(
       shared_, CollectiveOp::kAllGather, seq,
       Describe(rank_, CollectiveOp::kAllGather, seq, input.count, input.dtype),
-      options.timeout, std::move(steps), [out, dst, bytes, this](int) {
+      options.timeout, std::move(steps),
+      [out, dst, bytes, this](int) {
         for (int r = 0; r < size_; ++r) {
           std::memcpy(dst + r * bytes, (*out)[0][r].data_ptr(), bytes);
         }
-      });
+      },
+      std::move(staging));
 }
 
 std::unique_ptr<Work> C10dCommunicator::ReduceScatter(
@@ -418,9 +467,12 @@ std::unique_ptr<Work> C10dCommunicator::ReduceScatter(
   if (bytes == 0) return Finished(absl::OkStatus());
   // One all-to-all: rank r's chunk j goes to rank j, which receives every
   // rank's chunk of its part, in rank order, and folds them.
-  auto send = std::make_shared<at::Tensor>(NewBytes(size_ * bytes));
+  std::vector<at::Tensor> staging;
+  auto send =
+      std::make_shared<at::Tensor>(shared_->Acquire(&staging, size_ * bytes));
   std::memcpy(send->data_ptr(), input.data, size_ * bytes);
-  auto recv = std::make_shared<at::Tensor>(NewBytes(size_ * bytes));
+  auto recv =
+      std::make_shared<at::Tensor>(shared_->Acquire(&staging, size_ * bytes));
   auto group = group_;
   std::vector<C10dWork::Step> steps = {
       [group, send, recv](absl::Duration left) {
@@ -441,7 +493,8 @@ std::unique_ptr<Work> C10dCommunicator::ReduceScatter(
         const char* base = static_cast<const char*>(recv->data_ptr());
         for (int r = 0; r < n; ++r) parts.push_back(base + r * bytes);
         HostReduce(parts, dst, count, dtype, reduce, n);
-      });
+      },
+      std::move(staging));
 }
 
 std::unique_ptr<Work> C10dCommunicator::AllReduce(
@@ -466,21 +519,24 @@ std::unique_ptr<Work> C10dCommunicator::AllReduce(
   auto part_count = [count, part](int j) {
     return std::clamp<int64_t>(count - j * part, 0, part);
   };
+  std::vector<at::Tensor> staging;
   std::vector<int64_t> send_splits, recv_splits;
   for (int j = 0; j < n; ++j) {
     send_splits.push_back(part_count(j) * esize);
     recv_splits.push_back(part_count(rank_) * esize);
   }
-  auto send = std::make_shared<at::Tensor>(NewBytes(count * esize));
+  auto send =
+      std::make_shared<at::Tensor>(shared_->Acquire(&staging, count * esize));
   std::memcpy(send->data_ptr(), input.data, count * esize);
-  auto recv =
-      std::make_shared<at::Tensor>(NewBytes(n * part_count(rank_) * esize));
+  auto recv = std::make_shared<at::Tensor>(
+      shared_->Acquire(&staging, n * part_count(rank_) * esize));
   // The folded parts, padded to `part` elements each for the all-gather.
   auto mine = std::make_shared<std::vector<at::Tensor>>(
-      std::vector<at::Tensor>{NewBytes(part * esize)});
+      std::vector<at::Tensor>{shared_->Acquire(&staging, part * esize)});
   std::memset((*mine)[0].data_ptr(), 0, part * esize);
   auto all = std::make_shared<std::vector<std::vector<at::Tensor>>>(1);
-  for (int r = 0; r < n; ++r) (*all)[0].push_back(NewBytes(part * esize));
+  for (int r = 0; r < n; ++r)
+    (*all)[0].push_back(shared_->Acquire(&staging, part * esize));
   auto group = group_;
   auto splits =
       std::make_shared<std::pair<std::vector<int64_t>, std::vector<int64_t>>>(
@@ -503,7 +559,8 @@ std::unique_ptr<Work> C10dCommunicator::AllReduce(
   return std::make_unique<C10dWork>(
       shared_, CollectiveOp::kAllReduce, seq,
       Describe(rank_, CollectiveOp::kAllReduce, seq, count, dtype),
-      options.timeout, std::move(steps), [=](int step) {
+      options.timeout, std::move(steps),
+      [=](int step) {
         if (step == 0) {
           const int64_t own = part_count(rank);
           if (own == 0) return;
@@ -518,7 +575,8 @@ std::unique_ptr<Work> C10dCommunicator::AllReduce(
           std::memcpy(out + r * part * esize, (*all)[0][r].data_ptr(),
                       part_count(r) * esize);
         }
-      });
+      },
+      std::move(staging));
 }
 
 std::unique_ptr<Work> C10dCommunicator::Broadcast(
@@ -531,8 +589,9 @@ std::unique_ptr<Work> C10dCommunicator::Broadcast(
   if (!valid.ok()) return Finished(valid);
   const int64_t bytes = buffer.count * DTypeSize(buffer.dtype);
   if (bytes == 0) return Finished(absl::OkStatus());
+  std::vector<at::Tensor> staging;
   auto staged = std::make_shared<std::vector<at::Tensor>>(
-      std::vector<at::Tensor>{NewBytes(bytes)});
+      std::vector<at::Tensor>{shared_->Acquire(&staging, bytes)});
   if (rank_ == options.root) {
     std::memcpy((*staged)[0].data_ptr(), buffer.data, bytes);
   }
@@ -551,9 +610,11 @@ std::unique_ptr<Work> C10dCommunicator::Broadcast(
       shared_, CollectiveOp::kBroadcast, seq,
       Describe(rank_, CollectiveOp::kBroadcast, seq, buffer.count,
                buffer.dtype),
-      options.timeout, std::move(steps), [staged, dst, bytes, is_root](int) {
+      options.timeout, std::move(steps),
+      [staged, dst, bytes, is_root](int) {
         if (!is_root) std::memcpy(dst, (*staged)[0].data_ptr(), bytes);
-      });
+      },
+      std::move(staging));
 }
 
 absl::StatusOr<std::vector<std::string>> C10dCommunicator::AllGatherBytes(

@@ -25,9 +25,11 @@
 // collective that times out (c10d's worker threads may still run it until
 // gloo's own deadline, which is the same timeout) never reads or writes the
 // caller's buffers after Wait() has returned. The staging tensors belong to
-// c10d's work object, which holds them until its worker is done. The cost
-// is a copy in and a copy out (measured in BENCHMARKS.md against the MPI
-// backend, which moves data in place).
+// c10d's work object, which holds them until its worker is done; those of
+// a completed collective that c10d no longer holds are kept for reuse
+// (C10dOptions::staging_cache_bytes), a failed one's never are. The cost is
+// a copy in and a copy out (measured in BENCHMARKS.md against gloo's own
+// collectives and the MPI backend).
 //
 // Timeouts and failures. Every collective passes its CollectiveOptions
 // timeout to c10d (gloo's per-operation deadline) and waits no longer. A
@@ -73,6 +75,10 @@ struct C10dOptions {
   // ranks that do not are named in the error. Part of the time a fault
   // takes to end the job: timeout + diagnosis_grace.
   absl::Duration diagnosis_grace = absl::Seconds(1);
+  // The staging tensors of completed collectives are kept for the next
+  // ones of the same sizes (FSDP's collectives repeat, unit by unit), up to
+  // this many bytes in all; 0 keeps none.
+  int64_t staging_cache_bytes = int64_t{512} << 20;
 };
 
 class C10dCommunicator final : public Communicator {

@@ -4,10 +4,12 @@
 #define FLATPARAM_COMM_C10D_INTERNAL_SHARED_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "comm/c10d/c10d_communicator.h"
@@ -34,6 +36,20 @@ struct C10dCommunicator::Shared {
 
   std::mutex mu;
   absl::Status aborted;  // guarded by mu
+
+  // Staging tensors of completed collectives, by size, for reuse
+  // (allocating and first touching large buffers on every collective cost
+  // more than the copies themselves). At most
+  // options.staging_cache_bytes in all. Guarded by mu.
+  std::multimap<int64_t, at::Tensor> cache;
+  int64_t cached_bytes = 0;
+
+  // A byte tensor of `bytes`, from the cache or new, recorded in
+  // `*staging`.
+  at::Tensor Acquire(std::vector<at::Tensor>* staging, int64_t bytes);
+  // Puts the tensors of `*staging` that nothing else refers to back in the
+  // cache (as room allows) and clears it.
+  void Recycle(std::vector<at::Tensor>* staging);
 
   // Set once a store operation failed: the store's host is gone, and the
   // store is not asked again (each try would wait its timeout).
