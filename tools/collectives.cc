@@ -197,9 +197,10 @@ std::string GBps(double bytes_per_second) {
 
 absl::StatusOr<CollectivesOptions> ValidateCollectivesOptions(
     CollectivesOptions o) {
-  if (o.backend != "sim" && o.backend != "mpi" && o.backend != "nccl") {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("--backend=%s: expected sim, mpi or nccl", o.backend));
+  if (o.backend != "sim" && o.backend != "mpi" && o.backend != "nccl" &&
+      o.backend != "c10d") {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--backend=%s: expected sim, mpi, nccl or c10d", o.backend));
   }
   const bool sim = o.backend == "sim";
   if (!sim && !o.faults.empty()) {
@@ -387,6 +388,11 @@ absl::Status RunCollectivesSim(const CollectivesOptions& options,
 std::string DefaultCollectivesBackend() {
   for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}) {
     if (std::getenv(var) != nullptr) return "mpi";
+  }
+  // torchrun's agent sets these for its workers.
+  for (const char* var :
+       {"TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"}) {
+    if (std::getenv(var) != nullptr) return "c10d";
   }
   return "sim";
 }

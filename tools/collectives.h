@@ -146,8 +146,17 @@ absl::Status RunCollectivesSim(const CollectivesOptions& options,
 absl::Status RunCollectivesMpi(const CollectivesOptions& options,
                                std::ostream& out);
 
+// --backend=c10d, as one of torchrun's workers: the world from torchrun's
+// environment (C10dCommunicator::FromEnvironment), host buffers. Rank 0
+// prints; every rank prints its own error. In `fsdp`, which does not link
+// LibTorch, this runs the command in fsdp_c10d instead
+// (c10d_commands_exec.cc), which does.
+absl::Status RunCollectivesC10d(const CollectivesOptions& options,
+                                std::ostream& out);
+
 // "mpi" when the process was started by mpirun (Open MPI's or PMI's
-// environment variables are set), else "sim".
+// environment variables are set), "c10d" when torchrun started it (its
+// agent's TORCHELASTIC_* variables are set), else "sim".
 std::string DefaultCollectivesBackend();
 
 }  // namespace tools

@@ -84,7 +84,9 @@ int CollectivesMain(const std::vector<char*>& args) {
     status = valid.status();
     if (valid.ok()) {
       status = valid->backend == "sim" ? RunCollectivesSim(*valid, std::cout)
-                                       : RunCollectivesMpi(*valid, std::cout);
+               : valid->backend == "c10d"
+                   ? RunCollectivesC10d(*valid, std::cout)
+                   : RunCollectivesMpi(*valid, std::cout);
     }
   }
   std::cout.flush();
@@ -99,7 +101,7 @@ int CollectivesMain(const std::vector<char*>& args) {
 }
 
 constexpr char kHelp[] =
-    "usage: fsdp collectives [--backend=sim|mpi|nccl] [--world-size=W]\n"
+    "usage: fsdp collectives [--backend=sim|mpi|nccl|c10d] [--world-size=W]\n"
     "                        [--seed=S] [--fault=SPEC] [--trace=FILE.json]\n"
     "                        [--min-bytes=B] [--max-bytes=B] "
     "[--step-factor=F]\n"
@@ -108,6 +110,7 @@ constexpr char kHelp[] =
     "[--large-elements=N]\n"
     "                        [--progress] [--timeout=DURATION]\n"
     "       mpirun -np 4 fsdp collectives [--backend=mpi|nccl]\n"
+    "       torchrun --nproc_per_node=4 --no_python fsdp collectives\n"
     "\n"
     "Runs the collective conformance suite (every op and dtype, counts 0, "
     "1,\n"
@@ -126,7 +129,8 @@ constexpr char kHelp[] =
     "rank 0 prints; nccl uses one GPU per rank (the node-local rank).\n"
     "\n"
     "flags:\n"
-    "  --backend=sim|mpi|nccl   default: mpi under mpirun, else sim\n"
+    "  --backend=sim|mpi|nccl|c10d  default: mpi under mpirun, c10d under\n"
+    "                           torchrun (run by fsdp_c10d), else sim\n"
     "  --world-size=W           sim: ranks (default 8); mpi/nccl: mpirun's "
     "-np\n"
     "  --seed=S                 sim: the scheduler's seed (default 0)\n"
@@ -166,7 +170,7 @@ void PrintHelp(std::ostream& out) { out << kHelp; }
 
 const Subcommand kCollectivesSubcommand = {
     "collectives",
-    "check and time the collectives of a backend (sim, mpi, nccl)",
+    "check and time the collectives of a backend (sim, mpi, nccl, c10d)",
     PrintHelp,
     CollectivesMain,
 };

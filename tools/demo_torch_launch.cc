@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "tools/demo_torch.h"
+#include "tools/helper_binary.h"
 
 extern char** environ;
 
@@ -29,35 +30,9 @@ using json = nlohmann::json;
 
 constexpr char kBinary[] = "fsdp_torch_demo";
 
-bool IsExecutable(const std::string& path) {
-  return !path.empty() && access(path.c_str(), X_OK) == 0;
-}
-
 // Where fsdp_torch_demo is, or "" (see RunTorchDemoProcess).
 std::string FindBinary() {
-  if (const char* env = std::getenv("FLATPARAM_TORCH_DEMO");
-      env != nullptr && *env != '\0') {
-    return env;
-  }
-  std::vector<std::string> candidates;
-  char self[4096];
-  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  std::string exe = n > 0 ? std::string(self, n) : "";
-  for (const char* var : {"RUNFILES_DIR", "TEST_SRCDIR"}) {
-    if (const char* dir = std::getenv(var); dir != nullptr && *dir != '\0') {
-      candidates.push_back(absl::StrCat(dir, "/flatparam/tools/", kBinary));
-    }
-  }
-  if (!exe.empty()) {
-    candidates.push_back(
-        absl::StrCat(exe, ".runfiles/flatparam/tools/", kBinary));
-    candidates.push_back(
-        absl::StrCat(exe.substr(0, exe.rfind('/') + 1), kBinary));
-  }
-  for (const std::string& c : candidates) {
-    if (IsExecutable(c)) return c;
-  }
-  return "";
+  return FindHelperBinary(kBinary, "FLATPARAM_TORCH_DEMO");
 }
 
 }  // namespace

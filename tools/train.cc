@@ -408,9 +408,10 @@ absl::StatusOr<ResumePoint> ResumeFromExtra(const TrainCommandOptions& command,
 }
 
 absl::Status ValidateTrainCommandOptions(const TrainCommandOptions& o) {
-  if (o.backend != "sim" && o.backend != "mpi" && o.backend != "nccl") {
-    return Bad(
-        absl::StrFormat("--backend=%s: expected sim, mpi or nccl", o.backend));
+  if (o.backend != "sim" && o.backend != "mpi" && o.backend != "nccl" &&
+      o.backend != "c10d") {
+    return Bad(absl::StrFormat("--backend=%s: expected sim, mpi, nccl or c10d",
+                               o.backend));
   }
   if (o.world_size < 1) {
     return Bad(absl::StrFormat("--world-size=%d: must be >= 1", o.world_size));
@@ -481,6 +482,17 @@ absl::Status ValidateTrainCommandOptions(const TrainCommandOptions& o) {
   }
   if (o.async_save && o.save_dir.empty()) {
     return Bad("--async-save needs --save=DIR (where to save)");
+  }
+  if (o.resume && o.save_dir.find(kStepPlaceholder) == std::string::npos) {
+    return Bad(absl::StrFormat(
+        "--resume needs --save with \"{step}\" in its last component (the "
+        "checkpoints it resumes from), got --save=%s",
+        o.save_dir.empty() ? "(none)" : o.save_dir));
+  }
+  if (o.resume && !o.load_dir.empty()) {
+    return Bad(absl::StrFormat(
+        "--resume resumes from --save's checkpoints; drop --load=%s",
+        o.load_dir));
   }
   return ValidateCollectiveTimeout(o.timeout);
 }
@@ -840,11 +852,21 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
   TrainCommandOptions command = options;
   std::optional<checkpoint::ShardedCheckpointReader> reader;
   int64_t first_step = 0;
+  // --resume: --save's pattern, when a complete checkpoint matches it yet
+  // (the ranks see one file system and nothing writes it now, so they
+  // decide alike); else a run from step 0.
+  std::string load_pattern = options.load_dir;
+  if (options.resume) {
+    const absl::StatusOr<std::string> found =
+        ResolveLoadDir(fs, options.save_dir, nullptr, nullptr);
+    if (found.ok()) load_pattern = options.save_dir;
+  }
   const auto in_load = [&](const absl::Status& s) {
     return absl::Status(
-        s.code(), absl::StrCat("--load=", options.load_dir, ": ", s.message()));
+        s.code(), absl::StrCat(options.resume ? "--resume from " : "--load=",
+                               load_pattern, ": ", s.message()));
   };
-  if (!options.load_dir.empty()) {
+  if (!load_pattern.empty()) {
     // Every rank opens the checkpoint itself (metadata only: manifest,
     // layout and the small sidecars), and verifies and reads only its own
     // rank's tensors below. "{step}": every rank picks the newest published
@@ -854,10 +876,9 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
       int candidates = 0;
       FLATPARAM_ASSIGN_OR_RETURN(
           report.load_resolved_from,
-          ResolveLoadDir(fs, options.load_dir, &candidates,
-                         &report.load_skipped));
+          ResolveLoadDir(fs, load_pattern, &candidates, &report.load_skipped));
       report.load_candidates = candidates;
-      report.load_pattern = options.load_dir;
+      report.load_pattern = load_pattern;
       checkpoint::CheckpointOpenOptions metadata_only;
       metadata_only.ranks.emplace();  // no rank's tensors yet
       FLATPARAM_ASSIGN_OR_RETURN(
@@ -886,6 +907,24 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
     first_step = point->first_step;
     report.history = point->history;
     report.loaded_from = reader->path();
+    if (options.resume) {
+      report.resumed = true;
+      // --steps is the run's total.
+      command.steps = options.steps - first_step;
+      if (world.rank() == 0) {
+        const std::string line =
+            absl::StrFormat("fsdp train: resumed from %s at step %d\n",
+                            reader->path(), first_step);
+        std::fwrite(line.data(), 1, line.size(), stderr);
+        std::fflush(stderr);
+      }
+      if (command.steps <= 0) {
+        report.nothing_left = true;
+        report.options.steps = 0;
+        report.options.first_step = first_step;
+        return report;
+      }
+    }
   }
   report.optimizer = command.optimizer;
   FLATPARAM_ASSIGN_OR_RETURN(report.options,
@@ -1019,6 +1058,14 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
 }
 
 void PrintTrainReport(const TrainReport& report, std::ostream& out) {
+  if (report.nothing_left) {
+    out << absl::StrFormat(
+        "# fsdp train: backend %s, %d ranks; resumed from %s at step %d: "
+        "the run's --steps are done, nothing left to train\n",
+        report.backend, report.world_size, report.loaded_from,
+        report.options.first_step);
+    return;
+  }
   const refmodel::FsdpTrainOptions& o = report.options;
   out << absl::StrFormat(
       "# fsdp train: backend %s, %d ranks, %s%s, seed %d; %s\n", report.backend,

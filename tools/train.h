@@ -157,6 +157,12 @@ struct TrainCommandOptions {
   // DIR of --load may contain "{step}": the newest published checkpoint
   // whose name matches (ResolveLoadDir).
   std::string load_dir;
+  // --resume (needs a --save with "{step}"; not with --load): the same
+  // command line starts or restarts a run, as an elastic launcher
+  // (torchrun --max_restarts) reruns it: it resumes from the newest
+  // complete checkpoint --save's pattern matches (none: from step 0), and
+  // --steps counts the run's total steps, not those after the resume.
+  bool resume = false;
   // --save-every=N (>= 1; needs --save): also save after each global step
   // count that is a multiple of N. Unset: only after the last step.
   std::optional<int64_t> save_every;
@@ -314,6 +320,10 @@ struct TrainReport {
   // Set when --load resharded the checkpoint at load time: what it was
   // saved with ("8 ranks, FULL_SHARD").
   std::string resharded_from;
+  // --resume: whether a checkpoint was there to resume from, and whether
+  // the run had already trained its --steps (nothing was trained).
+  bool resumed = false;
+  bool nothing_left = false;
   std::string saved_to;
   // The saves this run made, by the global step each holds (their number
   // is the number of saves), and whether they were asynchronous.
@@ -384,6 +394,14 @@ absl::StatusOr<TrainReport> TrainOnSim(const TrainCommandOptions& options,
 // with an NCCL communicator bootstrapped over MPI. Rank 0 prints. Every
 // rank returns the verdict. Unimplemented without OpenMPI in the build.
 absl::Status RunTrainMpi(const TrainCommandOptions& options, std::ostream& out);
+
+// --backend=c10d, as one of torchrun's workers: the world from torchrun's
+// environment (comm/c10d's C10dCommunicator::FromEnvironment), host
+// buffers. Rank 0 prints the report; every rank prints its own error and
+// returns the verdict. In `fsdp`, which does not link LibTorch, this runs
+// the command in fsdp_c10d instead (train_c10d_exec.cc), which does.
+absl::Status RunTrainC10d(const TrainCommandOptions& options,
+                          std::ostream& out);
 
 }  // namespace tools
 }  // namespace flatparam

@@ -56,6 +56,10 @@ ABSL_FLAG(bool, async_save, false,
 ABSL_FLAG(int64_t, log_every, 0,
           "Rank 0 prints the step and its loss to stderr after every N-th "
           "step (0: never).");
+ABSL_FLAG(bool, resume, false,
+          "Start or restart a run with the same command line (for elastic "
+          "launchers): resume from the newest complete checkpoint matching "
+          "--save's {step} pattern, if any; --steps is then the run's total.");
 ABSL_FLAG(std::string, load, "",
           "Resume from the sharded checkpoint in this directory.");
 
@@ -93,6 +97,7 @@ int TrainMain(const std::vector<char*>& args) {
   options.check_reference = absl::GetFlag(FLAGS_check_reference);
   options.save_dir = absl::GetFlag(FLAGS_save);
   options.load_dir = absl::GetFlag(FLAGS_load);
+  options.resume = absl::GetFlag(FLAGS_resume);
   options.save_every = absl::GetFlag(FLAGS_save_every);
   options.async_save = absl::GetFlag(FLAGS_async_save);
   options.log_every = absl::GetFlag(FLAGS_log_every);
@@ -101,8 +106,9 @@ int TrainMain(const std::vector<char*>& args) {
                            "micro_batches", "mixed_precision", "sync"}) {
     if (FlagChanged(flag)) options.given_flags.insert(flag);
   }
-  const absl::Status status = options.backend == "sim"
-                                  ? RunTrainSim(options, std::cout)
+  const absl::Status status =
+      options.backend == "sim"    ? RunTrainSim(options, std::cout)
+      : options.backend == "c10d" ? RunTrainC10d(options, std::cout)
                                   : RunTrainMpi(options, std::cout);
   std::cout.flush();
   if (!status.ok()) {
@@ -116,7 +122,7 @@ int TrainMain(const std::vector<char*>& args) {
 }
 
 constexpr char kHelp[] =
-    "usage: fsdp train [--backend=sim|mpi|nccl] [--world-size=W] "
+    "usage: fsdp train [--backend=sim|mpi|nccl|c10d] [--world-size=W] "
     "[--strategy=S]\n"
     "                  [--shard-group-size=G] [--steps=K] "
     "[--micro-batches=M] [--no-sync]\n"
@@ -128,9 +134,10 @@ constexpr char kHelp[] =
     "                  [--prefetch-depth=N] [--limit-all-gathers=N]\n"
     "                  [--global-batch=B] [--check-reference]\n"
     "                  [--save=DIR [--save-every=N] [--async-save]] "
-    "[--load=DIR]\n"
+    "[--load=DIR | --resume]\n"
     "                  [--log-every=N] [--timeout=DURATION]\n"
     "       mpirun -np 4 fsdp train [--backend=mpi|nccl] ...\n"
+    "       torchrun --nproc_per_node=4 --no_python fsdp train ...\n"
     "\n"
     "Trains the reference model (a per-token MLP language model: vocab 17,\n"
     "widths 13, 37, 29; units \"\" and layers.0-2) through the FSDP runtime\n"
@@ -145,7 +152,8 @@ constexpr char kHelp[] =
     "--check-reference compares the result with single-process training\n"
     "(TrainReference) on the same global batch and prints the maximum\n"
     "absolute difference and whether it is bitwise equal. In float32 it\n"
-    "must be bitwise equal (the simulator and MPI reduce in rank order; the\n"
+    "must be bitwise equal (the simulator, MPI and c10d reduce in rank\n"
+    "order; the\n"
     "hybrid strategies fold each shard group, then across groups). With\n"
     "bf16/fp16 the run must be bitwise equal to single-process training with\n"
     "the same mixed precision emulated, and its distance to float32 training\n"
@@ -160,9 +168,13 @@ constexpr char kHelp[] =
     "of hanging.\n"
     "\n"
     "flags:\n"
-    "  --backend=sim|mpi|nccl   default: mpi under mpirun, else sim\n"
+    "  --backend=sim|mpi|nccl|c10d  default: mpi under mpirun, c10d under\n"
+    "                           torchrun, else sim. c10d: a gloo group from\n"
+    "                           torchrun's environment (run by fsdp_c10d,\n"
+    "                           the build of fsdp with LibTorch)\n"
     "  --world-size=W           sim: ranks (default 8); mpi/nccl: mpirun's "
-    "-np\n"
+    "-np;\n"
+    "                           c10d: torchrun's workers\n"
     "  --strategy=S             FULL_SHARD (default), SHARD_GRAD_OP, "
     "NO_SHARD,\n"
     "                           HYBRID_SHARD, HYBRID_SHARD_ZERO2\n"
@@ -220,6 +232,11 @@ constexpr char kHelp[] =
     "                           same DIR as --save). With --check-reference,\n"
     "                           compares with single-process training of all\n"
     "                           steps so far\n"
+    "  --resume                 with --save=.../step{step}: the same command\n"
+    "                           line starts the run or, rerun after a crash\n"
+    "                           (torchrun --max_restarts reruns it), resumes\n"
+    "                           from the newest complete checkpoint there;\n"
+    "                           --steps is then the run's total\n"
     "  --timeout=DURATION       the longest any one collective may wait "
     "(the\n"
     "                           handles', the loss and summary gathers, "

@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# fsdp train and fsdp collectives under torchrun (--backend=c10d, the
+# default there), and torch elastic's restart: torchrun itself (Debian's
+# python3-torch) starts the workers; `fsdp` continues in fsdp_c10d (the
+# build with LibTorch's c10d).
+#
+#   1. 2 workers: fsdp train --check-reference is bitwise equal to
+#      single-process training;
+#   2. 4 workers, HYBRID_SHARD in groups of 2: the same;
+#   3. fsdp collectives on 2 workers: the conformance suite passes;
+#   4. torchrun --max_restarts=1, 2 workers saving every step with
+#      --resume: one worker killed after step 3; torchrun restarts the
+#      group, the run resumes from the newest complete checkpoint and ends
+#      bitwise equal to single-process training of every step. Prints the
+#      time from the kill to training again and the steps lost;
+#   5. --backend=c10d outside torchrun: a clear error naming the variable.
+#
+# Usage: train_c10d_test.sh PATH_TO_FSDP
+set -uo pipefail
+
+fsdp=$1
+tmp=${TEST_TMPDIR:-$(mktemp -d)}
+failures=0
+scale=${FLATPARAM_TEST_TIME_SCALE:-1}
+
+fail() {
+  echo "FAIL: $*" >&2
+  failures=$((failures + 1))
+}
+
+now_ms() { date +%s%3N; }
+
+free_port() {
+  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# trun NPROC OUT [TORCHRUN FLAGS...] -- FSDP ARGS...: torchrun with the
+# flags Debian's 1.13 needs on Python 3.11 (comm/c10d/torchrun_test.sh
+# says why), a rendezvous on a free port; output (every worker's, tagged
+# [defaultN]:) to OUT.
+trun() {
+  local nproc=$1 out=$2
+  shift 2
+  local flags=()
+  while [ "$1" != "--" ]; do
+    flags+=("$1")
+    shift
+  done
+  shift
+  timeout --kill-after=10 $((120 * scale)) torchrun --nnodes=1 \
+    --nproc_per_node="$nproc" --rdzv_backend=c10d \
+    --rdzv_endpoint="127.0.0.1:$(free_port)" --redirects 1 --tee 1 \
+    --log_dir "$tmp/logs.$(basename "$out")" --monitor_interval=0.5 \
+    "${flags[@]}" --no_python "$fsdp" "$@" >"$out" 2>&1
+}
+
+# 1.
+trun 2 "$tmp/t2" -- train --steps=3 --check-reference
+status=$?
+[ "$status" -eq 0 ] || fail "2 workers: exit $status: $(tail -c 3000 "$tmp/t2")"
+grep -q 'backend c10d, 2 ranks' "$tmp/t2" || fail "2 workers: not on c10d"
+grep -q 'bitwise equal' "$tmp/t2" || fail "2 workers: not bitwise equal"
+
+# 2.
+trun 4 "$tmp/t4" -- train --steps=3 --strategy=HYBRID_SHARD \
+  --shard-group-size=2 --check-reference
+status=$?
+[ "$status" -eq 0 ] || fail "4 workers: exit $status: $(tail -c 3000 "$tmp/t4")"
+grep -q 'backend c10d, 4 ranks, HYBRID_SHARD' "$tmp/t4" ||
+  fail "4 workers: not HYBRID_SHARD on c10d"
+grep -q 'bitwise equal' "$tmp/t4" || fail "4 workers: not bitwise equal"
+
+# 3.
+trun 2 "$tmp/c2" -- collectives --no-sweep --large-elements=0
+status=$?
+[ "$status" -eq 0 ] || fail "collectives: exit $status: $(tail -c 3000 "$tmp/c2")"
+grep -q 'backend c10d, 2 ranks' "$tmp/c2" || fail "collectives: not on c10d"
+
+# 4. Elastic restart.
+ckpt="$tmp/ckpt"
+mkdir -p "$ckpt"
+trun 2 "$tmp/e" --max_restarts=1 -- train --steps=8 \
+  --save="$ckpt/step{step}" --save-every=1 --resume --log-every=1 \
+  --check-reference --timeout=10s &
+job=$!
+killed_at=""
+for _ in $(seq 1 $((1200 * scale))); do
+  if grep -q 'fsdp train: step 3 loss' "$tmp/e" 2>/dev/null; then
+    for pid in $(pgrep -f "fsdp_c10d train .*$ckpt"); do
+      if tr '\0' '\n' </proc/"$pid"/environ 2>/dev/null | grep -qx 'RANK=1'; then
+        kill -KILL "$pid" && killed_at=$(now_ms)
+        break
+      fi
+    done
+    break
+  fi
+  sleep 0.05
+done
+[ -n "$killed_at" ] || fail "elastic: found no worker of rank 1 to kill: $(tail -c 2000 "$tmp/e")"
+resumed_at=""
+stepped_at=""
+for _ in $(seq 1 $((1200 * scale))); do
+  if [ -z "$resumed_at" ] && grep -q 'fsdp train: resumed from' "$tmp/e" 2>/dev/null; then
+    resumed_at=$(now_ms)
+  fi
+  if [ -n "$resumed_at" ] &&
+    sed -n '/fsdp train: resumed from/,$p' "$tmp/e" | grep -q 'fsdp train: step [0-9]* loss'; then
+    stepped_at=$(now_ms)
+    break
+  fi
+  sleep 0.05
+done
+wait "$job"
+status=$?
+[ "$status" -eq 0 ] || fail "elastic: exit $status: $(tail -c 4000 "$tmp/e")"
+grep -q 'bitwise equal' "$tmp/e" || fail "elastic: not bitwise equal: $(tail -c 3000 "$tmp/e")"
+from=$(sed -n 's/.*fsdp train: resumed from .* at step \([0-9]*\)$/\1/p' "$tmp/e" | head -n 1)
+# The last step the first attempt logged (rank 0 logs after each step).
+before=$(sed -n '1,/fsdp train: resumed from/p' "$tmp/e" |
+  sed -n 's/.*fsdp train: step \([0-9]*\) loss.*/\1/p' | tail -n 1)
+if [ -n "$resumed_at" ] && [ -n "$stepped_at" ] && [ -n "$killed_at" ] &&
+  [ -n "$from" ] && [ -n "$before" ]; then
+  echo "elastic: rank 1 killed once step 3 was logged; the first attempt logged steps up to $before; torchrun restarted the group; resumed from the checkpoint of step $from $((resumed_at - killed_at)) ms after the kill, training again (step $from done) $((stepped_at - killed_at)) ms after it; steps lost: $((before + 1 - from))"
+else
+  fail "elastic: the run never resumed and trained: $(tail -c 3000 "$tmp/e")"
+fi
+# Saved every step: at most the step in flight is lost.
+[ -n "$from" ] && [ -n "$before" ] && [ $((before + 1 - from)) -le 1 ] ||
+  fail "elastic: resumed at step ${from:-none} after step ${before:-none} was logged"
+
+# 5.
+env -u RANK -u WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT \
+  "$fsdp" train --backend=c10d >"$tmp/noenv" 2>&1
+status=$?
+[ "$status" -eq 1 ] || fail "outside torchrun: exit $status, expected 1"
+grep -q 'WORLD_SIZE is not set' "$tmp/noenv" ||
+  fail "outside torchrun: $(cat "$tmp/noenv")"
+
+if [ "$failures" -ne 0 ]; then
+  echo "$failures check(s) failed" >&2
+  exit 1
+fi
+echo "PASS"
