@@ -13,7 +13,14 @@
 #      group, the run resumes from the newest complete checkpoint and ends
 #      bitwise equal to single-process training of every step. Prints the
 #      time from the kill to training again and the steps lost;
-#   5. --backend=c10d outside torchrun: a clear error naming the variable.
+#   5. --backend=c10d outside torchrun: a clear error naming the variable;
+#   6. a node lost: two torchrun agents (--nnodes=1:2, one worker each) on
+#      one rendezvous, A hosting its store; agent B and its worker are
+#      killed mid-run; agent A's
+#      worker fails, A restarts it, the rendezvous closes with the one node
+#      left, and the run resumes on 1 worker from the newest complete
+#      checkpoint with the same global batch, bitwise equal to
+#      single-process training of every step.
 #
 # Usage: train_c10d_test.sh PATH_TO_FSDP
 set -uo pipefail
@@ -135,6 +142,70 @@ status=$?
 [ "$status" -eq 1 ] || fail "outside torchrun: exit $status, expected 1"
 grep -q 'WORLD_SIZE is not set' "$tmp/noenv" ||
   fail "outside torchrun: $(cat "$tmp/noenv")"
+
+# 6. A node lost.
+ckpt="$tmp/ckpt_nodes"
+mkdir -p "$ckpt"
+port=$(free_port)
+node() {  # NAME
+  timeout --kill-after=10 $((150 * scale)) torchrun --nnodes=1:2 \
+    --nproc_per_node=1 --rdzv_backend=c10d --rdzv_endpoint="127.0.0.1:$port" \
+    --rdzv_id=nodes --rdzv_conf=last_call_timeout=1 --max_restarts=2 \
+    --monitor_interval=0.5 --redirects 1 --tee 1 --log_dir "$tmp/logs_node_$1" \
+    --no_python "$fsdp" train --steps=300 --save="$ckpt/step{step}" \
+    --save-every=1 --resume --log-every=10 --check-reference --timeout=10s \
+    >"$tmp/node_$1" 2>&1
+}
+# The rendezvous store lives in the agent that binds the endpoint first
+# (the node torchrun's docs say must stay up); node b is started once it
+# is, so that b connects to a's store and is the node that may be lost.
+node a &
+node_a=$!
+for _ in $(seq 1 $((400 * scale))); do
+  python3 -c "import socket; socket.create_connection(('127.0.0.1', $port), 0.2)" 2>/dev/null && break
+  sleep 0.05
+done
+node b &
+node_b=$!
+killed_at=""
+for _ in $(seq 1 $((1200 * scale))); do
+  if grep -q 'fsdp train: step 29 loss' "$tmp/node_a" "$tmp/node_b" 2>/dev/null; then
+    grep -q 'failed to bind' "$tmp/node_b" ||
+      fail "nodes: node b hosts the rendezvous store"
+    # Node b: its agent (torchrun's Python process) and the agent's worker.
+    agent=$(pgrep -f "python3.*torchrun.*logs_node_b" | head -n 1)
+    if [ -n "$agent" ]; then
+      workers=$(pgrep -P "$agent" | tr '\n' ' ')
+      # shellcheck disable=SC2086
+      kill -KILL "$agent" $workers
+      killed_at=$(now_ms)
+    fi
+    break
+  fi
+  sleep 0.05
+done
+[ -n "$killed_at" ] || fail "nodes: node b was not found to kill"
+resumed_at=""
+for _ in $(seq 1 $((1800 * scale))); do
+  if grep -q 'fsdp train: resumed from' "$tmp/node_a" 2>/dev/null; then
+    resumed_at=$(now_ms)
+    break
+  fi
+  sleep 0.05
+done
+wait "$node_a"
+status=$?
+wait "$node_b" 2>/dev/null
+[ "$status" -eq 0 ] || fail "nodes: node a exited $status: $(tail -c 4000 "$tmp/node_a")"
+grep -q 'backend c10d, 1 ranks' "$tmp/node_a" ||
+  fail "nodes: did not go on with 1 worker: $(tail -c 3000 "$tmp/node_a")"
+grep -q 'bitwise equal' "$tmp/node_a" ||
+  fail "nodes: not bitwise equal: $(tail -c 3000 "$tmp/node_a")"
+from=$(sed -n 's/.*fsdp train: resumed from .* at step \([0-9]*\)$/\1/p' "$tmp/node_a" | head -n 1)
+if [ -n "$resumed_at" ] && [ -n "$killed_at" ]; then
+  echo "nodes: node b killed once step 29 was logged; node a resumed alone from the checkpoint of step ${from:-?} $((resumed_at - killed_at)) ms after the kill"
+fi
+grep -h 'trained before' "$tmp/node_a" | head -n 1
 
 if [ "$failures" -ne 0 ]; then
   echo "$failures check(s) failed" >&2
