@@ -1,19 +1,23 @@
 // A LibTorch trainer in another team's workspace: a torch::nn::Module
-// sharded with flatparam's FsdpModule (@flatparam//:torch) over MPI,
-// trained with torch::optim::AdamW, saved as a sharded checkpoint and
-// loaded back into a fresh model. Exits non-zero when the loss does not
-// fall or the loaded model differs from the trained one.
+// sharded with flatparam's FsdpModule (@flatparam//:torch) over MPI, or
+// over c10d when torchrun started it (@flatparam//:c10d), trained with
+// torch::optim::AdamW, saved as a sharded checkpoint and loaded back into
+// a fresh model. Exits non-zero when the loss does not fall or the loaded
+// model differs from the trained one.
 //
 //   mpirun -np 2 bazel-bin/torch_trainer CHECKPOINT_DIR
+//   torchrun --nproc_per_node=2 --no_python bazel-bin/torch_trainer DIR
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "comm/c10d/c10d_communicator.h"
 #include "comm/mpi/mpi_communicator.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/file_system.h"
@@ -56,7 +60,7 @@ std::pair<torch::Tensor, torch::Tensor> Batch(int rank, int step) {
   return {x, 0.1 * x.sum(1, /*keepdim=*/true)};
 }
 
-absl::Status Run(flatparam::MpiCommunicator& world, const std::string& dir) {
+absl::Status Run(flatparam::Communicator& world, const std::string& dir) {
   flatparam::HostDeviceOps device;
   flatparam::libtorch::FsdpOptions options;
   options.wrap = {"blocks.*"};
@@ -118,17 +122,31 @@ absl::Status Run(flatparam::MpiCommunicator& world, const std::string& dir) {
 
 int main(int argc, char** argv) {
   if (argc != 2) {
-    std::fprintf(stderr, "usage: mpirun -np N %s CHECKPOINT_DIR\n", argv[0]);
+    std::fprintf(stderr,
+                 "usage: mpirun -np N %s CHECKPOINT_DIR\n"
+                 "       torchrun --nproc_per_node=N --no_python %s "
+                 "CHECKPOINT_DIR\n",
+                 argv[0], argv[0]);
     return 2;
   }
   torch::set_num_threads(1);
   const std::string dir = argv[1];
   int rank = -1;
-  const absl::Status status =
-      flatparam::RunOnMpiWorld([&](flatparam::MpiCommunicator& world) {
-        rank = world.rank();
-        return Run(world, dir);
-      });
+  absl::Status status;
+  if (std::getenv("TORCHELASTIC_RUN_ID") != nullptr) {
+    // torchrun's worker: the world from its environment (a gloo group).
+    auto world = flatparam::C10dCommunicator::FromEnvironment();
+    status = world.status();
+    if (world.ok()) {
+      rank = (*world)->rank();
+      status = Run(**world, dir);
+    }
+  } else {
+    status = flatparam::RunOnMpiWorld([&](flatparam::MpiCommunicator& world) {
+      rank = world.rank();
+      return Run(world, dir);
+    });
+  }
   if (!status.ok()) {
     if (!flatparam::IsReported(status)) {
       std::fprintf(stderr, "torch_trainer: rank %d: %s\n", rank,
