@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
+#include "comm/communicator.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/device/device.h"
 #include "flatparam/torch/fsdp_module.h"
@@ -45,10 +46,12 @@ torch::optim::AdamWOptions DemoAdamW() {
 }  // namespace
 
 absl::StatusOr<TorchDemoResult> RunTorchDemo(int steps, uint64_t seed,
-                                             std::ostream& out) {
+                                             std::ostream& out,
+                                             Communicator* world) {
   TorchDemoResult result;
   result.text_path = kText;
-  result.world_size = kWorld;
+  const int world_size = world != nullptr ? world->size() : kWorld;
+  result.world_size = world_size;
   if (!std::ifstream(kText)) {
     result.skipped = absl::StrFormat(
         "%s is missing (Debian's base-files "
@@ -85,48 +88,57 @@ absl::StatusOr<TorchDemoResult> RunTorchDemo(int steps, uint64_t seed,
     return model;
   };
 
-  SimOptions sim;
-  sim.world_size = kWorld;
-  sim.seed = seed;
-  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<SimWorld> world,
-                             SimWorld::Create(sim));
   std::map<std::string, torch::Tensor> trained;
-  FLATPARAM_RETURN_IF_ERROR(
-      world->Run([&](SimCommunicator& comm) -> absl::Status {
-        HostDeviceOps device;
-        refmodel::Gpt model = make();
-        // Recomputation, as transformers are trained at scale: the
-        // forward keeps only each block's input.
-        refmodel::GptFsdpOptions gpt_options;
-        gpt_options.recompute = libtorch::Recomputation::kInsideUnit;
-        const bool first = comm.rank() == 0;
-        FLATPARAM_ASSIGN_OR_RETURN(
-            refmodel::GptFsdpRun run,
-            refmodel::TrainGptUnderFsdp(
-                model, comm, device, text, steps, kLocalBatch, DemoAdamW(),
-                [&](int step, float loss) {
-                  if (first && (step % 25 == 0 || step == steps - 1)) {
-                    out << absl::StrFormat("      step %3d  loss %.3f\n", step,
-                                           loss);
-                    out.flush();
-                  }
-                },
-                nullptr, gpt_options));
-        if (first) {
-          result.losses = std::move(run.losses);
-          trained = std::move(run.full_state);
-        }
-        return absl::OkStatus();
-      }));
+  auto train = [&](Communicator& comm) -> absl::Status {
+    HostDeviceOps device;
+    refmodel::Gpt model = make();
+    // Recomputation, as transformers are trained at scale: the forward
+    // keeps only each block's input.
+    refmodel::GptFsdpOptions gpt_options;
+    gpt_options.recompute = libtorch::Recomputation::kInsideUnit;
+    const bool first = comm.rank() == 0;
+    // Under torchrun every process is one rank and checks its own result.
+    const bool keep = first || world != nullptr;
+    FLATPARAM_ASSIGN_OR_RETURN(
+        refmodel::GptFsdpRun run,
+        refmodel::TrainGptUnderFsdp(
+            model, comm, device, text, steps, kLocalBatch, DemoAdamW(),
+            [&](int step, float loss) {
+              if (first && (step % 25 == 0 || step == steps - 1)) {
+                out << absl::StrFormat("      step %3d  loss %.3f\n", step,
+                                       loss);
+                out.flush();
+              }
+            },
+            nullptr, gpt_options));
+    if (keep) {
+      result.losses = std::move(run.losses);
+      trained = std::move(run.full_state);
+    }
+    return absl::OkStatus();
+  };
+  if (world != nullptr) {
+    FLATPARAM_RETURN_IF_ERROR(train(*world));
+  } else {
+    SimOptions sim;
+    sim.world_size = kWorld;
+    sim.seed = seed;
+    FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<SimWorld> sim_world,
+                               SimWorld::Create(sim));
+    FLATPARAM_RETURN_IF_ERROR(sim_world->Run(
+        [&](SimCommunicator& comm) -> absl::Status { return train(comm); }));
+  }
 
-  out << "      the same training in one process, folding the ranks' "
-         "gradients in FSDP's order\n";
-  out.flush();
+  if (world == nullptr || world->rank() == 0) {
+    out << "      the same training in one process, folding the ranks' "
+           "gradients in FSDP's order\n";
+    out.flush();
+  }
   refmodel::Gpt reference = make();
   torch::optim::AdamW adamw(refmodel::TrainableTensors(*reference),
                             DemoAdamW());
   refmodel::FoldOptions fold;
-  fold.world = kWorld;
+  fold.world = world_size;
   fold.steps = steps;
   result.reference_losses = refmodel::TrainFolded(
       *reference, adamw, fold, [&](int step, int, int rank) {

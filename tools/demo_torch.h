@@ -14,16 +14,22 @@
 // (or in its runfiles) and reads its result back as JSON; without it the
 // stage reports itself skipped.
 //
+// Under torchrun (`torchrun --nproc_per_node=N --no_python fsdp_torch_demo`)
+// it trains over c10d, each worker one rank (--backend=c10d, the default
+// there).
+//
 // Thread-safety: call from one thread.
 #ifndef TOOLS_DEMO_TORCH_H_
 #define TOOLS_DEMO_TORCH_H_
 
 #include <cstdint>
+#include <memory>
 #include <ostream>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "comm/communicator.h"
 
 namespace flatparam {
 namespace tools {
@@ -46,9 +52,18 @@ struct TorchDemoResult {
 
 // In fsdp_torch_demo: trains `steps` steps (see the file comment),
 // printing progress to `out`. Errors that stop it (a failed collective)
-// are returned.
+// are returned. With `world` (fsdp_torch_demo --backend=c10d under
+// torchrun), this process trains as its rank of `world` instead of
+// simulating 4 ranks, and checks its own result against the
+// single-process run; rank 0 prints.
 absl::StatusOr<TorchDemoResult> RunTorchDemo(int steps, uint64_t seed,
-                                             std::ostream& out);
+                                             std::ostream& out,
+                                             Communicator* world = nullptr);
+
+// The world of fsdp_torch_demo --backend=c10d: torchrun's environment
+// (C10dCommunicator::FromEnvironment); Unimplemented in a build without
+// c10d's gloo group (demo_torch_c10d_unavailable.cc).
+absl::StatusOr<std::unique_ptr<Communicator>> TorchDemoC10dWorld();
 
 // The result as JSON and back (the child's report to `fsdp demo`).
 // DataLoss naming the field for JSON that is not such a result.

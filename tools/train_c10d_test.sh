@@ -14,6 +14,8 @@
 #      bitwise equal to single-process training of every step. Prints the
 #      time from the kill to training again and the steps lost;
 #   5. --backend=c10d outside torchrun: a clear error naming the variable;
+#   7. `fsdp demo`'s LibTorch stage (fsdp_torch_demo, beside fsdp) on 2
+#      workers: every loss and parameter bitwise single-process training's;
 #   6. a node lost: two torchrun agents (--nnodes=1:2, one worker each) on
 #      one rendezvous, A hosting its store; agent B and its worker are
 #      killed mid-run; agent A's
@@ -58,7 +60,7 @@ trun() {
     --nproc_per_node="$nproc" --rdzv_backend=c10d \
     --rdzv_endpoint="127.0.0.1:$(free_port)" --redirects 1 --tee 1 \
     --log_dir "$tmp/logs.$(basename "$out")" --monitor_interval=0.5 \
-    "${flags[@]}" --no_python "$fsdp" "$@" >"$out" 2>&1
+    "${flags[@]}" --no_python "${binary:-$fsdp}" "$@" >"$out" 2>&1
 }
 
 # 1.
@@ -142,6 +144,13 @@ status=$?
 [ "$status" -eq 1 ] || fail "outside torchrun: exit $status, expected 1"
 grep -q 'WORLD_SIZE is not set' "$tmp/noenv" ||
   fail "outside torchrun: $(cat "$tmp/noenv")"
+
+# 7. The demo's LibTorch stage.
+binary="$(dirname "$fsdp")/fsdp_torch_demo" trun 2 "$tmp/demo" -- --steps=30
+status=$?
+[ "$status" -eq 0 ] || fail "demo: exit $status: $(tail -c 3000 "$tmp/demo")"
+grep -q '2 workers over c10d: every loss and parameter bitwise equal to single-process training: yes' "$tmp/demo" ||
+  fail "demo: $(tail -c 2000 "$tmp/demo")"
 
 # 6. A node lost.
 ckpt="$tmp/ckpt_nodes"
