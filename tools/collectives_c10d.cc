@@ -12,9 +12,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "comm/c10d/c10d_communicator.h"
 #include "comm/conformance/device_memory.h"
 #include "flatparam/base/status_macros.h"
+#include "tools/c10d_world.h"
 #include "tools/collectives.h"
 
 namespace flatparam {
@@ -42,20 +42,9 @@ absl::Status RunOnWorld(Communicator& world, const CollectivesOptions& options,
 
 absl::Status RunCollectivesC10d(const CollectivesOptions& options,
                                 std::ostream& out) {
-  C10dOptions c10d;
-  c10d.start_timeout = std::max(options.timeout, absl::Minutes(1));
-  absl::StatusOr<std::unique_ptr<C10dCommunicator>> world =
-      C10dCommunicator::FromEnvironment(c10d);
-  if (!world.ok()) return world.status();
-  const int rank = (*world)->rank();
-  absl::Status status = RunOnWorld(**world, options, out);
-  if (!status.ok()) {
-    std::fprintf(stderr, "fsdp collectives: rank %d: %s\n", rank,
-                 std::string(status.message()).c_str());
-    std::fflush(stderr);
-    return MarkReported(std::move(status));
-  }
-  return absl::OkStatus();
+  return RunOnC10dWorld(
+      "fsdp collectives", options.timeout,
+      [&](Communicator& world) { return RunOnWorld(world, options, out); });
 }
 
 }  // namespace tools

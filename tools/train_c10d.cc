@@ -9,9 +9,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
-#include "comm/c10d/c10d_communicator.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/device/device.h"
+#include "tools/c10d_world.h"
 #include "tools/train.h"
 
 namespace flatparam {
@@ -43,24 +43,9 @@ absl::Status RunOnWorld(Communicator& world, const TrainCommandOptions& options,
 absl::Status RunTrainC10d(const TrainCommandOptions& options,
                           std::ostream& out) {
   FLATPARAM_RETURN_IF_ERROR(ValidateTrainCommandOptions(options));
-  C10dOptions c10d;
-  // The first contact waits for every worker to start, which takes longer
-  // than a collective (as MPI's start does; MpiStartTimeout).
-  c10d.start_timeout = std::max(options.timeout, absl::Minutes(1));
-  absl::StatusOr<std::unique_ptr<C10dCommunicator>> world =
-      C10dCommunicator::FromEnvironment(c10d);
-  if (!world.ok()) return world.status();
-  const int rank = (*world)->rank();
-  absl::Status status = RunOnWorld(**world, options, out);
-  if (!status.ok()) {
-    // Every worker prints its own error as it ends (torchrun shows each
-    // worker's stderr), as ranks under mpirun do.
-    std::fprintf(stderr, "fsdp train: rank %d: %s\n", rank,
-                 std::string(status.message()).c_str());
-    std::fflush(stderr);
-    return MarkReported(std::move(status));
-  }
-  return absl::OkStatus();
+  return RunOnC10dWorld(
+      "fsdp train", options.timeout,
+      [&](Communicator& world) { return RunOnWorld(world, options, out); });
 }
 
 }  // namespace tools

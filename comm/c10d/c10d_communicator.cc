@@ -34,24 +34,6 @@ namespace flatparam {
 
 namespace {
 
-std::chrono::milliseconds Millis(absl::Duration d) {
-  return std::chrono::milliseconds(
-      std::max<int64_t>(1, absl::ToInt64Milliseconds(d)));
-}
-
-// c10::Error's message without LibTorch's backtrace.
-std::string ExceptionMessage(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const c10::Error& error) {
-    return error.what_without_backtrace();
-  } catch (const std::exception& error) {
-    return error.what();
-  } catch (...) {
-    return "an exception that is not a std::exception";
-  }
-}
-
 // A failure of c10d as a status: timeouts (ours, or gloo's own deadline)
 // are DeadlineExceeded; a peer that went away is Aborted.
 absl::Status FromC10d(const std::string& message, const std::string& what) {

@@ -44,23 +44,6 @@ absl::StatusOr<int64_t> EnvInt(const char* name, int64_t low, int64_t high) {
   return value;
 }
 
-std::chrono::milliseconds Millis(absl::Duration d) {
-  return std::chrono::milliseconds(
-      std::max<int64_t>(1, absl::ToInt64Milliseconds(d)));
-}
-
-std::string Message(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const c10::Error& error) {
-    return error.what_without_backtrace();
-  } catch (const std::exception& error) {
-    return error.what();
-  } catch (...) {
-    return "an exception that is not a std::exception";
-  }
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<C10dCommunicator>>
@@ -131,7 +114,7 @@ C10dCommunicator::FromEnvironment(const C10dOptions& options) {
     comm->shared_->device = device;
     return comm;
   } catch (...) {
-    const std::string message = Message(std::current_exception());
+    const std::string message = ExceptionMessage(std::current_exception());
     const std::string text = absl::StrCat("C10dCommunicator::FromEnvironment (",
                                           where, "): ", message);
     if (absl::StrContains(message, "imed out") ||

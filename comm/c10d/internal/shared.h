@@ -1,9 +1,12 @@
-// What a C10dCommunicator and its work objects share (private to
-// //comm/c10d).
+// What a C10dCommunicator and its work objects share, and the helpers of
+// //comm/c10d's files (private to //comm/c10d).
 #ifndef FLATPARAM_COMM_C10D_INTERNAL_SHARED_H_
 #define FLATPARAM_COMM_C10D_INTERNAL_SHARED_H_
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -12,10 +15,31 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "comm/c10d/c10d_communicator.h"
 #include "comm/communicator.h"
 
 namespace flatparam {
+
+// A duration as c10d takes it: whole milliseconds, at least one.
+inline std::chrono::milliseconds Millis(absl::Duration d) {
+  return std::chrono::milliseconds(
+      std::max<int64_t>(1, absl::ToInt64Milliseconds(d)));
+}
+
+// The message of a caught exception; c10::Error's without LibTorch's
+// backtrace.
+inline std::string ExceptionMessage(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const c10::Error& error) {
+    return error.what_without_backtrace();
+  } catch (const std::exception& error) {
+    return error.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
 
 // What the communicator and its work objects share: the group, its
 // store, and whether it was aborted. Guarded by `mu` where noted.
