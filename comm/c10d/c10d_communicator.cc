@@ -101,14 +101,18 @@ void C10dCommunicator::Shared::Recycle(std::vector<at::Tensor>* staging) {
   staging->clear();
 }
 
-std::string C10dCommunicator::Shared::ReachedKey(int64_t seq, int r) const {
-  return absl::StrCat(prefix, "at/", seq, "/", r);
+std::string C10dCommunicator::Shared::ReachedKey(int r) const {
+  return absl::StrCat(prefix, "at/", r);
 }
 
 void C10dCommunicator::Shared::PostReached(int64_t seq) {
   if (store_unreachable) return;
+  // One key per rank, overwritten: the store holds one entry per rank
+  // however many collectives a long run waits for.
+  const std::string value = absl::StrCat(seq);
   try {
-    probe_store->set(ReachedKey(seq, rank), std::vector<uint8_t>{1});
+    probe_store->set(ReachedKey(rank),
+                     std::vector<uint8_t>(value.begin(), value.end()));
   } catch (...) {
     store_unreachable = true;
   }
@@ -149,7 +153,14 @@ std::string C10dCommunicator::Shared::Diagnose(CollectiveOp op, int64_t seq) {
     for (int r : missing) {
       bool there = false;
       try {
-        there = probe_store->check({ReachedKey(seq, r)});
+        const std::string key = ReachedKey(r);
+        if (probe_store->check({key})) {
+          const std::vector<uint8_t> value = probe_store->get(key);
+          int64_t reached = -1;
+          there = absl::SimpleAtoi(std::string(value.begin(), value.end()),
+                                   &reached) &&
+                  reached >= seq;
+        }
       } catch (...) {
         store_unreachable = true;
         return no_store;

@@ -85,8 +85,8 @@ struct C10dCommunicator::Shared {
   absl::Status Fail(CollectiveOp op, int64_t seq, absl::Status status);
   // "; rank R did not reach OP #SEQ ..." or why that is not known.
   std::string Diagnose(CollectiveOp op, int64_t seq);
-  // The key rank `r` sets once it has reached collective `seq`.
-  std::string ReachedKey(int64_t seq, int r) const;
+  // The key whose value is the last collective rank `r` said it reached.
+  std::string ReachedKey(int r) const;
   // Posts that this rank reached `seq` (a store write).
   void PostReached(int64_t seq);
   // Aborted quoting the first failure when another rank aborted the
