@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <exception>
 #include <memory>
@@ -49,7 +50,10 @@ class RawWork final : public Work {
       : work_(std::move(work)) {}
   absl::Status Wait() override {
     try {
-      work_->wait();
+      // A hung peer fails the benchmark instead of hanging it.
+      if (!work_->wait(std::chrono::minutes(5))) {
+        return absl::DeadlineExceededError("c10d's own collective timed out");
+      }
       return absl::OkStatus();
     } catch (const std::exception& e) {
       return absl::InternalError(e.what());

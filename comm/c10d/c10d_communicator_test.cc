@@ -179,6 +179,41 @@ TEST(C10dCommunicatorTest, ATimeoutNamesTheRankThatSentNothing) {
   ASSERT_THAT(g_world->Barrier({}), IsOk());
 }
 
+// The first rank whose collective fails tells the others through the
+// store: rank 0 gives up after 1 s (rank 1 never comes), and ranks 2.. ,
+// whose own timeout is 30 s, end within seconds quoting rank 0's
+// diagnosis. Without the abort key they would wait out their 30 s.
+TEST(C10dCommunicatorTest, TheFirstFailureEndsTheOthersWaits) {
+  if (g_world->size() < 3) GTEST_SKIP() << "needs three ranks";
+  absl::StatusOr<std::unique_ptr<Communicator>> made =
+      g_world->Split(0, g_world->rank(), {});
+  ASSERT_THAT(made.status(), IsOk());
+  Communicator& group = **made;
+  if (group.rank() != 1) {
+    float x = 1;
+    float y = 0;
+    ReduceOptions options;
+    options.timeout = group.rank() == 0 ? absl::Seconds(1) : absl::Seconds(30);
+    const absl::Time start = absl::Now();
+    const absl::Status status =
+        group
+            .AllReduce({&x, 1, DType::kFloat32}, {&y, 1, DType::kFloat32},
+                       options)
+            ->Wait();
+    const absl::Duration took = absl::Now() - start;
+    EXPECT_FALSE(status.ok());
+    EXPECT_THAT(std::string(status.message()),
+                HasSubstr("rank 1 did not reach all_reduce #"));
+    if (group.rank() != 0) {
+      EXPECT_EQ(status.code(), absl::StatusCode::kAborted) << status;
+      EXPECT_THAT(std::string(status.message()),
+                  HasSubstr("aborted by another rank"));
+      EXPECT_LT(took, absl::Seconds(10)) << status;
+    }
+  }
+  ASSERT_THAT(g_world->Barrier({}), IsOk());
+}
+
 }  // namespace
 }  // namespace flatparam
 
