@@ -8,7 +8,8 @@
 #      single-process training;
 #   2. 4 workers, HYBRID_SHARD in groups of 2: the same;
 #   3. fsdp collectives on 2 workers: the conformance suite passes;
-#   4. torchrun --max_restarts=1, 2 workers saving every step with
+#   4. torchrun --max_restarts=1, 2 workers saving every step (200 steps,
+#      so that the kill lands mid-run on a loaded machine) with
 #      --resume: one worker killed after step 3; torchrun restarts the
 #      group, the run resumes from the newest complete checkpoint and ends
 #      bitwise equal to single-process training of every step. Prints the
@@ -88,7 +89,7 @@ grep -q 'backend c10d, 2 ranks' "$tmp/c2" || fail "collectives: not on c10d"
 # 4. Elastic restart.
 ckpt="$tmp/ckpt"
 mkdir -p "$ckpt"
-trun 2 "$tmp/e" --max_restarts=1 -- train --steps=8 \
+trun 2 "$tmp/e" --max_restarts=1 -- train --steps=200 \
   --save="$ckpt/step{step}" --save-every=1 --resume --log-every=1 \
   --check-reference --timeout=10s &
 job=$!
