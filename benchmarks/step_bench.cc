@@ -24,6 +24,11 @@
 //               the same reason (CPU-bound forwards);
 //   overlap:0   no prefetch and every reduction finished at once: one
 //               collective or kernel at a time.
+//   overlap:1/recorder_cost
+//               overlap:1 with and without the flight recorder
+//               (MpiOptions::flight_recorder.capacity = 0 on a second
+//               world), a step of each back to back: recorded_ms,
+//               unrecorded_ms and overhead_pct;
 //   fake        overlap:1 with the all-gathers and reduce-scatters skipped
 //               (HandleOptions::fake_all_gather / fake_reduce, PyTorch's
 //               FSDP_USE_FAKE_*): compute plus the host work alone, which
@@ -61,6 +66,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -216,11 +222,20 @@ absl::StatusOr<cost::StepPrediction> Plan(const Setup& s, bool overlap) {
   return cost::PredictStep(cost::UnitsOf(s.layout), o);
 }
 
-void Run(const Setup& s, Communicator& comm, bool overlap, bool fake,
-         benchmark::State* state, int64_t iterations) {
+// One runtime on `comm` and a function that runs one timed step of it
+// (the slowest rank's seconds).
+struct Stepper {
+  HostDeviceOps ops;
+  std::unique_ptr<FsdpRuntime> runtime;
+  std::function<double()> step;
+};
+
+std::unique_ptr<Stepper> MakeStepper(const Setup& s, Communicator& comm,
+                                     bool overlap, bool fake) {
+  auto stepper = std::make_unique<Stepper>();
   std::map<std::string, ConstBufferRef> refs;
   for (const auto& [fqn, t] : s.init) refs[fqn] = t.cref();
-  HostDeviceOps ops;
+  HostDeviceOps& ops = stepper->ops;
   RuntimeOptions options;
   options.forward_prefetch = overlap;
   options.backward_prefetch =
@@ -239,16 +254,26 @@ void Run(const Setup& s, Communicator& comm, bool overlap, bool fake,
     std::this_thread::sleep_for(absl::ToChronoNanoseconds(call.duration));
     return absl::OkStatus();
   };
-  auto step = [&]() -> double {
+  stepper->runtime = *std::move(rt);
+  FsdpRuntime* runtime = stepper->runtime.get();
+  const Setup* setup = &s;
+  stepper->step = [runtime, setup, kernel, overlap]() -> double {
     MPI_Barrier(MPI_COMM_WORLD);
     const double start = Now();
     absl::Status done =
-        refmodel::RunSyntheticStep(**rt, s.forward, kernel, !overlap);
-    if (done.ok()) done = (*rt)->ZeroGrad();
+        refmodel::RunSyntheticStep(*runtime, setup->forward, kernel, !overlap);
+    if (done.ok()) done = runtime->ZeroGrad();
     if (!done.ok()) Die(kProgram, done);
     return MaxOverRanks(Now() - start);
   };
-  step();  // records the execution order
+  stepper->step();  // records the execution order
+  return stepper;
+}
+
+void Run(const Setup& s, Communicator& comm, bool overlap, bool fake,
+         benchmark::State* state, int64_t iterations) {
+  std::unique_ptr<Stepper> stepper = MakeStepper(s, comm, overlap, fake);
+  const std::function<double()>& step = stepper->step;
   double total = 0;
   RunIterations(state, iterations, [&]() -> double {
     const double t = step();
@@ -269,6 +294,30 @@ void Run(const Setup& s, Communicator& comm, bool overlap, bool fake,
   state->counters["link_latency_us"] = s.link.intra_latency_s * 1e6;
 }
 
+// The flight recorder's cost: each iteration times a step on a world with
+// the recorder and one on a world without it, back to back (so that both
+// see the same machine state), and reports the recorded step's time;
+// counters recorded_ms, unrecorded_ms (means) and overhead_pct.
+void RunRecorderCost(const Setup& s, Communicator& recorded,
+                     Communicator& unrecorded, benchmark::State* state,
+                     int64_t iterations) {
+  std::unique_ptr<Stepper> on = MakeStepper(s, recorded, true, false);
+  std::unique_ptr<Stepper> off = MakeStepper(s, unrecorded, true, false);
+  double total_on = 0;
+  double total_off = 0;
+  RunIterations(state, iterations, [&]() -> double {
+    total_off += off->step();
+    const double t = on->step();
+    total_on += t;
+    return t;
+  });
+  if (state == nullptr) return;
+  const double n = static_cast<double>(iterations);
+  state->counters["recorded_ms"] = total_on / n * 1e3;
+  state->counters["unrecorded_ms"] = total_off / n * 1e3;
+  state->counters["overhead_pct"] = (total_on / total_off - 1) * 100;
+}
+
 int Main(int argc, char** argv) {
   const Flags flags = ParseFlags(&argc, argv);
   benchmark::Initialize(&argc, argv);
@@ -279,6 +328,13 @@ int Main(int argc, char** argv) {
         MpiCommunicator::CreateWorld();
     if (!world.ok()) Die(kProgram, world.status());
     Communicator& comm = **world;
+    // The same world without a flight recorder: the recorder's cost is
+    // the overlap:1 row's time over this one's.
+    MpiOptions unrecorded_options;
+    unrecorded_options.flight_recorder.capacity = 0;
+    absl::StatusOr<std::unique_ptr<MpiCommunicator>> unrecorded =
+        MpiCommunicator::Wrap(MPI_COMM_WORLD, unrecorded_options);
+    if (!unrecorded.ok()) Die(kProgram, unrecorded.status());
     absl::StatusOr<Setup> setup = MakeSetup(flags, comm);
     if (!setup.ok()) Die(kProgram, setup.status());
     std::vector<MpiBenchmark> benchmarks;
@@ -301,6 +357,18 @@ int Main(int argc, char** argv) {
       };
       benchmarks.push_back(std::move(b));
     }
+    MpiBenchmark recorder;
+    recorder.name = absl::StrFormat(
+        "mpi/step/%s/%s/ranks:%d/kernel:%s/overlap:1/recorder_cost",
+        flags.model, flags.strategy, comm.size(), flags.kernel);
+    recorder.run = [&comm, &unrecorded, &setup](benchmark::State* state,
+                                                int64_t iterations) {
+      RunRecorderCost(*setup, comm, **unrecorded, state, iterations);
+    };
+    recorder.configure = [](benchmark::internal::Benchmark* r) {
+      r->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(5);
+    };
+    benchmarks.push_back(std::move(recorder));
     RunMpiBenchmarks(benchmarks);
   }
   const absl::Status finished = session->Finish();

@@ -9,6 +9,12 @@
 //                       the gradient accumulators' hooks, overlapping the
 //                       rest of the backward), AdamW, ZeroGrad.
 //
+//   step/fsdp/ranks:N/recorder:0
+//                       step/fsdp on a world without the flight recorder
+//                       (MpiOptions::flight_recorder.capacity = 0): the
+//                       recorder's cost is step/fsdp's fsdp_ms over this
+//                       row's.
+//
 //   step/fsdp_recompute_inside/ranks:N, step/fsdp_recompute_around/ranks:N
 //                       the same with each block's activations recomputed
 //                       in the backward inside or around its unit
@@ -205,6 +211,29 @@ int Main(int* argc, char*** argv) {
       };
       benchmarks.push_back(std::move(b));
     }
+    // The same model on a world without the flight recorder: the
+    // recorder's cost is step/fsdp's fsdp_ms over this row's.
+    MpiOptions unrecorded_options;
+    unrecorded_options.flight_recorder.capacity = 0;
+    absl::StatusOr<std::unique_ptr<MpiCommunicator>> unrecorded =
+        MpiCommunicator::Wrap(MPI_COMM_WORLD, unrecorded_options);
+    if (!unrecorded.ok()) Die(kProgram, unrecorded.status());
+    std::unique_ptr<StepPair> made_off = StepPair::Make(**unrecorded);
+    StepPair& pair_off = *made_off;
+    for (int i = 0; i < 3; ++i, ++step) {
+      pair_off.PlainStep(step);
+      pair_off.FsdpStep(step, libtorch::Recomputation::kNone);
+    }
+    MpiBenchmark off;
+    off.name =
+        absl::StrCat("step/fsdp/ranks:", (*world)->size(), "/recorder:0");
+    off.run = [&pair_off, &step](benchmark::State* state, int64_t iterations) {
+      Run(pair_off, step, libtorch::Recomputation::kNone, state, iterations);
+    };
+    off.configure = [](benchmark::internal::Benchmark* r) {
+      r->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(2.0);
+    };
+    benchmarks.push_back(std::move(off));
     RunMpiBenchmarks(benchmarks);
   }
   const absl::Status finished = session->Finish();

@@ -70,6 +70,8 @@
 
 namespace flatparam {
 
+class FlightRecorder;  // comm/flight_recorder.h
+
 // The collectives of this interface, for backends' bookkeeping, traces and
 // messages. The values are stable (the MPI backend sends them on the wire).
 enum class CollectiveOp : uint8_t {
@@ -213,6 +215,14 @@ class Communicator {
   // `reason`. Idempotent. The default does nothing, for backends whose
   // destruction never waits for peers (MPI, the simulator).
   virtual void Abort(absl::Status reason) {}
+
+  // The flight recorder of this rank (comm/flight_recorder.h), shared by
+  // the communicators split from this one: every collective given to this
+  // communicator is recorded there. Callers set the FSDP context of what
+  // they issue through it (ScopedCollectiveContext). Null for a
+  // communicator that records nothing (the default); owned by the
+  // communicator.
+  virtual FlightRecorder* flight_recorder() const { return nullptr; }
 };
 
 // The hybrid-sharding groups of a world of `size()` ranks laid out as nodes

@@ -78,6 +78,9 @@ class ForwardingCommunicator : public Communicator {
     return inner_->Split(color, key, options);
   }
   void Abort(absl::Status reason) override { inner_->Abort(std::move(reason)); }
+  FlightRecorder* flight_recorder() const override {
+    return inner_->flight_recorder();
+  }
 
  protected:
   Communicator& inner() const { return *inner_; }

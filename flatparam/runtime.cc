@@ -176,6 +176,7 @@ absl::StatusOr<std::unique_ptr<FsdpRuntime>> FsdpRuntime::CreateUnitByUnit(
   }
   auto rt =
       std::unique_ptr<FsdpRuntime>(new FsdpRuntime(layout, device, options));
+  rt->recorder_ = world->flight_recorder();
   Communicator* shard = world;
   Communicator* replicate = nullptr;
   if (hybrid) {
@@ -200,10 +201,15 @@ absl::StatusOr<std::unique_ptr<FsdpRuntime>> FsdpRuntime::CreateUnitByUnit(
                                           "unit %d (%s)",
                                           u, QuotedUnit(l.unit()))));
     FLATPARAM_RETURN_IF_ERROR(CheckInitialCount(l, u, initial->size()));
-    absl::StatusOr<std::unique_ptr<FlatParamHandle>> handle =
-        FlatParamHandle::Create(l, *initial, rt->shard_group_.get(),
-                                rt->replicate_group_.get(), device,
-                                handle_options);
+    absl::StatusOr<std::unique_ptr<FlatParamHandle>> handle;
+    {
+      ScopedCollectiveContext context(
+          rt->recorder_,
+          {l.unit().empty() ? "<root>" : l.unit(), u, CollectivePhase::kInit});
+      handle = FlatParamHandle::Create(l, *initial, rt->shard_group_.get(),
+                                       rt->replicate_group_.get(), device,
+                                       handle_options);
+    }
     if (release) release(u);
     FLATPARAM_RETURN_IF_ERROR(WithContext(
         handle.status(),
@@ -279,6 +285,13 @@ absl::StatusOr<int> FsdpRuntime::FindUnit(absl::string_view name) const {
 std::string FsdpRuntime::UnitName(int unit) const {
   return absl::StrFormat("unit %d (%s)", unit,
                          QuotedUnit(layout_.flat_params()[unit].unit()));
+}
+
+ScopedCollectiveContext FsdpRuntime::Context(int unit,
+                                             CollectivePhase phase) const {
+  const std::string& name = layout_.flat_params()[unit].unit();
+  return ScopedCollectiveContext(
+      recorder_, {name.empty() ? std::string("<root>") : name, unit, phase});
 }
 
 absl::Status FsdpRuntime::CheckUnit(absl::string_view op, int unit) const {

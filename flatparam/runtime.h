@@ -166,6 +166,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "comm/communicator.h"
+#include "comm/flight_recorder.h"
 #include "flatparam/base/buffer.h"
 #include "flatparam/device/device.h"
 #include "flatparam/handle.h"
@@ -465,6 +466,9 @@ class FsdpRuntime {
   absl::Status WithUnit(absl::Status status, absl::string_view op,
                         int unit) const;
   std::string UnitName(int unit) const;
+  // Names `unit` and `phase` in the flight recorder for the collectives
+  // issued in the scope (comm/flight_recorder.h).
+  ScopedCollectiveContext Context(int unit, CollectivePhase phase) const;
   // Runs `call` on unit's handle with model-wide peak tracking.
   absl::Status Track(int unit,
                      const std::function<absl::Status(FlatParamHandle&)>& call);
@@ -477,7 +481,8 @@ class FsdpRuntime {
   absl::Status UnshardStreamWaitsForCompute();
   // The deviation of `unit` at the current forward position, if any.
   std::optional<std::string> OrderDeviation(int unit) const;
-  absl::Status Prefetch(const std::vector<int>& candidates);
+  absl::Status Prefetch(const std::vector<int>& candidates,
+                        CollectivePhase phase);
   // A backward prefetch candidate: its PreBackward has not run in this
   // backward, and did in the last one.
   bool WillRunPreBackward(int unit) const;
@@ -494,6 +499,8 @@ class FsdpRuntime {
   const RuntimeOptions options_;
 
   HybridGroups groups_;
+  // The world's flight recorder (null: none). Not owned.
+  FlightRecorder* recorder_ = nullptr;
   std::unique_ptr<CommStats> comm_stats_;
   std::unique_ptr<Communicator> shard_group_;
   std::unique_ptr<Communicator> replicate_group_;

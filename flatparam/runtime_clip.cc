@@ -80,6 +80,8 @@ absl::Status FsdpRuntime::AllReduceScalar(float* value, ReduceOp op) {
   ReduceOptions reduce;
   static_cast<CollectiveOptions&>(reduce) = options_.collective_options;
   reduce.op = op;
+  const ScopedCollectiveContext context(recorder_,
+                                        {"", -1, CollectivePhase::kGradNorm});
   const Device dev = device_->device();
   if (dev == Device::Host()) {
     const BufferRef buf{value, 1, DType::kFloat32, Device::Host()};

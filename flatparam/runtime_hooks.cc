@@ -155,9 +155,14 @@ absl::Status FsdpRuntime::PreForward(int unit) {
     ++forward_pass_;
     std::fill(ran_pre_forward_.begin(), ran_pre_forward_.end(), 0);
   }
-  FLATPARAM_RETURN_IF_ERROR(
-      WithUnit(Limited(unit, [](FlatParamHandle& h) { return h.PreForward(); }),
-               "PreForward", unit));
+  {
+    const auto context =
+        Context(unit, recompute ? CollectivePhase::kRecomputeUnshard
+                                : CollectivePhase::kForwardUnshard);
+    FLATPARAM_RETURN_IF_ERROR(WithUnit(
+        Limited(unit, [](FlatParamHandle& h) { return h.PreForward(); }),
+        "PreForward", unit));
+  }
   // The pre-hook consumes a prefetch, a recompute's too.
   prefetched_.erase(std::remove(prefetched_.begin(), prefetched_.end(), unit),
                     prefetched_.end());
@@ -180,12 +185,13 @@ absl::Status FsdpRuntime::PreForward(int unit) {
     const int v = forward_order_[i];
     if (!ran_pre_forward_[v]) candidates.push_back(v);
   }
-  return Prefetch(candidates);
+  return Prefetch(candidates, CollectivePhase::kForwardPrefetch);
 }
 
 absl::Status FsdpRuntime::PostForward(int unit) {
   FLATPARAM_RETURN_IF_ERROR(CheckUnit("PostForward", unit));
   const bool is_root = root_.has_value() && *root_ == unit;
+  const auto context = Context(unit, CollectivePhase::kPostForward);
   FLATPARAM_RETURN_IF_ERROR(WithUnit(
       Limited(unit,
               [is_root](FlatParamHandle& h) { return h.PostForward(is_root); }),
@@ -208,9 +214,12 @@ absl::Status FsdpRuntime::PreBackward(int unit) {
         "backward over the same forward follows a backward)",
         UnitName(unit)));
   }
-  FLATPARAM_RETURN_IF_ERROR(WithUnit(
-      Limited(unit, [](FlatParamHandle& h) { return h.PreBackward(); }),
-      "PreBackward", unit));
+  {
+    const auto context = Context(unit, CollectivePhase::kPreBackwardUnshard);
+    FLATPARAM_RETURN_IF_ERROR(WithUnit(
+        Limited(unit, [](FlatParamHandle& h) { return h.PreBackward(); }),
+        "PreBackward", unit));
+  }
   phase_ = Phase::kBackward;
   ran_pre_backward_[unit] = 1;
   prefetched_.erase(std::remove(prefetched_.begin(), prefetched_.end(), unit),
@@ -226,16 +235,20 @@ absl::Status FsdpRuntime::PreBackward(int unit) {
     const int v = post_forward_order_[i];
     if (WillRunPreBackward(v)) candidates.push_back(v);
   }
-  return Prefetch(candidates);
+  return Prefetch(candidates, CollectivePhase::kBackwardPrefetch);
 }
 
 absl::Status FsdpRuntime::PostBackward(int unit) {
   FLATPARAM_RETURN_IF_ERROR(CheckUnit("PostBackward", unit));
   const bool sync = sync_;
-  FLATPARAM_RETURN_IF_ERROR(WithUnit(
-      Limited(unit,
-              [sync](FlatParamHandle& h) { return h.PostBackwardAsync(sync); }),
-      "PostBackward", unit));
+  {
+    const auto context = Context(unit, CollectivePhase::kPostBackwardReduce);
+    FLATPARAM_RETURN_IF_ERROR(WithUnit(
+        Limited(
+            unit,
+            [sync](FlatParamHandle& h) { return h.PostBackwardAsync(sync); }),
+        "PostBackward", unit));
+  }
   std::vector<int> earlier;
   earlier.swap(reducing_);
   if (handles_[unit]->reduce_pending()) reducing_.push_back(unit);
@@ -248,11 +261,13 @@ absl::Status FsdpRuntime::PostBackward(int unit) {
       const int v = post_forward_order_[i];
       if (WillRunPreBackward(v)) candidates.push_back(v);
     }
-    FLATPARAM_RETURN_IF_ERROR(Prefetch(candidates));
+    FLATPARAM_RETURN_IF_ERROR(
+        Prefetch(candidates, CollectivePhase::kBackwardPrefetch));
   }
   // The earlier reductions overlapped this unit's backward; finishing them
   // now frees their unsharded gradients.
   for (int v : earlier) {
+    const auto context = Context(v, CollectivePhase::kPostBackwardReduce);
     FLATPARAM_RETURN_IF_ERROR(WithUnit(
         Track(v, [](FlatParamHandle& h) { return h.FinishReduceGrad(); }),
         "finishing the reduction", v));
@@ -264,7 +279,8 @@ bool FsdpRuntime::WillRunPreBackward(int unit) const {
   return !ran_pre_backward_[unit] && last_backward_ran_[unit];
 }
 
-absl::Status FsdpRuntime::Prefetch(const std::vector<int>& candidates) {
+absl::Status FsdpRuntime::Prefetch(const std::vector<int>& candidates,
+                                   CollectivePhase phase) {
   const size_t limit = static_cast<size_t>(options_.limit_all_gathers);
   for (int v : candidates) {
     FlatParamHandle& h = *handles_[v];
@@ -277,6 +293,7 @@ absl::Status FsdpRuntime::Prefetch(const std::vector<int>& candidates) {
       ++stats_.prefetches_over_limit;
       break;
     }
+    const auto context = Context(v, phase);
     FLATPARAM_RETURN_IF_ERROR(WithUnit(
         Limited(v, [](FlatParamHandle& h) { return h.StartUnshard(); }),
         "prefetch", v));
@@ -296,6 +313,7 @@ absl::Status FsdpRuntime::FinalizeBackward() {
   const bool sync = phase_ == Phase::kIdle ? require_sync_ : sync_;
   absl::Status first = absl::OkStatus();
   for (int u = 0; u < num_units(); ++u) {
+    const auto context = Context(u, CollectivePhase::kFinalizeBackward);
     absl::Status status = WithUnit(
         Limited(
             u, [sync](FlatParamHandle& h) { return h.FinalizeBackward(sync); }),

@@ -142,11 +142,23 @@ absl::Status UnflattenInto(const FlatParamLayout& layout,
 // hooks, and parameters and gradients are its views by fqn.
 class RuntimeParamAccess final : public ParamAccess {
  public:
-  RuntimeParamAccess(FsdpRuntime& runtime, DeviceOps& device)
-      : runtime_(runtime), device_(device) {}
+  // `skip_forward`: FsdpTrainOptions::skip_forward_for_testing for this
+  // step (may be empty).
+  RuntimeParamAccess(FsdpRuntime& runtime, DeviceOps& device,
+                     std::function<bool(absl::string_view)> skip_forward = {})
+      : runtime_(runtime),
+        device_(device),
+        skip_forward_(std::move(skip_forward)) {}
 
   absl::StatusOr<const float*> Param(absl::string_view fqn) override {
     FLATPARAM_ASSIGN_OR_RETURN(const ParamLocation loc, runtime_.Find(fqn));
+    if (loc.unit == skipped_unit_) {
+      const int64_t numel =
+          runtime_.layout().flat_params()[loc.unit].params()[loc.index].numel;
+      std::vector<float>& zeros = zeros_[std::string(fqn)];
+      zeros.assign(static_cast<size_t>(numel), 0.0f);
+      return zeros.data();
+    }
     FLATPARAM_ASSIGN_OR_RETURN(OrigParamView view, runtime_.Param(fqn));
     if (view.sharded) {
       return absl::FailedPreconditionError(absl::StrFormat(
@@ -176,12 +188,20 @@ class RuntimeParamAccess final : public ParamAccess {
 
   absl::Status BeginUnit(absl::string_view unit, Phase phase) override {
     FLATPARAM_ASSIGN_OR_RETURN(const int u, runtime_.FindUnit(unit));
+    if (phase == Phase::kForward && skip_forward_ && skip_forward_(unit)) {
+      skipped_unit_ = u;
+      return absl::OkStatus();
+    }
     return phase == Phase::kForward ? runtime_.PreForward(u)
                                     : runtime_.PreBackward(u);
   }
 
   absl::Status EndUnit(absl::string_view unit, Phase phase) override {
     FLATPARAM_ASSIGN_OR_RETURN(const int u, runtime_.FindUnit(unit));
+    if (u == skipped_unit_ && phase == Phase::kForward) {
+      skipped_unit_ = -1;
+      return absl::OkStatus();
+    }
     Drop(params_, u);
     if (phase == Phase::kForward) return runtime_.PostForward(u);
     FLATPARAM_RETURN_IF_ERROR(FlushGrads(u));
@@ -231,6 +251,11 @@ class RuntimeParamAccess final : public ParamAccess {
 
   FsdpRuntime& runtime_;
   DeviceOps& device_;
+  std::function<bool(absl::string_view)> skip_forward_;
+  // The unit whose forward runs without hooks (skip_forward_), or -1, and
+  // the zeros its parameters read as.
+  int skipped_unit_ = -1;
+  std::map<std::string, std::vector<float>> zeros_;
   std::map<std::string, Staged> params_;
   std::map<std::string, Staged> grads_;
 };
@@ -340,7 +365,11 @@ class RankTrainer {
     runtime_options.limit_all_gathers = options_.limit_all_gathers;
     // The reference model runs its units in one fixed order: a deviation
     // would be a bug of this trainer, not something to warn about.
-    runtime_options.exec_order = ExecOrderCheck::kError;
+    // A fault test that skips a unit on purpose wants the collectives, not
+    // the order check, to meet the desynchronisation: it only warns then.
+    runtime_options.exec_order = options_.skip_forward_for_testing
+                                     ? ExecOrderCheck::kWarn
+                                     : ExecOrderCheck::kError;
     runtime_options.collective_options = options_.collective_options;
 
     const TensorMap params = options_.initial_params.has_value()
@@ -406,7 +435,13 @@ class RankTrainer {
                     world_.rank() * local_batch, local_batch);
       // Read at the iteration's first PreForward (no_sync).
       runtime_->SetRequireGradientSync(sync);
-      RuntimeParamAccess access(*runtime_, device_);
+      std::function<bool(absl::string_view)> skip;
+      if (options_.skip_forward_for_testing) {
+        skip = [this, step](absl::string_view unit) {
+          return options_.skip_forward_for_testing(step, unit);
+        };
+      }
+      RuntimeParamAccess access(*runtime_, device_, std::move(skip));
       absl::StatusOr<float> loss =
           model_.ForwardBackward(batch, access, options_.recompute_activations);
       absl::Status status = loss.status();

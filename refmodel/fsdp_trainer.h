@@ -188,6 +188,16 @@ struct FsdpTrainOptions {
   // Also all-gather the last step's reduced gradients
   // (FsdpRankResult::grads).
   bool gather_grads = false;
+  // Fault injection, for tests of desynchronised ranks: when it returns
+  // true for (data step, unit), this rank runs that unit's forward without
+  // FSDP's hooks, as a rank that took another branch around the unit
+  // would (no unshard; its parameters read as zeros). The ranks' collective
+  // sequences then differ, which the backends' checks and flight records
+  // must show (`fsdp train --fault-skip-forward`). The runtime's
+  // execution-order check, which would stop the rank first from the
+  // second iteration on, only warns while this is set.
+  std::function<bool(int64_t step, absl::string_view unit)>
+      skip_forward_for_testing;
 
   // Called on every rank after each step's optimizer update (and the
   // step's loss all-gather), with the number of steps this run has done so

@@ -9,11 +9,16 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "comm/flight_recorder.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/device/device.h"
@@ -239,6 +244,53 @@ absl::StatusOr<std::vector<FsdpRankResult>> TrainOnSim(
         return absl::OkStatus();
       }));
   return results;
+}
+
+// The runtime names the unit and phase of every collective it issues in
+// the rank's flight recorder: unshards in the forward (prefetched from the
+// second step on), in the backward (prefetched under BACKWARD_PRE), and
+// the reductions after each unit's backward.
+TEST(FlightRecordsTest, NameEachCollectivesUnitAndPhase) {
+  FsdpTrainOptions options;
+  options.model.vocab = 5;
+  options.model.dims = {3, 5, 2, 4};
+  options.global_batch = 2;
+  options.steps = 2;
+  options.forward_prefetch = true;
+  options.gather_results = false;
+  SimOptions sim;
+  sim.world_size = 2;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::unique_ptr<SimWorld> world,
+                                 SimWorld::Create(sim));
+  FLATPARAM_ASSERT_OK(world->Run([&](SimCommunicator& comm) -> absl::Status {
+    HostDeviceOps device;
+    return TrainFsdpOnRank(comm, device, options).status();
+  }));
+  std::map<std::string, int> seen;  // "op unit phase" -> count
+  for (const FlightEntry& e : world->flight_recorder(1)->Snapshot()) {
+    EXPECT_EQ(e.state, FlightState::kCompleted);
+    if (e.op == CollectiveOp::kReduceScatter ||
+        (e.op == CollectiveOp::kAllGather && e.dtype == DType::kFloat32 &&
+         !e.context.unit.empty())) {
+      ++seen[absl::StrCat(CollectiveOpName(e.op), " ", e.context.unit, " ",
+                          CollectivePhaseName(e.context.phase))];
+    }
+  }
+  std::vector<std::string> keys;
+  for (const auto& [key, n] : seen) keys.push_back(key);
+  EXPECT_THAT(keys, ::testing::IsSupersetOf(
+                        {"all_gather <root> forward unshard",
+                         "all_gather layers.0 forward unshard",
+                         "all_gather layers.1 forward prefetch",
+                         "all_gather layers.2 backward prefetch",
+                         "reduce_scatter <root> post-backward reduce",
+                         "reduce_scatter layers.2 post-backward reduce"}))
+      << absl::StrJoin(keys, "; ");
+  for (const std::string& key : keys) {
+    EXPECT_FALSE(absl::StartsWith(key, "reduce_scatter") &&
+                 !absl::EndsWith(key, "post-backward reduce"))
+        << key;
+  }
 }
 
 class PeakMemoryTest : public ::testing::TestWithParam<MemoryCase> {};

@@ -92,13 +92,25 @@ SimWorld::SimWorld(SimOptions options)
     rank->id = r;
     rank->groups.push_back(0);
     rank->comm.reset(new SimCommunicator(this, r, 0, r, n));
+    if (options_.flight_recorder.capacity > 0) {
+      rank->recorder =
+          FlightRecorder::Create(r, n, "sim", options_.flight_recorder);
+    }
     world->members.push_back(r);
     ranks_.push_back(std::move(rank));
   }
   for (const FaultSpec& f : options_.faults) {
     ranks_[f.rank]->faults.push_back(&f);
   }
+  auto flight = std::make_shared<FlightGroup>();
+  flight->id = "world";
+  flight->ranks = world->members;
+  world->flight = std::move(flight);
   groups_.push_back(std::move(world));
+}
+
+FlightRecorder* SimWorld::flight_recorder(int world_rank) const {
+  return ranks_[world_rank]->recorder.get();
 }
 
 // Run() joins every thread it started before it returns.

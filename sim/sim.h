@@ -128,6 +128,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "comm/communicator.h"
+#include "comm/flight_recorder.h"
 #include "sim/chrome_trace.h"
 #include "sim/fault.h"
 
@@ -187,6 +188,10 @@ struct SimOptions {
   // CPU (1.6 us against 21 us per hand-off on the 2-core CI machine). Turn
   // it off when that CPU is busy with other work.
   bool single_cpu = true;
+  // Each rank's flight recorder (comm/flight_recorder.h): every collective
+  // of the rank, on any of its groups, with the FSDP context its caller
+  // set. Capacity 0 records nothing.
+  FlightRecorderOptions flight_recorder = FlightRecorderOptionsFromEnv();
 };
 
 // One collective call of one rank, on the virtual clock.
@@ -239,6 +244,8 @@ class SimCommunicator final : public Communicator {
   absl::Status Barrier(const CollectiveOptions& options) override;
   absl::StatusOr<std::unique_ptr<Communicator>> Split(
       int color, int key, const CollectiveOptions& options) override;
+  // The rank's recorder, shared by all its groups.
+  FlightRecorder* flight_recorder() const override;
 
   // This rank's index in the world (rank() is its index in this group).
   int world_rank() const { return world_rank_; }
@@ -323,6 +330,9 @@ class SimWorld {
   // Writes ChromeTraceJson() to `path`. Internal naming the path on an I/O
   // error.
   absl::Status WriteChromeTrace(const std::string& path) const;
+
+  // Rank `world_rank`'s flight recorder (null when recording is off).
+  FlightRecorder* flight_recorder(int world_rank) const;
 
  private:
   friend class SimCommunicator;

@@ -19,6 +19,10 @@ using internal_sim::OpKind;
 
 SimCommunicator::~SimCommunicator() = default;
 
+FlightRecorder* SimCommunicator::flight_recorder() const {
+  return world_->flight_recorder(world_rank_);
+}
+
 std::unique_ptr<Work> SimCommunicator::AllGather(
     ConstBufferRef input, BufferRef output, const CollectiveOptions& options) {
   internal_sim::Call call;

@@ -201,6 +201,10 @@ void SimWorld::MakeSubgroups(Op& op) {
       m.new_rank = static_cast<int>(k);
       ranks_[m.world_rank]->groups.push_back(sub->id);
     }
+    auto flight = std::make_shared<FlightGroup>();
+    flight->id = SplitGroupId(op.group->flight->id, op.seq, color);
+    flight->ranks = sub->members;
+    sub->flight = std::move(flight);
     groups_.push_back(std::move(sub));
   }
 }
@@ -249,6 +253,12 @@ void SimWorld::Complete(Op& op, int member, absl::Status status,
   m.end = end;
   Record(m, *op.group, member, op.seq);
   Rank& r = *ranks_[m.world_rank];
+  // A success is recorded now; a failure when the rank sees it (WaitFor),
+  // where dumping the ring holds up no other rank.
+  if (r.recorder != nullptr && m.status.ok()) {
+    r.recorder->Started(m.flight_id);
+    r.recorder->Finished(m.flight_id, m.status);
+  }
   if (r.state == Rank::State::kBlocked && r.wait_op == &op &&
       r.wait_member == member) {
     r.state = Rank::State::kReady;

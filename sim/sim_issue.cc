@@ -185,11 +185,24 @@ SimWorld::Issued SimWorld::IssueOp(SimCommunicator& comm, Call call) {
     r.next_arrival.reset();
   }
   m.call = std::move(call);
+  if (r.recorder != nullptr) {
+    const Call& c = m.call;
+    const bool bytes_only = c.kind == OpKind::kAllGatherBytes;
+    const int64_t count = bytes_only ? static_cast<int64_t>(c.bytes.size())
+                          : internal_sim::HasBuffers(c.kind) ? c.count()
+                                                             : 0;
+    const int64_t bytes = bytes_only                         ? count
+                          : internal_sim::HasBuffers(c.kind) ? c.input.bytes()
+                                                             : 0;
+    m.flight_id =
+        r.recorder->Enqueue(g.flight, seq, c.kind, c.input.dtype, count, bytes);
+  }
   // Calls that fail without joining an operation.
   const absl::Status early = EarlyFailure(r, g, m.call.kind, seq, rank_op);
   if (!early.ok()) {
     m.status = early;
     m.done = true;
+    if (r.recorder != nullptr) r.recorder->Finished(m.flight_id, early);
     Record(m, g, me, seq);
     ExecuteUnblocked();
     PassBaton(lock, &r);
@@ -295,7 +308,15 @@ absl::Status SimWorld::WaitFor(int world_rank, Op& op, int member,
     m.waited = true;
     r.clock = std::max(r.clock, m.end);
   }
-  return m.status;
+  absl::Status status = m.status;
+  FlightRecorder* recorder = r.recorder.get();
+  const uint64_t flight_id = m.flight_id;
+  lock.unlock();
+  // A failure is recorded (and may dump) outside the world's lock.
+  if (recorder != nullptr && !status.ok()) {
+    recorder->Finished(flight_id, status);
+  }
+  return status;
 }
 
 void SimWorld::Abandon(Op& op, int member) {

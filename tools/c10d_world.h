@@ -9,6 +9,7 @@
 #define TOOLS_C10D_WORLD_H_
 
 #include <functional>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -22,9 +23,13 @@ namespace tools {
 // may take the longer of `timeout` and a minute, as workers start at their
 // own pace), runs `run` on it, and returns its status, marked reported
 // (flatparam/base/status_macros.h) once printed as "PROGRAM: rank R: ...".
+// A non-empty `trace_dir` is where the rank's flight recorder dumps
+// (otherwise $FLATPARAM_TRACE_DIR); `desync_check` runs `run` on a
+// DesyncCheckingCommunicator over the world (comm/desync_check.h).
 absl::Status RunOnC10dWorld(
     absl::string_view program, absl::Duration timeout,
-    const std::function<absl::Status(Communicator&)>& run);
+    const std::function<absl::Status(Communicator&)>& run,
+    const std::string& trace_dir = "", bool desync_check = false);
 
 }  // namespace tools
 }  // namespace flatparam

@@ -42,6 +42,16 @@ ABSL_FLAG(std::optional<absl::Duration>, timeout, std::nullopt,
           "collectives 30s, train 5m). Under mpirun, MPI's start may wait the "
           "longer of this and 1m for every process of the job.");
 
+ABSL_FLAG(std::string, trace_dir, "",
+          "The flight recorder's directory: each rank writes its last "
+          "collectives there (rank_<R>.json) when one fails, on SIGUSR1 and "
+          "on SIGTERM; `fsdp diagnose DIR` reads them. Default: "
+          "$FLATPARAM_TRACE_DIR, else none.");
+ABSL_FLAG(bool, desync_check, false,
+          "Before every collective, compare a fingerprint of it (op, dtype, "
+          "count, group, sequence number, FSDP unit and phase) across the "
+          "group, so that desynchronised ranks fail at the collective where "
+          "they part, not at a timeout.");
 ABSL_FLAG(bool, overwrite, false,
           "Write into an output directory (or file) that holds files this "
           "command did not write: same-named files are replaced, every other "

@@ -36,6 +36,11 @@ ABSL_DECLARE_FLAG(std::optional<absl::Duration>, timeout);
 // model): write into an output that holds files they did not write, keeping
 // those files and replacing only same-named ones (the summary lists both).
 ABSL_DECLARE_FLAG(bool, overwrite);
+// The subcommands that communicate: the flight recorder's dump directory
+// (empty: $FLATPARAM_TRACE_DIR), and the fingerprint check before every
+// collective.
+ABSL_DECLARE_FLAG(std::string, trace_dir);
+ABSL_DECLARE_FLAG(bool, desync_check);
 
 namespace flatparam {
 namespace tools {

@@ -33,13 +33,14 @@ namespace {
 
 const Subcommand* const kSubcommands[] = {
     // In `fsdp` usage order: the one to try first, then by topic.
-    &kDemoSubcommand,        //
-    &kInspectSubcommand,     //
-    &kPlanSubcommand,        //
-    &kTrainSubcommand,       //
-    &kCheckpointSubcommand,  //
-    &kModelSubcommand,       //
-    &kCollectivesSubcommand,
+    &kDemoSubcommand,         //
+    &kInspectSubcommand,      //
+    &kPlanSubcommand,         //
+    &kTrainSubcommand,        //
+    &kCheckpointSubcommand,   //
+    &kModelSubcommand,        //
+    &kCollectivesSubcommand,  //
+    &kDiagnoseSubcommand,
 };
 
 const Subcommand* FindSubcommand(absl::string_view name) {

@@ -23,19 +23,6 @@ limit_s=90
 
 now_ms() { date +%s%3N; }
 
-# The pid of rank $1 of the running job whose command line contains $2.
-rank_pid() {
-  local pid
-  for pid in $(pgrep -f -- "$2"); do
-    if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null |
-      grep -qx "OMPI_COMM_WORLD_RANK=$1"; then
-      echo "$pid"
-      return 0
-    fi
-  done
-  return 1
-}
-
 # fault_run NAME SIGNAL RANK READY FSDP_ARGS...: starts the job, waits
 # until its ranks work (until its stderr matches the regex READY, and a
 # second more), sends SIGNAL to RANK, and waits for the job's end; sets
@@ -55,7 +42,7 @@ fault_run() {
   local job=$!
   local pid="" i
   for i in $(seq 1 300); do
-    pid=$(rank_pid "$rank" "$program") && break
+    pid=$(mpi_rank_pid "$rank" "$program") && break
     sleep 0.1
   done
   if [ -z "$pid" ]; then

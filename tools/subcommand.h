@@ -42,6 +42,7 @@ extern const Subcommand kCheckpointSubcommand;
 extern const Subcommand kPlanSubcommand;
 extern const Subcommand kDemoSubcommand;
 extern const Subcommand kModelSubcommand;
+extern const Subcommand kDiagnoseSubcommand;
 
 }  // namespace tools
 }  // namespace flatparam

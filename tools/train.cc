@@ -16,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "flatparam/base/status_macros.h"
@@ -407,7 +408,34 @@ absl::StatusOr<ResumePoint> ResumeFromExtra(const TrainCommandOptions& command,
   return point;
 }
 
+namespace {
+
+struct SkipForwardFault {
+  int rank = 0;
+  int64_t step = 0;
+  std::string unit;
+};
+
+absl::StatusOr<SkipForwardFault> ParseSkipForward(const std::string& text) {
+  const std::vector<std::string> parts = absl::StrSplit(text, ':');
+  SkipForwardFault f;
+  if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &f.rank) ||
+      !absl::SimpleAtoi(parts[1], &f.step) || f.rank < 0 || f.step < 0) {
+    return Bad(absl::StrFormat(
+        "--fault-skip-forward=%s: expected RANK:STEP:UNIT (for example "
+        "1:3:layers.1)",
+        text));
+  }
+  f.unit = parts[2];
+  return f;
+}
+
+}  // namespace
+
 absl::Status ValidateTrainCommandOptions(const TrainCommandOptions& o) {
+  if (!o.fault_skip_forward.empty()) {
+    FLATPARAM_RETURN_IF_ERROR(ParseSkipForward(o.fault_skip_forward).status());
+  }
   if (o.backend != "sim" && o.backend != "mpi" && o.backend != "nccl" &&
       o.backend != "c10d") {
     return Bad(absl::StrFormat("--backend=%s: expected sim, mpi, nccl or c10d",
@@ -930,6 +958,16 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
   FLATPARAM_ASSIGN_OR_RETURN(report.options,
                              MakeFsdpTrainOptions(command, world_size));
   report.options.first_step = first_step;
+  if (!command.fault_skip_forward.empty()) {
+    FLATPARAM_ASSIGN_OR_RETURN(const SkipForwardFault fault,
+                               ParseSkipForward(command.fault_skip_forward));
+    if (fault.rank == world.rank()) {
+      report.options.skip_forward_for_testing =
+          [fault](int64_t step, absl::string_view unit) {
+            return step == fault.step && unit == fault.unit;
+          };
+    }
+  }
   std::optional<ModelLayout> layout;
   // The loaded state, handed to the trainer after the saver has copied the
   // options (it needs no copy of the state).
@@ -1289,6 +1327,9 @@ absl::StatusOr<TrainReport> TrainOnSim(const TrainCommandOptions& options,
   SimOptions sim;
   sim.world_size = static_cast<int>(options.world_size);
   sim.seed = options.seed;
+  if (!options.trace_dir.empty()) {
+    sim.flight_recorder.trace_dir = options.trace_dir;
+  }
   FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<SimWorld> world,
                              SimWorld::Create(sim));
   TrainReport report;

@@ -182,6 +182,17 @@ struct TrainCommandOptions {
   // waits longer for its peers fails the run with DeadlineExceeded naming
   // the rank and the op. Not a setting that --load carries over.
   absl::Duration timeout = kDefaultCollectiveTimeout;
+  // --trace-dir: where every rank's flight recorder dumps (empty:
+  // $FLATPARAM_TRACE_DIR, else nowhere).
+  std::string trace_dir;
+  // --desync-check: every collective's fingerprint is compared across its
+  // group first (MpiOptions::check_collectives; c10d's check; the
+  // simulator always checks).
+  bool desync_check = false;
+  // --fault-skip-forward=RANK:STEP:UNIT, for fault tests: rank RANK runs
+  // unit UNIT's forward of data step STEP without FSDP's hooks
+  // (FsdpTrainOptions::skip_forward_for_testing). Empty: none.
+  std::string fault_skip_forward;
   // Names of the flags given on the command line with a non-default value
   // (FlagChanged: "lr", "seed", ...): with --load, these must agree with
   // the checkpoint; the others take its values.

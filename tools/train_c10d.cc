@@ -45,7 +45,8 @@ absl::Status RunTrainC10d(const TrainCommandOptions& options,
   FLATPARAM_RETURN_IF_ERROR(ValidateTrainCommandOptions(options));
   return RunOnC10dWorld(
       "fsdp train", options.timeout,
-      [&](Communicator& world) { return RunOnWorld(world, options, out); });
+      [&](Communicator& world) { return RunOnWorld(world, options, out); },
+      options.trace_dir, options.desync_check);
 }
 
 }  // namespace tools

@@ -86,12 +86,29 @@ status=$?
 [ "$status" -eq 0 ] || fail "collectives: exit $status: $(tail -c 3000 "$tmp/c2")"
 grep -q 'backend c10d, 2 ranks' "$tmp/c2" || fail "collectives: not on c10d"
 
+# 3b. A desynchronised group under --desync-check: worker 1 runs
+# layers.1's forward of step 2 without FSDP's hooks; every worker fails at
+# that all-gather, naming both sides, not at the (long) timeout.
+start=$(date +%s)
+trun 2 "$tmp/d" -- train --steps=4 --fault-skip-forward=1:2:layers.1 \
+  --desync-check --timeout=60s
+status=$?
+elapsed=$(($(date +%s) - start))
+echo "desync-check: exit $status after ${elapsed} s"
+[ "$status" -ne 0 ] || fail "desync-check: the run succeeded"
+grep -E 'the group is desynchronised \(rank [01] called all_gather count [0-9]+ float32 #[0-9]+ from unit layers\.[12], forward unshard; rank [01] called all_gather count [0-9]+ float32 #[0-9]+ from unit layers\.[12], forward unshard\)' "$tmp/d" |
+  grep 'rank 1 called all_gather count [0-9]* float32 #[0-9]* from unit layers.2' |
+  grep -q 'rank 0 called all_gather count [0-9]* float32 #[0-9]* from unit layers.1' ||
+  fail "desync-check: no desync error naming both sides: $(tail -c 3000 "$tmp/d")"
+[ "$elapsed" -lt $((40 * scale)) ] ||
+  fail "desync-check: took ${elapsed} s: the check did not end it"
+
 # 4. Elastic restart.
 ckpt="$tmp/ckpt"
 mkdir -p "$ckpt"
 trun 2 "$tmp/e" --max_restarts=1 -- train --steps=200 \
   --save="$ckpt/step{step}" --save-every=1 --resume --log-every=1 \
-  --check-reference --timeout=10s &
+  --check-reference --timeout=10s --trace-dir="$tmp/etrace" &
 job=$!
 killed_at=""
 for _ in $(seq 1 $((1200 * scale))); do
@@ -124,6 +141,16 @@ wait "$job"
 status=$?
 [ "$status" -eq 0 ] || fail "elastic: exit $status: $(tail -c 4000 "$tmp/e")"
 grep -q 'bitwise equal' "$tmp/e" || fail "elastic: not bitwise equal: $(tail -c 3000 "$tmp/e")"
+# torchrun ended the surviving worker with SIGTERM: its flight record is
+# there, and `fsdp diagnose` names the killed worker (the restarted group
+# ran to the end and dumped nothing).
+grep -q '"reason": "SIGTERM' "$tmp/etrace/rank_0.json" 2>/dev/null ||
+  fail "elastic: rank 0 left no SIGTERM dump: $(ls "$tmp/etrace" 2>&1)"
+"$fsdp" diagnose "$tmp/etrace" >"$tmp/ediag" 2>&1
+diag_status=$?
+cat "$tmp/ediag"
+[ $((diag_status & 16)) -ne 0 ] && grep -q '^no dump: rank 1 wrote none' "$tmp/ediag" ||
+  fail "elastic: fsdp diagnose (exit $diag_status) does not name the killed rank 1"
 from=$(sed -n 's/.*fsdp train: resumed from .* at step \([0-9]*\)$/\1/p' "$tmp/e" | head -n 1)
 # The last step the first attempt logged (rank 0 logs after each step).
 before=$(sed -n '1,/fsdp train: resumed from/p' "$tmp/e" |

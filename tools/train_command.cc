@@ -62,6 +62,10 @@ ABSL_FLAG(bool, resume, false,
           "--save's {step} pattern, if any; --steps is then the run's total.");
 ABSL_FLAG(std::string, load, "",
           "Resume from the sharded checkpoint in this directory.");
+ABSL_FLAG(std::string, fault_skip_forward, "",
+          "For fault tests: RANK:STEP:UNIT makes rank RANK run UNIT's "
+          "forward of data step STEP without FSDP's hooks, desynchronising "
+          "the ranks.");
 
 namespace flatparam {
 namespace tools {
@@ -102,6 +106,9 @@ int TrainMain(const std::vector<char*>& args) {
   options.async_save = absl::GetFlag(FLAGS_async_save);
   options.log_every = absl::GetFlag(FLAGS_log_every);
   options.timeout = absl::GetFlag(FLAGS_timeout).value_or(options.timeout);
+  options.trace_dir = absl::GetFlag(FLAGS_trace_dir);
+  options.desync_check = absl::GetFlag(FLAGS_desync_check);
+  options.fault_skip_forward = absl::GetFlag(FLAGS_fault_skip_forward);
   for (const char* flag : {"seed", "optimizer", "lr", "global_batch",
                            "micro_batches", "mixed_precision", "sync"}) {
     if (FlagChanged(flag)) options.given_flags.insert(flag);
@@ -136,6 +143,7 @@ constexpr char kHelp[] =
     "                  [--save=DIR [--save-every=N] [--async-save]] "
     "[--load=DIR | --resume]\n"
     "                  [--log-every=N] [--timeout=DURATION]\n"
+    "                  [--trace-dir=DIR] [--desync-check]\n"
     "       mpirun -np 4 fsdp train [--backend=mpi|nccl] ...\n"
     "       torchrun --nproc_per_node=4 --no_python fsdp train ...\n"
     "\n"
@@ -248,7 +256,17 @@ constexpr char kHelp[] =
     "                           MPI's start may take the longer of it and 1m\n"
     "  --log-every=N            rank 0 prints \"fsdp train: step S loss L\"\n"
     "                           to stderr after every N-th step (default 0:\n"
-    "                           never)\n";
+    "                           never)\n"
+    "  --trace-dir=DIR          flight recorder: each rank writes its last\n"
+    "                           2000 collectives (unit, phase, state) to\n"
+    "                           DIR/rank_<R>.json when one fails, on SIGUSR1\n"
+    "                           and on SIGTERM; read them with\n"
+    "                           `fsdp diagnose DIR` (default:\n"
+    "                           $FLATPARAM_TRACE_DIR)\n"
+    "  --desync-check           compare each collective's fingerprint (op,\n"
+    "                           dtype, count, sequence, unit, phase) across\n"
+    "                           the group before it runs (mpi, c10d; the\n"
+    "                           simulator always checks op and sizes)\n";
 
 void PrintHelp(std::ostream& out) { out << kHelp; }
 

@@ -1,11 +1,13 @@
 // RunTrainMpi() in a build with OpenMPI.
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <ostream>
 #include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "comm/desync_check.h"
 #include "comm/mpi/mpi_communicator.h"
 #include "comm/nccl/nccl_backend.h"
 #include "flatparam/base/status_macros.h"
@@ -35,6 +37,9 @@ absl::Status RunOnWorld(MpiCommunicator& world,
     // Every rank learns of a failure on any rank here, so none hangs.
     NcclOptions nccl_options;
     nccl_options.setup_timeout = options.timeout;
+    if (!options.trace_dir.empty()) {
+      nccl_options.flight_recorder.trace_dir = options.trace_dir;
+    }
     FLATPARAM_ASSIGN_OR_RETURN(
         std::unique_ptr<Communicator> nccl,
         CreateNcclCommunicator(world, gpu, nccl_options));
@@ -57,8 +62,13 @@ absl::Status RunOnWorld(MpiCommunicator& world,
           comm->Abort(error);
           return error;
         }));
-    absl::StatusOr<TrainReport> trained =
-        RunTrainOnRank(*nccl, *device, options, /*host_device=*/false);
+    // NCCL checks nothing across ranks: --desync-check compares each
+    // collective's fingerprint over the world first.
+    std::optional<DesyncCheckingCommunicator> checked;
+    if (options.desync_check) checked.emplace(nccl.get());
+    absl::StatusOr<TrainReport> trained = RunTrainOnRank(
+        checked.has_value() ? static_cast<Communicator&>(*checked) : *nccl,
+        *device, options, /*host_device=*/false);
     if (!trained.ok()) {
       // Its destruction must not wait for peers that may have failed too.
       nccl->Abort(trained.status());
@@ -81,6 +91,10 @@ absl::Status RunTrainMpi(const TrainCommandOptions& options,
   FLATPARAM_RETURN_IF_ERROR(ValidateTrainCommandOptions(options));
   MpiWorldOptions mpi;
   mpi.comm.create_timeout = options.timeout;
+  mpi.comm.check_collectives = options.desync_check;
+  if (!options.trace_dir.empty()) {
+    mpi.comm.flight_recorder.trace_dir = options.trace_dir;
+  }
   mpi.timeout = options.timeout;
   mpi.start_timeout = MpiStartTimeout(options.timeout);
   mpi.program = "fsdp train";

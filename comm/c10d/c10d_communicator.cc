@@ -222,19 +222,24 @@ class C10dWork final : public Work {
   using Step = std::function<c10::intrusive_ptr<c10d::Work>(absl::Duration)>;
 
   C10dWork(std::shared_ptr<C10dCommunicator::Shared> shared, CollectiveOp op,
-           int64_t seq, std::string what, absl::Duration timeout,
-           std::vector<Step> steps, std::function<void(int step)> after_step,
+           int64_t seq, uint64_t flight_id, std::string what,
+           absl::Duration timeout, std::vector<Step> steps,
+           std::function<void(int step)> after_step,
            std::vector<at::Tensor> staging = {})
       : staging_(std::move(staging)),
         shared_(std::move(shared)),
         op_(op),
         seq_(seq),
+        flight_id_(flight_id),
         what_(std::move(what)),
         timeout_(timeout),
         deadline_(absl::Now() + timeout),
         steps_(std::move(steps)),
         after_step_(std::move(after_step)) {
     Issue();
+    if (shared_->recorder != nullptr && status_.ok()) {
+      shared_->recorder->Started(flight_id_);
+    }
   }
 
   absl::Status Wait() override {
@@ -265,6 +270,10 @@ class C10dWork final : public Work {
                          absl::StrCat(what_, " failed: ", status_.message()));
       }
       status_ = shared_->Fail(op_, seq_, status_);
+    }
+    // Once: a later Wait returns the same status and finds it recorded.
+    if (shared_->recorder != nullptr) {
+      shared_->recorder->Finished(flight_id_, status_);
     }
     return status_;
   }
@@ -323,6 +332,7 @@ class C10dWork final : public Work {
   std::shared_ptr<C10dCommunicator::Shared> shared_;
   CollectiveOp op_;
   int64_t seq_;
+  uint64_t flight_id_;
   std::string what_;
   absl::Duration timeout_;
   absl::Time deadline_;
@@ -334,9 +344,17 @@ class C10dWork final : public Work {
   bool failed_ = false;
 };
 
-std::unique_ptr<Work> Finished(absl::Status status) {
+}  // namespace
+
+std::unique_ptr<Work> C10dCommunicator::Finished(absl::Status status,
+                                                 uint64_t flight_id) {
+  if (shared_->recorder != nullptr) {
+    shared_->recorder->Finished(flight_id, status);
+  }
   return CompletedWork(std::move(status));
 }
+
+namespace {
 
 std::string Describe(int rank, CollectiveOp op, int64_t seq, int64_t count,
                      DType dtype) {
@@ -361,6 +379,26 @@ C10dCommunicator::C10dCommunicator(c10::intrusive_ptr<c10d::Store> store,
   shared_->probe_store = shared_->store;
   shared_->prefix = std::move(prefix);
   shared_->options = options;
+  // The world's recorder; Split gives its subgroups the parent's instead.
+  if (options.flight_recorder.capacity > 0) {
+    shared_->recorder =
+        FlightRecorder::Create(rank_, size_, "c10d", options.flight_recorder);
+    auto world = std::make_shared<FlightGroup>();
+    world->id = "world";
+    for (int r = 0; r < size_; ++r) world->ranks.push_back(r);
+    shared_->group = std::move(world);
+  }
+}
+
+FlightRecorder* C10dCommunicator::flight_recorder() const {
+  return shared_->recorder.get();
+}
+
+uint64_t C10dCommunicator::Shared::Record(CollectiveOp op, int64_t seq,
+                                          DType dtype, int64_t count,
+                                          int64_t bytes) {
+  if (recorder == nullptr) return 0;
+  return recorder->Enqueue(group, seq, op, dtype, count, bytes);
 }
 
 C10dCommunicator::~C10dCommunicator() {
@@ -407,15 +445,17 @@ void C10dCommunicator::Abort(absl::Status reason) {
 std::unique_ptr<Work> C10dCommunicator::AllGather(
     ConstBufferRef input, BufferRef output, const CollectiveOptions& options) {
   const int64_t seq = shared_->next_seq++;
+  const uint64_t id = shared_->Record(CollectiveOp::kAllGather, seq,
+                                      input.dtype, input.count, input.bytes());
   absl::Status valid = ValidateAllGather(rank_, size_, seq, input, output);
   if (valid.ok())
     valid = CheckHost(rank_, CollectiveOp::kAllGather, seq, input.device);
   if (valid.ok())
     valid = CheckHost(rank_, CollectiveOp::kAllGather, seq, output.device);
   if (valid.ok()) valid = CheckUsable(CollectiveOp::kAllGather, seq);
-  if (!valid.ok()) return Finished(valid);
+  if (!valid.ok()) return Finished(valid, id);
   const int64_t bytes = input.count * DTypeSize(input.dtype);
-  if (bytes == 0) return Finished(absl::OkStatus());
+  if (bytes == 0) return Finished(absl::OkStatus(), id);
   // Staged: c10d sees only these tensors (see the file comment).
   std::vector<at::Tensor> staging;
   auto in = std::make_shared<std::vector<at::Tensor>>(
@@ -432,7 +472,7 @@ std::unique_ptr<Work> C10dCommunicator::AllGather(
   }};
   char* dst = static_cast<char*>(output.data);
   return std::make_unique<C10dWork>(
-      shared_, CollectiveOp::kAllGather, seq,
+      shared_, CollectiveOp::kAllGather, seq, id,
       Describe(rank_, CollectiveOp::kAllGather, seq, input.count, input.dtype),
       options.timeout, std::move(steps),
       [out, dst, bytes, this](int) {
@@ -446,6 +486,9 @@ std::unique_ptr<Work> C10dCommunicator::AllGather(
 std::unique_ptr<Work> C10dCommunicator::ReduceScatter(
     ConstBufferRef input, BufferRef output, const ReduceOptions& options) {
   const int64_t seq = shared_->next_seq++;
+  const uint64_t id =
+      shared_->Record(CollectiveOp::kReduceScatter, seq, output.dtype,
+                      output.count, input.bytes());
   absl::Status valid =
       ValidateReduceScatter(rank_, size_, seq, input, output, options);
   if (valid.ok())
@@ -453,11 +496,11 @@ std::unique_ptr<Work> C10dCommunicator::ReduceScatter(
   if (valid.ok())
     valid = CheckHost(rank_, CollectiveOp::kReduceScatter, seq, output.device);
   if (valid.ok()) valid = CheckUsable(CollectiveOp::kReduceScatter, seq);
-  if (!valid.ok()) return Finished(valid);
+  if (!valid.ok()) return Finished(valid, id);
   const int64_t count = output.count;
   const DType dtype = output.dtype;
   const int64_t bytes = count * DTypeSize(dtype);
-  if (bytes == 0) return Finished(absl::OkStatus());
+  if (bytes == 0) return Finished(absl::OkStatus(), id);
   // One all-to-all: rank r's chunk j goes to rank j, which receives every
   // rank's chunk of its part, in rank order, and folds them.
   std::vector<at::Tensor> staging;
@@ -478,7 +521,7 @@ std::unique_ptr<Work> C10dCommunicator::ReduceScatter(
   void* dst = output.data;
   ReduceOptions reduce = options;
   return std::make_unique<C10dWork>(
-      shared_, CollectiveOp::kReduceScatter, seq,
+      shared_, CollectiveOp::kReduceScatter, seq, id,
       Describe(rank_, CollectiveOp::kReduceScatter, seq, count, dtype),
       options.timeout, std::move(steps),
       [recv, dst, bytes, count, dtype, reduce, n](int) {
@@ -493,6 +536,8 @@ std::unique_ptr<Work> C10dCommunicator::ReduceScatter(
 std::unique_ptr<Work> C10dCommunicator::AllReduce(
     ConstBufferRef input, BufferRef output, const ReduceOptions& options) {
   const int64_t seq = shared_->next_seq++;
+  const uint64_t id = shared_->Record(CollectiveOp::kAllReduce, seq,
+                                      input.dtype, input.count, input.bytes());
   absl::Status valid =
       ValidateAllReduce(rank_, size_, seq, input, output, options);
   if (valid.ok())
@@ -500,11 +545,11 @@ std::unique_ptr<Work> C10dCommunicator::AllReduce(
   if (valid.ok())
     valid = CheckHost(rank_, CollectiveOp::kAllReduce, seq, output.device);
   if (valid.ok()) valid = CheckUsable(CollectiveOp::kAllReduce, seq);
-  if (!valid.ok()) return Finished(valid);
+  if (!valid.ok()) return Finished(valid, id);
   const int64_t count = input.count;
   const DType dtype = input.dtype;
   const int64_t esize = DTypeSize(dtype);
-  if (count == 0) return Finished(absl::OkStatus());
+  if (count == 0) return Finished(absl::OkStatus(), id);
   // Rank j folds elements [j * part, (j + 1) * part) (the last parts may
   // be short or empty), then the folded parts are all-gathered.
   const int n = size_;
@@ -550,7 +595,7 @@ std::unique_ptr<Work> C10dCommunicator::AllReduce(
   void* dst = output.data;
   ReduceOptions reduce = options;
   return std::make_unique<C10dWork>(
-      shared_, CollectiveOp::kAllReduce, seq,
+      shared_, CollectiveOp::kAllReduce, seq, id,
       Describe(rank_, CollectiveOp::kAllReduce, seq, count, dtype),
       options.timeout, std::move(steps),
       [=](int step) {
@@ -575,13 +620,16 @@ std::unique_ptr<Work> C10dCommunicator::AllReduce(
 std::unique_ptr<Work> C10dCommunicator::Broadcast(
     BufferRef buffer, const BroadcastOptions& options) {
   const int64_t seq = shared_->next_seq++;
+  const uint64_t id =
+      shared_->Record(CollectiveOp::kBroadcast, seq, buffer.dtype, buffer.count,
+                      buffer.bytes());
   absl::Status valid = ValidateBroadcast(rank_, size_, seq, buffer, options);
   if (valid.ok())
     valid = CheckHost(rank_, CollectiveOp::kBroadcast, seq, buffer.device);
   if (valid.ok()) valid = CheckUsable(CollectiveOp::kBroadcast, seq);
-  if (!valid.ok()) return Finished(valid);
+  if (!valid.ok()) return Finished(valid, id);
   const int64_t bytes = buffer.count * DTypeSize(buffer.dtype);
-  if (bytes == 0) return Finished(absl::OkStatus());
+  if (bytes == 0) return Finished(absl::OkStatus(), id);
   std::vector<at::Tensor> staging;
   auto staged = std::make_shared<std::vector<at::Tensor>>(
       std::vector<at::Tensor>{shared_->Acquire(&staging, bytes)});
@@ -600,7 +648,7 @@ std::unique_ptr<Work> C10dCommunicator::Broadcast(
   void* dst = buffer.data;
   const bool is_root = rank_ == root;
   return std::make_unique<C10dWork>(
-      shared_, CollectiveOp::kBroadcast, seq,
+      shared_, CollectiveOp::kBroadcast, seq, id,
       Describe(rank_, CollectiveOp::kBroadcast, seq, buffer.count,
                buffer.dtype),
       options.timeout, std::move(steps),
@@ -643,15 +691,17 @@ absl::StatusOr<std::vector<std::string>> C10dCommunicator::AllGatherBytes(
 
 absl::Status C10dCommunicator::Barrier(const CollectiveOptions& options) {
   const int64_t seq = shared_->next_seq++;
+  const uint64_t id =
+      shared_->Record(CollectiveOp::kBarrier, seq, DType::kFloat32, 0, 0);
   absl::Status valid = CheckUsable(CollectiveOp::kBarrier, seq);
-  if (!valid.ok()) return valid;
+  if (!valid.ok()) return Finished(valid, id)->Wait();
   auto group = group_;
   std::vector<C10dWork::Step> steps = {[group](absl::Duration left) {
     c10d::BarrierOptions o;
     o.timeout = Millis(left);
     return group->barrier(o);
   }};
-  return C10dWork(shared_, CollectiveOp::kBarrier, seq,
+  return C10dWork(shared_, CollectiveOp::kBarrier, seq, id,
                   absl::StrCat("c10d rank ", rank_, ": barrier #", seq),
                   options.timeout, std::move(steps), [](int) {})
       .Wait();
@@ -662,6 +712,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> C10dCommunicator::Split(
   // Every rank's (color, key), then a gloo group per color from the store,
   // under a prefix no other group uses.
   const std::string mine = absl::StrCat(color, " ", key);
+  const int64_t split_seq = shared_->next_seq;
   absl::StatusOr<std::vector<std::string>> all = AllGatherBytes(mine, options);
   if (!all.ok()) return all.status();
   const int64_t split = splits_++;
@@ -700,10 +751,26 @@ absl::StatusOr<std::unique_ptr<Communicator>> C10dCommunicator::Split(
     auto sub_store = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
     auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(
         sub_store, new_rank, static_cast<int>(members.size()), gloo_options);
+    // The subgroup records into this rank's recorder (set below), not a
+    // recorder of its own.
+    C10dOptions sub_options = shared_->options;
+    sub_options.flight_recorder.capacity = 0;
     auto sub = absl::WrapUnique(
-        new C10dCommunicator(store_, group, prefix, shared_->options));
+        new C10dCommunicator(store_, group, prefix, sub_options));
     sub->shared_->device = shared_->device;
     sub->shared_->probe_store = shared_->probe_store;
+    if (shared_->recorder != nullptr) {
+      auto flight = std::make_shared<FlightGroup>();
+      flight->id = SplitGroupId(shared_->group->id, split_seq, color);
+      for (const auto& [k, r] : members) {
+        flight->ranks.push_back(
+            r < static_cast<int>(shared_->group->ranks.size())
+                ? shared_->group->ranks[r]
+                : r);
+      }
+      sub->shared_->recorder = shared_->recorder;
+      sub->shared_->group = std::move(flight);
+    }
     return std::unique_ptr<Communicator>(std::move(sub));
   } catch (...) {
     return FromC10d(ExceptionMessage(std::current_exception()),

@@ -62,6 +62,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "comm/communicator.h"
+#include "comm/flight_recorder.h"
 
 namespace flatparam {
 
@@ -79,6 +80,10 @@ struct C10dOptions {
   // ones of the same sizes (FSDP's collectives repeat, unit by unit), up to
   // this many bytes in all; 0 keeps none.
   int64_t staging_cache_bytes = int64_t{512} << 20;
+  // The rank's flight recorder (comm/flight_recorder.h), made by the world
+  // communicator and shared with the groups split from it: capacity 0
+  // records nothing.
+  FlightRecorderOptions flight_recorder = FlightRecorderOptionsFromEnv();
 };
 
 class C10dCommunicator final : public Communicator {
@@ -125,6 +130,7 @@ class C10dCommunicator final : public Communicator {
   absl::StatusOr<std::unique_ptr<Communicator>> Split(
       int color, int key, const CollectiveOptions& options) override;
   void Abort(absl::Status reason) override;
+  FlightRecorder* flight_recorder() const override;
 
   // The process group (to share with code that speaks c10d).
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const {
@@ -138,6 +144,8 @@ class C10dCommunicator final : public Communicator {
   C10dCommunicator(c10::intrusive_ptr<c10d::Store> store,
                    c10::intrusive_ptr<c10d::ProcessGroup> group,
                    std::string prefix, const C10dOptions& options);
+  // A Work that is already done with `status`, recorded as such.
+  std::unique_ptr<Work> Finished(absl::Status status, uint64_t flight_id);
 
   // The status a new collective fails with: Aborted once aborted.
   absl::Status CheckUsable(CollectiveOp op, int64_t seq) const;

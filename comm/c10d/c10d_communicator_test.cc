@@ -12,6 +12,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -26,6 +27,7 @@
 #include "comm/conformance/collective_cases.h"
 #include "comm/conformance/collective_cases_gtest.h"
 #include "comm/conformance/device_memory.h"
+#include "comm/flight_recorder.h"
 #include "flatparam/base/status_matchers.h"
 #include "testing/multirank_gtest.h"
 
@@ -174,6 +176,23 @@ TEST(C10dCommunicatorTest, ATimeoutNamesTheRankThatSentNothing) {
     EXPECT_LT(took, absl::Seconds(2) + absl::Seconds(1) + absl::Seconds(2));
     const absl::Status later = group.Barrier({});
     EXPECT_EQ(later.code(), absl::StatusCode::kAborted) << later;
+    // The rank's flight recorder, shared with the subgroup, holds the
+    // failed collective in the subgroup's name, with its error.
+    FlightRecorder* recorder = group.flight_recorder();
+    ASSERT_NE(recorder, nullptr);
+    EXPECT_EQ(recorder, g_world->flight_recorder());
+    const std::vector<FlightEntry> entries = recorder->Snapshot();
+    auto it = std::find_if(
+        entries.rbegin(), entries.rend(),
+        [](const FlightEntry& e) { return e.op == CollectiveOp::kAllReduce; });
+    ASSERT_NE(it, entries.rend());
+    EXPECT_EQ(it->state, FlightState::kFailed);
+    EXPECT_THAT(it->error, HasSubstr("rank 1 did not reach all_reduce #"));
+    EXPECT_THAT(it->group->id, ::testing::MatchesRegex("world/split[0-9]+:0"));
+    EXPECT_EQ(it->group->ranks.size(), static_cast<size_t>(g_world->size()));
+    EXPECT_EQ(it->count, 1);
+    EXPECT_EQ(entries.back().op, CollectiveOp::kBarrier);
+    EXPECT_EQ(entries.back().state, FlightState::kFailed);
   }
   // The world still works (the failure aborted the subgroup only).
   ASSERT_THAT(g_world->Barrier({}), IsOk());

@@ -112,7 +112,8 @@ Step ExchangeStep(const char* call, std::function<int(Requests*)> post,
 
 class MpiWork final : public Work {
  public:
-  explicit MpiWork(std::shared_ptr<Op> op) : op_(std::move(op)) {}
+  MpiWork(std::shared_ptr<Op> op, FlightRecorder* recorder)
+      : op_(std::move(op)), recorder_(recorder) {}
 
   // Waiting here keeps every rank's collectives completing even when a
   // caller drops a Work without waiting on it.
@@ -121,6 +122,9 @@ class MpiWork final : public Work {
   absl::Status Wait() override {
     if (op_ != nullptr) {
       status_ = Engine::Get().Wait(*op_);
+      // The engine marked a success when it happened; a failure is marked
+      // here, on the rank's thread, where dumping the ring blocks nothing.
+      if (recorder_ != nullptr) recorder_->Finished(op_->flight_id, status_);
       op_.reset();
     }
     return status_;
@@ -128,6 +132,7 @@ class MpiWork final : public Work {
 
  private:
   std::shared_ptr<Op> op_;
+  FlightRecorder* recorder_;  // Owned by the op's CommState.
   absl::Status status_;
 };
 
@@ -155,24 +160,53 @@ std::unique_ptr<Work> Launch(const std::shared_ptr<CommState>& state,
                              const OpInfo& info, absl::Duration timeout,
                              const absl::Status& valid, const Header& header,
                              bool check, const Plan& plan) {
-  if (state->is_broken.load(std::memory_order_acquire)) {
-    return CompletedWork(
-        BrokenError(Engine::Get().Health(*state), info.Describe()));
+  FlightRecorder* recorder = state->recorder.get();
+  uint64_t flight_id = 0;
+  if (recorder != nullptr) {
+    const bool bytes_only = info.code == OpCode::kAllGatherBytes;
+    const int64_t count = bytes_only ? info.input_count : header.count;
+    const int64_t bytes =
+        bytes_only
+            ? info.input_count
+            : (info.buffers > 0 ? info.input_count * DTypeSize(info.input_dtype)
+                                : 0);
+    flight_id = recorder->Enqueue(state->group, info.seq, info.code,
+                                  info.input_dtype, count, bytes);
   }
-  if (!check && !valid.ok()) return CompletedWork(valid);
-  auto op = std::make_shared<Op>(state, info, timeout);
+  if (state->is_broken.load(std::memory_order_acquire)) {
+    absl::Status broken =
+        BrokenError(Engine::Get().Health(*state), info.Describe());
+    if (recorder != nullptr) recorder->Finished(flight_id, broken);
+    return CompletedWork(std::move(broken));
+  }
+  if (!check && !valid.ok()) {
+    if (recorder != nullptr) recorder->Finished(flight_id, valid);
+    return CompletedWork(valid);
+  }
+  // A checked call carries its FSDP context, so that ranks issuing the
+  // same sizes from different units disagree here already.
+  Header checked = header;
+  OpInfo described = info;
+  if (check && recorder != nullptr) {
+    const CollectiveContext context = recorder->context();
+    checked.context = ContextHash(context);
+    described.context = DescribeContext(context);
+  }
+  auto op = std::make_shared<Op>(state, std::move(described), timeout);
+  op->flight_id = flight_id;
   op->memory.comm = state->comm;
   op->memory.rank = state->rank;
   op->memory.size = state->size;
   if (check) {
-    op->steps.push_back(HeaderStep(*state, info, header, valid, &op->memory));
+    op->steps.push_back(
+        HeaderStep(*state, op->info, checked, valid, &op->memory));
   }
   if (valid.ok() && plan) plan(*op);
   Engine::Get().Submit(op);
   // The op owns the caller's buffers now, and this thread returns the Work
   // only after the copy, so no Wait() can return before it.
   CopyBytes(op->own_block.dst, op->own_block.src, op->own_block.bytes);
-  return std::make_unique<MpiWork>(std::move(op));
+  return std::make_unique<MpiWork>(std::move(op), recorder);
 }
 
 }  // namespace internal_mpi
@@ -526,8 +560,9 @@ std::unique_ptr<Work> MpiCommunicator::Broadcast(
 absl::StatusOr<std::vector<std::string>> MpiCommunicator::AllGatherBytes(
     absl::string_view bytes, const CollectiveOptions& options) {
   const CommState& st = *state_;
-  const OpInfo info{st.rank, OpCode::kAllGatherBytes, state_->next_seq++,
-                    absl::StrFormat("%d bytes", bytes.size())};
+  OpInfo info{st.rank, OpCode::kAllGatherBytes, state_->next_seq++,
+              absl::StrFormat("%d bytes", bytes.size())};
+  info.input_count = static_cast<int64_t>(bytes.size());
   Header header;
   header.seq = info.seq;
   header.op = static_cast<int32_t>(info.code);

@@ -2,14 +2,19 @@
 
 #include <mpi.h>
 
+#include <atomic>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "comm/communicator.h"
+#include "comm/flight_recorder.h"
 #include "comm/mpi/internal/mpi_internal.h"
 #include "flatparam/base/status_macros.h"
 
@@ -37,9 +42,45 @@ MpiCommunicator::~MpiCommunicator() = default;
 
 namespace {
 
-// Takes ownership of `comm` (on success and on failure).
+// The process's flight recorder: one per MPI process (one rank), shared by
+// every communicator; the first communicator's options make it.
+std::shared_ptr<FlightRecorder> ProcessRecorder(
+    const FlightRecorderOptions& options) {
+  static std::mutex* mu = new std::mutex;
+  static auto* recorder = new std::shared_ptr<FlightRecorder>;
+  std::lock_guard<std::mutex> lock(*mu);
+  if (*recorder == nullptr) {
+    int rank = 0;
+    int size = 1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    *recorder = FlightRecorder::Create(rank, size, "mpi", options);
+  }
+  return *recorder;
+}
+
+// The world ranks of `comm`'s members, in its rank order.
+std::vector<int> WorldRanks(MPI_Comm comm, int size) {
+  std::vector<int> ranks(size), world(size);
+  for (int i = 0; i < size; ++i) ranks[i] = i;
+  MPI_Group group = MPI_GROUP_NULL;
+  MPI_Group world_group = MPI_GROUP_NULL;
+  if (MPI_Comm_group(comm, &group) != MPI_SUCCESS ||
+      MPI_Comm_group(MPI_COMM_WORLD, &world_group) != MPI_SUCCESS ||
+      MPI_Group_translate_ranks(group, size, ranks.data(), world_group,
+                                world.data()) != MPI_SUCCESS) {
+    world.clear();  // Unknown: the records say so.
+  }
+  if (group != MPI_GROUP_NULL) MPI_Group_free(&group);
+  if (world_group != MPI_GROUP_NULL) MPI_Group_free(&world_group);
+  return world;
+}
+
+// Takes ownership of `comm` (on success and on failure). `group_id` names
+// the group in flight records.
 absl::StatusOr<std::shared_ptr<CommState>> Adopt(MPI_Comm comm,
-                                                 const MpiOptions& options) {
+                                                 const MpiOptions& options,
+                                                 std::string group_id) {
   auto state = std::make_shared<CommState>();
   state->comm = comm;
   state->options = options;
@@ -50,6 +91,13 @@ absl::StatusOr<std::shared_ptr<CommState>> Adopt(MPI_Comm comm,
                                     "MPI_Comm_rank", "flatparam communicator"));
   FLATPARAM_RETURN_IF_ERROR(FromMpi(MPI_Comm_size(comm, &state->size),
                                     "MPI_Comm_size", "flatparam communicator"));
+  if (options.flight_recorder.capacity > 0) {
+    state->recorder = ProcessRecorder(options.flight_recorder);
+    auto group = std::make_shared<FlightGroup>();
+    group->id = std::move(group_id);
+    group->ranks = WorldRanks(comm, state->size);
+    state->group = std::move(group);
+  }
   return state;
 }
 
@@ -101,8 +149,21 @@ absl::StatusOr<std::unique_ptr<MpiCommunicator>> MpiCommunicator::Wrap(
         op->label, absl::FormatDuration(options.create_timeout)));
   }
   FLATPARAM_RETURN_IF_ERROR(status);
+  // The group's name in flight records: every member derives it alike.
+  int world_size = 0;
+  int size = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+  MPI_Comm_size(comm, &size);
+  // The k-th Wrap of the process (CreateWorld's included): "world" for
+  // the first over every process, "world.<k>" and "wrap.<k>" after. Wrap
+  // is collective, so every member counts alike.
+  static std::atomic<int> wraps{0};
+  const int k = wraps.fetch_add(1);
+  std::string id = size != world_size ? absl::StrFormat("wrap.%d", k)
+                   : k == 0           ? std::string("world")
+                                      : absl::StrFormat("world.%d", k);
   FLATPARAM_ASSIGN_OR_RETURN(std::shared_ptr<CommState> state,
-                             Adopt(memory->new_comm, options));
+                             Adopt(memory->new_comm, options, std::move(id)));
   return std::unique_ptr<MpiCommunicator>(new MpiCommunicator(state));
 }
 
@@ -113,6 +174,9 @@ absl::Status MpiCommunicator::health() const {
   return Engine::Get().Health(*state_);
 }
 const MpiOptions& MpiCommunicator::options() const { return state_->options; }
+FlightRecorder* MpiCommunicator::flight_recorder() const {
+  return state_->recorder.get();
+}
 
 absl::StatusOr<std::unique_ptr<Communicator>> MpiCommunicator::Split(
     int color, int key, const CollectiveOptions& options) {
@@ -141,8 +205,11 @@ absl::StatusOr<std::unique_ptr<Communicator>> MpiCommunicator::Split(
     return status;
   }
   if (comm == MPI_COMM_NULL) return std::unique_ptr<Communicator>();
-  FLATPARAM_ASSIGN_OR_RETURN(std::shared_ptr<CommState> state,
-                             Adopt(comm, st.options));
+  FLATPARAM_ASSIGN_OR_RETURN(
+      std::shared_ptr<CommState> state,
+      Adopt(comm, st.options,
+            SplitGroupId(st.group != nullptr ? st.group->id : "world", info.seq,
+                         color)));
   return std::unique_ptr<Communicator>(new MpiCommunicator(state));
 }
 

@@ -137,7 +137,9 @@
 // catches), an MPI_ERR_TRUNCATE error, or silently wrong data. With
 // MpiOptions::check_collectives, every collective first all-gathers a small
 // header (operation, sequence number, per-rank count, dtype, reduce op,
-// divide factors, root, whether the local arguments were valid), and if the
+// divide factors, root, whether the local arguments were valid, and a hash
+// of the FSDP context the caller set in the flight recorder, so that equal
+// collectives issued from different units disagree), and if the
 // ranks disagree every rank fails, before any data moves, with Internal
 // naming each rank's call; a rank whose own arguments were invalid gets its
 // own InvalidArgument/Unimplemented error and the others get Internal. The
@@ -150,6 +152,12 @@
 //
 // Sequence numbers count every collective call on a communicator, starting
 // at 0, including calls that fail; error messages name them as "op #seq".
+//
+// Flight recorder. Every collective is recorded in the process's
+// FlightRecorder (comm/flight_recorder.h; MpiOptions::flight_recorder):
+// enqueued at the call, started when its first MPI step starts, completed
+// when its last finishes, failed when Wait() returns the error (which dumps
+// the ring to the trace directory, if one is set, before Wait returns).
 //
 // Thread-safety: as Communicator, one thread at a time per communicator, and
 // its Works are waited on from that thread. Different communicators may be
@@ -176,6 +184,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "comm/communicator.h"
+#include "comm/flight_recorder.h"
 #include "flatparam/base/status_macros.h"  // IsReported
 
 namespace flatparam {
@@ -195,6 +204,9 @@ struct MpiOptions {
   // for callers that cannot keep their buffers alive and unused after a
   // timeout. Costs one host copy each way. Inherited by Split().
   bool stage_buffers = false;
+  // The process's flight recorder (comm/flight_recorder.h), made by the
+  // first communicator and shared by all: capacity 0 records nothing.
+  FlightRecorderOptions flight_recorder = FlightRecorderOptionsFromEnv();
 };
 
 // Waits up to `grace` for collectives abandoned after a timeout to
@@ -308,6 +320,7 @@ class MpiCommunicator final : public Communicator {
   // broke it.
   absl::Status health() const;
   const MpiOptions& options() const;
+  FlightRecorder* flight_recorder() const override;
 
  private:
   explicit MpiCommunicator(std::shared_ptr<internal_mpi::CommState> state);

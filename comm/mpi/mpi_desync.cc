@@ -10,11 +10,13 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "comm/communicator.h"
 #include "comm/mpi/internal/mpi_internal.h"
 #include "flatparam/base/dtype.h"
+#include "xxhash.h"
 
 namespace flatparam {
 namespace internal_mpi {
@@ -23,7 +25,8 @@ namespace {
 bool SameCall(const Header& a, const Header& b) {
   return a.seq == b.seq && a.count == b.count && a.pre_divide == b.pre_divide &&
          a.post_divide == b.post_divide && a.op == b.op && a.dtype == b.dtype &&
-         a.reduce_op == b.reduce_op && a.root == b.root;
+         a.reduce_op == b.reduce_op && a.root == b.root &&
+         a.context == b.context;
 }
 
 std::string DescribeCall(const Header& h) {
@@ -51,6 +54,7 @@ std::string DescribeCall(const Header& h) {
   if (static_cast<OpCode>(h.op) == OpCode::kBroadcast) {
     absl::StrAppendFormat(&s, " root %d", h.root);
   }
+  if (h.context != 0) absl::StrAppendFormat(&s, " context %08x", h.context);
   return s;
 }
 
@@ -89,13 +93,28 @@ absl::Status CompareHeaders(const OpInfo& info,
         absl::StrFormat("rank%s %s called %s", same.size() > 1 ? "s" : "",
                         absl::StrJoin(same, ","), DescribeCall(headers[r])));
   }
+  std::string mine;
+  if (!info.context.empty()) {
+    mine = absl::StrFormat("; this rank issued it from %s (context %08x)",
+                           info.context, headers[info.rank].context);
+  }
   return absl::InternalError(
-      absl::StrFormat("%s: the group is desynchronised (%s); no data was "
+      absl::StrFormat("%s: the group is desynchronised (%s)%s; no data was "
                       "exchanged",
-                      info.Describe(), absl::StrJoin(groups, "; ")));
+                      info.Describe(), absl::StrJoin(groups, "; "), mine));
 }
 
 }  // namespace
+
+uint32_t ContextHash(const CollectiveContext& context) {
+  if (context.unit.empty() && context.phase == CollectivePhase::kNone) {
+    return 0;
+  }
+  const std::string key =
+      absl::StrCat(context.unit, "\n", CollectivePhaseName(context.phase));
+  const uint32_t h = XXH32(key.data(), key.size(), 0);
+  return h == 0 ? 1 : h;
+}
 
 Step HeaderStep(const CommState& state, const OpInfo& info,
                 const Header& header, const absl::Status& valid,

@@ -448,6 +448,9 @@ void Engine::StartStepLocked(const std::shared_ptr<Op>& op) {
   }
   o.phase = Phase::kInFlight;
   inflight_.push_back(op);
+  if (o.step == 0 && o.comm != nullptr && o.comm->recorder != nullptr) {
+    o.comm->recorder->Started(o.flight_id);
+  }
   if (o.step + 1 == o.steps.size()) PopLocked(o);
 }
 
@@ -473,6 +476,11 @@ void Engine::PopLocked(const Op& o) {
 }
 
 void Engine::FinishLocked(Op& o, absl::Status status) {
+  // A success is recorded when it happens; a failure when MpiWork::Wait
+  // sees it (where dumping the ring holds no lock).
+  if (status.ok() && o.comm != nullptr && o.comm->recorder != nullptr) {
+    o.comm->recorder->Finished(o.flight_id, status);
+  }
   o.status = std::move(status);
   o.phase = Phase::kDone;
   PopLocked(o);

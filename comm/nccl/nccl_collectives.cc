@@ -164,7 +164,7 @@ absl::Status CheckCudaPair(const CommState& s, absl::string_view op,
 
 }  // namespace
 
-std::unique_ptr<Work> NcclCommunicator::AllGather(
+std::unique_ptr<Work> NcclCommunicator::AllGatherImpl(
     ConstBufferRef input, BufferRef output, const CollectiveOptions& options) {
   const absl::Time deadline = absl::Now() + options.timeout;
   CommState& s = *state_;
@@ -191,7 +191,7 @@ std::unique_ptr<Work> NcclCommunicator::AllGather(
                });
 }
 
-std::unique_ptr<Work> NcclCommunicator::ReduceScatter(
+std::unique_ptr<Work> NcclCommunicator::ReduceScatterImpl(
     ConstBufferRef input, BufferRef output, const ReduceOptions& options) {
   const absl::Time deadline = absl::Now() + options.timeout;
   CommState& s = *state_;
@@ -222,7 +222,7 @@ std::unique_ptr<Work> NcclCommunicator::ReduceScatter(
                });
 }
 
-std::unique_ptr<Work> NcclCommunicator::AllReduce(
+std::unique_ptr<Work> NcclCommunicator::AllReduceImpl(
     ConstBufferRef input, BufferRef output, const ReduceOptions& options) {
   const absl::Time deadline = absl::Now() + options.timeout;
   CommState& s = *state_;
@@ -251,7 +251,7 @@ std::unique_ptr<Work> NcclCommunicator::AllReduce(
                });
 }
 
-std::unique_ptr<Work> NcclCommunicator::Broadcast(
+std::unique_ptr<Work> NcclCommunicator::BroadcastImpl(
     BufferRef buffer, const BroadcastOptions& options) {
   const absl::Time deadline = absl::Now() + options.timeout;
   CommState& s = *state_;
@@ -276,6 +276,40 @@ std::unique_ptr<Work> NcclCommunicator::Broadcast(
                                          NcclDType(buffer.dtype), options.root,
                                          comm, stream);
                });
+}
+
+uint64_t NcclCommunicator::Record(CollectiveOp op, DType dtype, int64_t count,
+                                  int64_t bytes) {
+  if (recorder_ == nullptr) return 0;
+  return recorder_->Enqueue(group_, seq_, op, dtype, count, bytes);
+}
+
+std::unique_ptr<Work> NcclCommunicator::AllGather(
+    ConstBufferRef input, BufferRef output, const CollectiveOptions& options) {
+  const uint64_t id =
+      Record(CollectiveOp::kAllGather, input.dtype, input.count, input.bytes());
+  return RecordedWork(AllGatherImpl(input, output, options), recorder_, id);
+}
+
+std::unique_ptr<Work> NcclCommunicator::ReduceScatter(
+    ConstBufferRef input, BufferRef output, const ReduceOptions& options) {
+  const uint64_t id = Record(CollectiveOp::kReduceScatter, output.dtype,
+                             output.count, input.bytes());
+  return RecordedWork(ReduceScatterImpl(input, output, options), recorder_, id);
+}
+
+std::unique_ptr<Work> NcclCommunicator::AllReduce(
+    ConstBufferRef input, BufferRef output, const ReduceOptions& options) {
+  const uint64_t id =
+      Record(CollectiveOp::kAllReduce, input.dtype, input.count, input.bytes());
+  return RecordedWork(AllReduceImpl(input, output, options), recorder_, id);
+}
+
+std::unique_ptr<Work> NcclCommunicator::Broadcast(
+    BufferRef buffer, const BroadcastOptions& options) {
+  const uint64_t id = Record(CollectiveOp::kBroadcast, buffer.dtype,
+                             buffer.count, buffer.bytes());
+  return RecordedWork(BroadcastImpl(buffer, options), recorder_, id);
 }
 
 }  // namespace flatparam

@@ -274,8 +274,18 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::FromComm(
     }
   }
   state->stream = std::move(stream);
-  return std::unique_ptr<NcclCommunicator>(
-      new NcclCommunicator(std::move(state)));
+  auto made =
+      std::unique_ptr<NcclCommunicator>(new NcclCommunicator(std::move(state)));
+  // A world of its own (Split replaces it with the parent's recorder).
+  if (options.flight_recorder.capacity > 0) {
+    made->recorder_ = FlightRecorder::Create(made->rank(), made->size(), "nccl",
+                                             options.flight_recorder);
+    auto world = std::make_shared<FlightGroup>();
+    world->id = "world";
+    for (int r = 0; r < made->size(); ++r) world->ranks.push_back(r);
+    made->group_ = std::move(world);
+  }
+  return made;
 }
 
 bool NcclCommunicator::SupportsStreams(Device device) const {
@@ -335,9 +345,18 @@ absl::StatusOr<std::unique_ptr<Communicator>> NcclCommunicator::Split(
         absl::StrCat(st.message(),
                      "; aborted the new NCCL communicator (ncclCommAbort)"));
   }
+  NcclOptions child_options = s.options;
+  child_options.flight_recorder.capacity = 0;  // Records into ours.
   FLATPARAM_ASSIGN_OR_RETURN(
       std::unique_ptr<NcclCommunicator> split,
-      FromComm(api, child, /*owned=*/true, s.options, s.stream, nullptr));
+      FromComm(api, child, /*owned=*/true, child_options, s.stream, nullptr));
+  if (recorder_ != nullptr) {
+    split->recorder_ = recorder_;
+    auto group = std::make_shared<FlightGroup>();
+    // ncclCommSplit does not tell the members' world ranks.
+    group->id = SplitGroupId(group_->id, seq, color);
+    split->group_ = std::move(group);
+  }
   return std::unique_ptr<Communicator>(std::move(split));
 }
 

@@ -100,6 +100,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "comm/communicator.h"
+#include "comm/flight_recorder.h"
 #include "comm/nccl/nccl_api.h"
 #include "comm/nccl/nccl_options.h"
 
@@ -185,9 +186,24 @@ class NcclCommunicator final : public Communicator {
   // group failed; idempotent. Later calls return Aborted quoting `reason`,
   // and destruction does not finalize (Communicator::Abort).
   void Abort(absl::Status reason) override;
+  // The rank's recorder: every collective is recorded when issued and
+  // finished when its Wait() returns (the device's start is not seen).
+  FlightRecorder* flight_recorder() const override { return recorder_.get(); }
 
  private:
   NcclCommunicator(std::shared_ptr<internal_nccl::CommState> state);
+
+  // The collectives themselves; the public ones record them.
+  std::unique_ptr<Work> AllGatherImpl(ConstBufferRef input, BufferRef output,
+                                      const CollectiveOptions& options);
+  std::unique_ptr<Work> ReduceScatterImpl(ConstBufferRef input,
+                                          BufferRef output,
+                                          const ReduceOptions& options);
+  std::unique_ptr<Work> AllReduceImpl(ConstBufferRef input, BufferRef output,
+                                      const ReduceOptions& options);
+  std::unique_ptr<Work> BroadcastImpl(BufferRef buffer,
+                                      const BroadcastOptions& options);
+  uint64_t Record(CollectiveOp op, DType dtype, int64_t count, int64_t bytes);
 
   static absl::StatusOr<std::unique_ptr<NcclCommunicator>> FromComm(
       NcclApi& api, ncclComm_t comm, bool owned, const NcclOptions& options,
@@ -197,6 +213,10 @@ class NcclCommunicator final : public Communicator {
   std::shared_ptr<internal_nccl::CommState> state_;
   // Sequence number of the next operation, for error messages.
   int64_t seq_ = 0;
+  // The rank's flight recorder (the world's, shared by its splits) and
+  // this group's name in it; null when recording is off.
+  std::shared_ptr<FlightRecorder> recorder_;
+  std::shared_ptr<const FlightGroup> group_;
 };
 
 }  // namespace flatparam

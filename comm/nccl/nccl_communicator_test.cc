@@ -17,6 +17,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "comm/communicator.h"
+#include "comm/flight_recorder.h"
 #include "comm/nccl/fake_nccl_api.h"
 #include "comm/nccl/nccl_api.h"
 #include "comm/nccl/thread_bootstrap_testutil.h"
@@ -460,6 +461,33 @@ TEST_F(NcclCommunicatorTest, AllGatherCallsNcclAllGatherWithSendCount) {
   // Rank 2's block; the fake's peers contribute zeros.
   EXPECT_THAT(Read(out), ElementsAre(0, 0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0));
   EXPECT_EQ(api_.live_events(), 0) << "the Work destroyed its event";
+}
+
+TEST_F(NcclCommunicatorTest, EveryCollectiveIsInTheFlightRecorder) {
+  std::unique_ptr<NcclCommunicator> nccl = Make(4, 2);
+  FlightRecorder* recorder = nccl->flight_recorder();
+  ASSERT_NE(recorder, nullptr);
+  BufferRef in = Alloc(3, DType::kFloat32, 0, {1, 2, 3});
+  BufferRef out = Alloc(12);
+  {
+    ScopedCollectiveContext context(
+        recorder, {"h.1", 2, CollectivePhase::kForwardUnshard});
+    EXPECT_THAT(nccl->AllGather(in, out, {})->Wait(), IsOk());
+  }
+  BufferRef bad = Alloc(11);
+  EXPECT_FALSE(nccl->AllGather(in, bad, {})->Wait().ok());
+  const std::vector<FlightEntry> entries = recorder->Snapshot();
+  ASSERT_EQ(entries.size(), 2u);
+  EXPECT_EQ(entries[0].group->id, "world");
+  EXPECT_EQ(entries[0].seq, 0);
+  EXPECT_EQ(entries[0].op, CollectiveOp::kAllGather);
+  EXPECT_EQ(entries[0].count, 3);
+  EXPECT_EQ(entries[0].bytes, 12);
+  EXPECT_EQ(entries[0].context.unit, "h.1");
+  EXPECT_EQ(entries[0].state, FlightState::kCompleted);
+  EXPECT_EQ(entries[1].seq, 1);
+  EXPECT_EQ(entries[1].state, FlightState::kFailed);
+  EXPECT_THAT(entries[1].error, HasSubstr("rank 2: all_gather #1"));
 }
 
 TEST_F(NcclCommunicatorTest, MapsEveryDtype) {

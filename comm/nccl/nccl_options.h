@@ -7,6 +7,7 @@
 
 #include "absl/time/time.h"
 #include "comm/communicator.h"
+#include "comm/flight_recorder.h"
 
 namespace flatparam {
 
@@ -27,6 +28,10 @@ struct NcclOptions {
   // device, is an InvalidArgument error instead of an illegal memory access
   // that would poison the CUDA context. Costs one runtime query per buffer.
   bool check_pointers = true;
+  // Each rank's flight recorder (comm/flight_recorder.h), made by the
+  // world communicator (Create, Wrap) and shared with its splits: capacity
+  // 0 records nothing.
+  FlightRecorderOptions flight_recorder = FlightRecorderOptionsFromEnv();
 };
 
 }  // namespace flatparam

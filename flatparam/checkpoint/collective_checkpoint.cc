@@ -10,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "comm/flight_recorder.h"
 #include "flatparam/base/json_limits.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/internal/checkpoint_write.h"
@@ -44,6 +45,8 @@ absl::StatusOr<std::vector<Report>> Exchange(Communicator& world,
                                              const json& payload,
                                              const CollectiveOptions& options,
                                              absl::string_view phase) {
+  const ScopedCollectiveContext context(world.flight_recorder(),
+                                        {"", -1, CollectivePhase::kCheckpoint});
   absl::StatusOr<std::vector<std::string>> all =
       world.AllGatherBytes(Encode(status, payload), options);
   if (!all.ok()) {
@@ -296,6 +299,8 @@ absl::Status WriteShardedCheckpointCollective(
 
 absl::Status AgreeOnLoad(Communicator& world, const absl::Status& mine,
                          const CollectiveOptions& options) {
+  const ScopedCollectiveContext context(world.flight_recorder(),
+                                        {"", -1, CollectivePhase::kCheckpoint});
   FLATPARAM_ASSIGN_OR_RETURN(
       std::vector<std::string> verdicts,
       world.AllGatherBytes(mine.ok()

@@ -24,6 +24,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/types/span.h"
 #include "comm/communicator.h"
+#include "comm/flight_recorder.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/shape.h"
 #include "flatparam/base/status_macros.h"
@@ -508,6 +509,8 @@ absl::StatusOr<OptimStateDict> ConsolidateOptimState(
     const ModelLayout& layout, const OptimStateDict& sharded_as_keyed,
     Communicator& comm, const OptimStateOptions& options) {
   FLATPARAM_RETURN_IF_ERROR(CheckComm(layout, comm));
+  const ScopedCollectiveContext context(
+      comm.flight_recorder(), {"", -1, CollectivePhase::kOptimStateGather});
   // Keyed as this rank's optimizer keys it: to layout keys first. The ranks
   // agree on the outcome, so that a bad key on one rank is an error on all
   // rather than a hang.

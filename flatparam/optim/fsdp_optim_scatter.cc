@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "comm/communicator.h"
+#include "comm/flight_recorder.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/flatten.h"
@@ -234,6 +235,8 @@ absl::StatusOr<OptimStateDict> ScatterFullOptimState(
     const ModelLayout& layout, const OptimStateDict& full, Communicator& comm,
     const OptimStateOptions& options) {
   FLATPARAM_RETURN_IF_ERROR(CheckComm(layout, comm));
+  const ScopedCollectiveContext context(
+      comm.flight_recorder(), {"", -1, CollectivePhase::kOptimStateScatter});
   const ModelIndex index(layout, options.unmanaged_params);
   const bool root = comm.rank() == 0;
   // Rank 0's dict keyed by name (a re-keyed copy only when it has IDs).

@@ -41,6 +41,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "comm/communicator.h"
+#include "comm/flight_recorder.h"
 #include "sim/fault.h"
 #include "sim/sim.h"
 
@@ -120,6 +121,8 @@ struct SimWorld::OpMember {
   std::vector<uint64_t> sent_hashes;  // checksum mode
   const FaultSpec* flip = nullptr;
   absl::Status status;
+  // The call's entry in its rank's flight recorder (0: none).
+  uint64_t flight_id = 0;
   // split: the member's new group, or -1.
   int new_group = -1;
   int new_rank = -1;
@@ -142,6 +145,8 @@ struct SimWorld::Op {
 struct SimWorld::Group {
   int id = 0;
   std::vector<int> members;  // world ranks by group rank
+  // Its name in flight records ("world", then SplitGroupId).
+  std::shared_ptr<const FlightGroup> flight;
   std::vector<int64_t> next_seq;
   std::map<int64_t, std::shared_ptr<Op>> pending;  // unfinished, by seq
   bool aborted = false;
@@ -173,6 +178,8 @@ struct SimWorld::Rank {
   std::vector<int> groups;
   std::vector<const FaultSpec*> faults;
   std::unique_ptr<SimCommunicator> comm;
+  // Null when SimOptions::flight_recorder records nothing.
+  std::shared_ptr<FlightRecorder> recorder;
 };
 
 class SimWorld::SimWork final : public Work {

@@ -46,6 +46,20 @@ expect_exit() {
   fi
 }
 
+# mpi_rank_pid RANK PATTERN: the pid of rank RANK (OMPI_COMM_WORLD_RANK) of
+# the running mpirun job whose command line contains PATTERN; fails if none.
+mpi_rank_pid() {
+  local pid
+  for pid in $(pgrep -f -- "$2"); do
+    if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null |
+      grep -qx "OMPI_COMM_WORLD_RANK=$1"; then
+      echo "$pid"
+      return 0
+    fi
+  done
+  return 1
+}
+
 # cli_test_finish: exits 1 if any check failed, else prints PASS.
 cli_test_finish() {
   if [ "$failures" -ne 0 ]; then

@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "comm/c10d/c10d_communicator.h"
 #include "comm/communicator.h"
+#include "comm/flight_recorder.h"
 
 namespace flatparam {
 
@@ -57,6 +58,13 @@ struct C10dCommunicator::Shared {
   // The gloo device subgroups are made on (made on first use).
   std::shared_ptr<::gloo::transport::Device> device;
   int64_t next_seq = 0;
+  // The rank's flight recorder (shared with the groups split from the
+  // world) and this group's name in it; null when recording is off.
+  std::shared_ptr<FlightRecorder> recorder;
+  std::shared_ptr<const FlightGroup> group;
+  // Records a collective as enqueued (0 when recording is off).
+  uint64_t Record(CollectiveOp op, int64_t seq, DType dtype, int64_t count,
+                  int64_t bytes);
 
   std::mutex mu;
   absl::Status aborted;  // guarded by mu

@@ -50,6 +50,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "comm/communicator.h"
+#include "comm/flight_recorder.h"
 #include "comm/mpi/mpi_communicator.h"
 #include "flatparam/base/dtype.h"
 
@@ -76,6 +77,9 @@ struct OpInfo {
   int64_t seq = 0;
   // The sizes, if not from the buffers below.
   std::string sizes;
+  // The FSDP context of a checked call (DescribeContext), for its desync
+  // message; empty otherwise.
+  std::string context;
   // 0: no buffers; 1: `input` (and `root`: broadcast); 2: `input`, `output`.
   int buffers = 0;
   int64_t input_count = 0;
@@ -159,8 +163,13 @@ struct Header {
   int32_t reduce_op = 0;
   int32_t root = 0;
   int32_t valid = 0;
-  int32_t reserved = 0;
+  // A hash of the FSDP context that issued the call (ContextHash), so that
+  // ranks issuing equal-sized collectives from different units disagree.
+  uint32_t context = 0;
 };
+
+// The hash of `context` the header carries (0 for no context).
+uint32_t ContextHash(const CollectiveContext& context);
 
 // Buffers (mpi_buffers.cc). A collective's own buffers come from a
 // process-wide pool, to which a PooledBuffer returns its buffer when
@@ -298,6 +307,10 @@ struct Op {
   // Whether MPI reads and writes the caller's buffers directly (for the
   // timeout message).
   bool zero_copy = false;
+  // The op's entry in its communicator's flight recorder (0: none). Marked
+  // started by the engine, finished by the engine (success) or by MpiWork's
+  // Wait (failure, which may dump the ring, on the rank's thread).
+  uint64_t flight_id = 0;
   // A copy Launch makes on the issuing thread right after Submit, so that
   // it overlaps the exchange: all_gather's own block, which MPI does not
   // touch. {destination, source, bytes}; none when `bytes` is 0.
@@ -331,6 +344,10 @@ struct CommState {
   MpiOptions options;
   // The rank's thread only.
   int64_t next_seq = 0;
+  // The process's flight recorder (shared by all its communicators) and
+  // this group's name in it. Set by Adopt, then immutable.
+  std::shared_ptr<FlightRecorder> recorder;
+  std::shared_ptr<const FlightGroup> group;
 
   // Guarded by Engine::mu_.
   // OK while usable; the error that broke the communicator otherwise.
