@@ -364,6 +364,9 @@ absl::Status RunCollectivesSim(const CollectivesOptions& options,
   sim.seed = options.seed;
   sim.faults = std::move(faults);
   sim.checksum = options.checksum;
+  if (!options.trace_dir.empty()) {
+    sim.flight_recorder.trace_dir = options.trace_dir;
+  }
   FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<SimWorld> world,
                              SimWorld::Create(sim));
   std::vector<CollectivesReport> reports(sim.world_size);

@@ -50,6 +50,9 @@ struct CollectivesOptions {
   uint64_t seed = 0;
   std::string faults;
   std::string trace_path;
+  // --trace-dir: where every rank's flight recorder dumps (empty:
+  // $FLATPARAM_TRACE_DIR, else nowhere); sim, mpi and c10d.
+  std::string trace_dir;
   // sim only: hash every payload when sent and when delivered, so that a
   // flip fault fails the collective with DataLoss; without, flipped bits
   // reach the outputs and the checks must catch them.

@@ -44,7 +44,8 @@ absl::Status RunCollectivesC10d(const CollectivesOptions& options,
                                 std::ostream& out) {
   return RunOnC10dWorld(
       "fsdp collectives", options.timeout,
-      [&](Communicator& world) { return RunOnWorld(world, options, out); });
+      [&](Communicator& world) { return RunOnWorld(world, options, out); },
+      options.trace_dir);
 }
 
 }  // namespace tools

@@ -47,12 +47,23 @@ grep -q '"traceEvents"' "$tmp/trace_c.json" || fail "trace lacks traceEvents"
 # A killed rank: non-zero within seconds, naming the rank and the op.
 start=$(date +%s)
 expect_exit 1 collectives --backend=sim --world-size=8 --seed=3 \
-  --fault=kill:rank=3:op=5
+  --fault=kill:rank=3:op=5 --trace-dir="$tmp/killtrace"
 elapsed=$(($(date +%s) - start))
 [ "$elapsed" -le 10 ] || fail "the fault took ${elapsed}s to report"
 grep -q 'rank 3' "$tmp/err" || fail "the error does not name rank 3"
 grep -q 'reduce_scatter #5' "$tmp/err" || fail "the error does not name op 5"
 [ -s "$tmp/out" ] && fail "stdout not empty on error"
+# Every rank's flight record, the killed rank's reduce_scatter #5 failed in
+# it; fsdp diagnose finds the unfinished collective (exit bit 4).
+for r in 0 3 7; do
+  [ -s "$tmp/killtrace/rank_$r.json" ] || fail "no flight record of rank $r"
+done
+grep -q '"error": "rank 3: reduce_scatter #5' "$tmp/killtrace/rank_3.json" ||
+  fail "rank 3's record lacks its failed reduce_scatter #5"
+"$fsdp" diagnose "$tmp/killtrace" >"$tmp/diag" 2>&1
+diag_status=$?
+[ $((diag_status & 4)) -ne 0 ] && [ "$diag_status" -ne 1 ] ||
+  fail "fsdp diagnose exited $diag_status: $(head -c 2000 "$tmp/diag")"
 
 # --timeout: a rank 2 s late (virtual time) at its collective 3 fails the
 # run within seconds when the timeout is 1 s, naming the op and the late

@@ -69,6 +69,7 @@ int CollectivesMain(const std::vector<char*>& args) {
   options.warmup = absl::GetFlag(FLAGS_warmup);
   options.progress = absl::GetFlag(FLAGS_progress);
   options.timeout = absl::GetFlag(FLAGS_timeout).value_or(options.timeout);
+  options.trace_dir = absl::GetFlag(FLAGS_trace_dir);
   absl::Status status;
   if (const std::string dtype = absl::GetFlag(FLAGS_dtype); !dtype.empty()) {
     absl::StatusOr<DType> parsed = ParseDType(dtype);
@@ -162,7 +163,12 @@ constexpr char kHelp[] =
     "sim:\n"
     "                           virtual time); MPI's start may take the "
     "longer of\n"
-    "                           it and 1m\n";
+    "                           it and 1m\n"
+    "  --trace-dir=DIR          flight recorder: each rank writes its last\n"
+    "                           collectives to DIR/rank_<R>.json when one\n"
+    "                           fails, on SIGUSR1 and on SIGTERM; read them\n"
+    "                           with `fsdp diagnose DIR` (sim, mpi, c10d;\n"
+    "                           default: $FLATPARAM_TRACE_DIR)\n";
 
 void PrintHelp(std::ostream& out) { out << kHelp; }
 

@@ -62,6 +62,9 @@ absl::Status RunCollectivesMpi(const CollectivesOptions& options,
                                std::ostream& out) {
   MpiWorldOptions mpi;
   mpi.comm.create_timeout = options.timeout;
+  if (!options.trace_dir.empty()) {
+    mpi.comm.flight_recorder.trace_dir = options.trace_dir;
+  }
   mpi.timeout = options.timeout;
   mpi.start_timeout = MpiStartTimeout(options.timeout);
   mpi.program = "fsdp collectives";
