@@ -5,7 +5,8 @@
 // BM_SimManyRanks: a whole SimWorld (thread start-up included) of `ranks`
 // ranks, each issuing and waiting on `ops` all-reduces of 16 floats; the
 // counters give collectives and baton hand-offs per second. This is the
-// "1024 ranks x 100 collectives complete in seconds" check.
+// "1024 ranks x 100 collectives complete in seconds" check; fibers:1 runs
+// the ranks as fibers (SimOptions::Execution::kFibers) instead of threads.
 //
 // BM_SimAllGather / BM_SimReduceScatter / BM_SimAllReduce: one collective
 // per iteration at 8 ranks, `bytes` being nccl-tests' size (all-gather:
@@ -29,10 +30,11 @@
 namespace flatparam {
 namespace {
 
-std::unique_ptr<SimWorld> MakeWorld(int ranks) {
+std::unique_ptr<SimWorld> MakeWorld(int ranks, bool fibers = false) {
   SimOptions options;
   options.world_size = ranks;
   options.seed = 1;
+  if (fibers) options.execution = SimOptions::Execution::kFibers;
   auto world = SimWorld::Create(options);
   if (!world.ok()) std::abort();
   return std::move(world).value();
@@ -41,9 +43,10 @@ std::unique_ptr<SimWorld> MakeWorld(int ranks) {
 void BM_SimManyRanks(benchmark::State& state) {
   const int ranks = static_cast<int>(state.range(0));
   const int ops = static_cast<int>(state.range(1));
+  const bool fibers = state.range(2) != 0;
   int64_t handoffs = 0;
   for (auto _ : state) {
-    auto world = MakeWorld(ranks);
+    auto world = MakeWorld(ranks, fibers);
     const absl::Status status =
         world->Run([&](Communicator& comm) -> absl::Status {
           std::vector<float> buf(16, 1.0f);
@@ -69,10 +72,12 @@ void BM_SimManyRanks(benchmark::State& state) {
       static_cast<double>(handoffs), benchmark::Counter::kIsRate);
 }
 BENCHMARK(BM_SimManyRanks)
-    ->ArgNames({"ranks", "ops"})
-    ->Args({64, 100})
-    ->Args({256, 100})
-    ->Args({1024, 100})
+    ->ArgNames({"ranks", "ops", "fibers"})
+    ->Args({64, 100, 0})
+    ->Args({256, 100, 0})
+    ->Args({1024, 100, 0})
+    ->Args({1024, 100, 1})
+    ->Args({4096, 100, 1})
     ->Iterations(3)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();

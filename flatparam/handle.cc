@@ -56,12 +56,13 @@ double GradientPredivideFactor(int64_t world_size) {
   return static_cast<double>(factor);
 }
 
-FlatParamHandle::FlatParamHandle(const FlatParamLayout& layout,
+FlatParamHandle::FlatParamHandle(std::shared_ptr<const FlatParamLayout> layout,
                                  Communicator* shard_group,
                                  Communicator* replicate_group,
                                  DeviceOps* device,
                                  const HandleOptions& options)
-    : layout_(layout),
+    : layout_storage_(std::move(layout)),
+      layout_(*layout_storage_),
       shard_group_(shard_group),
       replicate_group_(replicate_group),
       device_(device),
@@ -69,7 +70,7 @@ FlatParamHandle::FlatParamHandle(const FlatParamLayout& layout,
       rank_(shard_group->rank()),
       world_size_(shard_group->size()) {
   // PyTorch's `_init_param_reduce_dtypes`.
-  const DType orig = layout.dtype();
+  const DType orig = layout_.dtype();
   if (options.param_dtype.has_value() && !options.reduce_dtype.has_value()) {
     param_dtype_ = *options.param_dtype;
     reduce_dtype_ = param_dtype_;
@@ -80,7 +81,7 @@ FlatParamHandle::FlatParamHandle(const FlatParamLayout& layout,
   // PyTorch divides by factors of the whole data-parallel world, also for
   // the hybrid strategies (`_init_process_group_state`).
   dp_world_size_ = world_size_;
-  if (IsHybridStrategy(layout.options().strategy)) {
+  if (IsHybridStrategy(layout_.options().strategy)) {
     dp_world_size_ *= replicate_group->size();
   }
   predivide_ = GradientPredivideFactor(dp_world_size_);
@@ -96,10 +97,10 @@ FlatParamHandle::FlatParamHandle(const FlatParamLayout& layout,
       options.divide_in_collectives ||
       (device->device() == Device::Host() && host_folds(shard_group) &&
        host_folds(replicate_group));
-  for (const ParamInfo& p : layout.params()) {
+  for (const ParamInfo& p : layout_.params()) {
     requires_grad_.push_back(p.requires_grad ? 1 : 0);
   }
-  grad_none_.assign(layout.params().size(), 0);
+  grad_none_.assign(layout_.params().size(), 0);
   // Stream-ordered collectives need both groups to order with the device's
   // streams, and the streams to have native handles.
   const Device d = device->device();
@@ -126,9 +127,10 @@ FlatParamHandle::~FlatParamHandle() {
 }
 
 absl::StatusOr<std::unique_ptr<FlatParamHandle>> FlatParamHandle::CreateCommon(
-    const FlatParamLayout& layout, Communicator* shard_group,
-    Communicator* replicate_group, DeviceOps* device,
+    std::shared_ptr<const FlatParamLayout> layout_storage,
+    Communicator* shard_group, Communicator* replicate_group, DeviceOps* device,
     const HandleOptions& options) {
+  const FlatParamLayout& layout = *layout_storage;
   const std::string unit = layout.unit().empty() ? "<root>" : layout.unit();
   if (shard_group == nullptr || device == nullptr) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -158,8 +160,9 @@ absl::StatusOr<std::unique_ptr<FlatParamHandle>> FlatParamHandle::CreateCommon(
           what, DTypeName(*dtype)));
     }
   }
-  auto handle = std::unique_ptr<FlatParamHandle>(new FlatParamHandle(
-      layout, shard_group, replicate_group, device, options));
+  auto handle = std::unique_ptr<FlatParamHandle>(
+      new FlatParamHandle(std::move(layout_storage), shard_group,
+                          replicate_group, device, options));
   if (layout.options().align_addresses) {
     const DType aligned_for =
         layout.options().compute_dtype.value_or(layout.dtype());
@@ -198,16 +201,48 @@ absl::StatusOr<std::unique_ptr<FlatParamHandle>> FlatParamHandle::Create(
     absl::Span<const ConstBufferRef> initial_params, Communicator* shard_group,
     Communicator* replicate_group, DeviceOps* device,
     const HandleOptions& options) {
+  return Create(std::make_shared<const FlatParamLayout>(layout), initial_params,
+                shard_group, replicate_group, device, options);
+}
+
+absl::StatusOr<std::unique_ptr<FlatParamHandle>> FlatParamHandle::Create(
+    std::shared_ptr<const FlatParamLayout> layout_storage,
+    absl::Span<const ConstBufferRef> initial_params, Communicator* shard_group,
+    Communicator* replicate_group, DeviceOps* device,
+    const HandleOptions& options) {
+  const FlatParamLayout& layout = *layout_storage;
   FLATPARAM_ASSIGN_OR_RETURN(
       std::unique_ptr<FlatParamHandle> handle,
-      CreateCommon(layout, shard_group, replicate_group, device, options));
+      CreateCommon(std::move(layout_storage), shard_group, replicate_group,
+                   device, options));
   FlatParamHandle& h = *handle;
   FLATPARAM_ASSIGN_OR_RETURN(
       h.local_shard_, h.Alloc(MemoryCategory::kShardedParams, layout.dtype(),
                               layout.sharded_numel(), h.shard_placement()));
   h.local_shard_ref_ = h.local_shard_.ref();
   const BufferRef shard = h.local_shard_ref_;
-  if (shard.device == Device::Host()) {
+  if (options.meta_init) {
+    if (initial_params.size() != layout.params().size()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: %d initial parameters for %d parameters", h.Name(),
+          initial_params.size(), layout.params().size()));
+    }
+    for (size_t i = 0; i < initial_params.size(); ++i) {
+      const ParamInfo& p = layout.params()[i];
+      if (initial_params[i].count != p.numel ||
+          initial_params[i].dtype != layout.dtype()) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s: meta parameter %s is %d x %s, the layout's is %d x %s",
+            h.Name(), p.fqn, initial_params[i].count,
+            DTypeName(initial_params[i].dtype), p.numel,
+            DTypeName(layout.dtype())));
+      }
+    }
+    FLATPARAM_RETURN_IF_ERROR(device->Fill(shard, 0));
+    if (shard.device != Device::Host()) {
+      FLATPARAM_RETURN_IF_ERROR(device->Synchronize());
+    }
+  } else if (shard.device == Device::Host()) {
     FLATPARAM_RETURN_IF_ERROR(
         FlattenShard(layout, initial_params, h.rank_, shard));
   } else {
@@ -231,7 +266,8 @@ FlatParamHandle::CreateWithLocalShard(const FlatParamLayout& layout,
                                       const HandleOptions& options) {
   FLATPARAM_ASSIGN_OR_RETURN(
       std::unique_ptr<FlatParamHandle> handle,
-      CreateCommon(layout, shard_group, replicate_group, device, options));
+      CreateCommon(std::make_shared<const FlatParamLayout>(layout), shard_group,
+                   replicate_group, device, options));
   if (local_shard.dtype != layout.dtype() ||
       local_shard.count != layout.sharded_numel() ||
       local_shard.device != handle->shard_device() ||

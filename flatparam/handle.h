@@ -297,6 +297,14 @@ struct HandleOptions {
   // either set prints a warning to stderr, as PyTorch logs one.
   bool fake_all_gather = false;
   bool fake_reduce = false;
+  // Parameters on the meta device (PyTorch's `device="meta"`, shapes
+  // only): Create reads nothing from `initial_params` (their data may be
+  // null; counts and dtypes are still checked) and zero-fills the local
+  // shard on the device, where PyTorch would call `param_init_fn` or
+  // `reset_parameters()`. No host staging is made, so a simulated device
+  // without memory (SimDeviceOptions::metadata_only) can hold a shard of
+  // any size.
+  bool meta_init = false;
   // Timeout etc. of every collective the handle issues.
   CollectiveOptions collective_options;
   // Streams of the DeviceOps (created by the caller, who keeps them).
@@ -356,6 +364,14 @@ class FlatParamHandle {
   // InvalidArgument naming the offending values otherwise.
   static absl::StatusOr<std::unique_ptr<FlatParamHandle>> Create(
       const FlatParamLayout& layout,
+      absl::Span<const ConstBufferRef> initial_params,
+      Communicator* shard_group, Communicator* replicate_group,
+      DeviceOps* device, const HandleOptions& options = {});
+  // The same, sharing `layout` (immutable) instead of copying it: many
+  // handles of one model in one process (FsdpRuntime's, thousands of
+  // simulated ranks') hold one copy. REQUIRES: layout is not null.
+  static absl::StatusOr<std::unique_ptr<FlatParamHandle>> Create(
+      std::shared_ptr<const FlatParamLayout> layout,
       absl::Span<const ConstBufferRef> initial_params,
       Communicator* shard_group, Communicator* replicate_group,
       DeviceOps* device, const HandleOptions& options = {});
@@ -648,16 +664,20 @@ class FlatParamHandle {
   // ---- Memory ----
   const MemoryStats& memory() const { return tracker_.stats(); }
   void ResetPeakMemory() { tracker_.ResetPeaks(); }
+  // Counts this handle's bytes in `total` too, now and at every later
+  // allocation and free (MemoryTracker::ForwardTo): how FsdpRuntime keeps
+  // an exact model-wide peak. `total` must outlive the handle.
+  void ForwardMemoryTo(MemoryTracker* total) { tracker_.ForwardTo(total); }
 
  private:
   using TrackedBuffer = internal_handle::TrackedBuffer;
 
-  FlatParamHandle(const FlatParamLayout& layout, Communicator* shard_group,
-                  Communicator* replicate_group, DeviceOps* device,
-                  const HandleOptions& options);
+  FlatParamHandle(std::shared_ptr<const FlatParamLayout> layout,
+                  Communicator* shard_group, Communicator* replicate_group,
+                  DeviceOps* device, const HandleOptions& options);
 
   static absl::StatusOr<std::unique_ptr<FlatParamHandle>> CreateCommon(
-      const FlatParamLayout& layout, Communicator* shard_group,
+      std::shared_ptr<const FlatParamLayout> layout, Communicator* shard_group,
       Communicator* replicate_group, DeviceOps* device,
       const HandleOptions& options);
 
@@ -728,7 +748,9 @@ class FlatParamHandle {
   // RecordStream of `buffer` for `stream` (when allocated).
   absl::Status UsedBy(const TrackedBuffer& buffer, Stream stream);
 
-  const FlatParamLayout layout_;
+  // The layout, owned or shared (Create's overloads), and a reference to it.
+  const std::shared_ptr<const FlatParamLayout> layout_storage_;
+  const FlatParamLayout& layout_;
   Communicator* const shard_group_;
   Communicator* const replicate_group_;
   DeviceOps* const device_;

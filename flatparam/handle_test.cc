@@ -2049,6 +2049,48 @@ TEST(CreateTest, WithLocalShardUsesTheCallersBuffer) {
               IsOk());
 }
 
+// Meta parameters (shapes only): nothing is read from them, the shard is
+// zeros, and a count that does not match the layout is refused.
+TEST(CreateTest, MetaInitZeroFillsTheShardAndReadsNothing) {
+  Scenario s = Make(ShardingStrategy::kFullShard, 2);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(FlatParamLayout layout, MakeLayout(s));
+  std::vector<ConstBufferRef> meta;
+  for (const ParamInfo& p : layout.params()) {
+    meta.push_back({nullptr, p.numel, layout.dtype(), Device::Host()});
+  }
+  SimOptions options;
+  options.world_size = 2;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::unique_ptr<SimWorld> world,
+                                 SimWorld::Create(options));
+  ASSERT_THAT(world->Run([&](SimCommunicator& comm) -> absl::Status {
+    HostDeviceOps ops;
+    HandleOptions meta_init;
+    meta_init.meta_init = true;
+    FLATPARAM_ASSIGN_OR_RETURN(
+        std::unique_ptr<FlatParamHandle> h,
+        FlatParamHandle::Create(layout, meta, &comm, nullptr, &ops, meta_init));
+    const BufferRef shard = h->sharded_param();
+    EXPECT_EQ(shard.count, layout.sharded_numel());
+    for (int64_t i = 0; i < shard.count; ++i) {
+      EXPECT_EQ(static_cast<const float*>(shard.data)[i], 0.0f) << i;
+    }
+    std::vector<ConstBufferRef> wrong = meta;
+    wrong[1].count += 1;
+    EXPECT_THAT(
+        FlatParamHandle::Create(layout, wrong, &comm, nullptr, &ops, meta_init),
+        StatusIs(absl::StatusCode::kInvalidArgument,
+                 HasSubstr("meta parameter " + layout.params()[1].fqn)));
+    EXPECT_THAT(FlatParamHandle::Create(layout, absl::MakeSpan(meta).subspan(1),
+                                        &comm, nullptr, &ops, meta_init),
+                StatusIs(absl::StatusCode::kInvalidArgument));
+    // Without meta_init the null data is a bad argument, not a crash.
+    EXPECT_THAT(FlatParamHandle::Create(layout, meta, &comm, nullptr, &ops),
+                StatusIs(absl::StatusCode::kInvalidArgument));
+    return absl::OkStatus();
+  }),
+              IsOk());
+}
+
 // --- Asynchronous unshard and reduction
 // ----------------------------------------
 

@@ -24,6 +24,8 @@ absl::string_view MemoryCategoryName(MemoryCategory category) {
 void MemoryTracker::Allocated(MemoryCategory category,
                               MemoryPlacement placement, int64_t bytes) {
   const int c = static_cast<int>(category);
+  cells_[c][static_cast<int>(placement)] += bytes;
+  if (parent_ != nullptr) parent_->Allocated(category, placement, bytes);
   stats_.current[c] += bytes;
   stats_.peak[c] = std::max(stats_.peak[c], stats_.current[c]);
   if (placement == MemoryPlacement::kCompute) {
@@ -38,6 +40,8 @@ void MemoryTracker::Allocated(MemoryCategory category,
 void MemoryTracker::Freed(MemoryCategory category, MemoryPlacement placement,
                           int64_t bytes) {
   const int c = static_cast<int>(category);
+  cells_[c][static_cast<int>(placement)] -= bytes;
+  if (parent_ != nullptr) parent_->Freed(category, placement, bytes);
   stats_.current[c] -= bytes;
   assert(stats_.current[c] >= 0);
   if (placement == MemoryPlacement::kCompute) {
@@ -53,6 +57,18 @@ void MemoryTracker::ResetPeaks() {
   stats_.peak = stats_.current;
   stats_.compute_peak = stats_.compute_current;
   stats_.offload_peak = stats_.offload_current;
+}
+
+void MemoryTracker::ForwardTo(MemoryTracker* parent) {
+  parent_ = parent;
+  if (parent_ == nullptr) return;
+  for (int c = 0; c < kNumMemoryCategories; ++c) {
+    for (int p = 0; p < 2; ++p) {
+      if (cells_[c][p] == 0) continue;
+      parent_->Allocated(static_cast<MemoryCategory>(c),
+                         static_cast<MemoryPlacement>(p), cells_[c][p]);
+    }
+  }
 }
 
 }  // namespace flatparam

@@ -78,9 +78,18 @@ class MemoryTracker {
   // Sets every peak to the current value.
   void ResetPeaks();
   const MemoryStats& stats() const { return stats_; }
+  // Reports the bytes counted now to `parent` as allocations, and every
+  // later Allocated/Freed as well, so that `parent` totals several
+  // trackers with exact peaks (FsdpRuntime's model-wide accounting).
+  // `parent` must outlive this tracker's last event; null stops
+  // forwarding (what was forwarded stays counted in the old parent).
+  void ForwardTo(MemoryTracker* parent);
 
  private:
   MemoryStats stats_;
+  // Current bytes per category and placement, to forward.
+  std::array<std::array<int64_t, 2>, kNumMemoryCategories> cells_{};
+  MemoryTracker* parent_ = nullptr;
 };
 
 }  // namespace flatparam

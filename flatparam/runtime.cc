@@ -89,9 +89,10 @@ absl::string_view BackwardPrefetchName(BackwardPrefetch prefetch) {
   return "UNKNOWN";
 }
 
-FsdpRuntime::FsdpRuntime(const ModelLayout& layout, DeviceOps* device,
-                         const RuntimeOptions& options)
-    : layout_(layout),
+FsdpRuntime::FsdpRuntime(std::shared_ptr<const ModelLayout> layout,
+                         DeviceOps* device, const RuntimeOptions& options)
+    : layout_storage_(std::move(layout)),
+      layout_(*layout_storage_),
       device_(device),
       options_(options),
       comm_stats_(std::make_unique<CommStats>()) {}
@@ -144,6 +145,21 @@ absl::StatusOr<std::unique_ptr<FsdpRuntime>> FsdpRuntime::CreateUnitByUnit(
     const std::function<void(int unit)>& release, Communicator* world,
     DeviceOps* device, const HandleOptions& handle_options,
     const RuntimeOptions& options) {
+  return CreateUnitByUnit(std::make_shared<const ModelLayout>(layout),
+                          unit_params, release, world, device, handle_options,
+                          options);
+}
+
+absl::StatusOr<std::unique_ptr<FsdpRuntime>> FsdpRuntime::CreateUnitByUnit(
+    std::shared_ptr<const ModelLayout> layout_storage,
+    const UnitParamsFn& unit_params,
+    const std::function<void(int unit)>& release, Communicator* world,
+    DeviceOps* device, const HandleOptions& handle_options,
+    const RuntimeOptions& options) {
+  if (layout_storage == nullptr) {
+    return absl::InvalidArgumentError("FsdpRuntime: the layout is null");
+  }
+  const ModelLayout& layout = *layout_storage;
   if (world == nullptr || device == nullptr) {
     return absl::InvalidArgumentError(
         "FsdpRuntime: the world communicator and the DeviceOps are required");
@@ -174,8 +190,8 @@ absl::StatusOr<std::unique_ptr<FsdpRuntime>> FsdpRuntime::CreateUnitByUnit(
         shard_size, ShardingStrategyName(strategy), world->size(),
         hybrid ? ", not a multiple" : ""));
   }
-  auto rt =
-      std::unique_ptr<FsdpRuntime>(new FsdpRuntime(layout, device, options));
+  auto rt = std::unique_ptr<FsdpRuntime>(
+      new FsdpRuntime(layout_storage, device, options));
   rt->recorder_ = world->flight_recorder();
   Communicator* shard = world;
   Communicator* replicate = nullptr;
@@ -206,14 +222,17 @@ absl::StatusOr<std::unique_ptr<FsdpRuntime>> FsdpRuntime::CreateUnitByUnit(
       ScopedCollectiveContext context(
           rt->recorder_,
           {l.unit().empty() ? "<root>" : l.unit(), u, CollectivePhase::kInit});
-      handle = FlatParamHandle::Create(l, *initial, rt->shard_group_.get(),
-                                       rt->replicate_group_.get(), device,
-                                       handle_options);
+      // Shares the runtime's layout (the aliasing constructor).
+      handle = FlatParamHandle::Create(
+          std::shared_ptr<const FlatParamLayout>(layout_storage, &l), *initial,
+          rt->shard_group_.get(), rt->replicate_group_.get(), device,
+          handle_options);
     }
     if (release) release(u);
     FLATPARAM_RETURN_IF_ERROR(WithContext(
         handle.status(),
         absl::StrFormat("FsdpRuntime: unit %d (%s)", u, QuotedUnit(l.unit()))));
+    (*handle)->ForwardMemoryTo(&rt->memory_);
     rt->handles_.push_back(*std::move(handle));
     rt->units_by_name_[l.unit()] = u;
     if (l.unit().empty()) rt->root_ = u;
@@ -231,7 +250,6 @@ absl::StatusOr<std::unique_ptr<FsdpRuntime>> FsdpRuntime::CreateUnitByUnit(
   rt->ran_pre_forward_.assign(n, 0);
   rt->ran_pre_backward_.assign(n, 0);
   rt->last_backward_ran_.assign(n, 1);
-  rt->Observe(-1);
   return rt;
 }
 

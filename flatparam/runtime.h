@@ -288,6 +288,16 @@ class FsdpRuntime {
       const std::function<void(int unit)>& release, Communicator* world,
       DeviceOps* device, const HandleOptions& handle_options = {},
       const RuntimeOptions& options = {});
+  // The same, sharing `layout` (immutable) with the runtime and its handles
+  // instead of copying it: thousands of runtimes of one model in one
+  // process (fsdp plan --simulate's ranks) hold one layout.
+  // InvalidArgument for a null layout.
+  static absl::StatusOr<std::unique_ptr<FsdpRuntime>> CreateUnitByUnit(
+      std::shared_ptr<const ModelLayout> layout,
+      const UnitParamsFn& unit_params,
+      const std::function<void(int unit)>& release, Communicator* world,
+      DeviceOps* device, const HandleOptions& handle_options = {},
+      const RuntimeOptions& options = {});
 
   // The same with the initial parameters by fully-qualified name (as a
   // state dict): every non-tied parameter of layout.spec() must be present;
@@ -315,8 +325,7 @@ class FsdpRuntime {
   // Unit `unit`'s handle. REQUIRES: 0 <= unit < num_units(). The caller may
   // use it directly (sharded_param() for the optimizer, SetGradNone,
   // SetRequiresGrad, ...); hooks called on it directly bypass the runtime's
-  // bookkeeping, and the transient peak memory of direct calls is not seen
-  // by memory() (their current bytes are).
+  // bookkeeping (their memory is still counted by memory()).
   FlatParamHandle& handle(int unit) { return *handles_[unit]; }
   const FlatParamHandle& handle(int unit) const { return *handles_[unit]; }
   // The groups the handles use (counted; see comm_stats()). The replicate
@@ -445,11 +454,11 @@ class FsdpRuntime {
   // ---- Statistics ----
   // Summed over the handles: current[c] is the sum of the handles' current
   // bytes now; peak[c] (and compute_peak/offload_peak) the true model-wide
-  // peak of the sum, not the sum of per-handle peaks: only the handle being
-  // called allocates or frees, so the runtime resets that handle's peaks
-  // before each call and adds the other handles' current bytes to its peak
-  // during the call. (So a handle's own memory().peak covers only the
-  // runtime's last call on it.)
+  // peak of the sum, not the sum of per-handle peaks: every handle reports
+  // each allocation and free to one model-wide tracker as it happens
+  // (FlatParamHandle::ForwardMemoryTo), direct calls on handles included.
+  // (A handle's own memory().peak covers only the runtime's last call on
+  // it: the runtime resets it before each.)
   MemoryStats memory() const;
   // Sets every peak to the current value.
   void ResetPeakMemory();
@@ -459,7 +468,7 @@ class FsdpRuntime {
  private:
   enum class Phase : uint8_t { kIdle, kForward, kBackward };
 
-  FsdpRuntime(const ModelLayout& layout, DeviceOps* device,
+  FsdpRuntime(std::shared_ptr<const ModelLayout> layout, DeviceOps* device,
               const RuntimeOptions& options);
 
   absl::Status CheckUnit(absl::string_view op, int unit) const;
@@ -472,7 +481,6 @@ class FsdpRuntime {
   // Runs `call` on unit's handle with model-wide peak tracking.
   absl::Status Track(int unit,
                      const std::function<absl::Status(FlatParamHandle&)>& call);
-  void Observe(int called);
   void BeginIteration();
   // A backward over the previous forward (PreBackward's retained graph).
   absl::Status BeginRetainedBackward();
@@ -494,7 +502,10 @@ class FsdpRuntime {
       int unit, const std::function<absl::Status(FlatParamHandle&)>& call);
   absl::Status AllReduceScalar(float* value, ReduceOp op);
 
-  const ModelLayout layout_;
+  // The layout, owned or shared (CreateUnitByUnit's overloads), and a
+  // reference to it.
+  const std::shared_ptr<const ModelLayout> layout_storage_;
+  const ModelLayout& layout_;
   DeviceOps* const device_;
   const RuntimeOptions options_;
 
@@ -504,6 +515,9 @@ class FsdpRuntime {
   std::unique_ptr<CommStats> comm_stats_;
   std::unique_ptr<Communicator> shard_group_;
   std::unique_ptr<Communicator> replicate_group_;
+  // Memory: the model-wide total the handles forward to. Declared before
+  // them: their buffers are freed into it when they are destroyed.
+  MemoryTracker memory_;
   std::vector<std::unique_ptr<FlatParamHandle>> handles_;
   std::optional<int> root_;
   std::map<std::string, ParamLocation, std::less<>> params_by_fqn_;
@@ -546,8 +560,6 @@ class FsdpRuntime {
   // The rate limiter's free events, oldest first (compute stream).
   std::deque<Event> free_events_;
 
-  // Memory: the model-wide peaks.
-  MemoryStats peak_;
   RuntimeStats stats_;
 };
 

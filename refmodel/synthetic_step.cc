@@ -38,8 +38,8 @@ absl::StatusOr<std::vector<absl::Duration>> SyntheticForwardTimes(
 
 absl::Status RunSyntheticStep(FsdpRuntime& rt,
                               const std::vector<absl::Duration>& forward,
-                              const KernelFn& kernel,
-                              bool blocking_reductions) {
+                              const KernelFn& kernel, bool blocking_reductions,
+                              const std::vector<int>& skipped_units) {
   const int n = rt.num_units();
   if (rt.root_unit() != 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -65,7 +65,16 @@ absl::Status RunSyntheticStep(FsdpRuntime& rt,
   const absl::Duration root_half = forward[0] / 2;
   FLATPARAM_RETURN_IF_ERROR(rt.PreForward(0));
   FLATPARAM_RETURN_IF_ERROR(run(0, false, root_half, " (before layers)"));
+  std::vector<char> skip(n, 0);
+  for (int u : skipped_units) {
+    if (u < 1 || u >= n) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "synthetic step: skipped unit %d is not a layer (1..%d)", u, n - 1));
+    }
+    skip[u] = 1;
+  }
   for (int u = 1; u < n; ++u) {
+    if (skip[u]) continue;
     FLATPARAM_RETURN_IF_ERROR(rt.PreForward(u));
     FLATPARAM_RETURN_IF_ERROR(run(u, false, forward[u], ""));
     FLATPARAM_RETURN_IF_ERROR(rt.PostForward(u));
@@ -75,6 +84,7 @@ absl::Status RunSyntheticStep(FsdpRuntime& rt,
   FLATPARAM_RETURN_IF_ERROR(rt.PreBackward(0));
   FLATPARAM_RETURN_IF_ERROR(run(0, true, 2 * root_half, " (after layers)"));
   for (int u = n - 1; u >= 1; --u) {
+    if (skip[u]) continue;
     FLATPARAM_RETURN_IF_ERROR(rt.PreBackward(u));
     FLATPARAM_RETURN_IF_ERROR(run(u, true, 2 * forward[u], ""));
     FLATPARAM_RETURN_IF_ERROR(rt.PostBackward(u));

@@ -67,10 +67,16 @@ absl::StatusOr<std::vector<absl::Duration>> SyntheticForwardTimes(
 // BackwardPrefetch::kNone, the runtime without overlap. InvalidArgument
 // unless unit 0 is the root (prefix "") and `forward` has one entry per
 // unit; the runtime's and the kernel's errors are returned as they are.
+//
+// `skipped_units` (layers, not the root) are left out on this rank: their
+// hooks and kernels are not called, as for a conditional module that this
+// rank's input does not reach -- a program whose ranks disagree, for
+// showing how the simulator reports it.
 absl::Status RunSyntheticStep(FsdpRuntime& runtime,
                               const std::vector<absl::Duration>& forward,
                               const KernelFn& kernel,
-                              bool blocking_reductions = false);
+                              bool blocking_reductions = false,
+                              const std::vector<int>& skipped_units = {});
 
 // A kernel for host devices: spins for the call's duration of wall-clock
 // time (a CPU busy with compute, so that collectives progressing in the

@@ -77,6 +77,25 @@ absl::StatusOr<std::unique_ptr<SimWorld>> SimWorld::Create(SimOptions options) {
           "sim: fault %s has a negative or infinite delay", f.ToString()));
     }
   }
+  if (options.check_context && options.flight_recorder.capacity <= 0) {
+    return absl::InvalidArgumentError(
+        "sim: check_context reads the flight recorder's context, but the "
+        "recorder is off (flight_recorder.capacity 0)");
+  }
+  if (options.metadata_only) {
+    for (const FaultSpec& f : options.faults) {
+      if (f.kind == FaultSpec::Kind::kFlip) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "sim: fault %s flips a payload bit, but metadata_only moves no "
+            "payload",
+            f.ToString()));
+      }
+    }
+    if (options.checksum) {
+      return absl::InvalidArgumentError(
+          "sim: checksum hashes payloads, but metadata_only moves none");
+    }
+  }
   return std::unique_ptr<SimWorld>(new SimWorld(std::move(options)));
 }
 
@@ -130,6 +149,42 @@ void SimWorld::ThreadMain(int world_rank) {
     r.cv.wait(lock, [&] { return running_ == r.id || start_failed_; });
     if (start_failed_) return;
   }
+  RunRankFunction(r);
+}
+
+void SimWorld::FiberEntry(void* arg) {
+  Rank* rank = static_cast<Rank*>(arg);
+  rank->world->FiberMain(*rank);
+}
+
+void SimWorld::FiberMain(Rank& r) {
+  // Whoever switched here holds mu_ (every switch happens in PassBaton).
+  std::unique_lock<std::mutex> held(mu_, std::adopt_lock);
+  held.unlock();
+  RunRankFunction(r);
+  // Not reached: the finished fiber switched away for good.
+}
+
+void* SimWorld::RunnerEntry(void* arg) {
+  SimWorld* world = static_cast<SimWorld*>(arg);
+  world->runner_fiber_ = internal_sim::FiberContext::ForCurrentThread();
+  std::unique_lock<std::mutex> lock(world->mu_);
+  // Returns once every rank has returned (the last switches back here).
+  world->PassBaton(lock, nullptr);
+  return nullptr;
+}
+
+void SimWorld::SwitchFiber(Rank* from, Rank* to) {
+  internal_sim::FiberContext& from_context =
+      from != nullptr ? *from->fiber : *runner_fiber_;
+  internal_sim::FiberContext& to_context =
+      to != nullptr ? *to->fiber : *runner_fiber_;
+  tls_rank = to;
+  from_context.SwitchTo(to_context,
+                        from != nullptr && from->state == Rank::State::kDone);
+}
+
+void SimWorld::RunRankFunction(Rank& r) {
   absl::Status status;
   try {
     status = fn_(*r.comm);
@@ -158,6 +213,36 @@ absl::Status SimWorld::Run(RankFn fn) {
   const int n = options_.world_size;
   rank_statuses_.assign(n, absl::OkStatus());
   for (auto& rank : ranks_) MakeRunnable(*rank);
+  if (fibers()) {
+    for (auto& rank : ranks_) {
+      absl::StatusOr<std::unique_ptr<internal_sim::FiberContext>> fiber =
+          internal_sim::FiberContext::Create(options_.stack_bytes,
+                                             &SimWorld::FiberEntry, rank.get());
+      if (!fiber.ok()) {
+        return absl::Status(
+            fiber.status().code(),
+            absl::StrFormat("%s (rank %d of %d)", fiber.status().message(),
+                            rank->id, n));
+      }
+      rank->fiber = *std::move(fiber);
+    }
+    pthread_t runner;
+    const int err =
+        pthread_create(&runner, nullptr, &SimWorld::RunnerEntry, this);
+    if (err != 0) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "sim: could not start the thread that runs the ranks' fibers: %s",
+          std::strerror(err)));
+    }
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      AwaitCompletion(lock);
+    }
+    pthread_join(runner, nullptr);
+    for (auto& rank : ranks_) rank->fiber.reset();
+    runner_fiber_.reset();
+    return Finished();
+  }
 
   pthread_attr_t attr;
   pthread_attr_init(&attr);
@@ -200,7 +285,11 @@ absl::Status SimWorld::Run(RankFn fn) {
     rank->started = false;
   }
   if (!start_status.ok()) return start_status;
+  return Finished();
+}
 
+absl::Status SimWorld::Finished() {
+  const int n = options_.world_size;
   std::stable_sort(trace_.begin(), trace_.end(),
                    [](const TraceEvent& a, const TraceEvent& b) {
                      return std::tie(a.rank, a.op) < std::tie(b.rank, b.op);

@@ -14,10 +14,13 @@
 //   });
 //   FLATPARAM_RETURN_IF_ERROR(world->WriteChromeTrace("/tmp/trace.json"));
 //
-// Scheduling. Each rank runs on its own thread, but a baton makes sure that
-// exactly one rank runs at a time. A rank gives up the baton only at a
-// scheduling point: when it issues a collective, waits on an unfinished
-// Work, calls SimCommunicator::Yield() or returns. The next rank to run is
+// Scheduling. Each rank runs on its own thread (or, with
+// SimOptions::Execution::kFibers, as a fiber on one thread: a resumable
+// task with its own stack, for thousands of ranks), but a baton makes sure
+// that exactly one rank runs at a time. A rank gives up the baton only at a
+// scheduling point: when it issues a collective (unless
+// SimOptions::yield_on_issue is off), waits on an unfinished Work, calls
+// SimCommunicator::Yield() or returns. The next rank to run is
 // drawn from the runnable ranks by one PRNG seeded with SimOptions::seed,
 // so a seed fixes the interleaving (schedule()), and with it every byte and
 // trace event of a deterministic program; other seeds explore other
@@ -169,9 +172,26 @@ struct SimOptions {
   // which rank holds the baton and what every rank waits on to stderr and
   // aborts the process rather than hang. absl::InfiniteDuration() disables.
   absl::Duration stall_timeout = absl::Minutes(5);
-  // Stack size of each rank's thread: small, so that thousands of ranks are
-  // cheap; raise it for rank functions with large stack frames.
+  // Stack size of each rank's thread or fiber: small, so that thousands of
+  // ranks are cheap; raise it for rank functions with large stack frames.
   size_t stack_bytes = 1 << 20;
+  // How the ranks run. kThreads: a thread per rank, the baton handed from
+  // thread to thread. kFibers: every rank is a fiber (its own stack, a
+  // ucontext) on one thread, resumed where it gave up the baton, so a
+  // hand-off is a user-space context switch rather than a wake-up through
+  // the kernel -- what makes a step at thousands of ranks affordable
+  // (`fsdp plan --simulate`). Schedules, results, detection and the stall
+  // check are the same (the stall check watches from the calling thread).
+  // Fibers share their thread's thread_local variables: a rank function
+  // keeping per-rank state in them needs kThreads.
+  enum class Execution : uint8_t { kThreads, kFibers };
+  Execution execution = Execution::kThreads;
+  // Issuing a collective is a scheduling point (the baton may pass to
+  // another rank), so that seeds explore interleavings of issues. Off, a
+  // rank keeps the baton until it waits on an unfinished operation, yields
+  // or returns: fewer hand-offs, the same results (virtual time does not
+  // depend on the interleaving), fewer interleavings explored.
+  bool yield_on_issue = true;
   // Every rank's collectives, over all its groups, run in the order the
   // rank issued them, as NCCL's do on one CUDA stream: an operation starts
   // only once it is the oldest unfinished operation of each of its
@@ -188,6 +208,26 @@ struct SimOptions {
   // CPU (1.6 us against 21 us per hand-off on the 2-core CI machine). Turn
   // it off when that CPU is busy with other work.
   bool single_cpu = true;
+  // Collectives carry sizes, not data: buffers are checked, matched,
+  // ordered and timed as usual, but no byte is read or written, so their
+  // pointers may be placeholders that map no memory (SimDeviceOptions::
+  // metadata_only's) -- how `fsdp plan --simulate` runs a step of a model
+  // far larger than this machine. AllGatherBytes and Split still move their
+  // (small, host) payloads. Checksums and flip faults, which need the
+  // bytes, are refused with it.
+  bool metadata_only = false;
+  // Members of an operation must also agree on the FSDP context their
+  // callers set (the unit and phase of the rank's flight recorder context,
+  // comm/flight_recorder.h), as `--desync-check` makes real backends check:
+  // ranks that issue equal collectives from different units (one skipped a
+  // unit, or ran a conditional one) are desynchronised at that operation
+  // rather than silently exchanging the wrong unit's data. A member with no
+  // context matches any. Needs the flight recorder (capacity > 0).
+  bool check_context = false;
+  // Keep every collective call's TraceEvent (trace(), ChromeTraceJson()).
+  // Off, trace() stays empty: at thousands of ranks the events are most of
+  // the simulator's memory.
+  bool keep_trace = true;
   // Each rank's flight recorder (comm/flight_recorder.h): every collective
   // of the rank, on any of its groups, with the FSDP context its caller
   // set. Capacity 0 records nothing.
@@ -218,6 +258,7 @@ class SimWorld;
 namespace internal_sim {
 using OpKind = ::flatparam::CollectiveOp;
 struct Call;
+class FiberContext;
 }  // namespace internal_sim
 
 // The Communicator of one rank in one group of a SimWorld. Besides the
@@ -291,8 +332,8 @@ class SimCommunicator final : public Communicator {
 class SimWorld {
  public:
   // InvalidArgument for world_size < 1, a non-positive bandwidth, a negative
-  // latency or compute time, stack_bytes under 64 KiB, or a fault whose
-  // rank is outside the world.
+  // latency or compute time, stack_bytes under 64 KiB, a fault whose rank
+  // is outside the world, or metadata_only with checksums or a flip fault.
   static absl::StatusOr<std::unique_ptr<SimWorld>> Create(SimOptions options);
 
   ~SimWorld();
@@ -322,6 +363,11 @@ class SimWorld {
   const std::vector<int>& schedule() const { return schedule_; }
   // After Run(): each rank's final virtual clock.
   std::vector<absl::Duration> clocks() const;
+  // After Run(): the first collective that failed, as its first member saw
+  // it (OK when none did) -- the cause, where ranks return later errors
+  // (an aborted group, a stream-ordered failure surfacing at a later host
+  // wait).
+  const absl::Status& first_failure() const { return first_failure_; }
 
   // The trace as Chrome trace-event JSON: process/thread-name metadata,
   // then one complete ("X") event per TraceEvent with ts/dur in virtual
@@ -381,6 +427,19 @@ class SimWorld {
   void ArriveNextAt(int world_rank, absl::Duration t);
   void ThreadMain(int world_rank);
   static void* ThreadEntry(void* arg);
+  // The rank's function, its status recorded (either execution).
+  void RunRankFunction(Rank& r);
+  // After every rank returned: sorts the trace, and Run()'s status.
+  absl::Status Finished();
+  // Execution::kFibers: the runner thread's loop, a fiber's body, and a
+  // switch from `from` (null: the runner) to `to` (null: the runner).
+  static void* RunnerEntry(void* arg);
+  static void FiberEntry(void* arg);
+  void FiberMain(Rank& r);
+  void SwitchFiber(Rank* from, Rank* to);
+  bool fibers() const {
+    return options_.execution == SimOptions::Execution::kFibers;
+  }
 
   // Scheduler internals; the caller holds mu_ (`lock`).
   void PassBaton(std::unique_lock<std::mutex>& lock, Rank* self);
@@ -413,7 +472,11 @@ class SimWorld {
   void Finish(Op& op);
   // one_stream_per_rank: whether `op` is the oldest unfinished operation of
   // each member, and running the operations that became so.
-  bool AtFront(Op& op);
+  bool AtFront(const Op& op) const;
+  // Pops `r`'s finished operations off its queue and counts r for the
+  // operation now at its front (Op::at_front), queueing that operation to
+  // run when it is at every member's front and waits only for that.
+  void AdvanceFront(Rank& r);
   void ExecuteUnblocked();
   void FailOp(Op& op, absl::StatusCode code, absl::string_view text);
   void AbortGroup(Group& group, absl::string_view reason);
@@ -437,10 +500,16 @@ class SimWorld {
   RankFn fn_;
   std::vector<char> scratch_;  // reduction accumulator
   // one_stream_per_rank: operations every member issued that wait for an
-  // older operation of one of them.
-  std::vector<std::shared_ptr<Op>> blocked_ops_;
+  // older operation of one of them (Op::blocked) and that may be at the
+  // front of every member's queue now (an operation ahead of them in some
+  // queue finished).
+  std::deque<std::shared_ptr<Op>> unblock_candidates_;
+  uint64_t next_op_uid_ = 0;
 
   std::vector<absl::Status> rank_statuses_;
+  absl::Status first_failure_;
+  // Execution::kFibers: the runner thread's own context.
+  std::unique_ptr<internal_sim::FiberContext> runner_fiber_;
   std::vector<TraceEvent> trace_;
   std::vector<int> schedule_;
 };

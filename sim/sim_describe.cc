@@ -1,6 +1,7 @@
 // How the simulator names calls and ranks in its messages and trace.
 #include <algorithm>
 #include <cstddef>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -15,23 +16,59 @@
 namespace flatparam {
 namespace internal_sim {
 
-std::string ListByRank(const std::vector<std::pair<int, std::string>>& items) {
-  std::string out;
+std::string RankSet(const std::vector<int>& ranks, size_t cap) {
+  std::vector<std::string> pieces;
+  size_t shown = 0;
   size_t i = 0;
-  while (i < items.size()) {
+  while (i < ranks.size()) {
     size_t j = i + 1;
-    while (j < items.size() && items[j].second == items[i].second &&
-           items[j].first == items[j - 1].first + 1) {
-      ++j;
+    if (j < ranks.size()) {
+      const int stride = ranks[j] - ranks[i];
+      while (j + 1 < ranks.size() && ranks[j + 1] - ranks[j] == stride) ++j;
+      // A run: consecutive ranks, or three or more at one stride.
+      if (stride == 1 || j - i >= 2) {
+        if (pieces.size() < cap) {
+          pieces.push_back(stride == 1
+                               ? absl::StrFormat("%d-%d", ranks[i], ranks[j])
+                               : absl::StrFormat("%d-%d step %d", ranks[i],
+                                                 ranks[j], stride));
+          shown += j - i + 1;
+        }
+        i = j + 1;
+        continue;
+      }
     }
-    if (j - i == 1) {
-      absl::StrAppendFormat(&out, "\n  rank %d: %s", items[i].first,
-                            items[i].second);
-    } else {
-      absl::StrAppendFormat(&out, "\n  ranks %d-%d: %s", items[i].first,
-                            items[j - 1].first, items[i].second);
+    if (pieces.size() < cap) {
+      pieces.push_back(absl::StrCat(ranks[i]));
+      ++shown;
     }
-    i = j;
+    i = i + 1;
+  }
+  std::string out = absl::StrJoin(pieces, ", ");
+  if (shown < ranks.size()) {
+    absl::StrAppend(&out, " and ", ranks.size() - shown, " more");
+  }
+  return out;
+}
+
+std::string ListByRank(const std::vector<std::pair<int, std::string>>& items) {
+  // One line per distinct text, in order of first appearance, with its
+  // ranks (sorted) as runs: a desync of a replicate group (every 8th rank)
+  // at thousands of ranks stays two lines.
+  std::vector<const std::string*> texts;
+  std::map<absl::string_view, std::vector<int>> ranks_of;
+  for (const auto& [rank, text] : items) {
+    std::vector<int>& ranks = ranks_of[text];
+    if (ranks.empty()) texts.push_back(&text);
+    ranks.push_back(rank);
+  }
+  std::string out;
+  for (const std::string* text : texts) {
+    std::vector<int>& ranks = ranks_of[*text];
+    std::sort(ranks.begin(), ranks.end());
+    absl::StrAppendFormat(&out, "\n  rank%s %s: %s",
+                          ranks.size() == 1 ? "" : "s", RankSet(ranks, 16),
+                          *text);
   }
   return out;
 }

@@ -38,6 +38,14 @@ bool SameCollective(OpKind ka, const internal_sim::Call& a, OpKind kb,
   return ka != OpKind::kBroadcast || a.root == b.root;
 }
 
+// Contexts conflict when both name a unit or phase and they differ.
+bool SameContext(const CollectiveContext& a, const CollectiveContext& b) {
+  const bool a_set = a.handle >= 0 || a.phase != CollectivePhase::kNone;
+  const bool b_set = b.handle >= 0 || b.phase != CollectivePhase::kNone;
+  if (!a_set || !b_set) return true;
+  return a.handle == b.handle && a.unit == b.unit && a.phase == b.phase;
+}
+
 }  // namespace
 
 bool SimWorld::RejectMismatch(Op& op) {
@@ -49,11 +57,21 @@ bool SimWorld::RejectMismatch(Op& op) {
     same = same &&
            SameCollective(ms[0].call.kind, ms[0].call, m.call.kind, m.call);
   }
-  if (!same) {
+  bool same_context = true;
+  if (options_.check_context) {
+    for (const OpMember& m : ms) {
+      same_context = same_context && SameContext(ms[0].context, m.context);
+    }
+  }
+  if (!same || !same_context) {
     std::vector<std::pair<int, std::string>> items;
     for (const OpMember& m : ms) {
       std::string s = absl::StrFormat("%s #%d%s", KindName(m.call.kind), op.seq,
                                       InParens(Detail(m.call.kind, m.call)));
+      if (options_.check_context) {
+        const std::string context = DescribeContext(m.context);
+        if (!context.empty()) absl::StrAppend(&s, " from ", context);
+      }
       if (m.invalid) {
         absl::StrAppend(&s, " [invalid: ", m.status.message(), "]");
       }
@@ -61,9 +79,13 @@ bool SimWorld::RejectMismatch(Op& op) {
     }
     FailOp(op, absl::StatusCode::kInternal,
            absl::StrFormat("desynchronised: the members of group %d issued "
-                           "different collectives as its operation #%d; per "
+                           "different collectives%s as its operation #%d; per "
                            "rank:%s",
-                           g.id, op.seq, ListByRank(items)));
+                           g.id,
+                           same ? " (equal sizes, different FSDP units "
+                                  "or phases)"
+                                : "",
+                           op.seq, ListByRank(items)));
     AbortGroup(g, absl::StrFormat("its members desynchronised at operation #%d",
                                   op.seq));
     return true;

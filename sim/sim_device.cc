@@ -36,7 +36,47 @@ void SimRankClock::AdvanceTo(absl::Duration t) {
 }
 
 SimDeviceOps::SimDeviceOps(SimDeviceOptions options)
-    : options_(options), rng_(options.seed), streams_(1) {}
+    : options_(options),
+      rng_(options.seed),
+      streams_(1),
+      // Far above the heap; never dereferenced.
+      next_placeholder_(uintptr_t{1} << 44) {
+  host_agent_ = Agent{kHost, NewSlot(), 1};
+  streams_[0].agent = Agent{StreamAgent(0), NewSlot(), 1};
+}
+
+int32_t SimDeviceOps::NewSlot() {
+  slot_gen_.push_back(1);
+  slot_refs_.push_back(0);
+  slot_is_collective_.push_back(0);
+  return static_cast<int32_t>(slot_gen_.size() - 1);
+}
+
+SimDeviceOps::Agent SimDeviceOps::NewCollectiveAgent(int64_t id) {
+  int32_t slot;
+  if (free_slots_.empty()) {
+    slot = NewSlot();
+    slot_is_collective_[slot] = 1;
+  } else {
+    slot = free_slots_.back();
+    free_slots_.pop_back();
+    ++slot_gen_[slot];
+  }
+  return Agent{-1 - id, slot, slot_gen_[slot]};
+}
+
+void SimDeviceOps::MaybeRecycle(int32_t slot) {
+  if (slot_is_collective_[slot] && slot_refs_[slot] == 0 &&
+      slot != issuing_slot_) {
+    free_slots_.push_back(slot);
+  }
+}
+
+void SimDeviceOps::DropAccess(const Access& a) {
+  if (slot_gen_[a.slot] != a.gen) return;
+  --slot_refs_[a.slot];
+  MaybeRecycle(a.slot);
+}
 
 absl::Duration SimDeviceOps::HostNow() const {
   return options_.host_clock != nullptr ? options_.host_clock->Now()
@@ -67,20 +107,36 @@ SimDeviceOps::~SimDeviceOps() {
   RunUntil([] { return false; });
   for (auto& [p, block] : blocks_) {
     assert(block.freed && "a SimDeviceOps block outlived its ops");
-    ::operator delete (const_cast<char*>(p), std::align_val_t{64});
+    if (!options_.metadata_only) {
+      ::operator delete (const_cast<char*>(p), std::align_val_t{64});
+    }
   }
 }
 
 void SimDeviceOps::Join(Clock& into, const Clock& from) {
-  for (const auto& [agent, t] : from) {
-    int64_t& mine = into[agent];
-    mine = std::max(mine, t);
+  if (into.size() < from.size()) into.resize(from.size());
+  for (size_t i = 0; i < from.size(); ++i) {
+    const Tick& t = from[i];
+    Tick& mine = into[i];
+    // A later generation replaces a recycled slot's dead agent.
+    if (t.gen > mine.gen || (t.gen == mine.gen && t.time > mine.time)) {
+      mine = t;
+    }
   }
 }
 
 bool SimDeviceOps::OrderedBefore(const Access& a, const Clock& later) {
-  auto it = later.find(a.agent);
-  return it != later.end() && it->second >= a.time;
+  return static_cast<size_t>(a.slot) < later.size() &&
+         later[a.slot].gen == a.gen && later[a.slot].time >= a.time;
+}
+
+int64_t SimDeviceOps::Tock(Clock& clock, const Agent& agent) {
+  if (clock.size() <= static_cast<size_t>(agent.slot)) {
+    clock.resize(agent.slot + 1);
+  }
+  Tick& t = clock[agent.slot];
+  if (t.gen != agent.gen) t = Tick{agent.gen, 0};
+  return ++t.time;
 }
 
 std::string SimDeviceOps::AgentName(int64_t agent) const {
@@ -113,47 +169,58 @@ SimDeviceOps::Block* SimDeviceOps::Find(const void* p, int64_t bytes,
   return &it->second;
 }
 
-void SimDeviceOps::Touch(int64_t agent, const Clock& clock,
+void SimDeviceOps::Touch(const Agent& agent, const Clock& clock,
                          absl::string_view what, ConstBufferRef buffer,
                          bool write) {
   if (buffer.count == 0 || buffer.device == Device::Host()) return;
   int64_t offset = 0;
   Block* block = Find(buffer.data, buffer.bytes(), &offset);
   if (block == nullptr) return;  // not memory of these ops
-  const std::string me =
-      absl::StrFormat("%s (%s, %s %s)", what, AgentName(agent),
-                      write ? "writes" : "reads", Describe(buffer));
+  // Only a report needs the access described.
+  auto me = [&] {
+    return absl::StrFormat("%s (%s, %s %s)", what, AgentName(agent.id),
+                           write ? "writes" : "reads", Describe(buffer));
+  };
   if (block->freed) {
-    Report(absl::StrCat("use after free: ", me, " after it was ",
-                        block->freed_by));
+    Report(absl::StrFormat(
+        "use after free: %s after it was freed (%d bytes of stream %d)", me(),
+        block->bytes, block->stream));
     return;
   }
   const int64_t end = offset + buffer.bytes();
   for (const Access& a : block->accesses) {
-    if (a.agent == agent || (!a.write && !write)) continue;
+    if (a.agent == agent.id || (!a.write && !write)) continue;
     if (a.offset >= end || offset >= a.offset + a.bytes) continue;
     if (OrderedBefore(a, clock)) continue;
     Report(absl::StrFormat(
         "race: %s is not ordered after %s (%s, %s bytes [%d, %d) of the "
         "block)",
-        me, a.what, AgentName(a.agent), a.write ? "writes" : "reads", a.offset,
-        a.offset + a.bytes));
+        me(), a.what, AgentName(a.agent), a.write ? "writes" : "reads",
+        a.offset, a.offset + a.bytes));
   }
-  const int64_t time = clock.at(agent);
-  if (write) {
-    // Accesses this write covers and follows are no longer needed to find
-    // races: anything racing with them races with this write too.
-    block->accesses.erase(
-        std::remove_if(block->accesses.begin(), block->accesses.end(),
-                       [&](const Access& a) {
-                         return a.offset >= offset &&
-                                a.offset + a.bytes <= end &&
-                                (a.agent == agent || OrderedBefore(a, clock));
-                       }),
-        block->accesses.end());
+  const int64_t time = clock[agent.slot].time;
+  // Accesses this one covers and follows are no longer needed to find
+  // races: an access that races with one of them races with this one too
+  // (ordering is transitive). A write replaces any; a read replaces reads.
+  // So a buffer read by every step's collective keeps one reader.
+  std::vector<Access>& list = block->accesses;
+  size_t kept = 0;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const Access& a = list[i];
+    const bool replaced = (write || !a.write) && a.offset >= offset &&
+                          a.offset + a.bytes <= end &&
+                          (a.agent == agent.id || OrderedBefore(a, clock));
+    if (replaced) {
+      DropAccess(a);
+    } else {
+      if (kept != i) list[kept] = std::move(list[i]);
+      ++kept;
+    }
   }
-  block->accesses.push_back(
-      Access{offset, buffer.bytes(), write, agent, time, std::string(what)});
+  list.resize(kept);
+  ++slot_refs_[agent.slot];
+  list.push_back(Access{offset, buffer.bytes(), write, agent.id, agent.slot,
+                        agent.gen, time, std::string(what)});
 }
 
 int64_t SimDeviceOps::CollectiveIssued(absl::string_view what,
@@ -167,15 +234,18 @@ int64_t SimDeviceOps::AddCollective(absl::string_view what,
                                     const Clock* after, ConstBufferRef input,
                                     ConstBufferRef output) {
   const int64_t id = next_collective_++;
-  const int64_t agent = -1 - id;
-  ++host_[kHost];
+  const Agent agent = NewCollectiveAgent(id);
+  Tock(host_, host_agent_);
   Clock clock = host_;
   if (after != nullptr) Join(clock, *after);
-  clock[agent] = 1;
+  Tock(clock, agent);
   const std::string name = absl::StrCat(what, " #", id, suffix);
+  issuing_slot_ = agent.slot;
   Touch(agent, clock, name, input, /*write=*/false);
   Touch(agent, clock, name, output, /*write=*/true);
-  collectives_[agent] = std::move(clock);
+  issuing_slot_ = -1;
+  MaybeRecycle(agent.slot);
+  collectives_[agent.id] = std::move(clock);
   return id;
 }
 
@@ -206,6 +276,10 @@ void SimDeviceOps::CollectiveDone(int64_t id) {
   if (it == collectives_.end()) return;
   Join(host_, it->second);
   collectives_.erase(it);
+}
+
+void SimDeviceOps::CollectiveReleased(int64_t id) {
+  collectives_.erase(-1 - id);
 }
 
 absl::Status SimDeviceOps::CollectiveWaitedOn(
@@ -245,8 +319,8 @@ absl::Status SimDeviceOps::Kernel(std::string what,
 
 void SimDeviceOps::HostAccess(absl::string_view what, ConstBufferRef buffer,
                               bool write) {
-  ++host_[kHost];
-  Touch(kHost, host_, what, buffer, write);
+  Tock(host_, host_agent_);
+  Touch(host_agent_, host_, what, buffer, write);
 }
 
 absl::Status SimDeviceOps::Issue(std::string what,
@@ -256,10 +330,10 @@ absl::Status SimDeviceOps::Issue(std::string what,
                                  absl::Duration duration) {
   const int32_t s = current_stream().id;
   StreamState& stream = streams_[s];
-  const int64_t agent = StreamAgent(s);
+  const Agent agent = stream.agent;
   // Ordered after the stream's earlier work and the host's issuing it.
   Join(stream.clock, host_);
-  ++stream.clock[agent];
+  Tock(stream.clock, agent);
   for (ConstBufferRef r : reads) Touch(agent, stream.clock, what, r, false);
   for (ConstBufferRef w : writes) Touch(agent, stream.clock, what, w, true);
   bool touches_host = false;
@@ -278,7 +352,7 @@ absl::Status SimDeviceOps::Issue(std::string what,
   }
   Op op;
   op.what = std::move(what);
-  op.run = std::move(run);
+  if (!options_.metadata_only) op.run = std::move(run);
   op.issued_at = HostNow();
   op.duration = duration;
   stream.queue.push_back(std::move(op));
@@ -327,7 +401,7 @@ void SimDeviceOps::RunUntil(const std::function<bool()>& done) {
     // May block the rank's thread (a wait for a collective); other ranks
     // run meanwhile, but nothing of these ops does.
     if (op.ready) start = std::max(start, op.ready());
-    op.run();
+    if (op.run) op.run();
     StreamState& s = streams_[pick];
     s.free_at = start + op.duration;
     s.busy += op.duration;
@@ -355,11 +429,15 @@ absl::Status SimDeviceOps::Synchronize() {
 absl::Status SimDeviceOps::DoNewStream(Stream stream) {
   assert(static_cast<size_t>(stream.id) == streams_.size());
   streams_.emplace_back();
+  streams_.back().agent = Agent{StreamAgent(stream.id), NewSlot(), 1};
   return absl::OkStatus();
 }
 
 absl::Status SimDeviceOps::DoRecordEvent(Event event) {
   StreamState& s = streams_[event.stream.id];
+  if (static_cast<size_t>(event.id) >= events_.size()) {
+    events_.resize(event.id + 1);
+  }
   EventState& e = events_[event.id];
   e = EventState{s.clock, event.stream.id, s.issued, std::nullopt};
   if (s.done == s.issued) {
@@ -417,6 +495,18 @@ absl::Status SimDeviceOps::DoRecordStream(ConstBufferRef buffer,
 
 absl::StatusOr<void*> SimDeviceOps::DoAllocate(Device device, int64_t bytes,
                                                bool pinned) {
+  if (options_.metadata_only && device != Device::Host()) {
+    // Placeholders 256-byte aligned as CUDA's allocations, one past the
+    // other (a zero-byte block still gets its own address).
+    void* p = reinterpret_cast<void*>(next_placeholder_);
+    next_placeholder_ +=
+        (static_cast<uintptr_t>(bytes) + 511) & ~uintptr_t{255};
+    Block& block = blocks_[static_cast<const char*>(p)];
+    block = Block{};
+    block.bytes = bytes;
+    block.stream = current_stream().id;
+    return p;
+  }
   void* p = ::operator new (static_cast<size_t>(bytes), std::align_val_t{64},
                             std::nothrow);
   if (p == nullptr) {
@@ -448,6 +538,7 @@ void SimDeviceOps::DoFree(void* data, Device device, bool pinned) {
   Join(reuse, host_);
   for (int32_t s : block.recorded) Join(reuse, streams_[s].clock);
   for (const Access& a : block.accesses) {
+    DropAccess(a);
     if (OrderedBefore(a, reuse)) continue;
     Report(absl::StrFormat(
         "freed while in use: %s (%s, %s bytes [%d, %d)) is not ordered before "
@@ -456,8 +547,6 @@ void SimDeviceOps::DoFree(void* data, Device device, bool pinned) {
         a.offset + a.bytes, block.stream));
   }
   block.freed = true;
-  block.freed_by = absl::StrFormat("freed (%d bytes of stream %d)", block.bytes,
-                                   block.stream);
   block.accesses.clear();
   quarantine_.push_back(p);
   quarantined_bytes_ += block.bytes;
@@ -468,7 +557,9 @@ void SimDeviceOps::DoFree(void* data, Device device, bool pinned) {
     quarantine_.pop_front();
     quarantined_bytes_ -= blocks_.at(old).bytes;
     blocks_.erase(old);
-    ::operator delete (const_cast<char*>(old), std::align_val_t{64});
+    if (!options_.metadata_only) {
+      ::operator delete (const_cast<char*>(old), std::align_val_t{64});
+    }
   }
 }
 
@@ -518,6 +609,9 @@ class CheckedWork final : public Work {
         id_(id),
         sim_(sim),
         stream_ordered_(stream_ordered) {}
+  // A queued stream wait holds the inner Work, not this one: nothing can
+  // ask for the collective's clock any more.
+  ~CheckedWork() override { ops_->CollectiveReleased(id_); }
   absl::Status Wait() override {
     absl::Status status = inner_->Wait();
     if (!done_) {

@@ -26,7 +26,10 @@
 //
 // Race detection, independent of the seed. Each agent -- the host (the
 // caller's thread), each stream, each collective (reported by
-// StreamCheckedCommunicator from issue to Wait) -- has a vector clock:
+// StreamCheckedCommunicator from issue to Wait) -- has a vector clock
+// (dense, over the agents that still have recorded accesses: a
+// collective's entry is recycled once none of its accesses is kept, so the
+// clocks stay small over millions of collectives):
 // work issued on a stream is ordered after the stream's earlier work and
 // after everything the host did before issuing it; RecordEvent captures the
 // stream's clock, WaitEvent joins it into the waiting stream's,
@@ -36,12 +39,14 @@
 // checked against the earlier accesses to the same allocation; two
 // accesses conflict when one writes and neither is ordered before the
 // other. A conflict is reported with both operations, their agents and the
-// buffer. Freeing is checked the way a caching allocator reuses memory:
-// the block is reusable at once by its allocating stream, so every earlier
-// access must be ordered before that stream's clock at the free (joined
-// with the streams recorded by RecordStream, which is what record_stream
-// buys); otherwise "freed while in use" is reported. An access to a freed
-// block is a use after free.
+// buffer. An access replaces the recorded ones it covers and is ordered
+// after (a write any, a read the reads): whatever races with them races
+// with it, so each buffer keeps a few accesses however often it is read.
+// Freeing is checked the way a caching allocator reuses memory: the block is
+// reusable at once by its allocating stream, so every earlier access must be
+// ordered before that stream's clock at the free (joined with the streams
+// recorded by RecordStream, which is what record_stream buys); otherwise "freed
+// while in use" is reported. An access to a freed block is a use after free.
 //
 // Virtual time, also independent of the seed. Every operation has a
 // duration: Kernel() takes one (the caller's forward or backward, from a
@@ -130,6 +135,14 @@ struct SimDeviceOptions {
   // Virtual time of the memory operations: bytes read plus bytes written
   // per second; 0 makes them instantaneous.
   double memory_bytes_per_second = 0;
+  // Device memory holds no bytes: allocations are placeholder addresses
+  // that map nothing (never reused, so a late access is still found), and
+  // no operation reads or writes data -- Copy, Fill, Cast, Scale, Add and
+  // a Kernel's `run` are checked, ordered and timed, not executed. With
+  // SimOptions::metadata_only this runs the real runtime's step on a model
+  // of any size in the memory of its metadata (`fsdp plan --simulate`).
+  // Host memory is still real.
+  bool metadata_only = false;
   // The host's clock (borrowed; must outlive the ops), or null for a clock
   // of the ops' own that starts at zero and moves only when the host
   // synchronizes.
@@ -174,6 +187,9 @@ class SimDeviceOps final : public DeviceOps {
                                                 absl::Duration* arrival);
   // The host waited for collective `id`: the host is ordered after it.
   void CollectiveDone(int64_t id);
+  // Nothing will wait for collective `id` any more (its Work is gone): its
+  // clock is dropped.
+  void CollectiveReleased(int64_t id);
   // Work issued on `stream` from now on runs after collective `id`: a wait
   // is queued there whose execution calls `end` (which may block the
   // rank's thread until the collective is done) for the collective's end
@@ -190,6 +206,11 @@ class SimDeviceOps final : public DeviceOps {
   absl::Status CheckNoRaces() const;
   // Operations executed so far (each queued operation runs once).
   int64_t executed() const { return executed_; }
+  // Slots of the race detector's vector clocks: the host, the streams and
+  // the collectives whose accesses are still recorded (a collective's slot
+  // is reused once none is), so it stays small however many collectives
+  // run.
+  int64_t clock_slots() const { return static_cast<int64_t>(slot_gen_.size()); }
 
   // ---- Virtual time (see the file comment) ----
   // The host's clock.
@@ -215,8 +236,24 @@ class SimDeviceOps final : public DeviceOps {
   std::optional<DeviceStream> DoNativeStream(Stream stream) const override;
 
  private:
-  // Agent ids: kHost, then stream s is 1 + s, collectives count down.
-  using Clock = std::map<int64_t, int64_t>;
+  // Vector clocks are dense, indexed by agent slot: the host's is slot 0,
+  // each stream gets one for good, and collectives share the rest -- a
+  // collective's slot is recycled, under a new generation, once no recorded
+  // access names it (it accesses nothing after its issue, so nothing can be
+  // ordered against it any more). The live agents, hence the clocks, stay
+  // as few as the buffers in use, however many collectives a run issues.
+  struct Tick {
+    uint32_t gen = 0;  // 0: never set
+    int64_t time = 0;
+  };
+  using Clock = std::vector<Tick>;
+  // An agent: its display id (kHost, 1 + stream, collectives -1 - id: what
+  // reports name) and its slot and generation in clocks.
+  struct Agent {
+    int64_t id = 0;
+    int32_t slot = 0;
+    uint32_t gen = 1;
+  };
   static constexpr int64_t kHost = 0;
   static int64_t StreamAgent(int32_t stream) { return 1 + stream; }
 
@@ -224,7 +261,9 @@ class SimDeviceOps final : public DeviceOps {
     int64_t offset = 0;
     int64_t bytes = 0;
     bool write = false;
-    int64_t agent = 0;
+    int64_t agent = 0;  // display id
+    int32_t slot = 0;
+    uint32_t gen = 0;
     int64_t time = 0;  // the agent's own clock component at the access
     std::string what;
   };
@@ -233,7 +272,6 @@ class SimDeviceOps final : public DeviceOps {
     int32_t stream = 0;  // current when allocated
     std::vector<int32_t> recorded;
     bool freed = false;
-    std::string freed_by;
     std::vector<Access> accesses;
   };
   // Queued work: an operation, or a stream's wait for events (no-op run).
@@ -256,6 +294,7 @@ class SimDeviceOps final : public DeviceOps {
     std::optional<absl::Duration> time;
   };
   struct StreamState {
+    Agent agent;
     Clock clock;
     std::deque<Op> queue;
     int64_t issued = 0;  // operations and waits queued so far
@@ -270,11 +309,19 @@ class SimDeviceOps final : public DeviceOps {
 
   static void Join(Clock& into, const Clock& from);
   static bool OrderedBefore(const Access& a, const Clock& later);
+  // Advances `agent`'s own component of `clock`; returns the new time.
+  static int64_t Tock(Clock& clock, const Agent& agent);
   std::string AgentName(int64_t agent) const;
+  // Slots: a new one for a stream, a recycled or new one for a collective,
+  // and the bookkeeping of an access dropped from a block's list.
+  int32_t NewSlot();
+  Agent NewCollectiveAgent(int64_t id);
+  void DropAccess(const Access& a);
+  void MaybeRecycle(int32_t slot);
   // The block holding [p, p + bytes), or null for memory not ours.
   Block* Find(const void* p, int64_t bytes, int64_t* offset);
   // Checks and records an access by `agent` at `clock`.
-  void Touch(int64_t agent, const Clock& clock, absl::string_view what,
+  void Touch(const Agent& agent, const Clock& clock, absl::string_view what,
              ConstBufferRef buffer, bool write);
   void Report(std::string line);
   // Whether these ops created `stream`.
@@ -300,9 +347,19 @@ class SimDeviceOps final : public DeviceOps {
 
   const SimDeviceOptions options_;
   std::mt19937_64 rng_;
+  // Per slot: its generation now, the recorded accesses of that
+  // generation, and whether it is a collective's (recyclable).
+  std::vector<uint32_t> slot_gen_;
+  std::vector<int64_t> slot_refs_;
+  std::vector<char> slot_is_collective_;
+  std::vector<int32_t> free_slots_;
+  // The collective being issued: not recycled while it records accesses.
+  int32_t issuing_slot_ = -1;
+  Agent host_agent_;
   Clock host_;
   std::vector<StreamState> streams_;
-  std::map<int64_t, EventState> events_;
+  // By id (DeviceOps numbers events 0, 1, ...).
+  std::deque<EventState> events_;
   std::map<int64_t, Clock> collectives_;
   int64_t next_collective_ = 0;
   std::map<const char*, Block> blocks_;  // by address, live and quarantined
@@ -312,6 +369,8 @@ class SimDeviceOps final : public DeviceOps {
   std::vector<std::string> reports_;
   // The host's clock when options_.host_clock is null.
   absl::Duration own_clock_;
+  // metadata_only: the next placeholder address.
+  uintptr_t next_placeholder_;
 };
 
 // A Communicator that passes the buffers of `ops` (labelled cuda:0) to

@@ -77,6 +77,68 @@ TEST(SimDeviceTest, AMissingWaitIsARaceForEverySeed) {
   EXPECT_GT(wrong, 0) << "no seed ran the consumer first";
 }
 
+// Without memory the detector still finds the missing wait, every
+// operation is accepted on buffers far larger than the machine, and
+// virtual time still passes.
+TEST(SimDeviceTest, MetadataOnlyChecksAndTimesWithoutMemory) {
+  SimDeviceOptions options;
+  options.metadata_only = true;
+  options.memory_bytes_per_second = 1e12;
+  SimDeviceOps ops(options);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(Stream side, ops.NewStream());
+  constexpr int64_t kCount = int64_t{1} << 38;  // 1 TiB of float32
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer x,
+                                 ops.Allocate(ops.device(), 4 * kCount));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer y,
+                                 ops.Allocate(ops.device(), 4 * kCount));
+  EXPECT_NE(x.data(), y.data());
+  const BufferRef xs = x.As(DType::kFloat32), ys = y.As(DType::kFloat32);
+  ASSERT_THAT(ops.SetStream(side), IsOk());
+  ASSERT_THAT(ops.Fill(xs, 1), IsOk());
+  ASSERT_THAT(ops.SetStream(Stream{0}), IsOk());
+  ASSERT_THAT(ops.Copy(ys, xs), IsOk());
+  ASSERT_THAT(ops.Kernel("forward", {ys}, {}, absl::Seconds(1)), IsOk());
+  ASSERT_THAT(ops.Synchronize(), IsOk());
+  ASSERT_EQ(ops.reports().size(), 1u);
+  EXPECT_THAT(ops.reports()[0], HasSubstr("race: copy (stream 0, reads"));
+  // The copy reads and writes 1 TiB each at 1e12 B/s (the racing fill runs
+  // beside it on the other stream), then the kernel's second.
+  EXPECT_NEAR(absl::ToDoubleSeconds(ops.HostNow()), 2.0 * 4 * kCount / 1e12 + 1,
+              1e-6);
+}
+
+// A collective's slot in the vector clocks is reused once no access of it
+// is recorded: a buffer read by ten thousand collectives in turn keeps a
+// handful of slots, and the detector still finds a write racing with the
+// last reader.
+TEST(SimDeviceTest, CollectiveAgentsAreRecycledAndStillCaught) {
+  SimDeviceOps ops;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(Stream side, ops.NewStream());
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer x,
+                                 ops.Allocate(ops.device(), 4 * 16));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer y,
+                                 ops.Allocate(ops.device(), 4 * 16));
+  const BufferRef xs = x.As(DType::kFloat32), ys = y.As(DType::kFloat32);
+  ASSERT_THAT(ops.Fill(xs, 1), IsOk());
+  ASSERT_THAT(ops.Synchronize(), IsOk());
+  for (int i = 0; i < 10000; ++i) {
+    const int64_t id = ops.CollectiveIssued("all_gather", xs, ys);
+    ops.CollectiveDone(id);
+    ops.CollectiveReleased(id);
+  }
+  EXPECT_LE(ops.clock_slots(), 8);
+  EXPECT_THAT(ops.reports(), IsEmpty());
+  // One more reader the host does not wait for, then a write on a stream.
+  const int64_t last = ops.CollectiveIssued("all_gather", xs, ys);
+  ASSERT_THAT(ops.SetStream(side), IsOk());
+  ASSERT_THAT(ops.Fill(xs, 2), IsOk());
+  ASSERT_THAT(ops.Synchronize(), IsOk());
+  ASSERT_EQ(ops.reports().size(), 1u);
+  EXPECT_THAT(ops.reports()[0],
+              HasSubstr("is not ordered after all_gather #10000"));
+  ops.CollectiveDone(last);
+}
+
 // A wait orders what the stream does next even when that is only an event
 // (helper-found: an event recorded right after a wait, then synchronized,
 // must cover the waited-for work).

@@ -27,6 +27,7 @@
 namespace flatparam {
 
 using internal_sim::FormatTime;
+using internal_sim::HasBuffers;
 using internal_sim::KindName;
 using internal_sim::OpKind;
 
@@ -119,6 +120,7 @@ void SimWorld::MoveData(Op& op, const Delivery& d) {
   auto move = [chunk](void* dst, const char* src) {
     if (dst != src && chunk > 0) std::memmove(dst, src, chunk);
   };
+  if (options_.metadata_only && HasBuffers(d.kind)) return;
   switch (d.kind) {
     case OpKind::kAllGather:
       for (int i = 0; i < n; ++i) {
@@ -249,6 +251,7 @@ void SimWorld::Complete(Op& op, int member, absl::Status status,
   assert(m.present && !m.done);
   m.done = true;
   m.status = std::move(status);
+  if (!m.status.ok() && first_failure_.ok()) first_failure_ = m.status;
   m.start = start;
   m.end = end;
   Record(m, *op.group, member, op.seq);
@@ -273,33 +276,37 @@ void SimWorld::Finish(Op& op) {
   op.group->pending.erase(op.seq);
   op.finished = true;
   if (!options_.one_stream_per_rank) return;
-  for (const OpMember& m : op.members) {
-    std::deque<std::shared_ptr<Op>>& q = ranks_[m.world_rank]->in_order;
-    while (!q.empty() && q.front()->finished) q.pop_front();
+  for (const OpMember& m : op.members) AdvanceFront(*ranks_[m.world_rank]);
+}
+
+void SimWorld::AdvanceFront(Rank& r) {
+  std::deque<std::shared_ptr<Op>>& q = r.in_order;
+  while (!q.empty() && q.front()->finished) q.pop_front();
+  if (q.empty() || q.front()->uid == r.front_counted) return;
+  Op& front = *q.front();
+  r.front_counted = front.uid;
+  // Counted once per member, so an operation of n members costs O(n)
+  // however its members' earlier operations finish.
+  if (++front.at_front == static_cast<int>(front.members.size()) &&
+      front.blocked) {
+    unblock_candidates_.push_back(q.front());
   }
 }
 
-bool SimWorld::AtFront(Op& op) {
-  for (const OpMember& m : op.members) {
-    std::deque<std::shared_ptr<Op>>& q = ranks_[m.world_rank]->in_order;
-    while (!q.empty() && q.front()->finished) q.pop_front();
-    if (q.empty() || q.front().get() != &op) return false;
-  }
-  return true;
+bool SimWorld::AtFront(const Op& op) const {
+  return op.at_front == static_cast<int>(op.members.size());
 }
 
 void SimWorld::ExecuteUnblocked() {
-  bool progress = true;
-  while (progress) {
-    progress = false;
-    for (size_t i = 0; i < blocked_ops_.size(); ++i) {
-      std::shared_ptr<Op> op = blocked_ops_[i];
-      if (!op->finished && !AtFront(*op)) continue;
-      blocked_ops_.erase(blocked_ops_.begin() + static_cast<ptrdiff_t>(i));
-      if (!op->finished) Execute(*op);
-      progress = true;
-      break;
-    }
+  // Each runs once it is at the front of all its members' queues; which
+  // runs first does not matter (its times depend only on its members'
+  // earlier operations).
+  while (!unblock_candidates_.empty()) {
+    std::shared_ptr<Op> op = std::move(unblock_candidates_.front());
+    unblock_candidates_.pop_front();
+    if (!op->blocked || op->finished) continue;
+    op->blocked = false;
+    Execute(*op);
   }
 }
 

@@ -196,6 +196,7 @@ SimWorld::Issued SimWorld::IssueOp(SimCommunicator& comm, Call call) {
                                                              : 0;
     m.flight_id =
         r.recorder->Enqueue(g.flight, seq, c.kind, c.input.dtype, count, bytes);
+    if (options_.check_context) m.context = r.recorder->context();
   }
   // Calls that fail without joining an operation.
   const absl::Status early = EarlyFailure(r, g, m.call.kind, seq, rank_op);
@@ -212,6 +213,7 @@ SimWorld::Issued SimWorld::IssueOp(SimCommunicator& comm, Call call) {
   std::shared_ptr<Op>& slot = g.pending[seq];
   if (slot == nullptr) {
     slot = std::make_shared<Op>();
+    slot->uid = ++next_op_uid_;
     slot->group = &g;
     slot->seq = seq;
     slot->members.resize(n);
@@ -237,16 +239,19 @@ SimWorld::Issued SimWorld::IssueOp(SimCommunicator& comm, Call call) {
     }
     if (options_.checksum) mine.sent_hashes = Checksums(mine.call, n, me);
   }
-  if (options_.one_stream_per_rank) r.in_order.push_back(op);
+  if (options_.one_stream_per_rank) {
+    r.in_order.push_back(op);
+    AdvanceFront(r);
+  }
   if (++op->arrived == n) {
     if (!options_.one_stream_per_rank || AtFront(*op)) {
       Execute(*op);
     } else {
-      blocked_ops_.push_back(op);
+      op->blocked = true;
     }
   }
   ExecuteUnblocked();
-  PassBaton(lock, &r);
+  if (options_.yield_on_issue) PassBaton(lock, &r);
   return {op, me, absl::OkStatus()};
 }
 

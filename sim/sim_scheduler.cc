@@ -52,6 +52,8 @@ void SimWorld::PassBaton(std::unique_lock<std::mutex>& lock, Rank* self) {
     assert(finished_ == options_.world_size);
     running_ = -1;
     main_cv_.notify_one();
+    // The last rank to return hands the runner thread its own stack back.
+    if (fibers() && self != nullptr) SwitchFiber(self, nullptr);
     return;
   }
   // rng() % n rather than std::uniform_int_distribution, whose algorithm
@@ -60,6 +62,12 @@ void SimWorld::PassBaton(std::unique_lock<std::mutex>& lock, Rank* self) {
   schedule_.push_back(next);
   running_ = next;
   if (self != nullptr && next == self->id) return;
+  if (fibers()) {
+    // Returns when some rank hands the baton back to `self` (never, for a
+    // rank that returned).
+    SwitchFiber(self, ranks_[next].get());
+    return;
+  }
   ranks_[next]->cv.notify_one();
   if (self == nullptr || self->state == Rank::State::kDone) return;
   self->cv.wait(lock, [&] { return running_ == self->id; });

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -27,14 +28,26 @@
 namespace flatparam {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::ElementsAreArray;
 using ::testing::HasSubstr;
 using ::testing::IsNull;
 using ::testing::NotNull;
 
-std::unique_ptr<SimWorld> MakeWorld(int n, uint64_t seed = 1) {
+// The execution under test: sim_test and sim_failure_test run every case
+// with threads, their *_fibers twins (BUILD.bazel) with fibers.
+SimOptions TestOptions() {
   SimOptions options;
+  const char* execution = std::getenv("SIM_TEST_EXECUTION");
+  if (execution != nullptr && std::string(execution) == "fibers") {
+    options.execution = SimOptions::Execution::kFibers;
+  }
+  return options;
+}
+
+std::unique_ptr<SimWorld> MakeWorld(int n, uint64_t seed = 1) {
+  SimOptions options = TestOptions();
   options.world_size = n;
   options.seed = seed;
   auto world = SimWorld::Create(options);
@@ -401,7 +414,7 @@ TEST(SimCollectiveTest, SubgroupsHaveTheirOwnSequenceNumbers) {
 // Virtual time.
 
 TEST(SimClockTest, CollectiveCostsLatencyPlusBusBytesOverBandwidth) {
-  SimOptions options;
+  SimOptions options = TestOptions();
   options.world_size = 4;
   options.cost.latency = absl::Milliseconds(1);
   options.cost.bytes_per_second = 1e9;
@@ -427,7 +440,7 @@ TEST(SimClockTest, CollectiveCostsLatencyPlusBusBytesOverBandwidth) {
 }
 
 TEST(SimClockTest, SlowRanksDelayTheirPeersAndWaitAdvancesClocks) {
-  SimOptions options;
+  SimOptions options = TestOptions();
   options.world_size = 3;
   options.cost.latency = absl::Microseconds(10);
   options.cost.compute_per_op = absl::Microseconds(1);
@@ -452,7 +465,7 @@ TEST(SimClockTest, SlowRanksDelayTheirPeersAndWaitAdvancesClocks) {
 }
 
 TEST(SimClockTest, AsyncCollectivesOverlapComputeButShareOneStream) {
-  SimOptions options;
+  SimOptions options = TestOptions();
   options.world_size = 2;
   options.cost.latency = absl::Milliseconds(1);
   auto world = MakeWorld(options);
@@ -481,7 +494,7 @@ TEST(SimClockTest, AsyncCollectivesOverlapComputeButShareOneStream) {
 // operation and the deadlock is reported.
 TEST(SimClockTest, OneStreamPerRankRunsEachRanksCollectivesInIssueOrder) {
   for (bool one_stream : {false, true}) {
-    SimOptions options;
+    SimOptions options = TestOptions();
     options.world_size = 2;
     options.one_stream_per_rank = one_stream;
     auto world = MakeWorld(options);
@@ -521,7 +534,7 @@ TEST(SimClockTest, OneStreamPerRankOrdersTheVirtualClockByIssue) {
   int early = 0;
   for (uint64_t seed = 0; seed < 16; ++seed) {
     for (bool one_stream : {false, true}) {
-      SimOptions options;
+      SimOptions options = TestOptions();
       options.world_size = 3;
       options.seed = seed;
       options.one_stream_per_rank = one_stream;
@@ -560,7 +573,7 @@ TEST(SimClockTest, OneStreamPerRankOrdersTheVirtualClockByIssue) {
 }
 
 TEST(SimClockTest, CollectiveTimeCanBePluggedIn) {
-  SimOptions options;
+  SimOptions options = TestOptions();
   options.world_size = 4;
   std::vector<std::pair<CollectiveOp, int64_t>> priced;
   options.cost.collective_time = [&](CollectiveOp op, int64_t bytes,
@@ -607,11 +620,11 @@ struct Observed {
   std::string slices;  // the JSON's "X" events: the timeline
 };
 
-Observed RunProgram(uint64_t seed, bool single_cpu = true) {
+Observed RunProgram(uint64_t seed, bool single_cpu = true,
+                    SimOptions options = TestOptions()) {
   constexpr int kWorld = 4;
   Observed o;
   o.out.resize(kWorld);
-  SimOptions options;
   options.world_size = kWorld;
   options.seed = seed;
   options.single_cpu = single_cpu;
@@ -662,6 +675,77 @@ TEST(SimDeterminismTest, PinningRanksToOneCpuChangesNothingObservable) {
   EXPECT_TRUE(a.json == b.json);
 }
 
+TEST(SimDeterminismTest, FibersAndThreadsGiveTheSameScheduleBytesAndTrace) {
+  SimOptions threads;
+  SimOptions fibers;
+  fibers.execution = SimOptions::Execution::kFibers;
+  for (uint64_t seed : {3, 42}) {
+    const Observed a = RunProgram(seed, true, threads);
+    const Observed b = RunProgram(seed, true, fibers);
+    EXPECT_EQ(a.schedule, b.schedule);
+    EXPECT_EQ(a.log, b.log);
+    EXPECT_EQ(a.out, b.out);
+    EXPECT_TRUE(a.json == b.json);
+  }
+}
+
+TEST(SimDeterminismTest, NotYieldingOnIssueHandsOffLessAndChangesNoResult) {
+  SimOptions yielding = TestOptions();
+  SimOptions not_yielding = TestOptions();
+  not_yielding.yield_on_issue = false;
+  const Observed a = RunProgram(7, true, yielding);
+  const Observed b = RunProgram(7, true, not_yielding);
+  EXPECT_LT(b.schedule.size(), a.schedule.size());
+  EXPECT_EQ(a.out, b.out);
+  EXPECT_TRUE(a.slices == b.slices);
+}
+
+TEST(SimExecutionTest, FibersRunEveryRankOnOneThreadThreadsEachOnItsOwn) {
+  for (const auto execution :
+       {SimOptions::Execution::kThreads, SimOptions::Execution::kFibers}) {
+    SimOptions options;
+    options.world_size = 6;
+    options.execution = execution;
+    auto world = MakeWorld(options);
+    std::vector<std::thread::id> seen(6);
+    std::vector<int> stayed(6, 0);
+    FLATPARAM_ASSERT_OK(world->Run([&](SimCommunicator& comm) -> absl::Status {
+      seen[comm.rank()] = std::this_thread::get_id();
+      std::vector<float> x(4, 1.0f);
+      FLATPARAM_RETURN_IF_ERROR(comm.AllReduce(Ref(x), Ref(x), {})->Wait());
+      comm.Yield();
+      // A fiber resumes on the thread (and stack) it left.
+      stayed[comm.rank()] = seen[comm.rank()] == std::this_thread::get_id();
+      return absl::OkStatus();
+    }));
+    std::set<std::thread::id> distinct(seen.begin(), seen.end());
+    EXPECT_EQ(distinct.size(),
+              execution == SimOptions::Execution::kFibers ? 1u : 6u);
+    EXPECT_THAT(stayed, ::testing::Each(1));
+  }
+}
+
+TEST(SimExecutionTest, ThousandsOfFibersDeadlockDetectionIncluded) {
+  SimOptions options;
+  options.world_size = 2048;
+  options.execution = SimOptions::Execution::kFibers;
+  options.stack_bytes = 64 << 10;
+  options.flight_recorder.capacity = 0;
+  auto world = MakeWorld(options);
+  const absl::Status status =
+      world->Run([&](SimCommunicator& comm) -> absl::Status {
+        std::vector<float> x(2, 1.0f);
+        FLATPARAM_RETURN_IF_ERROR(comm.AllReduce(Ref(x), Ref(x), {})->Wait());
+        if (x[0] != 2048.0f) return absl::InternalError("wrong sum");
+        // The last rank leaves; the others wait for it forever.
+        if (comm.rank() == 2047) return absl::OkStatus();
+        return comm.AllReduce(Ref(x), Ref(x), {})->Wait();
+      });
+  EXPECT_THAT(status,
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("deadlock")));
+  EXPECT_THAT(world->rank_statuses()[2047], IsOk());
+}
+
 TEST(SimDeterminismTest, DifferentSeedsExploreDifferentInterleavings) {
   const Observed a = RunProgram(1);
   int different = 0;
@@ -698,7 +782,7 @@ TEST(SimDeterminismTest, YieldLetsOtherRanksRun) {
 // Chrome trace.
 
 TEST(SimTraceTest, ChromeTraceJsonHasOneTrackPerRankAndOneSlicePerCall) {
-  SimOptions options;
+  SimOptions options = TestOptions();
   options.world_size = 3;
   options.seed = 9;
   options.cost.latency = absl::Microseconds(100);
@@ -763,10 +847,123 @@ TEST(SimTraceTest, WriteChromeTraceWritesTheJson) {
 }
 
 // ---------------------------------------------------------------------------
+// Metadata-only collectives, the context check, the first failure.
+
+TEST(SimMetadataTest, CollectivesOnPlaceholdersMoveNothing) {
+  SimOptions options = TestOptions();
+  options.world_size = 4;
+  options.metadata_only = true;
+  auto world = MakeWorld(options);
+  FLATPARAM_ASSERT_OK(world->Run([&](SimCommunicator& comm) -> absl::Status {
+    // Addresses that map nothing: any access would crash.
+    const uintptr_t base =
+        (uintptr_t{1} << 44) + static_cast<uintptr_t>(comm.rank()) * (1u << 30);
+    BufferRef in{reinterpret_cast<void*>(base), 1 << 20, DType::kFloat32};
+    BufferRef out{reinterpret_cast<void*>(base + (64 << 20)), 4 << 20,
+                  DType::kFloat32};
+    FLATPARAM_RETURN_IF_ERROR(comm.AllGather(in, out, {})->Wait());
+    FLATPARAM_RETURN_IF_ERROR(comm.ReduceScatter(out, in, {})->Wait());
+    FLATPARAM_RETURN_IF_ERROR(comm.AllReduce(in, in, {})->Wait());
+    // Small host payloads still move.
+    FLATPARAM_ASSIGN_OR_RETURN(
+        std::vector<std::string> all,
+        comm.AllGatherBytes(absl::StrCat(comm.rank()), {}));
+    if (all.size() != 4 || all[3] != "3") {
+      return absl::InternalError("all_gather_bytes lost its payload");
+    }
+    return absl::OkStatus();
+  }));
+  // Sizes and times are as with data.
+  EXPECT_EQ(world->trace()[0].bytes, 16 << 20);
+  EXPECT_GT(world->trace()[0].end, world->trace()[0].start);
+}
+
+TEST(SimMetadataTest, CreateRefusesWhatNeedsTheBytes) {
+  SimOptions options = TestOptions();
+  options.world_size = 2;
+  options.metadata_only = true;
+  options.checksum = true;
+  EXPECT_THAT(
+      SimWorld::Create(options),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("metadata_only")));
+  options.checksum = false;
+  options.faults = {*ParseFaultSpec("flip:rank=1:op=0")};
+  EXPECT_THAT(SimWorld::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("flip:rank=1:op=0")));
+  options.faults.clear();
+  options.metadata_only = false;
+  options.check_context = true;
+  options.flight_recorder.capacity = 0;
+  EXPECT_THAT(
+      SimWorld::Create(options),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("check_context")));
+}
+
+// Ranks 0 and 1 issue equal all-reduces from different units: without the
+// context check they silently exchange different units' data; with it the
+// operation is a desync naming both units, and first_failure() keeps that
+// cause after later calls fail on the aborted group.
+TEST(SimContextTest, EqualCollectivesOfDifferentUnitsAreADesync) {
+  for (bool check : {false, true}) {
+    SimOptions options = TestOptions();
+    options.world_size = 2;
+    options.check_context = check;
+    options.flight_recorder.capacity = 16;
+    auto world = MakeWorld(options);
+    const absl::Status status =
+        world->Run([&](SimCommunicator& comm) -> absl::Status {
+          std::vector<float> x(4, 1.0f);
+          {
+            const int unit = comm.rank() == 0 ? 3 : 4;
+            ScopedCollectiveContext context(
+                comm.flight_recorder(), {absl::StrCat("layers.", unit), unit,
+                                         CollectivePhase::kForwardUnshard});
+            FLATPARAM_RETURN_IF_ERROR(
+                comm.AllReduce(Ref(x), Ref(x), {})->Wait());
+          }
+          // Without a context, nothing to compare.
+          return comm.AllReduce(Ref(x), Ref(x), {})->Wait();
+        });
+    if (!check) {
+      EXPECT_THAT(status, IsOk());
+      EXPECT_THAT(world->first_failure(), IsOk());
+      continue;
+    }
+    EXPECT_THAT(status, StatusIs(absl::StatusCode::kInternal));
+    EXPECT_THAT(world->first_failure(),
+                StatusIs(absl::StatusCode::kInternal,
+                         AllOf(HasSubstr("different FSDP units or phases"),
+                               HasSubstr("rank 0: all_reduce #0 (4 x float32, "
+                                         "sum) from unit layers.3, forward "
+                                         "unshard"),
+                               HasSubstr("rank 1: all_reduce #0 (4 x float32, "
+                                         "sum) from unit layers.4"))));
+  }
+}
+
+TEST(SimDescribeTest, RanksWithOneTextAreListedAsRuns) {
+  SimOptions options = TestOptions();
+  options.world_size = 64;
+  auto world = MakeWorld(options);
+  const absl::Status status =
+      world->Run([&](SimCommunicator& comm) -> absl::Status {
+        // Every 8th rank issues a different size.
+        std::vector<float> x(comm.rank() % 8 == 3 ? 8 : 4, 1.0f);
+        return comm.AllReduce(Ref(x), Ref(x), {})->Wait();
+      });
+  EXPECT_THAT(status,
+              StatusIs(absl::StatusCode::kInternal,
+                       AllOf(HasSubstr("ranks 0-2, 4-10, 12-18"),
+                             HasSubstr("ranks 3-59 step 8: all_reduce #0 (8 x "
+                                       "float32, sum)"))));
+}
+
+// ---------------------------------------------------------------------------
 // The world itself.
 
 TEST(SimWorldTest, CreateRejectsBadOptions) {
-  SimOptions options;
+  SimOptions options = TestOptions();
   options.world_size = 0;
   EXPECT_THAT(
       SimWorld::Create(options),

@@ -22,6 +22,7 @@ using internal_sim::KindName;
 
 void SimWorld::Record(const OpMember& m, const Group& group, int group_rank,
                       int64_t seq) {
+  if (!options_.keep_trace) return;
   TraceEvent e;
   e.rank = m.world_rank;
   e.name = std::string(KindName(m.call.kind));

@@ -207,6 +207,26 @@ absl::Status ValidatePlanOptions(const PlanOptions& o) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<ResolvedLayout> ResolvePlanLayout(const PlanOptions& options,
+                                                 const cost::LinkSpec& link,
+                                                 ShardingStrategy strategy) {
+  FLATPARAM_ASSIGN_OR_RETURN(std::optional<DType> low,
+                             ParseMixedPrecision(options.mixed_precision));
+  LayoutRequest request;
+  request.model = options.model;
+  request.world_size = link.world_size();
+  request.strategy = std::string(ShardingStrategyName(strategy));
+  request.align_addresses = options.align_addresses;
+  request.shard_group_size =
+      IsHybridStrategy(strategy) ? link.gpus_per_node : 0;
+  if (low) {
+    // Float32 master weights, computed in the low precision.
+    request.dtype = "float32";
+    request.compute_dtype = std::string(DTypeName(*low));
+  }
+  return ResolveLayout(request);
+}
+
 absl::StatusOr<Plan> MakePlan(const PlanOptions& options) {
   FLATPARAM_RETURN_IF_ERROR(ValidatePlanOptions(options));
   FLATPARAM_ASSIGN_OR_RETURN(std::vector<ShardingStrategy> strategies,
@@ -217,7 +237,6 @@ absl::StatusOr<Plan> MakePlan(const PlanOptions& options) {
   plan.model = options.model;
   FLATPARAM_ASSIGN_OR_RETURN(plan.topology, ResolveTopology(options));
   const cost::LinkSpec& link = plan.topology.link;
-  const int64_t world = link.world_size();
   plan.mixed_precision =
       low ? (*low == DType::kBFloat16 ? "bf16" : "fp16") : "none";
   plan.optimizer = absl::AsciiStrToLower(options.optimizer);
@@ -226,19 +245,8 @@ absl::StatusOr<Plan> MakePlan(const PlanOptions& options) {
   plan.gpu_memory_bytes = plan.topology.gpu.memory_bytes;
 
   for (ShardingStrategy strategy : strategies) {
-    LayoutRequest request;
-    request.model = options.model;
-    request.world_size = world;
-    request.strategy = std::string(ShardingStrategyName(strategy));
-    request.align_addresses = options.align_addresses;
-    request.shard_group_size =
-        IsHybridStrategy(strategy) ? link.gpus_per_node : 0;
-    if (low) {
-      // Float32 master weights, computed in the low precision.
-      request.dtype = "float32";
-      request.compute_dtype = std::string(DTypeName(*low));
-    }
-    FLATPARAM_ASSIGN_OR_RETURN(ResolvedLayout resolved, ResolveLayout(request));
+    FLATPARAM_ASSIGN_OR_RETURN(ResolvedLayout resolved,
+                               ResolvePlanLayout(options, link, strategy));
     const ModelLayout& layout = resolved.layout;
 
     const DType orig = layout.flat_params().front().dtype();

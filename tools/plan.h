@@ -58,6 +58,7 @@
 #include "flatparam/base/dtype.h"
 #include "flatparam/layout.h"
 #include "sim/cost_model.h"
+#include "tools/layout_request.h"
 
 namespace flatparam {
 namespace tools {
@@ -144,6 +145,13 @@ absl::StatusOr<int64_t> ParseByteSize(absl::string_view text);
 // Checks everything but the model file. InvalidArgument naming the flag and
 // value (the command exits 2).
 absl::Status ValidatePlanOptions(const PlanOptions& options);
+
+// The layout MakePlan prices for `strategy` on `link`'s world: the hybrid
+// strategies shard over one node; with mixed precision the parameters are
+// float32 master weights computed in the low precision.
+absl::StatusOr<ResolvedLayout> ResolvePlanLayout(const PlanOptions& options,
+                                                 const cost::LinkSpec& link,
+                                                 ShardingStrategy strategy);
 
 // Lays the model out for each strategy and predicts its step. Errors:
 // ValidatePlanOptions', and the model's and layout's.

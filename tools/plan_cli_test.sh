@@ -73,5 +73,34 @@ expect_exit 1 plan --model=/nonexistent/model.json
 
 expect_exit 0 plan --help
 grep -q -- '--tokens-per-gpu' "$tmp/out" || fail "plan --help lacks flags"
+grep -q -- '--simulate' "$tmp/out" || fail "plan --help lacks --simulate"
+
+# --simulate: the runtime's step on every rank beside the plan, progress on
+# stderr, and the checks.
+expect_exit 0 plan --model=gpt2 --nodes=2 --gpus-per-node=4 \
+  --strategy=HYBRID_SHARD --mixed-precision=bf16 --simulate
+grep -q '^simulated HYBRID_SHARD on 8 ranks' "$tmp/out" || fail "no simulated row"
+grep -q 'no deadlock, no desync, no stream race' "$tmp/out" || fail "checks"
+grep -q 'simulating HYBRID_SHARD on 8 ranks' "$tmp/err" || fail "no progress"
+expect_exit 0 plan --model=gpt2 --nodes=1 --gpus-per-node=4 \
+  --strategy=FULL_SHARD --simulate --format=json
+python3 - "$tmp/out" <<'PY' || fail "simulated json"
+import json, sys
+s = json.load(open(sys.argv[1]))["strategies"][0]
+sim = s["simulated"]
+assert abs(sim["step_time_s"] - s["step_time_s"]) <= 0.02 * s["step_time_s"], (sim, s)
+assert sim["peak_bytes"] == s["peak_bytes"], (sim["peak_bytes"], s["peak_bytes"])
+assert sim["races"] == [], sim["races"]
+PY
+# A conditional unit: a desync naming the unit and both sides' ranks, exit 4.
+expect_exit 4 plan --model=gpt2 --nodes=2 --gpus-per-node=4 \
+  --strategy=FULL_SHARD --simulate --conditional-unit=transformer.h.3:0-2
+grep -q 'ranks 0-2: all_gather .* from unit transformer.h.3, forward unshard' \
+  "$tmp/err" || fail "desync does not name the unit and ranks 0-2"
+grep -q 'ranks 3-7: all_gather .* from unit transformer.h.4, forward unshard' \
+  "$tmp/err" || fail "desync does not name the other side"
+expect_exit 2 plan --model=gpt2 --simulate --conditional-unit=nope:0
+expect_exit 2 plan --model=gpt2 --conditional-unit=transformer.h.3:0
+expect_exit 2 plan --model=gpt2 --simulate --trace="$tmp/t.json"
 
 cli_test_finish

@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "tools/common_flags.h"
 #include "tools/plan.h"
+#include "tools/simulate.h"
 #include "tools/subcommand.h"
 
 // Shared with `fsdp train` (train_command.cc) and `fsdp collectives`
@@ -18,6 +19,8 @@
 ABSL_DECLARE_FLAG(std::string, mixed_precision);
 ABSL_DECLARE_FLAG(std::string, optimizer);
 ABSL_DECLARE_FLAG(std::string, trace);
+// common_flags.cc.
+ABSL_DECLARE_FLAG(uint64_t, seed);
 
 ABSL_FLAG(int64_t, nodes, 1, "plan: number of nodes.");
 ABSL_FLAG(int64_t, gpus_per_node, 0,
@@ -43,6 +46,12 @@ ABSL_FLAG(std::string, gpu_memory, "",
           "plan: GPU memory for the fits column, e.g. 80GiB (default: the "
           "topology's GPU).");
 
+ABSL_FLAG(bool, simulate, false,
+          "plan: also run one training step of the runtime on every rank of "
+          "the planned world, on the simulator without data.");
+ABSL_FLAG(std::string, conditional_unit, "",
+          "plan --simulate: UNIT:RANKS, layer UNIT runs on those ranks only.");
+
 namespace flatparam {
 namespace tools {
 namespace {
@@ -55,6 +64,9 @@ bool Given(absl::string_view name) {
 std::optional<double> Override(absl::string_view name, double value) {
   return Given(name) ? std::optional<double>(value) : std::nullopt;
 }
+
+// --simulate found a deadlock, a desync or a stream race.
+constexpr int kExitCheckFailed = 4;
 
 int PlanMain(const std::vector<char*>& args) {
   if (!args.empty()) {
@@ -105,6 +117,36 @@ int PlanMain(const std::vector<char*>& args) {
     std::cerr << "fsdp plan: " << status.message() << "\n";
     return kExitUsage;
   }
+  if (absl::GetFlag(FLAGS_simulate)) {
+    if (!options.trace_path.empty()) {
+      std::cerr << "fsdp plan: --trace writes the plan's predicted "
+                   "timelines; run it without --simulate\n";
+      return kExitUsage;
+    }
+    SimulateOptions simulate;
+    simulate.seed = absl::GetFlag(FLAGS_seed);
+    simulate.conditional_unit = absl::GetFlag(FLAGS_conditional_unit);
+    simulate.progress = [](absl::string_view line) {
+      std::cerr << "fsdp plan: " << line << "\n";
+    };
+    const absl::StatusOr<bool> passed =
+        RunSimulation(options, simulate, std::cout);
+    std::cout.flush();
+    if (!passed.ok()) {
+      std::cerr << "fsdp plan: " << passed.status().message() << "\n";
+      return passed.status().code() == absl::StatusCode::kFailedPrecondition
+                 ? kExitCheckFailed
+             : passed.status().code() == absl::StatusCode::kInvalidArgument
+                 ? kExitUsage
+                 : kExitError;
+    }
+    if (!*passed) return kExitCheckFailed;
+    return std::cout.good() ? kExitOk : kExitError;
+  }
+  if (Given("conditional_unit")) {
+    std::cerr << "fsdp plan: --conditional-unit needs --simulate\n";
+    return kExitUsage;
+  }
   const absl::Status status = RunPlan(options, std::cout);
   std::cout.flush();
   if (!status.ok()) {
@@ -121,6 +163,7 @@ constexpr char kHelp[] =
     "                 [--optimizer=adamw|sgd] [--tokens-per-gpu=T]\n"
     "                 [--topology=NAME] [--gpu-memory=80GiB]\n"
     "                 [--format=table|json] [--trace=FILE.json]\n"
+    "                 [--simulate [--seed=S] [--conditional-unit=UNIT:RANKS]]\n"
     "\n"
     "Predicts, per sharding strategy, bytes per rank for parameters,\n"
     "gradients and optimizer state (2 + 2 + 12 bytes per parameter for\n"
@@ -154,7 +197,16 @@ constexpr char kHelp[] =
     "  --format=table|json      output format (default table)\n"
     "  --trace=FILE.json        write the predicted timelines (Chrome\n"
     "                           trace-event JSON: compute and comm threads,\n"
-    "                           memory counters; one process per strategy)\n";
+    "                           memory counters; one process per strategy)\n"
+    "  --simulate               also run one step of the runtime on every\n"
+    "                           rank, on the simulator without data: its\n"
+    "                           step time, peak memory by category, and\n"
+    "                           the checks (no deadlock, no desync, no\n"
+    "                           stream race); exit 4 when a check fails\n"
+    "  --seed=S                 the simulator's interleaving (default 0)\n"
+    "  --conditional-unit=UNIT:RANKS  with --simulate: layer UNIT runs on\n"
+    "                           RANKS only (e.g. layers.3:0-3), which the\n"
+    "                           simulation reports as a desync\n";
 
 void PrintHelp(std::ostream& out) { out << kHelp << "\n" << PresetsHelp(); }
 

@@ -19,7 +19,7 @@
 // Ownership and thread-safety: as SimWorld (sim.h). SimWorld owns its Ranks
 // and Groups; an Op is shared by its group's pending map, the Works of its
 // members and, with one_stream_per_rank, its members' queues and
-// SimWorld::blocked_ops_. Everything here is guarded by SimWorld::mu_,
+// SimWorld::unblock_candidates_. Everything here is guarded by SimWorld::mu_,
 // except a Rank's thread handle (Run() only) and the thread-local tls_rank.
 #ifndef FLATPARAM_SIM_INTERNAL_SIM_INTERNAL_H_
 #define FLATPARAM_SIM_INTERNAL_SIM_INTERNAL_H_
@@ -43,6 +43,7 @@
 #include "comm/communicator.h"
 #include "comm/flight_recorder.h"
 #include "sim/fault.h"
+#include "sim/internal/fiber.h"
 #include "sim/sim.h"
 
 namespace flatparam {
@@ -89,8 +90,13 @@ inline std::string FormatTime(absl::Duration d) {
 
 // Messages (sim_describe.cc).
 
-// "ranks 0-6: text" for runs of consecutive ranks with equal text.
+// One line per distinct text, "ranks 0-6, 9: text", its ranks as runs
+// (RankSet).
 std::string ListByRank(const std::vector<std::pair<int, std::string>>& items);
+
+// Sorted ranks as runs: "0-5, 7, 9-2041 step 8", at most `cap` runs then
+// "and N more".
+std::string RankSet(const std::vector<int>& ranks, size_t cap);
 
 // "1, 2, 3", or "1, 2 and 7 more" past `cap` ranks.
 std::string JoinCapped(const std::vector<int>& ranks, size_t cap);
@@ -123,6 +129,8 @@ struct SimWorld::OpMember {
   absl::Status status;
   // The call's entry in its rank's flight recorder (0: none).
   uint64_t flight_id = 0;
+  // SimOptions::check_context: the caller's context at the issue.
+  CollectiveContext context;
   // split: the member's new group, or -1.
   int new_group = -1;
   int new_rank = -1;
@@ -140,6 +148,14 @@ struct SimWorld::Op {
   std::string flipped_original;
   // No longer pending: executed or failed.
   bool finished = false;
+  // one_stream_per_rank: every member issued it, but it is not yet at the
+  // front of every member's queue.
+  bool blocked = false;
+  // one_stream_per_rank: the members whose queue it heads (see
+  // SimWorld::AdvanceFront), and an id no other operation of the world
+  // has (addresses are reused).
+  int at_front = 0;
+  uint64_t uid = 0;
 };
 
 struct SimWorld::Group {
@@ -160,6 +176,8 @@ struct SimWorld::Rank {
   int id = 0;
   pthread_t thread{};
   bool started = false;
+  // SimOptions::Execution::kFibers: the rank's fiber.
+  std::unique_ptr<internal_sim::FiberContext> fiber;
   std::condition_variable cv;
   State state = State::kReady;
   int runnable_index = -1;
@@ -170,6 +188,8 @@ struct SimWorld::Rank {
   // one_stream_per_rank: the operations this rank joined, oldest first
   // (finished ones are dropped from the front).
   std::deque<std::shared_ptr<Op>> in_order;
+  // The uid of the operation counted as heading in_order (0: none).
+  uint64_t front_counted = 0;
   int64_t ops = 0;  // collective calls so far
   Op* wait_op = nullptr;
   int wait_member = -1;
