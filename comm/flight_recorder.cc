@@ -25,6 +25,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
+#include "flatparam/base/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace flatparam {
@@ -144,11 +145,6 @@ absl::Status MakeDirs(const std::string& dir) {
     }
   }
   return absl::OkStatus();
-}
-
-bool Exists(const std::string& path) {
-  struct stat st;
-  return stat(path.c_str(), &st) == 0;
 }
 
 }  // namespace
@@ -349,15 +345,19 @@ std::string FlightRecorder::ToJson(absl::string_view reason) const {
   return j.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 
-absl::Status FlightRecorder::DumpTo(const std::string& path,
-                                    absl::string_view reason) const {
-  const std::string text = ToJson(reason);
-  const std::string tmp = absl::StrFormat("%s.tmp.%d", path, getpid());
-  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+namespace {
+
+// Writes `text` to a new file beside `path` whose name no other file has
+// (mkstemp), and returns that name.
+absl::StatusOr<std::string> WriteTemp(const std::string& path,
+                                      const std::string& text) {
+  std::string tmp = path + ".tmp.XXXXXX";
+  const int fd = mkstemp(tmp.data());
   if (fd < 0) {
     return absl::UnavailableError(absl::StrFormat(
         "flight recorder: cannot write %s: %s", tmp, std::strerror(errno)));
   }
+  fchmod(fd, 0644);
   size_t done = 0;
   while (done < text.size()) {
     const ssize_t n = write(fd, text.data() + done, text.size() - done);
@@ -371,7 +371,22 @@ absl::Status FlightRecorder::DumpTo(const std::string& path,
     }
     done += static_cast<size_t>(n);
   }
-  if (close(fd) != 0 || rename(tmp.c_str(), path.c_str()) != 0) {
+  if (close(fd) != 0) {
+    const int err = errno;
+    unlink(tmp.c_str());
+    return absl::UnavailableError(absl::StrFormat(
+        "flight recorder: writing %s failed: %s", tmp, std::strerror(err)));
+  }
+  return tmp;
+}
+
+}  // namespace
+
+absl::Status FlightRecorder::DumpTo(const std::string& path,
+                                    absl::string_view reason) const {
+  FLATPARAM_ASSIGN_OR_RETURN(const std::string tmp,
+                             WriteTemp(path, ToJson(reason)));
+  if (rename(tmp.c_str(), path.c_str()) != 0) {
     const int err = errno;
     unlink(tmp.c_str());
     return absl::UnavailableError(absl::StrFormat(
@@ -387,24 +402,47 @@ absl::StatusOr<std::string> FlightRecorder::Dump(absl::string_view reason) {
         "FLATPARAM_TRACE_DIR or the trace_dir option)",
         rank_));
   }
-  std::string path;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (dump_path_.empty()) {
-      absl::Status made = MakeDirs(options_.trace_dir);
-      if (!made.ok()) return made;
-      dump_path_ =
-          absl::StrFormat("%s/rank_%d.json", options_.trace_dir, rank_);
-      if (Exists(dump_path_)) {
-        dump_path_ = absl::StrFormat("%s/rank_%d.%d.json", options_.trace_dir,
-                                     rank_, getpid());
-      }
-    }
-    path = dump_path_;
+  std::lock_guard<std::mutex> lock(dump_mu_);
+  if (!dump_path_.empty()) {
+    FLATPARAM_RETURN_IF_ERROR(DumpTo(dump_path_, reason));
+    return dump_path_;
   }
-  absl::Status written = DumpTo(path, reason);
-  if (!written.ok()) return written;
-  return path;
+  FLATPARAM_RETURN_IF_ERROR(MakeDirs(options_.trace_dir));
+  const std::string first =
+      absl::StrFormat("%s/rank_%d.json", options_.trace_dir, rank_);
+  FLATPARAM_ASSIGN_OR_RETURN(const std::string tmp,
+                             WriteTemp(first, ToJson(reason)));
+  // The first dump claims a name by linking the finished file to it, which
+  // fails where any file has that name: another job's dump (or another
+  // process of this rank in the same directory) is never replaced, and no
+  // half-written or empty file is ever seen under a dump's name.
+  const pid_t pid = getpid();
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    const std::string candidate =
+        attempt == 0 ? first
+        : attempt == 1
+            ? absl::StrFormat("%s/rank_%d.%d.json", options_.trace_dir, rank_,
+                              pid)
+            : absl::StrFormat("%s/rank_%d.%d.%d.json", options_.trace_dir,
+                              rank_, pid, attempt - 1);
+    if (link(tmp.c_str(), candidate.c_str()) == 0) {
+      unlink(tmp.c_str());
+      dump_path_ = candidate;
+      return dump_path_;
+    }
+    if (errno != EEXIST) {
+      const int err = errno;
+      unlink(tmp.c_str());
+      return absl::UnavailableError(
+          absl::StrFormat("flight recorder: cannot publish %s: %s", candidate,
+                          std::strerror(err)));
+    }
+  }
+  unlink(tmp.c_str());
+  return absl::AlreadyExistsError(absl::StrFormat(
+      "flight recorder: %s and 99 other names for rank %d's dump exist "
+      "already in %s",
+      first, rank_, options_.trace_dir));
 }
 
 ScopedCollectiveContext::ScopedCollectiveContext(FlightRecorder* recorder,

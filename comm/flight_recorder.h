@@ -193,8 +193,10 @@ class FlightRecorder {
   std::string ToJson(absl::string_view reason) const;
   // Writes the dump into the trace_dir (FailedPrecondition without one) and
   // returns its path. The first dump of a recorder never replaces a file it
-  // did not write: where `rank_<R>.json` exists already, it writes
-  // `rank_<R>.<pid>.json` (fsdp diagnose takes each rank's newest).
+  // did not write: it takes `rank_<R>.json`, or where that exists
+  // `rank_<R>.<pid>.json`, then `rank_<R>.<pid>.<n>.json` (fsdp diagnose
+  // takes each rank's newest); later dumps replace its own. Files appear
+  // whole (written aside, then linked or renamed into place).
   absl::StatusOr<std::string> Dump(absl::string_view reason);
   // Writes the dump to `path` (replaced atomically).
   absl::Status DumpTo(const std::string& path, absl::string_view reason) const;
@@ -217,7 +219,9 @@ class FlightRecorder {
   CollectiveContext context_;
   bool dumped_on_failure_ = false;
   std::string first_failure_;  // "CODE: message" of the first failure.
-  std::string dump_path_;      // Chosen at the first Dump().
+  // Serializes dumps (a failure and a signal may dump at once).
+  std::mutex dump_mu_;
+  std::string dump_path_;  // Claimed by the first Dump(); guarded by dump_mu_.
 };
 
 // Sets `recorder`'s context for the scope and restores the previous one

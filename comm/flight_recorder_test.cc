@@ -1,5 +1,6 @@
 #include "comm/flight_recorder.h"
 
+#include <dirent.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -174,6 +175,31 @@ TEST(FlightRecorderTest, NeverReplacesAFileItDidNotWrite) {
   FLATPARAM_ASSERT_OK_AND_ASSIGN(std::string again, rec->Dump("again"));
   EXPECT_EQ(again, path);
   EXPECT_EQ(ReadJson(path)["reason"], "again");
+  // A leftover with this process's pid too (pids are reused): a third name,
+  // and both files stay as they were.
+  auto other = FlightRecorder::Create(0, 1, "test", options);
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::string third, other->Dump("third"));
+  EXPECT_EQ(third,
+            absl::StrCat(options.trace_dir, "/rank_0.", getpid(), ".1.json"));
+  EXPECT_EQ(ReadJson(path)["reason"], "again");
+  EXPECT_EQ(ReadJson(third)["reason"], "third");
+  std::ifstream in2(theirs);
+  std::getline(in2, text);
+  EXPECT_EQ(text, "not ours");
+  // No temporary file is left behind.
+  int files = 0;
+  DIR* dir = opendir(options.trace_dir.c_str());
+  while (const dirent* e = readdir(dir)) files += e->d_name[0] != '.';
+  closedir(dir);
+  EXPECT_EQ(files, 3);
+}
+
+TEST(FlightRecorderTest, AnUnwritableTraceDirIsAnErrorNotACrash) {
+  FlightRecorderOptions options;
+  options.trace_dir = TempDir("file") + "/not-a-dir";
+  std::ofstream(TempDir("file")) << "a file";
+  auto rec = FlightRecorder::Create(0, 1, "test", options);
+  EXPECT_FALSE(rec->Dump("asked").ok());
 }
 
 TEST(FlightRecorderTest, DumpWithoutTraceDirIsAnError) {

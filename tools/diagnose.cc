@@ -144,10 +144,15 @@ std::vector<int> ListedRanks(absl::string_view text, size_t* end) {
 // The ranks a backend's error names as missing: after "no data arrived
 // from" and "every peer's data arrived, but" (MPI), before "did not reach"
 // (c10d).
-std::vector<int> NamedRanks(absl::string_view text) {
+// The ranks a backend's error blames: senders whose data never came ("no
+// data arrived from ..."; only with `senders`), receivers that never took
+// this rank's ("every peer's data arrived, but rank R has not taken ..."),
+// ranks that did not reach it.
+std::vector<int> NamedRanks(absl::string_view text, bool senders = true) {
   std::vector<int> out;
   for (absl::string_view lead :
        {"no data arrived from ", "every peer's data arrived, but "}) {
+    if (!senders && lead == "no data arrived from ") continue;
     for (size_t at = text.find(lead); at != absl::string_view::npos;
          at = text.find(lead, at + 1)) {
       size_t end = 0;
@@ -556,15 +561,34 @@ Diagnosis Diagnose(const std::vector<FlightDump>& dumps) {
     // that the ranks still in the oldest unfinished collective name (or,
     // if they name none, the others) is the suspect. Ranks past it wait
     // for the ones still in it, so their errors name those instead.
+    // Where some members finished it, every member's data was sent, so a
+    // sender their errors blame is no evidence; a receiver that never took
+    // a rank's data still is. Without such a receiver, one side of the
+    // split is the odd one out: a single cut link or stalled process leaves
+    // its rank alone on one side (it alone finished, or alone did not).
+    const bool split = !past_it.empty() && !in_it.empty();
     const std::set<int> in_origin(in_it.begin(), in_it.end());
     std::map<int, std::set<int>> named_by;
-    for (int pass = 0; pass < 2 && named_by.empty(); ++pass) {
+    for (int pass = 0; pass < (split ? 1 : 2) && named_by.empty(); ++pass) {
       for (const FlightDump& dump : dumps) {
         if (pass == 0 && in_origin.count(dump.rank) == 0) continue;
-        for (int r : NamedRanks(dump.first_failure)) {
+        for (int r : NamedRanks(dump.first_failure, /*senders=*/!split)) {
           if (r != dump.rank) named_by[r].insert(dump.rank);
         }
       }
+    }
+    if (split && named_by.empty() && !explained && behind.empty() &&
+        no_dump.empty() && in_it.size() != past_it.size()) {
+      const bool alone_in = in_it.size() < past_it.size();
+      const std::vector<int>& odd = alone_in ? in_it : past_it;
+      const std::vector<int>& rest = alone_in ? past_it : in_it;
+      d.verdict.push_back(absl::StrFormat(
+          "suspect: %s: %s %s %s while %s %s, so what passed between them "
+          "was lost (a cut link, or a process stalled on %s side)",
+          Ranks(odd),
+          odd.size() == 1 ? "the only rank that" : "the only ranks that",
+          alone_in ? "never finished" : "finished", where, Ranks(rest),
+          alone_in ? "did" : "did not", odd.size() == 1 ? "its" : "their"));
     }
     size_t most = 0;
     for (const auto& [r, by] : named_by) most = std::max(most, by.size());

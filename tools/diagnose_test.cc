@@ -26,6 +26,7 @@ namespace {
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::string Dir(const std::string& name) {
   const char* base = std::getenv("TEST_TMPDIR");
@@ -298,6 +299,63 @@ TEST(DiagnoseTest, TheRankTheOthersErrorsNameIsTheSuspect) {
   // name ranks 2 and 3 alike.
   EXPECT_THAT(Text(d), HasSubstr("suspect: rank 2: the errors of rank 3 "
                                  "name it"));
+}
+
+// A cut link to rank 2's host, as train_hosts_test records it: whichever
+// way the in-flight data was lost, rank 2 is alone on its side of the
+// oldest unfinished collective, and the others' or its own errors (which
+// blame senders whose data provably went out) do not mislead.
+TEST(DiagnoseTest, ACutLinkSuspectsTheRankAloneOnItsSide) {
+  for (bool alone_finished : {false, true}) {
+    const std::string dir =
+        Dir(alone_finished ? "cut_finished" : "cut_never_finished");
+    auto world =
+        std::make_shared<FlightGroup>(FlightGroup{"world", {0, 1, 2, 3}});
+    for (int r = 0; r < 4; ++r) {
+      FlightRecorderOptions options;
+      options.trace_dir = dir;
+      auto rec = FlightRecorder::Create(r, 4, "mpi", options);
+      rec->SetContext({"layers.2", 3, CollectivePhase::kBackwardPrefetch});
+      const uint64_t a = rec->Enqueue(world, 5, CollectiveOp::kAllGather,
+                                      DType::kFloat32, 98, 392);
+      const bool finishes = (r == 2) == alone_finished;
+      if (!finishes) {
+        rec->Finished(a, absl::DeadlineExceededError(
+                             r == 2 ? "rank 2: all_gather #5 timed out: no "
+                                      "data arrived from rank 0"
+                                    : absl::StrCat("rank ", r,
+                                                   ": all_gather #5 timed "
+                                                   "out: no data arrived "
+                                                   "from rank 2")));
+        continue;
+      }
+      rec->Finished(a, absl::OkStatus());
+      rec->SetContext({"layers.1", 2, CollectivePhase::kBackwardPrefetch});
+      rec->Finished(
+          rec->Enqueue(world, 6, CollectiveOp::kAllGather, DType::kFloat32, 276,
+                       1104),
+          absl::DeadlineExceededError(
+              r == 2 ? "rank 2: all_gather #6 timed out: no data arrived "
+                       "from ranks 0, 1 and 3"
+                     : absl::StrCat("rank ", r,
+                                    ": all_gather #6 timed out: no data "
+                                    "arrived from rank 2")));
+    }
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(std::vector<FlightDump> dumps,
+                                   ReadFlightDumps(dir));
+    const Diagnosis d = Diagnose(dumps);
+    EXPECT_EQ(d.ExitCode(), kDiagnoseStuck) << Text(d);
+    EXPECT_THAT(Text(d),
+                HasSubstr(absl::StrCat(
+                    "suspect: rank 2: the only rank that ",
+                    alone_finished ? "finished" : "never finished",
+                    " all_gather #5 of 98 float32 (unit layers.2, backward "
+                    "prefetch) of group world while ranks 0, 1 and 3 ",
+                    alone_finished ? "did not" : "did")))
+        << Text(d);
+    EXPECT_THAT(Text(d), Not(HasSubstr("suspect: rank 0")));
+    EXPECT_THAT(Text(d), Not(HasSubstr("suspect: ranks 0, 1 and 3")));
+  }
 }
 
 TEST(DiagnoseTest, TheNewestDumpOfARankWins) {

@@ -113,7 +113,7 @@ hosts_mpirun() {
     --mca btl tcp,self --mca btl_tcp_if_include 10.77.0.0/24
     --mca oob_tcp_if_include 10.77.0.0/24
     --mca oob_tcp_keepalive_time 1 --mca oob_tcp_keepalive_intvl 1
-    --mca oob_tcp_keepalive_probes 5 --mca odls_base_sigkill_timeout 0
+    --mca oob_tcp_keepalive_probes 5 --mca odls_base_sigkill_timeout "${HOSTS_SIGKILL_TIMEOUT_S:-0}"
     -x ASAN_OPTIONS "$@")
   local command
   printf -v command '%q ' "${mpirun[@]}"
