@@ -17,6 +17,7 @@
 #include "comm/communicator.h"
 #include "flatparam/base/status_matchers.h"
 #include "sim/fault.h"
+#include "sim/internal/sim_test_options.h"
 #include "sim/sim.h"
 
 namespace flatparam {
@@ -27,16 +28,7 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-// The execution under test: sim_test and sim_failure_test run every case
-// with threads, their *_fibers twins (BUILD.bazel) with fibers.
-SimOptions TestOptions() {
-  SimOptions options;
-  const char* execution = std::getenv("SIM_TEST_EXECUTION");
-  if (execution != nullptr && std::string(execution) == "fibers") {
-    options.execution = SimOptions::Execution::kFibers;
-  }
-  return options;
-}
+using internal_sim::TestOptions;
 
 std::unique_ptr<SimWorld> MakeWorld(int n, const std::string& faults = "",
                                     bool checksum = false, uint64_t seed = 1) {

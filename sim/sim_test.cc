@@ -24,6 +24,7 @@
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_matchers.h"
 #include "nlohmann/json.hpp"
+#include "sim/internal/sim_test_options.h"
 
 namespace flatparam {
 namespace {
@@ -35,16 +36,7 @@ using ::testing::HasSubstr;
 using ::testing::IsNull;
 using ::testing::NotNull;
 
-// The execution under test: sim_test and sim_failure_test run every case
-// with threads, their *_fibers twins (BUILD.bazel) with fibers.
-SimOptions TestOptions() {
-  SimOptions options;
-  const char* execution = std::getenv("SIM_TEST_EXECUTION");
-  if (execution != nullptr && std::string(execution) == "fibers") {
-    options.execution = SimOptions::Execution::kFibers;
-  }
-  return options;
-}
+using internal_sim::TestOptions;
 
 std::unique_ptr<SimWorld> MakeWorld(int n, uint64_t seed = 1) {
   SimOptions options = TestOptions();
