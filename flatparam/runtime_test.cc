@@ -1244,6 +1244,14 @@ TEST(CreateTest, RejectsBadArguments) {
     EXPECT_THAT(
         FsdpRuntime::CreateFromNamedParams(layout, refs, nullptr, &ops),
         StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("required")));
+    EXPECT_THAT(FsdpRuntime::CreateUnitByUnit(
+                    std::shared_ptr<const ModelLayout>(),
+                    [](int) -> absl::StatusOr<std::vector<ConstBufferRef>> {
+                      return std::vector<ConstBufferRef>();
+                    },
+                    nullptr, &comm, &ops),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("the layout is null")));
     EXPECT_THAT(
         FsdpRuntime::CreateFromNamedParams(layout, refs, &comm, &ops),
         StatusIs(absl::StatusCode::kInvalidArgument,
