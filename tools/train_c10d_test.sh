@@ -119,7 +119,10 @@ for _ in $(seq 1 $((1200 * scale))); do
         break
       fi
     done
-    break
+    # The worker may not be listed yet (its /proc entry read mid-exec):
+    # look again until it is, or the job has ended.
+    [ -z "$killed_at" ] || break
+    kill -0 "$job" 2>/dev/null || break
   fi
   sleep 0.05
 done
