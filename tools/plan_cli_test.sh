@@ -102,5 +102,13 @@ grep -q 'ranks 3-7: all_gather .* from unit transformer.h.4, forward unshard' \
 expect_exit 2 plan --model=gpt2 --simulate --conditional-unit=nope:0
 expect_exit 2 plan --model=gpt2 --conditional-unit=transformer.h.3:0
 expect_exit 2 plan --model=gpt2 --simulate --trace="$tmp/t.json"
+# --simulate-save: the collective save after the step, at --save-gbps.
+expect_exit 0 plan --model=gpt2 --nodes=2 --gpus-per-node=4 \
+  --strategy=HYBRID_SHARD --simulate --simulate-save --save-gbps=1
+grep -q '^  checkpoint .* written, at most .* by one rank' "$tmp/out" ||
+  fail "no simulated checkpoint row"
+expect_exit 2 plan --model=gpt2 --simulate-save
+expect_exit 2 plan --model=gpt2 --save-gbps=3
+expect_exit 2 plan --model=gpt2 --simulate --simulate-save --save-gbps=0
 
 cli_test_finish

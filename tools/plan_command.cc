@@ -1,4 +1,5 @@
 // `fsdp plan`: flags in, RunPlan, exit code out.
+#include <cmath>
 #include <iostream>
 #include <optional>
 #include <ostream>
@@ -9,6 +10,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/internal/parse.h"
 #include "absl/status/status.h"
+#include "absl/strings/str_replace.h"
 #include "tools/common_flags.h"
 #include "tools/plan.h"
 #include "tools/simulate.h"
@@ -51,6 +53,12 @@ ABSL_FLAG(bool, simulate, false,
           "the planned world, on the simulator without data.");
 ABSL_FLAG(std::string, conditional_unit, "",
           "plan --simulate: UNIT:RANKS, layer UNIT runs on those ranks only.");
+ABSL_FLAG(bool, simulate_save, false,
+          "plan --simulate: after the step, every rank saves a sharded "
+          "checkpoint (the collective protocol, files sized not written).");
+ABSL_FLAG(double, save_gbps, 2.0,
+          "plan --simulate-save: GB/s each writing rank copies to the host "
+          "and writes.");
 
 namespace flatparam {
 namespace tools {
@@ -126,6 +134,15 @@ int PlanMain(const std::vector<char*>& args) {
     SimulateOptions simulate;
     simulate.seed = absl::GetFlag(FLAGS_seed);
     simulate.conditional_unit = absl::GetFlag(FLAGS_conditional_unit);
+    simulate.save = absl::GetFlag(FLAGS_simulate_save);
+    const double save_gbps = absl::GetFlag(FLAGS_save_gbps);
+    if (!(save_gbps > 0) || !std::isfinite(save_gbps)) {
+      std::cerr << "fsdp plan: --save-gbps must be a positive number of GB/s, "
+                   "got "
+                << save_gbps << "\n";
+      return kExitUsage;
+    }
+    simulate.save_bytes_per_second = save_gbps * 1e9;
     simulate.progress = [](absl::string_view line) {
       std::cerr << "fsdp plan: " << line << "\n";
     };
@@ -143,9 +160,12 @@ int PlanMain(const std::vector<char*>& args) {
     if (!*passed) return kExitCheckFailed;
     return std::cout.good() ? kExitOk : kExitError;
   }
-  if (Given("conditional_unit")) {
-    std::cerr << "fsdp plan: --conditional-unit needs --simulate\n";
-    return kExitUsage;
+  for (const char* flag : {"conditional_unit", "simulate_save", "save_gbps"}) {
+    if (Given(flag)) {
+      std::cerr << "fsdp plan: --" << absl::StrReplaceAll(flag, {{"_", "-"}})
+                << " needs --simulate\n";
+      return kExitUsage;
+    }
   }
   const absl::Status status = RunPlan(options, std::cout);
   std::cout.flush();
@@ -163,7 +183,8 @@ constexpr char kHelp[] =
     "                 [--optimizer=adamw|sgd] [--tokens-per-gpu=T]\n"
     "                 [--topology=NAME] [--gpu-memory=80GiB]\n"
     "                 [--format=table|json] [--trace=FILE.json]\n"
-    "                 [--simulate [--seed=S] [--conditional-unit=UNIT:RANKS]]\n"
+    "                 [--simulate [--seed=S] [--conditional-unit=UNIT:RANKS]\n"
+    "                  [--simulate-save [--save-gbps=GBPS]]]\n"
     "\n"
     "Predicts, per sharding strategy, bytes per rank for parameters,\n"
     "gradients and optimizer state (2 + 2 + 12 bytes per parameter for\n"
@@ -206,7 +227,14 @@ constexpr char kHelp[] =
     "  --seed=S                 the simulator's interleaving (default 0)\n"
     "  --conditional-unit=UNIT:RANKS  with --simulate: layer UNIT runs on\n"
     "                           RANKS only (e.g. layers.3:0-3), which the\n"
-    "                           simulation reports as a desync\n";
+    "                           simulation reports as a desync\n"
+    "  --simulate-save          with --simulate: then every rank saves a\n"
+    "                           sharded checkpoint as fsdp train --save\n"
+    "                           does (its collective protocol; the files\n"
+    "                           are sized, not written): its time, bytes\n"
+    "                           and host staging per rank\n"
+    "  --save-gbps=GBPS         GB/s each writing rank copies to the host\n"
+    "                           and writes (default 2)\n";
 
 void PrintHelp(std::ostream& out) { out << kHelp << "\n" << PresetsHelp(); }
 

@@ -18,6 +18,10 @@
 #include "absl/time/time.h"
 #include "comm/communicator.h"
 #include "flatparam/base/status_macros.h"
+#include "flatparam/checkpoint/checkpoint_names.h"
+#include "flatparam/checkpoint/collective_checkpoint.h"
+#include "flatparam/checkpoint/file_system.h"
+#include "flatparam/checkpoint/optim_io.h"
 #include "flatparam/handle.h"
 #include "flatparam/runtime.h"
 #include "refmodel/synthetic_step.h"
@@ -89,6 +93,59 @@ absl::StatusOr<Conditional> ParseConditional(absl::string_view text,
   return out;
 }
 
+// What `fsdp train --save` writes for shard-group rank `rank` (its shards
+// of the parameters, the optimizer's state tensors, the sidecar), as
+// dtypes and shapes: the sources fail if called, so only sizes can be
+// taken from it (SimulateCollectiveRankFiles).
+absl::StatusOr<checkpoint::RankContent> SizedRankContent(
+    const ModelLayout& layout, const std::string& optimizer) {
+  checkpoint::RankContent content;
+  const auto source = [](std::string name, DType dtype,
+                         std::vector<int64_t> shape) {
+    checkpoint::TensorSource t;
+    t.name = std::move(name);
+    t.dtype = dtype;
+    t.shape = std::move(shape);
+    t.fill = [](uint64_t, absl::Span<char>) {
+      return absl::InternalError("a simulated save has no tensor bytes");
+    };
+    return t;
+  };
+  const std::vector<std::string> states =
+      optimizer == "adamw" ? std::vector<std::string>{"exp_avg", "exp_avg_sq"}
+                           : std::vector<std::string>{"momentum_buffer"};
+  checkpoint::OptimSidecar sidecar;
+  optim::ParamGroup group;
+  const std::vector<FlatParamLayout>& flat = layout.flat_params();
+  for (size_t i = 0; i < flat.size(); ++i) {
+    const int64_t id = static_cast<int64_t>(i);
+    const std::vector<int64_t> shard = {flat[i].sharded_numel()};
+    content.tensors.push_back(
+        source(checkpoint::FlatParamTensorName(id), flat[i].dtype(), shard));
+    auto& values = sidecar.state[optim::ParamKey(id)];
+    for (const std::string& name : states) {
+      std::string tensor = checkpoint::OptimShardTensorName(id, name);
+      content.tensors.push_back(source(tensor, flat[i].dtype(), shard));
+      values[name] = {std::move(tensor), std::monostate()};
+    }
+    if (optimizer == "adamw") {  // PyTorch's 0-d float32 step
+      std::string tensor = checkpoint::OptimShardTensorName(id, "step");
+      content.tensors.push_back(source(tensor, DType::kFloat32, {}));
+      values["step"] = {std::move(tensor), std::monostate()};
+    }
+    group.params.emplace_back(std::in_place_type<int64_t>, id);
+  }
+  for (const BufferSpec& b : layout.spec().buffers) {
+    content.tensors.push_back(
+        source(checkpoint::BufferTensorName(b.fqn), b.dtype, b.shape));
+  }
+  sidecar.param_groups.push_back(std::move(group));
+  FLATPARAM_ASSIGN_OR_RETURN(
+      content.sidecar,
+      checkpoint::OptimSidecarToJson(sidecar, /*with_extra=*/true));
+  return content;
+}
+
 // "4.306 s", "8.472 ms", "735.0 us".
 std::string Time(double seconds) {
   if (seconds >= 1) return absl::StrFormat("%.3f s", seconds);
@@ -139,6 +196,25 @@ absl::StatusOr<SimulatedStrategy> SimulateStrategy(
     sharded += l.sharded_numel();
   }
 
+  // The save's content is the same on every writing rank up to its bytes.
+  checkpoint::RankContent save_content;
+  checkpoint::FaultInjectionFileSystem save_fs;
+  checkpoint::CollectiveWriteOptions save_options;
+  const std::string save_dir = "/simulated/checkpoint";
+  if (simulate.save) {
+    if (!(simulate.save_bytes_per_second > 0)) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("the save bandwidth must be positive, got %g bytes/s",
+                          simulate.save_bytes_per_second));
+    }
+    FLATPARAM_ASSIGN_OR_RETURN(save_content,
+                               SizedRankContent(layout, plan.optimizer));
+    FLATPARAM_RETURN_IF_ERROR(save_fs.CreateDir("/simulated"));
+    // Computed once here, not by each of the ranks in this process.
+    save_options.layout_digest =
+        checkpoint::CollectiveLayoutDigest(layout, world);
+  }
+
   SimOptions sim_options;
   sim_options.world_size = static_cast<int>(world);
   sim_options.seed = simulate.seed;
@@ -163,6 +239,8 @@ absl::StatusOr<SimulatedStrategy> SimulateStrategy(
   struct RankResult {
     double step = 0;
     double compute = 0;
+    double save = 0;
+    uint64_t save_bytes = 0;
     MemoryStats memory;
     std::vector<std::string> races;
   };
@@ -239,6 +317,22 @@ absl::StatusOr<SimulatedStrategy> SimulateStrategy(
     }
     FLATPARAM_RETURN_IF_ERROR(ops.Synchronize());
     result.races = ops.reports();
+    if (simulate.save) {
+      const absl::Duration start = comm.Now();
+      FLATPARAM_ASSIGN_OR_RETURN(
+          checkpoint::CollectiveWrite w,
+          checkpoint::BeginCollectiveWrite(save_fs, save_dir, layout, world,
+                                           comm, save_options));
+      FLATPARAM_ASSIGN_OR_RETURN(result.save_bytes,
+                                 checkpoint::SimulateCollectiveRankFiles(
+                                     w, save_content, save_options));
+      FLATPARAM_RETURN_IF_ERROR(
+          comm.Compute(absl::Seconds(static_cast<double>(result.save_bytes) /
+                                     simulate.save_bytes_per_second)));
+      FLATPARAM_RETURN_IF_ERROR(checkpoint::FinishCollectiveWrite(
+          save_fs, w, absl::OkStatus(), comm, save_options));
+      result.save = absl::ToDoubleSeconds(comm.Now() - start);
+    }
     return absl::OkStatus();
   });
   if (!run.ok()) {
@@ -255,8 +349,18 @@ absl::StatusOr<SimulatedStrategy> SimulateStrategy(
   out.world_size = world;
   out.optimizer_bytes = state_per_element * sharded;
   out.collectives = collectives;
+  if (simulate.save) {
+    out.saved = true;
+    // The staged state: the shard in its dtype and the optimizer's state.
+    out.save_host_bytes =
+        sharded * DTypeSize(plan.orig_dtype) + out.optimizer_bytes;
+  }
   for (int64_t r = 0; r < world; ++r) {
     const RankResult& rr = results[r];
+    out.save_seconds = std::max(out.save_seconds, rr.save);
+    out.save_bytes += static_cast<int64_t>(rr.save_bytes);
+    out.save_max_rank_bytes =
+        std::max(out.save_max_rank_bytes, static_cast<int64_t>(rr.save_bytes));
     out.step_seconds = std::max(out.step_seconds, rr.step);
     out.compute_seconds = std::max(out.compute_seconds, rr.compute);
     out.peak_runtime_bytes =
@@ -338,6 +442,13 @@ void PrintSimulationTable(const Plan& plan,
                             : absl::StrCat(s.races.size(), " stream race(s)"))
         << "\n";
     for (const std::string& race : s.races) out << "    " << race << "\n";
+    if (s.saved) {
+      out << absl::StrFormat(
+          "  checkpoint    %12s   %s written, at most %s by one rank; "
+          "%s staged on the host per rank\n",
+          Time(s.save_seconds), HumanBytes(s.save_bytes),
+          HumanBytes(s.save_max_rank_bytes), HumanBytes(s.save_host_bytes));
+    }
   }
 }
 
@@ -362,6 +473,14 @@ nlohmann::json SimulationJson(const Plan& plan,
         {"races", s.races},
         {"wall_s", s.wall_seconds},
     };
+    if (s.saved) {
+      doc["strategies"][i]["simulated"]["save"] = {
+          {"time_s", s.save_seconds},
+          {"bytes", s.save_bytes},
+          {"max_rank_bytes", s.save_max_rank_bytes},
+          {"host_bytes_per_rank", s.save_host_bytes},
+      };
+    }
   }
   return doc;
 }

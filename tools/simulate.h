@@ -64,6 +64,17 @@ struct SimulateOptions {
   // Called from the simulating thread with a line of progress (a phase
   // begun, a strategy done); may be null.
   std::function<void(absl::string_view)> progress;
+  // After the measured step, every rank saves a sharded checkpoint of its
+  // state as `fsdp train --save` does: the collective protocol of
+  // flatparam/checkpoint/collective_checkpoint.h (its status exchanges over
+  // every rank, rank 0 preparing and publishing the directory on an
+  // in-memory file system), with the rank files sized exactly and not
+  // written (SimulateCollectiveRankFiles). Each writing rank (the first
+  // shard group) spends bytes / save_bytes_per_second on its virtual clock
+  // for the copy to the host and the write.
+  bool save = false;
+  // Per writing rank: a parallel file system client's share.
+  double save_bytes_per_second = 2e9;
 };
 
 struct SimulatedStrategy {
@@ -82,6 +93,15 @@ struct SimulatedStrategy {
   int64_t peak_bytes() const { return peak_runtime_bytes + optimizer_bytes; }
   // Collective calls of all ranks, both iterations.
   int64_t collectives = 0;
+  // SimulateOptions::save: the slowest rank's save on the virtual clock,
+  // the checkpoint's bytes (every file but the manifest), the most one rank
+  // writes, and the host memory a rank's state is staged in (its shard of
+  // the parameters and its optimizer state).
+  bool saved = false;
+  double save_seconds = 0;
+  int64_t save_bytes = 0;
+  int64_t save_max_rank_bytes = 0;
+  int64_t save_host_bytes = 0;
   // Stream-race reports (empty when none). A deadlock or desync is the
   // status of SimulatePlan instead.
   std::vector<std::string> races;
@@ -106,7 +126,9 @@ void PrintSimulationTable(const Plan& plan,
 
 // PlanJson with a "simulated" object in each strategy: {"step_time_s",
 // "compute_s", "exposed_comm_s", "peak_bytes", "peak_by_category": {...},
-// "optimizer_bytes", "collectives", "races": [...], "wall_s"}.
+// "optimizer_bytes", "collectives", "races": [...], "wall_s"}, and with
+// SimulateOptions::save "save": {"time_s", "bytes", "max_rank_bytes",
+// "host_bytes_per_rank"}.
 nlohmann::json SimulationJson(const Plan& plan,
                               const std::vector<SimulatedStrategy>& simulated);
 

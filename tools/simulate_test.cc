@@ -76,6 +76,65 @@ INSTANTIATE_TEST_SUITE_P(Strategies, SimulateAgreementTest,
                                            Case{"HYBRID_SHARD_ZERO2", 2,
                                                 "bf16"}));
 
+// --simulate-save: the collective save's protocol runs on every rank after
+// the step; the first shard group writes the state once (NO_SHARD: every
+// rank, each holding all of it), at the given bandwidth.
+TEST_P(SimulateAgreementTest, SaveWritesTheStateAtTheBandwidth) {
+  const Case& c = GetParam();
+  SimulateOptions options;
+  options.save = true;
+  options.save_bytes_per_second = 1e9;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      auto result,
+      Simulate(Options(c.strategy, c.nodes, c.mixed_precision), options));
+  const auto& [plan, simulated] = result;
+  const SimulatedStrategy& s = simulated[0];
+  ASSERT_TRUE(s.saved);
+  const int64_t world = 4 * c.nodes;
+  // Writers: the layout's world (the shard group; NO_SHARD's is the job).
+  const int64_t writers =
+      c.strategy == "NO_SHARD" ? world : plan.strategies[0].shard_degree;
+  // Each writer holds 1/shard_degree of the parameters in float32 with
+  // AdamW's two states of the same size: 12 bytes per element, plus the
+  // padding, the 0-d steps, the headers and the JSON files.
+  const int64_t copies = c.strategy == "NO_SHARD" ? world : 1;
+  const int64_t state = 12 * plan.param_numel * copies;
+  EXPECT_GE(s.save_bytes, state);
+  EXPECT_LE(s.save_bytes, state + state / 1000 + writers * (1 << 20));
+  EXPECT_GE(s.save_max_rank_bytes, s.save_bytes / writers);
+  EXPECT_LE(s.save_max_rank_bytes, s.save_bytes / writers + (1 << 20));
+  // The slowest writer's bytes at 1 GB/s, and the exchanges' microseconds.
+  const double write = static_cast<double>(s.save_max_rank_bytes) / 1e9;
+  EXPECT_GE(s.save_seconds, write);
+  EXPECT_LE(s.save_seconds, write + 1e-3);
+  EXPECT_EQ(
+      s.save_host_bytes,
+      s.optimizer_bytes +
+          s.peak_by_category[static_cast<int>(MemoryCategory::kShardedParams)]);
+}
+
+TEST(SimulateTest, SaveIsReportedInTableAndJson) {
+  PlanOptions o = Options("HYBRID_SHARD", 2);
+  SimulateOptions s;
+  s.save = true;
+  std::ostringstream table;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(bool passed, RunSimulation(o, s, table));
+  EXPECT_TRUE(passed);
+  EXPECT_THAT(table.str(), HasSubstr("  checkpoint "));
+  EXPECT_THAT(table.str(), HasSubstr("staged on the host per rank"));
+  o.format = "json";
+  std::ostringstream json;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(passed, RunSimulation(o, s, json));
+  const nlohmann::json doc = nlohmann::json::parse(json.str());
+  const nlohmann::json& save = doc["strategies"][0]["simulated"]["save"];
+  EXPECT_GT(save["time_s"].get<double>(), 0);
+  EXPECT_GT(save["bytes"].get<int64_t>(),
+            save["max_rank_bytes"].get<int64_t>());
+  s.save_bytes_per_second = 0;
+  EXPECT_EQ(RunSimulation(o, s, json).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(SimulateTest, ConditionalUnitIsADesyncNamingTheUnitAndTheRanks) {
   SimulateOptions s;
   s.conditional_unit = "transformer.h.5:0-2";

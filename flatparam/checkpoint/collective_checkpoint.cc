@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -31,6 +32,27 @@ struct Report {
   json payload;
 };
 
+// Every rank's report, each distinct text parsed once: most ranks send the
+// same bytes (OK and the same digest, or no files), and a rank of a large
+// job would otherwise parse thousands of equal reports at every exchange
+// (a simulation of W ranks in one process, W times that).
+class Reports {
+ public:
+  size_t size() const { return of_rank_.size(); }
+  const Report& operator[](size_t rank) const {
+    return distinct_[of_rank_[rank]];
+  }
+  // Equal indices: equal reports.
+  size_t index(size_t rank) const { return of_rank_[rank]; }
+
+ private:
+  friend absl::StatusOr<Reports> Exchange(Communicator&, const absl::Status&,
+                                          const json&, const CollectiveOptions&,
+                                          absl::string_view);
+  std::vector<Report> distinct_;
+  std::vector<size_t> of_rank_;
+};
+
 std::string Encode(const absl::Status& status, const json& payload) {
   const json doc = {{"code", static_cast<int>(status.code())},
                     {"message", std::string(status.message())},
@@ -40,11 +62,11 @@ std::string Encode(const absl::Status& status, const json& payload) {
 
 // Every rank's report, in rank order; the communicator's error when the
 // exchange fails (a peer died or timed out).
-absl::StatusOr<std::vector<Report>> Exchange(Communicator& world,
-                                             const absl::Status& status,
-                                             const json& payload,
-                                             const CollectiveOptions& options,
-                                             absl::string_view phase) {
+absl::StatusOr<Reports> Exchange(Communicator& world,
+                                 const absl::Status& status,
+                                 const json& payload,
+                                 const CollectiveOptions& options,
+                                 absl::string_view phase) {
   const ScopedCollectiveContext context(world.flight_recorder(),
                                         {"", -1, CollectivePhase::kCheckpoint});
   absl::StatusOr<std::vector<std::string>> all =
@@ -56,8 +78,13 @@ absl::StatusOr<std::vector<Report>> Exchange(Communicator& world,
                      ": exchanging the ranks' statuses failed: ",
                      all.status().message()));
   }
-  std::vector<Report> reports;
+  Reports reports;
+  absl::flat_hash_map<absl::string_view, size_t> seen;
   for (size_t r = 0; r < all->size(); ++r) {
+    const auto [it, added] =
+        seen.try_emplace((*all)[r], reports.distinct_.size());
+    reports.of_rank_.push_back(it->second);
+    if (!added) continue;
     const std::string from = absl::StrFormat(
         "collective checkpoint write, %s: rank %d's report", phase, r);
     JsonParseOptions parse;
@@ -65,10 +92,11 @@ absl::StatusOr<std::vector<Report>> Exchange(Communicator& world,
     FLATPARAM_ASSIGN_OR_RETURN(const json doc,
                                ParseJson((*all)[r], from, parse));
     try {
-      reports.push_back({absl::Status(static_cast<absl::StatusCode>(
-                                          doc.at("code").get<int>()),
-                                      doc.at("message").get<std::string>()),
-                         doc.at("payload")});
+      reports.distinct_.push_back(
+          {absl::Status(
+               static_cast<absl::StatusCode>(doc.at("code").get<int>()),
+               doc.at("message").get<std::string>()),
+           doc.at("payload")});
     } catch (const json::exception& e) {
       return absl::InternalError(absl::StrFormat(
           "collective checkpoint write, %s: rank %d sent a malformed report: "
@@ -80,7 +108,7 @@ absl::StatusOr<std::vector<Report>> Exchange(Communicator& world,
 }
 
 // OK, or the error of the lowest failing rank, named; the same on every rank.
-absl::Status Agreed(const std::vector<Report>& reports) {
+absl::Status Agreed(const Reports& reports) {
   for (size_t r = 0; r < reports.size(); ++r) {
     const absl::Status& s = reports[r].status;
     if (!s.ok()) {
@@ -91,22 +119,10 @@ absl::Status Agreed(const std::vector<Report>& reports) {
   return absl::OkStatus();
 }
 
-// What every rank must agree on: the layout document and the world size.
-std::string LayoutDigest(const ModelLayout& layout, int64_t world_size) {
-  LayoutJsonOptions options;
-  options.world_size = world_size;
-  const std::string text =
-      absl::StrCat(world_size, "\n", ModelLayoutToJson(layout, options).dump(),
-                   "\n", ModelSpecToJson(layout.spec()).dump());
-  return ChecksumHex(Xxh3(text));
-}
-
-// Phase b: this rank's files (rank 0: and layout.json) into `tmp`.
-absl::Status WriteMyFiles(FileSystem& fs, const std::string& tmp,
-                          const ModelLayout& layout, int64_t world_size,
-                          int64_t rank, const RankContent& mine,
-                          const CheckpointWriteOptions& options,
-                          json& entries) {
+// Phase b's files for `rank` (rank 0: layout.json too), not yet written.
+absl::StatusOr<std::vector<PendingFile>> MyFiles(
+    const ModelLayout& layout, int64_t world_size, int64_t rank,
+    const RankContent& mine, const CheckpointWriteOptions& options) {
   std::vector<PendingFile> files;
   if (rank == 0) {
     FLATPARAM_ASSIGN_OR_RETURN(
@@ -118,6 +134,17 @@ absl::Status WriteMyFiles(FileSystem& fs, const std::string& tmp,
       std::vector<PendingFile> rank_files,
       internal_checkpoint::RankFiles(layout, rank, mine, options.chunk_bytes));
   for (PendingFile& f : rank_files) files.push_back(std::move(f));
+  return files;
+}
+
+// Phase b: this rank's files (rank 0: and layout.json) into `tmp`.
+absl::Status WriteMyFiles(FileSystem& fs, const std::string& tmp,
+                          const ModelLayout& layout, int64_t world_size,
+                          int64_t rank, const RankContent& mine,
+                          const CheckpointWriteOptions& options,
+                          json& entries) {
+  FLATPARAM_ASSIGN_OR_RETURN(const std::vector<PendingFile> files,
+                             MyFiles(layout, world_size, rank, mine, options));
   uint64_t total = 0;
   for (const PendingFile& f : files) total += f.size;
   uint64_t done = 0;
@@ -136,7 +163,7 @@ absl::Status WriteMyFiles(FileSystem& fs, const std::string& tmp,
 }
 
 // Phase c on rank 0: the manifest from every rank's entries.
-absl::StatusOr<Manifest> CollectManifest(const std::vector<Report>& reports) {
+absl::StatusOr<Manifest> CollectManifest(const Reports& reports) {
   Manifest manifest;
   manifest.kind = CheckpointKind::kSharded;
   for (size_t r = 0; r < reports.size(); ++r) {
@@ -162,6 +189,16 @@ absl::StatusOr<Manifest> CollectManifest(const std::vector<Report>& reports) {
 }
 
 }  // namespace
+
+std::string CollectiveLayoutDigest(const ModelLayout& layout,
+                                   int64_t world_size) {
+  LayoutJsonOptions options;
+  options.world_size = world_size;
+  const std::string text =
+      absl::StrCat(world_size, "\n", ModelLayoutToJson(layout, options).dump(),
+                   "\n", ModelSpecToJson(layout.spec()).dump());
+  return ChecksumHex(Xxh3(text));
+}
 
 absl::StatusOr<CollectiveWrite> BeginCollectiveWrite(
     FileSystem& fs, const std::string& dir, const ModelLayout& layout,
@@ -193,19 +230,22 @@ absl::StatusOr<CollectiveWrite> BeginCollectiveWrite(
       status = fs.CreateDir(w.tmp);
     }
   }
-  const std::string digest = LayoutDigest(layout, world_size);
-  absl::StatusOr<std::vector<Report>> prepared =
+  const std::string digest = options.layout_digest.empty()
+                                 ? CollectiveLayoutDigest(layout, world_size)
+                                 : options.layout_digest;
+  absl::StatusOr<Reports> prepared =
       Exchange(world, status, {{"layout", digest}, {"tmp", w.tmp}}, comm,
                "preparing the directory");
   if (!prepared.ok()) {
     AbandonCollectiveWrite(fs, w);
     return prepared.status();
   }
-  std::vector<Report> reports = *std::move(prepared);
+  const Reports reports = *std::move(prepared);
   absl::Status agreed = Agreed(reports);
   for (size_t r = 1; agreed.ok() && r < reports.size(); ++r) {
-    if (reports[r].payload.value("layout", "") !=
-        reports[0].payload.value("layout", "")) {
+    if (reports.index(r) != reports.index(0) &&
+        reports[r].payload.value("layout", "") !=
+            reports[0].payload.value("layout", "")) {
       agreed = absl::InvalidArgumentError(absl::StrFormat(
           "rank %d saves a different layout or world size than rank 0", r));
     }
@@ -244,12 +284,31 @@ absl::Status WriteCollectiveRankFiles(FileSystem& fs, CollectiveWrite& w,
                       options.write, w.entries);
 }
 
+absl::StatusOr<uint64_t> SimulateCollectiveRankFiles(
+    CollectiveWrite& w, const RankContent& mine,
+    const CollectiveWriteOptions& options) {
+  w.entries = json::array();
+  if (w.rank >= w.layout->options().world_size) return 0;
+  FLATPARAM_ASSIGN_OR_RETURN(
+      const std::vector<PendingFile> files,
+      MyFiles(*w.layout, w.world_size, w.rank, mine, options.write));
+  uint64_t total = 0;
+  for (const PendingFile& f : files) {
+    ManifestEntry entry;
+    entry.path = f.name;
+    entry.size = f.size;
+    w.entries.push_back(ManifestEntryToJson(entry));
+    total += f.size;
+  }
+  return total;
+}
+
 absl::Status FinishCollectiveWrite(FileSystem& fs, const CollectiveWrite& w,
                                    const absl::Status& written_status,
                                    Communicator& world,
                                    const CollectiveWriteOptions& options) {
   const CollectiveOptions& comm = options.collective;
-  absl::StatusOr<std::vector<Report>> written = Exchange(
+  absl::StatusOr<Reports> written = Exchange(
       world, written_status, {{"files", w.entries}}, comm, "writing the ranks");
   if (!written.ok()) {
     AbandonCollectiveWrite(fs, w);
@@ -273,7 +332,7 @@ absl::Status FinishCollectiveWrite(FileSystem& fs, const CollectiveWrite& w,
     if (!status.ok()) AbandonCollectiveWrite(fs, w);
   }
   FLATPARAM_ASSIGN_OR_RETURN(
-      std::vector<Report> reports,
+      const Reports reports,
       Exchange(world, status, json::object(), comm, "publishing"));
   return Agreed(reports);
 }

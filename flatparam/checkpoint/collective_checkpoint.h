@@ -63,7 +63,17 @@ struct CollectiveWriteOptions {
   // Timeout of each status exchange (the ranks wait there for the slowest
   // writer, so it must cover a rank's whole write).
   CollectiveOptions collective;
+  // CollectiveLayoutDigest(layout, world_size), when the caller has it:
+  // ranks that save the same layout often (or, in a simulation, many ranks
+  // in one process) compute it once. Empty: computed at each Begin.
+  std::string layout_digest;
 };
+
+// What the ranks compare in phase a: a checksum of `layout`'s layout.json
+// document for `world_size` ranks and of its model. Costs a serialisation
+// of the layout (milliseconds for a 70B model's).
+std::string CollectiveLayoutDigest(const ModelLayout& layout,
+                                   int64_t world_size);
 
 // Writes a sharded checkpoint of `layout` saved on `world_size` ranks to
 // `dir`, collectively over `world` (see the file comment). `world_size`
@@ -105,6 +115,19 @@ absl::StatusOr<CollectiveWrite> BeginCollectiveWrite(
 // collectives): this rank's files into the temporary directory.
 absl::Status WriteCollectiveRankFiles(
     FileSystem& fs, CollectiveWrite& w, const RankContent& mine,
+    const CollectiveWriteOptions& options = {});
+// Phase b without the data, for simulating a save at a scale this machine
+// cannot hold (`fsdp plan --simulate --simulate-save`): sets w.entries to
+// the files WriteCollectiveRankFiles would write, at their exact sizes
+// (the same layout.json, rank files and headers), without calling `mine`'s
+// sources, hashing anything or touching a file system; the entries carry
+// no checksums. Returns the bytes this rank would write (0 on ranks >= G).
+// A FinishCollectiveWrite after it publishes a manifest of files that were
+// never written: use it only on a scratch file system (the simulation's
+// FaultInjectionFileSystem). Errors: RankFiles' (content that does not fit
+// the layout).
+absl::StatusOr<uint64_t> SimulateCollectiveRankFiles(
+    CollectiveWrite& w, const RankContent& mine,
     const CollectiveWriteOptions& options = {});
 // Phase c, collective: every rank's phase-b status and files; rank 0
 // publishes. Returns the agreed status; on failure the temporary directory

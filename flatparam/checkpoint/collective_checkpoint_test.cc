@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -123,6 +124,74 @@ INSTANTIATE_TEST_SUITE_P(
                       std::make_tuple(ShardingStrategy::kHybridShard, 2, 4),
                       std::make_tuple(ShardingStrategy::kHybridShardZero2, 3,
                                       6)));
+
+TEST_P(CollectiveCheckpointTest, SimulatedRankFilesHaveTheWrittenSizes) {
+  const auto [strategy, group, world_size] = GetParam();
+  const ModelLayout layout = MakeLayout(strategy, group);
+  FaultInjectionFileSystem fs;
+  FLATPARAM_ASSERT_OK(fs.CreateDir("/real"));
+  FLATPARAM_ASSERT_OK(fs.CreateDir("/sim"));
+  ShardedFixture f = MakeShardedFixture(layout, world_size, 1);
+  for (const absl::Status& s :
+       WriteOnSim(fs, "/real/ckpt", layout, world_size, f.content)) {
+    FLATPARAM_ASSERT_OK(s);
+  }
+  // The same content with sources that must not be called.
+  std::vector<RankContent> unreadable = f.content.ranks;
+  int calls = 0;
+  for (RankContent& rank : unreadable) {
+    for (TensorSource& t : rank.tensors) {
+      t.fill = [&calls](uint64_t, absl::Span<char>) {
+        ++calls;
+        return absl::InternalError("a simulated write read a tensor");
+      };
+    }
+  }
+  SimOptions sim;
+  sim.world_size = world_size;
+  absl::StatusOr<std::unique_ptr<SimWorld>> world = SimWorld::Create(sim);
+  ASSERT_TRUE(world.ok()) << world.status();
+  std::vector<uint64_t> bytes(world_size);
+  FLATPARAM_ASSERT_OK((*world)->Run([&](Communicator& comm) -> absl::Status {
+    FLATPARAM_ASSIGN_OR_RETURN(
+        CollectiveWrite w,
+        BeginCollectiveWrite(fs, "/sim/ckpt", layout, world_size, comm));
+    FLATPARAM_ASSIGN_OR_RETURN(
+        bytes[comm.rank()],
+        SimulateCollectiveRankFiles(
+            w, unreadable[comm.rank() % layout.options().world_size]));
+    return FinishCollectiveWrite(fs, w, absl::OkStatus(), comm);
+  }));
+  EXPECT_EQ(calls, 0);
+  // Every file of the real checkpoint but the manifest, at its size.
+  std::map<std::string, uint64_t> real;
+  for (const std::string& name : ListDir(fs, "/real/ckpt")) {
+    if (name == "manifest.json") continue;
+    absl::StatusOr<uint64_t> size = fs.GetFileSize("/real/ckpt/" + name);
+    ASSERT_TRUE(size.ok()) << size.status();
+    real[name] = *size;
+  }
+  absl::StatusOr<std::string> text =
+      ReadFileToString(fs, "/sim/ckpt/manifest.json", 1 << 20);
+  ASSERT_TRUE(text.ok()) << text.status();
+  std::map<std::string, uint64_t> simulated;
+  const json manifest = json::parse(*text);
+  for (const json& file : manifest.at("files")) {
+    simulated[file.at("path").get<std::string>()] =
+        file.at("size").get<uint64_t>();
+  }
+  EXPECT_EQ(simulated, real);
+  uint64_t total = 0;
+  for (int r = 0; r < world_size; ++r) {
+    if (r >= layout.options().world_size) {
+      EXPECT_EQ(bytes[r], 0) << r;
+    }
+    total += bytes[r];
+  }
+  uint64_t real_total = 0;
+  for (const auto& [name, size] : real) real_total += size;
+  EXPECT_EQ(total, real_total);
+}
 
 // Forwards to `base`, failing the creation of files whose path contains
 // `fail_on` (one rank's view of a full disk or a lost mount).
