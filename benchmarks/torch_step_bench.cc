@@ -37,7 +37,9 @@
 //   mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2
 //       bazel-bin/benchmarks/torch_step_bench
 #include <benchmark/benchmark.h>
-#include <torch/torch.h>
+#include <torch/optim/adamw.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <chrono>
 #include <cstdint>

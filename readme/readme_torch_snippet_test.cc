@@ -2,7 +2,11 @@
 // simulated ranks; SaveAndResumeDcp (snippet_4.cc) on a wrapped linear
 // layer there.
 #include <gtest/gtest.h>
-#include <torch/torch.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <cstdlib>
 #include <memory>

@@ -27,7 +27,14 @@
 #ifndef FLATPARAM_REFMODEL_TORCH_GPT_H_
 #define FLATPARAM_REFMODEL_TORCH_GPT_H_
 
-#include <torch/torch.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <cstdint>
 #include <functional>

@@ -10,7 +10,9 @@
 // rank trains and compares its losses and the full state dict with the
 // single-process run computed on that rank.
 #include <gtest/gtest.h>
-#include <torch/torch.h>
+#include <torch/optim/adamw.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <cstdio>
 #include <map>

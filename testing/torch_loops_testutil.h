@@ -15,7 +15,16 @@
 #ifndef TESTING_TORCH_LOOPS_TESTUTIL_H_
 #define TESTING_TORCH_LOOPS_TESTUTIL_H_
 
-#include <torch/torch.h>
+#include <torch/autograd.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/optim/optimizer.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <cstdint>
 #include <string>

@@ -1,7 +1,9 @@
 // RunTorchDemo with LibTorch (see demo_torch.h).
 #include "tools/demo_torch.h"
 
-#include <torch/torch.h>
+#include <torch/optim/adamw.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <chrono>
 #include <cstdint>

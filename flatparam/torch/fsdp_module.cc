@@ -4,8 +4,12 @@
 // state and checkpoints in fsdp_module_optim.cc.
 #include "flatparam/torch/fsdp_module.h"
 
+#include <torch/autograd.h>
 #include <torch/csrc/autograd/function_hook.h>
-#include <torch/torch.h>
+#include <torch/nn/init.h>
+#include <torch/nn/module.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <algorithm>
 #include <cstdint>

@@ -174,7 +174,13 @@
 #ifndef FLATPARAM_TORCH_FSDP_MODULE_H_
 #define FLATPARAM_TORCH_FSDP_MODULE_H_
 
-#include <torch/torch.h>
+#include <torch/autograd.h>
+#include <torch/nn/init.h>
+#include <torch/nn/module.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <cstdint>
 #include <functional>

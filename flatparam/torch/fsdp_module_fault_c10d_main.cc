@@ -13,7 +13,8 @@
 // "fsdp_module_fault: rank R: ended at T" (Unix milliseconds), and returns
 // 1 from main; a rank that finishes prints
 // "fsdp_module_fault: rank R: OK".
-#include <torch/torch.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <cstdio>
 #include <memory>

@@ -11,7 +11,8 @@
 // The training is fsdp_module_fault_train.h's (which says what the faulting
 // rank prints); a rank whose step fails prints "fsdp_module_fault: rank R:
 // <error>" and returns 1 from main, as a user's trainer would.
-#include <torch/torch.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <cstdio>
 #include <memory>

@@ -1,7 +1,9 @@
 #include "flatparam/torch/fsdp_module_fault_train.h"
 
 #include <signal.h>
-#include <torch/torch.h>
+#include <torch/optim/adamw.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 #include <unistd.h>
 
 #include <cstdio>

@@ -2,10 +2,12 @@
 // hooks, and the backward's hooks on outputs, autograd nodes and gradient
 // accumulators (see fsdp_module.h for what they do and when).
 #include <ATen/SequenceNumber.h>
+#include <torch/autograd.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/graph_task.h>
-#include <torch/torch.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <algorithm>
 #include <cstdint>

@@ -21,7 +21,10 @@
 // grows the peak by more than the shard plus two units plus 4 MiB of slack
 // (allocator and MPI buffers), and when eager initialisation grows it by
 // less than the model: the measurement must see what it claims to bound.
-#include <torch/torch.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <cstdio>
 #include <fstream>

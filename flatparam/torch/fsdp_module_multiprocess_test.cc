@@ -10,7 +10,9 @@
 // TrainReference computed on that rank. Rank 0 prints gtest's output, the
 // others only their failures.
 #include <gtest/gtest.h>
-#include <torch/torch.h>
+#include <torch/autograd.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <cstdio>
 #include <cstdlib>

@@ -1,7 +1,12 @@
 // FsdpModule's optimizer state as flatparam's optimizer-state dicts (both
 // FSDP paths, hyperparameters restored on request), and its sharded
 // checkpoints.
-#include <torch/torch.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/sgd.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <algorithm>
 #include <cstdint>

@@ -2,7 +2,8 @@
 // SHARDED_STATE_DICT, and the older FullStateDict) and the
 // SummonFullParams scope. Optimizer state and checkpoints are in
 // fsdp_module_optim.cc.
-#include <torch/torch.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <algorithm>
 #include <cstdint>

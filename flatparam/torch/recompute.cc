@@ -1,7 +1,9 @@
 #include "flatparam/torch/recompute.h"
 
+#include <torch/autograd.h>
 #include <torch/csrc/autograd/engine.h>
-#include <torch/torch.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <cstdint>
 #include <mutex>

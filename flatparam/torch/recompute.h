@@ -56,7 +56,10 @@
 #ifndef FLATPARAM_TORCH_RECOMPUTE_H_
 #define FLATPARAM_TORCH_RECOMPUTE_H_
 
-#include <torch/torch.h>
+#include <torch/autograd.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <functional>
 

@@ -1,7 +1,10 @@
 #include "flatparam/torch/recompute.h"
 
 #include <gtest/gtest.h>
-#include <torch/torch.h>
+#include <torch/autograd.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <memory>
 #include <vector>

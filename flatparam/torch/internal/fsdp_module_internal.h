@@ -7,8 +7,10 @@
 #ifndef FLATPARAM_TORCH_INTERNAL_FSDP_MODULE_INTERNAL_H_
 #define FLATPARAM_TORCH_INTERNAL_FSDP_MODULE_INTERNAL_H_
 
+#include <torch/autograd.h>
 #include <torch/csrc/autograd/function_hook.h>
-#include <torch/torch.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <cstdint>
 #include <memory>
