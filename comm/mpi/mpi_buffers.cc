@@ -1,6 +1,6 @@
 // The MPI backend's buffers: the process-wide pool of the buffers that
 // collectives own, and the staging copies of MpiOptions::stage_buffers
-// (see "Memory" in mpi_communicator.h).
+// (see "Memory" in DESIGN.md).
 #include <algorithm>
 #include <atomic>
 #include <cstddef>

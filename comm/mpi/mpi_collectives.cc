@@ -1,6 +1,6 @@
 // The MPI backend's collectives: each builds an Op (its steps and the
 // memory they use) and issues it with Launch (see "Algorithms" and
-// "Memory" in mpi_communicator.h). Split, which makes a communicator, is in
+// "Memory" in DESIGN.md). Split, which makes a communicator, is in
 // mpi_communicator.cc.
 #include <mpi.h>
 

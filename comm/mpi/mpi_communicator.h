@@ -1,7 +1,7 @@
 // The OpenMPI backend of the Communicator interface: host buffers, one rank
 // per process, processes launched by `mpirun` (or Slurm's `srun` with PMIx)
 // on one or many machines. It is also how NCCL ranks are launched and
-// bootstrapped.
+// bootstrapped. How it works and why: DESIGN.md in this folder.
 //
 //   int main(int argc, char** argv) {
 //     auto session = flatparam::MpiSession::Start(&argc, &argv);
@@ -15,159 +15,38 @@
 // Launch with, for example,
 //   mpirun --allow-run-as-root --oversubscribe --bind-to none -np 4 ./trainer
 //
-// Initialisation and finalisation. MpiSession::Start and CreateWorld call
-// MPI_Init_thread (asking for MPI_THREAD_MULTIPLE) unless MPI is already
-// initialised. flatparam finalises MPI only if it initialised it: when the
-// MpiSession that initialised it is destroyed or finished, or, after
-// CreateWorld initialised it, when the caller calls FinalizeMpi(). A program
-// that initialised MPI itself also finalises it itself. Every communicator
-// and Work should be destroyed before MPI is finalised; one that outlives it
-// skips MPI_Comm_free. When flatparam initialises MPI it also sets
-// MPI_COMM_WORLD's error handler to MPI_ERRORS_RETURN, because OpenMPI 4.1
-// reports errors found while testing a nonblocking collective through
-// MPI_COMM_WORLD's handler rather than the collective's communicator's; a
-// program that initialises MPI itself does the same if it wants those
-// errors as a Status rather than a job abort.
+// The contract, beyond comm/communicator.h's:
+//   * MPI is initialised (MPI_THREAD_MULTIPLE asked for) unless it already
+//     is, and finalised only by whoever initialised it: the MpiSession, or
+//     FinalizeMpi() after CreateWorld initialised it. Communicators and
+//     Works go first.
+//   * Reductions are comm/host_reduce.h's left fold in rank order, never
+//     MPI's operators: bitwise equal to HostReduce() and the simulator.
+//   * Collectives are zero-copy by default: after Wait() returned an error,
+//     MPI may still read the input and write the output when late peers
+//     arrive, so the caller keeps those buffers alive and unused (the error
+//     says so). MpiOptions::stage_buffers buys the opposite guarantee with
+//     one host copy each way.
+//   * Issue collectives in the same order on every rank; Wait() on them in
+//     any order. A background progress thread (with MPI_THREAD_MULTIPLE)
+//     completes them while the rank computes.
+//   * Wait() past the deadline (issue time + options.timeout) returns
+//     DeadlineExceeded and breaks the communicator: later collectives fail
+//     with Aborted without communicating. It never calls MPI_Abort
+//     (RunOnMpiWorld does, after such an error).
+//   * MpiOptions::check_collectives compares a header of each collective
+//     (operation, sequence, counts, dtype, reduce op, root, FSDP context)
+//     across the group first: a desynchronised call fails on every rank with
+//     Internal naming each rank's call, before any data moves. Split always
+//     checks.
+//   * Every collective is recorded in the flight recorder
+//     (comm/flight_recorder.h); a failed Wait() dumps it first.
+//   * Error messages name collectives as "op #seq", seq counting every call
+//     on the communicator from 0.
 //
-// Algorithms. Reductions never use MPI's reduction operators: MPI has no
-// float16/bfloat16 types, and its summation order depends on the MPI
-// library and the process layout. Data moves as raw elements (MPI_FLOAT,
-// MPI_DOUBLE, or MPI_UINT16_T for 16-bit floats) and every reduction is the
-// left fold in rank order of comm/host_reduce.h, done locally, so results
-// are bitwise identical to HostReduce() and to the simulator. The data
-// collectives are linear exchanges of point-to-point messages
-// (MPI_Irecv from every other rank, then MPI_Isend to every other rank, on
-// the communicator with one reserved tag): measured with Open MPI 4.1 on
-// one node, they ran at 1.0-1.5x MPI's blocking collectives where its
-// nonblocking ones (MPI_Iallgather & co.) ran at 0.45-1.0x. Every rank
-// exchanges with every other: across many nodes a ring or a tree would use
-// the network better.
-//   all_gather        every rank's input to every rank.
-//   reduce_scatter    slice i of every rank's input to rank i (an
-//                     all-to-all), then a local fold.
-//   all_reduce        the same over size() near-equal chunks, then an
-//                     all-gather of the reduced chunks in place in the
-//                     output; while the size() inputs total at most 64 KiB,
-//                     every rank's whole input to every rank and a local
-//                     fold (one exchange: latency dominates there).
-//   broadcast         MPI_Ibcast.
-//   barrier           MPI_Ibarrier.
-//   all_gather_bytes  MPI_Iallgather of the lengths, then MPI_Iallgatherv.
-//   split             a header exchange (below), then MPI_Comm_split.
-// MPI counts are ints: a collective whose per-rank element count (or
-// all_gather_bytes' total length) exceeds INT_MAX fails with Unimplemented.
-//
-// Memory. By default all_gather, reduce_scatter, all_reduce and broadcast
-// are zero-copy: MPI sends straight from the caller's input and receives
-// straight into the caller's output (all_gather, broadcast, all_reduce's
-// all-gather phase; all_gather copies this rank's own block locally unless
-// in place). reduce_scatter and all_reduce receive the other ranks'
-// contributions into a receive buffer the collective owns (pooled; about the
-// input's size) and fold them straight into the caller's output. As
-// comm/communicator.h says, the caller keeps every buffer alive and untouched
-// until Wait() has returned; once it returned OK, nothing touches them any
-// more. After Wait() returned DeadlineExceeded (or an MPI error), MPI may still
-// read the input and write the output later, when the late peers arrive: MPI
-// cannot cancel a collective. The process must then keep those buffers alive
-// and not reuse them (or exit); the error message says so. Callers that cannot
-// give that guarantee set MpiOptions::stage_buffers: each collective then
-// copies its input into buffers it owns when issued and copies the result
-// out before its Wait() returns, so that once Wait() has returned, even with
-// DeadlineExceeded, nothing touches the caller's buffers again; the price is
-// one extra host copy each way and staging memory of about the input plus
-// the output size. MpiStagedBytes() counts the bytes copied that way.
-//
-// Progress. MPI advances nonblocking collectives only inside MPI calls, so
-// every process has one progress engine for all its communicators. A thread
-// blocked in Wait() drives it: it tests every collective in flight back to
-// back (MPI itself yields the CPU on an oversubscribed node) and, after
-// 10 ms without a completion, with naps doubling up to 0.25 ms. While no
-// thread waits -- the rank computes between issuing a collective and
-// waiting on it -- a progress thread drives it instead, so that the
-// collective completes and this rank's peers are not held up: it polls with
-// naps of at most 0.2 ms while collectives are in flight, sleeps otherwise,
-// and looks for new collectives every millisecond (after a quiet spell, the
-// next collective wakes it). Whoever drives also runs the later steps of
-// multi-step collectives (reduce_scatter's fold, all_reduce's fold and
-// all-gather, the data step of a checked collective), so a collective can
-// be complete before Wait() is called. The progress thread exists only when
-// MPI provides MPI_THREAD_MULTIPLE (MpiSession::Start and CreateWorld ask
-// for it; Debian's OpenMPI 4.1 provides it; MpiHasProgressThread() tells).
-// With less (a program that initialised MPI itself with
-// MPI_THREAD_FUNNELED or SERIALIZED), flatparam calls MPI only on the
-// threads that call flatparam, and collectives progress only inside Wait()
-// and the calls that issue them. MPI_Finalize stops the thread (through an
-// attribute on MPI_COMM_SELF), also when the program finalises MPI itself.
-//
-// Ordering. MPI matches collectives on a communicator by the order in which
-// they are started. Each collective starts all its steps before the next
-// collective issued on the same communicator starts its first one: a
-// collective issued while the one before it is part-way waits in a queue
-// (NCCL serialises collectives on a communicator the same way), and each
-// step starts as soon as the previous one completes. So MPI sees the same
-// order on every rank however the completions interleave with the ranks'
-// calls: issue collectives in the same order on every rank, and Wait() on
-// them in any order.
-//
-// Timeouts and failures. A collective's deadline is its issue time plus
-// options.timeout. When Wait() passes it, Wait() returns DeadlineExceeded and
-// marks the communicator broken: every later collective on it, and the later
-// steps of collectives already issued (and those still queued), fail at once
-// with Aborted and do not communicate, because which collectives the peers
-// have matched is unknown and anything further could pair mismatched
-// operations. Only Wait() enforces the deadline: a collective that completed
-// in the background before its Wait() is OK even if its deadline has passed.
-// The communicator never calls MPI_Abort, which would kill every process of
-// the job; RunOnMpiWorld does, after such an error (see there). The timed-out
-// MPI request and the memory it owns are kept alive (MPI forbids freeing an
-// active collective request) and tested by the engine until MPI completes
-// them (zero-copy, MPI then writes the caller's output: see Memory); they
-// complete if the missing peers call the collective late
-// (PendingAbandonedMpiRequests() counts those still pending), and
-// FinalizeMpi() waits a grace period for them. MPI errors (the
-// communicators use MPI_ERRORS_RETURN) become Internal with MPI_Error_string's
-// text and also mark the communicator broken. When a peer process dies, mpirun
-// by default kills the whole job (OpenMPI 4 has no fault tolerance); when the
-// survivors keep running (a hung peer, a launcher that does not kill them),
-// the loss shows up as DeadlineExceeded.
-//
-// Desynchronisation. MPI checks almost nothing across ranks: ranks that call
-// different collectives, or the same one with different counts, dtypes,
-// roots or reduce ops, get undefined behaviour: a hang (which the timeout
-// catches), an MPI_ERR_TRUNCATE error, or silently wrong data. With
-// MpiOptions::check_collectives, every collective first all-gathers a small
-// header (operation, sequence number, per-rank count, dtype, reduce op,
-// divide factors, root, whether the local arguments were valid, and a hash
-// of the FSDP context the caller set in the flight recorder, so that equal
-// collectives issued from different units disagree), and if the
-// ranks disagree every rank fails, before any data moves, with Internal
-// naming each rank's call; a rank whose own arguments were invalid gets its
-// own InvalidArgument/Unimplemented error and the others get Internal. The
-// group stays usable afterwards. The check costs one small all-gather per
-// collective. Split always performs it. What remains undetectable: ranks
-// waiting on collectives of different communicators (a cross-group
-// deadlock, reported as a timeout) and, without the check, everything above.
-// Without the check, a call with invalid arguments fails on its own rank at
-// once without communicating, and its peers time out.
-//
-// Sequence numbers count every collective call on a communicator, starting
-// at 0, including calls that fail; error messages name them as "op #seq".
-//
-// Flight recorder. Every collective is recorded in the process's
-// FlightRecorder (comm/flight_recorder.h; MpiOptions::flight_recorder):
-// enqueued at the call, started when its first MPI step starts, completed
-// when its last finishes, failed when Wait() returns the error (which dumps
-// the ring to the trace directory, if one is set, before Wait returns).
-//
-// Thread-safety: as Communicator, one thread at a time per communicator, and
-// its Works are waited on from that thread. Different communicators may be
-// used from different threads concurrently when MPI provides
-// MPI_THREAD_MULTIPLE (Debian's OpenMPI 4.1 does). The progress thread is
-// internal: from the issuing call until its Wait() returns, a collective's
-// buffers (the caller's and its own) belong to whichever thread drives the
-// engine; the engine's mutex orders every hand-over (a collective is marked
-// done under it after its last write, and Wait() returns after reading that
-// mark under it). MpiSession and FinalizeMpi are not thread-safe.
+// Thread-safety: as Communicator, one thread at a time per communicator;
+// different communicators may be used from different threads concurrently
+// (MPI_THREAD_MULTIPLE). MpiSession and FinalizeMpi are not thread-safe.
 #ifndef FLATPARAM_COMM_MPI_MPI_COMMUNICATOR_H_
 #define FLATPARAM_COMM_MPI_MPI_COMMUNICATOR_H_
 

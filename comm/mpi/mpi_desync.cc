@@ -1,5 +1,5 @@
 // The check of MpiOptions::check_collectives (see "Desynchronisation" in
-// mpi_communicator.h): the header every rank all-gathers before a checked
+// DESIGN.md): the header every rank all-gathers before a checked
 // collective, and the comparison that names each rank's call when the
 // ranks disagree.
 #include <mpi.h>

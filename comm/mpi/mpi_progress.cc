@@ -2,7 +2,7 @@
 // submitting collectives' steps in issue order per communicator, driving
 // them to completion from a waiting thread or the progress thread, timeouts
 // and abandoned requests. See "Progress", "Ordering" and "Timeouts and
-// failures" in mpi_communicator.h for the behaviour.
+// failures" in DESIGN.md for the behaviour.
 #include <mpi.h>
 
 #include <algorithm>

@@ -1,5 +1,5 @@
 // MPI's initialisation and finalisation: MpiSession and FinalizeMpi (see
-// "Initialisation and finalisation" in mpi_communicator.h).
+// "Initialisation and finalisation" in DESIGN.md).
 #include <mpi.h>
 
 #include <utility>

@@ -17,7 +17,7 @@
 // Engine, which starts the steps in issue order per communicator and drives
 // them to completion from whichever thread holds the engine's driver role:
 // a thread blocked in Wait(), or else the engine's progress thread. See
-// "Progress" in mpi_communicator.h for the behaviour and Engine below for
+// "Progress" in DESIGN.md for the behaviour and Engine below for
 // the synchronisation.
 //
 // Ownership: an Op owns its OpMemory, whose PooledBuffers return to the
