@@ -20,58 +20,8 @@ namespace {
 constexpr DType kDTypes[] = {DType::kFloat32, DType::kFloat64, DType::kBFloat16,
                              DType::kFloat16};
 
-// Rounding edges of every dtype, specials, and ordinary values.
-std::vector<double> TestValues() {
-  std::vector<double> v = {0.0,
-                           -0.0,
-                           1.0 / 3,
-                           1 + std::ldexp(1.0, -8),
-                           1 + 3 * std::ldexp(1.0, -8),
-                           1 + std::ldexp(1.0, -11),
-                           65504.0,
-                           65520.0,
-                           std::ldexp(1.0, -130),
-                           3.4e38,
-                           1e300,
-                           std::numeric_limits<double>::infinity(),
-                           -std::numeric_limits<double>::infinity(),
-                           std::numeric_limits<double>::quiet_NaN()};
-  for (int i = 0; i < 300; ++i) v.push_back(std::sin(i * 1.37) * (i + 1));
-  return v;
-}
-
-std::vector<unsigned char> HostBytes(DType dtype,
-                                     const std::vector<double>& values) {
-  std::vector<unsigned char> b(values.size() * DTypeSize(dtype));
-  for (size_t i = 0; i < values.size(); ++i) {
-    StoreFromDouble(b.data(), dtype, i, values[i]);
-  }
-  return b;
-}
-
 int64_t Count(const std::vector<unsigned char>& b, DType dtype) {
   return static_cast<int64_t>(b.size() / DTypeSize(dtype));
-}
-
-// Equal bytes, except that any NaN matches any NaN.
-void ExpectSameValues(const std::vector<unsigned char>& got,
-                      const std::vector<unsigned char>& want, DType dtype,
-                      const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  const size_t size = DTypeSize(dtype);
-  int reported = 0;
-  for (size_t i = 0; i < got.size() / size && reported < 5; ++i) {
-    if (std::isnan(LoadAsDouble(want.data(), dtype, i)) &&
-        std::isnan(LoadAsDouble(got.data(), dtype, i))) {
-      continue;
-    }
-    if (std::memcmp(got.data() + i * size, want.data() + i * size, size) != 0) {
-      ADD_FAILURE() << what << " element " << i << ": got "
-                    << LoadAsDouble(got.data(), dtype, i) << ", want "
-                    << LoadAsDouble(want.data(), dtype, i);
-      ++reported;
-    }
-  }
 }
 
 // Host bytes into a new device buffer, and back, through the ops.
@@ -140,7 +90,7 @@ TEST_P(DeviceOpsConformanceTest, MismatchedArgumentsAreRefused) {
 }
 
 TEST_P(DeviceOpsConformanceTest, FillCastAndAddAreTheHostKernels) {
-  const std::vector<double> values = TestValues();
+  const std::vector<double> values = DeviceTestValues();
   std::vector<double> other;
   for (size_t i = 0; i < values.size(); ++i) other.push_back(std::cos(i) * 3);
   for (DType dtype : kDTypes) {
@@ -179,7 +129,7 @@ TEST_P(DeviceOpsConformanceTest, FillCastAndAddAreTheHostKernels) {
 }
 
 TEST_P(DeviceOpsConformanceTest, ScaleAgreesWhereCpuAndCudaArithmeticDo) {
-  const std::vector<double> values = TestValues();
+  const std::vector<double> values = DeviceTestValues();
   for (DType dtype : kDTypes) {
     // Division by a power of two is exact both ways; multiplication is one
     // rounding both ways.
@@ -201,7 +151,7 @@ TEST_P(DeviceOpsConformanceTest, ScaleAgreesWhereCpuAndCudaArithmeticDo) {
 
 TEST_P(DeviceOpsConformanceTest, CopiesBetweenEveryPlacement) {
   const DType f32 = DType::kFloat32;
-  const std::vector<unsigned char> bytes = HostBytes(f32, TestValues());
+  const std::vector<unsigned char> bytes = HostBytes(f32, DeviceTestValues());
   const int64_t n = Count(bytes, f32);
   absl::StatusOr<DeviceBuffer> pinned =
       ops().Allocate(Device::Host(), bytes.size(), /*pinned=*/true);
@@ -262,6 +212,62 @@ TEST_P(DeviceOpsConformanceTest, EventsOrderWorkAcrossStreams) {
 }
 
 }  // namespace
+
+// Binaries that link the suite for its helpers need not instantiate it
+// (cuda_device_test on a GPU).
+GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(DeviceOpsConformanceTest);
+
+std::vector<double> DeviceTestValues() {
+  std::vector<double> v = {0.0,
+                           -0.0,
+                           1.0,
+                           -1.0,
+                           1.0 / 3,
+                           1 + std::ldexp(1.0, -8),
+                           1 + 3 * std::ldexp(1.0, -8),
+                           1 + std::ldexp(1.0, -11),
+                           65504.0,
+                           65520.0,
+                           1e-8,
+                           std::ldexp(1.0, -130),
+                           3.4e38,
+                           1e300,
+                           -1e-300,
+                           std::numeric_limits<double>::infinity(),
+                           -std::numeric_limits<double>::infinity(),
+                           std::numeric_limits<double>::quiet_NaN()};
+  for (int i = 0; i < 200; ++i) v.push_back(std::sin(i * 1.37) * (i + 1));
+  return v;
+}
+
+std::vector<unsigned char> HostBytes(DType dtype,
+                                     const std::vector<double>& values) {
+  std::vector<unsigned char> b(values.size() * DTypeSize(dtype));
+  for (size_t i = 0; i < values.size(); ++i) {
+    StoreFromDouble(b.data(), dtype, i, values[i]);
+  }
+  return b;
+}
+
+void ExpectSameValues(const std::vector<unsigned char>& got,
+                      const std::vector<unsigned char>& want, DType dtype,
+                      const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  const size_t size = DTypeSize(dtype);
+  int reported = 0;
+  for (size_t i = 0; i < got.size() / size && reported < 5; ++i) {
+    if (std::isnan(LoadAsDouble(want.data(), dtype, i)) &&
+        std::isnan(LoadAsDouble(got.data(), dtype, i))) {
+      continue;
+    }
+    if (std::memcmp(got.data() + i * size, want.data() + i * size, size) != 0) {
+      ADD_FAILURE() << what << " element " << i << ": got "
+                    << LoadAsDouble(got.data(), dtype, i) << ", want "
+                    << LoadAsDouble(want.data(), dtype, i);
+      ++reported;
+    }
+  }
+}
 
 std::string DeviceOpsUnderTestName(
     const ::testing::TestParamInfo<DeviceOpsUnderTest>& info) {

@@ -30,7 +30,9 @@
 #include <memory>
 #include <ostream>
 #include <string>
+#include <vector>
 
+#include "flatparam/base/dtype.h"
 #include "flatparam/device/device.h"
 
 namespace flatparam {
@@ -53,6 +55,18 @@ struct DeviceOpsUnderTest {
 inline void PrintTo(const DeviceOpsUnderTest& d, std::ostream* os) {
   *os << d.name;
 }
+
+// Values that exercise rounding, ties, overflow, subnormals and specials in
+// every floating dtype.
+std::vector<double> DeviceTestValues();
+// `values` rounded into a host byte vector of `dtype`.
+std::vector<unsigned char> HostBytes(DType dtype,
+                                     const std::vector<double>& values);
+// Equal bytes, except that any NaN matches any NaN (payloads differ between
+// c10's CPU and CUDA conversions); reports the first few differences.
+void ExpectSameValues(const std::vector<unsigned char>& got,
+                      const std::vector<unsigned char>& want, DType dtype,
+                      const std::string& what);
 
 // For INSTANTIATE_TEST_SUITE_P's name generator.
 std::string DeviceOpsUnderTestName(

@@ -33,6 +33,7 @@
 #include "flatparam/handle.h"
 #include "flatparam/layout.h"
 #include "sim/sim.h"
+#include "testing/device_ops_conformance.h"
 #include "testing/handle_testutil.h"
 
 #ifdef FLATPARAM_CUDA_FAKE
@@ -52,64 +53,9 @@ using ::testing::HasSubstr;
 constexpr DType kFloatDTypes[] = {DType::kFloat32, DType::kFloat64,
                                   DType::kFloat16, DType::kBFloat16};
 
-// Values that exercise rounding, ties, overflow, subnormals and specials.
-std::vector<double> TestValues() {
-  std::vector<double> v = {0.0,
-                           -0.0,
-                           1.0,
-                           -1.0,
-                           1.0 / 3,
-                           1 + std::ldexp(1.0, -8),
-                           1 + 3 * std::ldexp(1.0, -8),
-                           1 + std::ldexp(1.0, -11),
-                           65504.0,
-                           65520.0,
-                           1e-8,
-                           std::ldexp(1.0, -130),
-                           3.4e38,
-                           1e300,
-                           -1e-300,
-                           std::numeric_limits<double>::infinity(),
-                           -std::numeric_limits<double>::infinity(),
-                           std::numeric_limits<double>::quiet_NaN()};
-  for (int i = 0; i < 200; ++i) v.push_back(std::sin(i * 1.37) * (i + 1));
-  return v;
-}
-
-// `values` rounded into a host byte vector of `dtype`.
-std::vector<unsigned char> HostBytes(DType dtype,
-                                     const std::vector<double>& values) {
-  std::vector<unsigned char> b(values.size() * DTypeSize(dtype));
-  for (size_t i = 0; i < values.size(); ++i) {
-    StoreFromDouble(b.data(), dtype, i, values[i]);
-  }
-  return b;
-}
-
 BufferRef HostRef(std::vector<unsigned char>& b, DType dtype) {
   return {b.data(), static_cast<int64_t>(b.size() / DTypeSize(dtype)), dtype,
           Device::Host()};
-}
-
-// Equal bytes, except that any NaN matches any NaN (payloads differ between
-// c10's CPU and CUDA conversions).
-void ExpectSameValues(const std::vector<unsigned char>& got,
-                      const std::vector<unsigned char>& want, DType dtype,
-                      const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  const size_t n = got.size() / DTypeSize(dtype);
-  for (size_t i = 0; i < n; ++i) {
-    const double g = LoadAsDouble(got.data(), dtype, i);
-    const double w = LoadAsDouble(want.data(), dtype, i);
-    if (std::isnan(w)) {
-      EXPECT_TRUE(std::isnan(g)) << what << " element " << i;
-      continue;
-    }
-    EXPECT_EQ(std::memcmp(got.data() + i * DTypeSize(dtype),
-                          want.data() + i * DTypeSize(dtype), DTypeSize(dtype)),
-              0)
-        << what << " element " << i << ": got " << g << ", want " << w;
-  }
 }
 
 class CudaDeviceOpsTest : public ::testing::Test {
@@ -231,7 +177,8 @@ TEST_F(CudaDeviceOpsTest, WarmAllocationsStayInThePool) {
 }
 
 TEST_F(CudaDeviceOpsTest, CopiesBetweenHostPinnedHostAndDevice) {
-  std::vector<unsigned char> src = HostBytes(DType::kFloat32, TestValues());
+  std::vector<unsigned char> src =
+      HostBytes(DType::kFloat32, DeviceTestValues());
   const int64_t n = static_cast<int64_t>(src.size() / 4);
   FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer pinned,
                                  ops_->Allocate(Device::Host(), n * 4, true));
@@ -266,7 +213,7 @@ TEST_F(CudaDeviceOpsTest, FillMatchesTheHost) {
 }
 
 TEST_F(CudaDeviceOpsTest, CastMatchesTheHostForEveryPair) {
-  const std::vector<double> values = TestValues();
+  const std::vector<double> values = DeviceTestValues();
   for (DType from : kFloatDTypes) {
     std::vector<unsigned char> src = HostBytes(from, values);
     DeviceBuffer d_src = Upload(src);
@@ -284,7 +231,7 @@ TEST_F(CudaDeviceOpsTest, CastMatchesTheHostForEveryPair) {
 }
 
 TEST_F(CudaDeviceOpsTest, ScaleIsPyTorchCudaArithmetic) {
-  const std::vector<double> values = TestValues();
+  const std::vector<double> values = DeviceTestValues();
   for (DType dtype : kFloatDTypes) {
     for (double factor : {2.0, 4.0, 1.5, 3.0, 0.7}) {
       for (ScaleOp op : {ScaleOp::kDivide, ScaleOp::kMultiply}) {
@@ -310,7 +257,7 @@ TEST_F(CudaDeviceOpsTest, ScaleIsPyTorchCudaArithmetic) {
 }
 
 TEST_F(CudaDeviceOpsTest, AddMatchesTheHost) {
-  const std::vector<double> values = TestValues();
+  const std::vector<double> values = DeviceTestValues();
   std::vector<double> other;
   for (size_t i = 0; i < values.size(); ++i) other.push_back(std::cos(i) * 3);
   for (DType dtype : kFloatDTypes) {
