@@ -93,8 +93,8 @@ absl::StatusOr<Conditional> ParseConditional(absl::string_view text,
   return out;
 }
 
-// What `fsdp train --save` writes for shard-group rank `rank` (its shards
-// of the parameters, the optimizer's state tensors, the sidecar), as
+// What `fsdp train --save` writes for a rank of the first shard group (its
+// shards of the parameters, the optimizer's state tensors, the sidecar), as
 // dtypes and shapes: the sources fail if called, so only sizes can be
 // taken from it (SimulateCollectiveRankFiles).
 absl::StatusOr<checkpoint::RankContent> SizedRankContent(
