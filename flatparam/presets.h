@@ -21,7 +21,7 @@
 //       model.safetensors.index.json files), in the dtype of the published
 //       `config.json` (`torch_dtype`: float16 for Llama 2, bfloat16 for
 //       Llama 3), so that the published safetensors import as they are
-//       (`fsdp checkpoint shard`, hf_checkpoint.h). Units:
+//       (`fsdp checkpoint shard`, interop/hf/hf_checkpoint.h). Units:
 //       `model.layers.{i}`. The names map one to one (Meta -> Hugging
 //       Face; L = layers.{i}, M = model.layers.{i}):
 //         tok_embeddings.weight       -> model.embed_tokens.weight

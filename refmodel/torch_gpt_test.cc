@@ -21,9 +21,9 @@
 #include "flatparam/base/status_macros.h"
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/checkpoint/file_system.h"
-#include "flatparam/checkpoint/hf_checkpoint.h"
 #include "flatparam/checkpoint/safetensors.h"
 #include "flatparam/device/device.h"
+#include "flatparam/interop/hf/hf_checkpoint.h"
 #include "flatparam/torch/fsdp_module.h"
 #include "sim/sim.h"
 

@@ -18,8 +18,8 @@
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/convert.h"
 #include "flatparam/checkpoint/file_system.h"
-#include "flatparam/checkpoint/hf_checkpoint.h"
 #include "flatparam/checkpoint/manifest.h"
+#include "flatparam/interop/hf/hf_checkpoint.h"
 #include "flatparam/presets.h"
 #include "tools/paths.h"
 

@@ -18,7 +18,7 @@
 // shard also takes a Hugging Face checkpoint as --in (a directory with
 // model.safetensors or model.safetensors.index.json and no manifest.json,
 // or the path of either file) and imports it straight to the sharded
-// layout (flatparam/checkpoint/hf_checkpoint.h), with --cast to convert a
+// layout (flatparam/interop/hf/hf_checkpoint.h), with --cast to convert a
 // dtype that differs from the model's and --weights-only to leave its
 // optimizer state behind (optim.safetensors with optim.json is imported
 // otherwise), --add-prefix/--strip-prefix to rename the

@@ -20,7 +20,7 @@
 #include "absl/strings/str_split.h"
 #include "flatparam/base/json_limits.h"
 #include "flatparam/base/status_macros.h"
-#include "flatparam/checkpoint/hf_checkpoint.h"
+#include "flatparam/interop/hf/hf_checkpoint.h"
 #include "flatparam/layout.h"
 #include "flatparam/model_json.h"
 #include "flatparam/presets.h"

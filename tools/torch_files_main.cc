@@ -1,6 +1,6 @@
 // fsdp_torch_files: PyTorch's files in and out of flatparam checkpoints:
-// torch.save files (flatparam/torch/torch_save.h) and Distributed
-// Checkpoint directories (flatparam/torch/dcp.h). A binary of its own
+// torch.save files (flatparam/interop/torch_save/torch_save.h) and Distributed
+// Checkpoint directories (flatparam/interop/dcp/dcp.h). A binary of its own
 // because it links LibTorch's serialization, which `fsdp` must not load
 // (160 MiB resident).
 //
@@ -39,11 +39,11 @@
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/file_system.h"
-#include "flatparam/checkpoint/hf_checkpoint.h"
+#include "flatparam/interop/dcp/dcp.h"
+#include "flatparam/interop/dcp/dcp_export.h"
+#include "flatparam/interop/hf/hf_checkpoint.h"
+#include "flatparam/interop/torch_save/torch_save.h"
 #include "flatparam/model_json.h"
-#include "flatparam/torch/dcp.h"
-#include "flatparam/torch/dcp_export.h"
-#include "flatparam/torch/torch_save.h"
 #include "tools/layout_request.h"
 
 ABSL_FLAG(std::string, in, "", "the input: torch.save files or a checkpoint");

@@ -11,7 +11,7 @@
 //                   "_checkpoint_wrapped_module.mlp.weight")
 //       == "layers.0.mlp.weight"
 //
-// flatparam/checkpoint/hf_checkpoint.h's checkpoint::CleanTensorName, used
+// flatparam/interop/hf/hf_checkpoint.h's checkpoint::CleanTensorName, used
 // when importing published files, calls this one.
 //
 // Thread-safety: pure functions.

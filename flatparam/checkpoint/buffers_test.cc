@@ -1,13 +1,12 @@
 // Buffers (model.h's BufferSpec) through every checkpoint path: rank files,
-// load-time reshard, offline reshard, consolidate, shard, init, and the
-// Hugging Face import and export. Each rank holds its own values, so that a
-// test can tell which rank's buffers arrived where.
+// load-time reshard, offline reshard, consolidate, shard and init (the
+// Hugging Face import and export: interop/hf/hf_checkpoint_test.cc). Each rank
+// holds its own values, so that a test can tell which rank's buffers arrived
+// where.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <cstring>
-#include <map>
 #include <string>
 #include <vector>
 
@@ -16,7 +15,6 @@
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/convert.h"
 #include "flatparam/checkpoint/file_system.h"
-#include "flatparam/checkpoint/hf_checkpoint.h"
 #include "flatparam/checkpoint/internal/checkpoint_testutil.h"
 #include "flatparam/checkpoint/internal/counting_file_system.h"
 #include "flatparam/checkpoint/optim_io.h"
@@ -34,93 +32,37 @@ using ::testing::HasSubstr;
 constexpr auto kInvalid = absl::StatusCode::kInvalidArgument;
 constexpr auto kMismatch = absl::StatusCode::kFailedPrecondition;
 
-ModelSpec Spec() {
-  ModelSpec m;
-  m.name = "bn";
-  m.params = {{"a.w", {4, 3}}, {"a.b", {4}}, {"c.w", {5}}};
-  m.wrap = {"a"};
-  m.buffers = {{"a.bn.running_mean", {3}, DType::kFloat32},
-               {"a.bn.num_batches_tracked", {}, DType::kInt64},
-               {"c.scale", {2}, DType::kFloat64}};
-  return m;
-}
-
 ModelLayout Layout(int64_t world) {
   LayoutOptions o;
   o.world_size = world;
-  return *ModelLayout::Create(Spec(), o);
-}
-
-// Buffer values that say which rank they came from: every element of rank
-// r's buffers is 10 * (r + 1) plus the element's index.
-std::map<std::string, HostTensor> Buffers(const ModelSpec& spec, int r) {
-  std::map<std::string, HostTensor> out;
-  for (const BufferSpec& b : spec.buffers) {
-    HostTensor t(b.dtype, b.shape);
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      const int64_t v = 10 * (r + 1) + i;
-      if (b.dtype == DType::kInt64) {
-        t.data_as<int64_t>()[i] = v;
-      } else {
-        t.SetDouble(i, static_cast<double>(v));
-      }
-    }
-    out.emplace(b.fqn, std::move(t));
-  }
-  return out;
-}
-
-bool SameBytes(const HostTensor& a, const HostTensor& b) {
-  return a.dtype() == b.dtype() && a.shape() == b.shape() &&
-         std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
-}
-
-// Expects `got` to hold exactly rank `r`'s buffers.
-void ExpectRanksBuffers(const std::map<std::string, HostTensor>& got, int r) {
-  const std::map<std::string, HostTensor> want = Buffers(Spec(), r);
-  ASSERT_EQ(got.size(), want.size());
-  for (const auto& [fqn, t] : want) {
-    ASSERT_EQ(got.count(fqn), 1u) << fqn;
-    EXPECT_TRUE(SameBytes(got.at(fqn), t))
-        << fqn << " is not rank " << r << "'s";
-  }
-}
-
-std::vector<RankState> Ranks(const ModelLayout& layout) {
-  std::vector<RankState> ranks(layout.options().world_size);
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    for (const FlatParamLayout& f : layout.flat_params()) {
-      ranks[r].flat_params.push_back(
-          HostTensor::Flat(f.dtype(), f.sharded_numel()));
-    }
-    ranks[r].buffers = Buffers(layout.spec(), static_cast<int>(r));
-  }
-  return ranks;
+  return *ModelLayout::Create(BufferModelSpec(), o);
 }
 
 TEST(BuffersTest, EachRankFileHoldsItsRanksBuffers) {
   FaultInjectionFileSystem fs;
   const ModelLayout layout = Layout(2);
-  FLATPARAM_ASSERT_OK(WriteRankStates(fs, "/s", layout, Ranks(layout)));
+  FLATPARAM_ASSERT_OK(
+      WriteRankStates(fs, "/s", layout, RankStatesWithBuffers(layout)));
   FLATPARAM_ASSERT_OK_AND_ASSIGN(ShardedCheckpointReader reader,
                                  ShardedCheckpointReader::Open(fs, "/s"));
-  EXPECT_EQ(reader.spec().buffers, Spec().buffers);
+  EXPECT_EQ(reader.spec().buffers, BufferModelSpec().buffers);
   for (int r = 0; r < 2; ++r) {
     FLATPARAM_ASSERT_OK_AND_ASSIGN(RankState state, ReadRankState(reader, r));
-    ExpectRanksBuffers(state.buffers, r);
+    ExpectRanksBuffers(BufferModelSpec(), state.buffers, r);
     // At the saved world size a job gets its own rank's back.
     LoadPath path;
     FLATPARAM_ASSERT_OK_AND_ASSIGN(RankState loaded,
                                    LoadRankState(reader, layout, 2, r, &path));
     EXPECT_EQ(path, LoadPath::kOwnRank);
-    ExpectRanksBuffers(loaded.buffers, r);
+    ExpectRanksBuffers(BufferModelSpec(), loaded.buffers, r);
   }
 }
 
 TEST(BuffersTest, ReshardingGivesEveryRankRankZerosBuffers) {
   FaultInjectionFileSystem fs;
   const ModelLayout two = Layout(2);
-  FLATPARAM_ASSERT_OK(WriteRankStates(fs, "/s", two, Ranks(two)));
+  FLATPARAM_ASSERT_OK(
+      WriteRankStates(fs, "/s", two, RankStatesWithBuffers(two)));
   FLATPARAM_ASSERT_OK_AND_ASSIGN(ShardedCheckpointReader reader,
                                  ShardedCheckpointReader::Open(fs, "/s"));
   const ModelLayout three = Layout(3);
@@ -129,7 +71,7 @@ TEST(BuffersTest, ReshardingGivesEveryRankRankZerosBuffers) {
     FLATPARAM_ASSERT_OK_AND_ASSIGN(RankState loaded,
                                    LoadRankState(reader, three, 3, r, &path));
     EXPECT_EQ(path, LoadPath::kResharded);
-    ExpectRanksBuffers(loaded.buffers, 0);
+    ExpectRanksBuffers(BufferModelSpec(), loaded.buffers, 0);
   }
   LayoutOptions four;
   four.world_size = 4;
@@ -139,36 +81,37 @@ TEST(BuffersTest, ReshardingGivesEveryRankRankZerosBuffers) {
   for (int r = 0; r < 4; ++r) {
     FLATPARAM_ASSERT_OK_AND_ASSIGN(RankState state,
                                    ReadRankState(resharded, r));
-    ExpectRanksBuffers(state.buffers, 0);
+    ExpectRanksBuffers(BufferModelSpec(), state.buffers, 0);
   }
 }
 
 TEST(BuffersTest, ConsolidateTakesRankZerosAndShardGivesThemToEveryRank) {
   FaultInjectionFileSystem fs;
   const ModelLayout two = Layout(2);
-  FLATPARAM_ASSERT_OK(WriteRankStates(fs, "/s", two, Ranks(two)));
+  FLATPARAM_ASSERT_OK(
+      WriteRankStates(fs, "/s", two, RankStatesWithBuffers(two)));
   FLATPARAM_ASSERT_OK(ConsolidateCheckpoint(fs, "/s", "/full"));
   FLATPARAM_ASSERT_OK_AND_ASSIGN(FullCheckpointReader full,
                                  FullCheckpointReader::Open(fs, "/full"));
-  FLATPARAM_ASSERT_OK(full.CheckFitsModel(Spec()));
+  FLATPARAM_ASSERT_OK(full.CheckFitsModel(BufferModelSpec()));
   FLATPARAM_ASSERT_OK_AND_ASSIGN(FullState state, ReadFullState(full));
-  for (const auto& [fqn, t] : Buffers(Spec(), 0)) {
+  for (const auto& [fqn, t] : RankBuffers(BufferModelSpec(), 0)) {
     ASSERT_EQ(state.params.count(fqn), 1u) << fqn;
-    EXPECT_TRUE(SameBytes(state.params.at(fqn), t)) << fqn;
+    EXPECT_TRUE(SameTensorBytes(state.params.at(fqn), t)) << fqn;
   }
 
   // The full checkpoint is a model with these buffers and no other.
-  ModelSpec without = Spec();
+  ModelSpec without = BufferModelSpec();
   without.buffers.pop_back();
   EXPECT_THAT(full.CheckFitsModel(without),
               StatusIs(kMismatch, HasSubstr("tensor 'c.scale' is not a "
                                             "parameter or buffer of model")));
-  ModelSpec more = Spec();
+  ModelSpec more = BufferModelSpec();
   more.buffers.push_back({"c.extra", {1}, DType::kFloat32});
   EXPECT_THAT(full.CheckFitsModel(more),
               StatusIs(kMismatch, HasSubstr("buffer 'c.extra' of model 'bn' "
                                             "is missing")));
-  ModelSpec other = Spec();
+  ModelSpec other = BufferModelSpec();
   other.buffers[0].shape = {4};
   EXPECT_THAT(full.CheckFitsModel(other),
               StatusIs(kMismatch,
@@ -177,21 +120,23 @@ TEST(BuffersTest, ConsolidateTakesRankZerosAndShardGivesThemToEveryRank) {
 
   LayoutOptions three;
   three.world_size = 3;
-  FLATPARAM_ASSERT_OK(ShardCheckpoint(fs, "/full", Spec(), three, 0, "/s3"));
+  FLATPARAM_ASSERT_OK(
+      ShardCheckpoint(fs, "/full", BufferModelSpec(), three, 0, "/s3"));
   FLATPARAM_ASSERT_OK_AND_ASSIGN(ShardedCheckpointReader sharded,
                                  ShardedCheckpointReader::Open(fs, "/s3"));
   for (int r = 0; r < 3; ++r) {
     FLATPARAM_ASSERT_OK_AND_ASSIGN(RankState s, ReadRankState(sharded, r));
-    ExpectRanksBuffers(s.buffers, 0);
+    ExpectRanksBuffers(BufferModelSpec(), s.buffers, 0);
   }
 }
 
 TEST(BuffersTest, InitShardConsolidateIsByteIdentical) {
   FaultInjectionFileSystem fs;
-  FLATPARAM_ASSERT_OK(InitCheckpoint(fs, Spec(), "/init"));
+  FLATPARAM_ASSERT_OK(InitCheckpoint(fs, BufferModelSpec(), "/init"));
   LayoutOptions two;
   two.world_size = 2;
-  FLATPARAM_ASSERT_OK(ShardCheckpoint(fs, "/init", Spec(), two, 0, "/s"));
+  FLATPARAM_ASSERT_OK(
+      ShardCheckpoint(fs, "/init", BufferModelSpec(), two, 0, "/s"));
   FLATPARAM_ASSERT_OK(ConsolidateCheckpoint(fs, "/s", "/back"));
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
       std::string a, ReadFileToString(fs, "/init/model.safetensors", 1 << 20));
@@ -205,7 +150,7 @@ TEST(BuffersTest, InitShardConsolidateIsByteIdentical) {
 
 TEST(BuffersTest, RankContentMustHoldExactlyTheModelsBuffers) {
   const ModelLayout layout = Layout(2);
-  std::vector<RankState> ranks = Ranks(layout);
+  std::vector<RankState> ranks = RankStatesWithBuffers(layout);
   RankState missing = ranks[0];
   missing.buffers.erase("c.scale");
   EXPECT_THAT(MakeRankContent(layout, 0, missing),
@@ -243,10 +188,11 @@ TEST(BuffersTest, RankContentMustHoldExactlyTheModelsBuffers) {
 TEST(BuffersTest, AJobWithOtherBuffersIsAnotherModel) {
   FaultInjectionFileSystem fs;
   const ModelLayout two = Layout(2);
-  FLATPARAM_ASSERT_OK(WriteRankStates(fs, "/s", two, Ranks(two)));
+  FLATPARAM_ASSERT_OK(
+      WriteRankStates(fs, "/s", two, RankStatesWithBuffers(two)));
   FLATPARAM_ASSERT_OK_AND_ASSIGN(ShardedCheckpointReader reader,
                                  ShardedCheckpointReader::Open(fs, "/s"));
-  ModelSpec job = Spec();
+  ModelSpec job = BufferModelSpec();
   job.buffers.push_back({"c.new", {1}, DType::kFloat32});
   LayoutOptions o;
   o.world_size = 2;
@@ -258,11 +204,11 @@ TEST(BuffersTest, AJobWithOtherBuffersIsAnotherModel) {
   EXPECT_THAT(LoadRankState(reader, more, 2, 0),
               StatusIs(kMismatch, HasSubstr("buffer 'c.new'")));
   // So is one saved before buffers were: the checkpoint has none.
-  ModelSpec none = Spec();
+  ModelSpec none = BufferModelSpec();
   none.buffers.clear();
   const ModelLayout old = *ModelLayout::Create(none, o);
   FLATPARAM_ASSERT_OK(WriteRankStates(fs, "/old", old, [&] {
-    std::vector<RankState> ranks = Ranks(old);
+    std::vector<RankState> ranks = RankStatesWithBuffers(old);
     for (RankState& r : ranks) r.buffers.clear();
     return ranks;
   }()));
@@ -279,61 +225,18 @@ TEST(BuffersTest, AJobWithOtherBuffersIsAnotherModel) {
   EXPECT_TRUE(reader.layout_json()["model_spec"].contains("buffers"));
 }
 
-TEST(BuffersTest, HuggingFaceExportAndImportCarryThem) {
-  FaultInjectionFileSystem fs;
-  const ModelLayout two = Layout(2);
-  FLATPARAM_ASSERT_OK(WriteRankStates(fs, "/s", two, Ranks(two)));
-  FLATPARAM_ASSERT_OK(fs.CreateDir("/hf"));
-  FLATPARAM_ASSERT_OK_AND_ASSIGN(HfExportReport report,
-                                 ExportHfCheckpoint(fs, "/s", "/hf/out"));
-  EXPECT_EQ(report.tensors, 3 + 3);
-  FLATPARAM_ASSERT_OK_AND_ASSIGN(
-      SafetensorsReader file,
-      SafetensorsReader::Open(fs, "/hf/out/model.safetensors"));
-  for (const auto& [fqn, t] : Buffers(Spec(), 0)) {
-    FLATPARAM_ASSERT_OK_AND_ASSIGN(HostTensor got, file.ReadHostTensor(fqn));
-    EXPECT_TRUE(SameBytes(got, t)) << fqn;
-  }
-
-  // The export imports back, every rank starting from its buffers.
-  LayoutOptions three;
-  three.world_size = 3;
-  FLATPARAM_ASSERT_OK(
-      ImportHfCheckpoint(fs, "/hf/out", Spec(), three, 0, "/imported")
-          .status());
-  FLATPARAM_ASSERT_OK_AND_ASSIGN(
-      ShardedCheckpointReader imported,
-      ShardedCheckpointReader::Open(fs, "/imported"));
-  for (int r = 0; r < 3; ++r) {
-    FLATPARAM_ASSERT_OK_AND_ASSIGN(RankState s, ReadRankState(imported, r));
-    ExpectRanksBuffers(s.buffers, 0);
-  }
-
-  // A model with a buffer the files lack does not fit them.
-  ModelSpec more = Spec();
-  more.buffers.push_back({"c.recomputed", {2}, DType::kFloat32});
-  EXPECT_THAT(
-      ImportHfCheckpoint(fs, "/hf/out", more, three, 0, "/x").status(),
-      StatusIs(kMismatch,
-               HasSubstr("missing tensor 'c.recomputed' (float32 [2]), a "
-                         "buffer of model 'bn': in no file of the "
-                         "checkpoint (if the model recomputes it, remove it "
-                         "from the model file's \"buffers\")")));
-  EXPECT_FALSE(*fs.Exists("/x"));
-}
-
 TEST(BuffersTest, ModelLayoutChecksTheirNames) {
-  ModelSpec clash = Spec();
+  ModelSpec clash = BufferModelSpec();
   clash.buffers.push_back({"a.w", {1}, DType::kFloat32});
   EXPECT_THAT(ModelLayout::Create(clash, LayoutOptions()).status(),
               StatusIs(kInvalid, HasSubstr("buffer \"a.w\" has the name of a "
                                            "parameter")));
-  ModelSpec twice = Spec();
+  ModelSpec twice = BufferModelSpec();
   twice.buffers.push_back(twice.buffers[0]);
   EXPECT_THAT(ModelLayout::Create(twice, LayoutOptions()).status(),
               StatusIs(kInvalid, HasSubstr("duplicate buffer name "
                                            "\"a.bn.running_mean\"")));
-  ModelSpec empty = Spec();
+  ModelSpec empty = BufferModelSpec();
   empty.buffers.push_back({"", {1}, DType::kFloat32});
   EXPECT_THAT(ModelLayout::Create(empty, LayoutOptions()).status(),
               StatusIs(kInvalid, HasSubstr("buffer 3 has an empty fqn")));

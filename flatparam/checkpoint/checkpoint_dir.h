@@ -143,12 +143,12 @@ struct CheckpointWriteOptions {
   // A write replaces its directory whole, so by default a directory that
   // holds anything but a checkpoint of the same kind is refused before
   // anything is written (FailedPrecondition naming the files). With
-  // `overwrite`, a Hugging Face export (hf_checkpoint.h) writes into such a
-  // directory instead: it replaces the previous export's files and the
-  // same-named ones, and keeps every other file (a model's README.md,
-  // .gitattributes). Not crash-atomic as a whole: the previous export's
-  // index (or single file) is removed first and the new one put in last,
-  // so a crash leaves a directory that does not load, never a mix of old
+  // `overwrite`, a Hugging Face export (flatparam/interop/hf/hf_checkpoint.h)
+  // writes into such a directory instead: it replaces the previous export's
+  // files and the same-named ones, and keeps every other file (a model's
+  // README.md, .gitattributes). Not crash-atomic as a whole: the previous
+  // export's index (or single file) is removed first and the new one put in
+  // last, so a crash leaves a directory that does not load, never a mix of old
   // and new shards that does. For flatparam's own checkpoints `overwrite`
   // changes nothing: their readers reject any file the manifest does not
   // list, so they cannot share a directory, and such a write is refused

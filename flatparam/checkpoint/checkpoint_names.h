@@ -3,8 +3,8 @@
 // and sharded checkpoints, the tensors in them, and the names a crash-safe
 // write gives the directories beside DIR. The writers and readers
 // (checkpoint_dir.h, which includes this header), the collective saves and
-// the offline conversions (convert.h, hf_checkpoint.h) build and take
-// names apart only with these.
+// the offline conversions (convert.h, interop/hf/hf_checkpoint.h) build and
+// take names apart only with these.
 //
 // Thread-safety: constants and pure functions.
 #ifndef FLATPARAM_CHECKPOINT_CHECKPOINT_NAMES_H_

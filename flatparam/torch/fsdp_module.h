@@ -199,10 +199,10 @@
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/device/device.h"
 #include "flatparam/handle.h"
+#include "flatparam/interop/dcp/dcp_export.h"
 #include "flatparam/model.h"
 #include "flatparam/optim/optim_state.h"
 #include "flatparam/runtime.h"
-#include "flatparam/torch/dcp_export.h"
 #include "flatparam/torch/recompute.h"
 
 namespace flatparam {
@@ -499,7 +499,7 @@ class FsdpModule {
                               nlohmann::json* extra = nullptr,
                               bool restore_hyperparameters = false);
 
-  // ---- PyTorch Distributed Checkpoint (dcp.h) ----
+  // ---- PyTorch Distributed Checkpoint (flatparam/interop/dcp/dcp.h) ----
   // Saves the module, and the optimizer's state when `optimizer` is given,
   // as a DCP directory, what PyTorch FSDP's SHARDED_STATE_DICT and
   // optim_state_dict saved by torch.distributed.checkpoint.save at this

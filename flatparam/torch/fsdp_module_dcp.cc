@@ -17,12 +17,12 @@
 #include "absl/strings/str_join.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/collective_checkpoint.h"
+#include "flatparam/interop/dcp/dcp.h"
+#include "flatparam/interop/dcp/internal/dcp_metadata_writer.h"
+#include "flatparam/interop/torch_save/internal/torch_save_writer.h"
 #include "flatparam/optim/fsdp_optim.h"
-#include "flatparam/torch/dcp.h"
 #include "flatparam/torch/fsdp_module.h"
-#include "flatparam/torch/internal/dcp_metadata_writer.h"
 #include "flatparam/torch/internal/fsdp_module_internal.h"
-#include "flatparam/torch/internal/torch_save_writer.h"
 
 namespace flatparam {
 namespace libtorch {

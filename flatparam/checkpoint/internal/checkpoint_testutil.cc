@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -159,6 +160,62 @@ ModelSpec BigModelSpec() {
     spec.wrap.push_back(absl::StrCat("layers.", l));
   }
   return spec;
+}
+
+ModelSpec BufferModelSpec() {
+  ModelSpec m;
+  m.name = "bn";
+  m.params = {{"a.w", {4, 3}}, {"a.b", {4}}, {"c.w", {5}}};
+  m.wrap = {"a"};
+  m.buffers = {{"a.bn.running_mean", {3}, DType::kFloat32},
+               {"a.bn.num_batches_tracked", {}, DType::kInt64},
+               {"c.scale", {2}, DType::kFloat64}};
+  return m;
+}
+
+std::map<std::string, HostTensor> RankBuffers(const ModelSpec& spec, int r) {
+  std::map<std::string, HostTensor> out;
+  for (const BufferSpec& b : spec.buffers) {
+    HostTensor t(b.dtype, b.shape);
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      const int64_t v = 10 * (r + 1) + i;
+      if (b.dtype == DType::kInt64) {
+        t.data_as<int64_t>()[i] = v;
+      } else {
+        t.SetDouble(i, static_cast<double>(v));
+      }
+    }
+    out.emplace(b.fqn, std::move(t));
+  }
+  return out;
+}
+
+std::vector<RankState> RankStatesWithBuffers(const ModelLayout& layout) {
+  std::vector<RankState> ranks(layout.options().world_size);
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    for (const FlatParamLayout& f : layout.flat_params()) {
+      ranks[r].flat_params.push_back(
+          HostTensor::Flat(f.dtype(), f.sharded_numel()));
+    }
+    ranks[r].buffers = RankBuffers(layout.spec(), static_cast<int>(r));
+  }
+  return ranks;
+}
+
+bool SameTensorBytes(const HostTensor& a, const HostTensor& b) {
+  return a.dtype() == b.dtype() && a.shape() == b.shape() &&
+         std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
+}
+
+void ExpectRanksBuffers(const ModelSpec& spec,
+                        const std::map<std::string, HostTensor>& got, int r) {
+  const std::map<std::string, HostTensor> want = RankBuffers(spec, r);
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [fqn, t] : want) {
+    ASSERT_EQ(got.count(fqn), 1u) << fqn;
+    EXPECT_TRUE(SameTensorBytes(got.at(fqn), t))
+        << fqn << " is not rank " << r << "'s";
+  }
 }
 
 int64_t PeakResidentBytes() {

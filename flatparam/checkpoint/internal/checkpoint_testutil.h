@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -81,6 +82,26 @@ ShardedFixture MakeShardedFixture(const ModelLayout& layout, int64_t world_size,
 // Model "big", for the memory-bound tests: 8 float32 parameters of 6 MiB
 // (layers.{0..3}.w [1536, 1024] and .v [1024, 1536]) in 4 units, 48 MiB.
 ModelSpec BigModelSpec();
+
+// Model "bn": parameters a.w [4, 3], a.b [4], c.w [5] (unit "a") and
+// three buffers of three dtypes: a.bn.running_mean (float32 [3]),
+// a.bn.num_batches_tracked (int64, 0-d), c.scale (float64 [2]).
+ModelSpec BufferModelSpec();
+
+// Buffer values that say which rank they came from: every element of rank
+// r's buffers is 10 * (r + 1) plus the element's index.
+std::map<std::string, HostTensor> RankBuffers(const ModelSpec& spec, int r);
+
+// One RankState per rank of `layout`: zeroed flat parameters and
+// RankBuffers(layout.spec(), rank).
+std::vector<RankState> RankStatesWithBuffers(const ModelLayout& layout);
+
+// Same dtype, shape and bytes.
+bool SameTensorBytes(const HostTensor& a, const HostTensor& b);
+
+// `got` holds exactly RankBuffers(spec, r); a test failure otherwise.
+void ExpectRanksBuffers(const ModelSpec& spec,
+                        const std::map<std::string, HostTensor>& got, int r);
 
 // The process's peak resident set (VmHWM) in bytes; 0 where
 // /proc/self/status does not say.

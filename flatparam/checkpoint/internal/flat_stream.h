@@ -1,6 +1,6 @@
 // Private to //flatparam/checkpoint: the streaming pieces the offline
-// conversions share (convert.h, hf_checkpoint.h). A flat tensor (a flat
-// parameter or a flat optimizer state) is produced chunk by chunk from
+// conversions share (convert.h, interop/hf/hf_checkpoint.h). A flat tensor (a
+// flat parameter or a flat optimizer state) is produced chunk by chunk from
 // reads of its parameters' elements, with flatten.h's padding generated in
 // between, and a sharded checkpoint's flat tensors are read back by byte
 // range across its rank files. Nothing here holds tensor data beyond the

@@ -1,10 +1,10 @@
 // Private to //flatparam/checkpoint: the optimizer half of sharding a full
 // checkpoint, planned once for every rank. ShardCheckpoint (convert.h)
 // uses it for a full checkpoint's optim.safetensors and optim.json, and
-// ImportHfCheckpoint (hf_checkpoint.h) for the same two files beside a
-// Hugging Face-style model.safetensors, so both write the same bytes.
-// Implemented in full_optim_shards.cc; the sidecar helpers it shares with
-// the reshard are internal/sidecar_meta.h's.
+// ImportHfCheckpoint (flatparam/interop/hf/hf_checkpoint.h) for the same two
+// files beside a Hugging Face-style model.safetensors, so both write the same
+// bytes. Implemented in full_optim_shards.cc; the sidecar helpers it shares
+// with the reshard are internal/sidecar_meta.h's.
 //
 //   FLATPARAM_ASSIGN_OR_RETURN(OptimSidecar full,
 //                              ParseOptimSidecar(doc, sidecar_name));
