@@ -15,18 +15,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "flatparam/base/status_macros.h"
-#include "flatparam/checkpoint/async_checkpoint.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/collective_checkpoint.h"
 #include "flatparam/checkpoint/convert.h"
 #include "flatparam/checkpoint/file_system.h"
-#include "flatparam/checkpoint/manifest.h"
 #include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/checkpoint/training_checkpoints.h"
 #include "flatparam/layout.h"
 #include "refmodel/model.h"
 #include "refmodel/optimizer.h"
@@ -43,8 +41,6 @@ namespace tools {
 namespace {
 
 // --save and --load: stands for the global step in a directory name.
-constexpr char kStepPlaceholder[] = "{step}";
-constexpr size_t kStepPlaceholderSize = sizeof(kStepPlaceholder) - 1;
 
 using TensorMap = std::map<std::string, HostTensor>;
 using json = nlohmann::json;
@@ -511,7 +507,8 @@ absl::Status ValidateTrainCommandOptions(const TrainCommandOptions& o) {
   if (o.async_save && o.save_dir.empty()) {
     return Bad("--async-save needs --save=DIR (where to save)");
   }
-  if (o.resume && o.save_dir.find(kStepPlaceholder) == std::string::npos) {
+  if (o.resume &&
+      !absl::StrContains(o.save_dir, checkpoint::kStepPlaceholder)) {
     return Bad(absl::StrFormat(
         "--resume needs --save with \"{step}\" in its last component (the "
         "checkpoints it resumes from), got --save=%s",
@@ -666,26 +663,14 @@ namespace {
 using StateCopier =
     absl::FunctionRef<absl::StatusOr<refmodel::FsdpRankState>()>;
 
-// --save's directory for the checkpoint of global step `step`.
-std::string SaveDirFor(const std::string& dir, int64_t step) {
-  return absl::StrReplaceAll(dir, {{kStepPlaceholder, absl::StrCat(step)}});
-}
-
-absl::Status InSave(const std::string& dir, const absl::Status& s) {
-  if (s.ok()) return s;
-  return absl::Status(s.code(),
-                      absl::StrCat("--save=", dir, ": ", s.message()));
-}
-
-// One rank's saves during a run (--save, --save-every, --async-save): at
-// which steps, where, with which "extra", written collectively or through
-// an AsyncCheckpointSaver, and how long they blocked the training thread.
-// AfterStep is the trainer's after_step hook; Finish must be called after
-// training (also when it failed) while a save may be in flight.
+// One rank's saves during a run (--save, --save-every, --async-save):
+// checkpoint::StepCheckpointSaver with the trainer's state and, in each
+// checkpoint's "extra", what a run resumed from it needs. AfterStep is the
+// trainer's after_step hook; Finish must be called after training (also
+// when it failed) while a save may be in flight.
 //
 // Borrows `fs`, `world` and `layout`, which must outlive it; copies the
-// rest. Not thread-safe: the rank's thread alone calls it (the async
-// saver's background thread is its own business).
+// rest. Not thread-safe: the rank's thread alone calls it.
 class RunSaver {
  public:
   // `options` are the run's, given before their initial_state and
@@ -695,178 +680,62 @@ class RunSaver {
            const TrainCommandOptions& command,
            const refmodel::FsdpTrainOptions& options, const ModelLayout& layout,
            const std::vector<TrainSegment>& history)
-      : fs_(fs),
-        world_(world),
+      : world_size_(world.size()),
         command_(command),
         options_(options),
         steps_(options.steps),
         layout_(layout),
-        history_(history) {
-    write_.collective = options.collective_options;
-    if (command.async_save) {
-      checkpoint::AsyncSaveOptions async;
-      async.write = write_;
-      async_.emplace(fs, world, async);
-    }
-  }
+        history_(history),
+        saver_(fs, world, SaveOptions(command, options)) {}
 
   // Saves when the global step reached after `steps_done` steps of this run
   // is due (a multiple of --save-every, or the run's last).
   absl::Status AfterStep(int64_t steps_done, StateCopier copy_state) {
-    const int64_t step = options_.first_step + steps_done;
-    const bool due = steps_done == steps_ || (command_.save_every.has_value() &&
-                                              step % *command_.save_every == 0);
-    if (!due) return absl::OkStatus();
-    const absl::Time begin = absl::Now();
-    const absl::Status saved = Save(steps_done, copy_state);
-    Blocked(absl::Now() - begin);
-    return saved;
+    return saver_.AfterStep(
+        layout_, options_.first_step + steps_done, steps_done == steps_,
+        [&]() -> absl::StatusOr<checkpoint::RankState> {
+          FLATPARAM_ASSIGN_OR_RETURN(refmodel::FsdpRankState state,
+                                     copy_state());
+          checkpoint::RankState mine;
+          mine.flat_params = std::move(state.flat_params);
+          mine.optim = refmodel::ShardedFromTrainStates(state.optimizer);
+          mine.optim.param_groups.push_back(ParamGroupFor(
+              options_.optimizer,
+              static_cast<int64_t>(layout_.flat_params().size())));
+          // The extra describes this step: the run's segment ends here.
+          options_.steps = steps_done;
+          mine.extra = {{kTrainExtraKey, TrainExtra(command_, options_,
+                                                    world_size_, history_)}};
+          return mine;
+        });
   }
 
-  // Waits for the save in flight, if any, and publishes it (collective).
-  absl::Status Finish() {
-    if (!async_.has_value() || !async_->pending()) return absl::OkStatus();
-    const absl::Time begin = absl::Now();
-    const absl::Status finished = InSave(pending_dir_, async_->Finish());
-    Blocked(absl::Now() - begin);
-    return finished;
-  }
-
-  const std::vector<int64_t>& saved_steps() const { return saved_steps_; }
-  const std::string& last_dir() const { return last_dir_; }
-  absl::Duration blocked_max() const { return blocked_max_; }
-  absl::Duration blocked_total() const { return blocked_total_; }
+  absl::Status Finish() { return saver_.Finish(); }
+  const checkpoint::StepCheckpointSaver& saver() const { return saver_; }
 
  private:
-  void Blocked(absl::Duration d) {
-    blocked_max_ = std::max(blocked_max_, d);
-    blocked_total_ += d;
+  static checkpoint::StepSaveOptions SaveOptions(
+      const TrainCommandOptions& command,
+      const refmodel::FsdpTrainOptions& options) {
+    checkpoint::StepSaveOptions save;
+    save.dir = command.save_dir;
+    save.every = command.save_every.value_or(0);
+    save.async = command.async_save;
+    save.write.collective = options.collective_options;
+    return save;
   }
 
-  absl::Status Save(int64_t steps_done, StateCopier copy_state) {
-    const int64_t step = options_.first_step + steps_done;
-    const std::string dir = SaveDirFor(command_.save_dir, step);
-    // At most one snapshot is staged: the previous save finishes before
-    // this state is copied.
-    FLATPARAM_RETURN_IF_ERROR(Finish());
-    absl::StatusOr<refmodel::FsdpRankState> state = copy_state();
-    if (!state.ok()) return InSave(dir, state.status());
-    checkpoint::RankState mine;
-    mine.flat_params = std::move(state->flat_params);
-    mine.optim = refmodel::ShardedFromTrainStates(state->optimizer);
-    mine.optim.param_groups.push_back(
-        ParamGroupFor(options_.optimizer,
-                      static_cast<int64_t>(layout_.flat_params().size())));
-    // The extra describes this step: the run's segment ends here.
-    options_.steps = steps_done;
-    mine.extra = {{kTrainExtraKey,
-                   TrainExtra(command_, options_, world_.size(), history_)}};
-    if (async_.has_value()) {
-      FLATPARAM_RETURN_IF_ERROR(InSave(
-          dir, async_->Start(dir, layout_, world_.size(), std::move(mine))));
-      pending_dir_ = dir;
-    } else {
-      // In phases, so that a rank whose content is bad fails every rank
-      // (agreed in Begin) instead of leaving them in the exchange.
-      const int64_t shard_rank = world_.rank() % layout_.options().world_size;
-      absl::StatusOr<checkpoint::RankContent> content =
-          checkpoint::MakeRankContent(layout_, shard_rank, mine);
-      absl::StatusOr<checkpoint::CollectiveWrite> begun =
-          checkpoint::BeginCollectiveWrite(fs_, dir, layout_, world_.size(),
-                                           world_, write_, content.status());
-      if (!begun.ok()) return InSave(dir, begun.status());
-      const absl::Status written =
-          checkpoint::WriteCollectiveRankFiles(fs_, *begun, *content, write_);
-      FLATPARAM_RETURN_IF_ERROR(
-          InSave(dir, checkpoint::FinishCollectiveWrite(fs_, *begun, written,
-                                                        world_, write_)));
-    }
-    saved_steps_.push_back(step);
-    last_dir_ = dir;
-    return absl::OkStatus();
-  }
-
-  checkpoint::FileSystem& fs_;
-  Communicator& world_;
+  const int world_size_;
   const TrainCommandOptions command_;
   // The run's options; `steps` is set to the steps done at each save.
   refmodel::FsdpTrainOptions options_;
   const int64_t steps_;  // the run's
   const ModelLayout& layout_;
   const std::vector<TrainSegment> history_;
-  checkpoint::CollectiveWriteOptions write_;
-  std::optional<checkpoint::AsyncCheckpointSaver> async_;
-  std::string pending_dir_;  // the async save in flight's directory
-
-  std::vector<int64_t> saved_steps_;
-  std::string last_dir_;
-  absl::Duration blocked_max_;
-  absl::Duration blocked_total_;
+  checkpoint::StepCheckpointSaver saver_;
 };
 
 }  // namespace
-
-namespace {}  // namespace
-
-absl::StatusOr<std::string> ResolveLoadDir(
-    checkpoint::FileSystem& fs, const std::string& pattern, int* candidates,
-    std::vector<std::string>* skipped_out) {
-  if (candidates != nullptr) *candidates = 0;
-  const size_t at = pattern.find(kStepPlaceholder);
-  if (at == std::string::npos) return pattern;
-  const size_t slash = pattern.rfind('/', at);
-  const std::string parent =
-      slash == std::string::npos ? "." : pattern.substr(0, slash);
-  const std::string base_prefix =
-      pattern.substr(slash == std::string::npos ? 0 : slash + 1,
-                     at - (slash == std::string::npos ? 0 : slash + 1));
-  const std::string suffix = pattern.substr(at + kStepPlaceholderSize);
-  if (suffix.find('/') != std::string::npos ||
-      suffix.find(kStepPlaceholder) != std::string::npos) {
-    return Bad(absl::StrFormat(
-        "--load=%s: \"{step}\" must stand in the last path component, once",
-        pattern));
-  }
-  FLATPARAM_ASSIGN_OR_RETURN(std::vector<std::string> children,
-                             fs.GetChildren(parent));
-  std::vector<std::pair<int64_t, std::string>> steps;
-  for (const std::string& name : children) {
-    if (name.size() <= base_prefix.size() + suffix.size() ||
-        !absl::StartsWith(name, base_prefix) || !absl::EndsWith(name, suffix)) {
-      continue;
-    }
-    const absl::string_view digits = absl::string_view(name).substr(
-        base_prefix.size(), name.size() - base_prefix.size() - suffix.size());
-    int64_t step = 0;
-    if (!std::all_of(digits.begin(), digits.end(),
-                     [](char c) { return c >= '0' && c <= '9'; }) ||
-        !absl::SimpleAtoi(digits, &step)) {
-      continue;
-    }
-    steps.emplace_back(step, absl::StrCat(parent, "/", name));
-  }
-  if (candidates != nullptr) *candidates = static_cast<int>(steps.size());
-  std::sort(steps.rbegin(), steps.rend());
-  std::vector<std::string> skipped;
-  for (const auto& [step, dir] : steps) {
-    // Published, and every listed file there at its size (a cheap check;
-    // the load verifies the checksums of every byte it reads).
-    checkpoint::VerifyOptions sizes_only;
-    sizes_only.verify_checksums = false;
-    const absl::Status verified =
-        checkpoint::VerifyManifest(fs, dir, sizes_only).status();
-    if (verified.ok()) {
-      if (skipped_out != nullptr) *skipped_out = std::move(skipped);
-      return dir;
-    }
-    skipped.push_back(absl::StrCat(dir, " (", verified.message(), ")"));
-  }
-  return absl::NotFoundError(absl::StrFormat(
-      "--load=%s: no complete checkpoint matches it in %s (%d directories "
-      "matched the name%s%s)",
-      pattern, parent, steps.size(),
-      skipped.empty() ? "" : "; skipped: ", absl::StrJoin(skipped, "; ")));
-}
 
 absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
                                            DeviceOps& device,
@@ -885,9 +754,9 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
   // decide alike); else a run from step 0.
   std::string load_pattern = options.load_dir;
   if (options.resume) {
-    const absl::StatusOr<std::string> found =
-        ResolveLoadDir(fs, options.save_dir, nullptr, nullptr);
-    if (found.ok()) load_pattern = options.save_dir;
+    if (checkpoint::FindLatestCheckpoint(fs, options.save_dir).ok()) {
+      load_pattern = options.save_dir;
+    }
   }
   const auto in_load = [&](const absl::Status& s) {
     return absl::Status(
@@ -901,11 +770,12 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
     // checkpoint itself (the ranks see one file system, so they pick the
     // same).
     absl::StatusOr<ResumePoint> point = [&]() -> absl::StatusOr<ResumePoint> {
-      int candidates = 0;
       FLATPARAM_ASSIGN_OR_RETURN(
-          report.load_resolved_from,
-          ResolveLoadDir(fs, load_pattern, &candidates, &report.load_skipped));
-      report.load_candidates = candidates;
+          checkpoint::LatestCheckpoint latest,
+          checkpoint::FindLatestCheckpoint(fs, load_pattern));
+      report.load_resolved_from = latest.dir;
+      report.load_candidates = latest.candidates;
+      report.load_skipped = std::move(latest.skipped);
       report.load_pattern = load_pattern;
       checkpoint::CheckpointOpenOptions metadata_only;
       metadata_only.ranks.emplace();  // no rank's tensors yet
@@ -1052,8 +922,8 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
                                        finished.message(), ")"));
     }
     FLATPARAM_RETURN_IF_ERROR(finished);
-    report.saved_steps = saver->saved_steps();
-    report.saved_to = saver->last_dir();
+    report.saved_steps = saver->saver().saved_steps();
+    report.saved_to = saver->saver().last_dir();
     report.async_save = command.async_save;
   }
   FLATPARAM_RETURN_IF_ERROR(trained.status());
@@ -1066,8 +936,8 @@ absl::StatusOr<TrainReport> RunTrainOnRank(Communicator& world,
   mine.comm = result.comm;
   mine.nonzero_padding_grads = result.nonzero_padding_grads;
   if (saver.has_value()) {
-    mine.save_blocked_max = saver->blocked_max();
-    mine.save_blocked_total = saver->blocked_total();
+    mine.save_blocked_max = saver->saver().blocked_max();
+    mine.save_blocked_total = saver->saver().blocked_total();
   }
   FLATPARAM_ASSIGN_OR_RETURN(
       std::vector<std::string> all,

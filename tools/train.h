@@ -51,7 +51,9 @@
 // exactly. The literal "{step}" in DIR is replaced by that step
 // (--save=ckpt/step{step}: one checkpoint per save); without it every save
 // replaces DIR crash-safely, so DIR always holds the latest complete one.
-// --async-save writes the saves with AsyncCheckpointSaver
+// The saves are checkpoint::StepCheckpointSaver's
+// (flatparam/checkpoint/training_checkpoints.h, which LibTorch trainers
+// use too). --async-save writes them with AsyncCheckpointSaver
 // (flatparam/checkpoint/async_checkpoint.h): at a save the step is blocked
 // while the previous save finishes (if still writing), the rank's state is
 // copied to a host snapshot and the ranks agree on the temporary
@@ -155,7 +157,7 @@ struct TrainCommandOptions {
   // --save may contain "{step}".
   std::string save_dir;
   // DIR of --load may contain "{step}": the newest published checkpoint
-  // whose name matches (ResolveLoadDir).
+  // whose name matches (checkpoint::FindLatestCheckpoint).
   std::string load_dir;
   // --resume (needs a --save with "{step}"; not with --load): the same
   // command line starts or restarts a run, as an elastic launcher
@@ -241,19 +243,6 @@ struct ResumePoint {
 absl::StatusOr<ResumePoint> ResumeFromExtra(const TrainCommandOptions& command,
                                             const nlohmann::json& extra);
 
-// --load's directory: `pattern` itself, or, when it contains "{step}", the
-// matching directory (the step as decimal digits, nothing else) with the
-// highest step among those holding a complete checkpoint: a manifest.json
-// (saves publish it last, atomically, so a save cut off by a crash has
-// none) whose files are all there at their sizes (checksums are left to
-// the load, which verifies every byte it reads). `*candidates`, when set,
-// receives how many directories matched, and `*skipped` the newer ones
-// passed over, each with why. NotFound when none holds a complete
-// checkpoint.
-absl::StatusOr<std::string> ResolveLoadDir(
-    checkpoint::FileSystem& fs, const std::string& pattern,
-    int* candidates = nullptr, std::vector<std::string>* skipped = nullptr);
-
 // InvalidArgument naming the flag for options that make no sense before
 // the world size is known (an unknown backend, strategy, precision,
 // backward prefetch or optimizer; steps, micro-batches or the prefetch
@@ -322,8 +311,9 @@ struct TrainReport {
   // (saved_to: the last save's, "{step}" replaced).
   std::vector<TrainSegment> history;
   std::string loaded_from;
-  // --load as given and the directory it named (ResolveLoadDir), and how
-  // many directories matched a "{step}" pattern (0 without one).
+  // --load as given and the directory it named
+  // (checkpoint::FindLatestCheckpoint), and how many directories matched a
+  // "{step}" pattern (0 without one).
   std::string load_pattern;
   std::string load_resolved_from;
   int load_candidates = 0;

@@ -169,7 +169,7 @@ expect_exit 0 train --world-size=3 --steps=2 --load="$tmp/every{step}" \
 grep -q 'chained: steps 0-2 on 4 ranks FULL_SHARD with 1 micro-batch of 8 samples; then this run): 0 .*bitwise equal' \
   "$tmp/out" || fail "W=3, batch 6: not bitwise equal: $(head -c 2000 "$tmp/out")"
 expect_exit 1 train --world-size=3 --load="$tmp/none{step}"
-grep -q 'no complete checkpoint matches it' "$tmp/err" ||
+grep -q "no complete checkpoint matches $tmp/none{step} (0 directories" "$tmp/err" ||
   fail "{step} with no match: $(head -c 2000 "$tmp/err")"
 
 cli_test_finish

@@ -616,7 +616,7 @@ TEST(SaveEveryTest, AFailedSaveStopsTraining) {
     EXPECT_THAT(
         RunTrainSim(o, out),
         StatusIs(absl::StatusCode::kNotFound,
-                 AllOf(HasSubstr(absl::StrCat("rank 0: after step 1: --save=",
+                 AllOf(HasSubstr(absl::StrCat("rank 0: after step 1: save to ",
                                               root, "/p2/ckpt: ")),
                        HasSubstr("does not exist"))));
     EXPECT_TRUE(std::filesystem::exists(root + "/p1/ckpt/manifest.json"));

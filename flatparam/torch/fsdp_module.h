@@ -197,6 +197,7 @@
 #include "absl/strings/string_view.h"
 #include "comm/communicator.h"
 #include "flatparam/checkpoint/file_system.h"
+#include "flatparam/checkpoint/optim_io.h"
 #include "flatparam/device/device.h"
 #include "flatparam/handle.h"
 #include "flatparam/interop/dcp/dcp_export.h"
@@ -477,6 +478,16 @@ class FsdpModule {
   // replica's come back as its shard-group rank's.
   absl::Status SaveCheckpoint(
       checkpoint::FileSystem& fs, const std::string& dir,
+      torch::optim::Optimizer* optimizer,
+      const nlohmann::json& extra = nlohmann::json::object());
+  // What SaveCheckpoint writes for this rank, copied to the host: its
+  // shards, buffers, the optimizer's state when `optimizer` is given, and
+  // `extra`. Not collective. For trainers that save through
+  // checkpoint::StepCheckpointSaver (flatparam/checkpoint/
+  // training_checkpoints.h: every N steps, in the background, resumed with
+  // FindLatestCheckpoint and LoadCheckpoint). Between iterations;
+  // SaveCheckpoint's errors for the optimizer state.
+  absl::StatusOr<checkpoint::RankState> CheckpointState(
       torch::optim::Optimizer* optimizer,
       const nlohmann::json& extra = nlohmann::json::object());
   // Loads a sharded checkpoint of this module into the local shards and,

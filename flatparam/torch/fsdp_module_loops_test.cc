@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
@@ -30,6 +31,7 @@
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/file_system.h"
+#include "flatparam/checkpoint/training_checkpoints.h"
 #include "flatparam/device/device.h"
 #include "flatparam/interop/dcp/dcp.h"
 #include "flatparam/model.h"
@@ -675,6 +677,76 @@ TEST(FsdpModuleCheckpointTest, BatchNormResumesBitwiseThroughCheckpoints) {
     EXPECT_TRUE(torch::equal(widened[r]["h.0.bn.running_var"],
                              bf16[r]["h.0.bn.running_var"]));
     EXPECT_EQ(widened[r]["h.0.bn.running_var"].scalar_type(), torch::kFloat);
+  }
+}
+
+// A trainer's periodic saves (checkpoint/training_checkpoints.h) of
+// CheckpointState: every 2 steps in the background into step{step}, a
+// crash after step 5 with step 4's save still unpublished, then a restart
+// that resumes from the newest complete checkpoint (step 2, from "extra")
+// and trains to step 5: bitwise the 5 steps straight, on every rank.
+TEST(FsdpModuleCheckpointTest, PeriodicAsyncSavesResumeFromTheLatest) {
+  const std::string root = TmpDir("periodic");
+  const std::string pattern = root + "/step{step}";
+  std::filesystem::create_directories(root);
+  using Dict = torch::OrderedDict<std::string, torch::Tensor>;
+  auto run = [&](bool save, bool resume, std::vector<Dict>* out,
+                 std::vector<int64_t>* resumed_at) {
+    out->assign(2, Dict());
+    resumed_at->assign(2, -1);
+    return OnSim(2, [&](Communicator& comm, DeviceOps& device) -> absl::Status {
+      checkpoint::FileSystem& fs = checkpoint::PosixFileSystem();
+      BnNet net = MakeBnNet();
+      FsdpOptions options;
+      options.wrap = {"h.*"};
+      FLATPARAM_ASSIGN_OR_RETURN(
+          std::unique_ptr<FsdpModule> fsdp,
+          FsdpModule::Wrap(net.ptr(), &comm, &device, options));
+      torch::optim::AdamW adamw(fsdp->ShardedParameters(),
+                                torch::optim::AdamWOptions(0.01));
+      int64_t first = 0;
+      if (resume) {
+        FLATPARAM_ASSIGN_OR_RETURN(
+            checkpoint::LatestCheckpoint latest,
+            checkpoint::FindLatestCheckpoint(fs, pattern));
+        nlohmann::json extra;
+        FLATPARAM_RETURN_IF_ERROR(
+            fsdp->LoadCheckpoint(fs, latest.dir, &adamw, &extra));
+        first = extra.at("step").get<int64_t>();
+        (*resumed_at)[comm.rank()] = first;
+      }
+      {
+        checkpoint::StepSaveOptions every2;
+        every2.dir = pattern;
+        every2.every = 2;
+        every2.async = true;
+        checkpoint::StepCheckpointSaver saver(fs, comm, every2);
+        for (int64_t step = first; step < 5; ++step) {
+          FLATPARAM_RETURN_IF_ERROR(
+              BnStep(net, *fsdp, adamw, static_cast<int>(step), comm.rank()));
+          if (!save) continue;
+          FLATPARAM_RETURN_IF_ERROR(
+              saver.AfterStep(fsdp->layout(), step + 1, /*last=*/false, [&] {
+                return fsdp->CheckpointState(&adamw, {{"step", step + 1}});
+              }));
+        }
+        // The crash: no Finish, so step 4's save is never published.
+      }
+      FLATPARAM_ASSIGN_OR_RETURN((*out)[comm.rank()], fsdp->StateDict());
+      return absl::OkStatus();
+    });
+  };
+  std::vector<Dict> straight, crashed, resumed;
+  std::vector<int64_t> at;
+  ASSERT_THAT(run(false, false, &straight, &at), IsOk());
+  ASSERT_THAT(run(true, false, &crashed, &at), IsOk());
+  EXPECT_TRUE(std::filesystem::exists(root + "/step2/manifest.json"));
+  EXPECT_FALSE(std::filesystem::exists(root + "/step4"));
+  ASSERT_THAT(run(false, true, &resumed, &at), IsOk());
+  EXPECT_THAT(at, ::testing::ElementsAre(2, 2));
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE(r);
+    EXPECT_THAT(ExpectSameDict(straight[r], resumed[r]), IsOk());
   }
 }
 

@@ -32,6 +32,7 @@
 #include "flatparam/checkpoint/collective_checkpoint.h"
 #include "flatparam/checkpoint/convert.h"
 #include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/checkpoint/training_checkpoints.h"
 #include "flatparam/torch/fsdp_module.h"
 #include "flatparam/torch/internal/fsdp_module_internal.h"
 
@@ -136,18 +137,14 @@ std::string StateKey(const torch::Tensor& t) {
 
 }  // namespace
 
-absl::Status FsdpModule::SaveCheckpoint(checkpoint::FileSystem& fs,
-                                        const std::string& dir,
-                                        torch::optim::Optimizer* optimizer,
-                                        const nlohmann::json& extra) {
-  Communicator& world = *world_;
+absl::StatusOr<checkpoint::RankState> FsdpModule::CheckpointState(
+    torch::optim::Optimizer* optimizer, const nlohmann::json& extra) {
+  FLATPARAM_RETURN_IF_ERROR(BetweenIterations("CheckpointState"));
   const ModelLayout& model = layout();
-  const int64_t shard_rank = world.rank() % model.options().world_size;
   checkpoint::RankState mine;
-  absl::Status prepared = BetweenIterations("SaveCheckpoint");
   // This rank's buffers in their own dtype (a buffer_dtype cast undone), as
   // the spec lists them.
-  for (size_t b = 0; b < buffers_.size() && prepared.ok(); ++b) {
+  for (size_t b = 0; b < buffers_.size(); ++b) {
     const torch::Tensor c =
         buffers_[b].second.to(buffer_dtypes_[b]).contiguous();
     const BufferSpec& spec = model.spec().buffers[b];
@@ -155,36 +152,38 @@ absl::Status FsdpModule::SaveCheckpoint(checkpoint::FileSystem& fs,
     std::memcpy(t.data(), c.data_ptr(), t.nbytes());
     mine.buffers.emplace(buffers_[b].first, std::move(t));
   }
-  for (int u = 0; u < runtime_->num_units() && prepared.ok(); ++u) {
+  for (int u = 0; u < runtime_->num_units(); ++u) {
     BufferRef shard = runtime_->handle(u).sharded_param();
     HostTensor t = HostTensor::Uninitialized(shard.dtype, {shard.count});
     std::memcpy(t.data(), shard.data, t.nbytes());
     mine.flat_params.push_back(std::move(t));
   }
-  if (prepared.ok() && optimizer != nullptr) {
-    absl::StatusOr<optim::OptimStateDict> state = ShardedOptimState(*optimizer);
-    if (state.ok() && use_orig_params_) state = OrigToFlatOptimState(*state);
-    if (state.ok()) {
-      mine.optim = std::move(*state);
-    } else {
-      prepared = state.status();
+  if (optimizer != nullptr) {
+    FLATPARAM_ASSIGN_OR_RETURN(optim::OptimStateDict state,
+                               ShardedOptimState(*optimizer));
+    if (use_orig_params_) {
+      FLATPARAM_ASSIGN_OR_RETURN(state, OrigToFlatOptimState(state));
     }
+    mine.optim = std::move(state);
   }
   mine.extra = extra;
-  absl::StatusOr<checkpoint::RankContent> content =
-      prepared.ok() ? checkpoint::MakeRankContent(model, shard_rank, mine)
-                    : absl::StatusOr<checkpoint::RankContent>(prepared);
-  // In phases, so that a rank whose content is bad fails every rank
-  // (agreed in Begin) instead of leaving them in the exchange.
+  return mine;
+}
+
+absl::Status FsdpModule::SaveCheckpoint(checkpoint::FileSystem& fs,
+                                        const std::string& dir,
+                                        torch::optim::Optimizer* optimizer,
+                                        const nlohmann::json& extra) {
   checkpoint::CollectiveWriteOptions options;
   options.collective = runtime_->options().collective_options;
-  FLATPARAM_ASSIGN_OR_RETURN(
-      checkpoint::CollectiveWrite begun,
-      checkpoint::BeginCollectiveWrite(fs, dir, model, world.size(), world,
-                                       options, content.status()));
-  const absl::Status written =
-      checkpoint::WriteCollectiveRankFiles(fs, begun, *content, options);
-  return checkpoint::FinishCollectiveWrite(fs, begun, written, world, options);
+  // A rank whose state cannot be made still takes part: it fails every
+  // rank in the exchange instead of leaving them there.
+  const absl::Status between = BetweenIterations("SaveCheckpoint");
+  return checkpoint::WriteRankStateCollective(
+      fs, dir, layout(), *world_,
+      between.ok() ? CheckpointState(optimizer, extra)
+                   : absl::StatusOr<checkpoint::RankState>(between),
+      options);
 }
 
 absl::Status FsdpModule::LoadCheckpoint(checkpoint::FileSystem& fs,
