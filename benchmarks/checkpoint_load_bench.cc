@@ -131,9 +131,9 @@
 #include "flatparam/checkpoint/convert.h"
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/internal/counting_file_system.h"
-#include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/checkpoint/training_state.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/presets.h"
 
 namespace flatparam {

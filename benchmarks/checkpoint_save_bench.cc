@@ -45,8 +45,8 @@
 #include "flatparam/checkpoint/async_checkpoint.h"
 #include "flatparam/checkpoint/collective_checkpoint.h"
 #include "flatparam/checkpoint/file_system.h"
-#include "flatparam/checkpoint/optim_io.h"
-#include "flatparam/model.h"
+#include "flatparam/checkpoint/training_state.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/optim/optim_state.h"
 #include "sim/sim.h"
 

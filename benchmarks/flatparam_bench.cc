@@ -17,7 +17,7 @@
 
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/presets.h"
 
 namespace flatparam {

@@ -61,7 +61,7 @@
 #include "flatparam/checkpoint/convert.h"
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 namespace {

@@ -86,7 +86,7 @@
 #include "flatparam/device/device.h"
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/presets.h"
 #include "flatparam/runtime.h"
 #include "refmodel/synthetic_step.h"

@@ -46,7 +46,7 @@
 #include <nlohmann/json.hpp>
 
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 

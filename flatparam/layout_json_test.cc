@@ -6,7 +6,7 @@
 #include <string>
 
 #include "flatparam/base/status_matchers.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 namespace {

@@ -11,7 +11,7 @@
 
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 namespace {

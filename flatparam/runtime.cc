@@ -23,7 +23,7 @@
 #include "flatparam/handle.h"
 #include "flatparam/internal/runtime_internal.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 // FsdpRuntime's creation (the counted groups, one handle per unit), its
 // units and parameters by name, and ZeroGrad. The hooks are in

@@ -172,7 +172,7 @@
 #include "flatparam/handle.h"
 #include "flatparam/layout.h"
 #include "flatparam/memory_stats.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 

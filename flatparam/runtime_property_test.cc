@@ -81,7 +81,7 @@
 #include "flatparam/internal/handle_test_hooks.h"
 #include "flatparam/layout.h"
 #include "flatparam/memory_stats.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/runtime.h"
 #include "sim/sim.h"
 #include "sim/sim_device.h"

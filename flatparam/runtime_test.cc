@@ -27,7 +27,7 @@
 #include "flatparam/handle.h"
 #include "flatparam/layout.h"
 #include "flatparam/memory_stats.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "refmodel/synthetic_step.h"
 #include "sim/sim.h"
 #include "sim/sim_device.h"

@@ -1,4 +1,4 @@
-// Sharded (FSDP) training of the reference model (refmodel/model.h)
+// Sharded (FSDP) training of the reference model (refmodel/mlp_model.h)
 // through the model-level runtime (FsdpRuntime, flatparam/runtime.h), on
 // any Communicator backend: the system under test of the proof that sharded
 // training equals unsharded training (TrainReference,
@@ -94,9 +94,9 @@
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
 #include "flatparam/memory_stats.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/runtime.h"
-#include "refmodel/model.h"
+#include "refmodel/mlp_model.h"
 #include "refmodel/optimizer.h"
 #include "refmodel/reference_trainer.h"
 
@@ -104,9 +104,10 @@ namespace flatparam {
 namespace refmodel {
 
 // One rank's sharded training state: what it needs to go on training, and
-// what a sharded checkpoint stores for it (flatparam/checkpoint/optim_io.h's
-// RankState). Indexed like FsdpModelLayout()'s flat parameters (the units
-// in model order: the root, then the layers).
+// what a sharded checkpoint stores for it
+// (flatparam/checkpoint/training_state.h's RankState). Indexed like
+// FsdpModelLayout()'s flat parameters (the units in model order: the root, then
+// the layers).
 struct FsdpRankState {
   // This rank's padded shard of each float32 flat parameter:
   // layout.sharded_numel() elements (the whole padded flat parameter for

@@ -63,7 +63,7 @@
 #include "absl/status/statusor.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/flatten.h"
-#include "refmodel/model.h"
+#include "refmodel/mlp_model.h"
 #include "refmodel/optimizer.h"
 
 namespace flatparam {

@@ -9,7 +9,7 @@
 
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/flatten.h"
-#include "refmodel/model.h"
+#include "refmodel/mlp_model.h"
 #include "refmodel/optimizer.h"
 #include "refmodel/tensor_diff.h"
 

@@ -37,7 +37,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "flatparam/handle.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/runtime.h"
 
 namespace flatparam {

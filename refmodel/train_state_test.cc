@@ -18,7 +18,7 @@
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/optim/fsdp_optim.h"
 #include "flatparam/optim/optim_state.h"
 #include "refmodel/optimizer.h"

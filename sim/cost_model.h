@@ -128,7 +128,7 @@
 #include "comm/communicator.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 namespace cost {

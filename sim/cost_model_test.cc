@@ -15,7 +15,7 @@
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/layout.h"
 #include "flatparam/memory_stats.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/runtime.h"
 #include "refmodel/fsdp_trainer.h"
 

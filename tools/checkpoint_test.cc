@@ -8,7 +8,7 @@
 #include <string>
 
 #include "flatparam/base/status_matchers.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "tools/layout_request.h"
 
 namespace flatparam {

@@ -18,7 +18,7 @@
 #include "flatparam/checkpoint/convert.h"
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/runtime.h"
 #include "refmodel/fsdp_trainer.h"
 #include "tools/demo_torch.h"

@@ -1,6 +1,6 @@
 // `fsdp demo`: the whole system on one command, with no arguments. On the
 // deterministic simulator it
-//   1. trains the reference model (refmodel/model.h) with AdamW on
+//   1. trains the reference model (refmodel/mlp_model.h) with AdamW on
 //      8 ranks with FULL_SHARD and checks that losses, parameters and
 //      optimizer state are bitwise equal to single-process training, and
 //      that every rank's peak memory equals the closed-form formula;

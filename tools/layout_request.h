@@ -17,7 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 namespace tools {

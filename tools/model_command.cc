@@ -13,7 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_replace.h"
 #include "tools/common_flags.h"
-#include "tools/model.h"
+#include "tools/model_from_hf.h"
 #include "tools/subcommand.h"
 
 ABSL_FLAG(std::string, from, "",

@@ -21,7 +21,7 @@
 #include "flatparam/checkpoint/checkpoint_names.h"
 #include "flatparam/checkpoint/collective_checkpoint.h"
 #include "flatparam/checkpoint/file_system.h"
-#include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/checkpoint/training_state.h"
 #include "flatparam/handle.h"
 #include "flatparam/runtime.h"
 #include "refmodel/synthetic_step.h"

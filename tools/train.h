@@ -1,4 +1,4 @@
-// `fsdp train`: trains the reference model (refmodel/model.h) through the
+// `fsdp train`: trains the reference model (refmodel/mlp_model.h) through the
 // model-level runtime (FsdpRuntime, flatparam/runtime.h; the trainer is
 // refmodel/fsdp_trainer.h) on the simulator, MPI or NCCL, and prints the
 // per-step loss, every rank's peak memory by category next to the
@@ -37,7 +37,7 @@
 // first shard group writes its own rank files into DIR's temporary
 // directory and rank 0 publishes it (collective_checkpoint.h); with MPI, DIR
 // must be on a file system every rank sees. layout.json's model spec is the
-// trainer's model; each rank sidecar's "extra" (optim_io.h) holds what a
+// trainer's model; each rank sidecar's "extra" (training_state.h) holds what a
 // resumed run needs (kTrainExtraKey below): the next data step, the
 // model's config and seed, the data seed, the optimizer and its
 // hyperparameters, the global batch, micro-batches, accumulation and mixed

@@ -3,7 +3,7 @@
 // For each case of a table (strategies and world sizes on both sides,
 // alignment, SGD with momentum and AdamW, micro-batches): train K steps on W
 // simulated ranks; every rank saves its own ungathered state into a sharded
-// checkpoint written collectively (collective_checkpoint.h, optim_io.h);
+// checkpoint written collectively (collective_checkpoint.h, training_state.h);
 // ReshardCheckpoint (convert.h) turns it into the checkpoint of another
 // world size W2 and strategy; every rank of W2 loads its own shard-group
 // rank's files and trains K more steps (first_step = K). The same again
@@ -31,7 +31,7 @@
 #include "flatparam/checkpoint/collective_checkpoint.h"
 #include "flatparam/checkpoint/convert.h"
 #include "flatparam/checkpoint/file_system.h"
-#include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/checkpoint/training_state.h"
 #include "refmodel/fsdp_trainer.h"
 #include "refmodel/reference_trainer.h"
 #include "refmodel/train_state.h"

@@ -36,7 +36,7 @@
 #include "absl/types/span.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 

@@ -1,5 +1,5 @@
 // Property suite for the layout, sharding and flattening core
-// (flatparam/layout.h, flatten.h, model.h).
+// (flatparam/layout.h, flatten.h, model_layout.h).
 //
 // The central property compares FlatParamLayout with a reference written
 // here from the PyTorch source (shared/reference/flat_param.py:
@@ -38,7 +38,7 @@
 #include "flatparam/base/splitmix64.h"
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "verify/generators.h"
 
 namespace flatparam {

@@ -36,7 +36,7 @@
 #include "flatparam/base/status_macros.h"
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/handle.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/runtime.h"
 #include "refmodel/synthetic_step.h"
 #include "sim/cost_model.h"

@@ -61,7 +61,7 @@
 #include "flatparam/layout.h"
 #include "flatparam/memory_stats.h"
 #include "refmodel/fsdp_trainer.h"
-#include "refmodel/model.h"
+#include "refmodel/mlp_model.h"
 #include "refmodel/optimizer.h"
 #include "refmodel/reference_trainer.h"
 #include "refmodel/tensor_diff.h"

@@ -35,7 +35,7 @@
 #include "flatparam/layout.h"
 #include "flatparam/memory_stats.h"
 #include "refmodel/fsdp_trainer.h"
-#include "refmodel/model.h"
+#include "refmodel/mlp_model.h"
 #include "refmodel/reference_trainer.h"
 #include "verify/training_testutil.h"
 

@@ -43,11 +43,11 @@
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/collective_checkpoint.h"
 #include "flatparam/checkpoint/file_system.h"
-#include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/checkpoint/training_state.h"
 #include "flatparam/device/device.h"
 #include "flatparam/flatten.h"
 #include "flatparam/handle.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/optim/optim_state.h"
 
 // This program's own error plumbing (flatparam's macros are internal).

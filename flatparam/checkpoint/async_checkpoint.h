@@ -46,8 +46,8 @@
 #include "comm/communicator.h"
 #include "flatparam/checkpoint/collective_checkpoint.h"
 #include "flatparam/checkpoint/file_system.h"
-#include "flatparam/checkpoint/optim_io.h"
-#include "flatparam/model.h"
+#include "flatparam/checkpoint/training_state.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 namespace checkpoint {

@@ -13,7 +13,7 @@
 #include "flatparam/checkpoint/collective_checkpoint.h"
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/internal/checkpoint_testutil.h"
-#include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/checkpoint/training_state.h"
 #include "flatparam/layout.h"
 #include "flatparam/optim/optim_state.h"
 #include "sim/sim.h"

@@ -1,5 +1,5 @@
-// Buffers (model.h's BufferSpec) through every checkpoint path: rank files,
-// load-time reshard, offline reshard, consolidate, shard and init (the
+// Buffers (model_layout.h's BufferSpec) through every checkpoint path: rank
+// files, load-time reshard, offline reshard, consolidate, shard and init (the
 // Hugging Face import and export: interop/hf/hf_checkpoint_test.cc). Each rank
 // holds its own values, so that a test can tell which rank's buffers arrived
 // where.
@@ -17,11 +17,11 @@
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/internal/checkpoint_testutil.h"
 #include "flatparam/checkpoint/internal/counting_file_system.h"
-#include "flatparam/checkpoint/optim_io.h"
 #include "flatparam/checkpoint/safetensors.h"
+#include "flatparam/checkpoint/training_state.h"
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 namespace checkpoint {

@@ -16,7 +16,7 @@
 #include "flatparam/checkpoint/internal/checkpoint_write.h"
 #include "flatparam/checkpoint/manifest.h"
 #include "flatparam/checkpoint/safetensors.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 namespace checkpoint {

@@ -27,7 +27,7 @@
 //                             "optim.{i}.{state_name}": tensor optimizer
 //                             state, a padded shard of the same numel or a
 //                             shape-[] tensor; and "buffers.{fqn}" for each
-//                             buffer of the model spec (model.h's
+//                             buffer of the model spec (model_layout.h's
 //                             BufferSpec): rank r's whole buffer
 //     rank{r:05d}.json        rank r's non-tensor optimizer state and
 //                             param_groups (a JSON object)
@@ -100,7 +100,7 @@
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/manifest.h"
 #include "flatparam/checkpoint/safetensors.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 namespace checkpoint {

@@ -34,8 +34,8 @@
 #include "flatparam/checkpoint/safetensors.h"
 #include "flatparam/layout.h"
 #include "flatparam/layout_json.h"
-#include "flatparam/model.h"
 #include "flatparam/model_json.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 namespace checkpoint {

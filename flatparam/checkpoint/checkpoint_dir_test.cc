@@ -30,7 +30,7 @@
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
 #include "flatparam/layout_json.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 namespace checkpoint {

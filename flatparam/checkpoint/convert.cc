@@ -26,7 +26,7 @@
 #include "flatparam/checkpoint/internal/flat_stream.h"
 #include "flatparam/checkpoint/internal/full_optim_shards.h"
 #include "flatparam/checkpoint/internal/sidecar_meta.h"
-#include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/checkpoint/training_state.h"
 #include "flatparam/layout_json.h"
 #include "flatparam/optim/internal/flat_plan.h"
 #include "flatparam/optim/internal/state_meta.h"

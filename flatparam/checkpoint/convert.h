@@ -36,7 +36,7 @@
 // unmanaged_params; a full checkpoint's groups must list names (DataLoss
 // for an ID). The rules are the in-memory operations' own code
 // (flatparam/optim/internal/flat_plan.h). Rank sidecars' "extra" is taken
-// from rank 0 by reshard and dropped by consolidate. Buffers (model.h's
+// from rank 0 by reshard and dropped by consolidate. Buffers (model_layout.h's
 // BufferSpec) are not sharded: consolidate takes shard-group rank 0's into
 // model.safetensors, shard gives every rank model.safetensors' values,
 // reshard (and LoadRankState when it reshards) gives every new rank the
@@ -81,10 +81,10 @@
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/manifest.h"
-#include "flatparam/checkpoint/optim_io.h"
 #include "flatparam/checkpoint/safetensors.h"
+#include "flatparam/checkpoint/training_state.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 namespace checkpoint {
@@ -174,8 +174,8 @@ struct CheckpointReport {
 
 // Opens the checkpoint at `dir` (either kind) with checksums, opens every
 // rank file of a sharded one (validated against its layout), and parses
-// every optimizer sidecar (optim_io.h's schema, checked against the tensors
-// it lists). The errors of the readers (DataLoss naming the file for a
+// every optimizer sidecar (training_state.h's schema, checked against the
+// tensors it lists). The errors of the readers (DataLoss naming the file for a
 // damaged checkpoint, NotFound when there is none). `progress` reports the
 // checksummed bytes.
 absl::StatusOr<CheckpointReport> VerifyCheckpoint(

@@ -16,7 +16,7 @@
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/internal/checkpoint_testutil.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 // Under AddressSanitizer freed memory waits in a quarantine (256 MiB by
 // default) instead of being reused, so every chunk buffer would count as

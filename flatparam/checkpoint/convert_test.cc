@@ -19,10 +19,10 @@
 #include "flatparam/checkpoint/internal/checkpoint_testutil.h"
 #include "flatparam/checkpoint/internal/counting_file_system.h"
 #include "flatparam/checkpoint/manifest.h"
-#include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/checkpoint/training_state.h"
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/optim/fsdp_optim.h"
 #include "flatparam/optim/optim_state.h"
 

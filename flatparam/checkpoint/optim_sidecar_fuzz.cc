@@ -1,4 +1,4 @@
-// Fuzz target for the optimizer sidecar schema (optim_io.h): any byte
+// Fuzz target for the optimizer sidecar schema (training_state.h): any byte
 // string, read as a rank{r}.json or optim.json, must be rejected with
 // DataLoss or accepted, and never crash, hang or allocate without bound.
 // Every input that is accepted must also round-trip:
@@ -45,10 +45,10 @@
 #include "flatparam/base/json_limits.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/file_system.h"
-#include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/checkpoint/training_state.h"
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/optim/optim_state.h"
 
 // How many inputs each reader accepted, so the test can tell that the

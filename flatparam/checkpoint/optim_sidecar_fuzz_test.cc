@@ -30,7 +30,7 @@
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/file_system.h"
-#include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/checkpoint/training_state.h"
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
 #include "flatparam/optim/optim_state.h"

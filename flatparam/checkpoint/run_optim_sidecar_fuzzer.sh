@@ -11,8 +11,8 @@
 # crashers are written to the current directory (crash-*): add them to
 # testdata/optim_sidecar as regression seeds (named valid_* or invalid_*).
 #
-# The source list is the transitive srcs of //flatparam/checkpoint:optim_io
-# (bazel query 'kind("source file", deps(//flatparam/checkpoint:optim_io))').
+# The source list is the transitive srcs of //flatparam/checkpoint:training_state
+# (bazel query 'kind("source file", deps(//flatparam/checkpoint:training_state))').
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -28,7 +28,7 @@ absl_libs=$(pkg-config --libs absl_status absl_statusor absl_str_format \
 
 srcs=(
   flatparam/checkpoint/optim_sidecar_fuzz.cc
-  flatparam/checkpoint/optim_io.cc
+  flatparam/checkpoint/training_state.cc
   flatparam/checkpoint/checkpoint_dir.cc
   flatparam/checkpoint/checkpoint_dir_read.cc
   flatparam/checkpoint/checkpoint_names.cc
@@ -42,7 +42,7 @@ srcs=(
   flatparam/layout_json.cc
   flatparam/model_json.cc
   flatparam/presets.cc
-  flatparam/model.cc
+  flatparam/model_layout.cc
   flatparam/flatten.cc
   flatparam/layout.cc
   flatparam/base/dtype.cc

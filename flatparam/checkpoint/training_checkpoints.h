@@ -52,7 +52,7 @@
 #include "flatparam/checkpoint/async_checkpoint.h"
 #include "flatparam/checkpoint/collective_checkpoint.h"
 #include "flatparam/checkpoint/file_system.h"
-#include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/checkpoint/training_state.h"
 #include "flatparam/layout.h"
 
 namespace flatparam {

@@ -115,7 +115,7 @@
 #include "comm/communicator.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/device/device.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/optim/optim_state.h"
 
 namespace flatparam {

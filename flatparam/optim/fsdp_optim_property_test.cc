@@ -34,7 +34,7 @@
 #include "flatparam/base/dtype.h"
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/optim/fsdp_optim.h"
 #include "flatparam/optim/optim_generators.h"
 #include "flatparam/optim/optim_state.h"

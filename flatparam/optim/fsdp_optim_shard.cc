@@ -14,7 +14,7 @@
 #include "flatparam/base/status_macros.h"
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/optim/fsdp_optim.h"
 #include "flatparam/optim/internal/flat_plan.h"
 #include "flatparam/optim/internal/flat_range.h"

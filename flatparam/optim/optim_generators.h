@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/optim/optim_state.h"
 
 namespace flatparam {

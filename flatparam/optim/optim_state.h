@@ -43,7 +43,7 @@
 #include "absl/types/span.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/flatten.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 namespace optim {

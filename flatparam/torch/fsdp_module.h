@@ -31,8 +31,8 @@
 //   FLATPARAM_RETURN_IF_ERROR(fsdp->ZeroGrad());
 //
 // Units. `FsdpOptions::wrap` lists module names (as `named_modules()` gives
-// them, globs allowed: flatparam/model.h's ModelSpec::wrap); each is a unit
-// that owns the parameters under it that no deeper unit owns, and the root
+// them, globs allowed: flatparam/model_layout.h's ModelSpec::wrap); each is a
+// unit that owns the parameters under it that no deeper unit owns, and the root
 // unit ("") owns the rest. Parameters are laid out in `named_parameters()`
 // order (registration order, PyTorch's); a parameter registered under two
 // names (the same tensor: a tied embedding and head) is a shared parameter
@@ -197,11 +197,11 @@
 #include "absl/strings/string_view.h"
 #include "comm/communicator.h"
 #include "flatparam/checkpoint/file_system.h"
-#include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/checkpoint/training_state.h"
 #include "flatparam/device/device.h"
 #include "flatparam/handle.h"
 #include "flatparam/interop/dcp/dcp_export.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/optim/optim_state.h"
 #include "flatparam/runtime.h"
 #include "flatparam/torch/recompute.h"

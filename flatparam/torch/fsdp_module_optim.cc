@@ -31,8 +31,8 @@
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/checkpoint/collective_checkpoint.h"
 #include "flatparam/checkpoint/convert.h"
-#include "flatparam/checkpoint/optim_io.h"
 #include "flatparam/checkpoint/training_checkpoints.h"
+#include "flatparam/checkpoint/training_state.h"
 #include "flatparam/torch/fsdp_module.h"
 #include "flatparam/torch/internal/fsdp_module_internal.h"
 

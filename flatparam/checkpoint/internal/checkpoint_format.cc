@@ -15,7 +15,7 @@
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/shape.h"
 #include "flatparam/checkpoint/checkpoint_names.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 namespace checkpoint {

@@ -15,7 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "flatparam/checkpoint/safetensors.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 namespace checkpoint {

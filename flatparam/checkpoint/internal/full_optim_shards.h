@@ -29,8 +29,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "flatparam/checkpoint/optim_io.h"
 #include "flatparam/checkpoint/safetensors.h"
+#include "flatparam/checkpoint/training_state.h"
 #include "flatparam/layout.h"
 
 namespace flatparam {

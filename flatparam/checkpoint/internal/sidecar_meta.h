@@ -1,4 +1,4 @@
-// Private to //flatparam/checkpoint: an optimizer sidecar (optim_io.h) as
+// Private to //flatparam/checkpoint: an optimizer sidecar (training_state.h) as
 // the offline conversions see it -- resolved to metadata against its
 // safetensors file -- and the sidecar entries of a flat parameter's
 // replicated states. convert.cc (consolidate, reshard, verify) and
@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "flatparam/checkpoint/optim_io.h"
 #include "flatparam/checkpoint/safetensors.h"
+#include "flatparam/checkpoint/training_state.h"
 #include "flatparam/flatten.h"
 #include "flatparam/optim/internal/state_meta.h"
 #include "flatparam/optim/optim_state.h"
@@ -26,10 +26,10 @@ namespace flatparam {
 namespace checkpoint {
 namespace internal_checkpoint {
 
-// Resolves a sidecar that CheckRankSidecar or CheckFullSidecar (optim_io.h)
-// accepted against its safetensors file: positive-dim tensors by their
-// entries, 0-d tensors read. Checking there, not here, keeps the tools
-// accepting exactly what ReadRankState and ReadFullState accept.
+// Resolves a sidecar that CheckRankSidecar or CheckFullSidecar
+// (training_state.h) accepted against its safetensors file: positive-dim
+// tensors by their entries, 0-d tensors read. Checking there, not here, keeps
+// the tools accepting exactly what ReadRankState and ReadFullState accept.
 absl::StatusOr<optim::internal_optim::StateMeta> ResolveSidecar(
     const OptimSidecar& sidecar, const SafetensorsReader& file);
 

@@ -66,7 +66,7 @@
 #include "flatparam/flatten.h"
 #include "flatparam/interop/hf/hf_checkpoint.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/optim/optim_state.h"
 #include "nlohmann/json.hpp"
 

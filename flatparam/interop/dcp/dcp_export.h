@@ -46,7 +46,7 @@
 #include "absl/status/statusor.h"
 #include "flatparam/checkpoint/convert.h"
 #include "flatparam/checkpoint/file_system.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 namespace libtorch {

@@ -19,8 +19,8 @@
 #include "absl/strings/str_join.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/checkpoint_names.h"
-#include "flatparam/checkpoint/optim_io.h"
 #include "flatparam/checkpoint/safetensors.h"
+#include "flatparam/checkpoint/training_state.h"
 #include "flatparam/interop/dcp/dcp.h"
 #include "flatparam/interop/internal/staging.h"
 

@@ -29,8 +29,8 @@
 //     tensors' byte sizes (DataLoss otherwise);
 //   - names are cleaned (CleanTensorName) and must stay distinct;
 //   - against the model spec (FailedPrecondition): every untied parameter
-//     and every buffer of the spec (model.h's BufferSpec; each rank of the
-//     import starts from the file's) present with the spec's shape and
+//     and every buffer of the spec (model_layout.h's BufferSpec; each rank of
+//     the import starts from the file's) present with the spec's shape and
 //     dtype; no tensor that is neither (except those whose names end in one
 //     of
 //     `ignored_suffixes`, by default Hugging Face's recomputed
@@ -49,7 +49,8 @@
 // (checkpoint_dir.h): optim.safetensors, every tensor state
 // "state.{fqn}.{state_name}" (0-d ones, e.g. Adam's step, shape []), and
 // optim.json, in either of two forms:
-//   - this project's sidecar (optim_io.h, "format": "flatparam.optim.v1"),
+//   - this project's sidecar (training_state.h, "format":
+//   "flatparam.optim.v1"),
 //     read and checked as ShardCheckpoint reads a full checkpoint's;
 //   - PyTorch's param_groups as json.dumps(optimizer.state_dict()
 //     ["param_groups"]) writes them, a JSON array:
@@ -134,7 +135,7 @@
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/safetensors.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 namespace checkpoint {

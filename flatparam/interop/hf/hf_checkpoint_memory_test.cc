@@ -18,7 +18,7 @@
 #include "flatparam/checkpoint/internal/checkpoint_testutil.h"
 #include "flatparam/interop/hf/hf_checkpoint.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 // As in convert_memory_test: no ASan quarantine, so that freed chunk
 // buffers are reused as in a plain build.

@@ -32,11 +32,11 @@
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/internal/checkpoint_testutil.h"
 #include "flatparam/checkpoint/manifest.h"
-#include "flatparam/checkpoint/optim_io.h"
 #include "flatparam/checkpoint/safetensors.h"
+#include "flatparam/checkpoint/training_state.h"
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/optim/optim_state.h"
 #include "flatparam/presets.h"
 
@@ -1674,7 +1674,7 @@ TEST(HfCheckpointTest, PublishedLlamaCheckpointsFitTheHfPresets) {
   }
 }
 
-// Buffers (model.h's BufferSpec) out and back in, each rank's its own.
+// Buffers (model_layout.h's BufferSpec) out and back in, each rank's its own.
 TEST(HfCheckpointTest, ExportAndImportCarryBuffers) {
   FaultInjectionFileSystem fs;
   const ModelLayout two =

@@ -22,7 +22,7 @@
 #include "flatparam/checkpoint/checkpoint_names.h"
 #include "flatparam/checkpoint/internal/full_optim_shards.h"
 #include "flatparam/checkpoint/manifest.h"
-#include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/checkpoint/training_state.h"
 #include "flatparam/interop/hf/hf_checkpoint.h"
 #include "flatparam/interop/hf/internal/hf_internal.h"
 #include "flatparam/optim/optim_state.h"

@@ -17,8 +17,8 @@
 #include "absl/strings/str_replace.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
-#include "flatparam/checkpoint/optim_io.h"
 #include "flatparam/checkpoint/safetensors.h"
+#include "flatparam/checkpoint/training_state.h"
 #include "flatparam/interop/internal/staging.h"
 #include "flatparam/interop/torch_save/torch_save.h"
 

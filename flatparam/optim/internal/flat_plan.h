@@ -33,7 +33,7 @@
 #include "absl/status/statusor.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/optim/internal/state_meta.h"
 #include "flatparam/optim/optim_state.h"
 

@@ -17,7 +17,7 @@
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/flatten.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/optim/internal/flat_plan.h"
 #include "flatparam/optim/internal/flat_range.h"
 #include "flatparam/optim/internal/state_meta.h"

@@ -27,7 +27,7 @@
 #include "flatparam/base/dtype.h"
 #include "flatparam/device/device.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/optim/fsdp_optim.h"
 #include "flatparam/optim/internal/flat_plan.h"
 #include "flatparam/optim/optim_state.h"

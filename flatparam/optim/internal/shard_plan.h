@@ -21,7 +21,7 @@
 #include "absl/status/statusor.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/layout.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/optim/fsdp_optim.h"
 #include "flatparam/optim/internal/flat_plan.h"
 #include "flatparam/optim/internal/flat_range.h"

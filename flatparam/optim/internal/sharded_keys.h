@@ -12,7 +12,7 @@
 #define FLATPARAM_OPTIM_INTERNAL_SHARDED_KEYS_H_
 
 #include "absl/status/statusor.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/optim/fsdp_optim.h"
 #include "flatparam/optim/optim_state.h"
 

@@ -3,7 +3,7 @@
 // file and indexed, config.json, buffers, ties) made into model files that
 // read back and fit the checkpoint, and the command's output rules on the
 // POSIX file system. The binary end to end is //tools:model_cli_test.
-#include "tools/model.h"
+#include "tools/model_from_hf.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -26,8 +26,8 @@
 #include "flatparam/checkpoint/file_system.h"
 #include "flatparam/checkpoint/safetensors.h"
 #include "flatparam/interop/hf/hf_checkpoint.h"
-#include "flatparam/model.h"
 #include "flatparam/model_json.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/presets.h"
 
 namespace flatparam {

@@ -9,8 +9,8 @@
 //
 // A ModelSpec is a plain value; ModelLayout is immutable after Create and
 // safe to share between threads.
-#ifndef FLATPARAM_MODEL_H_
-#define FLATPARAM_MODEL_H_
+#ifndef FLATPARAM_MODEL_LAYOUT_H_
+#define FLATPARAM_MODEL_LAYOUT_H_
 
 #include <cstdint>
 #include <string>
@@ -128,4 +128,4 @@ std::string OwningUnit(const std::string& fqn,
 
 }  // namespace flatparam
 
-#endif  // FLATPARAM_MODEL_H_
+#endif  // FLATPARAM_MODEL_LAYOUT_H_

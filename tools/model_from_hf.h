@@ -35,8 +35,8 @@
 //
 // Thread-safety: the functions are reentrant; RunModel reads and writes
 // files.
-#ifndef TOOLS_MODEL_H_
-#define TOOLS_MODEL_H_
+#ifndef TOOLS_MODEL_FROM_HF_H_
+#define TOOLS_MODEL_FROM_HF_H_
 
 #include <cstdint>
 #include <optional>
@@ -48,7 +48,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "flatparam/checkpoint/file_system.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 namespace tools {
@@ -149,4 +149,4 @@ absl::Status RunModel(const ModelCommand& command, std::ostream& out,
 }  // namespace tools
 }  // namespace flatparam
 
-#endif  // TOOLS_MODEL_H_
+#endif  // TOOLS_MODEL_FROM_HF_H_

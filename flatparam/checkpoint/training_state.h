@@ -72,8 +72,8 @@
 // Ownership: Make*Content borrow their state (the TensorSources point into
 // it; it must outlive the write); Read* return owned copies. Thread-safety:
 // pure functions (plus the readers' file access).
-#ifndef FLATPARAM_CHECKPOINT_OPTIM_IO_H_
-#define FLATPARAM_CHECKPOINT_OPTIM_IO_H_
+#ifndef FLATPARAM_CHECKPOINT_TRAINING_STATE_H_
+#define FLATPARAM_CHECKPOINT_TRAINING_STATE_H_
 
 #include <cstdint>
 #include <map>
@@ -86,7 +86,7 @@
 #include "absl/strings/string_view.h"
 #include "flatparam/checkpoint/checkpoint_dir.h"
 #include "flatparam/flatten.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 #include "flatparam/optim/optim_state.h"
 
 namespace flatparam {
@@ -209,4 +209,4 @@ absl::StatusOr<nlohmann::json> HyperValueToJson(const optim::HyperValue& value);
 }  // namespace checkpoint
 }  // namespace flatparam
 
-#endif  // FLATPARAM_CHECKPOINT_OPTIM_IO_H_
+#endif  // FLATPARAM_CHECKPOINT_TRAINING_STATE_H_

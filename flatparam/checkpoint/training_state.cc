@@ -1,4 +1,4 @@
-#include "flatparam/checkpoint/optim_io.h"
+#include "flatparam/checkpoint/training_state.h"
 
 #include <algorithm>
 #include <cmath>

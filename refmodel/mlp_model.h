@@ -44,7 +44,7 @@
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/splitmix64.h"
 #include "flatparam/flatten.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 namespace refmodel {

@@ -1,4 +1,4 @@
-#include "tools/model.h"
+#include "tools/model_from_hf.h"
 
 #include <algorithm>
 #include <cstdint>

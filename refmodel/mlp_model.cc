@@ -1,4 +1,4 @@
-#include "refmodel/model.h"
+#include "refmodel/mlp_model.h"
 
 #include <algorithm>
 #include <cassert>

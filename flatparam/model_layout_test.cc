@@ -1,4 +1,4 @@
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-#include "refmodel/model.h"
+#include "refmodel/mlp_model.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -14,7 +14,7 @@
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/flatten.h"
-#include "flatparam/model.h"
+#include "flatparam/model_layout.h"
 
 namespace flatparam {
 namespace refmodel {
