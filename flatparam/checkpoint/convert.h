@@ -1,8 +1,7 @@
-// Offline checkpoint conversion: between full (consolidated) and sharded
-// checkpoint directories (checkpoint_dir.h), and between sharded ones of
-// different world sizes, strategies and alignment, in one process without
-// communication -- the tools behind `fsdp checkpoint`.
+// Offline checkpoint conversion, in one process without communication:
+// the tools behind `fsdp checkpoint`.
 //
+// clang-format off
 //   ConsolidateCheckpoint   sharded -> full
 //   ShardCheckpoint         full    -> sharded (for a layout and world size)
 //   ReshardCheckpoint       sharded -> sharded (another layout/world size)
@@ -10,60 +9,24 @@
 //   InitCheckpoint          writes a full checkpoint of pseudo-random weights
 //   LoadRankState           the reshard at load time: one rank of a job,
 //                           read from a checkpoint of any layout, in memory
+// clang-format on
 //
-// Semantics are those of the in-memory operations on the flat-parameter
-// path (flatparam/optim/fsdp_optim.h), so that, bit for bit,
-//   ReadRankState(ShardCheckpoint(full), r) ==
-//       {FlattenShard(params, r), ShardFullOptimState(full.optim, r)}
-//   ReadFullState(ConsolidateCheckpoint(sharded)) ==
-//       {Unflatten(params), ConsolidateOptimState(rank states)}
-// and full -> shard -> (reshard ->) consolidate returns the full state,
-// with the flat path's normalisation (every parameter of a flat parameter
-// with state gets every state name; zeros where it had none). Shard
-// applies PyTorch's flattening rules and InvalidArgument messages
-// (differing state names, types or dtypes, integer tensor state, a state
-// shaped unlike its parameter, a 0-d parameter without a state to
-// flatten, differing scalar values). Consolidate and reshard check what
-// the ranks hold against rank 0: FailedPrecondition when a rank lacks
-// states rank 0 has, InvalidArgument when ranks differ in state names,
-// kinds, dtypes or replicated (0-d and non-tensor) values. States of keys
-// that are not model parameters (unmanaged parameters, user-defined keys)
-// pass through; a sharded checkpoint can hold only their non-tensor
-// values (InvalidArgument otherwise). Param-group keys that are not model
-// parameters are kept as unmanaged keys: a sharded group lists its flat
-// parameters (sorted), then those keys in the order they first appear in
-// the groups (the optimizer's), as ShardFullOptimState lists
-// unmanaged_params; a full checkpoint's groups must list names (DataLoss
-// for an ID). The rules are the in-memory operations' own code
-// (flatparam/optim/internal/flat_plan.h). Rank sidecars' "extra" is taken
-// from rank 0 by reshard and dropped by consolidate. Buffers (model_layout.h's
-// BufferSpec) are not sharded: consolidate takes shard-group rank 0's into
-// model.safetensors, shard gives every rank model.safetensors' values,
-// reshard (and LoadRankState when it reshards) gives every new rank the
-// old rank 0's, and init writes zeros.
+//   // 8 ranks of FULL_SHARD to 2 x 2 of HYBRID_SHARD, and back to full:
+//   LayoutOptions hybrid = layout.options();
+//   hybrid.strategy = ShardingStrategy::kHybridShard;
+//   hybrid.world_size = 2;  // the shard group
+//   FLATPARAM_RETURN_IF_ERROR(ReshardCheckpoint(
+//       PosixFileSystem(), "/ckpt/step100", hybrid, /*world_size=*/4,
+//       "/ckpt/step100-hybrid"));
+//   FLATPARAM_RETURN_IF_ERROR(ConsolidateCheckpoint(
+//       PosixFileSystem(), "/ckpt/step100-hybrid", "/ckpt/step100-full"));
 //
-// Streaming and memory. Nothing reads a whole tensor, let alone the whole
-// model: every output tensor is a TensorSource whose fill reads the byte
-// ranges it needs straight from the input files into the writer's chunk
-// buffer (a parameter's elements are ranges of the rank files' flat
-// shards; a shard's elements are ranges of parameters in
-// model.safetensors / optim.safetensors, or of the old layout's shards
-// when resharding; padding is generated: 42 for alignment and world-size
-// padding, 0 for the right padding, as flatten.h writes it). So the extra
-// memory is bounded by
-//   one chunk buffer of min(chunk_bytes, largest output tensor) bytes
-//   + the optimizer metadata of every input rank (parsed sidecars, tensor
-//     names, dtypes and 0-d values: no tensor data)
-//   + the open input files' safetensors headers (all old rank files are
-//     kept open while converting from a sharded checkpoint),
-// independent of the model's size. Measured (convert_memory_test): init,
-// shard, reshard and consolidate of a 96 MiB checkpoint with 1 MiB chunks
-// raise the peak resident set by about 3 MiB; `fsdp checkpoint` on gpt2
-// (500 MB per checkpoint, 4 MiB chunks) peaks at about 17 MiB RSS for the
-// whole process.
-// chunk_bytes is rounded down to a multiple of 8 (at least 8) so that
-// chunks hold whole elements.
-//
+// Each conversion is the in-memory operation of the flat-parameter path
+// (flatparam/optim/fsdp_optim.h) on files, bit for bit, with PyTorch's
+// flattening rules and errors; see DESIGN.md's "Offline conversion" for
+// the identities, what happens to optimizer state, "extra" and buffers.
+// Nothing reads a whole tensor: memory is one chunk buffer plus metadata,
+// independent of the model's size (DESIGN.md, "Streaming and memory").
 // Every output is written crash-safely by checkpoint_dir.h (temporary
 // directory, manifest last, rename); an error leaves the output directory
 // as it was. Outputs are never written over the input directory
@@ -90,9 +53,11 @@ namespace flatparam {
 namespace checkpoint {
 
 struct ConvertOptions {
-  uint64_t chunk_bytes = kDefaultChunkBytes;  // streaming granularity
-  ProgressCallback progress;                  // (done, total) bytes written
-  bool verify_checksums = true;               // when opening the input
+  // Streaming granularity: the chunk buffer's size, rounded down to a
+  // multiple of 8 (at least 8) so that chunks hold whole elements.
+  uint64_t chunk_bytes = kDefaultChunkBytes;
+  ProgressCallback progress;     // (done, total) bytes written
+  bool verify_checksums = true;  // when opening the input
   // The output directory's handling and report: CheckpointWriteOptions'
   // `overwrite` and `outcome`.
   bool overwrite = false;

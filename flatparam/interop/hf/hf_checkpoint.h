@@ -1,7 +1,7 @@
-// Hugging Face checkpoints in and out: importing a model's weights as the
-// ecosystem publishes them straight into a sharded checkpoint
-// (checkpoint_dir.h) for any world size, and exporting a full or sharded
-// checkpoint in the ecosystem's form. The tools behind `fsdp checkpoint
+// Hugging Face checkpoints in and out: a model's weights as the ecosystem
+// publishes them imported straight into a sharded checkpoint
+// (checkpoint_dir.h) for any world size, and a full or sharded checkpoint
+// exported in the ecosystem's form. The tools behind `fsdp checkpoint
 // shard` (given such a checkpoint) and `fsdp checkpoint export`.
 //
 // The two forms (what `transformers`' save_pretrained and
@@ -9,110 +9,28 @@
 //
 //   single file:    model.safetensors
 //   index-sharded:  model-00001-of-00004.safetensors ... plus
-//                   model.safetensors.index.json:
-//                     {"metadata": {"total_size": 16060522496},
-//                      "weight_map": {"lm_head.weight":
-//                                         "model-00004-of-00004.safetensors",
-//                                     ...}}
+//                   model.safetensors.index.json ("weight_map": name -> file)
 //
-// Import (ImportHfCheckpoint). The input is a directory holding one of the
-// two forms (both at once is ambiguous and refused), or the path of a
-// .safetensors file or of an index file. Everything is checked before a
-// byte is written, and every problem found is reported at once (up to
-// kMaxReportedProblems), each naming the file, the tensor and what differs:
-//   - every file's header, by SafetensorsReader (DataLoss for a damaged
-//     file);
-//   - the index: a JSON object with a "weight_map" object of plain file
-//     names (no '/'); each entry's file must hold the tensor; each tensor of
-//     a listed file must be in the weight_map under that file;
-//     "metadata"."total_size", when present, must equal the sum of the
-//     tensors' byte sizes (DataLoss otherwise);
-//   - names are cleaned (CleanTensorName) and must stay distinct;
-//   - against the model spec (FailedPrecondition): every untied parameter
-//     and every buffer of the spec (model_layout.h's BufferSpec; each rank of
-//     the import starts from the file's) present with the spec's shape and
-//     dtype; no tensor that is neither (except those whose names end in one
-//     of
-//     `ignored_suffixes`, by default Hugging Face's recomputed
-//     ".rotary_emb.inv_freq"); a tied parameter (e.g. lm_head.weight tied
-//     to the embedding) may be present as the exporter wrote it -- it must
-//     then equal its tie's target in dtype, shape and every byte (compared
-//     streaming), and if the target itself is absent the tied copy is read
-//     in its place.
-// Dtype: a tensor whose dtype differs from the spec's is an error naming
-// both, unless `cast` is set: then floating-point values are converted as
-// PyTorch casts them (round to nearest even; flatparam/base/dtype.h). Give
-// the model the file's dtype instead (`--dtype`) to keep the values as
-// they are.
-// Optimizer state. Beside the weights, an input directory may hold the
-// optimizer state of a full checkpoint as this project writes it
-// (checkpoint_dir.h): optim.safetensors, every tensor state
-// "state.{fqn}.{state_name}" (0-d ones, e.g. Adam's step, shape []), and
-// optim.json, in either of two forms:
-//   - this project's sidecar (training_state.h, "format":
-//   "flatparam.optim.v1"),
-//     read and checked as ShardCheckpoint reads a full checkpoint's;
-//   - PyTorch's param_groups as json.dumps(optimizer.state_dict()
-//     ["param_groups"]) writes them, a JSON array:
-//       [{"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-08,
-//         "weight_decay": 0, "foreach": null, ..., "params": [0, 1, 2]}]
-//     or the same array as {"param_groups": [...]} (an empty "state"
-//     allowed beside it). "params" lists parameter IDs, ID i being the
-//     model's i-th parameter in parameters() order (each shared parameter
-//     once, under its first name: optim_state.h's ModelParamOrder), or
-//     parameter names, as FSDP.full_optim_state_dict() lists them (a tied
-//     name stands for its parameter); the other members are
-//     hyperparameters (null, bool, int, float, str; a list of numbers is a
-//     tuple of floats). The state is then optim.safetensors's tensors, each
-//     under the parameter its name names (a tied alias is refused: PyTorch
-//     keeps one state per shared parameter, under its first name).
-// The optimizer's FQNs are the model's (neither cleaned nor renamed).
-// Checked before anything is written: every optim.safetensors tensor
-// belongs to a parameter and is shaped like it or 0-d (FailedPrecondition),
-// optim.json follows its form (DataLoss), and the state flattens by
-// PyTorch's rules (convert.h; InvalidArgument). The state is then sharded
-// with the weights, and the output is exactly what ShardCheckpoint writes
-// for a full checkpoint of the same weights and optimizer state (with
-// PyTorch's form: of its translation to this project's), byte for byte.
-// Optimizer state that cannot be imported is refused, naming the file,
-// unless `weights_only` is set: a file of another tool (one whose name
-// starts with "optimizer", "optim." or "optim_": optimizer.pt,
-// optimizer.bin, ..., pickles of torch objects), or optim.safetensors or
-// optim.json without the other. With `weights_only` every such file,
-// importable or not, is left behind and listed in the report
-// (HfImportReport::optimizer_left_behind); the imported checkpoint then
-// has no optimizer state (its sidecars list no state and no param
-// groups), as sharding a checkpoint of `fsdp checkpoint init
-// --optimizer=none` gives. Without optimizer state, the output is exactly
-// what ShardCheckpoint writes for a full checkpoint of the same weights
-// without optimizer state, byte for byte.
+//   // A download from the Hub as a checkpoint for 8 ranks of FULL_SHARD;
+//   // `spec` is the model (a model file from `fsdp model --from`):
+//   LayoutOptions layout;
+//   layout.world_size = 8;
+//   FLATPARAM_ASSIGN_OR_RETURN(
+//       HfImportReport imported,
+//       ImportHfCheckpoint(PosixFileSystem(), "/models/Llama-2-7b-hf", spec,
+//                          layout, /*world_size=*/8, "/ckpt/llama-step0"));
+//   // ... train, save /ckpt/llama-step1000 ..., then back to the Hub's form:
+//   HfExportOptions out;
+//   out.copy_from = "/models/Llama-2-7b-hf";  // config.json, tokenizer
+//   FLATPARAM_ASSIGN_OR_RETURN(
+//       HfExportReport exported,
+//       ExportHfCheckpoint(PosixFileSystem(), "/ckpt/llama-step1000",
+//                          "/models/llama-tuned", out));
 //
-// Export (ExportHfCheckpoint). The input is a full or a sharded checkpoint
-// (verified as the readers do). Tensors are named as in the model spec
-// and come in its order (a sharded checkpoint's layout.json; a full
-// checkpoint's model.safetensors, in its order), each untied parameter
-// once: a tied parameter is written only under its target's name, as
-// save_pretrained does (from_pretrained re-ties it); then the model's
-// buffers, as save_pretrained writes persistent buffers (a sharded
-// checkpoint's shard-group rank 0's). Tensors are split at
-// tensor boundaries into files of at most `max_shard_bytes` of tensor data
-// with huggingface_hub's algorithm (a tensor larger than the cap gets a
-// file of its own; otherwise a tensor that would overflow the current file
-// starts the next); one file is written as model.safetensors alone, more as
-// model-{i:05d}-of-{n:05d}.safetensors plus model.safetensors.index.json
-// ("total_size": the sum of the tensors' byte sizes; "weight_map": name ->
-// file; keys sorted, 2-space indent). Each file's __metadata__ is
-// {"format": "pt"}. `dtype` casts every floating-point tensor (round to
-// nearest even). Only weights are exported: optimizer state stays behind,
-// and config.json / tokenizer files are the user's to copy.
-// The output directory is written as checkpoint_dir.h writes (temporary
-// directory, fsync, rename; the previous content replaced only when the
-// new one is complete), but holds no manifest.json: it is not a flatparam
-// checkpoint. An output directory that is, or holds, the input is refused
-// (for import too).
-//
-// Streaming and memory are those of convert.h: every output tensor is
-// filled chunk by chunk from byte ranges of the inputs; a cast converts
+// DESIGN.md next to this file lists every check of an import, the
+// optimizer-state forms it reads, and how an export names, orders and
+// splits tensors. Streaming and memory are convert.h's: every output tensor
+// is filled chunk by chunk from byte ranges of the inputs; a cast converts
 // through a scratch buffer of at most kCastScratchBytes.
 //
 // Thread-safety: the functions are reentrant; the FileSystem is borrowed.
@@ -187,8 +105,9 @@ struct HfNameOptions {
   std::string add_prefix;
 };
 
-// A validated Hugging Face checkpoint (single file or index-sharded; the
-// file comment lists the checks). Owns its open files; movable.
+// A validated Hugging Face checkpoint (single file or index-sharded;
+// DESIGN.md lists the checks: every header, the index). Owns its open
+// files; movable.
 class HfCheckpointReader {
  public:
   struct Tensor {
@@ -234,8 +153,10 @@ class HfCheckpointReader {
 
 struct HfImportOptions {
   ConvertOptions convert;
-  // Convert tensors whose dtype differs from the spec's (see the file
-  // comment) instead of failing.
+  // Convert tensors whose dtype differs from the spec's as PyTorch casts
+  // them (round to nearest even; flatparam/base/dtype.h) instead of
+  // failing, which names both dtypes. Giving the model the file's dtype
+  // instead (`--dtype`) keeps the values as they are.
   bool cast = false;
   // Import the weights alone: optimizer state in the directory, importable
   // or not, is left behind (and listed in the report) instead of imported
@@ -282,16 +203,24 @@ absl::StatusOr<HfImportReport> CheckHfCheckpointFits(
     const HfCheckpointReader& ckpt, const ModelSpec& spec,
     const HfImportOptions& options = {});
 
-// Imports the checkpoint at `in` (see the file comment) into a sharded
-// checkpoint at `out_dir` of `spec` laid out with `layout_options` for a
-// job of `world_size` ranks (0: layout_options.world_size), as
-// ShardCheckpoint does for a full checkpoint, with the optimizer state
-// beside it. Errors: InvalidArgument for bad arguments (an `out_dir` that
-// is or holds `in` among them) and for optimizer state that does not
-// flatten, NotFound for no checkpoint at `in`, DataLoss for damaged or
-// inconsistent files, FailedPrecondition for a checkpoint that does not
-// fit `spec` and for optimizer state that cannot be imported (without
-// `weights_only`). On error `out_dir` is unchanged.
+// Imports the checkpoint at `in` -- a directory holding one of the two
+// forms (both at once is ambiguous and refused), or the path of a
+// .safetensors file or of an index file -- into a sharded checkpoint at
+// `out_dir` of `spec` laid out with `layout_options` for a job of
+// `world_size` ranks (0: layout_options.world_size), byte for byte what
+// ShardCheckpoint writes for a full checkpoint of the same weights, with
+// the optimizer state found beside them (DESIGN.md: its two forms, and
+// what `weights_only` leaves behind). Everything is checked before a byte
+// is written, and every problem found is reported at once (up to
+// kMaxReportedProblems), each naming the file, the tensor and what
+// differs: every untied parameter and buffer of `spec` must be there with
+// its shape and dtype, and nothing else but tied copies (equal to their
+// targets, byte for byte) and `ignored_suffixes`. Errors: InvalidArgument for
+// bad arguments (an `out_dir` that is or holds `in` among them) and for
+// optimizer state that does not flatten, NotFound for no checkpoint at `in`,
+// DataLoss for damaged or inconsistent files, FailedPrecondition for a
+// checkpoint that does not fit `spec` and for optimizer state that cannot be
+// imported (without `weights_only`). On error `out_dir` is unchanged.
 absl::StatusOr<HfImportReport> ImportHfCheckpoint(
     FileSystem& fs, const std::string& in, const ModelSpec& spec,
     const LayoutOptions& layout_options, int64_t world_size,
@@ -335,10 +264,15 @@ struct HfExportReport {
   uint64_t total_size = 0;
 };
 
-// Exports the full or sharded checkpoint at `in_dir` to `out_dir` (see the
-// file comment). Errors: the readers' (NotFound, DataLoss),
-// InvalidArgument for bad options or an `out_dir` that is or holds
-// `in_dir`, the file system's. On error `out_dir` is unchanged.
+// Exports the full or sharded checkpoint at `in_dir` to `out_dir`: each
+// untied parameter once, in the model's order (a tied one under its
+// target's name only, as save_pretrained writes it), then the buffers,
+// split into files of at most `max_shard_bytes` with huggingface_hub's
+// algorithm (DESIGN.md). Only weights: optimizer state stays behind. The
+// output is written crash-safely as checkpoint_dir.h writes, but holds no
+// manifest.json: it is not a flatparam checkpoint. Errors: the readers'
+// (NotFound, DataLoss), InvalidArgument for bad options or an `out_dir` that is
+// or holds `in_dir`, the file system's. On error `out_dir` is unchanged.
 absl::StatusOr<HfExportReport> ExportHfCheckpoint(
     FileSystem& fs, const std::string& in_dir, const std::string& out_dir,
     const HfExportOptions& options = {});
