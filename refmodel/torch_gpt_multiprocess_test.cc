@@ -23,7 +23,7 @@
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/device/device.h"
 #include "refmodel/torch_gpt.h"
-#include "testing/multirank_gtest.h"
+#include "testing/multirank_test_main.h"
 
 namespace flatparam {
 namespace refmodel {

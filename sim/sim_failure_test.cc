@@ -17,7 +17,7 @@
 #include "comm/communicator.h"
 #include "flatparam/base/status_matchers.h"
 #include "sim/fault.h"
-#include "sim/internal/sim_test_options.h"
+#include "sim/internal/sim_testutil.h"
 #include "sim/sim.h"
 
 namespace flatparam {

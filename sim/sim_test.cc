@@ -24,7 +24,7 @@
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/status_matchers.h"
 #include "nlohmann/json.hpp"
-#include "sim/internal/sim_test_options.h"
+#include "sim/internal/sim_testutil.h"
 
 namespace flatparam {
 namespace {

@@ -1,4 +1,4 @@
-#include "testing/multirank_gtest.h"
+#include "testing/multirank_test_main.h"
 
 #include <gtest/gtest.h>
 

@@ -12,8 +12,8 @@
 // is visible in the one test log.
 //
 // Thread-safety: call from the main thread, once.
-#ifndef FLATPARAM_TESTING_MULTIRANK_GTEST_H_
-#define FLATPARAM_TESTING_MULTIRANK_GTEST_H_
+#ifndef FLATPARAM_TESTING_MULTIRANK_TEST_MAIN_H_
+#define FLATPARAM_TESTING_MULTIRANK_TEST_MAIN_H_
 
 #include "comm/communicator.h"
 
@@ -31,8 +31,8 @@ bool RunAllTestsOnAllRanks(Communicator& world);
 // world communicator, stored in `*world` while the tests run (null before
 // and after). Declared here, defined by the backend's library the binary
 // links, so that one test file builds for every backend:
-//   //comm/mpi:mpi_gtest    under mpirun;
-//   //comm/c10d:c10d_gtest  as torchrun's workers (the world from
+//   //comm/mpi:mpi_test_main    under mpirun;
+//   //comm/c10d:c10d_test_main  as torchrun's workers (the world from
 //                           C10dCommunicator::FromEnvironment).
 // Returns the exit code: 0 when every test passed on every rank; failures
 // to start are printed to stderr.
@@ -40,4 +40,4 @@ int MultirankGtestMain(int* argc, char** argv, Communicator** world);
 
 }  // namespace flatparam
 
-#endif  // FLATPARAM_TESTING_MULTIRANK_GTEST_H_
+#endif  // FLATPARAM_TESTING_MULTIRANK_TEST_MAIN_H_

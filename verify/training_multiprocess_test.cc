@@ -5,7 +5,7 @@
 // too.
 //
 // A multi-process test, one binary per backend from this file (the main()
-// comes from the backend's MultirankGtestMain, testing/multirank_gtest.h):
+// comes from the backend's MultirankGtestMain, testing/multirank_test_main.h):
 // training_mpi_test runs it under mpirun with 4 ranks, training_c10d_test_2
 // and _4 as torchrun's workers (comm/c10d/envrun_test.sh); any size >= 1
 // works. Every rank trains its shard with TrainFsdpOnRank on the world and
@@ -30,7 +30,7 @@
 #include "flatparam/memory_stats.h"
 #include "refmodel/fsdp_trainer.h"
 #include "refmodel/reference_trainer.h"
-#include "testing/multirank_gtest.h"
+#include "testing/multirank_test_main.h"
 #include "verify/training_testutil.h"
 
 namespace flatparam {

@@ -1,6 +1,6 @@
 // Tests of the c10d backend. A multi-process test: envrun_test.sh starts
 // the ranks as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
-// main() (c10d_gtest.cc's MultirankGtestMain) makes the world with
+// main() (c10d_test_main.cc's MultirankGtestMain) makes the world with
 // C10dCommunicator::FromEnvironment, runs every test on every rank and
 // combines the verdicts. Rank 0 prints gtest's
 // output; the others print only their failures, prefixed "[rank N]".
@@ -25,11 +25,11 @@
 #include "absl/time/time.h"
 #include "comm/communicator.h"
 #include "comm/conformance/collective_cases.h"
-#include "comm/conformance/collective_cases_gtest.h"
+#include "comm/conformance/collective_cases_testutil.h"
 #include "comm/conformance/device_memory.h"
 #include "comm/flight_recorder.h"
 #include "flatparam/base/status_matchers.h"
-#include "testing/multirank_gtest.h"
+#include "testing/multirank_test_main.h"
 
 namespace flatparam {
 namespace {
@@ -38,7 +38,7 @@ using ::testing::HasSubstr;
 
 Communicator* g_world = nullptr;  // Set up by main().
 
-// The world as what it is (c10d_gtest.cc makes it).
+// The world as what it is (c10d_test_main.cc makes it).
 C10dCommunicator& C10dWorld() {
   return *static_cast<C10dCommunicator*>(g_world);
 }

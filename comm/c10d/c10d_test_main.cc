@@ -1,4 +1,4 @@
-// testing/multirank_gtest.h's MultirankGtestMain for c10d: the ranks are
+// testing/multirank_test_main.h's MultirankGtestMain for c10d: the ranks are
 // torchrun's workers (or envrun_test.sh's), and the world is
 // C10dCommunicator::FromEnvironment's.
 #include <cstdio>
@@ -8,7 +8,7 @@
 #include "absl/status/statusor.h"
 #include "comm/c10d/c10d_communicator.h"
 #include "comm/communicator.h"
-#include "testing/multirank_gtest.h"
+#include "testing/multirank_test_main.h"
 
 namespace flatparam {
 

@@ -1,6 +1,6 @@
 // The collective conformance suite: backend-independent cases that run on
 // any Communicator and report what they find as absl::Status, so that the
-// same cases run in gtest (collective_cases_gtest.h), in the `fsdp
+// same cases run in gtest (collective_cases_testutil.h), in the `fsdp
 // collectives` command, and on every backend: the simulator at any world
 // size, MPI under mpirun, NCCL on GPUs.
 //

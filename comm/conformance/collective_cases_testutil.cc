@@ -1,4 +1,4 @@
-#include "comm/conformance/collective_cases_gtest.h"
+#include "comm/conformance/collective_cases_testutil.h"
 
 #include <gtest/gtest.h>
 

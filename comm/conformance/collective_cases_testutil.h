@@ -9,8 +9,8 @@
 //   }
 //
 // Thread-safety: as gtest's assertions.
-#ifndef FLATPARAM_COMM_CONFORMANCE_COLLECTIVE_CASES_GTEST_H_
-#define FLATPARAM_COMM_CONFORMANCE_COLLECTIVE_CASES_GTEST_H_
+#ifndef FLATPARAM_COMM_CONFORMANCE_COLLECTIVE_CASES_TESTUTIL_H_
+#define FLATPARAM_COMM_CONFORMANCE_COLLECTIVE_CASES_TESTUTIL_H_
 
 #include <vector>
 
@@ -45,4 +45,4 @@ std::vector<CollectiveCase> CasesOfKind(
 }  // namespace conformance
 }  // namespace flatparam
 
-#endif  // FLATPARAM_COMM_CONFORMANCE_COLLECTIVE_CASES_GTEST_H_
+#endif  // FLATPARAM_COMM_CONFORMANCE_COLLECTIVE_CASES_TESTUTIL_H_

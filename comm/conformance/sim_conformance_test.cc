@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "comm/communicator.h"
 #include "comm/conformance/collective_cases.h"
-#include "comm/conformance/collective_cases_gtest.h"
+#include "comm/conformance/collective_cases_testutil.h"
 #include "comm/conformance/device_memory.h"
 #include "flatparam/base/status_matchers.h"
 #include "sim/sim.h"

@@ -35,9 +35,9 @@
 #include "comm/conformance/bandwidth.h"
 #include "comm/conformance/case_values.h"
 #include "comm/conformance/collective_cases.h"
-#include "comm/conformance/collective_cases_gtest.h"
+#include "comm/conformance/collective_cases_testutil.h"
 #include "comm/conformance/device_memory.h"
-#include "comm/mpi/mpi_gtest.h"
+#include "comm/mpi/mpi_test_main.h"
 #include "flatparam/base/status_matchers.h"
 
 namespace flatparam {

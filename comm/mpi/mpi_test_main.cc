@@ -1,4 +1,4 @@
-#include "comm/mpi/mpi_gtest.h"
+#include "comm/mpi/mpi_test_main.h"
 
 #include <gtest/gtest.h>
 #include <mpi.h>

@@ -1,5 +1,5 @@
 // Multi-process GoogleTest binaries under mpirun (test-only): this library
-// defines testing/multirank_gtest.h's MultirankGtestMain for MPI
+// defines testing/multirank_test_main.h's MultirankGtestMain for MPI
 // (MpiSession::Start, InitGoogleTestOnRank, the world from
 // MpiCommunicator::CreateWorld, RunAllTestsOnAllRanks, MpiSession::Finish;
 // a failure to finish MPI cleanly fails the run). Binaries with a main()
@@ -11,11 +11,11 @@
 //   }
 //
 // Thread-safety: call from the main thread, once.
-#ifndef FLATPARAM_COMM_MPI_MPI_GTEST_H_
-#define FLATPARAM_COMM_MPI_MPI_GTEST_H_
+#ifndef FLATPARAM_COMM_MPI_MPI_TEST_MAIN_H_
+#define FLATPARAM_COMM_MPI_MPI_TEST_MAIN_H_
 
 #include "comm/communicator.h"
 #include "comm/mpi/mpi_communicator.h"
-#include "testing/multirank_gtest.h"
+#include "testing/multirank_test_main.h"
 
-#endif  // FLATPARAM_COMM_MPI_MPI_GTEST_H_
+#endif  // FLATPARAM_COMM_MPI_MPI_TEST_MAIN_H_

@@ -18,7 +18,7 @@
 #include "absl/time/time.h"
 #include "comm/communicator.h"
 #include "comm/conformance/collective_cases.h"
-#include "comm/conformance/collective_cases_gtest.h"
+#include "comm/conformance/collective_cases_testutil.h"
 #include "comm/conformance/cuda_memory.h"
 #include "comm/conformance/device_memory.h"
 #include "comm/nccl/nccl_api.h"

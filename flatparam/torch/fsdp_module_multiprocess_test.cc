@@ -24,7 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "comm/communicator.h"
 #include "flatparam/device/device.h"
-#include "testing/multirank_gtest.h"
+#include "testing/multirank_test_main.h"
 #include "testing/torch_loops_testutil.h"
 #include "testing/torch_testutil.h"
 

@@ -1,8 +1,8 @@
 // SimOptions for sim_test and sim_failure_test: each runs twice, with the
 // ranks as threads and, in its *_fibers twin (sim/BUILD.bazel), as fibers,
 // chosen by the target's SIM_TEST_EXECUTION environment variable.
-#ifndef FLATPARAM_SIM_INTERNAL_SIM_TEST_OPTIONS_H_
-#define FLATPARAM_SIM_INTERNAL_SIM_TEST_OPTIONS_H_
+#ifndef FLATPARAM_SIM_INTERNAL_SIM_TESTUTIL_H_
+#define FLATPARAM_SIM_INTERNAL_SIM_TESTUTIL_H_
 
 #include <cstdlib>
 #include <string>
@@ -25,4 +25,4 @@ inline SimOptions TestOptions() {
 }  // namespace internal_sim
 }  // namespace flatparam
 
-#endif  // FLATPARAM_SIM_INTERNAL_SIM_TEST_OPTIONS_H_
+#endif  // FLATPARAM_SIM_INTERNAL_SIM_TESTUTIL_H_
