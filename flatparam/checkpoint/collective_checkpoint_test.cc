@@ -330,6 +330,49 @@ TEST(CollectiveCheckpointFaultTest, RanksMustAgreeOnWhatTheySave) {
   EXPECT_THAT(fs.Exists("/ckpt4"), IsOkAndHolds(false));
 }
 
+// A digest the caller passes (CollectiveWriteOptions::layout_digest) is
+// compared as the computed one is: equal to it, the save goes through
+// beside ranks that compute theirs; one of another layout is refused.
+TEST(CollectiveCheckpointFaultTest, APassedDigestIsComparedAsComputed) {
+  const ModelLayout layout = MakeLayout(ShardingStrategy::kFullShard, 2);
+  const ModelLayout other = MakeLayout(ShardingStrategy::kShardGradOp, 2);
+  ASSERT_NE(CollectiveLayoutDigest(layout, 2),
+            CollectiveLayoutDigest(other, 2));
+  FaultInjectionFileSystem fs;
+  ShardedFixture f = MakeShardedFixture(layout, 2, 1);
+  SimOptions sim;
+  sim.world_size = 2;
+  for (const bool wrong : {false, true}) {
+    SCOPED_TRACE(wrong ? "another layout's digest" : "the layout's digest");
+    const std::string dir = wrong ? "/wrong" : "/right";
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(std::unique_ptr<SimWorld> world,
+                                   SimWorld::Create(sim));
+    std::vector<absl::Status> statuses(2);
+    FLATPARAM_ASSERT_OK(world->Run([&](Communicator& comm) -> absl::Status {
+      CollectiveWriteOptions options;
+      // Rank 1 passes a digest; rank 0 computes its own.
+      if (comm.rank() == 1) {
+        options.layout_digest =
+            CollectiveLayoutDigest(wrong ? other : layout, 2);
+      }
+      statuses[comm.rank()] = WriteShardedCheckpointCollective(
+          fs, dir, layout, 2, f.content.ranks[comm.rank()], comm, options);
+      return absl::OkStatus();
+    }));
+    ExpectAllEqual(statuses);
+    if (wrong) {
+      EXPECT_THAT(statuses[0],
+                  StatusIs(absl::StatusCode::kInvalidArgument,
+                           HasSubstr("rank 1 saves a different layout or "
+                                     "world size than rank 0")));
+      EXPECT_THAT(fs.Exists(dir), IsOkAndHolds(false));
+    } else {
+      EXPECT_THAT(statuses[0], IsOk());
+      EXPECT_THAT(fs.Exists(dir + "/manifest.json"), IsOkAndHolds(true));
+    }
+  }
+}
+
 TEST(CollectiveCheckpointFaultTest, ADeadRankFailsEveryRankWithoutHanging) {
   const ModelLayout layout = MakeLayout(ShardingStrategy::kFullShard, 4);
   for (int64_t op : {0, 1, 2}) {  // the three exchanges
