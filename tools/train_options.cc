@@ -24,8 +24,8 @@
 #include "refmodel/mlp_model.h"
 #include "refmodel/optimizer.h"
 #include "tools/collective_timeout.h"
-#include "tools/layout_request.h"
 #include "tools/internal/train_internal.h"
+#include "tools/layout_request.h"
 #include "tools/paths.h"
 #include "tools/train.h"
 
