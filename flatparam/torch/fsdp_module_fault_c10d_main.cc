@@ -27,7 +27,7 @@
 #include "absl/time/time.h"
 #include "comm/c10d/c10d_communicator.h"
 #include "flatparam/base/status_macros.h"
-#include "flatparam/torch/fsdp_module_fault_train.h"
+#include "testing/torch_fault_testutil.h"
 
 ABSL_FLAG(std::string, fault, "none",
           "none, stop-in-backward or exit-in-backward");

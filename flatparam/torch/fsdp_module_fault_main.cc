@@ -8,9 +8,9 @@
 //   fsdp_module_fault_main --fault=none|stop-in-backward [--fault_rank=2]
 //       [--timeout=3s] [--launcher=session|run_on_mpi_world] [--steps=4]
 //
-// The training is fsdp_module_fault_train.h's (which says what the faulting
-// rank prints); a rank whose step fails prints "fsdp_module_fault: rank R:
-// <error>" and returns 1 from main, as a user's trainer would.
+// The training is testing/torch_fault_testutil.h's (which says what the
+// faulting rank prints); a rank whose step fails prints "fsdp_module_fault:
+// rank R: <error>" and returns 1 from main, as a user's trainer would.
 #include <torch/types.h>
 #include <torch/utils.h>
 
@@ -28,7 +28,7 @@
 #include "flatparam/base/status_macros.h"
 #include "flatparam/device/device.h"
 #include "flatparam/torch/fsdp_module.h"
-#include "flatparam/torch/fsdp_module_fault_train.h"
+#include "testing/torch_fault_testutil.h"
 
 ABSL_FLAG(std::string, fault, "none",
           "none, stop-in-backward or exit-in-backward");

@@ -5,8 +5,8 @@
 //
 // The faulting rank prints "fsdp_module_fault: rank R: fault F at T" (T:
 // Unix time in milliseconds) to stderr, flushed, just before the fault.
-#ifndef FLATPARAM_TORCH_FSDP_MODULE_FAULT_TRAIN_H_
-#define FLATPARAM_TORCH_FSDP_MODULE_FAULT_TRAIN_H_
+#ifndef FLATPARAM_TESTING_TORCH_FAULT_TESTUTIL_H_
+#define FLATPARAM_TESTING_TORCH_FAULT_TESTUTIL_H_
 
 #include <string>
 
@@ -34,4 +34,4 @@ absl::Status TrainWithFault(Communicator& world,
 }  // namespace libtorch
 }  // namespace flatparam
 
-#endif  // FLATPARAM_TORCH_FSDP_MODULE_FAULT_TRAIN_H_
+#endif  // FLATPARAM_TESTING_TORCH_FAULT_TESTUTIL_H_

@@ -1,4 +1,4 @@
-#include "flatparam/torch/fsdp_module_fault_train.h"
+#include "testing/torch_fault_testutil.h"
 
 #include <signal.h>
 #include <torch/optim/adamw.h>
