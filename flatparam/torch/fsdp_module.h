@@ -686,6 +686,10 @@ class FsdpModule {
   // forward-only iteration; FailedPrecondition inside a forward or a
   // backward, naming `op`.
   absl::Status BetweenIterations(absl::string_view op);
+  // CheckpointState's work, once the caller has checked BetweenIterations
+  // under its own name (CheckpointState, SaveCheckpoint).
+  absl::StatusOr<checkpoint::RankState> CopyCheckpointState(
+      torch::optim::Optimizer* optimizer, const nlohmann::json& extra);
   bool OptimizerStepped() const;
   // State-dict order (see StateDict): each entry a parameter (unit, index)
   // or a buffer (index into buffers_).

@@ -888,6 +888,15 @@ TEST(FsdpModuleStateDictTest, SummonFullParamsScope) {
                 if (ForwardNet(net, *fsdp, Tokens(0, 0, 2)).ok()) {
                   return absl::InternalError("a forward while summoned");
                 }
+                const absl::Status state =
+                    fsdp->CheckpointState(nullptr).status();
+                if (state.code() != absl::StatusCode::kFailedPrecondition ||
+                    !absl::StrContains(state.message(),
+                                       "FsdpModule::CheckpointState while "
+                                       "SummonFullParams' scope lives")) {
+                  return absl::InternalError(absl::StrCat(
+                      "CheckpointState while summoned: ", state.ToString()));
+                }
                 FLATPARAM_RETURN_IF_ERROR(scope->End());
               }
               if (net->h[1]->as<BlockImpl>()->fc1->weight.numel() != 0) {

@@ -140,6 +140,11 @@ std::string StateKey(const torch::Tensor& t) {
 absl::StatusOr<checkpoint::RankState> FsdpModule::CheckpointState(
     torch::optim::Optimizer* optimizer, const nlohmann::json& extra) {
   FLATPARAM_RETURN_IF_ERROR(BetweenIterations("CheckpointState"));
+  return CopyCheckpointState(optimizer, extra);
+}
+
+absl::StatusOr<checkpoint::RankState> FsdpModule::CopyCheckpointState(
+    torch::optim::Optimizer* optimizer, const nlohmann::json& extra) {
   const ModelLayout& model = layout();
   checkpoint::RankState mine;
   // This rank's buffers in their own dtype (a buffer_dtype cast undone), as
@@ -181,7 +186,7 @@ absl::Status FsdpModule::SaveCheckpoint(checkpoint::FileSystem& fs,
   const absl::Status between = BetweenIterations("SaveCheckpoint");
   return checkpoint::WriteRankStateCollective(
       fs, dir, layout(), *world_,
-      between.ok() ? CheckpointState(optimizer, extra)
+      between.ok() ? CopyCheckpointState(optimizer, extra)
                    : absl::StatusOr<checkpoint::RankState>(between),
       options);
 }
