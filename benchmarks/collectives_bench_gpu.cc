@@ -13,6 +13,7 @@
 #include "comm/nccl/nccl_api.h"
 #include "comm/nccl/nccl_communicator.h"
 #include "flatparam/base/status_macros.h"
+#include "flatparam/device/cuda/cuda_runtime.h"
 
 namespace flatparam {
 namespace bench {
@@ -21,7 +22,8 @@ namespace {
 // The process's timed API: never destroyed, so that it outlives every
 // communicator (and Work) that uses it, as RealNcclApi() does.
 TimedNcclApi& BenchNcclApi() {
-  static TimedNcclApi* const api = new TimedNcclApi(RealNcclApi());
+  static TimedNcclApi* const api =
+      new TimedNcclApi(RealNcclApi(), RealCudaRuntime());
   return *api;
 }
 
@@ -29,8 +31,9 @@ TimedNcclApi& BenchNcclApi() {
 
 absl::StatusOr<GpuContext> MakeGpuContext(Communicator& bootstrap, int device) {
   TimedNcclApi& api = BenchNcclApi();
-  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> nccl,
-                             NcclCommunicator::Create(api, bootstrap, device));
+  FLATPARAM_ASSIGN_OR_RETURN(
+      std::unique_ptr<NcclCommunicator> nccl,
+      NcclCommunicator::Create(api, RealCudaRuntime(), bootstrap, device));
   GpuContext context;
   FLATPARAM_ASSIGN_OR_RETURN(context.memory, conformance::CudaMemory(device));
   context.time = [&api,

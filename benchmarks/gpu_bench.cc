@@ -100,6 +100,7 @@
 #include "comm/nccl/nccl_communicator.h"
 #include "flatparam/base/status_macros.h"
 #include "flatparam/device/cuda/cuda_device_ops.h"
+#include "flatparam/device/cuda/cuda_runtime.h"
 #include "flatparam/device/device.h"
 #include "flatparam/handle.h"
 #include "flatparam/layout.h"
@@ -128,11 +129,12 @@ void Fail(benchmark::State& state, const absl::Status& status) {
 }
 
 absl::Status Cuda(cudaError_t e, absl::string_view what) {
-  return CudaStatus(RealNcclApi(), e, what);
+  return CudaStatus(RealCudaRuntime(), e, what);
 }
 
 TimedNcclApi& BenchNcclApi() {
-  static TimedNcclApi* const api = new TimedNcclApi(RealNcclApi());
+  static TimedNcclApi* const api =
+      new TimedNcclApi(RealNcclApi(), RealCudaRuntime());
   return *api;
 }
 
@@ -165,7 +167,7 @@ absl::StatusOr<Gpu*> MakeGpu() {
                                        nullptr, "ncclCommInitAll (one rank)"));
   FLATPARAM_ASSIGN_OR_RETURN(
       gpu->comm,
-      NcclCommunicator::Wrap(BenchNcclApi(), comm,
+      NcclCommunicator::Wrap(BenchNcclApi(), RealCudaRuntime(), comm,
                              NcclCommunicator::Ownership::kTakeOwnership));
   return gpu.release();
 }

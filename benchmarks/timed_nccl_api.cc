@@ -7,8 +7,8 @@ namespace flatparam {
 namespace bench {
 
 TimedNcclApi::~TimedNcclApi() {
-  if (start_ != nullptr) inner_.CudaEventDestroy(start_);
-  if (stop_ != nullptr) inner_.CudaEventDestroy(stop_);
+  if (start_ != nullptr) cuda_.EventDestroy(start_);
+  if (stop_ != nullptr) cuda_.EventDestroy(stop_);
 }
 
 absl::Status TimedNcclApi::Arm(int device) {
@@ -23,22 +23,18 @@ absl::Status TimedNcclApi::Arm(int device) {
           absl::StrCat("TimedNcclApi::Arm: events were created on device ",
                        device_, ", not ", device));
     }
-    int current = 0;
-    absl::Status st =
-        CudaStatus(inner_, inner_.CudaGetDevice(&current), "cudaGetDevice");
-    if (!st.ok()) return st;
-    st = CudaStatus(inner_, inner_.CudaSetDevice(device), "cudaSetDevice");
+    CudaDeviceGuard guard(cuda_);
+    absl::Status st = guard.Set(device, "TimedNcclApi::Arm");
     if (st.ok()) {
-      st = CudaStatus(
-          inner_, inner_.CudaEventCreateWithFlags(&start_, cudaEventDefault),
-          "cudaEventCreateWithFlags (start)");
+      st = CudaStatus(cuda_,
+                      cuda_.EventCreateWithFlags(&start_, cudaEventDefault),
+                      "cudaEventCreateWithFlags (start)");
     }
     if (st.ok()) {
-      st = CudaStatus(inner_,
-                      inner_.CudaEventCreateWithFlags(&stop_, cudaEventDefault),
+      st = CudaStatus(cuda_,
+                      cuda_.EventCreateWithFlags(&stop_, cudaEventDefault),
                       "cudaEventCreateWithFlags (stop)");
     }
-    inner_.CudaSetDevice(current);
     if (!st.ok()) return st;
     device_ = device;
   }
@@ -54,11 +50,11 @@ absl::StatusOr<double> TimedNcclApi::ElapsedSeconds() {
     return absl::FailedPreconditionError(
         "TimedNcclApi::ElapsedSeconds: no armed collective was issued");
   }
-  absl::Status st = CudaStatus(inner_, cudaEventSynchronize(stop_),
+  absl::Status st = CudaStatus(cuda_, cuda_.EventSynchronize(stop_),
                                "cudaEventSynchronize (stop)");
   if (!st.ok()) return st;
   float ms = 0;
-  st = CudaStatus(inner_, cudaEventElapsedTime(&ms, start_, stop_),
+  st = CudaStatus(cuda_, cudaEventElapsedTime(&ms, start_, stop_),
                   "cudaEventElapsedTime");
   if (!st.ok()) return st;
   return ms * 1e-3;
@@ -69,16 +65,16 @@ TimedNcclApi::Bracket::Bracket(TimedNcclApi& api, cudaStream_t stream)
   if (!active_) return;
   api_.armed_ = false;
   api_.record_status_ =
-      CudaStatus(api_.inner_, api_.inner_.CudaEventRecord(api_.start_, stream_),
+      CudaStatus(api_.cuda_, api_.cuda_.EventRecord(api_.start_, stream_),
                  "cudaEventRecord (start)");
 }
 
 TimedNcclApi::Bracket::~Bracket() {
   if (!active_) return;
   if (api_.record_status_.ok()) {
-    api_.record_status_ = CudaStatus(
-        api_.inner_, api_.inner_.CudaEventRecord(api_.stop_, stream_),
-        "cudaEventRecord (stop)");
+    api_.record_status_ =
+        CudaStatus(api_.cuda_, api_.cuda_.EventRecord(api_.stop_, stream_),
+                   "cudaEventRecord (stop)");
   }
   api_.recorded_ = true;
 }

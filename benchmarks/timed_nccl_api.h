@@ -9,16 +9,19 @@
 // elapsed time is the collective's on the GPU (plus NCCL's own enqueue,
 // which nccl-tests also counts).
 //
-//   TimedNcclApi api(RealNcclApi());
-//   ASSIGN_OR_RETURN(auto comm, NcclCommunicator::Create(api, bootstrap, 0));
+//   TimedNcclApi api(RealNcclApi(), RealCudaRuntime());
+//   ASSIGN_OR_RETURN(auto comm, NcclCommunicator::Create(
+//                                   api, RealCudaRuntime(), bootstrap, 0));
 //   RETURN_IF_ERROR(api.Arm(comm->device()));
 //   std::unique_ptr<Work> work = comm->AllGather(in, out, {});
 //   RETURN_IF_ERROR(work->Wait());
 //   ASSIGN_OR_RETURN(double seconds, api.ElapsedSeconds());
 //
-// Memory: owns its two events (created by Arm on the collective's device,
-// destroyed with the object); `inner` must outlive it, and it must outlive
-// every communicator that uses it.
+// Memory: owns its two events (made through `cuda` by Arm on the
+// collective's device, destroyed with the object); `inner` and `cuda` must
+// outlive it, and it must outlive every communicator that uses it.
+// ElapsedSeconds reads the events with libcudart's cudaEventElapsedTime
+// (CudaRuntime has no timing call): `cuda` must be the real runtime there.
 //
 // Thread-safety: one thread, like the communicator using it.
 #ifndef FLATPARAM_BENCHMARKS_TIMED_NCCL_API_H_
@@ -32,13 +35,15 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "comm/nccl/nccl_api.h"
+#include "flatparam/device/cuda/cuda_runtime.h"
 
 namespace flatparam {
 namespace bench {
 
 class TimedNcclApi final : public NcclApi {
  public:
-  explicit TimedNcclApi(NcclApi& inner) : inner_(inner) {}
+  TimedNcclApi(NcclApi& inner, CudaRuntime& cuda)
+      : inner_(inner), cuda_(cuda) {}
   ~TimedNcclApi() override;
 
   TimedNcclApi(const TimedNcclApi&) = delete;
@@ -134,79 +139,6 @@ class TimedNcclApi final : public NcclApi {
   const char* GetLastError(ncclComm_t comm) override {
     return inner_.GetLastError(comm);
   }
-  cudaError_t CudaGetDeviceCount(int* count) override {
-    return inner_.CudaGetDeviceCount(count);
-  }
-  cudaError_t CudaGetDevice(int* device) override {
-    return inner_.CudaGetDevice(device);
-  }
-  cudaError_t CudaSetDevice(int device) override {
-    return inner_.CudaSetDevice(device);
-  }
-  cudaError_t CudaStreamCreateWithFlags(cudaStream_t* stream,
-                                        unsigned int flags) override {
-    return inner_.CudaStreamCreateWithFlags(stream, flags);
-  }
-  cudaError_t CudaStreamDestroy(cudaStream_t stream) override {
-    return inner_.CudaStreamDestroy(stream);
-  }
-  cudaError_t CudaEventCreateWithFlags(cudaEvent_t* event,
-                                       unsigned int flags) override {
-    return inner_.CudaEventCreateWithFlags(event, flags);
-  }
-  cudaError_t CudaEventRecord(cudaEvent_t event, cudaStream_t stream) override {
-    return inner_.CudaEventRecord(event, stream);
-  }
-  cudaError_t CudaEventQuery(cudaEvent_t event) override {
-    return inner_.CudaEventQuery(event);
-  }
-  cudaError_t CudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event,
-                                  unsigned int flags) override {
-    return inner_.CudaStreamWaitEvent(stream, event, flags);
-  }
-  cudaError_t CudaEventDestroy(cudaEvent_t event) override {
-    return inner_.CudaEventDestroy(event);
-  }
-  cudaError_t CudaPointerGetAttributes(cudaPointerAttributes* attributes,
-                                       const void* ptr) override {
-    return inner_.CudaPointerGetAttributes(attributes, ptr);
-  }
-  cudaError_t CudaMalloc(void** ptr, size_t bytes) override {
-    return inner_.CudaMalloc(ptr, bytes);
-  }
-  cudaError_t CudaFree(void* ptr) override { return inner_.CudaFree(ptr); }
-  cudaError_t CudaMallocAsync(void** ptr, size_t bytes,
-                              cudaStream_t stream) override {
-    return inner_.CudaMallocAsync(ptr, bytes, stream);
-  }
-  cudaError_t CudaFreeAsync(void* ptr, cudaStream_t stream) override {
-    return inner_.CudaFreeAsync(ptr, stream);
-  }
-  cudaError_t CudaMallocHost(void** ptr, size_t bytes) override {
-    return inner_.CudaMallocHost(ptr, bytes);
-  }
-  cudaError_t CudaFreeHost(void* ptr) override {
-    return inner_.CudaFreeHost(ptr);
-  }
-  cudaError_t CudaMemsetAsync(void* dst, int value, size_t bytes,
-                              cudaStream_t stream) override {
-    return inner_.CudaMemsetAsync(dst, value, bytes, stream);
-  }
-  cudaError_t CudaGetLastError() override { return inner_.CudaGetLastError(); }
-  cudaError_t CudaPeekAtLastError() override {
-    return inner_.CudaPeekAtLastError();
-  }
-  cudaError_t CudaMemcpyAsync(void* dst, const void* src, size_t bytes,
-                              cudaMemcpyKind kind,
-                              cudaStream_t stream) override {
-    return inner_.CudaMemcpyAsync(dst, src, bytes, kind, stream);
-  }
-  const char* CudaGetErrorName(cudaError_t error) override {
-    return inner_.CudaGetErrorName(error);
-  }
-  const char* CudaGetErrorString(cudaError_t error) override {
-    return inner_.CudaGetErrorString(error);
-  }
 
  private:
   // Records the start event on construction and the stop event on
@@ -223,6 +155,7 @@ class TimedNcclApi final : public NcclApi {
   };
 
   NcclApi& inner_;
+  CudaRuntime& cuda_;
   int device_ = -1;
   cudaEvent_t start_ = nullptr;
   cudaEvent_t stop_ = nullptr;

@@ -117,7 +117,7 @@ std::vector<absl::StatusOr<FsdpRankResult>> TrainOnGpus(
         return;
       }
       absl::StatusOr<std::unique_ptr<Communicator>> nccl =
-          NcclCommunicator::Create(*fake.nccl, *bootstrap[r], r);
+          NcclCommunicator::Create(*fake.nccl, *fake.cuda, *bootstrap[r], r);
 #else
       absl::StatusOr<std::unique_ptr<DeviceOps>> ops = CreateCudaDeviceOps(r);
       if (!ops.ok()) {

@@ -607,7 +607,7 @@ const char* FakeNcclApi::GetLastError(ncclComm_t comm) {
   return last_error_.c_str();
 }
 
-cudaError_t FakeNcclApi::CudaGetDeviceCount(int* count) {
+cudaError_t FakeNcclApi::GetDeviceCount(int* count) {
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaGetDeviceCount", &code))
@@ -618,7 +618,7 @@ cudaError_t FakeNcclApi::CudaGetDeviceCount(int* count) {
   return cudaSuccess;
 }
 
-cudaError_t FakeNcclApi::CudaGetDevice(int* device) {
+cudaError_t FakeNcclApi::GetDevice(int* device) {
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaGetDevice", &code))
@@ -627,7 +627,7 @@ cudaError_t FakeNcclApi::CudaGetDevice(int* device) {
   return cudaSuccess;
 }
 
-cudaError_t FakeNcclApi::CudaSetDevice(int device) {
+cudaError_t FakeNcclApi::SetDevice(int device) {
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaSetDevice", &code))
@@ -638,8 +638,8 @@ cudaError_t FakeNcclApi::CudaSetDevice(int device) {
   return cudaSuccess;
 }
 
-cudaError_t FakeNcclApi::CudaStreamCreateWithFlags(cudaStream_t* stream,
-                                                   unsigned int flags) {
+cudaError_t FakeNcclApi::StreamCreateWithFlags(cudaStream_t* stream,
+                                               unsigned int flags) {
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaStreamCreateWithFlags", &code)) {
@@ -653,7 +653,7 @@ cudaError_t FakeNcclApi::CudaStreamCreateWithFlags(cudaStream_t* stream,
   return cudaSuccess;
 }
 
-cudaError_t FakeNcclApi::CudaStreamDestroy(cudaStream_t stream) {
+cudaError_t FakeNcclApi::StreamDestroy(cudaStream_t stream) {
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaStreamDestroy", &code))
@@ -667,8 +667,8 @@ cudaError_t FakeNcclApi::CudaStreamDestroy(cudaStream_t stream) {
   return cudaSuccess;
 }
 
-cudaError_t FakeNcclApi::CudaEventCreateWithFlags(cudaEvent_t* event,
-                                                  unsigned int flags) {
+cudaError_t FakeNcclApi::EventCreateWithFlags(cudaEvent_t* event,
+                                              unsigned int flags) {
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaEventCreateWithFlags", &code)) {
@@ -681,8 +681,7 @@ cudaError_t FakeNcclApi::CudaEventCreateWithFlags(cudaEvent_t* event,
   return cudaSuccess;
 }
 
-cudaError_t FakeNcclApi::CudaEventRecord(cudaEvent_t event,
-                                         cudaStream_t stream) {
+cudaError_t FakeNcclApi::EventRecord(cudaEvent_t event, cudaStream_t stream) {
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaEventRecord", &code))
@@ -706,9 +705,8 @@ cudaError_t FakeNcclApi::CudaEventRecord(cudaEvent_t event,
   return cudaSuccess;
 }
 
-cudaError_t FakeNcclApi::CudaStreamWaitEvent(cudaStream_t stream,
-                                             cudaEvent_t event,
-                                             unsigned int flags) {
+cudaError_t FakeNcclApi::StreamWaitEvent(cudaStream_t stream, cudaEvent_t event,
+                                         unsigned int flags) {
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaStreamWaitEvent", &code)) {
@@ -732,7 +730,7 @@ cudaError_t FakeNcclApi::CudaStreamWaitEvent(cudaStream_t stream,
   return cudaSuccess;
 }
 
-cudaError_t FakeNcclApi::CudaEventQuery(cudaEvent_t event) {
+cudaError_t FakeNcclApi::EventQuery(cudaEvent_t event) {
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaEventQuery", &code))
@@ -747,7 +745,7 @@ cudaError_t FakeNcclApi::CudaEventQuery(cudaEvent_t event) {
   return LastCudaError(cudaErrorNotReady);
 }
 
-cudaError_t FakeNcclApi::CudaEventDestroy(cudaEvent_t event) {
+cudaError_t FakeNcclApi::EventDestroy(cudaEvent_t event) {
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaEventDestroy", &code))
@@ -761,8 +759,8 @@ cudaError_t FakeNcclApi::CudaEventDestroy(cudaEvent_t event) {
   return cudaSuccess;
 }
 
-cudaError_t FakeNcclApi::CudaPointerGetAttributes(
-    cudaPointerAttributes* attributes, const void* ptr) {
+cudaError_t FakeNcclApi::PointerGetAttributes(cudaPointerAttributes* attributes,
+                                              const void* ptr) {
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaPointerGetAttributes", &code)) {
@@ -795,7 +793,7 @@ char* FakeNcclApi::NewAllocation(size_t bytes) {
   return data;
 }
 
-cudaError_t FakeNcclApi::CudaMalloc(void** ptr, size_t bytes) {
+cudaError_t FakeNcclApi::Malloc(void** ptr, size_t bytes) {
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaMalloc", &code))
@@ -804,7 +802,7 @@ cudaError_t FakeNcclApi::CudaMalloc(void** ptr, size_t bytes) {
   return cudaSuccess;
 }
 
-cudaError_t FakeNcclApi::CudaFree(void* ptr) {
+cudaError_t FakeNcclApi::Free(void* ptr) {
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaFree", &code))
@@ -816,9 +814,8 @@ cudaError_t FakeNcclApi::CudaFree(void* ptr) {
   return cudaSuccess;
 }
 
-cudaError_t FakeNcclApi::CudaMemcpyAsync(void* dst, const void* src,
-                                         size_t bytes, cudaMemcpyKind kind,
-                                         cudaStream_t stream) {
+cudaError_t FakeNcclApi::MemcpyAsync(void* dst, const void* src, size_t bytes,
+                                     cudaMemcpyKind kind, cudaStream_t stream) {
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaMemcpyAsync", &code))
@@ -844,8 +841,8 @@ cudaError_t FakeNcclApi::CudaMemcpyAsync(void* dst, const void* src,
   return cudaSuccess;
 }
 
-cudaError_t FakeNcclApi::CudaMallocAsync(void** ptr, size_t bytes,
-                                         cudaStream_t stream) {
+cudaError_t FakeNcclApi::MallocAsync(void** ptr, size_t bytes,
+                                     cudaStream_t stream) {
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaMallocAsync", &code)) {
@@ -860,7 +857,7 @@ cudaError_t FakeNcclApi::CudaMallocAsync(void** ptr, size_t bytes,
   return cudaSuccess;
 }
 
-cudaError_t FakeNcclApi::CudaFreeAsync(void* ptr, cudaStream_t stream) {
+cudaError_t FakeNcclApi::FreeAsync(void* ptr, cudaStream_t stream) {
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaFreeAsync", &code)) {
@@ -873,7 +870,7 @@ cudaError_t FakeNcclApi::CudaFreeAsync(void* ptr, cudaStream_t stream) {
   return cudaSuccess;
 }
 
-cudaError_t FakeNcclApi::CudaMallocHost(void** ptr, size_t bytes) {
+cudaError_t FakeNcclApi::MallocHost(void** ptr, size_t bytes) {
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaMallocHost", &code)) {
@@ -886,7 +883,7 @@ cudaError_t FakeNcclApi::CudaMallocHost(void** ptr, size_t bytes) {
   return cudaSuccess;
 }
 
-cudaError_t FakeNcclApi::CudaFreeHost(void* ptr) {
+cudaError_t FakeNcclApi::FreeHost(void* ptr) {
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaFreeHost", &code)) {
@@ -899,8 +896,8 @@ cudaError_t FakeNcclApi::CudaFreeHost(void* ptr) {
   return cudaSuccess;
 }
 
-cudaError_t FakeNcclApi::CudaMemsetAsync(void* dst, int value, size_t bytes,
-                                         cudaStream_t stream) {
+cudaError_t FakeNcclApi::MemsetAsync(void* dst, int value, size_t bytes,
+                                     cudaStream_t stream) {
   absl::MutexLock lock(&mu_);
   int code = 0;
   if (Begin("cudaMemsetAsync", &code)) {
@@ -913,15 +910,15 @@ cudaError_t FakeNcclApi::CudaMemsetAsync(void* dst, int value, size_t bytes,
   return cudaSuccess;
 }
 
-cudaError_t FakeNcclApi::CudaGetLastError() {
+cudaError_t FakeNcclApi::GetLastError() {
   const cudaError_t e = last_cuda_error;
   last_cuda_error = cudaSuccess;
   return e;
 }
 
-cudaError_t FakeNcclApi::CudaPeekAtLastError() { return last_cuda_error; }
+cudaError_t FakeNcclApi::PeekAtLastError() { return last_cuda_error; }
 
-const char* FakeNcclApi::CudaGetErrorName(cudaError_t error) {
+const char* FakeNcclApi::GetErrorName(cudaError_t error) {
   switch (error) {
     case cudaSuccess:
       return "cudaSuccess";
@@ -948,8 +945,58 @@ const char* FakeNcclApi::CudaGetErrorName(cudaError_t error) {
   }
 }
 
-const char* FakeNcclApi::CudaGetErrorString(cudaError_t error) {
+const char* FakeNcclApi::GetErrorString(cudaError_t error) {
   return error == cudaSuccess ? "fake: no error" : "fake: CUDA failure";
+}
+
+// The CUDA runtime calls the NCCL backend does not make: refused, so that a
+// backend change that starts making one shows up in misuse().
+cudaError_t FakeNcclApi::NotModelled(absl::string_view call) {
+  absl::MutexLock lock(&mu_);
+  calls_.push_back(std::string(call));
+  Misuse(absl::StrCat(call, ": not modelled by FakeNcclApi"));
+  return LastCudaError(cudaErrorNotSupported);
+}
+cudaError_t FakeNcclApi::DeviceGetAttribute(int*, cudaDeviceAttr, int) {
+  return NotModelled("cudaDeviceGetAttribute");
+}
+cudaError_t FakeNcclApi::DeviceGetDefaultMemPool(cudaMemPool_t*, int) {
+  return NotModelled("cudaDeviceGetDefaultMemPool");
+}
+cudaError_t FakeNcclApi::MemPoolSetAttribute(cudaMemPool_t, cudaMemPoolAttr,
+                                             void*) {
+  return NotModelled("cudaMemPoolSetAttribute");
+}
+cudaError_t FakeNcclApi::MemPoolGetAttribute(cudaMemPool_t, cudaMemPoolAttr,
+                                             void*) {
+  return NotModelled("cudaMemPoolGetAttribute");
+}
+cudaError_t FakeNcclApi::StreamSynchronize(cudaStream_t) {
+  return NotModelled("cudaStreamSynchronize");
+}
+cudaError_t FakeNcclApi::StreamQuery(cudaStream_t) {
+  return NotModelled("cudaStreamQuery");
+}
+cudaError_t FakeNcclApi::EventSynchronize(cudaEvent_t) {
+  return NotModelled("cudaEventSynchronize");
+}
+cudaError_t FakeNcclApi::LaunchFill(void*, int, uint64_t, int64_t,
+                                    cudaStream_t) {
+  return NotModelled("LaunchFill");
+}
+cudaError_t FakeNcclApi::LaunchCast(void*, internal_cuda::KernelDType,
+                                    const void*, internal_cuda::KernelDType,
+                                    int64_t, cudaStream_t) {
+  return NotModelled("LaunchCast");
+}
+cudaError_t FakeNcclApi::LaunchMultiply(void*, internal_cuda::KernelDType,
+                                        double, int64_t, cudaStream_t) {
+  return NotModelled("LaunchMultiply");
+}
+cudaError_t FakeNcclApi::LaunchAdd(void*, const void*,
+                                   internal_cuda::KernelDType, int64_t,
+                                   cudaStream_t) {
+  return NotModelled("LaunchAdd");
 }
 
 }  // namespace flatparam

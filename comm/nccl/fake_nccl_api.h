@@ -1,5 +1,17 @@
-// FakeNcclApi: an in-memory NcclApi for testing the NCCL backend without a
-// GPU (test-only).
+// FakeNcclApi: an in-memory NcclApi and CudaRuntime for testing the NCCL
+// backend's call sequences without a GPU (test-only): one object behind both
+// interfaces, since its NCCL calls check the CUDA state (streams, devices,
+// memory) it keeps. Pass it as both:
+//
+//   FakeNcclApi fake(/*device_count=*/2);
+//   auto comm = NcclCommunicator::Create(fake, fake, bootstrap, 0);
+//   ...
+//   EXPECT_THAT(fake.misuse(), IsEmpty());
+//
+// Its CUDA model is deliberately small and synchronous (work completes when
+// issued, events after a set number of queries), so tests drive every wait
+// and timeout step by step; FakeCudaRuntime (flatparam/device/cuda) is the
+// asynchronous model on which CudaDeviceOps and FakeNcclOnCuda run.
 //
 // Model:
 // - "Device memory" is host memory handed out by CudaMalloc, tagged with the
@@ -33,6 +45,7 @@
 #define FLATPARAM_COMM_NCCL_FAKE_NCCL_API_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
@@ -42,10 +55,11 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "comm/nccl/nccl_api.h"
+#include "flatparam/device/cuda/cuda_runtime.h"
 
 namespace flatparam {
 
-class FakeNcclApi final : public NcclApi {
+class FakeNcclApi final : public NcclApi, public CudaRuntime {
  public:
   // One NCCL collective as called.
   struct Collective {
@@ -180,40 +194,66 @@ class FakeNcclApi final : public NcclApi {
   const char* GetErrorString(ncclResult_t result) override;
   const char* GetLastError(ncclComm_t comm) override;
 
-  cudaError_t CudaGetDeviceCount(int* count) override;
-  cudaError_t CudaGetDevice(int* device) override;
+  // --- CudaRuntime: the calls the NCCL backend makes, modelled as above.
+  cudaError_t GetDeviceCount(int* count) override;
+  cudaError_t GetDevice(int* device) override;
+  cudaError_t SetDevice(int device) override;
   // The calling thread's last error, as the CUDA runtime keeps it: set by
   // every failing CUDA call of this fake (and of any other FakeNcclApi on
   // the thread).
-  cudaError_t CudaMallocAsync(void** ptr, size_t bytes,
-                              cudaStream_t stream) override;
-  cudaError_t CudaFreeAsync(void* ptr, cudaStream_t stream) override;
-  cudaError_t CudaMallocHost(void** ptr, size_t bytes) override;
-  cudaError_t CudaFreeHost(void* ptr) override;
-  cudaError_t CudaMemsetAsync(void* dst, int value, size_t bytes,
-                              cudaStream_t stream) override;
-  cudaError_t CudaGetLastError() override;
-  cudaError_t CudaPeekAtLastError() override;
-  cudaError_t CudaSetDevice(int device) override;
-  cudaError_t CudaStreamCreateWithFlags(cudaStream_t* stream,
-                                        unsigned int flags) override;
-  cudaError_t CudaStreamDestroy(cudaStream_t stream) override;
-  cudaError_t CudaEventCreateWithFlags(cudaEvent_t* event,
-                                       unsigned int flags) override;
-  cudaError_t CudaEventRecord(cudaEvent_t event, cudaStream_t stream) override;
-  cudaError_t CudaEventQuery(cudaEvent_t event) override;
-  cudaError_t CudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event,
-                                  unsigned int flags) override;
-  cudaError_t CudaEventDestroy(cudaEvent_t event) override;
-  cudaError_t CudaPointerGetAttributes(cudaPointerAttributes* attributes,
-                                       const void* ptr) override;
-  cudaError_t CudaMalloc(void** ptr, size_t bytes) override;
-  cudaError_t CudaFree(void* ptr) override;
-  cudaError_t CudaMemcpyAsync(void* dst, const void* src, size_t bytes,
-                              cudaMemcpyKind kind,
-                              cudaStream_t stream) override;
-  const char* CudaGetErrorName(cudaError_t error) override;
-  const char* CudaGetErrorString(cudaError_t error) override;
+  cudaError_t GetLastError() override;
+  cudaError_t PeekAtLastError() override;
+  const char* GetErrorName(cudaError_t error) override;
+  const char* GetErrorString(cudaError_t error) override;
+  cudaError_t StreamCreateWithFlags(cudaStream_t* stream,
+                                    unsigned int flags) override;
+  cudaError_t StreamDestroy(cudaStream_t stream) override;
+  cudaError_t StreamWaitEvent(cudaStream_t stream, cudaEvent_t event,
+                              unsigned int flags) override;
+  cudaError_t EventCreateWithFlags(cudaEvent_t* event,
+                                   unsigned int flags) override;
+  cudaError_t EventRecord(cudaEvent_t event, cudaStream_t stream) override;
+  cudaError_t EventQuery(cudaEvent_t event) override;
+  cudaError_t EventDestroy(cudaEvent_t event) override;
+  cudaError_t PointerGetAttributes(cudaPointerAttributes* attributes,
+                                   const void* ptr) override;
+  cudaError_t Malloc(void** ptr, size_t bytes) override;
+  cudaError_t Free(void* ptr) override;
+  cudaError_t MallocAsync(void** ptr, size_t bytes,
+                          cudaStream_t stream) override;
+  cudaError_t FreeAsync(void* ptr, cudaStream_t stream) override;
+  cudaError_t MallocHost(void** ptr, size_t bytes) override;
+  cudaError_t FreeHost(void* ptr) override;
+  cudaError_t MemcpyAsync(void* dst, const void* src, size_t bytes,
+                          cudaMemcpyKind kind, cudaStream_t stream) override;
+  cudaError_t MemsetAsync(void* dst, int value, size_t bytes,
+                          cudaStream_t stream) override;
+
+  // --- CudaRuntime: calls the NCCL backend does not make (CudaDeviceOps'
+  // device queries, pools, host synchronization and kernels). Each returns
+  // cudaErrorNotSupported and records misuse, so that a backend change that
+  // starts making one is seen; FakeCudaRuntime models them.
+  cudaError_t DeviceGetAttribute(int* value, cudaDeviceAttr attr,
+                                 int device) override;
+  cudaError_t DeviceGetDefaultMemPool(cudaMemPool_t* pool, int device) override;
+  cudaError_t MemPoolSetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr,
+                                  void* value) override;
+  cudaError_t MemPoolGetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr,
+                                  void* value) override;
+  cudaError_t StreamSynchronize(cudaStream_t stream) override;
+  cudaError_t StreamQuery(cudaStream_t stream) override;
+  cudaError_t EventSynchronize(cudaEvent_t event) override;
+  cudaError_t LaunchFill(void* dst, int element_bytes, uint64_t pattern,
+                         int64_t count, cudaStream_t stream) override;
+  cudaError_t LaunchCast(void* dst, internal_cuda::KernelDType dst_dtype,
+                         const void* src, internal_cuda::KernelDType src_dtype,
+                         int64_t count, cudaStream_t stream) override;
+  cudaError_t LaunchMultiply(void* buf, internal_cuda::KernelDType dtype,
+                             double scalar, int64_t count,
+                             cudaStream_t stream) override;
+  cudaError_t LaunchAdd(void* acc, const void* x,
+                        internal_cuda::KernelDType dtype, int64_t count,
+                        cudaStream_t stream) override;
 
  private:
   struct Comm {
@@ -258,6 +298,7 @@ class FakeNcclApi final : public NcclApi {
                       ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
                       cudaStream_t stream);
   void Misuse(std::string what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  cudaError_t NotModelled(absl::string_view call);
 
   const int device_count_;
   mutable absl::Mutex mu_;

@@ -81,76 +81,6 @@ class RealApi final : public NcclApi {
   const char* GetLastError(ncclComm_t comm) override {
     return ncclGetLastError(comm);
   }
-
-  cudaError_t CudaGetDeviceCount(int* count) override {
-    return cudaGetDeviceCount(count);
-  }
-  cudaError_t CudaGetLastError() override { return cudaGetLastError(); }
-  cudaError_t CudaPeekAtLastError() override { return cudaPeekAtLastError(); }
-  cudaError_t CudaGetDevice(int* device) override {
-    return cudaGetDevice(device);
-  }
-  cudaError_t CudaSetDevice(int device) override {
-    return cudaSetDevice(device);
-  }
-  cudaError_t CudaStreamCreateWithFlags(cudaStream_t* stream,
-                                        unsigned int flags) override {
-    return cudaStreamCreateWithFlags(stream, flags);
-  }
-  cudaError_t CudaStreamDestroy(cudaStream_t stream) override {
-    return cudaStreamDestroy(stream);
-  }
-  cudaError_t CudaEventCreateWithFlags(cudaEvent_t* event,
-                                       unsigned int flags) override {
-    return cudaEventCreateWithFlags(event, flags);
-  }
-  cudaError_t CudaEventRecord(cudaEvent_t event, cudaStream_t stream) override {
-    return cudaEventRecord(event, stream);
-  }
-  cudaError_t CudaEventQuery(cudaEvent_t event) override {
-    return cudaEventQuery(event);
-  }
-  cudaError_t CudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event,
-                                  unsigned int flags) override {
-    return cudaStreamWaitEvent(stream, event, flags);
-  }
-  cudaError_t CudaEventDestroy(cudaEvent_t event) override {
-    return cudaEventDestroy(event);
-  }
-  cudaError_t CudaPointerGetAttributes(cudaPointerAttributes* attributes,
-                                       const void* ptr) override {
-    return cudaPointerGetAttributes(attributes, ptr);
-  }
-  cudaError_t CudaMalloc(void** ptr, size_t bytes) override {
-    return cudaMalloc(ptr, bytes);
-  }
-  cudaError_t CudaFree(void* ptr) override { return cudaFree(ptr); }
-  cudaError_t CudaMallocAsync(void** ptr, size_t bytes,
-                              cudaStream_t stream) override {
-    return cudaMallocAsync(ptr, bytes, stream);
-  }
-  cudaError_t CudaFreeAsync(void* ptr, cudaStream_t stream) override {
-    return cudaFreeAsync(ptr, stream);
-  }
-  cudaError_t CudaMallocHost(void** ptr, size_t bytes) override {
-    return cudaMallocHost(ptr, bytes);
-  }
-  cudaError_t CudaFreeHost(void* ptr) override { return cudaFreeHost(ptr); }
-  cudaError_t CudaMemsetAsync(void* dst, int value, size_t bytes,
-                              cudaStream_t stream) override {
-    return cudaMemsetAsync(dst, value, bytes, stream);
-  }
-  cudaError_t CudaMemcpyAsync(void* dst, const void* src, size_t bytes,
-                              cudaMemcpyKind kind,
-                              cudaStream_t stream) override {
-    return cudaMemcpyAsync(dst, src, bytes, kind, stream);
-  }
-  const char* CudaGetErrorName(cudaError_t error) override {
-    return cudaGetErrorName(error);
-  }
-  const char* CudaGetErrorString(cudaError_t error) override {
-    return cudaGetErrorString(error);
-  }
 };
 
 const char* NcclResultName(ncclResult_t result) {
@@ -194,29 +124,6 @@ absl::StatusCode NcclCode(ncclResult_t result) {
   }
 }
 
-absl::StatusCode CudaCode(cudaError_t error) {
-  switch (error) {
-    case cudaSuccess:
-      return absl::StatusCode::kOk;
-    case cudaErrorNoDevice:
-    case cudaErrorInsufficientDriver:
-    case cudaErrorDevicesUnavailable:
-    case cudaErrorStubLibrary:
-    case cudaErrorCallRequiresNewerDriver:
-    case cudaErrorSystemDriverMismatch:
-    case cudaErrorSystemNotReady:
-      return absl::StatusCode::kFailedPrecondition;
-    case cudaErrorInvalidValue:
-    case cudaErrorInvalidDevice:
-    case cudaErrorInvalidDevicePointer:
-      return absl::StatusCode::kInvalidArgument;
-    case cudaErrorMemoryAllocation:
-      return absl::StatusCode::kResourceExhausted;
-    default:
-      return absl::StatusCode::kInternal;
-  }
-}
-
 const char* OrEmpty(const char* s) { return s == nullptr ? "" : s; }
 
 }  // namespace
@@ -235,17 +142,6 @@ absl::Status NcclStatus(NcclApi& api, ncclResult_t result, ncclComm_t comm,
                       NcclResultName(result), static_cast<int>(result),
                       OrEmpty(api.GetErrorString(result)),
                       OrEmpty(api.GetLastError(comm))));
-}
-
-absl::Status CudaStatus(NcclApi& api, cudaError_t error,
-                        absl::string_view context) {
-  if (error == cudaSuccess) return absl::OkStatus();
-  api.CudaGetLastError();  // reported here: not the next launch's error
-  return absl::Status(CudaCode(error),
-                      absl::StrFormat("%s: CUDA %s (%d): %s", context,
-                                      OrEmpty(api.CudaGetErrorName(error)),
-                                      static_cast<int>(error),
-                                      OrEmpty(api.CudaGetErrorString(error))));
 }
 
 size_t NcclElementSize(ncclDataType_t datatype) {

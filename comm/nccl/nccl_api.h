@@ -1,20 +1,29 @@
-// NcclApi: the NCCL and CUDA runtime calls the NCCL backend makes, behind an
-// interface, so that the backend's logic (argument checks, dtype and op
-// mapping, divide factors, completion and timeout handling, aborts, error
-// mapping) is unit-tested on machines without a GPU against a fake
-// (fake_nccl_api.h), as c10d's and LevelDB's Env-style seams do.
+// NcclApi: the NCCL calls the NCCL backend makes, behind an interface, so
+// that the backend's logic (argument checks, dtype and op mapping, divide
+// factors, completion and timeout handling, aborts, error mapping) is
+// unit-tested on machines without a GPU against a fake (fake_nccl_api.h), as
+// c10d's and LevelDB's Env-style seams do. Its CUDA runtime calls go through
+// CudaRuntime (flatparam/device/cuda/cuda_runtime.h), the interface
+// CudaDeviceOps uses too.
 //
-// Each method forwards to the function of the same name in libnccl
-// (`AllReduce` -> ncclAllReduce) or libcudart (`CudaEventQuery` ->
-// cudaEventQuery) with the same arguments and result code; the real
-// implementation (RealNcclApi) adds nothing. The backend checks every result
-// through exactly two functions, NcclStatus() and CudaStatus(), below.
+// Each method forwards to the libnccl function of the same name
+// (`AllReduce` -> ncclAllReduce) with the same arguments and result code;
+// the real implementation (RealNcclApi) adds nothing. The backend checks
+// every result through exactly two functions: NcclStatus() below and
+// CudaStatus() (cuda_runtime.h).
+//
+//   ncclComm_t comm = ...;
+//   NcclApi& nccl = RealNcclApi();
+//   int count = 0;
+//   RETURN_IF_ERROR(NcclStatus(nccl, nccl.CommCount(comm, &count), comm,
+//                              "rank 0: ncclCommCount"));
 //
 // Only targets built where cuda_configure found NCCL (`HAVE_NCCL`) may
-// include this header: it includes <nccl.h> and <cuda_runtime_api.h>.
+// include this header: it includes <nccl.h> and <cuda_runtime_api.h> (for
+// cudaStream_t).
 //
-// Thread-safety: RealNcclApi() is as thread-safe as NCCL and the CUDA runtime
-// are (NCCL calls on one communicator from one thread at a time).
+// Thread-safety: RealNcclApi() is as thread-safe as NCCL is (NCCL calls on
+// one communicator from one thread at a time).
 #ifndef FLATPARAM_COMM_NCCL_NCCL_API_H_
 #define FLATPARAM_COMM_NCCL_NCCL_API_H_
 
@@ -71,44 +80,9 @@ class NcclApi {
                                  cudaStream_t stream) = 0;
   virtual const char* GetErrorString(ncclResult_t result) = 0;
   virtual const char* GetLastError(ncclComm_t comm) = 0;
-
-  // CUDA runtime (cuda_runtime_api.h).
-  virtual cudaError_t CudaGetLastError() = 0;
-  virtual cudaError_t CudaPeekAtLastError() = 0;
-  virtual cudaError_t CudaGetDeviceCount(int* count) = 0;
-  virtual cudaError_t CudaGetDevice(int* device) = 0;
-  virtual cudaError_t CudaSetDevice(int device) = 0;
-  virtual cudaError_t CudaStreamCreateWithFlags(cudaStream_t* stream,
-                                                unsigned int flags) = 0;
-  virtual cudaError_t CudaStreamDestroy(cudaStream_t stream) = 0;
-  virtual cudaError_t CudaEventCreateWithFlags(cudaEvent_t* event,
-                                               unsigned int flags) = 0;
-  virtual cudaError_t CudaEventRecord(cudaEvent_t event,
-                                      cudaStream_t stream) = 0;
-  virtual cudaError_t CudaEventQuery(cudaEvent_t event) = 0;
-  virtual cudaError_t CudaStreamWaitEvent(cudaStream_t stream,
-                                          cudaEvent_t event,
-                                          unsigned int flags) = 0;
-  virtual cudaError_t CudaEventDestroy(cudaEvent_t event) = 0;
-  virtual cudaError_t CudaPointerGetAttributes(
-      cudaPointerAttributes* attributes, const void* ptr) = 0;
-  virtual cudaError_t CudaMalloc(void** ptr, size_t bytes) = 0;
-  virtual cudaError_t CudaFree(void* ptr) = 0;
-  virtual cudaError_t CudaMallocAsync(void** ptr, size_t bytes,
-                                      cudaStream_t stream) = 0;
-  virtual cudaError_t CudaFreeAsync(void* ptr, cudaStream_t stream) = 0;
-  virtual cudaError_t CudaMallocHost(void** ptr, size_t bytes) = 0;
-  virtual cudaError_t CudaFreeHost(void* ptr) = 0;
-  virtual cudaError_t CudaMemsetAsync(void* dst, int value, size_t bytes,
-                                      cudaStream_t stream) = 0;
-  virtual cudaError_t CudaMemcpyAsync(void* dst, const void* src, size_t bytes,
-                                      cudaMemcpyKind kind,
-                                      cudaStream_t stream) = 0;
-  virtual const char* CudaGetErrorName(cudaError_t error) = 0;
-  virtual const char* CudaGetErrorString(cudaError_t error) = 0;
 };
 
-// The process-wide implementation that calls libnccl and libcudart. Never
+// The process-wide implementation that calls libnccl. Never
 // destroyed.
 NcclApi& RealNcclApi();
 
@@ -123,18 +97,6 @@ NcclApi& RealNcclApi();
 // `context` names the rank, the op, its sequence number and sizes. `comm`
 // may be null (the last error is then NCCL's process-wide one).
 absl::Status NcclStatus(NcclApi& api, ncclResult_t result, ncclComm_t comm,
-                        absl::string_view context);
-
-// The one place a cudaError_t becomes a Status. OK for cudaSuccess;
-// otherwise "<context>: CUDA <cudaGetErrorName> (<code>):
-// <cudaGetErrorString>", with FailedPrecondition when there is no usable
-// GPU or driver, InvalidArgument for invalid values, devices and pointers,
-// ResourceExhausted when out of memory, and Internal otherwise (sticky
-// errors such as an illegal address leave the CUDA context unusable).
-// A reported error is cleared from the thread's last-error state
-// (cudaGetLastError), so that the next kernel launch on the thread, which
-// reports cudaGetLastError(), does not report it again as its own.
-absl::Status CudaStatus(NcclApi& api, cudaError_t error,
                         absl::string_view context);
 
 // The bytes of one element of `datatype` (the fp8 types: 1).

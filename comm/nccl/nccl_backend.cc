@@ -7,6 +7,7 @@
 #include "comm/nccl/nccl_api.h"
 #include "comm/nccl/nccl_communicator.h"
 #include "flatparam/base/status_macros.h"
+#include "flatparam/device/cuda/cuda_runtime.h"
 
 namespace flatparam {
 
@@ -16,7 +17,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(
     Communicator& bootstrap, int cuda_device, const NcclOptions& options) {
   FLATPARAM_ASSIGN_OR_RETURN(
       std::unique_ptr<NcclCommunicator> nccl,
-      NcclCommunicator::Create(RealNcclApi(), bootstrap, cuda_device, options));
+      NcclCommunicator::Create(RealNcclApi(), RealCudaRuntime(), bootstrap,
+                               cuda_device, options));
   return std::unique_ptr<Communicator>(std::move(nccl));
 }
 

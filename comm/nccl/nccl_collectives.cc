@@ -126,7 +126,7 @@ absl::Status CheckCudaBuffer(const CommState& s, absl::string_view op,
   cudaPointerAttributes attributes;
   std::memset(&attributes, 0, sizeof(attributes));
   FLATPARAM_RETURN_IF_ERROR(CudaStatus(
-      *s.api, s.api->CudaPointerGetAttributes(&attributes, b.data),
+      *s.cuda, s.cuda->PointerGetAttributes(&attributes, b.data),
       absl::StrFormat("rank %d: %s #%d: cudaPointerGetAttributes(%s at %p)",
                       s.rank, op, seq, which, b.data)));
   if (attributes.type == cudaMemoryTypeManaged) return absl::OkStatus();

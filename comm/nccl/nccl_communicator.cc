@@ -29,7 +29,6 @@ namespace flatparam {
 using internal_nccl::AbortedError;
 using internal_nccl::AbortState;
 using internal_nccl::CommState;
-using internal_nccl::DeviceGuard;
 using internal_nccl::PollComm;
 using internal_nccl::ProcessFailures;
 using internal_nccl::StreamHandle;
@@ -37,7 +36,7 @@ using internal_nccl::StreamHandle;
 namespace internal_nccl {
 
 CommState::~CommState() {
-  DeviceGuard guard(*api);
+  CudaDeviceGuard guard(*cuda);
   guard.Set(device, "").IgnoreError();
   const bool after_failure =
       failed || ProcessFailures() != process_failures_at_creation;
@@ -67,8 +66,8 @@ CommState::~CommState() {
   comm = nullptr;
   if (device_scratch != nullptr) {
     // Stream-ordered: released after the work already on the stream.
-    if (api->CudaFreeAsync(device_scratch, stream->stream) != cudaSuccess) {
-      api->CudaGetLastError();
+    if (cuda->FreeAsync(device_scratch, stream->stream) != cudaSuccess) {
+      cuda->GetLastError();
     }
   }
   if (host_staging != nullptr) retired_staging.push_back(host_staging);
@@ -76,7 +75,7 @@ CommState::~CommState() {
   // never become idle, and a leak is better than a hang.
   if (!failed && !aborted) {
     for (void* p : retired_staging) {
-      if (api->CudaFreeHost(p) != cudaSuccess) api->CudaGetLastError();
+      if (cuda->FreeHost(p) != cudaSuccess) cuda->GetLastError();
     }
   }
 }
@@ -89,7 +88,7 @@ NcclCommunicator::NcclCommunicator(std::shared_ptr<CommState> state)
 NcclCommunicator::~NcclCommunicator() = default;
 
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
-    NcclApi& api, Communicator& bootstrap, int cuda_device,
+    NcclApi& api, CudaRuntime& cuda, Communicator& bootstrap, int cuda_device,
     const NcclOptions& options, cudaStream_t stream) {
   const int rank = bootstrap.rank();
   const int size = bootstrap.size();
@@ -97,7 +96,7 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
       "rank %d: creating the NCCL communicator (%d ranks, cuda:%d)", rank, size,
       cuda_device);
   const absl::Time deadline = absl::Now() + options.setup_timeout;
-  DeviceGuard guard(api);
+  CudaDeviceGuard guard(cuda);
   ncclUniqueId id;
   std::memset(&id, 0, sizeof(id));
 
@@ -105,9 +104,9 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
   // waits for one that has already given up.
   const absl::Status local = [&]() -> absl::Status {
     int count = 0;
-    const cudaError_t e = api.CudaGetDeviceCount(&count);
+    const cudaError_t e = cuda.GetDeviceCount(&count);
     if (e != cudaSuccess) {
-      const absl::Status st = CudaStatus(api, e, "cudaGetDeviceCount");
+      const absl::Status st = CudaStatus(cuda, e, "cudaGetDeviceCount");
       return absl::Status(st.code(), absl::StrFormat("%s: no usable GPU: %s",
                                                      context, st.message()));
     }
@@ -219,11 +218,11 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
                          ? "; aborted the NCCL communicator (ncclCommAbort)"
                          : ""));
   }
-  return FromComm(api, comm, /*owned=*/true, options, nullptr, stream);
+  return FromComm(api, cuda, comm, /*owned=*/true, options, nullptr, stream);
 }
 
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Wrap(
-    NcclApi& api, ncclComm_t comm, Ownership ownership,
+    NcclApi& api, CudaRuntime& cuda, ncclComm_t comm, Ownership ownership,
     const NcclOptions& options, cudaStream_t stream) {
   if (comm == nullptr) {
     return absl::InvalidArgumentError("cannot wrap a null ncclComm_t");
@@ -234,17 +233,19 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Wrap(
       !st.ok()) {
     return st;
   }
-  return FromComm(api, comm, ownership == Ownership::kTakeOwnership, options,
-                  nullptr, stream);
+  return FromComm(api, cuda, comm, ownership == Ownership::kTakeOwnership,
+                  options, nullptr, stream);
 }
 
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::FromComm(
-    NcclApi& api, ncclComm_t comm, bool owned, const NcclOptions& options,
-    std::shared_ptr<StreamHandle> stream, cudaStream_t user_stream) {
+    NcclApi& api, CudaRuntime& cuda, ncclComm_t comm, bool owned,
+    const NcclOptions& options, std::shared_ptr<StreamHandle> stream,
+    cudaStream_t user_stream) {
   // The state owns `comm` from here on, so every failure below releases it.
   auto state = std::make_shared<CommState>();
   state->process_failures_at_creation = ProcessFailures();
   state->api = &api;
+  state->cuda = &cuda;
   state->comm = comm;
   state->owns_comm = owned;
   state->options = options;
@@ -260,15 +261,15 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::FromComm(
                  absl::StrCat(context, ": ncclCommUserRank")));
   if (stream == nullptr) {
     stream = std::make_shared<StreamHandle>();
-    stream->api = &api;
+    stream->cuda = &cuda;
     if (user_stream != nullptr) {
       stream->stream = user_stream;
     } else {
-      DeviceGuard guard(api);
+      CudaDeviceGuard guard(cuda);
       FLATPARAM_RETURN_IF_ERROR(guard.Set(state->device, context));
       FLATPARAM_RETURN_IF_ERROR(CudaStatus(
-          api,
-          api.CudaStreamCreateWithFlags(&stream->stream, cudaStreamNonBlocking),
+          cuda,
+          cuda.StreamCreateWithFlags(&stream->stream, cudaStreamNonBlocking),
           absl::StrCat(context, ": cudaStreamCreateWithFlags")));
       stream->owned = true;
     }
@@ -312,11 +313,12 @@ absl::StatusOr<std::unique_ptr<Communicator>> NcclCommunicator::Split(
   const absl::Time deadline = absl::Now() + options.timeout;
   CommState& s = *state_;
   NcclApi& api = *s.api;
+  CudaRuntime& cuda = *s.cuda;
   const int64_t seq = seq_++;
   const std::string context = absl::StrFormat(
       "rank %d: split #%d (color %d, key %d)", s.rank, seq, color, key);
   if (s.aborted) return AbortedError(s, context);
-  DeviceGuard guard(api);
+  CudaDeviceGuard guard(cuda);
   FLATPARAM_RETURN_IF_ERROR(guard.Set(s.device, context));
   ncclComm_t child = nullptr;
   // A null config makes the child inherit the parent's (blocking mode
@@ -347,9 +349,9 @@ absl::StatusOr<std::unique_ptr<Communicator>> NcclCommunicator::Split(
   }
   NcclOptions child_options = s.options;
   child_options.flight_recorder.capacity = 0;  // Records into ours.
-  FLATPARAM_ASSIGN_OR_RETURN(
-      std::unique_ptr<NcclCommunicator> split,
-      FromComm(api, child, /*owned=*/true, child_options, s.stream, nullptr));
+  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> split,
+                             FromComm(api, cuda, child, /*owned=*/true,
+                                      child_options, s.stream, nullptr));
   if (recorder_ != nullptr) {
     split->recorder_ = recorder_;
     auto group = std::make_shared<FlightGroup>();

@@ -2,8 +2,9 @@
 // NCCL communicator, running collectives on CUDA device buffers of one
 // device. Most code creates it through CreateNcclCommunicator()
 // (nccl_backend.h); this header is for code that has CUDA headers and wants
-// to wrap an existing `ncclComm_t`, choose the CUDA stream, or inject an
-// NcclApi (tests use FakeNcclApi).
+// to wrap an existing `ncclComm_t`, choose the CUDA stream, or inject the
+// NCCL and CUDA runtime calls (NcclApi and CudaRuntime; tests use
+// FakeNcclApi and its cuda(), or FakeNcclOnCuda on a FakeCudaRuntime).
 //
 // Collectives. Each maps to one NCCL call on stream(); counts below are
 // elements, `n` is size(), `r` is rank():
@@ -74,7 +75,7 @@
 // later call, and every Wait() not finished yet, returns Aborted quoting the
 // first error. Errors name the rank, the op, its sequence number in this
 // communicator and the buffer sizes; NCCL and CUDA codes are mapped by
-// NcclStatus() and CudaStatus() (nccl_api.h). Host buffers are
+// NcclStatus() (nccl_api.h) and CudaStatus() (cuda_runtime.h). Host buffers are
 // Unimplemented; buffers on another device are InvalidArgument.
 //
 // Memory: buffers belong to the caller and must stay alive and untouched
@@ -103,6 +104,7 @@
 #include "comm/flight_recorder.h"
 #include "comm/nccl/nccl_api.h"
 #include "comm/nccl/nccl_options.h"
+#include "flatparam/device/cuda/cuda_runtime.h"
 
 namespace flatparam {
 namespace internal_nccl {
@@ -125,10 +127,11 @@ class NcclCommunicator final : public Communicator {
 
   // Collective over `bootstrap`; see CreateNcclCommunicator(). `stream`:
   // the CUDA stream of `cuda_device` to enqueue on, or null for a new
-  // non-blocking stream owned by the communicator. `api` must outlive the
-  // result.
+  // non-blocking stream owned by the communicator. `api` and `cuda` (the
+  // NCCL and CUDA runtime calls: RealNcclApi() and RealCudaRuntime() outside
+  // tests) must outlive the result.
   static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Create(
-      NcclApi& api, Communicator& bootstrap, int cuda_device,
+      NcclApi& api, CudaRuntime& cuda, Communicator& bootstrap, int cuda_device,
       const NcclOptions& options = {}, cudaStream_t stream = nullptr);
 
   // Wraps an initialized `comm` (its rank, size and device come from
@@ -136,7 +139,7 @@ class NcclCommunicator final : public Communicator {
   // Create(). Only `options.check_pointers` and `options.setup_timeout` (for
   // finalizing an owned comm) apply.
   static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Wrap(
-      NcclApi& api, ncclComm_t comm, Ownership ownership,
+      NcclApi& api, CudaRuntime& cuda, ncclComm_t comm, Ownership ownership,
       const NcclOptions& options = {}, cudaStream_t stream = nullptr);
 
   // Finalizes (ncclCommFinalize, then polling ncclCommGetAsyncError for at
@@ -206,7 +209,8 @@ class NcclCommunicator final : public Communicator {
   uint64_t Record(CollectiveOp op, DType dtype, int64_t count, int64_t bytes);
 
   static absl::StatusOr<std::unique_ptr<NcclCommunicator>> FromComm(
-      NcclApi& api, ncclComm_t comm, bool owned, const NcclOptions& options,
+      NcclApi& api, CudaRuntime& cuda, ncclComm_t comm, bool owned,
+      const NcclOptions& options,
       std::shared_ptr<internal_nccl::StreamHandle> stream,
       cudaStream_t user_stream);
 

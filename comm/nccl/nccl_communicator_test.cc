@@ -53,7 +53,8 @@ class NcclCommunicatorTest : public ::testing::Test {
     EXPECT_EQ(api_.CommInitRankConfig(&comm, nranks, id, rank, &config),
               ncclSuccess);
     absl::StatusOr<std::unique_ptr<NcclCommunicator>> nccl =
-        NcclCommunicator::Wrap(api_, comm, Ownership::kTakeOwnership, options);
+        NcclCommunicator::Wrap(api_, api_, comm, Ownership::kTakeOwnership,
+                               options);
     EXPECT_THAT(nccl, IsOk());
     return nccl.ok() ? *std::move(nccl) : nullptr;
   }
@@ -62,11 +63,11 @@ class NcclCommunicatorTest : public ::testing::Test {
   BufferRef Alloc(int64_t count, DType dtype = DType::kFloat32, int device = 0,
                   std::vector<double> values = {}) {
     int previous = 0;
-    api_.CudaGetDevice(&previous);
-    api_.CudaSetDevice(device);
+    api_.GetDevice(&previous);
+    api_.SetDevice(device);
     void* ptr = nullptr;
-    EXPECT_EQ(api_.CudaMalloc(&ptr, count * DTypeSize(dtype)), cudaSuccess);
-    api_.CudaSetDevice(previous);
+    EXPECT_EQ(api_.Malloc(&ptr, count * DTypeSize(dtype)), cudaSuccess);
+    api_.SetDevice(previous);
     for (size_t i = 0; i < values.size(); ++i) {
       StoreFromDouble(ptr, dtype, i, values[i]);
     }
@@ -103,7 +104,7 @@ TEST_F(NcclCommunicatorTest, SupportsStreamsOfItsDeviceOnly) {
 TEST_F(NcclCommunicatorTest, StreamOrderedCollectiveWaitsForTheCallersStream) {
   std::unique_ptr<NcclCommunicator> nccl = Make(2, 0);
   cudaStream_t caller = nullptr;
-  ASSERT_EQ(api_.CudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking),
+  ASSERT_EQ(api_.StreamCreateWithFlags(&caller, cudaStreamNonBlocking),
             cudaSuccess);
   const DeviceStream stream{Device::Cuda(0), nullptr,
                             reinterpret_cast<uintptr_t>(caller)};
@@ -137,7 +138,7 @@ TEST_F(NcclCommunicatorTest, StreamOrderedCollectiveWaitsForTheCallersStream) {
   // The host's check still reports the collective's status.
   EXPECT_THAT(work->Wait(), IsOk());
   work.reset();
-  EXPECT_EQ(api_.CudaStreamDestroy(caller), cudaSuccess);
+  EXPECT_EQ(api_.StreamDestroy(caller), cudaSuccess);
 }
 
 TEST_F(NcclCommunicatorTest, WithoutAStreamNothingWaitsOnTheDevice) {
@@ -174,7 +175,7 @@ TEST_F(NcclCommunicatorTest, StreamsOfAnotherDeviceOrASimulatorAreRejected) {
 TEST_F(NcclCommunicatorTest, AFailedStreamWaitEnqueuesNothing) {
   std::unique_ptr<NcclCommunicator> nccl = Make(2, 0);
   cudaStream_t caller = nullptr;
-  ASSERT_EQ(api_.CudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking),
+  ASSERT_EQ(api_.StreamCreateWithFlags(&caller, cudaStreamNonBlocking),
             cudaSuccess);
   const BufferRef in = Alloc(4);
   const BufferRef out = Alloc(8);
@@ -197,7 +198,7 @@ TEST_F(NcclCommunicatorTest, AFailedStreamWaitEnqueuesNothing) {
                              HasSubstr("cudaStreamWaitEvent"))));
   EXPECT_THAT(work->Wait(), IsOk());
   work.reset();
-  EXPECT_EQ(api_.CudaStreamDestroy(caller), cudaSuccess);
+  EXPECT_EQ(api_.StreamDestroy(caller), cudaSuccess);
 }
 
 // ---------------------------------------------------------------------------
@@ -207,7 +208,7 @@ TEST_F(NcclCommunicatorTest, CreateSharesTheIdAndMakesANonBlockingComm) {
   std::vector<std::unique_ptr<Communicator>> group = MakeThreadGroup(1);
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
       std::unique_ptr<NcclCommunicator> nccl,
-      NcclCommunicator::Create(api_, *group[0], /*cuda_device=*/1));
+      NcclCommunicator::Create(api_, api_, *group[0], /*cuda_device=*/1));
   EXPECT_EQ(nccl->rank(), 0);
   EXPECT_EQ(nccl->size(), 1);
   EXPECT_EQ(nccl->backend(), "nccl");
@@ -223,7 +224,7 @@ TEST_F(NcclCommunicatorTest, CreateSharesTheIdAndMakesANonBlockingComm) {
             static_cast<unsigned>(cudaStreamNonBlocking));
   EXPECT_EQ(api_.streams()[0].device, 1);
   int current = -1;
-  api_.CudaGetDevice(&current);
+  api_.GetDevice(&current);
   EXPECT_EQ(current, 0) << "Create must restore the caller's device";
 
   nccl.reset();
@@ -240,7 +241,7 @@ TEST_F(NcclCommunicatorTest, AbortThroughTheInterfaceSkipsFinalize) {
   std::vector<std::unique_ptr<Communicator>> group = MakeThreadGroup(1);
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
       std::unique_ptr<NcclCommunicator> nccl,
-      NcclCommunicator::Create(api_, *group[0], /*cuda_device=*/0));
+      NcclCommunicator::Create(api_, api_, *group[0], /*cuda_device=*/0));
   std::unique_ptr<Communicator> comm = std::move(nccl);
   comm->Abort(absl::DeadlineExceededError("rank 2 timed out elsewhere"));
   comm->Abort(absl::InternalError("a second abort changes nothing"));
@@ -261,8 +262,9 @@ TEST_F(NcclCommunicatorTest, CreateOnThreeThreadsJoinsOneCommunicator) {
   std::vector<absl::StatusOr<std::unique_ptr<NcclCommunicator>>> results(3);
   std::vector<std::thread> threads;
   for (int r = 0; r < 3; ++r) {
-    threads.emplace_back(
-        [&, r] { results[r] = NcclCommunicator::Create(api, *group[r], r); });
+    threads.emplace_back([&, r] {
+      results[r] = NcclCommunicator::Create(api, api, *group[r], r);
+    });
   }
   for (std::thread& t : threads) t.join();
   for (int r = 0; r < 3; ++r) {
@@ -292,8 +294,9 @@ TEST_F(NcclCommunicatorTest, OneRanksFailedInitFailsEveryRank) {
   std::vector<absl::StatusOr<std::unique_ptr<NcclCommunicator>>> results(3);
   std::vector<std::thread> threads;
   for (int r = 0; r < 3; ++r) {
-    threads.emplace_back(
-        [&, r] { results[r] = NcclCommunicator::Create(api, *group[r], r); });
+    threads.emplace_back([&, r] {
+      results[r] = NcclCommunicator::Create(api, api, *group[r], r);
+    });
   }
   for (std::thread& t : threads) t.join();
   int failed_init = 0;
@@ -321,7 +324,8 @@ TEST_F(NcclCommunicatorTest, OneRanksBadDeviceFailsEveryRankWithoutHanging) {
   std::vector<std::thread> threads;
   for (int r = 0; r < 3; ++r) {
     threads.emplace_back([&, r] {
-      results[r] = NcclCommunicator::Create(api_, *group[r], r == 1 ? 5 : 0);
+      results[r] =
+          NcclCommunicator::Create(api_, api_, *group[r], r == 1 ? 5 : 0);
     });
   }
   for (std::thread& t : threads) t.join();
@@ -341,7 +345,7 @@ TEST_F(NcclCommunicatorTest, OneRanksBadDeviceFailsEveryRankWithoutHanging) {
 TEST_F(NcclCommunicatorTest, CreateWithoutAGpuSaysSo) {
   api_.set_device_count_error(cudaErrorInsufficientDriver);
   std::vector<std::unique_ptr<Communicator>> group = MakeThreadGroup(1);
-  EXPECT_THAT(NcclCommunicator::Create(api_, *group[0], 0),
+  EXPECT_THAT(NcclCommunicator::Create(api_, api_, *group[0], 0),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        AllOf(HasSubstr("no usable GPU"),
                              HasSubstr("cudaErrorInsufficientDriver"))));
@@ -352,7 +356,7 @@ TEST_F(NcclCommunicatorTest, CreateReportsNcclErrorsWithTheLastError) {
   api_.set_last_error("bootstrap: socket timed out");
   std::vector<std::unique_ptr<Communicator>> group = MakeThreadGroup(1);
   EXPECT_THAT(
-      NcclCommunicator::Create(api_, *group[0], 0),
+      NcclCommunicator::Create(api_, api_, *group[0], 0),
       StatusIs(absl::StatusCode::kUnavailable,
                AllOf(HasSubstr("rank 0: creating the NCCL communicator"),
                      HasSubstr("ncclCommInitRankConfig"),
@@ -363,8 +367,9 @@ TEST_F(NcclCommunicatorTest, CreateReportsNcclErrorsWithTheLastError) {
 TEST_F(NcclCommunicatorTest, NonBlockingInitIsPolledUntilReady) {
   api_.set_in_progress_polls(3);
   std::vector<std::unique_ptr<Communicator>> group = MakeThreadGroup(1);
-  FLATPARAM_ASSERT_OK_AND_ASSIGN(std::unique_ptr<NcclCommunicator> nccl,
-                                 NcclCommunicator::Create(api_, *group[0], 0));
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<NcclCommunicator> nccl,
+      NcclCommunicator::Create(api_, api_, *group[0], 0));
   EXPECT_GE(api_.CallCount("ncclCommGetAsyncError"), 4);
   api_.set_in_progress_polls(0);
 }
@@ -374,7 +379,7 @@ TEST_F(NcclCommunicatorTest, InitThatNeverFinishesTimesOutAndAborts) {
   std::vector<std::unique_ptr<Communicator>> group = MakeThreadGroup(1);
   NcclOptions options;
   options.setup_timeout = absl::Milliseconds(20);
-  EXPECT_THAT(NcclCommunicator::Create(api_, *group[0], 0, options),
+  EXPECT_THAT(NcclCommunicator::Create(api_, api_, *group[0], 0, options),
               StatusIs(absl::StatusCode::kDeadlineExceeded,
                        AllOf(HasSubstr("still in progress after 20ms"),
                              HasSubstr("ncclCommAbort"))));
@@ -388,7 +393,7 @@ TEST_F(NcclCommunicatorTest, BlockingOptionMakesABlockingComm) {
   options.blocking = true;
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
       std::unique_ptr<NcclCommunicator> nccl,
-      NcclCommunicator::Create(api_, *group[0], 0, options));
+      NcclCommunicator::Create(api_, api_, *group[0], 0, options));
   EXPECT_TRUE(api_.comms()[0].blocking);
 }
 
@@ -396,15 +401,15 @@ TEST_F(NcclCommunicatorTest, BlockingOptionMakesABlockingComm) {
 // Wrapping.
 
 TEST_F(NcclCommunicatorTest, WrapReadsRankSizeAndDeviceFromTheComm) {
-  api_.CudaSetDevice(1);
+  api_.SetDevice(1);
   ncclUniqueId id;
   std::memset(&id, 0, sizeof(id));
   ncclComm_t comm = nullptr;
   ASSERT_EQ(api_.CommInitRankConfig(&comm, 8, id, 5, nullptr), ncclSuccess);
-  api_.CudaSetDevice(0);
+  api_.SetDevice(0);
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
       std::unique_ptr<NcclCommunicator> nccl,
-      NcclCommunicator::Wrap(api_, comm, Ownership::kBorrow));
+      NcclCommunicator::Wrap(api_, api_, comm, Ownership::kBorrow));
   EXPECT_EQ(nccl->rank(), 5);
   EXPECT_EQ(nccl->size(), 8);
   EXPECT_EQ(nccl->device(), 1);
@@ -417,14 +422,14 @@ TEST_F(NcclCommunicatorTest, WrapReadsRankSizeAndDeviceFromTheComm) {
 
 TEST_F(NcclCommunicatorTest, WrapUsesTheCallersStreamAndLeavesIt) {
   cudaStream_t stream = nullptr;
-  ASSERT_EQ(api_.CudaStreamCreateWithFlags(&stream, 0), cudaSuccess);
+  ASSERT_EQ(api_.StreamCreateWithFlags(&stream, 0), cudaSuccess);
   ncclUniqueId id;
   std::memset(&id, 0, sizeof(id));
   ncclComm_t comm = nullptr;
   ASSERT_EQ(api_.CommInitRankConfig(&comm, 1, id, 0, nullptr), ncclSuccess);
   FLATPARAM_ASSERT_OK_AND_ASSIGN(
       std::unique_ptr<NcclCommunicator> nccl,
-      NcclCommunicator::Wrap(api_, comm, Ownership::kTakeOwnership, {},
+      NcclCommunicator::Wrap(api_, api_, comm, Ownership::kTakeOwnership, {},
                              stream));
   EXPECT_EQ(nccl->stream(), stream);
   BufferRef b = Alloc(4);
@@ -433,11 +438,11 @@ TEST_F(NcclCommunicatorTest, WrapUsesTheCallersStreamAndLeavesIt) {
   nccl.reset();
   EXPECT_TRUE(api_.comm_info(comm).destroyed);
   EXPECT_FALSE(api_.streams()[0].destroyed);
-  EXPECT_EQ(api_.CudaStreamDestroy(stream), cudaSuccess);
+  EXPECT_EQ(api_.StreamDestroy(stream), cudaSuccess);
 }
 
 TEST_F(NcclCommunicatorTest, WrapRejectsANullComm) {
-  EXPECT_THAT(NcclCommunicator::Wrap(api_, nullptr, Ownership::kBorrow),
+  EXPECT_THAT(NcclCommunicator::Wrap(api_, api_, nullptr, Ownership::kBorrow),
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
@@ -740,7 +745,7 @@ TEST_F(NcclCommunicatorTest, WaitPollsTheEventUntilItCompletes) {
   EXPECT_EQ(api_.CallCount("cudaEventQuery"), 6) << "the status is cached";
   // The five "not ready" answers are not left in the thread's last-error
   // state, where the next kernel launch on this thread would report them.
-  EXPECT_EQ(api_.CudaPeekAtLastError(), cudaSuccess);
+  EXPECT_EQ(api_.PeekAtLastError(), cudaSuccess);
 }
 
 // A failed CUDA call that the communicator reported is not reported again
@@ -751,7 +756,7 @@ TEST_F(NcclCommunicatorTest, AReportedCudaErrorIsClearedFromTheThread) {
   EXPECT_THAT(nccl->AllGatherBytes("abc", {}).status(),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstr("cudaMallocAsync")));
-  EXPECT_EQ(api_.CudaPeekAtLastError(), cudaSuccess);
+  EXPECT_EQ(api_.PeekAtLastError(), cudaSuccess);
 }
 
 // ncclCommFinalize completes only when every rank finalizes; after a
@@ -949,11 +954,11 @@ TEST_F(NcclCommunicatorTest, AbortByTheCaller) {
 TEST_F(NcclCommunicatorTest, CallsRunOnTheCommDeviceAndRestoreTheCallers) {
   std::unique_ptr<NcclCommunicator> nccl = Make(1, 0);
   BufferRef b = Alloc(4);
-  ASSERT_EQ(api_.CudaSetDevice(1), cudaSuccess);
+  ASSERT_EQ(api_.SetDevice(1), cudaSuccess);
   EXPECT_THAT(nccl->AllReduce(b, b, {})->Wait(), IsOk());
   EXPECT_EQ(api_.collectives()[0].current_device, 0);
   int current = -1;
-  api_.CudaGetDevice(&current);
+  api_.GetDevice(&current);
   EXPECT_EQ(current, 1);
 }
 

@@ -27,6 +27,7 @@
 #include "flatparam/base/dtype.h"
 #include "flatparam/base/gpu_testutil.h"
 #include "flatparam/base/status_matchers.h"
+#include "flatparam/device/cuda/cuda_runtime.h"
 
 namespace flatparam {
 namespace {
@@ -106,7 +107,8 @@ class NcclGpuTest : public ::testing::Test {
 std::unique_ptr<NcclCommunicator> CreateOne(int device) {
   std::vector<std::unique_ptr<Communicator>> group = MakeThreadGroup(1);
   absl::StatusOr<std::unique_ptr<NcclCommunicator>> nccl =
-      NcclCommunicator::Create(RealNcclApi(), *group[0], device);
+      NcclCommunicator::Create(RealNcclApi(), RealCudaRuntime(), *group[0],
+                               device);
   EXPECT_THAT(nccl, IsOk());
   return nccl.ok() ? *std::move(nccl) : nullptr;
 }
@@ -265,7 +267,8 @@ void OnEveryRank(int n, absl::Duration setup_timeout, Body body) {
       NcclOptions options;
       options.setup_timeout = setup_timeout;
       absl::StatusOr<std::unique_ptr<NcclCommunicator>> nccl =
-          NcclCommunicator::Create(RealNcclApi(), *group[r], r, options);
+          NcclCommunicator::Create(RealNcclApi(), RealCudaRuntime(), *group[r],
+                                   r, options);
       ASSERT_THAT(nccl, IsOk());
       body(r, **nccl);
     });

@@ -28,7 +28,6 @@ namespace flatparam {
 using internal_nccl::AbortedError;
 using internal_nccl::AwaitEvent;
 using internal_nccl::CommState;
-using internal_nccl::DeviceGuard;
 using internal_nccl::Failed;
 using internal_nccl::Issue;
 
@@ -45,7 +44,7 @@ absl::Status CopyAsync(CommState& s, void* dst, const void* src, size_t bytes,
                        cudaMemcpyKind kind, absl::string_view context) {
   if (bytes == 0) return absl::OkStatus();
   return CudaStatus(
-      *s.api, s.api->CudaMemcpyAsync(dst, src, bytes, kind, s.stream->stream),
+      *s.cuda, s.cuda->MemcpyAsync(dst, src, bytes, kind, s.stream->stream),
       absl::StrFormat("%s: cudaMemcpyAsync(%d bytes)", context, bytes));
 }
 
@@ -53,18 +52,18 @@ absl::Status CopyAsync(CommState& s, void* dst, const void* src, size_t bytes,
 absl::Status EnsureDeviceScratch(CommState& s, size_t bytes,
                                  absl::string_view context) {
   if (bytes <= s.device_scratch_bytes) return absl::OkStatus();
-  NcclApi& api = *s.api;
+  CudaRuntime& cuda = *s.cuda;
   if (s.device_scratch != nullptr) {
     void* old = s.device_scratch;
     s.device_scratch = nullptr;
     s.device_scratch_bytes = 0;
     FLATPARAM_RETURN_IF_ERROR(
-        CudaStatus(api, api.CudaFreeAsync(old, s.stream->stream),
+        CudaStatus(cuda, cuda.FreeAsync(old, s.stream->stream),
                    absl::StrCat(context, ": cudaFreeAsync")));
   }
   const size_t grown = std::max<size_t>(bytes, 256);
   FLATPARAM_RETURN_IF_ERROR(CudaStatus(
-      api, api.CudaMallocAsync(&s.device_scratch, grown, s.stream->stream),
+      cuda, cuda.MallocAsync(&s.device_scratch, grown, s.stream->stream),
       absl::StrFormat("%s: cudaMallocAsync(%d)", context, grown)));
   s.device_scratch_bytes = grown;
   return absl::OkStatus();
@@ -75,11 +74,11 @@ absl::Status EnsureDeviceScratch(CommState& s, size_t bytes,
 absl::Status EnsureHostStaging(CommState& s, size_t bytes,
                                absl::string_view context) {
   if (bytes <= s.host_staging_bytes) return absl::OkStatus();
-  NcclApi& api = *s.api;
+  CudaRuntime& cuda = *s.cuda;
   const size_t grown = std::max<size_t>({bytes, 2 * s.host_staging_bytes, 256});
   void* p = nullptr;
   FLATPARAM_RETURN_IF_ERROR(
-      CudaStatus(api, api.CudaMallocHost(&p, grown),
+      CudaStatus(cuda, cuda.MallocHost(&p, grown),
                  absl::StrFormat("%s: cudaMallocHost(%d)", context, grown)));
   if (s.host_staging != nullptr) s.retired_staging.push_back(s.host_staging);
   s.host_staging = p;
@@ -90,16 +89,15 @@ absl::Status EnsureHostStaging(CommState& s, size_t bytes,
 // Blocks until everything enqueued so far on the stream has finished.
 absl::Status AwaitStream(CommState& s, absl::Time deadline,
                          absl::Duration timeout, absl::string_view context) {
-  NcclApi& api = *s.api;
+  CudaRuntime& cuda = *s.cuda;
   cudaEvent_t event = nullptr;
   FLATPARAM_RETURN_IF_ERROR(CudaStatus(
-      api, api.CudaEventCreateWithFlags(&event, cudaEventDisableTiming),
+      cuda, cuda.EventCreateWithFlags(&event, cudaEventDisableTiming),
       absl::StrCat(context, ": cudaEventCreateWithFlags")));
-  absl::Status st =
-      CudaStatus(api, api.CudaEventRecord(event, s.stream->stream),
-                 absl::StrCat(context, ": cudaEventRecord"));
+  absl::Status st = CudaStatus(cuda, cuda.EventRecord(event, s.stream->stream),
+                               absl::StrCat(context, ": cudaEventRecord"));
   if (st.ok()) st = AwaitEvent(s, event, deadline, timeout, context);
-  api.CudaEventDestroy(event);
+  cuda.EventDestroy(event);
   return st;
 }
 
@@ -110,13 +108,14 @@ absl::StatusOr<std::vector<std::string>> NcclCommunicator::AllGatherBytes(
   const absl::Time deadline = absl::Now() + options.timeout;
   CommState& s = *state_;
   NcclApi& api = *s.api;
+  CudaRuntime& cuda = *s.cuda;
   const int64_t seq = seq_++;
   const std::string context =
       absl::StrFormat("rank %d: all_gather_bytes #%d (%d bytes on cuda:%d)",
                       s.rank, seq, bytes.size(), s.device);
   if (s.aborted) return AbortedError(s, context);
   auto run = [&]() -> absl::StatusOr<std::vector<std::string>> {
-    DeviceGuard guard(api);
+    CudaDeviceGuard guard(cuda);
     FLATPARAM_RETURN_IF_ERROR(guard.Set(s.device, context));
 
     // Round 1: every rank's length, through the scratch (no allocation,
@@ -199,19 +198,19 @@ absl::Status NcclCommunicator::Barrier(const CollectiveOptions& options) {
   const absl::Time deadline = absl::Now() + options.timeout;
   CommState& s = *state_;
   NcclApi& api = *s.api;
+  CudaRuntime& cuda = *s.cuda;
   const int64_t seq = seq_++;
   const std::string context =
       absl::StrFormat("rank %d: barrier #%d on cuda:%d", s.rank, seq, s.device);
   if (s.aborted) return AbortedError(s, context);
   auto run = [&]() -> absl::Status {
-    DeviceGuard guard(api);
+    CudaDeviceGuard guard(cuda);
     FLATPARAM_RETURN_IF_ERROR(guard.Set(s.device, context));
     FLATPARAM_RETURN_IF_ERROR(EnsureDeviceScratch(s, sizeof(float), context));
-    FLATPARAM_RETURN_IF_ERROR(
-        CudaStatus(api,
-                   api.CudaMemsetAsync(s.device_scratch, 0, sizeof(float),
-                                       s.stream->stream),
-                   absl::StrCat(context, ": cudaMemsetAsync")));
+    FLATPARAM_RETURN_IF_ERROR(CudaStatus(
+        cuda,
+        cuda.MemsetAsync(s.device_scratch, 0, sizeof(float), s.stream->stream),
+        absl::StrCat(context, ": cudaMemsetAsync")));
     return Issue(state_, context, deadline, HostOrdered(options), nullptr,
                  [&](ncclComm_t comm, cudaStream_t stream, ncclRedOp_t) {
                    return api.AllReduce(s.device_scratch, s.device_scratch, 1,

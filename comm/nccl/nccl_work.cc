@@ -57,7 +57,7 @@ class NcclWork final : public Work {
         timeout_(timeout),
         context_(std::move(context)),
         after_(std::move(after)) {}
-  ~NcclWork() override { state_->api->CudaEventDestroy(event_); }
+  ~NcclWork() override { state_->cuda->EventDestroy(event_); }
 
   absl::Status Wait() override {
     if (!done_) {
@@ -73,15 +73,15 @@ class NcclWork final : public Work {
   // stream's later work runs after it, and the host does not wait.
   absl::Status WaitStream(const DeviceStream& stream) override {
     CommState& s = *state_;
-    NcclApi& api = *s.api;
+    CudaRuntime& cuda = *s.cuda;
     const std::string context = absl::StrCat(context_, ": WaitStream");
     FLATPARAM_RETURN_IF_ERROR(CheckStream(s, stream, context));
-    DeviceGuard guard(api);
+    CudaDeviceGuard guard(cuda);
     FLATPARAM_RETURN_IF_ERROR(guard.Set(s.device, context));
     return CudaStatus(
-        api,
-        api.CudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream.handle),
-                                event_, 0),
+        cuda,
+        cuda.StreamWaitEvent(reinterpret_cast<cudaStream_t>(stream.handle),
+                             event_, 0),
         absl::StrCat(context, ": cudaStreamWaitEvent"));
   }
 
@@ -103,20 +103,20 @@ class NcclWork final : public Work {
 // there, waited for, and destroyed (the wait keeps what it captured).
 absl::Status WaitForCallerStream(CommState& s, const DeviceStream& after,
                                  absl::string_view context) {
-  NcclApi& api = *s.api;
+  CudaRuntime& cuda = *s.cuda;
   cudaEvent_t event = nullptr;
   FLATPARAM_RETURN_IF_ERROR(CudaStatus(
-      api, api.CudaEventCreateWithFlags(&event, cudaEventDisableTiming),
+      cuda, cuda.EventCreateWithFlags(&event, cudaEventDisableTiming),
       absl::StrCat(context, ": cudaEventCreateWithFlags (stream order)")));
   absl::Status st = CudaStatus(
-      api,
-      api.CudaEventRecord(event, reinterpret_cast<cudaStream_t>(after.handle)),
+      cuda,
+      cuda.EventRecord(event, reinterpret_cast<cudaStream_t>(after.handle)),
       absl::StrCat(context, ": cudaEventRecord on the caller's stream"));
   if (st.ok()) {
-    st = CudaStatus(api, api.CudaStreamWaitEvent(s.stream->stream, event, 0),
+    st = CudaStatus(cuda, cuda.StreamWaitEvent(s.stream->stream, event, 0),
                     absl::StrCat(context, ": cudaStreamWaitEvent"));
   }
-  api.CudaEventDestroy(event);
+  cuda.EventDestroy(event);
   return st;
 }
 
@@ -192,16 +192,16 @@ absl::Status AwaitEvent(CommState& s, cudaEvent_t event, absl::Time deadline,
     if (async != ncclSuccess && async != ncclInProgress) {
       return AbortState(s, NcclStatus(*s.api, async, s.comm, context));
     }
-    const cudaError_t e = s.api->CudaEventQuery(event);
+    const cudaError_t e = s.cuda->EventQuery(event);
     if (e == cudaSuccess) return absl::OkStatus();
     if (e != cudaErrorNotReady) {
       return AbortState(
-          s, CudaStatus(*s.api, e, absl::StrCat(context, ": cudaEventQuery")));
+          s, CudaStatus(*s.cuda, e, absl::StrCat(context, ": cudaEventQuery")));
     }
     // "Not ready" is an answer, but the runtime keeps it as the thread's
     // last error, and the next kernel launch (which reports
     // cudaGetLastError()) would fail with it: clear it, as c10 does.
-    s.api->CudaGetLastError();
+    s.cuda->GetLastError();
     if (absl::Now() >= deadline) {
       return AbortState(s, absl::DeadlineExceededError(absl::StrFormat(
                                "%s: did not finish within %s", context,
@@ -217,6 +217,7 @@ std::unique_ptr<Work> Issue(const std::shared_ptr<CommState>& state,
                             const ResolvedOp* op, NcclCall call) {
   CommState& s = *state;
   NcclApi& api = *s.api;
+  CudaRuntime& cuda = *s.cuda;
   const absl::Duration timeout = options.timeout;
   if (s.aborted) return CompletedWork(AbortedError(s, context));
   if (options.stream.has_value()) {
@@ -224,7 +225,7 @@ std::unique_ptr<Work> Issue(const std::shared_ptr<CommState>& state,
       return CompletedWork(Failed(s, std::move(st)));
     }
   }
-  DeviceGuard guard(api);
+  CudaDeviceGuard guard(cuda);
   if (absl::Status st = guard.Set(s.device, context); !st.ok()) {
     return CompletedWork(Failed(s, std::move(st)));
   }
@@ -240,13 +241,13 @@ std::unique_ptr<Work> Issue(const std::shared_ptr<CommState>& state,
   // in flight.
   cudaEvent_t event = nullptr;
   if (absl::Status st = CudaStatus(
-          api, api.CudaEventCreateWithFlags(&event, cudaEventDisableTiming),
+          cuda, cuda.EventCreateWithFlags(&event, cudaEventDisableTiming),
           absl::StrCat(context, ": cudaEventCreateWithFlags"));
       !st.ok()) {
     return CompletedWork(Failed(s, std::move(st)));
   }
   auto fail = [&](absl::Status st) {
-    api.CudaEventDestroy(event);
+    cuda.EventDestroy(event);
     return CompletedWork(Failed(s, std::move(st)));
   };
 
@@ -280,7 +281,7 @@ std::unique_ptr<Work> Issue(const std::shared_ptr<CommState>& state,
     return fail(AbortState(s, std::move(st)));
   }
   if (absl::Status st =
-          CudaStatus(api, api.CudaEventRecord(event, s.stream->stream),
+          CudaStatus(cuda, cuda.EventRecord(event, s.stream->stream),
                      absl::StrCat(context, ": cudaEventRecord"));
       !st.ok()) {
     // The collective is in flight and cannot be tracked: tear it down.

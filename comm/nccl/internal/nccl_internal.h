@@ -48,6 +48,7 @@
 #include "comm/nccl/nccl_api.h"
 #include "comm/nccl/nccl_options.h"
 #include "flatparam/base/status_macros.h"
+#include "flatparam/device/cuda/cuda_runtime.h"
 
 namespace flatparam {
 namespace internal_nccl {
@@ -55,12 +56,12 @@ namespace internal_nccl {
 // A CUDA stream shared by a communicator and the communicators split from
 // it, so that their collectives stay in issue order.
 struct StreamHandle {
-  NcclApi* api = nullptr;
+  CudaRuntime* cuda = nullptr;
   cudaStream_t stream = nullptr;
   bool owned = false;
 
   ~StreamHandle() {
-    if (owned) api->CudaStreamDestroy(stream);
+    if (owned) cuda->StreamDestroy(stream);
   }
 };
 
@@ -68,6 +69,7 @@ struct StreamHandle {
 // `aborted`, `comm` is null and `abort_status` holds the first error.
 struct CommState {
   NcclApi* api = nullptr;
+  CudaRuntime* cuda = nullptr;
   ncclComm_t comm = nullptr;
   bool owns_comm = false;
   int rank = 0;
@@ -97,39 +99,6 @@ struct CommState {
   std::vector<void*> retired_staging;
 
   ~CommState();
-};
-
-// Makes `device` current and restores the caller's device when destroyed:
-// events must be created on the device of the stream they are recorded on.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(NcclApi& api) : api_(api) {}
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-  ~DeviceGuard() {
-    if (restore_) api_.CudaSetDevice(previous_);
-  }
-
-  absl::Status Set(int device, absl::string_view context) {
-    int current = -1;
-    FLATPARAM_RETURN_IF_ERROR(
-        CudaStatus(api_, api_.CudaGetDevice(&current),
-                   absl::StrCat(context, ": cudaGetDevice")));
-    if (current == device) return absl::OkStatus();
-    FLATPARAM_RETURN_IF_ERROR(
-        CudaStatus(api_, api_.CudaSetDevice(device),
-                   absl::StrFormat("%s: cudaSetDevice(%d)", context, device)));
-    if (!restore_) {
-      previous_ = current;
-      restore_ = true;
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  NcclApi& api_;
-  int previous_ = 0;
-  bool restore_ = false;
 };
 
 // Failure and waiting (nccl_work.cc).

@@ -20,46 +20,6 @@ namespace {
 
 using internal_cuda::KernelDType;
 
-absl::Status CudaError(CudaRuntime& rt, cudaError_t error,
-                       absl::string_view context) {
-  if (error == cudaSuccess) return absl::OkStatus();
-  absl::StatusCode code = absl::StatusCode::kInternal;
-  if (error == cudaErrorMemoryAllocation) {
-    code = absl::StatusCode::kResourceExhausted;
-  } else if (error == cudaErrorInsufficientDriver ||
-             error == cudaErrorNoDevice) {
-    code = absl::StatusCode::kFailedPrecondition;
-  }
-  return absl::Status(
-      code,
-      absl::StrFormat("%s: CUDA %s (%d): %s", context, rt.GetErrorName(error),
-                      static_cast<int>(error), rt.GetErrorString(error)));
-}
-
-// Makes `ordinal` the current device for a scope.
-class DeviceGuard {
- public:
-  DeviceGuard(CudaRuntime& rt, int ordinal) : rt_(rt) {
-    if (rt_.GetDevice(&previous_) != cudaSuccess) {
-      previous_ = -1;
-      rt_.GetLastError();
-    }
-    if (previous_ != ordinal) {
-      status_ = CudaError(rt_, rt_.SetDevice(ordinal), "cudaSetDevice");
-      if (!status_.ok()) rt_.GetLastError();
-    }
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) rt_.SetDevice(previous_);
-  }
-  const absl::Status& status() const { return status_; }
-
- private:
-  CudaRuntime& rt_;
-  int previous_ = -1;
-  absl::Status status_;
-};
-
 KernelDType ToKernel(DType dtype) {
   switch (dtype) {
     case DType::kFloat64:
@@ -109,7 +69,7 @@ absl::StatusOr<std::unique_ptr<CudaDeviceOps>> CudaDeviceOps::Create(
   int count = 0;
   const cudaError_t e = rt.GetDeviceCount(&count);
   if (e != cudaSuccess) {
-    const absl::Status st = CudaError(rt, e, "cudaGetDeviceCount");
+    const absl::Status st = CudaStatus(rt, e, "cudaGetDeviceCount");
     rt.GetLastError();
     return absl::FailedPreconditionError(absl::StrFormat(
         "CudaDeviceOps on cuda:%d: no usable GPU: %s", ordinal, st.message()));
@@ -124,8 +84,8 @@ absl::StatusOr<std::unique_ptr<CudaDeviceOps>> CudaDeviceOps::Create(
     return absl::InvalidArgumentError(absl::StrFormat(
         "CudaDeviceOps: CUDA device %d is not in [0, %d)", ordinal, count));
   }
-  DeviceGuard guard(rt, ordinal);
-  FLATPARAM_RETURN_IF_ERROR(guard.status());
+  CudaDeviceGuard guard(rt);
+  FLATPARAM_RETURN_IF_ERROR(guard.Set(ordinal, "CudaDeviceOps"));
   int pools = 0;
   if (rt.DeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, ordinal) !=
       cudaSuccess) {
@@ -143,7 +103,7 @@ absl::StatusOr<std::unique_ptr<CudaDeviceOps>> CudaDeviceOps::Create(
       const cudaError_t set =
           rt.MemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
       if (set != cudaSuccess) rt.GetLastError();
-      FLATPARAM_RETURN_IF_ERROR(CudaError(
+      FLATPARAM_RETURN_IF_ERROR(CudaStatus(
           rt, set, "cudaMemPoolSetAttribute(cudaMemPoolAttrReleaseThreshold)"));
     } else {
       rt.GetLastError();
@@ -155,7 +115,7 @@ absl::StatusOr<std::unique_ptr<CudaDeviceOps>> CudaDeviceOps::Create(
         rt.StreamCreateWithFlags(&stream, cudaStreamNonBlocking);
     if (created != cudaSuccess) rt.GetLastError();
     FLATPARAM_RETURN_IF_ERROR(
-        CudaError(rt, created, "cudaStreamCreateWithFlags"));
+        CudaStatus(rt, created, "cudaStreamCreateWithFlags"));
     owns = true;
   }
   return std::unique_ptr<CudaDeviceOps>(
@@ -164,10 +124,9 @@ absl::StatusOr<std::unique_ptr<CudaDeviceOps>> CudaDeviceOps::Create(
 
 absl::Status CudaDeviceOps::Check(cudaError_t error,
                                   absl::string_view context) const {
-  if (error == cudaSuccess) return absl::OkStatus();
-  // Handled here: it must not resurface as the next launch's error.
-  rt_.GetLastError();
-  return CudaError(rt_, error, context);
+  // CudaStatus clears the error: it must not resurface as the next
+  // launch's error.
+  return CudaStatus(rt_, error, context);
 }
 
 void CudaDeviceOps::ClearLastError() const { rt_.GetLastError(); }
@@ -210,7 +169,9 @@ int64_t CudaDeviceOps::cuda_events_held() const {
 }
 
 CudaDeviceOps::~CudaDeviceOps() {
-  DeviceGuard guard(rt_, ordinal_);
+  CudaDeviceGuard guard(rt_);
+  // Best effort: the work below reports its own errors.
+  guard.Set(ordinal_, "CudaDeviceOps").IgnoreError();
   bool drained = true;
   for (size_t i = 0; i < streams_.size(); ++i) {
     // Bounded like every host wait: after a failure the streams may never
@@ -314,8 +275,8 @@ absl::Status CudaDeviceOps::HostWaitStream(int32_t index,
 }
 
 absl::Status CudaDeviceOps::Synchronize() {
-  DeviceGuard guard(rt_, ordinal_);
-  FLATPARAM_RETURN_IF_ERROR(guard.status());
+  CudaDeviceGuard guard(rt_);
+  FLATPARAM_RETURN_IF_ERROR(guard.Set(ordinal_, "CudaDeviceOps"));
   for (size_t i = 0; i < streams_.size(); ++i) {
     FLATPARAM_RETURN_IF_ERROR(
         HostWaitStream(static_cast<int32_t>(i),
@@ -325,8 +286,8 @@ absl::Status CudaDeviceOps::Synchronize() {
 }
 
 absl::Status CudaDeviceOps::DoNewStream(Stream stream) {
-  DeviceGuard guard(rt_, ordinal_);
-  FLATPARAM_RETURN_IF_ERROR(guard.status());
+  CudaDeviceGuard guard(rt_);
+  FLATPARAM_RETURN_IF_ERROR(guard.Set(ordinal_, "CudaDeviceOps"));
   cudaStream_t s = nullptr;
   FLATPARAM_RETURN_IF_ERROR(
       Check(rt_.StreamCreateWithFlags(&s, cudaStreamNonBlocking),
@@ -343,8 +304,8 @@ absl::Status CudaDeviceOps::DoSetStream(Stream stream) {
 }
 
 absl::Status CudaDeviceOps::DoRecordEvent(Event event) {
-  DeviceGuard guard(rt_, ordinal_);
-  FLATPARAM_RETURN_IF_ERROR(guard.status());
+  CudaDeviceGuard guard(rt_);
+  FLATPARAM_RETURN_IF_ERROR(guard.Set(ordinal_, "CudaDeviceOps"));
   const int32_t index = event.stream.id;
   Retire(index);  // recycle what has passed before taking another
   FLATPARAM_ASSIGN_OR_RETURN(cudaEvent_t e, TakeEvent());
@@ -363,8 +324,8 @@ absl::Status CudaDeviceOps::DoRecordEvent(Event event) {
 absl::Status CudaDeviceOps::DoWaitEvent(Stream stream, Event event) {
   auto it = events_.find(event.id);
   if (it == events_.end()) return absl::OkStatus();  // it has passed
-  DeviceGuard guard(rt_, ordinal_);
-  FLATPARAM_RETURN_IF_ERROR(guard.status());
+  CudaDeviceGuard guard(rt_);
+  FLATPARAM_RETURN_IF_ERROR(guard.Set(ordinal_, "CudaDeviceOps"));
   return Check(rt_.StreamWaitEvent(streams_[stream.id], it->second.event, 0),
                "cudaStreamWaitEvent");
 }
@@ -372,8 +333,8 @@ absl::Status CudaDeviceOps::DoWaitEvent(Stream stream, Event event) {
 absl::Status CudaDeviceOps::DoSynchronizeEvent(Event event) {
   auto it = events_.find(event.id);
   if (it == events_.end()) return absl::OkStatus();  // it has passed
-  DeviceGuard guard(rt_, ordinal_);
-  FLATPARAM_RETURN_IF_ERROR(guard.status());
+  CudaDeviceGuard guard(rt_);
+  FLATPARAM_RETURN_IF_ERROR(guard.Set(ordinal_, "CudaDeviceOps"));
   const int32_t index = it->second.stream;
   FLATPARAM_RETURN_IF_ERROR(
       HostWait(it->second.event,
@@ -409,8 +370,8 @@ absl::Status CudaDeviceOps::DoRecordStream(ConstBufferRef buffer,
 
 absl::StatusOr<void*> CudaDeviceOps::DoAllocate(Device device, int64_t bytes,
                                                 bool pinned) {
-  DeviceGuard guard(rt_, ordinal_);
-  FLATPARAM_RETURN_IF_ERROR(guard.status());
+  CudaDeviceGuard guard(rt_);
+  FLATPARAM_RETURN_IF_ERROR(guard.Set(ordinal_, "CudaDeviceOps"));
   void* p = nullptr;
   const std::string what =
       absl::StrFormat("allocating %d bytes on %s%s", bytes, DeviceName(device),
@@ -462,7 +423,9 @@ absl::StatusOr<void*> CudaDeviceOps::DoAllocate(Device device, int64_t bytes,
 }
 
 void CudaDeviceOps::DoFree(void* data, Device device, bool pinned) {
-  DeviceGuard guard(rt_, ordinal_);
+  CudaDeviceGuard guard(rt_);
+  // Best effort: the work below reports its own errors.
+  guard.Set(ordinal_, "CudaDeviceOps").IgnoreError();
   if (device == Device::Host()) {
     if (pinned) {
       // Work on any stream may still read or write it: cache it behind an
@@ -531,8 +494,8 @@ absl::Status CudaDeviceOps::DoCopy(BufferRef dst, ConstBufferRef src) {
     std::memcpy(dst.data, src.data, static_cast<size_t>(dst.bytes()));
     return absl::OkStatus();
   }
-  DeviceGuard guard(rt_, ordinal_);
-  FLATPARAM_RETURN_IF_ERROR(guard.status());
+  CudaDeviceGuard guard(rt_);
+  FLATPARAM_RETURN_IF_ERROR(guard.Set(ordinal_, "CudaDeviceOps"));
   const std::string what =
       absl::StrFormat("cudaMemcpyAsync of %d bytes from %s to %s", dst.bytes(),
                       DeviceName(src.device), DeviceName(dst.device));
@@ -557,8 +520,8 @@ absl::Status CudaDeviceOps::DoFill(BufferRef dst, double value) {
     HostFill(dst.data, dst.dtype, dst.count, value);
     return absl::OkStatus();
   }
-  DeviceGuard guard(rt_, ordinal_);
-  FLATPARAM_RETURN_IF_ERROR(guard.status());
+  CudaDeviceGuard guard(rt_);
+  FLATPARAM_RETURN_IF_ERROR(guard.Set(ordinal_, "CudaDeviceOps"));
   uint64_t pattern = 0;
   StoreFromDouble(&pattern, dst.dtype, 0, value);
   if (pattern == 0) {
@@ -577,8 +540,8 @@ absl::Status CudaDeviceOps::DoCast(BufferRef dst, ConstBufferRef src) {
     HostCast(dst.data, dst.dtype, src.data, src.dtype, dst.count);
     return absl::OkStatus();
   }
-  DeviceGuard guard(rt_, ordinal_);
-  FLATPARAM_RETURN_IF_ERROR(guard.status());
+  CudaDeviceGuard guard(rt_);
+  FLATPARAM_RETURN_IF_ERROR(guard.Set(ordinal_, "CudaDeviceOps"));
   ClearLastError();
   return Check(rt_.LaunchCast(dst.data, ToKernel(dst.dtype), src.data,
                               ToKernel(src.dtype), dst.count, stream_),
@@ -591,8 +554,8 @@ absl::Status CudaDeviceOps::DoScale(BufferRef buf, ScaleOp op, double factor) {
     HostScale(buf.data, buf.dtype, buf.count, op, factor);
     return absl::OkStatus();
   }
-  DeviceGuard guard(rt_, ordinal_);
-  FLATPARAM_RETURN_IF_ERROR(guard.status());
+  CudaDeviceGuard guard(rt_);
+  FLATPARAM_RETURN_IF_ERROR(guard.Set(ordinal_, "CudaDeviceOps"));
   // The scalar in the compute type; PyTorch's CUDA division by a scalar
   // multiplies by `opmath_t(1) / opmath_t(factor)`.
   double scalar;
@@ -614,8 +577,8 @@ absl::Status CudaDeviceOps::DoAdd(BufferRef acc, ConstBufferRef x) {
     HostAdd(acc.data, x.data, acc.dtype, acc.count);
     return absl::OkStatus();
   }
-  DeviceGuard guard(rt_, ordinal_);
-  FLATPARAM_RETURN_IF_ERROR(guard.status());
+  CudaDeviceGuard guard(rt_);
+  FLATPARAM_RETURN_IF_ERROR(guard.Set(ordinal_, "CudaDeviceOps"));
   ClearLastError();
   return Check(
       rt_.LaunchAdd(acc.data, x.data, ToKernel(acc.dtype), acc.count, stream_),

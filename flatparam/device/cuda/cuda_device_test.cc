@@ -342,7 +342,7 @@ TEST_F(CudaDeviceOpsTest, HandleOnTheGpuMatchesTheHost) {
         FakeNcclOnCuda fake_nccl(*fake_);
         FLATPARAM_ASSIGN_OR_RETURN(
             std::unique_ptr<Communicator> nccl,
-            NcclCommunicator::Create(fake_nccl, comm, 0));
+            NcclCommunicator::Create(fake_nccl, *fake_, comm, 0));
 #else
         FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> nccl,
                                    CreateNcclCommunicator(comm, 0));

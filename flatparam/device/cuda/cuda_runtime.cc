@@ -1,5 +1,8 @@
 #include "flatparam/device/cuda/cuda_runtime.h"
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
 namespace flatparam {
 namespace {
 
@@ -90,6 +93,10 @@ class Real final : public CudaRuntime {
                           cudaStream_t stream) override {
     return cudaMemsetAsync(dst, value, bytes, stream);
   }
+  cudaError_t PointerGetAttributes(cudaPointerAttributes* attributes,
+                                   const void* ptr) override {
+    return cudaPointerGetAttributes(attributes, ptr);
+  }
   cudaError_t LaunchFill(void* dst, int element_bytes, uint64_t pattern,
                          int64_t count, cudaStream_t stream) override {
     return internal_cuda::LaunchFill(dst, element_bytes, pattern, count,
@@ -113,11 +120,70 @@ class Real final : public CudaRuntime {
   }
 };
 
+absl::StatusCode CudaCode(cudaError_t error) {
+  switch (error) {
+    case cudaSuccess:
+      return absl::StatusCode::kOk;
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+    case cudaErrorDevicesUnavailable:
+    case cudaErrorStubLibrary:
+    case cudaErrorCallRequiresNewerDriver:
+    case cudaErrorSystemDriverMismatch:
+    case cudaErrorSystemNotReady:
+      return absl::StatusCode::kFailedPrecondition;
+    case cudaErrorInvalidValue:
+    case cudaErrorInvalidDevice:
+    case cudaErrorInvalidDevicePointer:
+      return absl::StatusCode::kInvalidArgument;
+    case cudaErrorMemoryAllocation:
+      return absl::StatusCode::kResourceExhausted;
+    default:
+      return absl::StatusCode::kInternal;
+  }
+}
+
+const char* OrEmpty(const char* s) { return s == nullptr ? "" : s; }
+
 }  // namespace
 
 CudaRuntime& RealCudaRuntime() {
   static Real* const runtime = new Real();
   return *runtime;
+}
+
+absl::Status CudaStatus(CudaRuntime& rt, cudaError_t error,
+                        absl::string_view context) {
+  if (error == cudaSuccess) return absl::OkStatus();
+  rt.GetLastError();  // reported here: not the next launch's error
+  return absl::Status(
+      CudaCode(error),
+      absl::StrFormat("%s: CUDA %s (%d): %s", context,
+                      OrEmpty(rt.GetErrorName(error)), static_cast<int>(error),
+                      OrEmpty(rt.GetErrorString(error))));
+}
+
+CudaDeviceGuard::~CudaDeviceGuard() {
+  if (restore_ && rt_.SetDevice(previous_) != cudaSuccess) {
+    rt_.GetLastError();  // nothing to report it to; keep launches clean
+  }
+}
+
+absl::Status CudaDeviceGuard::Set(int device, absl::string_view context) {
+  int current = -1;
+  absl::Status status = CudaStatus(rt_, rt_.GetDevice(&current),
+                                   absl::StrCat(context, ": cudaGetDevice"));
+  if (!status.ok()) return status;
+  if (current == device) return absl::OkStatus();
+  status =
+      CudaStatus(rt_, rt_.SetDevice(device),
+                 absl::StrFormat("%s: cudaSetDevice(%d)", context, device));
+  if (!status.ok()) return status;
+  if (!restore_) {
+    previous_ = current;
+    restore_ = true;
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace flatparam

@@ -65,6 +65,33 @@ int FakeCudaRuntime::DeviceOf(const void* ptr, bool* pinned) const {
   return it->second.device;
 }
 
+cudaError_t FakeCudaRuntime::PointerGetAttributes(
+    cudaPointerAttributes* attributes, const void* ptr) {
+  {
+    absl::MutexLock lock(&mu_);
+    const cudaError_t e = Precheck("cudaPointerGetAttributes");
+    if (e != cudaSuccess) return Result(e);
+  }
+  std::memset(attributes, 0, sizeof(*attributes));
+  bool pinned = false;
+  const int device = DeviceOf(ptr, &pinned);
+  if (device >= 0) {
+    attributes->type = cudaMemoryTypeDevice;
+    attributes->device = device;
+    attributes->devicePointer = const_cast<void*>(ptr);
+  } else if (pinned) {
+    attributes->type = cudaMemoryTypeHost;
+    attributes->device = 0;
+    attributes->hostPointer = const_cast<void*>(ptr);
+  } else {
+    // What CUDA 11+ reports for memory it does not know.
+    attributes->type = cudaMemoryTypeUnregistered;
+    attributes->device = -2;
+    attributes->hostPointer = const_cast<void*>(ptr);
+  }
+  return cudaSuccess;
+}
+
 // ---- Memory pools ----
 
 cudaError_t FakeCudaRuntime::DeviceGetDefaultMemPool(cudaMemPool_t* pool,

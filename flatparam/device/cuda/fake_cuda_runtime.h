@@ -160,6 +160,10 @@ class FakeCudaRuntime final : public CudaRuntime {
                           cudaMemcpyKind kind, cudaStream_t stream) override;
   cudaError_t MemsetAsync(void* dst, int value, size_t bytes,
                           cudaStream_t stream) override;
+  // Device blocks report their device; cudaMallocHost memory is
+  // cudaMemoryTypeHost; anything else is unregistered host memory.
+  cudaError_t PointerGetAttributes(cudaPointerAttributes* attributes,
+                                   const void* ptr) override;
   cudaError_t LaunchFill(void* dst, int element_bytes, uint64_t pattern,
                          int64_t count, cudaStream_t stream) override;
   cudaError_t LaunchCast(void* dst, internal_cuda::KernelDType dst_dtype,

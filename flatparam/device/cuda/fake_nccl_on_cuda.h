@@ -21,7 +21,15 @@
 //   quiescence): a peer that aborted or never finalizes keeps it
 //   ncclInProgress. SetAsyncError makes every communicator report a sticky
 //   asynchronous error.
-// - The CUDA calls forward to the FakeCudaRuntime.
+// - It makes no CUDA calls of its own: the communicator's CUDA runtime is
+//   the FakeCudaRuntime itself, as in
+//
+//     FakeCudaRuntime::Options options;
+//     options.device_count = 2;
+//     FakeCudaRuntime cuda(options);
+//     FakeNcclOnCuda nccl(cuda);
+//     // On rank r's thread:
+//     auto comm = NcclCommunicator::Create(nccl, cuda, bootstrap, r);
 //
 // Thread-safety: thread-safe; the state is kept under FakeCudaRuntime's
 // lock. Destroy the FakeCudaRuntime first: it drains its streams, which may
@@ -94,39 +102,6 @@ class FakeNcclOnCuda final : public NcclApi {
                          cudaStream_t stream) override;
   const char* GetErrorString(ncclResult_t result) override;
   const char* GetLastError(ncclComm_t comm) override;
-
-  // CUDA runtime: forwarded to the FakeCudaRuntime.
-  cudaError_t CudaGetLastError() override;
-  cudaError_t CudaPeekAtLastError() override;
-  cudaError_t CudaGetDeviceCount(int* count) override;
-  cudaError_t CudaGetDevice(int* device) override;
-  cudaError_t CudaSetDevice(int device) override;
-  cudaError_t CudaStreamCreateWithFlags(cudaStream_t* stream,
-                                        unsigned int flags) override;
-  cudaError_t CudaStreamDestroy(cudaStream_t stream) override;
-  cudaError_t CudaEventCreateWithFlags(cudaEvent_t* event,
-                                       unsigned int flags) override;
-  cudaError_t CudaEventRecord(cudaEvent_t event, cudaStream_t stream) override;
-  cudaError_t CudaEventQuery(cudaEvent_t event) override;
-  cudaError_t CudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event,
-                                  unsigned int flags) override;
-  cudaError_t CudaEventDestroy(cudaEvent_t event) override;
-  cudaError_t CudaPointerGetAttributes(cudaPointerAttributes* attributes,
-                                       const void* ptr) override;
-  cudaError_t CudaMalloc(void** ptr, size_t bytes) override;
-  cudaError_t CudaFree(void* ptr) override;
-  cudaError_t CudaMallocAsync(void** ptr, size_t bytes,
-                              cudaStream_t stream) override;
-  cudaError_t CudaFreeAsync(void* ptr, cudaStream_t stream) override;
-  cudaError_t CudaMallocHost(void** ptr, size_t bytes) override;
-  cudaError_t CudaFreeHost(void* ptr) override;
-  cudaError_t CudaMemcpyAsync(void* dst, const void* src, size_t bytes,
-                              cudaMemcpyKind kind,
-                              cudaStream_t stream) override;
-  cudaError_t CudaMemsetAsync(void* dst, int value, size_t bytes,
-                              cudaStream_t stream) override;
-  const char* CudaGetErrorName(cudaError_t error) override;
-  const char* CudaGetErrorString(cudaError_t error) override;
 
  private:
   struct Comm;

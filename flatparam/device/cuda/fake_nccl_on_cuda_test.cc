@@ -61,7 +61,8 @@ class FakeNcclOnCudaTest : public ::testing::Test {
             CudaDeviceOps::Create(device, nullptr, nullptr, cuda_.get());
         ASSERT_THAT(ops, IsOk());
         absl::StatusOr<std::unique_ptr<NcclCommunicator>> comm =
-            NcclCommunicator::Create(*nccl_, *group[r], device, options);
+            NcclCommunicator::Create(*nccl_, *cuda_, *group[r], device,
+                                     options);
         if (!comm.ok()) {
           // The ranks' threads fail together (two ranks on one device):
           // the map is shared.

@@ -113,7 +113,7 @@ std::vector<absl::StatusOr<Outcome>> RunOnFakeGpus(const Scenario& s,
             CudaDeviceOps::Create(r, nullptr, nullptr, cuda.get()));
         FLATPARAM_ASSIGN_OR_RETURN(
             std::unique_ptr<Communicator> comm,
-            NcclCommunicator::Create(*nccl, *bootstrap[r], r));
+            NcclCommunicator::Create(*nccl, *cuda, *bootstrap[r], r));
         HybridGroups groups;
         Communicator* shard = comm.get();
         Communicator* replicate = nullptr;
