@@ -101,40 +101,6 @@ TEST(CudaDeviceGuardTest, AFailedQueryIsReported) {
                        HasSubstr("ctx: cudaGetDevice: CUDA")));
 }
 
-// The NCCL backend checks buffers with cudaPointerGetAttributes; the model
-// answers as CUDA 11+ does.
-TEST(FakeCudaRuntimeTest, PointerAttributesSayWhereMemoryLives) {
-  FakeCudaRuntime::Options options;
-  options.device_count = 2;
-  FakeCudaRuntime rt(options);
-  ASSERT_EQ(rt.SetDevice(1), cudaSuccess);
-  void* device = nullptr;
-  ASSERT_EQ(rt.Malloc(&device, 64), cudaSuccess);
-  void* pinned = nullptr;
-  ASSERT_EQ(rt.MallocHost(&pinned, 64), cudaSuccess);
-  int pageable = 0;
-
-  cudaPointerAttributes a;
-  ASSERT_EQ(rt.PointerGetAttributes(&a, static_cast<char*>(device) + 63),
-            cudaSuccess);
-  EXPECT_EQ(a.type, cudaMemoryTypeDevice);
-  EXPECT_EQ(a.device, 1);
-  ASSERT_EQ(rt.PointerGetAttributes(&a, pinned), cudaSuccess);
-  EXPECT_EQ(a.type, cudaMemoryTypeHost);
-  ASSERT_EQ(rt.PointerGetAttributes(&a, &pageable), cudaSuccess);
-  EXPECT_EQ(a.type, cudaMemoryTypeUnregistered);
-
-  ASSERT_EQ(rt.Free(device), cudaSuccess);
-  ASSERT_EQ(rt.PointerGetAttributes(&a, device), cudaSuccess);
-  EXPECT_EQ(a.type, cudaMemoryTypeUnregistered);  // freed: no longer known
-  ASSERT_EQ(rt.FreeHost(pinned), cudaSuccess);
-
-  rt.FailNext("cudaPointerGetAttributes", cudaErrorInvalidValue);
-  EXPECT_EQ(rt.PointerGetAttributes(&a, &pageable), cudaErrorInvalidValue);
-  EXPECT_EQ(rt.GetLastError(), cudaErrorInvalidValue);
-  EXPECT_THAT(rt.misuse(), ::testing::IsEmpty());
-}
-
 // The real runtime's names and strings; no GPU is needed for these.
 TEST(RealCudaRuntimeTest, ErrorStringsComeFromTheLibrary) {
   EXPECT_THAT(

@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "flatparam/base/dtype.h"
@@ -60,11 +61,19 @@ cudaError_t FakeCudaRuntime::Launch(absl::string_view what, cudaStream_t stream,
       StreamState* s = FindStream(stream);
       if (s == nullptr) {
         launch = cudaErrorInvalidResourceHandle;
+      } else if (s->device != CurrentDevice()) {
+        // CUDA: "a kernel launch will fail if it is issued to a stream that
+        // is not associated to the current device".
+        misuse_.push_back(absl::StrFormat(
+            "%s launched into a stream of cuda:%d while cuda:%d is current",
+            what, s->device, CurrentDevice()));
+        launch = cudaErrorInvalidResourceHandle;
       } else {
         Op op;
         op.what = std::string(what);
         op.run = std::move(run);
         op.touches = std::move(touches);
+        op.kernel = true;
         Enqueue(s, std::move(op));
       }
     }

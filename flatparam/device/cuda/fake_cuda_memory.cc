@@ -25,6 +25,15 @@ bool FakeCudaRuntime::IsLiveDevice(const void* ptr, size_t bytes) const {
   return it->second.live && p + bytes <= it->first + it->second.bytes;
 }
 
+int FakeCudaRuntime::BlockDevice(const void* ptr) const {
+  char* p = static_cast<char*>(const_cast<void*>(ptr));
+  auto it = blocks_.upper_bound(p);
+  if (it == blocks_.begin()) return -1;
+  --it;
+  if (!it->second.live || p >= it->first + it->second.bytes) return -1;
+  return it->second.device;
+}
+
 bool FakeCudaRuntime::IsDevicePointer(const void* ptr) const {
   char* p = static_cast<char*>(const_cast<void*>(ptr));
   auto it = blocks_.upper_bound(p);

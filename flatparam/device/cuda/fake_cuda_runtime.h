@@ -1,7 +1,13 @@
 // FakeCudaRuntime: a model of the CUDA runtime on the host, for running
 // CudaDeviceOps in CI without a GPU (test-only). It follows the CUDA
 // runtime API's documented semantics where they decide whether code is
-// correct, and differs from the real runtime only in speed:
+// correct, in the rules below. It is kinder than CUDA where it does not
+// model a rule: host code can dereference its "device" memory (on a GPU a
+// segmentation fault), a freed block is reused only once its free has run
+// (CUDA's pool may hand it to the same stream earlier, and to other streams
+// behind internal dependencies), and it has no peer access, unified memory
+// or graphs. Speed aside, these are the ways code that passes here can
+// still fail on a GPU:
 //
 // - Last errors are per thread: every call that fails (cudaErrorNotReady
 //   from a query included) sets the calling thread's last error, which
@@ -28,6 +34,11 @@
 //   that is not allocated when it runs (a use after a stream-ordered free
 //   that nothing ordered) is an illegal address: the error becomes sticky,
 //   every later call returns it, and misuse() says which operation did it.
+//   So is a kernel that touches another device's memory (peer access is
+//   not modelled: CUDA faults without cudaDeviceEnablePeerAccess). A kernel
+//   launched into a stream of a device that is not current is refused with
+//   cudaErrorInvalidResourceHandle, as CUDA refuses it (copies and memsets
+//   may use any device's stream).
 // - Copies from pageable host memory to the device return once the source
 //   has been read (after the stream drained), copies to pageable host memory
 //   return once done, as the CUDA documentation describes for pageable
@@ -192,6 +203,9 @@ class FakeCudaRuntime final : public CudaRuntime {
     StreamState* wait_for = nullptr;  // cudaStreamWaitEvent
     uint64_t wait_seq = 0;
     int64_t hold = -1;  // HoldStream generation
+    // A kernel: it may touch only its stream's device's memory (no peer
+    // access is modelled).
+    bool kernel = false;
   };
   struct Block {
     size_t bytes = 0;
@@ -216,6 +230,8 @@ class FakeCudaRuntime final : public CudaRuntime {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool IsDevicePointer(const void* ptr) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The device of the live block holding `ptr`, or -1.
+  int BlockDevice(const void* ptr) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool IsPinned(const void* ptr) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Blocks until every stream of `device` (-1: all) has finished the work
   // issued so far.

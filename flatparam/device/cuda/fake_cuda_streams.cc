@@ -86,6 +86,15 @@ void FakeCudaRuntime::WorkerLoop(StreamState* s) {
             op.run = nullptr;
             break;
           }
+          if (op.kernel && BlockDevice(t.ptr) != s->device) {
+            if (sticky_ == cudaSuccess) sticky_ = cudaErrorIllegalAddress;
+            misuse_.push_back(absl::StrFormat(
+                "%s on cuda:%d touches %p (%d bytes) of cuda:%d, without "
+                "peer access",
+                op.what, s->device, t.ptr, t.bytes, BlockDevice(t.ptr)));
+            op.run = nullptr;
+            break;
+          }
         }
         if (sticky_ != cudaSuccess) op.run = nullptr;
       }

@@ -96,7 +96,44 @@ double Round(DType dtype, double v) {
   return LoadAsDouble(&bits, dtype, 0);
 }
 
+// Why the send and receive ranges of one rank's collective overlap other
+// than as NCCL documents in place (sendbuff == recvbuff for all-reduce and
+// broadcast; sendbuff == recvbuff + rank * sendcount for all-gather;
+// recvbuff == sendbuff + rank * recvcount for reduce-scatter), or "" if
+// they do not. Other overlaps are undefined: NCCL reads what it has
+// already overwritten.
+std::string OverlapError(absl::string_view name, const char* send,
+                         size_t send_bytes, const char* recv, size_t recv_bytes,
+                         size_t count_bytes, int rank) {
+  if (send_bytes == 0 || recv_bytes == 0 || send + send_bytes <= recv ||
+      recv + recv_bytes <= send) {
+    return "";
+  }
+  const size_t at = static_cast<size_t>(rank) * count_bytes;
+  if ((name == "ncclAllReduce" || name == "ncclBroadcast") && send == recv) {
+    return "";
+  }
+  if (name == "ncclAllGather" && send == recv + at) return "";
+  if (name == "ncclReduceScatter" && recv == send + at) return "";
+  return absl::StrFormat(
+      "send [%p, +%d) and receive [%p, +%d) overlap, but not in place as NCCL "
+      "documents it",
+      send, send_bytes, recv, recv_bytes);
+}
+
 }  // namespace
+
+std::string FakeNcclOnCuda::BadOverlap(const Part& part) {
+  const size_t es = NcclElementSize(part.datatype);
+  size_t send_bytes = part.count * es, recv_bytes = part.count * es;
+  if (part.name == "ncclAllGather") recv_bytes *= part.nranks;
+  if (part.name == "ncclReduceScatter") send_bytes *= part.nranks;
+  // A broadcast reads its send buffer on the root only.
+  if (part.name == "ncclBroadcast" && part.root != part.rank) send_bytes = 0;
+  return OverlapError(part.name, static_cast<const char*>(part.send),
+                      send_bytes, static_cast<const char*>(part.recv),
+                      recv_bytes, part.count * es, part.rank);
+}
 
 FakeNcclOnCuda::FakeNcclOnCuda(FakeCudaRuntime& cuda) : cuda_(cuda) {}
 
@@ -292,6 +329,16 @@ ncclResult_t FakeNcclOnCuda::CommDestroy(ncclComm_t comm) {
       result = ncclInvalidUsage;
       return;
     }
+    const Group& g = *c->group;
+    if (c->finalized && (g.finalized < g.nranks || g.aborted > 0)) {
+      // NCCL: after ncclCommFinalize, wait for ncclSuccess before destroying.
+      misuse_.push_back(absl::StrFormat(
+          "ncclCommDestroy: rank %d destroyed its communicator while its "
+          "ncclCommFinalize was still in progress",
+          c->rank));
+      result = ncclInvalidUsage;
+      return;
+    }
     c->destroyed = true;
   });
   return result;
@@ -439,8 +486,20 @@ ncclResult_t FakeNcclOnCuda::Enqueue(const char* name, Part part,
       part.scalar = it->second;
       part.op = kPreMul;
     }
+    if (c->finalized) {
+      misuse_.push_back(absl::StrFormat(
+          "%s: rank %d issued a collective after ncclCommFinalize", name,
+          c->rank));
+      result = ncclInvalidUsage;
+      return;
+    }
     part.nranks = c->group->nranks;
     part.rank = c->rank;
+    if (std::string why = BadOverlap(part); !why.empty()) {
+      misuse_.push_back(absl::StrFormat("%s: rank %d: %s", name, c->rank, why));
+      result = ncclInvalidArgument;
+      return;
+    }
     seq = c->next_seq++;
   });
   if (result != ncclSuccess) return result;
@@ -511,6 +570,14 @@ void FakeNcclOnCuda::Execute(const std::vector<Part>& parts) {
   const size_t es = NcclElementSize(p0.datatype);
   const size_t count = p0.count;
   const DType dtype = ToDType(p0.datatype);
+  // NCCL averages floating-point types as a pre-multiplied sum by 1/n
+  // converted to the dtype (through float32 for all but float64), not as a
+  // sum divided at the end: the bits differ from n = 3 on.
+  const bool premul_avg = p0.op == ncclAvg && IsFloat(p0.datatype);
+  const double inv_n =
+      dtype == DType::kFloat64
+          ? 1.0 / static_cast<double>(n)
+          : Round(dtype, static_cast<float>(1.0 / static_cast<double>(n)));
   // Results are computed before any is written: buffers may be in place.
   auto reduce = [&](size_t offset, std::vector<char>& out) {
     out.assign(count * es, 0);
@@ -518,7 +585,14 @@ void FakeNcclOnCuda::Execute(const std::vector<Part>& parts) {
       double acc = 0;
       for (size_t r = 0; r < n; ++r) {
         double x = LoadAsDouble(parts[r].send, dtype, offset + i);
-        if (p0.op == kPreMul) x = Round(dtype, Round(dtype, x) * p0.scalar);
+        // Each rank multiplies by its own scalar (ncclRedOpCreatePreMulSum
+        // is per rank; FSDP's ranks pass the same one, but nothing makes
+        // them).
+        if (p0.op == kPreMul) {
+          x = Round(dtype, Round(dtype, x) * parts[r].scalar);
+        } else if (premul_avg) {
+          x = Round(dtype, Round(dtype, x) * inv_n);
+        }
         if (r == 0) {
           acc = x;
         } else if (p0.op == ncclMax) {
@@ -529,7 +603,9 @@ void FakeNcclOnCuda::Execute(const std::vector<Part>& parts) {
           acc = Round(dtype, acc + x);
         }
       }
-      if (p0.op == ncclAvg) acc = Round(dtype, acc / static_cast<double>(n));
+      if (p0.op == ncclAvg && !premul_avg) {
+        acc = std::trunc(acc / static_cast<double>(n));  // integers
+      }
       StoreFromDouble(out.data(), dtype, i, acc);
     }
   };

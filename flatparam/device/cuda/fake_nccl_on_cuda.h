@@ -16,11 +16,21 @@
 //   (the caller's timeout); misuse() records the mismatch.
 // - Reductions fold the ranks in rank order, rounding to the dtype after
 //   every operation (float16 and bfloat16 computed in float32); a
-//   pre-multiplied sum multiplies each input by its scalar first.
+//   pre-multiplied sum multiplies each rank's input by that rank's own
+//   scalar first. ncclAvg on floating-point types is what NCCL makes of it:
+//   a pre-multiplied sum by 1/n converted to the dtype (through float32),
+//   which differs in its bits from a sum divided by n once n >= 3.
+// - Send and receive buffers may overlap only in place as NCCL documents it
+//   (all-gather: sendbuff == recvbuff + rank * sendcount; reduce-scatter:
+//   recvbuff == sendbuff + rank * recvcount; all-reduce and broadcast:
+//   equal); any other overlap is refused (ncclInvalidArgument) and recorded.
 // - ncclCommFinalize completes only when every rank has finalized (global
 //   quiescence): a peer that aborted or never finalizes keeps it
-//   ncclInProgress. SetAsyncError makes every communicator report a sticky
-//   asynchronous error.
+//   ncclInProgress. A collective issued after ncclCommFinalize, and an
+//   ncclCommDestroy before the finalize has completed, are refused
+//   (ncclInvalidUsage) and recorded, as NCCL's documentation forbids both.
+//   SetAsyncError makes every communicator report a sticky asynchronous
+//   error.
 // - It makes no CUDA calls of its own: the communicator's CUDA runtime is
 //   the FakeCudaRuntime itself, as in
 //
@@ -115,6 +125,8 @@ class FakeNcclOnCuda final : public NcclApi {
   ncclResult_t Enqueue(const char* name, Part part, ncclComm_t comm,
                        cudaStream_t stream);
   void Arrive(Comm* comm, uint64_t seq, const Part& part);
+  // Why `part`'s buffers overlap other than in place, or "".
+  static std::string BadOverlap(const Part& part);
   static void Execute(const std::vector<Part>& parts);
 
   FakeCudaRuntime& cuda_;

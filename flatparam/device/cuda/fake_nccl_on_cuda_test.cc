@@ -233,5 +233,155 @@ TEST_F(FakeNcclOnCudaTest, FinalizeWithoutThePeerAbortsAfterTheTimeout) {
   EXPECT_EQ(nccl_->comms_aborted(), 2);
 }
 
+// NCCL averages floating-point types as a sum pre-multiplied by 1/n in the
+// dtype; at three ranks its bits are not those of sum-then-divide.
+TEST_F(FakeNcclOnCudaTest, AverageIsAPreMultipliedSumByOneOverN) {
+  // Ranks hold 1, 1 and 3.
+  const float third = static_cast<float>(1.0 / 3);
+  const float want = (1.0f * third + 1.0f * third) + 3.0f * third;
+  ASSERT_NE(want, (1.0f + 1.0f + 3.0f) / 3.0f)
+      << "the case must tell the two apart";
+  RunRanks(3, [want](int r, CudaDeviceOps& ops, NcclCommunicator& comm) {
+    DeviceBuffer a = Upload(ops, {r == 2 ? 3.0f : 1.0f});
+    ReduceOptions avg;
+    avg.op = ReduceOp::kAvg;
+    ASSERT_THAT(
+        comm.AllReduce(a.As(DType::kFloat32), a.As(DType::kFloat32), avg)
+            ->Wait(),
+        IsOk());
+    EXPECT_THAT(Download(ops, a.As(DType::kFloat32)),
+                ::testing::ElementsAre(want));
+  });
+  EXPECT_THAT(create_errors_, IsEmpty());
+  EXPECT_THAT(nccl_->misuse(), IsEmpty());
+}
+
+// Each rank's ncclRedOpCreatePreMulSum scalar multiplies that rank's input:
+// ranks with different pre-divide factors (2, 3, 4) are summed each by its
+// own.
+TEST_F(FakeNcclOnCudaTest, EachRankPreMultipliesByItsOwnScalar) {
+  const float want = (0.5f + static_cast<float>(1.0 / 3)) + 0.25f;
+  RunRanks(3, [want](int r, CudaDeviceOps& ops, NcclCommunicator& comm) {
+    DeviceBuffer a = Upload(ops, {1});
+    ReduceOptions options;
+    options.pre_divide_factor = r + 2;
+    ASSERT_THAT(
+        comm.AllReduce(a.As(DType::kFloat32), a.As(DType::kFloat32), options)
+            ->Wait(),
+        IsOk());
+    EXPECT_THAT(Download(ops, a.As(DType::kFloat32)),
+                ::testing::ElementsAre(want));
+  });
+  EXPECT_THAT(create_errors_, IsEmpty());
+  EXPECT_THAT(nccl_->misuse(), IsEmpty());
+}
+
+// NcclCommunicator checks these rules itself, so the model's are planted
+// through the NCCL calls directly, as other code using the model would
+// make them.
+class FakeNcclOnCudaRawTest : public FakeNcclOnCudaTest {
+ protected:
+  // The ranks of one non-blocking communicator, rank r on device r, made
+  // from this thread; its stream and 64 bytes of device memory per rank.
+  void MakeRanks(int nranks) {
+    ncclUniqueId id;
+    ASSERT_EQ(nccl_->GetUniqueId(&id), ncclSuccess);
+    comms_.assign(nranks, nullptr);
+    streams_.assign(nranks, nullptr);
+    buffers_.assign(nranks, nullptr);
+    for (int r = 0; r < nranks; ++r) {
+      ASSERT_EQ(cuda_->SetDevice(r), cudaSuccess);
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      config.blocking = 0;
+      const ncclResult_t init =
+          nccl_->CommInitRankConfig(&comms_[r], nranks, id, r, &config);
+      ASSERT_TRUE(init == ncclSuccess || init == ncclInProgress) << init;
+      ASSERT_EQ(cuda_->StreamCreateWithFlags(&streams_[r], 0), cudaSuccess);
+      ASSERT_EQ(cuda_->Malloc(&buffers_[r], 64), cudaSuccess);
+    }
+    ASSERT_EQ(cuda_->SetDevice(0), cudaSuccess);
+  }
+  void Release() {
+    for (size_t r = 0; r < comms_.size(); ++r) {
+      ASSERT_EQ(cuda_->SetDevice(static_cast<int>(r)), cudaSuccess);
+      EXPECT_EQ(cuda_->StreamSynchronize(streams_[r]), cudaSuccess);
+      EXPECT_EQ(cuda_->StreamDestroy(streams_[r]), cudaSuccess);
+      EXPECT_EQ(cuda_->Free(buffers_[r]), cudaSuccess);
+      EXPECT_EQ(nccl_->CommAbort(comms_[r]), ncclSuccess);
+    }
+    ASSERT_EQ(cuda_->SetDevice(0), cudaSuccess);
+  }
+  float* At(int rank, int element) {
+    return static_cast<float*>(buffers_[rank]) + element;
+  }
+
+  std::vector<ncclComm_t> comms_;
+  std::vector<cudaStream_t> streams_;
+  std::vector<void*> buffers_;
+};
+
+// Overlapping send and receive buffers are defined only in place, at the
+// offsets NCCL documents; anything else is refused and recorded.
+TEST_F(FakeNcclOnCudaRawTest, OnlyTheDocumentedInPlaceOverlapsAreAccepted) {
+  MakeRanks(1);
+  // All-gather of 2 elements at one rank: in place is sendbuff == recvbuff.
+  EXPECT_EQ(nccl_->AllGather(At(0, 1), At(0, 0), 2, ncclFloat32, comms_[0],
+                             streams_[0]),
+            ncclInvalidArgument);
+  EXPECT_EQ(nccl_->AllGather(At(0, 0), At(0, 0), 2, ncclFloat32, comms_[0],
+                             streams_[0]),
+            ncclSuccess);
+  // All-reduce: only equal buffers.
+  EXPECT_EQ(nccl_->AllReduce(At(0, 0), At(0, 2), 4, ncclFloat32, ncclSum,
+                             comms_[0], streams_[0]),
+            ncclInvalidArgument);
+  // Reduce-scatter: recvbuff == sendbuff + rank * recvcount (rank 0: equal).
+  EXPECT_EQ(nccl_->ReduceScatter(At(0, 0), At(0, 1), 2, ncclFloat32, ncclSum,
+                                 comms_[0], streams_[0]),
+            ncclInvalidArgument);
+  EXPECT_EQ(nccl_->ReduceScatter(At(0, 0), At(0, 0), 2, ncclFloat32, ncclSum,
+                                 comms_[0], streams_[0]),
+            ncclSuccess);
+  // Disjoint buffers are always fine.
+  EXPECT_EQ(nccl_->AllReduce(At(0, 0), At(0, 8), 4, ncclFloat32, ncclSum,
+                             comms_[0], streams_[0]),
+            ncclSuccess);
+  EXPECT_THAT(nccl_->misuse(),
+              ::testing::ElementsAre(HasSubstr("ncclAllGather: rank 0"),
+                                     HasSubstr("ncclAllReduce: rank 0"),
+                                     HasSubstr("ncclReduceScatter: rank 0")));
+  Release();
+}
+
+// NCCL: after ncclCommFinalize no new operation may be issued, and the
+// communicator may be destroyed only once the finalize has completed.
+TEST_F(FakeNcclOnCudaRawTest, FinalizeEndsTheCommunicatorsOperations) {
+  MakeRanks(2);
+  ASSERT_EQ(nccl_->CommFinalize(comms_[0]), ncclInProgress);  // rank 1 lives
+  EXPECT_EQ(nccl_->CommDestroy(comms_[0]), ncclInvalidUsage);
+  EXPECT_EQ(nccl_->AllReduce(At(0, 0), At(0, 0), 4, ncclFloat32, ncclSum,
+                             comms_[0], streams_[0]),
+            ncclInvalidUsage);
+  EXPECT_THAT(nccl_->misuse(),
+              ::testing::ElementsAre(
+                  HasSubstr("while its ncclCommFinalize was still in progress"),
+                  HasSubstr("issued a collective after ncclCommFinalize")));
+  // Once every rank has finalized, destroying is what NCCL expects.
+  ASSERT_EQ(cuda_->SetDevice(1), cudaSuccess);
+  ASSERT_EQ(nccl_->CommFinalize(comms_[1]), ncclInProgress);
+  ncclResult_t state = ncclInProgress;
+  ASSERT_EQ(nccl_->CommGetAsyncError(comms_[0], &state), ncclSuccess);
+  EXPECT_EQ(state, ncclSuccess);
+  EXPECT_EQ(nccl_->CommDestroy(comms_[0]), ncclSuccess);
+  EXPECT_EQ(nccl_->CommDestroy(comms_[1]), ncclSuccess);
+  EXPECT_EQ(nccl_->misuse().size(), 2u);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(cuda_->SetDevice(r), cudaSuccess);
+    EXPECT_EQ(cuda_->StreamDestroy(streams_[r]), cudaSuccess);
+    EXPECT_EQ(cuda_->Free(buffers_[r]), cudaSuccess);
+  }
+  ASSERT_EQ(cuda_->SetDevice(0), cudaSuccess);
+}
+
 }  // namespace
 }  // namespace flatparam
