@@ -13,7 +13,8 @@
 #include "flatparam/device/cuda/fake_cuda_runtime_internal.h"
 
 // FakeCudaRuntime's kernel launches: cuda_kernels.cu's arithmetic as host
-// loops, enqueued on a stream like any operation (Launch).
+// loops, enqueued on a stream like any operation (Launch), working through
+// the device memory's read-write view (HostAlias).
 // fake_cuda_runtime_internal.h lists the other files.
 
 namespace flatparam {
@@ -94,8 +95,8 @@ cudaError_t FakeCudaRuntime::LaunchFill(void* dst, int element_bytes,
   }
   const size_t bytes = static_cast<size_t>(count) * element_bytes;
   return Launch("fill kernel", stream, {{dst, bytes}},
-                [dst, element_bytes, pattern, count] {
-                  char* p = static_cast<char*>(dst);
+                [this, dst, element_bytes, pattern, count] {
+                  char* p = static_cast<char*>(HostAlias(dst));
                   for (int64_t i = 0; i < count; ++i) {
                     std::memcpy(p + i * element_bytes, &pattern,
                                 static_cast<size_t>(element_bytes));
@@ -114,7 +115,9 @@ cudaError_t FakeCudaRuntime::LaunchCast(void* dst, KernelDType dst_dtype,
   const DType s = ToDType(src_dtype);
   return Launch("cast kernel", stream,
                 {{dst, count * DTypeSize(d)}, {src, count * DTypeSize(s)}},
-                [dst, d, src, s, count] {
+                [this, dst_device = dst, d, src_device = src, s, count] {
+                  void* dst = HostAlias(dst_device);
+                  const void* src = HostAlias(src_device);
                   for (int64_t i = 0; i < count; ++i) {
                     double v = LoadAsDouble(src, s, static_cast<size_t>(i));
                     // float64 reaches the 16-bit types through float32 (c10).
@@ -136,7 +139,8 @@ cudaError_t FakeCudaRuntime::LaunchMultiply(void* buf, KernelDType dtype,
   const DType d = ToDType(dtype);
   const double k = Compute(d, scalar);
   return Launch("multiply kernel", stream, {{buf, count * DTypeSize(d)}},
-                [buf, d, k, count] {
+                [this, buf_device = buf, d, k, count] {
+                  void* buf = HostAlias(buf_device);
                   for (int64_t i = 0; i < count; ++i) {
                     const size_t j = static_cast<size_t>(i);
                     const double v = LoadAsDouble(buf, d, j);
@@ -159,19 +163,22 @@ cudaError_t FakeCudaRuntime::LaunchAdd(void* acc, const void* x,
   }
   const DType d = ToDType(dtype);
   const size_t bytes = count * DTypeSize(d);
-  return Launch(
-      "add kernel", stream, {{acc, bytes}, {x, bytes}}, [acc, x, d, count] {
-        for (int64_t i = 0; i < count; ++i) {
-          const size_t j = static_cast<size_t>(i);
-          const double a = LoadAsDouble(acc, d, j);
-          const double b = LoadAsDouble(x, d, j);
-          StoreFromDouble(acc, d, j,
-                          d == DType::kFloat64
-                              ? a + b
-                              : static_cast<double>(static_cast<float>(a) +
-                                                    static_cast<float>(b)));
-        }
-      });
+  return Launch("add kernel", stream, {{acc, bytes}, {x, bytes}},
+                [this, acc_device = acc, x_device = x, d, count] {
+                  void* acc = HostAlias(acc_device);
+                  const void* x = HostAlias(x_device);
+                  for (int64_t i = 0; i < count; ++i) {
+                    const size_t j = static_cast<size_t>(i);
+                    const double a = LoadAsDouble(acc, d, j);
+                    const double b = LoadAsDouble(x, d, j);
+                    StoreFromDouble(
+                        acc, d, j,
+                        d == DType::kFloat64
+                            ? a + b
+                            : static_cast<double>(static_cast<float>(a) +
+                                                  static_cast<float>(b)));
+                  }
+                });
 }
 
 }  // namespace flatparam

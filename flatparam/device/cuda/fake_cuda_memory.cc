@@ -1,3 +1,6 @@
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -50,12 +53,59 @@ bool FakeCudaRuntime::IsPinned(const void* ptr) const {
   return p < it->first + std::max<size_t>(it->second, 1);
 }
 
+namespace {
+
+// The bytes the two views of a block of `bytes` span: whole pages.
+size_t MappedBytes(size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return (std::max<size_t>(bytes, 1) + page - 1) / page * page;
+}
+
+}  // namespace
+
+char* FakeCudaRuntime::MapBlock(size_t bytes, char** host) {
+  const size_t length = MappedBytes(bytes);
+  const int fd = memfd_create("flatparam-fake-cuda", MFD_CLOEXEC);
+  if (fd < 0) return nullptr;
+  void* rw = MAP_FAILED;
+  void* none = MAP_FAILED;
+  if (ftruncate(fd, static_cast<off_t>(length)) == 0) {
+    rw = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    none = mmap(nullptr, length, PROT_NONE, MAP_SHARED, fd, 0);
+  }
+  close(fd);  // the mappings keep the pages
+  if (rw == MAP_FAILED || none == MAP_FAILED) {
+    if (rw != MAP_FAILED) munmap(rw, length);
+    if (none != MAP_FAILED) munmap(none, length);
+    return nullptr;
+  }
+  *host = static_cast<char*>(rw);
+  std::memset(*host, 0xA5, bytes);  // uninitialised, recognisably
+  return static_cast<char*>(none);
+}
+
+void FakeCudaRuntime::UnmapBlock(char* device, const Block& block) {
+  const size_t length = MappedBytes(block.bytes);
+  munmap(block.host, length);
+  munmap(device, length);
+}
+
+void* FakeCudaRuntime::HostAlias(const void* ptr) const {
+  absl::MutexLock lock(&mu_);
+  char* p = static_cast<char*>(const_cast<void*>(ptr));
+  auto it = blocks_.upper_bound(p);
+  if (it == blocks_.begin()) return p;
+  --it;
+  if (p >= it->first + std::max<size_t>(it->second.bytes, 1)) return p;
+  return it->second.host + (p - it->first);
+}
+
 void FakeCudaRuntime::ReleaseIdleBlocks() {
   for (auto it = blocks_.begin(); it != blocks_.end();) {
     PoolState& pool = *pools_[it->second.device];
     if (it->second.pooled && !it->second.live && pool.release_threshold == 0) {
       pool.reserved -= it->second.bytes;
-      ::operator delete (it->first, std::align_val_t{256});
+      UnmapBlock(it->first, it->second);
       it = blocks_.erase(it);
     } else {
       ++it;
@@ -162,10 +212,10 @@ cudaError_t FakeCudaRuntime::Malloc(void** ptr, size_t bytes) {
   absl::MutexLock lock(&mu_);
   const cudaError_t e = Precheck("cudaMalloc");
   if (e != cudaSuccess) return Result(e);
-  char* p = static_cast<char*>(
-      ::operator new (std::max<size_t>(bytes, 1), std::align_val_t{256}));
-  std::memset(p, 0xA5, bytes);  // uninitialised, recognisably
-  blocks_[p] = Block{bytes, CurrentDevice(), true, false};
+  char* host = nullptr;
+  char* p = MapBlock(bytes, &host);
+  if (p == nullptr) return Result(cudaErrorMemoryAllocation);
+  blocks_[p] = Block{bytes, CurrentDevice(), true, false, host};
   ++device_mallocs_;
   *ptr = p;
   return cudaSuccess;
@@ -185,7 +235,7 @@ cudaError_t FakeCudaRuntime::Free(void* ptr) {
   if (it->second.pooled) {
     pools_[it->second.device]->reserved -= it->second.bytes;
   }
-  ::operator delete (it->first, std::align_val_t{256});
+  UnmapBlock(it->first, it->second);
   blocks_.erase(it);
   return cudaSuccess;
 }
@@ -206,10 +256,10 @@ cudaError_t FakeCudaRuntime::MallocAsync(void** ptr, size_t bytes,
       return cudaSuccess;
     }
   }
-  char* p = static_cast<char*>(
-      ::operator new (std::max<size_t>(bytes, 1), std::align_val_t{256}));
-  std::memset(p, 0xA5, bytes);
-  blocks_[p] = Block{bytes, s->device, true, true};
+  char* host = nullptr;
+  char* p = MapBlock(bytes, &host);
+  if (p == nullptr) return Result(cudaErrorMemoryAllocation);
+  blocks_[p] = Block{bytes, s->device, true, true, host};
   PoolState& pool = *pools_[s->device];
   pool.reserved += bytes;
   pool.reserved_high = std::max(pool.reserved_high, pool.reserved);
@@ -237,7 +287,7 @@ cudaError_t FakeCudaRuntime::FreeAsync(void* ptr, cudaStream_t stream) {
   op.run = [this, p] {
     absl::MutexLock lock(&mu_);
     auto b = blocks_.find(p);
-    std::memset(p, 0xFF, b->second.bytes);
+    std::memset(b->second.host, 0xFF, b->second.bytes);
     b->second.live = false;
   };
   Enqueue(s, std::move(op));
@@ -297,13 +347,15 @@ cudaError_t FakeCudaRuntime::MemcpyAsync(void* dst, const void* src,
     DrainStream(s);
     auto staged = std::make_shared<std::vector<char>>(
         static_cast<const char*>(src), static_cast<const char*>(src) + bytes);
-    op.run = [dst, staged] {
-      std::memcpy(dst, staged->data(), staged->size());
+    op.run = [this, dst, staged] {
+      std::memcpy(HostAlias(dst), staged->data(), staged->size());
     };
     Enqueue(s, std::move(op));
     return cudaSuccess;
   }
-  op.run = [dst, src, bytes] { std::memcpy(dst, src, bytes); };
+  op.run = [this, dst, src, bytes] {
+    std::memcpy(HostAlias(dst), HostAlias(src), bytes);
+  };
   Enqueue(s, std::move(op));
   if (pageable_dst && src_dev) {
     DrainStream(s);  // to pageable memory: returns once copied
@@ -325,7 +377,9 @@ cudaError_t FakeCudaRuntime::MemsetAsync(void* dst, int value, size_t bytes,
   Op op;
   op.what = absl::StrFormat("cudaMemsetAsync(%d bytes)", bytes);
   op.touches = {{dst, bytes}};
-  op.run = [dst, value, bytes] { std::memset(dst, value, bytes); };
+  op.run = [this, dst, value, bytes] {
+    std::memset(HostAlias(dst), value, bytes);
+  };
   Enqueue(s, std::move(op));
   return cudaSuccess;
 }

@@ -64,7 +64,7 @@ FakeCudaRuntime::~FakeCudaRuntime() {
     if (t.joinable()) t.join();
   }
   absl::MutexLock lock(&mu_);
-  for (auto& [p, b] : blocks_) ::operator delete (p, std::align_val_t{256});
+  for (auto& [p, b] : blocks_) UnmapBlock(p, b);
   for (auto& [p, bytes] : pinned_) ::operator delete (p, std::align_val_t{256});
 }
 

@@ -2,8 +2,7 @@
 // CudaDeviceOps in CI without a GPU (test-only). It follows the CUDA
 // runtime API's documented semantics where they decide whether code is
 // correct, in the rules below. It is kinder than CUDA where it does not
-// model a rule: host code can dereference its "device" memory (on a GPU a
-// segmentation fault), a freed block is reused only once its free has run
+// model a rule: a freed block is reused only once its free has run
 // (CUDA's pool may hand it to the same stream earlier, and to other streams
 // behind internal dependencies), and it has no peer access, unified memory
 // or graphs. Speed aside, these are the ways code that passes here can
@@ -22,7 +21,11 @@
 //   then); cudaStreamWaitEvent makes a stream wait for the work recorded at
 //   the call. HoldStream makes a stream stop at its current end until
 //   ReleaseStreams: a collective that never completes, for host-wait tests.
-// - Device memory is host memory (uninitialised bytes, as cudaMalloc's).
+// - Device memory is host memory that host code cannot dereference: its
+//   pages are mapped PROT_NONE at the address cudaMalloc returns (a
+//   segmentation fault, as on a GPU), and the model's streams work through a
+//   read-write view of the same pages (HostAlias). It starts uninitialised
+//   (0xA5 bytes), as cudaMalloc's does.
 //   cudaFree and cudaFreeHost synchronize the device; cudaMallocAsync and
 //   cudaFreeAsync are stream-ordered: a block freed on a stream becomes free
 //   when that stream reaches the free (its bytes are then overwritten with
@@ -118,6 +121,13 @@ class FakeCudaRuntime final : public CudaRuntime {
   cudaError_t EnqueueWork(cudaStream_t stream, absl::string_view what,
                           std::vector<Range> touches,
                           std::function<void()> work);
+  // The address through which the model reads and writes the device
+  // memory at `ptr`: device memory itself is mapped PROT_NONE, so that host
+  // code that dereferences it faults as it would on a GPU. `ptr` itself if
+  // it is not device memory (pinned or pageable host memory). For other
+  // models' work (fake NCCL, in EnqueueWork's `work`) and for tests that
+  // look inside device memory.
+  void* HostAlias(const void* ptr) const;
   // The device of the live device block holding `ptr`, or -1; `pinned`
   // (may be null) says whether `ptr` is in cudaMallocHost memory.
   int DeviceOf(const void* ptr, bool* pinned = nullptr) const;
@@ -212,7 +222,15 @@ class FakeCudaRuntime final : public CudaRuntime {
     int device = 0;
     bool live = true;
     bool pooled = false;  // from cudaMallocAsync
+    // The read-write view of the block's pages; the block's own address
+    // (the key in blocks_) is a PROT_NONE view of the same pages.
+    char* host = nullptr;
   };
+  // Maps a block of `bytes` as two views of one memory file: a PROT_NONE one
+  // (returned: the "device" address) and a read-write one (*host). Null if
+  // the system refuses.
+  static char* MapBlock(size_t bytes, char** host);
+  static void UnmapBlock(char* device, const Block& block);
 
   // The result of a call: records a failure as the thread's last error.
   cudaError_t Result(cudaError_t error);

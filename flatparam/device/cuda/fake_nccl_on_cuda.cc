@@ -564,7 +564,13 @@ void FakeNcclOnCuda::Arrive(Comm* c, uint64_t seq, const Part& part) {
   });
 }
 
-void FakeNcclOnCuda::Execute(const std::vector<Part>& parts) {
+void FakeNcclOnCuda::Execute(const std::vector<Part>& device_parts) {
+  // Device memory is read and written through its host views.
+  std::vector<Part> parts = device_parts;
+  for (Part& p : parts) {
+    p.send = cuda_.HostAlias(p.send);
+    p.recv = cuda_.HostAlias(p.recv);
+  }
   const Part& p0 = parts[0];
   const size_t n = parts.size();
   const size_t es = NcclElementSize(p0.datatype);

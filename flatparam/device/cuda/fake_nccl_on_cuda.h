@@ -127,7 +127,7 @@ class FakeNcclOnCuda final : public NcclApi {
   void Arrive(Comm* comm, uint64_t seq, const Part& part);
   // Why `part`'s buffers overlap other than in place, or "".
   static std::string BadOverlap(const Part& part);
-  static void Execute(const std::vector<Part>& parts);
+  void Execute(const std::vector<Part>& parts);
 
   FakeCudaRuntime& cuda_;
   // Guarded by cuda_'s lock (FakeCudaRuntime::Locked / WaitUntil).
