@@ -10,11 +10,15 @@
 #   DIR/bin/        the binaries
 #   DIR/lib/        the shared libraries they need that such a machine lacks
 #                   (Abseil, Google Benchmark, xxHash, Bazel's own solibs...),
-#                   found with ldd; run.sh puts lib/ on LD_LIBRARY_PATH. Not
+#                   found with ldd; run.sh puts lib/ on LD_LIBRARY_PATH. The
+#                   CUDA runtime the binaries were built against
+#                   (libcudart.so.N) is bundled too: the machine may have
+#                   another one, or none outside its Python wheels. Not
 #                   bundled: the C/C++ runtime (libc, libm, libstdc++,
-#                   libgcc_s, ld-linux, libpthread, libdl, librt) and CUDA's
-#                   and NCCL's own (libcudart, libnccl, libcuda), which the
-#                   GPU machine's come from.
+#                   libgcc_s, ld-linux, libpthread, libdl, librt), the
+#                   driver's libcuda and NCCL (libnccl), which the GPU
+#                   machine's come from (run.sh checks that its driver
+#                   supports the bundled runtime).
 #   DIR/MANIFEST    the commit, the build command and the file list
 #
 # DIR must not exist or be empty; the script fails if the result exceeds
@@ -50,8 +54,9 @@ targets=(
   gpu_versions=//tools/gpu:gpu_versions
 )
 
-# Libraries the GPU machine provides: the C/C++ runtime and CUDA's/NCCL's.
-provided_re='^(linux-vdso|libc|libm|libstdc\+\+|libgcc_s|ld-linux-x86-64|ld-linux|libpthread|libdl|librt|libcudart|libnccl|libcuda)\.so'
+# Libraries the GPU machine provides: the C/C++ runtime, the driver's libcuda
+# and NCCL.
+provided_re='^(linux-vdso|libc|libm|libstdc\+\+|libgcc_s|ld-linux-x86-64|ld-linux|libpthread|libdl|librt|libnccl|libcuda)\.so'
 
 if [ -e "$dir" ] && [ -n "$(ls -A "$dir")" ]; then
   die "$dir exists and is not empty: give a new or empty folder"

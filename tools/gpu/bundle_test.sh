@@ -3,17 +3,22 @@
 # optimized build, whose outputs bundle.sh reuses):
 #   1. tools/gpu/bundle.sh builds a kit into a temporary folder, under 64 MiB;
 #   2. every binary and library in it resolves each library it needs from
-#      the kit's lib/, except the C/C++ runtime and CUDA's/NCCL's own, with
-#      no LD_LIBRARY_PATH of this machine (and nothing links OpenMPI); a
-#      copy of the kit with one library removed must fail that check;
+#      the kit's lib/ (the CUDA runtime included), except the C/C++ runtime,
+#      the driver's libcuda and NCCL, with no LD_LIBRARY_PATH of this
+#      machine (and nothing links OpenMPI); a copy of the kit with one
+#      library removed must fail that check;
 #   3. run.sh under `env -i PATH=/usr/bin:/bin` reaches its GPU check and
 #      reports "no GPU" as a SKIP (exit 0), and with FLATPARAM_REQUIRE_GPU=1
 #      as a FAIL (exit 1);
 #   4. with a stand-in nvidia-smi (so that run.sh goes past its GPU check):
 #      it finds NCCL and its version, its own ldd check passes (and fails on
 #      the broken copy), the tests run and fail with FLATPARAM_REQUIRE_GPU=1's
-#      message, at most 8 output files; with --budget-s=0 the tests are
-#      skipped as out of time.
+#      message, the driver check fails for want of a driver, at most 8
+#      output files; with --budget-s=0 the tests, the benchmark and then the
+#      sanitizers are skipped as out of time; NCCL is found in an
+#      nvidia-nccl wheel of python3's path and the wheel named; and a run
+#      stopped by SIGTERM in the middle of a step still reports the steps
+#      before it and where it was cut off.
 #
 #   tools/gpu/bundle_test.sh
 #
@@ -33,7 +38,7 @@ fail() {
 }
 
 # Libraries the GPU machine provides (as in bundle.sh).
-provided_re='^(linux-vdso|libc|libm|libstdc\+\+|libgcc_s|ld-linux-x86-64|ld-linux|libpthread|libdl|librt|libcudart|libnccl|libcuda)\.so'
+provided_re='^(linux-vdso|libc|libm|libstdc\+\+|libgcc_s|ld-linux-x86-64|ld-linux|libpthread|libdl|librt|libnccl|libcuda)\.so'
 
 # check_libs KIT: every ELF file of KIT/bin and KIT/lib resolves what it
 # needs from KIT/lib, or is a provided library; prints what does not.
@@ -84,6 +89,8 @@ fi
 for f in run.sh MANIFEST bin/gpu_versions bin/cuda_smoke_test bin/gpu_bench; do
   [ -e "$kit/$f" ] || fail "the kit has no $f"
 done
+compgen -G "$kit/lib/libcudart.so.*" >/dev/null ||
+  fail "the kit does not bundle the CUDA runtime (lib/libcudart.so.N)"
 echo "bundle_test: kit of $((bytes / 1024)) KiB, $(find "$kit/bin" -type f | wc -l) binaries, $(find "$kit/lib" -type f | wc -l) libraries"
 
 # --- 2. Libraries resolve from the kit; a kit missing one fails the check.
@@ -150,6 +157,8 @@ else
   grep -q 'FLATPARAM_REQUIRE_GPU=1, so a missing GPU is a failure' "$tmp/out_fake/tests.log" ||
     fail "tests.log lacks FLATPARAM_REQUIRE_GPU=1's failure message"
   grep -qE '^nccl: 2\.' "$summary" || fail "the summary does not give the NCCL version"
+  grep -qE '^cuda +FAIL .*reports no CUDA version' "$summary" ||
+    fail "the driver check did not fail without a driver"
   n=$(find "$tmp/out_fake" -type f | wc -l)
   [ "$n" -le 8 ] || fail "run.sh wrote $n files, more than 8"
   if [ $failures -gt 0 ]; then cat "$summary"; fi
@@ -166,11 +175,49 @@ else
   rc=0
   env -i PATH="$fake:/usr/bin:/bin" FLATPARAM_NCCL_LIB=/usr/local/cuda/lib64 \
     "$kit/run.sh" --budget-s=0 --out="$tmp/out_budget" >/dev/null 2>&1 || rc=$?
-  [ $rc -eq 0 ] || fail "run.sh --budget-s=0 exited $rc, not 0 (nothing run, nothing failed)"
+  # Nothing ran; the one failure is the driver check (the stand-in has no
+  # driver).
+  [ $rc -eq 1 ] || fail "run.sh --budget-s=0 exited $rc, not 1 (the driver check fails)"
+  others=$(grep -E '^[a-z_]+ +FAIL' "$tmp/out_budget/summary.txt" | grep -v '^cuda ' || true)
+  [ -z "$others" ] || fail "run.sh --budget-s=0 failed more than the driver check: $others"
   grep -qE '^smoke +SKIP .*budget spent' "$tmp/out_budget/summary.txt" ||
     fail "run.sh --budget-s=0 did not skip the tests for lack of time"
   grep -qE '^bench +SKIP .*budget spent' "$tmp/out_budget/summary.txt" ||
     fail "run.sh --budget-s=0 did not skip the benchmark for lack of time"
+  # The benchmark comes before the sanitizers, which are the likeliest to be
+  # cut off; racecheck and synccheck are gone.
+  order=$(grep -oE '^(bench|memcheck|initcheck|racecheck|synccheck) ' "$tmp/out_budget/summary.txt" | tr -d ' ' | tr '\n' ' ')
+  [ "$order" = "bench memcheck initcheck " ] ||
+    fail "run.sh's last steps are '$order', not 'bench memcheck initcheck '"
+
+  # NCCL from an nvidia-nccl wheel on python3's path, named in the summary.
+  if command -v python3 >/dev/null; then
+    sp=$tmp/site-packages
+    mkdir -p "$sp/nvidia/nccl/lib" "$sp/nvidia_nccl_cu13-2.28.9.dist-info"
+    ln -s /usr/local/cuda/lib64/libnccl.so.2 "$sp/nvidia/nccl/lib/libnccl.so.2"
+    rc=0
+    env -i PATH="$fake:/usr/bin:/bin" PYTHONPATH="$sp" "$kit/run.sh" \
+      --budget-s=0 --out="$tmp/out_wheel" >/dev/null 2>&1 || rc=$?
+    grep -qE "^nccl +PASS .*from $sp/nvidia/nccl/lib \(nvidia-nccl-cu13 2\.28\.9\)" \
+      "$tmp/out_wheel/summary.txt" ||
+      fail "run.sh did not find NCCL in the wheel on PYTHONPATH: $(grep '^nccl' "$tmp/out_wheel/summary.txt")"
+  fi
+
+  # Cut off mid-way: a kit whose smoke test hangs, stopped by SIGTERM.
+  slow=$tmp/slow
+  cp -r "$kit" "$slow"
+  printf '#!/bin/sh\nsleep 60\n' >"$slow/bin/cuda_smoke_test"
+  rc=0
+  env -i PATH="$fake:/usr/bin:/bin" FLATPARAM_NCCL_LIB=/usr/local/cuda/lib64 \
+    timeout -s TERM 15 "$slow/run.sh" --budget-s=150 --out="$tmp/out_cut" \
+    >"$tmp/cut.log" 2>&1 || rc=$?
+  [ $rc -ne 0 ] || fail "run.sh cut off by SIGTERM exited 0"
+  grep -qE '^gpu +PASS' "$tmp/out_cut/summary.txt" ||
+    fail "run.sh cut off mid-way lost the steps before it: $(cat "$tmp/out_cut/summary.txt")"
+  grep -qE '^nccl: 2\.' "$tmp/out_cut/summary.txt" ||
+    fail "run.sh cut off mid-way did not keep the NCCL version"
+  grep -qE '^result: CUT OFF during smoke \(SIGTERM\)' "$tmp/out_cut/summary.txt" ||
+    fail "run.sh cut off mid-way did not say where: $(tail -n 3 "$tmp/out_cut/summary.txt")"
 fi
 
 if [ $failures -gt 0 ]; then

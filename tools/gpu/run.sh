@@ -6,23 +6,50 @@
 #
 # Steps, in order (each one PASS, FAIL or SKIP, with its time):
 #   gpu        nvidia-smi sees a GPU and a driver (card name, driver version)
-#   nccl       the machine's libnccl.so.2 (Python's nvidia-nccl package, or
-#              $FLATPARAM_NCCL_LIB) and its version, via bin/gpu_versions
+#   nccl       the machine's libnccl.so.2 and its version, via
+#              bin/gpu_versions: $FLATPARAM_NCCL_LIB, else the nvidia-nccl
+#              wheel of any Python (python3 on PATH, /opt/*/.venv,
+#              /opt/*/venv, /usr/local/lib/python3*, ~/.local), else the
+#              CUDA and system library folders, else `ldconfig -p`; the
+#              wheel's name and version go to the summary
+#   cuda       the driver supports the CUDA runtime bundled in lib/
+#              (cudaDriverGetVersion against cudaRuntimeGetVersion)
 #   bundle     every binary resolves all its libraries (ldd)
 #   smoke, device_ops, nccl_unit, nccl_gpu, training
 #              the GPU tests, with FLATPARAM_REQUIRE_GPU=1 (a missing GPU
 #              fails instead of skipping)
-#   memcheck, racecheck, synccheck
-#              compute-sanitizer over the CUDA DeviceOps and handle tests
 #   bench      bin/gpu_bench (Google Benchmark JSON); more flags for it in
-#              $FLATPARAM_BENCH_ARGS (e.g. --max_bytes=16777216)
+#              $FLATPARAM_BENCH_ARGS (e.g. --max_bytes=16777216). Before
+#              the sanitizers, which are the slowest and the most likely to
+#              be cut off.
+#   memcheck   compute-sanitizer memcheck with stream-ordered race tracking
+#              (--track-stream-ordered-races all: use before allocation and
+#              after a stream-ordered free) over the CUDA DeviceOps and
+#              handle tests
+#   initcheck  compute-sanitizer initcheck (reads of uninitialised device
+#              memory) over the same tests
+#   racecheck and synccheck are not run: they check shared memory and
+#   barriers, which flatparam's kernels do not use. API errors are not
+#   reported (--report-api-errors no): NCCL probes the driver with calls that
+#   are expected to fail, the tests provoke CUDA errors on purpose, and
+#   flatparam checks every CUDA result itself. Where compute-sanitizer
+#   answers "Device not supported", the step is a SKIP with that reason.
+#
+# Every kernel is loaded when a binary starts (CUDA_MODULE_LOADING=EAGER):
+# with lazy loading, the first launch of a kernel waits for the device to
+# drain, which deadlocks ranks of one process while an NCCL kernel waits for
+# a peer.
 #
 # Without a GPU (the `gpu` step): a SKIP and exit 0, or with
 # FLATPARAM_REQUIRE_GPU=1 in the environment a FAIL and exit 1.
 #
-# Time: before each step the remaining budget (--budget-s, default 480) is
-# checked; each step runs under `timeout` with at most its own cap and what is
-# left; once the budget is spent the remaining steps are SKIPped with a note.
+# Time: before each step the remaining budget (--budget-s, default 360: a
+# 6-minute window) is checked; each step runs under `timeout` with at most
+# its own cap and what is left; once the budget is spent the remaining steps
+# are SKIPped with a note. summary.txt is written step by step (the card,
+# driver and NCCL lines as soon as they are known), so a run cut off
+# mid-way still reports every step it finished; one stopped by SIGTERM or
+# SIGINT also says where ("result: CUT OFF during STEP").
 #
 # Output, under --out (default $OUT, else ./out; at most 8 files):
 #   summary.txt     one line per step, the card, driver and NCCL version
@@ -36,7 +63,7 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
-budget_s=480
+budget_s=360
 out=${OUT:-$here/out}
 
 for arg in "$@"; do
@@ -99,35 +126,59 @@ have_budget() {
 # of CAP_S and the budget left, appending its output to LOG; records PASS
 # on exit 0, FAIL otherwise (124: out of time), SKIP when under 10 s remain.
 run_step() {
-  local name=$1 cap=$2 log=$3
+  run_timed "$@" || return 0
+  record_run
+}
+
+# run_timed NAME CAP_S LOG CMD...: the first half of run_step: runs CMD and
+# leaves its exit status, time and limit in run_rc, run_s and run_limit
+# (with run_name and run_log) for record_run; returns 1 (and records a
+# SKIP) when the budget is spent.
+run_timed() {
+  run_name=$1
+  local cap=$2 remaining t0
+  run_log=$3
   shift 3
-  local remaining t0 rc limit
-  have_budget "$name" || return 0
+  have_budget "$run_name" || return 1
+  step=$run_name
   remaining=$(left)
-  limit=$((cap < remaining ? cap : remaining))
-  echo "===== $name: $* (limit ${limit}s)" >>"$log"
+  run_limit=$((cap < remaining ? cap : remaining))
+  echo "===== $run_name: $* (limit ${run_limit}s)" >>"$run_log"
   t0=$SECONDS
+  # In the background, so that a SIGTERM to this script runs its trap at
+  # once (bash defers traps while a foreground child runs).
   set +e
-  timeout --kill-after=5 "$limit" "$@" >>"$log" 2>&1
-  rc=$?
+  timeout --kill-after=5 "$run_limit" "$@" >>"$run_log" 2>&1 &
+  run_pid=$!
+  wait "$run_pid"
+  run_rc=$?
+  run_pid=""
   set -e
-  echo "===== $name: exit $rc after $((SECONDS - t0))s" >>"$log"
-  if [ $rc -eq 0 ]; then
-    record "$name" PASS $((SECONDS - t0)) ""
-  elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
-    record "$name" FAIL $((SECONDS - t0)) "timed out after ${limit}s (see $(basename "$log"))"
+  run_s=$((SECONDS - t0))
+  echo "===== $run_name: exit $run_rc after ${run_s}s" >>"$run_log"
+}
+
+record_run() {
+  if [ "$run_rc" -eq 0 ]; then
+    record "$run_name" PASS "$run_s" ""
+  elif [ "$run_rc" -eq 124 ] || [ "$run_rc" -eq 137 ]; then
+    record "$run_name" FAIL "$run_s" "timed out after ${run_limit}s (see $(basename "$run_log"))"
   else
-    record "$name" FAIL $((SECONDS - t0)) "exit $rc (see $(basename "$log"))"
+    record "$run_name" FAIL "$run_s" "exit $run_rc (see $(basename "$run_log"))"
   fi
 }
+
+# A fact about the machine, in the summary as soon as it is known.
+fact() {  # $1: name, $2: value
+  printf '%s: %s\n' "$1" "$2" >>"$summary"
+}
+
+step="setup"  # the step under way, for a cut-off run's last line
+run_pid=""    # the step's process while it runs
 
 finish() {
   {
     echo
-    echo "card: $card"
-    echo "driver: $driver"
-    echo "nccl: $nccl_version"
-    echo "cuda: $cuda_versions"
     echo "total: $((SECONDS - start))s of ${budget_s}s budget"
     echo "result: $([ $failed -eq 0 ] && echo PASS || echo FAIL)"
   } >>"$summary"
@@ -135,6 +186,21 @@ finish() {
   cat "$summary"
   exit $failed
 }
+
+# shellcheck disable=SC2317  # called from the traps below
+cut_off() {  # $1: the signal
+  trap - TERM INT
+  if [ -n "${run_pid:-}" ]; then kill -TERM "$run_pid" 2>/dev/null || true; fi
+  {
+    echo
+    echo "total: $((SECONDS - start))s of ${budget_s}s budget"
+    echo "result: CUT OFF during $step (SIG$1)"
+  } >>"$summary"
+  say "cut off during $step (SIG$1); summary in $summary"
+  exit 1
+}
+trap 'cut_off TERM' TERM
+trap 'cut_off INT' INT
 
 {
   echo "flatparam GPU kit: $here"
@@ -146,6 +212,7 @@ finish() {
 echo >>"$summary"
 
 # --- gpu: the driver and the card.
+step=gpu
 t0=$SECONDS
 smi_ok=0
 if command -v nvidia-smi >/dev/null 2>&1; then
@@ -169,41 +236,121 @@ if [ $smi_ok -eq 0 ]; then
   finish
 fi
 record gpu PASS $((SECONDS - t0)) "$card, driver $driver"
+fact card "$card"
+fact driver "$driver"
 
 # --- nccl: the machine's libnccl.so.2.
+step=nccl
 t0=$SECONDS
-nccl_lib=${FLATPARAM_NCCL_LIB:-}
-if [ -z "$nccl_lib" ] && command -v python3 >/dev/null 2>&1; then
-  nccl_lib=$(python3 -c 'import os, nvidia.nccl as n; print(os.path.join(list(n.__path__)[0], "lib"))' 2>>"$env_log" || true)
-  python3 -c 'import importlib.metadata as m; print("pip nvidia-nccl-cu13:", m.version("nvidia-nccl-cu13"))' >>"$env_log" 2>&1 || true
+nccl_lib=""
+nccl_from=""
+nccl_wheel=""
+# The folder holding libnccl.so.2 of an nvidia-nccl wheel under
+# site-packages folder $1, and the wheel's name and version from its
+# dist-info.
+try_site_packages() {
+  local sp=$1 info
+  [ -e "$sp/nvidia/nccl/lib/libnccl.so.2" ] || return 1
+  nccl_lib=$sp/nvidia/nccl/lib
+  for info in "$sp"/nvidia_nccl_*.dist-info; do
+    [ -d "$info" ] || continue
+    info=$(basename "$info" .dist-info)
+    nccl_wheel="${info%-*} ${info##*-}"
+    nccl_wheel=${nccl_wheel//_/-}
+  done
+  return 0
+}
+if [ -n "${FLATPARAM_NCCL_LIB:-}" ]; then
+  nccl_lib=$FLATPARAM_NCCL_LIB
+  nccl_from="FLATPARAM_NCCL_LIB"
 fi
-if [ -z "$nccl_lib" ] || [ ! -e "$nccl_lib/libnccl.so.2" ]; then
-  for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/lib/x86_64-linux-gnu; do
-    if [ -e "$d/libnccl.so.2" ]; then
-      nccl_lib=$d
+if [ -z "$nccl_lib" ] && command -v python3 >/dev/null 2>&1; then
+  for sp in $(python3 -c 'import site, sys; print("\n".join(site.getsitepackages() + [site.getusersitepackages()] + sys.path))' 2>>"$env_log" | sort -u); do
+    if try_site_packages "$sp"; then
+      nccl_from="python3 ($(command -v python3))"
       break
     fi
   done
 fi
-echo "libnccl.so.2 directory: ${nccl_lib:-<not found>}" >>"$env_log"
+if [ -z "$nccl_lib" ]; then
+  for sp in /opt/*/.venv/lib/python3*/site-packages /opt/*/venv/lib/python3*/site-packages \
+    /opt/*/lib/python3*/site-packages /usr/local/lib/python3*/site-packages \
+    /usr/local/lib/python3*/dist-packages /usr/lib/python3/dist-packages \
+    "${HOME:-/root}"/.local/lib/python3*/site-packages; do
+    if try_site_packages "$sp"; then
+      nccl_from="$sp"
+      break
+    fi
+  done
+fi
+if [ -z "$nccl_lib" ]; then
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/lib/x86_64-linux-gnu; do
+    if [ -e "$d/libnccl.so.2" ]; then
+      nccl_lib=$d
+      nccl_from="$d"
+      break
+    fi
+  done
+fi
+if [ -z "$nccl_lib" ] && command -v ldconfig >/dev/null 2>&1; then
+  found=$(ldconfig -p 2>/dev/null | sed -n 's/^[[:space:]]*libnccl\.so\.2 .*=> //p' | head -n 1)
+  if [ -n "$found" ]; then
+    nccl_lib=$(dirname "$found")
+    nccl_from="ldconfig -p"
+  fi
+fi
+echo "libnccl.so.2 directory: ${nccl_lib:-<not found>} (from ${nccl_from:-nowhere}; wheel: ${nccl_wheel:-none})" >>"$env_log"
 cuda_lib=/usr/local/cuda/lib64
 export LD_LIBRARY_PATH="$here/lib${nccl_lib:+:$nccl_lib}:$cuda_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH" >>"$env_log"
+runtime_version=""
+driver_version=""
 if [ -z "$nccl_lib" ] || [ ! -e "$nccl_lib/libnccl.so.2" ]; then
-  record nccl FAIL $((SECONDS - t0)) "no libnccl.so.2 (python3 -c 'import nvidia.nccl' failed; set FLATPARAM_NCCL_LIB=DIR)"
+  record nccl FAIL $((SECONDS - t0)) "no libnccl.so.2 in FLATPARAM_NCCL_LIB, any Python's nvidia-nccl wheel, the CUDA or system library folders, or ldconfig -p (set FLATPARAM_NCCL_LIB=DIR)"
 elif versions=$(timeout 60 "$here/bin/gpu_versions" 2>>"$env_log"); then
   echo "$versions" >>"$env_log"
   nccl_version=$(sed -n 's/^nccl: //p' <<<"$versions")
-  cuda_versions="runtime $(sed -n 's/^cuda_runtime: //p' <<<"$versions"), driver API $(sed -n 's/^cuda_driver: //p' <<<"$versions")"
-  record nccl PASS $((SECONDS - t0)) "NCCL $nccl_version from $nccl_lib"
+  runtime_version=$(sed -n 's/^cuda_runtime: //p' <<<"$versions")
+  driver_version=$(sed -n 's/^cuda_driver: //p' <<<"$versions")
+  cuda_versions="runtime $runtime_version, driver API $driver_version"
+  record nccl PASS $((SECONDS - t0)) "NCCL $nccl_version from $nccl_lib (${nccl_wheel:-$nccl_from})"
+  fact nccl "$nccl_version${nccl_wheel:+ (wheel $nccl_wheel)}"
+  fact cuda "$cuda_versions"
 else
   record nccl FAIL $((SECONDS - t0)) "bin/gpu_versions failed (see env.txt)"
 fi
 
-# --- bundle: every binary's libraries resolve, from lib/ unless the machine
-# provides them (the C/C++ runtime, CUDA's and NCCL's own).
+# --- cuda: the driver must support the bundled CUDA runtime. A driver older
+# than the runtime's major version cannot run it at all; within a major
+# version, CUDA's minor version compatibility runs it (PTX of a newer minor
+# version would not load).
+step=cuda
 t0=$SECONDS
-provided_re='^(linux-vdso|libc|libm|libstdc\+\+|libgcc_s|ld-linux-x86-64|ld-linux|libpthread|libdl|librt|libcudart|libnccl|libcuda)\.so'
+if [ -z "$runtime_version" ]; then
+  record cuda FAIL 0 "no CUDA runtime version (bin/gpu_versions did not run)"
+elif ! [[ $driver_version =~ ^([0-9]+)\.([0-9]+) ]]; then
+  record cuda FAIL $((SECONDS - t0)) "the driver reports no CUDA version ($driver_version): the bundled CUDA $runtime_version runtime cannot run"
+else
+  d_major=${BASH_REMATCH[1]}
+  d_minor=${BASH_REMATCH[2]}
+  [[ $runtime_version =~ ^([0-9]+)\.([0-9]+) ]]
+  r_major=${BASH_REMATCH[1]}
+  r_minor=${BASH_REMATCH[2]}
+  if [ "$d_major" -lt "$r_major" ]; then
+    record cuda FAIL $((SECONDS - t0)) "the driver supports CUDA $driver_version, older than the bundled CUDA $runtime_version runtime: install a driver for CUDA $r_major"
+  elif [ "$d_major" -eq "$r_major" ] && [ "$d_minor" -lt "$r_minor" ]; then
+    record cuda PASS $((SECONDS - t0)) "driver CUDA $driver_version runs the CUDA $runtime_version runtime by minor version compatibility"
+  else
+    record cuda PASS $((SECONDS - t0)) "driver CUDA $driver_version, runtime $runtime_version (bundled)"
+  fi
+fi
+
+# --- bundle: every binary's libraries resolve, from lib/ unless the machine
+# provides them (the C/C++ runtime, the driver's libcuda and NCCL; the CUDA
+# runtime comes from lib/, the one the binaries were built against).
+step=bundle
+t0=$SECONDS
+provided_re='^(linux-vdso|libc|libm|libstdc\+\+|libgcc_s|ld-linux-x86-64|ld-linux|libpthread|libdl|librt|libnccl|libcuda)\.so'
 missing=""
 for b in "$here"/bin/*; do
   echo "== ldd $(basename "$b")" >>"$env_log"
@@ -234,6 +381,7 @@ fi
 # --- the tests, each with FLATPARAM_REQUIRE_GPU=1.
 export FLATPARAM_REQUIRE_GPU=1
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+export CUDA_MODULE_LOADING=EAGER  # see the file comment
 test_step() {  # $1: step, $2: cap, $3: binary in bin/
   have_budget "$1" || return 0
   if [ -x "$here/bin/$3" ]; then
@@ -248,22 +396,6 @@ test_step nccl_unit 60 nccl_communicator_test
 test_step nccl_gpu 150 nccl_gpu_test
 test_step training 150 training_nccl_test
 
-# --- compute-sanitizer over the CUDA DeviceOps and handle tests.
-sanitizer=$(command -v compute-sanitizer || true)
-if [ -z "$sanitizer" ] && [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
-  sanitizer=/usr/local/cuda/bin/compute-sanitizer
-fi
-for tool in memcheck racecheck synccheck; do
-  have_budget "$tool" || continue
-  if [ -z "$sanitizer" ]; then
-    record "$tool" FAIL 0 "compute-sanitizer not found (PATH, /usr/local/cuda/bin)"
-    continue
-  fi
-  run_step "$tool" "$([ "$tool" = synccheck ] && echo 60 || echo 90)" \
-    "$san_log" "$sanitizer" --tool "$tool" \
-    --error-exitcode 1 "$here/bin/cuda_device_test"
-done
-
 # --- the benchmark.
 if ! have_budget bench; then
   :
@@ -275,5 +407,33 @@ elif [ -x "$here/bin/gpu_bench" ]; then
 else
   record bench FAIL 0 "bin/gpu_bench is not in the bundle"
 fi
+
+# --- compute-sanitizer over the CUDA DeviceOps and handle tests.
+sanitizer=$(command -v compute-sanitizer || true)
+if [ -z "$sanitizer" ] && [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
+  sanitizer=/usr/local/cuda/bin/compute-sanitizer
+fi
+sanitize_step() {  # $1: step, $2: cap, $3...: compute-sanitizer options
+  local name=$1 cap=$2 mark
+  shift 2
+  have_budget "$name" || return 0
+  if [ -z "$sanitizer" ]; then
+    record "$name" FAIL 0 "compute-sanitizer not found (PATH, /usr/local/cuda/bin)"
+    return 0
+  fi
+  mark=$(wc -l <"$san_log")
+  run_timed "$name" "$cap" "$san_log" "$sanitizer" "$@" \
+    --report-api-errors no --error-exitcode 1 "$here/bin/cuda_device_test" ||
+    return 0
+  # Not a finding: this machine's sanitizer cannot instrument this device.
+  if [ "$run_rc" -ne 0 ] &&
+    tail -n +"$((mark + 1))" "$san_log" | grep -q "Device not supported"; then
+    record "$name" SKIP "$run_s" "compute-sanitizer answers \"Device not supported\" on this machine (see sanitizer.log)"
+  else
+    record_run
+  fi
+}
+sanitize_step memcheck 90 --tool memcheck --track-stream-ordered-races all
+sanitize_step initcheck 90 --tool initcheck
 
 finish

@@ -66,7 +66,9 @@ def _nvcc_archive_impl(ctx):
     gencode = " ".join(_gencode_flags(parse_cuda_archs(value, origin)))
     out = ctx.outputs.out
     compile_cmds = [
-        ("TMPDIR=$tmp %s/bin/nvcc -std=c++17 -O3 -Xcompiler -fPIC " +
+        # -lineinfo: compute-sanitizer (tools/gpu/run.sh) names the source
+        # line of a fault; it does not change the code.
+        ("TMPDIR=$tmp %s/bin/nvcc -std=c++17 -O3 -lineinfo -Xcompiler -fPIC " +
          "-Xcompiler -Wall %s -c %s -o $tmp/obj_%d.o") %
         (CUDA_PATH, gencode, src.path, i)
         for i, src in enumerate(ctx.files.srcs)
