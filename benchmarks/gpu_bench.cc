@@ -63,7 +63,10 @@
 // synchronization (the handle issues work on several streams), and so is
 // their baseline. Sizes 1 MiB to 256 MiB (--max_bytes caps them; x4 steps).
 // Counters: bytes_per_second (SetBytesProcessed), algbw and busbw for the
-// collectives (nccl-tests' factors: at n = 1 busbw is 0), vs_baseline.
+// collectives (nccl-tests' factors: at n = 1 busbw is 0), median_us and
+// vs_baseline: the median iteration over the median baseline, the same
+// statistic on both sides. Before the first row, 200 ms of device work
+// warms the GPU up. Every host wait is bounded (kHostWaitLimit).
 //
 //   bazel build -c opt //benchmarks:gpu_bench
 //   bazel-bin/benchmarks/gpu_bench --benchmark_min_time=0.1
@@ -119,6 +122,9 @@ constexpr int64_t kMaxBytes = int64_t{256} << 20;
 constexpr int kDevice = 0;
 // Baseline timings per benchmark run: the median of this many.
 constexpr int kBaselineRuns = 9;
+// The longest any host wait of the benchmarks may take: the slowest row
+// (256 MiB, a handle round trip) takes milliseconds.
+constexpr absl::Duration kHostWaitLimit = absl::Seconds(60);
 
 // Benchmarks that could not run (SkipWithError), for the exit status.
 int failures = 0;
@@ -169,6 +175,23 @@ absl::StatusOr<Gpu*> MakeGpu() {
       gpu->comm,
       NcclCommunicator::Wrap(BenchNcclApi(), RealCudaRuntime(), comm,
                              NcclCommunicator::Ownership::kTakeOwnership));
+  // Every host wait ends within kHostWaitLimit, aborting the communicator,
+  // instead of blocking in the driver behind device work that never
+  // finishes (tools/gpu/run.sh has a budget to keep).
+  NcclCommunicator* nccl = gpu->comm.get();
+  gpu->ops->SetHostWaitLimit(kHostWaitLimit, [nccl](absl::string_view what) {
+    absl::Status error = absl::DeadlineExceededError(absl::StrFormat(
+        "gpu_bench: %s did not complete within %s; aborted the NCCL "
+        "communicator",
+        what, absl::FormatDuration(kHostWaitLimit)));
+    nccl->Abort(error);
+    return error;
+  });
+  // Warm-up: 200 ms of device work before the first row, so that the
+  // GPU's clocks have left their idle state when timing starts.
+  FLATPARAM_RETURN_IF_ERROR(
+      Cuda(LaunchSpinKernel(gpu->stream, 200 * 1000 * 1000), "warm-up spin"));
+  FLATPARAM_RETURN_IF_ERROR(gpu->ops->Synchronize());
   return gpu.release();
 }
 
@@ -211,6 +234,12 @@ absl::StatusOr<double> WallTime(const std::function<absl::Status()>& run) {
       .count();
 }
 
+double MedianOf(std::vector<double> t) {
+  if (t.empty()) return 0;
+  std::nth_element(t.begin(), t.begin() + t.size() / 2, t.end());
+  return t[t.size() / 2];
+}
+
 // The median of kBaselineRuns timings (after one untimed warm-up).
 absl::StatusOr<double> Median(
     const std::function<absl::StatusOr<double>()>& time) {
@@ -220,14 +249,15 @@ absl::StatusOr<double> Median(
     FLATPARAM_ASSIGN_OR_RETURN(double s, time());
     t.push_back(s);
   }
-  std::nth_element(t.begin(), t.begin() + t.size() / 2, t.end());
-  return t[t.size() / 2];
+  return MedianOf(std::move(t));
 }
 
 // Runs the benchmark loop: `time` measures one iteration, `baseline` one
 // run of the physical baseline (its median is taken first). Sets
-// SetBytesProcessed(bytes) per iteration and vs_baseline; `kind`, when set,
-// adds algbw/busbw for a collective of `bytes` on one rank.
+// SetBytesProcessed(bytes) per iteration and vs_baseline, the median
+// iteration over the median baseline (the same statistic on both sides);
+// `kind`, when set, adds algbw/busbw for a collective of `bytes` on one
+// rank, from the median iteration.
 void Loop(benchmark::State& state, int64_t bytes,
           const std::function<absl::StatusOr<double>()>& time,
           const std::function<absl::StatusOr<double>()>& baseline,
@@ -237,7 +267,7 @@ void Loop(benchmark::State& state, int64_t bytes,
     Fail(state, base.status());
     return;
   }
-  double total = 0;
+  std::vector<double> times;
   for (auto _ : state) {
     absl::StatusOr<double> t = time();
     if (!t.ok()) {
@@ -245,11 +275,12 @@ void Loop(benchmark::State& state, int64_t bytes,
       return;
     }
     state.SetIterationTime(*t);
-    total += *t;
+    times.push_back(*t);
   }
   const int64_t n = state.iterations();
   state.SetBytesProcessed(bytes * n);
-  const double per = n > 0 ? total / n : 0;
+  const double per = MedianOf(std::move(times));
+  state.counters["median_us"] = per * 1e6;
   state.counters["vs_baseline"] = *base > 0 ? per / *base : 0;
   state.counters["baseline_us"] = *base * 1e6;
   if (kind != nullptr) {

@@ -2,6 +2,8 @@
 #include "benchmarks/timed_nccl_api.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 namespace flatparam {
 namespace bench {
@@ -60,23 +62,41 @@ absl::StatusOr<double> TimedNcclApi::ElapsedSeconds() {
   return ms * 1e-3;
 }
 
-TimedNcclApi::Bracket::Bracket(TimedNcclApi& api, cudaStream_t stream)
-    : api_(api), stream_(stream), active_(api.armed_) {
-  if (!active_) return;
-  api_.armed_ = false;
-  api_.record_status_ =
-      CudaStatus(api_.cuda_, api_.cuda_.EventRecord(api_.start_, stream_),
-                 "cudaEventRecord (start)");
-}
-
-TimedNcclApi::Bracket::~Bracket() {
-  if (!active_) return;
-  if (api_.record_status_.ok()) {
-    api_.record_status_ =
-        CudaStatus(api_.cuda_, api_.cuda_.EventRecord(api_.stop_, stream_),
-                   "cudaEventRecord (stop)");
+ncclResult_t TimedNcclApi::Timed(cudaStream_t stream, ncclComm_t comm,
+                                 absl::FunctionRef<ncclResult_t()> call) {
+  if (!armed_) return call();
+  armed_ = false;
+  record_status_ = CudaStatus(cuda_, cuda_.EventRecord(start_, stream),
+                              "cudaEventRecord (start)");
+  const ncclResult_t result = call();
+  if (result == ncclInProgress && record_status_.ok()) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    while (true) {
+      ncclResult_t state = ncclSuccess;
+      const ncclResult_t r = inner_.CommGetAsyncError(comm, &state);
+      if (r != ncclSuccess) {
+        record_status_ =
+            NcclStatus(inner_, r, comm, "TimedNcclApi: ncclCommGetAsyncError");
+        break;
+      }
+      // An asynchronous error is the communicator's to report; the
+      // collective is as enqueued as it will be.
+      if (state != ncclInProgress) break;
+      if (absl::Now() > deadline) {
+        record_status_ = absl::DeadlineExceededError(
+            "TimedNcclApi: the collective was still being enqueued (NCCL "
+            "ncclInProgress) after 60s");
+        break;
+      }
+      absl::SleepFor(absl::Microseconds(20));
+    }
   }
-  api_.recorded_ = true;
+  if (record_status_.ok()) {
+    record_status_ = CudaStatus(cuda_, cuda_.EventRecord(stop_, stream),
+                                "cudaEventRecord (stop)");
+  }
+  recorded_ = true;
+  return result;
 }
 
 }  // namespace bench

@@ -2,7 +2,8 @@
 // to another one (normally RealNcclApi()) and, once armed, brackets the next
 // collective call (AllGather, ReduceScatter, AllReduce or Broadcast) with two
 // CUDA events recorded on that collective's stream immediately before and
-// after the NCCL call, as nccl-tests does. The benchmarks time a
+// after the NCCL call (after its enqueue has completed, for a non-blocking
+// communicator), as nccl-tests does. The benchmarks time a
 // Communicator's collective with it: the argument checks, pointer-attribute
 // queries, event creation and stream waits that NcclCommunicator does on the
 // host before and after the NCCL call fall outside the two events, so the
@@ -32,6 +33,7 @@
 
 #include <cstddef>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "comm/nccl/nccl_api.h"
@@ -107,31 +109,35 @@ class TimedNcclApi final : public NcclApi {
   ncclResult_t AllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
                          ncclDataType_t datatype, ncclComm_t comm,
                          cudaStream_t stream) override {
-    Bracket bracket(*this, stream);
-    return inner_.AllGather(sendbuff, recvbuff, sendcount, datatype, comm,
-                            stream);
+    return Timed(stream, comm, [&] {
+      return inner_.AllGather(sendbuff, recvbuff, sendcount, datatype, comm,
+                              stream);
+    });
   }
   ncclResult_t ReduceScatter(const void* sendbuff, void* recvbuff,
                              size_t recvcount, ncclDataType_t datatype,
                              ncclRedOp_t op, ncclComm_t comm,
                              cudaStream_t stream) override {
-    Bracket bracket(*this, stream);
-    return inner_.ReduceScatter(sendbuff, recvbuff, recvcount, datatype, op,
-                                comm, stream);
+    return Timed(stream, comm, [&] {
+      return inner_.ReduceScatter(sendbuff, recvbuff, recvcount, datatype, op,
+                                  comm, stream);
+    });
   }
   ncclResult_t AllReduce(const void* sendbuff, void* recvbuff, size_t count,
                          ncclDataType_t datatype, ncclRedOp_t op,
                          ncclComm_t comm, cudaStream_t stream) override {
-    Bracket bracket(*this, stream);
-    return inner_.AllReduce(sendbuff, recvbuff, count, datatype, op, comm,
-                            stream);
+    return Timed(stream, comm, [&] {
+      return inner_.AllReduce(sendbuff, recvbuff, count, datatype, op, comm,
+                              stream);
+    });
   }
   ncclResult_t Broadcast(const void* sendbuff, void* recvbuff, size_t count,
                          ncclDataType_t datatype, int root, ncclComm_t comm,
                          cudaStream_t stream) override {
-    Bracket bracket(*this, stream);
-    return inner_.Broadcast(sendbuff, recvbuff, count, datatype, root, comm,
-                            stream);
+    return Timed(stream, comm, [&] {
+      return inner_.Broadcast(sendbuff, recvbuff, count, datatype, root, comm,
+                              stream);
+    });
   }
   const char* GetErrorString(ncclResult_t result) override {
     return inner_.GetErrorString(result);
@@ -141,18 +147,13 @@ class TimedNcclApi final : public NcclApi {
   }
 
  private:
-  // Records the start event on construction and the stop event on
-  // destruction when armed, then disarms.
-  class Bracket {
-   public:
-    Bracket(TimedNcclApi& api, cudaStream_t stream);
-    ~Bracket();
-
-   private:
-    TimedNcclApi& api_;
-    cudaStream_t stream_;
-    bool active_;
-  };
+  // Runs `call` (one NCCL collective on `comm` and `stream`), bracketed by
+  // the events when armed, then disarms. When a non-blocking communicator
+  // returns ncclInProgress, the collective may not be on the stream yet:
+  // the stop event is recorded once ncclCommGetAsyncError no longer says
+  // ncclInProgress (at most 60 s).
+  ncclResult_t Timed(cudaStream_t stream, ncclComm_t comm,
+                     absl::FunctionRef<ncclResult_t()> call);
 
   NcclApi& inner_;
   CudaRuntime& cuda_;

@@ -102,6 +102,37 @@ TEST(TimedNcclApiTest, EventsAreCreatedOnceOnTheArmedDevice) {
   EXPECT_EQ(inner.StreamDestroy(one.stream), cudaSuccess);
 }
 
+// A non-blocking communicator may return ncclInProgress before the
+// collective is on the stream: the stop event waits until it is.
+TEST(TimedNcclApiTest, TheStopEventFollowsANonBlockingEnqueue) {
+  FakeNcclApi inner;
+  TimedNcclApi api(inner, inner);
+  ncclUniqueId id;
+  std::memset(&id, 0, sizeof(id));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  ASSERT_EQ(inner.CommInitRankConfig(&comm, 1, id, 0, &config), ncclSuccess);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(inner.StreamCreateWithFlags(&stream, 0), cudaSuccess);
+  void* buffer = nullptr;
+  ASSERT_EQ(inner.Malloc(&buffer, 256), cudaSuccess);
+  inner.set_in_progress_polls(2);
+  ASSERT_THAT(api.Arm(0), IsOk());
+  const size_t from = inner.calls().size();
+  EXPECT_EQ(api.AllGather(buffer, buffer, 4, ncclFloat32, comm, stream),
+            ncclInProgress);
+  EXPECT_THAT(CallsSince(inner, from),
+              ElementsAre("cudaEventRecord", "ncclAllGather",
+                          "ncclCommGetAsyncError", "ncclCommGetAsyncError",
+                          "ncclCommGetAsyncError", "cudaEventRecord"));
+  inner.set_in_progress_polls(0);
+  EXPECT_EQ(inner.CommDestroy(comm), ncclSuccess);
+  EXPECT_EQ(inner.Free(buffer), cudaSuccess);
+  EXPECT_EQ(inner.StreamDestroy(stream), cudaSuccess);
+  EXPECT_THAT(inner.misuse(), ::testing::IsEmpty());
+}
+
 // Under NcclCommunicator: its pointer checks and event creation happen
 // before the start event, its completion event after the stop event.
 TEST(TimedNcclApiTest, CommunicatorHostWorkFallsOutsideTheEvents) {
