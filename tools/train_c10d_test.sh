@@ -190,7 +190,7 @@ port=$(free_port)
 node() {  # NAME
   timeout --kill-after=10 $((150 * scale)) torchrun --nnodes=1:2 \
     --nproc_per_node=1 --rdzv_backend=c10d --rdzv_endpoint="127.0.0.1:$port" \
-    --rdzv_id=nodes --rdzv_conf=last_call_timeout=1 --max_restarts=2 \
+    --rdzv_id=nodes --rdzv_conf=last_call_timeout=3 --max_restarts=2 \
     --monitor_interval=0.5 --redirects 1 --tee 1 --log_dir "$tmp/logs_node_$1" \
     --no_python "$fsdp" train --steps=300 --save="$ckpt/step{step}" \
     --save-every=1 --resume --log-every=10 --check-reference --timeout=10s \
@@ -199,6 +199,8 @@ node() {  # NAME
 # The rendezvous store lives in the agent that binds the endpoint first
 # (the node torchrun's docs say must stay up); node b is started once it
 # is, so that b connects to a's store and is the node that may be lost.
+# The last call waits 3 s for b (its torchrun takes a second or two to
+# start on a loaded machine).
 node a &
 node_a=$!
 for _ in $(seq 1 $((400 * scale))); do
@@ -208,7 +210,10 @@ done
 node b &
 node_b=$!
 killed_at=""
-for _ in $(seq 1 $((1200 * scale))); do
+# As long as node a may run: on a loaded machine b can miss a's first
+# rendezvous (a trains alone, then both restart when b joins), and step 29
+# comes late.
+for _ in $(seq 1 $((3000 * scale))); do
   if grep -q 'fsdp train: step 29 loss' "$tmp/node_a" "$tmp/node_b" 2>/dev/null; then
     grep -q 'failed to bind' "$tmp/node_b" ||
       fail "nodes: node b hosts the rendezvous store"
