@@ -4,35 +4,16 @@
 #include <cuda_runtime_api.h>
 
 #include "absl/strings/str_format.h"
+#include "flatparam/device/cuda/cuda_runtime.h"
 
 namespace flatparam {
 namespace conformance {
 namespace {
 
-// The code for a CUDA error: what a caller can do about it decides it, as
-// in comm/nccl's CudaStatus().
-absl::StatusCode CodeFor(cudaError_t e) {
-  switch (e) {
-    case cudaErrorNoDevice:
-    case cudaErrorInsufficientDriver:
-    case cudaErrorInitializationError:
-      return absl::StatusCode::kFailedPrecondition;
-    case cudaErrorInvalidDevice:
-    case cudaErrorInvalidValue:
-      return absl::StatusCode::kInvalidArgument;
-    case cudaErrorMemoryAllocation:
-      return absl::StatusCode::kResourceExhausted;
-    default:
-      return absl::StatusCode::kInternal;
-  }
-}
-
+// The one mapping of CUDA errors (CudaStatus), with the device named.
 absl::Status Check(cudaError_t e, int device, absl::string_view what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  return absl::Status(
-      CodeFor(e), absl::StrFormat("cuda:%d: %s: CUDA %s (%d): %s", device, what,
-                                  cudaGetErrorName(e), static_cast<int>(e),
-                                  cudaGetErrorString(e)));
+  return CudaStatus(RealCudaRuntime(), e,
+                    absl::StrFormat("cuda:%d: %s", device, what));
 }
 
 class CudaMemoryImpl final : public DeviceMemory {

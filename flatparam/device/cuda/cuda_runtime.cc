@@ -125,6 +125,7 @@ absl::StatusCode CudaCode(cudaError_t error) {
     case cudaSuccess:
       return absl::StatusCode::kOk;
     case cudaErrorNoDevice:
+    case cudaErrorInitializationError:
     case cudaErrorInsufficientDriver:
     case cudaErrorDevicesUnavailable:
     case cudaErrorStubLibrary:

@@ -27,6 +27,8 @@ TEST(CudaStatusTest, MapsErrors) {
                HasSubstr("ctx: CUDA cudaErrorInsufficientDriver (35)")));
   EXPECT_THAT(CudaStatus(rt, cudaErrorNoDevice, "ctx"),
               StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(CudaStatus(rt, cudaErrorInitializationError, "ctx"),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
   EXPECT_THAT(CudaStatus(rt, cudaErrorInvalidDevice, "ctx"),
               StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(CudaStatus(rt, cudaErrorInvalidValue, "ctx"),

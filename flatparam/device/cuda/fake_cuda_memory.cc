@@ -116,12 +116,7 @@ void FakeCudaRuntime::ReleaseIdleBlocks() {
 int FakeCudaRuntime::DeviceOf(const void* ptr, bool* pinned) const {
   absl::MutexLock lock(&mu_);
   if (pinned != nullptr) *pinned = IsPinned(ptr);
-  char* p = static_cast<char*>(const_cast<void*>(ptr));
-  auto it = blocks_.upper_bound(p);
-  if (it == blocks_.begin()) return -1;
-  --it;
-  if (!it->second.live || p >= it->first + it->second.bytes) return -1;
-  return it->second.device;
+  return BlockDevice(ptr);
 }
 
 cudaError_t FakeCudaRuntime::PointerGetAttributes(
