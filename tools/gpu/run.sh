@@ -326,19 +326,16 @@ fi
 # version would not load).
 step=cuda
 t0=$SECONDS
-if [ -z "$runtime_version" ]; then
-  record cuda FAIL 0 "no CUDA runtime version (bin/gpu_versions did not run)"
-elif ! [[ $driver_version =~ ^([0-9]+)\.([0-9]+) ]]; then
-  record cuda FAIL $((SECONDS - t0)) "the driver reports no CUDA version ($driver_version): the bundled CUDA $runtime_version runtime cannot run"
+if ! [[ $runtime_version =~ ^([0-9]+)\.([0-9]+) ]]; then
+  record cuda FAIL 0 "no CUDA runtime version (bin/gpu_versions did not run or said '$runtime_version')"
 else
-  d_major=${BASH_REMATCH[1]}
-  d_minor=${BASH_REMATCH[2]}
-  [[ $runtime_version =~ ^([0-9]+)\.([0-9]+) ]]
   r_major=${BASH_REMATCH[1]}
   r_minor=${BASH_REMATCH[2]}
-  if [ "$d_major" -lt "$r_major" ]; then
+  if ! [[ $driver_version =~ ^([0-9]+)\.([0-9]+) ]]; then
+    record cuda FAIL $((SECONDS - t0)) "the driver reports no CUDA version ($driver_version): the bundled CUDA $runtime_version runtime cannot run"
+  elif [ "${BASH_REMATCH[1]}" -lt "$r_major" ]; then
     record cuda FAIL $((SECONDS - t0)) "the driver supports CUDA $driver_version, older than the bundled CUDA $runtime_version runtime: install a driver for CUDA $r_major"
-  elif [ "$d_major" -eq "$r_major" ] && [ "$d_minor" -lt "$r_minor" ]; then
+  elif [ "${BASH_REMATCH[1]}" -eq "$r_major" ] && [ "${BASH_REMATCH[2]}" -lt "$r_minor" ]; then
     record cuda PASS $((SECONDS - t0)) "driver CUDA $driver_version runs the CUDA $runtime_version runtime by minor version compatibility"
   else
     record cuda PASS $((SECONDS - t0)) "driver CUDA $driver_version, runtime $runtime_version (bundled)"

@@ -76,6 +76,13 @@ class FakeNcclOnCudaTest : public ::testing::Test {
     for (std::thread& t : threads) t.join();
   }
 
+  // All-reduces one float32 element at three ranks, rank r contributing
+  // x(r) with options(r); every rank must get `want`, and nothing be
+  // misused.
+  void ExpectAllReduceOfOne(const std::function<float(int)>& x,
+                            const std::function<ReduceOptions(int)>& options,
+                            float want);
+
   std::unique_ptr<FakeCudaRuntime> cuda_;
   std::unique_ptr<FakeNcclOnCuda> nccl_;
   absl::Mutex create_errors_mu_;
@@ -104,6 +111,22 @@ std::vector<float> Download(CudaDeviceOps& ops, BufferRef b) {
                b),
       IsOk());
   return out;
+}
+
+void FakeNcclOnCudaTest::ExpectAllReduceOfOne(
+    const std::function<float(int)>& x,
+    const std::function<ReduceOptions(int)>& options, float want) {
+  RunRanks(3, [&](int r, CudaDeviceOps& ops, NcclCommunicator& comm) {
+    DeviceBuffer a = Upload(ops, {x(r)});
+    ASSERT_THAT(
+        comm.AllReduce(a.As(DType::kFloat32), a.As(DType::kFloat32), options(r))
+            ->Wait(),
+        IsOk());
+    EXPECT_THAT(Download(ops, a.As(DType::kFloat32)),
+                ::testing::ElementsAre(want));
+  });
+  EXPECT_THAT(create_errors_, IsEmpty());
+  EXPECT_THAT(nccl_->misuse(), IsEmpty());
 }
 
 TEST_F(FakeNcclOnCudaTest, CollectivesAtThreeRanks) {
@@ -241,39 +264,23 @@ TEST_F(FakeNcclOnCudaTest, AverageIsAPreMultipliedSumByOneOverN) {
   const float want = (1.0f * third + 1.0f * third) + 3.0f * third;
   ASSERT_NE(want, (1.0f + 1.0f + 3.0f) / 3.0f)
       << "the case must tell the two apart";
-  RunRanks(3, [want](int r, CudaDeviceOps& ops, NcclCommunicator& comm) {
-    DeviceBuffer a = Upload(ops, {r == 2 ? 3.0f : 1.0f});
-    ReduceOptions avg;
-    avg.op = ReduceOp::kAvg;
-    ASSERT_THAT(
-        comm.AllReduce(a.As(DType::kFloat32), a.As(DType::kFloat32), avg)
-            ->Wait(),
-        IsOk());
-    EXPECT_THAT(Download(ops, a.As(DType::kFloat32)),
-                ::testing::ElementsAre(want));
-  });
-  EXPECT_THAT(create_errors_, IsEmpty());
-  EXPECT_THAT(nccl_->misuse(), IsEmpty());
+  ReduceOptions avg;
+  avg.op = ReduceOp::kAvg;
+  ExpectAllReduceOfOne([](int r) { return r == 2 ? 3.0f : 1.0f; },
+                       [avg](int) { return avg; }, want);
 }
 
 // Each rank's ncclRedOpCreatePreMulSum scalar multiplies that rank's input:
 // ranks with different pre-divide factors (2, 3, 4) are summed each by its
 // own.
 TEST_F(FakeNcclOnCudaTest, EachRankPreMultipliesByItsOwnScalar) {
-  const float want = (0.5f + static_cast<float>(1.0 / 3)) + 0.25f;
-  RunRanks(3, [want](int r, CudaDeviceOps& ops, NcclCommunicator& comm) {
-    DeviceBuffer a = Upload(ops, {1});
-    ReduceOptions options;
-    options.pre_divide_factor = r + 2;
-    ASSERT_THAT(
-        comm.AllReduce(a.As(DType::kFloat32), a.As(DType::kFloat32), options)
-            ->Wait(),
-        IsOk());
-    EXPECT_THAT(Download(ops, a.As(DType::kFloat32)),
-                ::testing::ElementsAre(want));
-  });
-  EXPECT_THAT(create_errors_, IsEmpty());
-  EXPECT_THAT(nccl_->misuse(), IsEmpty());
+  ExpectAllReduceOfOne([](int) { return 1.0f; },
+                       [](int r) {
+                         ReduceOptions options;
+                         options.pre_divide_factor = r + 2;
+                         return options;
+                       },
+                       (0.5f + static_cast<float>(1.0 / 3)) + 0.25f);
 }
 
 // NcclCommunicator checks these rules itself, so the model's are planted
