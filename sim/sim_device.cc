@@ -493,6 +493,19 @@ absl::Status SimDeviceOps::DoRecordStream(ConstBufferRef buffer,
   return absl::OkStatus();
 }
 
+void SimDeviceOps::AddAllocation(Block& block, int32_t stream) {
+  block.stream = stream;
+  const StreamState& s = streams_[stream];
+  const size_t slot = static_cast<size_t>(s.agent.slot);
+  // Before the stream's first operation there is no earlier owner's work
+  // for the memory to wait for.
+  if (slot >= s.clock.size() || s.clock[slot].time == 0) return;
+  ++slot_refs_[s.agent.slot];
+  block.accesses.push_back(Access{0, block.bytes, /*write=*/true, s.agent.id,
+                                  s.agent.slot, s.agent.gen, s.clock[slot].time,
+                                  "its allocation"});
+}
+
 absl::StatusOr<void*> SimDeviceOps::DoAllocate(Device device, int64_t bytes,
                                                bool pinned) {
   if (options_.metadata_only && device != Device::Host()) {
@@ -504,7 +517,7 @@ absl::StatusOr<void*> SimDeviceOps::DoAllocate(Device device, int64_t bytes,
     Block& block = blocks_[static_cast<const char*>(p)];
     block = Block{};
     block.bytes = bytes;
-    block.stream = current_stream().id;
+    AddAllocation(block, current_stream().id);
     return p;
   }
   void* p = ::operator new (static_cast<size_t>(bytes), std::align_val_t{64},
@@ -519,7 +532,7 @@ absl::StatusOr<void*> SimDeviceOps::DoAllocate(Device device, int64_t bytes,
   Block& block = blocks_[static_cast<const char*>(p)];
   block = Block{};
   block.bytes = bytes;
-  block.stream = current_stream().id;
+  AddAllocation(block, current_stream().id);
   return p;
 }
 

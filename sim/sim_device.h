@@ -42,6 +42,11 @@
 // buffer. An access replaces the recorded ones it covers and is ordered
 // after (a write any, a read the reads): whatever races with them races
 // with it, so each buffer keeps a few accesses however often it is read.
+// Allocation is stream-ordered, as CUDA's pool allocator is: a new block is
+// written (by its previous owner's queued work, as far as anyone knows) by
+// the allocating stream up to that point, so another agent's access must be
+// ordered after it (an event recorded after the Allocate, or a host
+// synchronization); otherwise the race names "its allocation".
 // Freeing is checked the way a caching allocator reuses memory: the block is
 // reusable at once by its allocating stream, so every earlier access must be
 // ordered before that stream's clock at the free (joined with the streams
@@ -317,6 +322,10 @@ class SimDeviceOps final : public DeviceOps {
   int32_t NewSlot();
   Agent NewCollectiveAgent(int64_t id);
   void DropAccess(const Access& a);
+  // Records a new block's allocation as a write of the whole block by the
+  // allocating stream at its current point: other agents must be ordered
+  // after it (the stream-ordered allocator's rule, flatparam/device/device.h).
+  void AddAllocation(Block& block, int32_t stream);
   void MaybeRecycle(int32_t slot);
   // The block holding [p, p + bytes), or null for memory not ours.
   Block* Find(const void* p, int64_t bytes, int64_t* offset);

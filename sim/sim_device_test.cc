@@ -217,6 +217,42 @@ TEST(SimDeviceTest, FreeingMemoryAnotherStreamUsesNeedsRecordStream) {
   }
 }
 
+// Memory comes from the allocating stream's pool at that stream's point:
+// its previous owner's work there may still be queued. Another stream must
+// be ordered after the allocation (an event recorded after it, or a host
+// synchronization) before it touches the memory.
+TEST(SimDeviceTest, AnotherStreamMustBeOrderedAfterTheAllocation) {
+  for (int how : {0, 1, 2}) {  // no ordering, an event, a synchronization
+    SimDeviceOps ops;
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(Stream side, ops.NewStream());
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer old,
+                                   ops.Allocate(ops.device(), 16));
+    ASSERT_THAT(ops.Fill(old.As(DType::kFloat32), 1), IsOk());  // queued
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer x,
+                                   ops.Allocate(ops.device(), 16));
+    if (how == 1) {
+      FLATPARAM_ASSERT_OK_AND_ASSIGN(Event allocated,
+                                     ops.RecordEvent(Stream{0}));
+      ASSERT_THAT(ops.WaitEvent(side, allocated), IsOk());
+    } else if (how == 2) {
+      ASSERT_THAT(ops.Synchronize(), IsOk());
+    }
+    ASSERT_THAT(ops.SetStream(side), IsOk());
+    ASSERT_THAT(ops.Fill(x.As(DType::kFloat32), 2), IsOk());
+    ASSERT_THAT(ops.SetStream(Stream{0}), IsOk());
+    if (how == 0) {
+      ASSERT_EQ(ops.reports().size(), 1u);
+      EXPECT_THAT(ops.reports()[0], HasSubstr("race: fill (stream 1, writes"));
+      EXPECT_THAT(ops.reports()[0],
+                  HasSubstr("is not ordered after its allocation (stream 0"));
+    } else {
+      EXPECT_THAT(ops.reports(), IsEmpty()) << how;
+    }
+    ASSERT_THAT(ops.Synchronize(), IsOk());
+    EXPECT_THAT(Read(ops, x), ElementsAre(2, 2, 2, 2));
+  }
+}
+
 TEST(SimDeviceTest, UseAfterFreeIsReported) {
   SimDeviceOps ops;
   FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer x,

@@ -254,6 +254,8 @@ class FakeNcclApi final : public NcclApi, public CudaRuntime {
   cudaError_t LaunchAdd(void* acc, const void* x,
                         internal_cuda::KernelDType dtype, int64_t count,
                         cudaStream_t stream) override;
+  cudaError_t LaunchWaitFlag(const volatile uint32_t* flag,
+                             cudaStream_t stream) override;
 
  private:
   struct Comm {

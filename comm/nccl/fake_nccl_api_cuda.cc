@@ -428,5 +428,9 @@ cudaError_t FakeNcclApi::LaunchAdd(void*, const void*,
                                    cudaStream_t) {
   return NotModelled("LaunchAdd");
 }
+cudaError_t FakeNcclApi::LaunchWaitFlag(const volatile uint32_t*,
+                                        cudaStream_t) {
+  return NotModelled("LaunchWaitFlag");
+}
 
 }  // namespace flatparam

@@ -79,7 +79,11 @@
 // Unimplemented; buffers on another device are InvalidArgument.
 //
 // Memory: buffers belong to the caller and must stay alive and untouched
-// until their Work has been waited on. The communicator owns its stream
+// until their Work has been waited on. After a Wait that failed (the
+// communicator aborted), NCCL's kernels leave stream() only once they see
+// the abort: wait for stream() to drain (cudaStreamQuery says cudaSuccess;
+// bound the wait) before freeing or reusing the buffers of the collectives
+// that were in flight. The communicator owns its stream
 // (unless one was passed in), its events and scratch buffers, and the
 // `ncclComm_t` unless it was wrapped with Ownership::kBorrow.
 //

@@ -43,15 +43,19 @@
 // makes work issued on `t` afterwards wait until e's work has completed
 // (a device-side wait: the host does not block), SynchronizeEvent(e)
 // blocks the host until then. Memory belongs to the stream that was
-// current when it was allocated: freeing it makes it reusable by later
-// work on that stream at once (stream order protects it), so a buffer
-// that another stream also used must be declared with RecordStream(buf,
-// other) (PyTorch's `record_stream`) before it is freed, and its memory is
-// not handed out again until the other stream's work issued before the
-// free has completed. Implementations without concurrency (HostDeviceOps)
-// run everything at once, so there every event has passed when recorded;
-// sim/sim_device.h models the streams on the host and reports any access
-// that the rules above leave unordered.
+// current when it was allocated: another stream may use it only once
+// ordered after the allocation (a WaitEvent for an event recorded on the
+// allocating stream after Allocate, or a host synchronization), since the
+// memory may still be in use by work its previous owner queued on the
+// allocating stream (CUDA's stream-ordered allocator). Freeing it makes it
+// reusable by later work on that stream at once (stream order protects
+// it), so a buffer that another stream also used must be declared with
+// RecordStream(buf, other) (PyTorch's `record_stream`) before it is freed,
+// and its memory is not handed out again until the other stream's work
+// issued before the free has completed. Implementations without concurrency
+// (HostDeviceOps) run everything at once, so there every event has passed when
+// recorded; sim/sim_device.h models the streams on the host and reports any
+// access that the rules above leave unordered.
 //
 // Memory: Allocate() returns an owning DeviceBuffer; its destructor frees the
 // memory through the DeviceOps that allocated it, which must outlive it. The

@@ -220,5 +220,22 @@ cudaError_t LaunchAdd(void* acc, const void* x, KernelDType dtype,
   return cudaErrorInvalidValue;
 }
 
+namespace {
+
+__global__ void WaitFlagKernel(const volatile uint32_t* flag) {
+  while (*flag == 0) {
+#if __CUDA_ARCH__ >= 700
+    __nanosleep(1000);
+#endif
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchWaitFlag(const volatile uint32_t* flag, cudaStream_t stream) {
+  WaitFlagKernel<<<1, 1, 0, stream>>>(flag);
+  return cudaGetLastError();
+}
+
 }  // namespace internal_cuda
 }  // namespace flatparam

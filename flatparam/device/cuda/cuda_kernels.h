@@ -49,6 +49,13 @@ cudaError_t LaunchMultiply(void* buf, KernelDType dtype, double scalar,
 cudaError_t LaunchAdd(void* acc, const void* x, KernelDType dtype,
                       int64_t count, cudaStream_t stream);
 
+// One thread that spins until `*flag` is nonzero, rereading it about every
+// microsecond. `flag` is cudaMallocHost memory, which kernels reach at the
+// host's address (unified addressing): the host sets it to let the stream
+// go on. A stream that does not finish until the host says so: tests use it
+// for a collective whose peer never arrives. Not a count-sized kernel.
+cudaError_t LaunchWaitFlag(const volatile uint32_t* flag, cudaStream_t stream);
+
 }  // namespace internal_cuda
 }  // namespace flatparam
 

@@ -118,6 +118,10 @@ class Real final : public CudaRuntime {
                         cudaStream_t stream) override {
     return internal_cuda::LaunchAdd(acc, x, dtype, count, stream);
   }
+  cudaError_t LaunchWaitFlag(const volatile uint32_t* flag,
+                             cudaStream_t stream) override {
+    return internal_cuda::LaunchWaitFlag(flag, stream);
+  }
 };
 
 absl::StatusCode CudaCode(cudaError_t error) {

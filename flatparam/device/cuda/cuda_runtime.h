@@ -114,6 +114,9 @@ class CudaRuntime {
   virtual cudaError_t LaunchAdd(void* acc, const void* x,
                                 internal_cuda::KernelDType dtype, int64_t count,
                                 cudaStream_t stream) = 0;
+  // A stream held until the host sets `*flag` (pinned memory); tests'.
+  virtual cudaError_t LaunchWaitFlag(const volatile uint32_t* flag,
+                                     cudaStream_t stream) = 0;
 };
 
 // The process-wide implementation over libcudart and the nvcc-compiled

@@ -8,6 +8,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "flatparam/base/dtype.h"
 #include "flatparam/device/cuda/fake_cuda_runtime.h"
 #include "flatparam/device/cuda/fake_cuda_runtime_internal.h"
@@ -179,6 +181,31 @@ cudaError_t FakeCudaRuntime::LaunchAdd(void* acc, const void* x,
                                                   static_cast<float>(b)));
                   }
                 });
+}
+
+cudaError_t FakeCudaRuntime::LaunchWaitFlag(const volatile uint32_t* flag,
+                                            cudaStream_t stream) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!IsPinned(const_cast<const uint32_t*>(flag))) {
+      misuse_.push_back(absl::StrFormat(
+          "wait-flag kernel: %p is not cudaMallocHost memory, which a kernel "
+          "cannot read",
+          static_cast<const void*>(const_cast<const uint32_t*>(flag))));
+      Result(cudaErrorInvalidValue);
+      return GetLastError();
+    }
+  }
+  return Launch("wait-flag kernel", stream, {}, [this, flag] {
+    const uint32_t* f = const_cast<const uint32_t*>(flag);
+    while (__atomic_load_n(f, __ATOMIC_ACQUIRE) == 0) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (shutting_down_) return;
+      }
+      absl::SleepFor(absl::Microseconds(100));
+    }
+  });
 }
 
 }  // namespace flatparam

@@ -64,7 +64,7 @@ FakeCudaRuntime::~FakeCudaRuntime() {
     if (t.joinable()) t.join();
   }
   absl::MutexLock lock(&mu_);
-  for (auto& [p, b] : blocks_) UnmapBlock(p, b);
+  for (auto& [p, segment] : segments_) UnmapSegment(p, segment);
   for (auto& [p, bytes] : pinned_) ::operator delete (p, std::align_val_t{256});
 }
 
@@ -115,9 +115,7 @@ int64_t FakeCudaRuntime::live_streams() const {
 
 int64_t FakeCudaRuntime::live_device_blocks() const {
   absl::MutexLock lock(&mu_);
-  int64_t n = 0;
-  for (const auto& [p, b] : blocks_) n += b.live ? 1 : 0;
-  return n;
+  return static_cast<int64_t>(allocations_.size());
 }
 
 int64_t FakeCudaRuntime::device_mallocs() const {

@@ -2,11 +2,11 @@
 // CudaDeviceOps in CI without a GPU (test-only). It follows the CUDA
 // runtime API's documented semantics where they decide whether code is
 // correct, in the rules below. It is kinder than CUDA where it does not
-// model a rule: a freed block is reused only once its free has run
-// (CUDA's pool may hand it to the same stream earlier, and to other streams
-// behind internal dependencies), and it has no peer access, unified memory
-// or graphs. Speed aside, these are the ways code that passes here can
-// still fail on a GPU:
+// model a rule: it has no peer access, unified memory or graphs, no
+// legacy-default-stream synchronization, and one host clock for all
+// threads (a thread that issues work after another thread synchronized is
+// taken to be ordered after that synchronization). Speed aside, these are
+// the ways code that passes here can still fail on a GPU:
 //
 // - Last errors are per thread: every call that fails (cudaErrorNotReady
 //   from a query included) sets the calling thread's last error, which
@@ -26,18 +26,34 @@
 //   segmentation fault, as on a GPU), and the model's streams work through a
 //   read-write view of the same pages (HostAlias). It starts uninitialised
 //   (0xA5 bytes), as cudaMalloc's does.
-//   cudaFree and cudaFreeHost synchronize the device; cudaMallocAsync and
-//   cudaFreeAsync are stream-ordered: a block freed on a stream becomes free
-//   when that stream reaches the free (its bytes are then overwritten with
-//   0xFF) and only then is handed out again. Pool reservation is reported
-//   through cudaMemPoolAttrReservedMem{Current,High}; with a release
-//   threshold of 0 (CUDA's default) a synchronization returns free blocks.
+//   cudaFree and cudaFreeHost synchronize the device.
+// - Stream-ordered allocation follows CUDA's default memory pool, which
+//   reuses freed memory as early as its rules allow: memory freed with
+//   cudaFreeAsync on stream s goes to the next cudaMallocAsync on s at
+//   once, before the free has run; to an allocation on another stream once
+//   that stream is ordered after the free (an event) or the free has run,
+//   and otherwise behind a wait for the free that the pool inserts into the
+//   allocating stream; and a smaller allocation is carved out of a bigger
+//   freed range (adjacent freed ranges merge). The smallest range that
+//   fits goes first, the most recently freed of equal ones. A free overwrites
+//   its bytes with 0xFF when it runs. Every operation gets a vector clock when
+//   issued (its stream's order, cudaStreamWaitEvent, and what the host has seen
+//   complete through synchronizations and successful queries), and the model
+//   checks, at issue, that an operation touching a stream-ordered allocation is
+//   ordered after its cudaMallocAsync and that each cudaFreeAsync is
+//   ordered after every operation that touched the allocation, as
+//   compute-sanitizer's --track-stream-ordered-races does. A breach is
+//   recorded in misuse() whatever the streams' timing, and the operation
+//   (the use, or the free) becomes an illegal address when it runs. Pool
+//   reservation is reported through cudaMemPoolAttrReservedMem{Current,
+//   High}; with a release threshold of 0 (CUDA's default) a synchronization
+//   returns wholly free segments whose frees have run.
 // - Kernels run as host loops with PyTorch's CUDA arithmetic (the same as
 //   cuda_kernels.cu). A kernel, copy or memset that touches device memory
-//   that is not allocated when it runs (a use after a stream-ordered free
-//   that nothing ordered) is an illegal address: the error becomes sticky,
-//   every later call returns it, and misuse() says which operation did it.
-//   So is a kernel that touches another device's memory (peer access is
+//   that is not allocated when it is issued is an illegal address when it
+//   runs: the error becomes sticky, every later call returns it, and
+//   misuse() says which operation did it. So is a kernel that touches
+//   another device's memory (peer access is
 //   not modelled: CUDA faults without cudaDeviceEnablePeerAccess). A kernel
 //   launched into a stream of a device that is not current is refused with
 //   cudaErrorInvalidResourceHandle, as CUDA refuses it (copies and memsets
@@ -196,11 +212,20 @@ class FakeCudaRuntime final : public CudaRuntime {
   cudaError_t LaunchAdd(void* acc, const void* x,
                         internal_cuda::KernelDType dtype, int64_t count,
                         cudaStream_t stream) override;
+  // Runs until `*flag` is nonzero (or the fake is destroyed); a `flag`
+  // that is not cudaMallocHost memory is refused, as a GPU would fault on
+  // it.
+  cudaError_t LaunchWaitFlag(const volatile uint32_t* flag,
+                             cudaStream_t stream) override;
 
  private:
   struct StreamState;
   struct EventState;
   struct PoolState;
+  // A vector clock: entry i is the last operation (by its position in its
+  // stream's issue order, from 1) of the stream with index i that a point
+  // in the program is ordered after; missing entries are 0.
+  using Clock = std::vector<uint64_t>;
   // A range of device memory an operation touches when it runs.
   struct Touch {
     const void* ptr;
@@ -209,28 +234,62 @@ class FakeCudaRuntime final : public CudaRuntime {
   struct Op {
     std::string what;                 // for misuse()
     std::function<void()> run;        // may be empty (waits, holds)
-    std::vector<Touch> touches;       // checked when the op runs
+    std::vector<Touch> touches;       // checked when issued and when run
     StreamState* wait_for = nullptr;  // cudaStreamWaitEvent
     uint64_t wait_seq = 0;
     int64_t hold = -1;  // HoldStream generation
     // A kernel: it may touch only its stream's device's memory (no peer
     // access is modelled).
     bool kernel = false;
+    // Breaks a stream-ordering rule (misuse() says which): when it runs,
+    // an illegal address instead of its work.
+    bool poisoned = false;
   };
-  struct Block {
+  // Memory the model maps: a cudaMalloc block, or a memory pool's segment
+  // that stream-ordered allocations are carved from. Its key in segments_
+  // is a PROT_NONE view of its pages; `host` a read-write view of them.
+  struct Segment {
     size_t bytes = 0;
     int device = 0;
-    bool live = true;
-    bool pooled = false;  // from cudaMallocAsync
-    // The read-write view of the block's pages; the block's own address
-    // (the key in blocks_) is a PROT_NONE view of the same pages.
+    bool pooled = false;
     char* host = nullptr;
   };
-  // Maps a block of `bytes` as two views of one memory file: a PROT_NONE one
-  // (returned: the "device" address) and a read-write one (*host). Null if
-  // the system refuses.
-  static char* MapBlock(size_t bytes, char** host);
-  static void UnmapBlock(char* device, const Block& block);
+  // A live allocation: a whole cudaMalloc segment, or `span` bytes of a
+  // pool segment from cudaMallocAsync.
+  struct Allocation {
+    size_t bytes = 0;  // as asked for
+    size_t span = 0;   // as carved from the segment
+    int device = 0;
+    bool pooled = false;
+    // cudaMallocAsync's place in its stream (an operation of its own);
+    // null for cudaMalloc, which is ordered before all later work.
+    StreamState* stream = nullptr;
+    uint64_t seq = 0;
+    // For each stream (by index), its last operation that touches the
+    // allocation and what that was, which the free must be ordered after.
+    std::map<int, std::pair<uint64_t, std::string>> uses;
+  };
+  // The stream position of a cudaFreeAsync and its clock there.
+  struct FreePoint {
+    StreamState* stream = nullptr;
+    uint64_t seq = 0;
+    Clock clock;
+  };
+  // Pool memory handed back by cudaFreeAsync (or cudaFree), which
+  // cudaMallocAsync reuses: on the freeing stream at once, on another
+  // stream once ordered after the frees or behind a wait it inserts (CUDA's
+  // default pool allows all three). Adjacent ranges of one segment merge.
+  struct FreeRange {
+    size_t bytes = 0;
+    int device = 0;
+    std::vector<FreePoint> frees;  // empty: free since a synchronization
+    uint64_t order = 0;            // later frees are reused first
+  };
+  // Maps a segment of `bytes` as two views of one memory file: a PROT_NONE
+  // one (returned: the "device" address) and a read-write one (*host).
+  // Null if the system refuses.
+  static char* MapSegment(size_t bytes, char** host);
+  static void UnmapSegment(char* device, const Segment& segment);
 
   // The result of a call: records a failure as the thread's last error.
   cudaError_t Result(cudaError_t error);
@@ -240,21 +299,39 @@ class FakeCudaRuntime final : public CudaRuntime {
   int CurrentDevice() const;
   StreamState* FindStream(cudaStream_t stream)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  StreamState* NewStream(int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Issues `op` on `stream`: its position and clock (ordered after the
+  // stream's earlier work and what the host has seen complete), and its
+  // touches checked against the allocations they use.
   uint64_t Enqueue(StreamState* stream, Op op)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CheckTouches(StreamState* stream, uint64_t seq, Op& op)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WorkerLoop(StreamState* stream);
-  // Whether [ptr, ptr + bytes) is inside a live device block.
+  // The segment holding `ptr` (its address in *base), or null.
+  const Segment* SegmentAt(const void* ptr, char** base) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The live allocation holding [ptr, ptr + bytes), or null.
+  Allocation* AllocationAt(const void* ptr, size_t bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether [ptr, ptr + bytes) is inside a live allocation.
   bool IsLiveDevice(const void* ptr, size_t bytes) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `ptr` is in mapped device memory, allocated or not.
   bool IsDevicePointer(const void* ptr) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The device of the live block holding `ptr`, or -1.
+  // The device of the live allocation holding `ptr`, or -1.
   int BlockDevice(const void* ptr) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool IsPinned(const void* ptr) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Returns [ptr, ptr + span) of a pool segment to the free ranges.
+  void AddFreeRange(char* ptr, size_t span, int device, FreePoint free)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Blocks until every stream of `device` (-1: all) has finished the work
-  // issued so far.
+  // issued so far; the host is then ordered after it.
   void DrainDevice(int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DrainStream(StreamState* stream) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Unmaps pool segments that are wholly free, their frees done, where the
+  // pool's release threshold is 0 (a synchronization's trim).
   void ReleaseIdleBlocks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   cudaError_t Launch(absl::string_view what, cudaStream_t stream,
                      std::vector<Touch> touches, std::function<void()> run);
@@ -270,8 +347,16 @@ class FakeCudaRuntime final : public CudaRuntime {
   std::map<const EventState*, std::unique_ptr<EventState>> events_
       ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<PoolState>> pools_ ABSL_GUARDED_BY(mu_);
-  std::map<char*, Block> blocks_ ABSL_GUARDED_BY(mu_);
+  std::map<char*, Segment> segments_ ABSL_GUARDED_BY(mu_);
+  std::map<char*, Allocation> allocations_ ABSL_GUARDED_BY(mu_);
+  std::map<char*, FreeRange> free_ranges_ ABSL_GUARDED_BY(mu_);
+  uint64_t frees_ ABSL_GUARDED_BY(mu_) = 0;  // FreeRange::order
   std::map<char*, size_t> pinned_ ABSL_GUARDED_BY(mu_);
+  // What the host has seen complete (synchronizations, successful queries,
+  // copies to pageable memory), in any thread: work issued afterwards is
+  // ordered after it. (One clock for all host threads: kinder than CUDA
+  // where threads hand work to each other without synchronizing.)
+  Clock host_clock_ ABSL_GUARDED_BY(mu_);
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   // Hold ops of an earlier generation than this have been released.
   int64_t hold_generation_ ABSL_GUARDED_BY(mu_) = 0;

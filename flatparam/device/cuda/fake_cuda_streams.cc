@@ -23,19 +23,26 @@
 
 namespace flatparam {
 
+using internal_fake_cuda::At;
+using internal_fake_cuda::Join;
+
+FakeCudaRuntime::StreamState* FakeCudaRuntime::NewStream(int device) {
+  auto state = std::make_unique<StreamState>();
+  state->device = device;
+  state->index = static_cast<int>(streams_.size());
+  state->rng.seed(options_.seed + 7919 * streams_.size());
+  StreamState* s = state.get();
+  streams_.push_back(std::move(state));
+  s->worker = std::thread([this, s] { WorkerLoop(s); });
+  return s;
+}
+
 FakeCudaRuntime::StreamState* FakeCudaRuntime::FindStream(cudaStream_t stream) {
   if (stream == nullptr) {
     // The legacy default stream of the current device, made on first use.
     const int device = CurrentDevice();
     StreamState*& s = default_streams_[device];
-    if (s == nullptr) {
-      auto state = std::make_unique<StreamState>();
-      state->device = device;
-      state->rng.seed(options_.seed + 7919 * streams_.size());
-      s = state.get();
-      streams_.push_back(std::move(state));
-      s->worker = std::thread([this, s] { WorkerLoop(s); });
-    }
+    if (s == nullptr) s = NewStream(device);
     return s;
   }
   for (const auto& s : streams_) {
@@ -47,8 +54,42 @@ FakeCudaRuntime::StreamState* FakeCudaRuntime::FindStream(cudaStream_t stream) {
 }
 
 uint64_t FakeCudaRuntime::Enqueue(StreamState* stream, Op op) {
+  const uint64_t seq = ++stream->enqueued;
+  Join(stream->clock, host_clock_);
+  if (stream->clock.size() <= static_cast<size_t>(stream->index)) {
+    stream->clock.resize(stream->index + 1, 0);
+  }
+  stream->clock[stream->index] = seq;
+  if (!op.touches.empty()) CheckTouches(stream, seq, op);
   stream->queue.push_back(std::move(op));
-  return ++stream->enqueued;
+  return seq;
+}
+
+void FakeCudaRuntime::CheckTouches(StreamState* s, uint64_t seq, Op& op) {
+  for (const Touch& t : op.touches) {
+    Allocation* a = AllocationAt(t.ptr, t.bytes);
+    if (a == nullptr) {
+      // Freed (perhaps already handed out again to a later allocation that
+      // does not cover the range) or never allocated.
+      misuse_.push_back(absl::StrFormat(
+          "%s touches %p (%d bytes), which is not allocated when it is "
+          "issued (a use after a stream-ordered free?)",
+          op.what, t.ptr, t.bytes));
+      op.poisoned = true;
+      continue;
+    }
+    if (a->stream != nullptr && a->stream != s &&
+        At(s->clock, a->stream->index) < a->seq) {
+      misuse_.push_back(absl::StrFormat(
+          "%s on stream %d touches %p (%d bytes), allocated by "
+          "cudaMallocAsync on stream %d, without being ordered after the "
+          "allocation (no event recorded after it was waited for, nor a "
+          "synchronization)",
+          op.what, s->index, t.ptr, t.bytes, a->stream->index));
+      op.poisoned = true;
+    }
+    a->uses[s->index] = {seq, op.what};
+  }
 }
 
 void FakeCudaRuntime::WorkerLoop(StreamState* s) {
@@ -72,26 +113,35 @@ void FakeCudaRuntime::WorkerLoop(StreamState* s) {
       s->queue.pop_front();
       delay = options_.max_op_delay *
               std::uniform_real_distribution<double>(0.0, 1.0)(s->rng);
+      if (op.poisoned) {
+        // Issued against the stream-ordering rules (misuse() says how): on
+        // a GPU it reads or writes memory that belongs to nobody, or to
+        // someone else by now.
+        if (sticky_ == cudaSuccess) sticky_ = cudaErrorIllegalAddress;
+        op.run = nullptr;
+      }
       if (op.run) {
         for (const Touch& t : op.touches) {
-          if (!IsLiveDevice(t.ptr, t.bytes)) {
-            // The kernel would read or write memory that is not allocated
-            // now: on a GPU, an illegal address (or silent corruption of
-            // whatever the pool handed out since).
+          char* base = nullptr;
+          const Segment* segment = SegmentAt(t.ptr, &base);
+          if (segment == nullptr || static_cast<const char*>(t.ptr) + t.bytes >
+                                        base + segment->bytes) {
+            // Memory the pool gave back to the system since the op was
+            // issued (only after a misuse recorded at issue).
             if (sticky_ == cudaSuccess) sticky_ = cudaErrorIllegalAddress;
-            misuse_.push_back(absl::StrFormat(
-                "%s touches %p (%d bytes), which is not allocated when it "
-                "runs (a use after a stream-ordered free?)",
-                op.what, t.ptr, t.bytes));
+            misuse_.push_back(
+                absl::StrFormat("%s touches %p (%d bytes), which is not "
+                                "mapped when it runs",
+                                op.what, t.ptr, t.bytes));
             op.run = nullptr;
             break;
           }
-          if (op.kernel && BlockDevice(t.ptr) != s->device) {
+          if (op.kernel && segment->device != s->device) {
             if (sticky_ == cudaSuccess) sticky_ = cudaErrorIllegalAddress;
             misuse_.push_back(absl::StrFormat(
                 "%s on cuda:%d touches %p (%d bytes) of cuda:%d, without "
                 "peer access",
-                op.what, s->device, t.ptr, t.bytes, BlockDevice(t.ptr)));
+                op.what, s->device, t.ptr, t.bytes, segment->device));
             op.run = nullptr;
             break;
           }
@@ -108,10 +158,12 @@ void FakeCudaRuntime::WorkerLoop(StreamState* s) {
 
 void FakeCudaRuntime::DrainStream(StreamState* s) {
   const uint64_t target = s->enqueued;
+  const Clock clock = s->clock;
   auto done = [s, target]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return s->completed >= target;
   };
   mu_.Await(absl::Condition(&done));
+  Join(host_clock_, clock);
 }
 
 void FakeCudaRuntime::DrainDevice(int device) {
@@ -170,13 +222,7 @@ cudaError_t FakeCudaRuntime::StreamCreateWithFlags(cudaStream_t* stream,
   absl::MutexLock lock(&mu_);
   const cudaError_t e = Precheck("cudaStreamCreateWithFlags");
   if (e != cudaSuccess) return Result(e);
-  auto state = std::make_unique<StreamState>();
-  state->device = CurrentDevice();
-  state->rng.seed(options_.seed + 7919 * streams_.size());
-  StreamState* s = state.get();
-  streams_.push_back(std::move(state));
-  s->worker = std::thread([this, s] { WorkerLoop(s); });
-  *stream = reinterpret_cast<cudaStream_t>(s);
+  *stream = reinterpret_cast<cudaStream_t>(NewStream(CurrentDevice()));
   return cudaSuccess;
 }
 
@@ -213,6 +259,7 @@ cudaError_t FakeCudaRuntime::StreamQuery(cudaStream_t stream) {
   StreamState* s = e == cudaSuccess ? FindStream(stream) : nullptr;
   if (e == cudaSuccess && s == nullptr) e = cudaErrorInvalidResourceHandle;
   if (e == cudaSuccess && s->completed < s->enqueued) e = cudaErrorNotReady;
+  if (e == cudaSuccess) Join(host_clock_, s->clock);
   return Result(e);
 }
 
@@ -234,6 +281,7 @@ cudaError_t FakeCudaRuntime::StreamWaitEvent(cudaStream_t stream,
     op.wait_for = ev.stream;
     op.wait_seq = ev.seq;
     Enqueue(s, std::move(op));
+    Join(s->clock, ev.clock);
   }
   return cudaSuccess;
 }
@@ -283,6 +331,10 @@ cudaError_t FakeCudaRuntime::EventRecord(cudaEvent_t event,
   if (e != cudaSuccess) return Result(e);
   it->second->stream = s;
   it->second->seq = s->enqueued;
+  // Issued after what the host has seen complete, so a wait for it is
+  // ordered after that too.
+  it->second->clock = s->clock;
+  Join(it->second->clock, host_clock_);
   return cudaSuccess;
 }
 
@@ -297,6 +349,8 @@ cudaError_t FakeCudaRuntime::EventQuery(cudaEvent_t event) {
     const EventState& ev = *it->second;
     if (ev.stream != nullptr && ev.stream->completed < ev.seq) {
       e = cudaErrorNotReady;
+    } else {
+      Join(host_clock_, ev.clock);
     }
   }
   return Result(e);
@@ -312,10 +366,12 @@ cudaError_t FakeCudaRuntime::EventSynchronize(cudaEvent_t event) {
   if (e == cudaSuccess && it->second->stream != nullptr) {
     StreamState* s = it->second->stream;
     const uint64_t seq = it->second->seq;
+    const Clock clock = it->second->clock;
     auto done = [s, seq]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return s->completed >= seq;
     };
     mu_.Await(absl::Condition(&done));
+    Join(host_clock_, clock);
     e = sticky_;
   }
   return Result(e);

@@ -190,7 +190,7 @@ TEST_F(FakeNcclOnCudaTest, CollectivesAtThreeRanks) {
 // Ranks that issue different collectives hang on GPUs; the model hangs too,
 // and the communicators' timeout ends it with an abort on each rank.
 TEST_F(FakeNcclOnCudaTest, ADesynchronizedGroupHangsUntilTheTimeout) {
-  RunRanks(2, [](int r, CudaDeviceOps& ops, NcclCommunicator& comm) {
+  RunRanks(2, [this](int r, CudaDeviceOps& ops, NcclCommunicator& comm) {
     DeviceBuffer a = Upload(ops, {1, 2});
     DeviceBuffer g = Upload(ops, {0, 0, 0, 0});
     ReduceOptions options;
@@ -206,6 +206,15 @@ TEST_F(FakeNcclOnCudaTest, ADesynchronizedGroupHangsUntilTheTimeout) {
                              HasSubstr("did not finish within 200ms")));
     EXPECT_GE(absl::Now() - start, absl::Milliseconds(200));
     EXPECT_TRUE(comm.aborted());
+    // The aborted kernel leaves the stream in its own time: the buffers are
+    // freed once it has (nccl_communicator.h).
+    const absl::Time limit = absl::Now() + absl::Seconds(30);
+    while (cuda_->StreamQuery(comm.stream()) != cudaSuccess &&
+           absl::Now() < limit) {
+      cuda_->GetLastError();
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    EXPECT_EQ(cuda_->StreamQuery(comm.stream()), cudaSuccess);
   });
   EXPECT_THAT(nccl_->misuse(),
               ::testing::ElementsAre(HasSubstr("ncclAllGather")));
