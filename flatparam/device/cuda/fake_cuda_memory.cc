@@ -425,7 +425,9 @@ cudaError_t FakeCudaRuntime::FreeAsync(void* ptr, cudaStream_t stream) {
   if (e == cudaSuccess &&
       (s == nullptr || it == allocations_.end() || !it->second.pooled)) {
     misuse_.push_back(
-        absl::StrFormat("cudaFreeAsync(%p): not a live allocation", ptr));
+        absl::StrFormat("cudaFreeAsync(%p): not a live cudaMallocAsync "
+                        "allocation",
+                        ptr));
     e = cudaErrorInvalidValue;
   }
   if (e != cudaSuccess) return Result(e);
