@@ -326,8 +326,9 @@ class FakeCudaRuntime final : public CudaRuntime {
   // Returns [ptr, ptr + span) of a pool segment to the free ranges.
   void AddFreeRange(char* ptr, size_t span, int device, FreePoint free)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Blocks until every stream of `device` (-1: all) has finished the work
-  // issued so far; the host is then ordered after it.
+  // Blocks until every stream of `device` (-1: all), destroyed ones
+  // included, has finished the work issued so far; the host is then ordered
+  // after it.
   void DrainDevice(int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DrainStream(StreamState* stream) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Unmaps pool segments that are wholly free, their frees done, where the

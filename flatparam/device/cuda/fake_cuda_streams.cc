@@ -167,11 +167,11 @@ void FakeCudaRuntime::DrainStream(StreamState* s) {
 }
 
 void FakeCudaRuntime::DrainDevice(int device) {
+  // Destroyed streams too: CUDA lets their work finish after
+  // cudaStreamDestroy, and a device synchronization waits for it.
   std::vector<StreamState*> streams;
   for (const auto& s : streams_) {
-    if (!s->stop && (device < 0 || s->device == device)) {
-      streams.push_back(s.get());
-    }
+    if (device < 0 || s->device == device) streams.push_back(s.get());
   }
   for (StreamState* s : streams) DrainStream(s);
 }
