@@ -1,6 +1,7 @@
 #include "flatparam/layout_json.h"
 
 #include <cassert>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 

@@ -43,7 +43,7 @@
 #define FLATPARAM_LAYOUT_JSON_H_
 
 #include <cstdint>
-#include <nlohmann/json.hpp>
+#include <nlohmann/json_fwd.hpp>
 
 #include "flatparam/layout.h"
 #include "flatparam/model_layout.h"

@@ -42,7 +42,7 @@
 #ifndef FLATPARAM_MODEL_JSON_H_
 #define FLATPARAM_MODEL_JSON_H_
 
-#include <nlohmann/json.hpp>
+#include <nlohmann/json_fwd.hpp>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"

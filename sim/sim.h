@@ -120,7 +120,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <nlohmann/json.hpp>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <random>
 #include <string>
@@ -132,7 +132,6 @@
 #include "absl/time/time.h"
 #include "comm/communicator.h"
 #include "comm/flight_recorder.h"
-#include "sim/chrome_trace.h"
 #include "sim/fault.h"
 
 namespace flatparam {
@@ -254,6 +253,7 @@ struct TraceEvent {
 };
 
 class SimWorld;
+class ChromeTrace;  // sim/chrome_trace.h
 
 namespace internal_sim {
 using OpKind = ::flatparam::CollectiveOp;

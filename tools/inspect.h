@@ -9,7 +9,7 @@
 #ifndef TOOLS_INSPECT_H_
 #define TOOLS_INSPECT_H_
 
-#include <nlohmann/json.hpp>
+#include <nlohmann/json_fwd.hpp>
 #include <ostream>
 #include <string>
 

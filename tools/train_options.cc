@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <limits>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <type_traits>
 #include <utility>
 #include <variant>

@@ -26,6 +26,7 @@ XXH_errorcode XXH3_64bits_update_dispatch(XXH3_state_t* state,
 
 #include <algorithm>
 #include <cassert>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <utility>
 

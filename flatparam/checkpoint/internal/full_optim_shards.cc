@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <utility>
 #include <variant>

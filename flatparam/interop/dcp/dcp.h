@@ -56,6 +56,7 @@
 
 #include <cstdint>
 #include <map>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -68,7 +69,6 @@
 #include "flatparam/layout.h"
 #include "flatparam/model_layout.h"
 #include "flatparam/optim/optim_state.h"
-#include "nlohmann/json.hpp"
 
 namespace flatparam {
 namespace libtorch {
