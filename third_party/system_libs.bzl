@@ -8,7 +8,9 @@
 * `libtorch_configure`: LibTorch (PyTorch's C++ frontend) from
   `$LIBTORCH_HOME` (an unpacked LibTorch distribution: include/ and lib/),
   else Debian's libtorch-dev; an empty target and `AVAILABLE = False` when
-  there is none. Prints which it chose.
+  there is none. Prints which it chose. Its `:cuda` target is LibTorch's
+  CUDA API (`CUDA_HEADERS_AVAILABLE`: compiles here;
+  `CUDA_LIBRARIES_AVAILABLE`: links too).
 * `stand_in_repository`: tiny local replacements for the repositories that
   Bazel 4's built-in WORKSPACE suffix would otherwise fetch.
 """
@@ -280,8 +282,28 @@ def _libtorch_configure_impl(ctx):
                 break
         if not gloo_linkopts:
             c10d_available = False
+
+    # LibTorch's CUDA headers (c10/cuda, ATen/cuda) with a CUDA
+    # installation's: flatparam/torch's CUDA glue compiles wherever both are
+    # present, and links and runs only where LibTorch has its CUDA libraries
+    # (libc10_cuda.so; Debian's build is CPU-only but installs the headers).
+    cuda_root = ctx.os.environ.get("CUDA_PATH", "/usr/local/cuda")
+    cuda_headers = available and \
+                   ctx.path(include + "/c10/cuda/CUDAStream.h").exists and \
+                   ctx.path(include + "/ATen/cuda/CUDAEvent.h").exists and \
+                   ctx.path(cuda_root + "/include/cuda_runtime_api.h").exists
+    cuda_libraries = cuda_headers and ctx.path(lib + "/libc10_cuda.so").exists
     ctx.file("WORKSPACE", 'workspace(name = "%s")\n' % ctx.name)
-    ctx.file("defs.bzl", "AVAILABLE = %s\nC10D_AVAILABLE = %s\n" % (available, c10d_available))
+    ctx.file("defs.bzl", """AVAILABLE = {available}
+C10D_AVAILABLE = {c10d}
+
+# flatparam/torch's CUDA glue compiles here (LibTorch's c10/cuda and
+# ATen/cuda headers and a CUDA installation's headers are present)...
+CUDA_HEADERS_AVAILABLE = {cuda_headers}
+
+# ...and links and runs here (LibTorch has libc10_cuda.so).
+CUDA_LIBRARIES_AVAILABLE = {cuda_libraries}
+""".format(available = available, c10d = c10d_available, cuda_headers = cuda_headers, cuda_libraries = cuda_libraries))
     if not available:
         print("LibTorch: none (no %s/torch/torch.h with %s/libtorch.so; run tools/setup.sh or set LIBTORCH_HOME); LibTorch targets are skipped" % (api, lib))
         ctx.file("BUILD.bazel", """
@@ -291,6 +313,8 @@ package(default_visibility = ["//visibility:public"])
 cc_library(name = "lib")
 
 cc_library(name = "gloo")
+
+cc_library(name = "cuda")
 """)
         return
     if not c10d_available:
@@ -307,6 +331,24 @@ cc_library(name = "gloo")
         ctx.symlink(include, "include")
         includes.append("include")
         hdrs = 'glob(["api_include/**/*.h", "include/**/*.h", "include/**/*.cuh"])'
+
+    # PyTorch's CMake generates c10/cuda/impl/cuda_cmake_macros.h, which
+    # CUDAMacros.h includes; a CPU-only build (Debian's) installs the other
+    # c10/cuda headers without it. Supplied here as a shared-library build
+    # writes it, where the installation lacks it.
+    cuda_includes = []
+    cuda_hdrs = "[]"
+    if cuda_headers and not ctx.path(include + "/c10/cuda/impl/cuda_cmake_macros.h").exists:
+        ctx.file("c10_cuda_generated/c10/cuda/impl/cuda_cmake_macros.h", """#pragma once
+
+// Written by flatparam's libtorch_configure (third_party/system_libs.bzl):
+// the header PyTorch's CMake generates for a shared-library build, which
+// this LibTorch installation lacks.
+#define C10_CUDA_BUILD_SHARED_LIBS
+""")
+        cuda_includes = ["c10_cuda_generated"]
+        cuda_hdrs = 'glob(["c10_cuda_generated/**/*.h"])'
+    cuda_linkopts = ["-L" + lib, "-Wl,-rpath," + lib, "-ltorch_cuda", "-lc10_cuda"] if cuda_libraries else []
     ctx.file("BUILD.bazel", """
 package(default_visibility = ["//visibility:public"])
 
@@ -327,11 +369,23 @@ cc_library(
     linkopts = {gloo_linkopts},
     deps = [":lib"],
 )
-""".format(origin = origin, include = include, lib = lib, hdrs = hdrs, includes = _quote_list(includes), gloo_linkopts = _quote_list(gloo_linkopts), gloo_defines = _quote_list(["USE_C10D_GLOO"] if c10d_available else [])))
+
+# LibTorch's CUDA API (c10/cuda, ATen/cuda) over the CUDA installation's
+# headers (@local_cuda//:cuda_headers, which the user adds). Headers only
+# where CUDA_LIBRARIES_AVAILABLE (defs.bzl) is False: a library using them
+# compiles, and a binary linking it fails.
+cc_library(
+    name = "cuda",
+    hdrs = {cuda_hdrs},
+    includes = {cuda_includes},
+    linkopts = {cuda_linkopts},
+    deps = [":lib"],
+)
+""".format(origin = origin, include = include, lib = lib, hdrs = hdrs, includes = _quote_list(includes), gloo_linkopts = _quote_list(gloo_linkopts), gloo_defines = _quote_list(["USE_C10D_GLOO"] if c10d_available else []), cuda_hdrs = cuda_hdrs, cuda_includes = _quote_list(cuda_includes), cuda_linkopts = _quote_list(cuda_linkopts)))
 
 libtorch_configure = repository_rule(
     implementation = _libtorch_configure_impl,
-    environ = ["LIBTORCH_HOME"],
+    environ = ["LIBTORCH_HOME", "CUDA_PATH"],
     local = True,
 )
 
