@@ -25,6 +25,18 @@ namespace {
 // LibTorch's message without its C++ backtrace (what_without_backtrace).
 std::string Message(const c10::Error& e) { return e.what_without_backtrace(); }
 
+// LibTorch's current stream on CUDA device `device_index`.
+absl::StatusOr<cudaStream_t> CurrentStream(int device_index) {
+  try {
+    return c10::cuda::getCurrentCUDAStream(
+               static_cast<c10::DeviceIndex>(device_index))
+        .stream();
+  } catch (const c10::Error& e) {
+    return absl::UnavailableError(
+        absl::StrCat("TorchCudaDeviceOps: LibTorch's CUDA: ", Message(e)));
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<void*> TorchCachingAllocator::Allocate(int64_t bytes,
@@ -56,27 +68,19 @@ void TorchCachingAllocator::Free(void* p, cudaStream_t /*stream*/) {
 
 absl::StatusOr<std::unique_ptr<TorchCudaDeviceOps>> TorchCudaDeviceOps::Create(
     int device_index) {
-  int count = 0;
-  cudaStream_t stream = nullptr;
-  try {
-    count = static_cast<int>(c10::cuda::device_count());
-    if (count == 0) {
-      return absl::UnavailableError(
-          "TorchCudaDeviceOps: LibTorch sees no CUDA device");
-    }
-    if (device_index < 0 || device_index >= count) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "TorchCudaDeviceOps: device %d, but LibTorch has "
-          "%d CUDA device%s (0 to %d)",
-          device_index, count, count == 1 ? "" : "s", count - 1));
-    }
-    stream = c10::cuda::getCurrentCUDAStream(
-                 static_cast<c10::DeviceIndex>(device_index))
-                 .stream();
-  } catch (const c10::Error& e) {
+  // device_count() is noexcept: 0 where CUDA cannot be initialized.
+  const int count = static_cast<int>(c10::cuda::device_count());
+  if (count == 0) {
     return absl::UnavailableError(
-        absl::StrCat("TorchCudaDeviceOps: LibTorch's CUDA: ", Message(e)));
+        "TorchCudaDeviceOps: LibTorch sees no CUDA device");
   }
+  if (device_index < 0 || device_index >= count) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "TorchCudaDeviceOps: device %d, but LibTorch has %d CUDA device%s (0 "
+        "to %d)",
+        device_index, count, count == 1 ? "" : "s", count - 1));
+  }
+  FLATPARAM_ASSIGN_OR_RETURN(cudaStream_t stream, CurrentStream(device_index));
   std::unique_ptr<TorchCudaDeviceOps> cuda(
       new TorchCudaDeviceOps(device_index, stream));
   FLATPARAM_ASSIGN_OR_RETURN(
@@ -86,15 +90,8 @@ absl::StatusOr<std::unique_ptr<TorchCudaDeviceOps>> TorchCudaDeviceOps::Create(
 }
 
 absl::Status TorchCudaDeviceOps::CheckCurrentStream() const {
-  cudaStream_t current = nullptr;
-  try {
-    current = c10::cuda::getCurrentCUDAStream(
-                  static_cast<c10::DeviceIndex>(device_index_))
-                  .stream();
-  } catch (const c10::Error& e) {
-    return absl::UnavailableError(
-        absl::StrCat("TorchCudaDeviceOps: LibTorch's CUDA: ", Message(e)));
-  }
+  FLATPARAM_ASSIGN_OR_RETURN(cudaStream_t current,
+                             CurrentStream(device_index_));
   if (current == stream_) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrFormat(
       "LibTorch's current stream on cuda:%d is %p, but flatparam's work is "
