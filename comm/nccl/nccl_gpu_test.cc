@@ -6,10 +6,13 @@
 #include <cuda_runtime_api.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <nccl.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -86,6 +89,67 @@ class DeviceArray {
   void* ptr_ = nullptr;
 };
 
+// The GPUs the multi-rank tests place their ranks on: rank r on GPU
+// r % g_devices (set by NcclGpuTest::SetUp).
+int g_devices = 1;
+int DeviceOf(int rank) { return rank % g_devices; }
+
+// How many ranks a multi-rank test runs, at most `most`: one per GPU, or,
+// on a single GPU, 2 where NCCL lets ranks share one (NCCL 2.30 and later
+// with NCCL_MULTI_RANK_GPU_ENABLE=1, which tools/gpu/run.sh sets; earlier
+// releases fail "Duplicate GPU detected"). 0, with the reason in `why`,
+// where neither holds.
+int MultiRankCount(int devices, int most, std::string* why) {
+  if (devices >= 2) return std::min(devices, most);
+  int version = 0;
+  ncclGetVersion(&version);
+  const char* enable = std::getenv("NCCL_MULTI_RANK_GPU_ENABLE");
+  const bool shared = enable != nullptr && std::string(enable) == "1";
+  if (version >= 23000 && shared) return 2;
+  *why = absl::StrCat("needs 2 GPUs, found ", devices,
+                      "; two ranks on one GPU need NCCL "
+                      "2.30 or later with NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL ",
+                      version / 10000, ".", version / 100 % 100,
+                      ", NCCL_MULTI_RANK_GPU_ENABLE=",
+                      enable == nullptr ? "unset" : enable, ")");
+  return 0;
+}
+
+// Runs without a GPU: which rank counts the multi-rank tests choose.
+TEST(MultiRankCountTest, OneRankPerGpuOrTwoOnOneWhereNcclAllowsIt) {
+  std::string why;
+  EXPECT_EQ(MultiRankCount(3, 4, &why), 3);
+  EXPECT_EQ(MultiRankCount(8, 4, &why), 4);
+  EXPECT_EQ(MultiRankCount(8, 2, &why), 2);
+
+  int version = 0;
+  ASSERT_EQ(ncclGetVersion(&version), ncclSuccess);
+  // tools/gpu/run.sh may have set it for the tests below: restored at the end.
+  const char* was = std::getenv("NCCL_MULTI_RANK_GPU_ENABLE");
+  const std::optional<std::string> saved =
+      was == nullptr ? std::nullopt : std::optional<std::string>(was);
+  unsetenv("NCCL_MULTI_RANK_GPU_ENABLE");
+  EXPECT_EQ(MultiRankCount(1, 4, &why), 0);
+  EXPECT_THAT(why, HasSubstr("NCCL_MULTI_RANK_GPU_ENABLE=unset"));
+  setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", /*overwrite=*/1);
+  why.clear();
+  if (version >= 23000) {
+    EXPECT_EQ(MultiRankCount(1, 4, &why), 2);
+  } else {
+    EXPECT_EQ(MultiRankCount(1, 4, &why), 0);
+    EXPECT_THAT(why, HasSubstr(absl::StrCat("(NCCL ", version / 10000, ".",
+                                            version / 100 % 100, ",")));
+  }
+  if (saved) {
+    setenv("NCCL_MULTI_RANK_GPU_ENABLE", saved->c_str(), /*overwrite=*/1);
+  } else {
+    unsetenv("NCCL_MULTI_RANK_GPU_ENABLE");
+  }
+  const char* now = std::getenv("NCCL_MULTI_RANK_GPU_ENABLE");
+  EXPECT_EQ(now == nullptr ? std::nullopt : std::optional<std::string>(now),
+            saved);
+}
+
 class NcclGpuTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -99,6 +163,7 @@ class NcclGpuTest : public ::testing::Test {
       FLATPARAM_SKIP_WITHOUT_GPU(
           "no usable GPU: cudaGetDeviceCount found no device");
     }
+    g_devices = devices_;
   }
 
   int devices_ = 0;
@@ -256,8 +321,8 @@ TEST_F(NcclGpuTest, SplitAndBufferChecks) {
   EXPECT_FALSE(nccl->aborted());
 }
 
-// Runs `body(rank, communicator)` on one thread per rank, ranks on devices
-// 0..n-1.
+// Runs `body(rank, communicator)` on one thread per rank, rank r on GPU
+// DeviceOf(r).
 template <typename Body>
 void OnEveryRank(int n, absl::Duration setup_timeout, Body body) {
   std::vector<std::unique_ptr<Communicator>> group = MakeThreadGroup(n);
@@ -268,7 +333,7 @@ void OnEveryRank(int n, absl::Duration setup_timeout, Body body) {
       options.setup_timeout = setup_timeout;
       absl::StatusOr<std::unique_ptr<NcclCommunicator>> nccl =
           NcclCommunicator::Create(RealNcclApi(), RealCudaRuntime(), *group[r],
-                                   r, options);
+                                   DeviceOf(r), options);
       ASSERT_THAT(nccl, IsOk());
       body(r, **nccl);
     });
@@ -277,15 +342,16 @@ void OnEveryRank(int n, absl::Duration setup_timeout, Body body) {
 }
 
 TEST_F(NcclGpuTest, CollectivesAcrossDevices) {
-  if (devices_ < 2) GTEST_SKIP() << "needs 2 GPUs, found " << devices_;
-  const int n = std::min(devices_, 4);
+  std::string why;
+  const int n = MultiRankCount(devices_, 4, &why);
+  if (n == 0) GTEST_SKIP() << why;
   OnEveryRank(n, absl::Minutes(1), [n](int r, NcclCommunicator& nccl) {
-    DeviceArray a(r, 2, DType::kFloat32);
+    DeviceArray a(DeviceOf(r), 2, DType::kFloat32);
     a.Set({static_cast<double>(r + 1), 1});
     EXPECT_THAT(nccl.AllReduce(a.ref(), a.ref(), {})->Wait(), IsOk());
     EXPECT_THAT(a.Get(), ElementsAre(n * (n + 1) / 2, n));
 
-    DeviceArray gathered(r, 2 * n, DType::kFloat32);
+    DeviceArray gathered(DeviceOf(r), 2 * n, DType::kFloat32);
     a.Set({static_cast<double>(r), static_cast<double>(10 * r)});
     EXPECT_THAT(nccl.AllGather(a.ref(), gathered.ref(), {})->Wait(), IsOk());
     const std::vector<double> all = gathered.Get();
@@ -296,11 +362,11 @@ TEST_F(NcclGpuTest, CollectivesAcrossDevices) {
 
     // Every rank contributes 8 * (block index + 1); avg with pre 2, post 2
     // gives 8 * (i + 1) / 4 on rank i.
-    DeviceArray blocks(r, n, DType::kFloat32);
+    DeviceArray blocks(DeviceOf(r), n, DType::kFloat32);
     std::vector<double> values;
     for (int i = 0; i < n; ++i) values.push_back(8 * (i + 1));
     blocks.Set(values);
-    DeviceArray mine(r, 1, DType::kFloat32);
+    DeviceArray mine(DeviceOf(r), 1, DType::kFloat32);
     ReduceOptions options;
     options.op = ReduceOp::kAvg;
     options.pre_divide_factor = 2;
@@ -337,11 +403,12 @@ TEST_F(NcclGpuTest, CollectivesAcrossDevices) {
 // premultiplication, so only the cases whose results cannot depend on that
 // run (SuiteOptions::exact_only); those must equal the simulator's bits.
 TEST_F(NcclGpuTest, ConformanceSuite) {
-  const int n = std::min(devices_, 4);
+  std::string why;
+  const int n = std::max(MultiRankCount(devices_, 4, &why), 1);
   OnEveryRank(n, absl::Minutes(1), [n](int r, NcclCommunicator& nccl) {
     SCOPED_TRACE(absl::StrCat("rank ", r, " of ", n));
     absl::StatusOr<std::unique_ptr<conformance::DeviceMemory>> memory =
-        conformance::CudaMemory(r);
+        conformance::CudaMemory(DeviceOf(r));
     ASSERT_THAT(memory, IsOk());
     conformance::SuiteOptions options;
     options.exact_only = true;
@@ -353,10 +420,11 @@ TEST_F(NcclGpuTest, ConformanceSuite) {
 }
 
 TEST_F(NcclGpuTest, APeerThatNeverJoinsACollectiveTimesOutAndAborts) {
-  if (devices_ < 2) GTEST_SKIP() << "needs 2 GPUs, found " << devices_;
+  std::string why;
+  if (MultiRankCount(devices_, 2, &why) == 0) GTEST_SKIP() << why;
   OnEveryRank(2, absl::Seconds(20), [](int r, NcclCommunicator& nccl) {
     if (r != 0) return;  // Rank 1 never calls the all-reduce.
-    DeviceArray a(r, 1024, DType::kFloat32);
+    DeviceArray a(DeviceOf(r), 1024, DType::kFloat32);
     ReduceOptions options;
     options.timeout = absl::Seconds(2);
     EXPECT_THAT(nccl.AllReduce(a.ref(), a.ref(), options)->Wait(),

@@ -157,6 +157,15 @@ else
   grep -q 'FLATPARAM_REQUIRE_GPU=1, so a missing GPU is a failure' "$tmp/out_fake/tests.log" ||
     fail "tests.log lacks FLATPARAM_REQUIRE_GPU=1's failure message"
   grep -qE '^nccl: 2\.' "$summary" || fail "the summary does not give the NCCL version"
+  # Ranks per GPU follow the NCCL version (NCCL_MULTI_RANK_GPU_ENABLE from 2.30).
+  nccl_minor=$(sed -n 's/^nccl: 2\.\([0-9]*\)\..*/\1/p' "$summary")
+  if [ "${nccl_minor:-0}" -ge 30 ]; then
+    grep -qE '^ranks_per_gpu: up to 2 .*NCCL_MULTI_RANK_GPU_ENABLE=1' "$summary" ||
+      fail "NCCL 2.$nccl_minor, but the summary does not say 2 ranks per GPU"
+  else
+    grep -qE '^ranks_per_gpu: 1 .*need NCCL 2\.30' "$summary" ||
+      fail "NCCL 2.$nccl_minor, but the summary does not say 1 rank per GPU and why"
+  fi
   grep -qE '^cuda +FAIL .*reports no CUDA version' "$summary" ||
     fail "the driver check did not fail without a driver"
   n=$(find "$tmp/out_fake" -type f | wc -l)

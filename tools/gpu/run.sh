@@ -12,6 +12,9 @@
 #              /opt/*/venv, /usr/local/lib/python3*, ~/.local), else the
 #              CUDA and system library folders, else `ldconfig -p`; the
 #              wheel's name and version go to the summary
+#              (NCCL 2.30 and later: NCCL_MULTI_RANK_GPU_ENABLE=1, so
+#              that the multi-rank tests run 2 ranks on one GPU; the
+#              summary's ranks_per_gpu line says which)
 #   cuda       the driver supports the CUDA runtime bundled in lib/
 #              (cudaDriverGetVersion against cudaRuntimeGetVersion)
 #   bundle     every binary resolves all its libraries (ldd)
@@ -318,6 +321,18 @@ elif versions=$(timeout 60 "$here/bin/gpu_versions" 2>>"$env_log"); then
   fact cuda "$cuda_versions"
 else
   record nccl FAIL $((SECONDS - t0)) "bin/gpu_versions failed (see env.txt)"
+fi
+# Several ranks on one GPU: NCCL 2.30 and later allow it with
+# NCCL_MULTI_RANK_GPU_ENABLE=1 (experimental; 2 ranks per GPU in its default
+# configuration); earlier releases fail "Duplicate GPU detected". With it,
+# nccl_gpu's multi-rank tests (collectives, the timeout and abort path) run
+# 2 ranks on a single GPU instead of skipping.
+if [[ $nccl_version =~ ^([0-9]+)\.([0-9]+) ]] &&
+  { [ "${BASH_REMATCH[1]}" -gt 2 ] || { [ "${BASH_REMATCH[1]}" -eq 2 ] && [ "${BASH_REMATCH[2]}" -ge 30 ]; }; }; then
+  export NCCL_MULTI_RANK_GPU_ENABLE=1
+  fact ranks_per_gpu "up to 2 (NCCL $nccl_version, NCCL_MULTI_RANK_GPU_ENABLE=1)"
+else
+  fact ranks_per_gpu "1 (NCCL $nccl_version: several ranks on one GPU need NCCL 2.30; with one GPU the multi-rank tests skip)"
 fi
 
 # --- cuda: the driver must support the bundled CUDA runtime. A driver older
