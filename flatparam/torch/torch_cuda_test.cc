@@ -90,6 +90,16 @@ TEST_F(TorchCudaTest, LibTorchKernelsSeeTheOpsWritesInStreamOrder) {
   EXPECT_EQ(t.sum().item<double>(), 0.5 * kCount);
 }
 
+TEST_F(TorchCudaTest, AnImpossibleAllocationIsResourceExhausted) {
+  TorchCachingAllocator allocator;
+  EXPECT_THAT(allocator
+                  .Allocate(int64_t{1} << 50,
+                            c10::cuda::getCurrentCUDAStream(0).stream())
+                  .status(),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("out of memory")));
+}
+
 TEST_F(TorchCudaTest, AnUnknownDeviceIsNamed) {
   EXPECT_THAT(
       TorchCudaDeviceOps::Create(1000).status(),
