@@ -85,6 +85,7 @@ FsdpOptions Wrapping(const LoopOptions& o) {
   options.strategy = o.strategy;
   options.shard_group_size = o.shard_group_size;
   options.use_orig_params = o.use_orig_params;
+  options.handle.streams = o.streams;
   return options;
 }
 
@@ -145,7 +146,7 @@ struct WrappedNet {
   std::unique_ptr<torch::optim::Optimizer> optimizer;
 };
 absl::StatusOr<WrappedNet> WrapNetWithAdamW(Communicator& world,
-                                            DeviceOps& device,
+                                            TorchDevice& device,
                                             const LoopOptions& o) {
   WrappedNet w;
   w.net = MakeNet();
@@ -226,7 +227,7 @@ torch::Tensor LoraNetImpl::forward(const torch::Tensor& tokens) {
   return torch::matmul(ln_f(x), wte->weight.t());
 }
 
-absl::Status LoraLoop(Communicator& world, DeviceOps& device,
+absl::Status LoraLoop(Communicator& world, TorchDevice& device,
                       const LoopOptions& options, int steps, int64_t* peak,
                       int64_t* bound) {
   // The reference: plain LibTorch, AdamW over every parameter (the frozen
@@ -304,7 +305,7 @@ absl::Status LoraLoop(Communicator& world, DeviceOps& device,
   return absl::OkStatus();
 }
 
-absl::Status SharedWeightLoop(Communicator& world, DeviceOps& device,
+absl::Status SharedWeightLoop(Communicator& world, TorchDevice& device,
                               const LoopOptions& options, int steps) {
   // Block `i` as a function that also reads the embedding's weight.
   auto block_fn = [](Net& net, int i) {
@@ -359,7 +360,7 @@ absl::Status SharedWeightLoop(Communicator& world, DeviceOps& device,
   return ExpectEqual(got, Named(*reference), "a weight reached twice");
 }
 
-absl::Status AutogradGradLoop(Communicator& world, DeviceOps& device,
+absl::Status AutogradGradLoop(Communicator& world, TorchDevice& device,
                               const LoopOptions& options) {
   const int steps = 3;
   const Params reference = ReferenceNetParams(world, options, steps);
@@ -446,7 +447,7 @@ absl::Status AutogradGradLoop(Communicator& world, DeviceOps& device,
   return ExpectEqual(got, reference, "training around autograd::grad calls");
 }
 
-absl::Status RequiresGradChangeLoop(Communicator& world, DeviceOps& device,
+absl::Status RequiresGradChangeLoop(Communicator& world, TorchDevice& device,
                                     const LoopOptions& options) {
   const int steps = 5;
   // The parameters frozen after step 1 and unfrozen after step 3.
@@ -498,7 +499,7 @@ absl::Status RequiresGradChangeLoop(Communicator& world, DeviceOps& device,
   return ExpectEqual(got, Named(*reference), "requires_grad changed");
 }
 
-absl::Status SetToNoneLoop(Communicator& world, DeviceOps& device,
+absl::Status SetToNoneLoop(Communicator& world, TorchDevice& device,
                            const LoopOptions& options) {
   const int steps = 3;
   const Params reference = ReferenceNetParams(world, options, steps);
@@ -517,7 +518,7 @@ absl::Status SetToNoneLoop(Communicator& world, DeviceOps& device,
   return ExpectEqual(got, reference, "gradients set to None");
 }
 
-absl::Status DcpResumeLoop(Communicator& world, DeviceOps& device,
+absl::Status DcpResumeLoop(Communicator& world, TorchDevice& device,
                            const LoopOptions& options, const std::string& dir) {
   const Params reference = ReferenceNetParams(world, options, 4);
   {
@@ -536,7 +537,7 @@ absl::Status DcpResumeLoop(Communicator& world, DeviceOps& device,
   return ExpectEqual(got, reference, "saved and resumed through DCP");
 }
 
-absl::Status DcpSaveOrReshardLoop(Communicator& world, DeviceOps& device,
+absl::Status DcpSaveOrReshardLoop(Communicator& world, TorchDevice& device,
                                   const LoopOptions& options,
                                   const std::string& dir,
                                   const std::string& again) {
@@ -553,7 +554,7 @@ absl::Status DcpSaveOrReshardLoop(Communicator& world, DeviceOps& device,
                                    w.optimizer.get());
 }
 
-absl::Status EvaluateThenSaveLoop(Communicator& world, DeviceOps& device,
+absl::Status EvaluateThenSaveLoop(Communicator& world, TorchDevice& device,
                                   const LoopOptions& options,
                                   const std::string& dir) {
   const Params reference = ReferenceNetParams(world, options, 4);
@@ -630,7 +631,7 @@ absl::Status EvaluateThenSaveLoop(Communicator& world, DeviceOps& device,
   return ExpectEqual(got, reference, "evaluation, save, load");
 }
 
-absl::Status InsideAStepLoop(Communicator& world, DeviceOps& device,
+absl::Status InsideAStepLoop(Communicator& world, TorchDevice& device,
                              const LoopOptions& options) {
   const int steps = 3;
   const Params reference = ReferenceNetParams(world, options, steps);
@@ -655,7 +656,7 @@ absl::Status InsideAStepLoop(Communicator& world, DeviceOps& device,
   return ExpectEqual(got, reference, "ZeroGrad and evaluation inside a step");
 }
 
-absl::Status SeveralOutputsLoop(Communicator& world, DeviceOps& device,
+absl::Status SeveralOutputsLoop(Communicator& world, TorchDevice& device,
                                 const LoopOptions& options) {
   const int steps = 3;
   // A block's auxiliary loss, from its own parameters.
@@ -713,7 +714,7 @@ absl::Status SeveralOutputsLoop(Communicator& world, DeviceOps& device,
   return ExpectEqual(got, Named(*reference), "several outputs per unit");
 }
 
-absl::Status ParamGroupsLoop(Communicator& world, DeviceOps& device,
+absl::Status ParamGroupsLoop(Communicator& world, TorchDevice& device,
                              const LoopOptions& options,
                              const std::string& dir) {
   const int steps = 4;
@@ -843,7 +844,7 @@ absl::Status ExpectSameDict(
   return absl::OkStatus();
 }
 
-absl::Status BatchNormCheckpointLoop(Communicator& world, DeviceOps& device,
+absl::Status BatchNormCheckpointLoop(Communicator& world, TorchDevice& device,
                                      const std::string& dir) {
   using Dict = torch::OrderedDict<std::string, torch::Tensor>;
   FsdpOptions options;

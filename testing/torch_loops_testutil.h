@@ -46,6 +46,9 @@ struct LoopOptions {
   int shard_group_size = 0;
   Recomputation recompute = Recomputation::kNone;
   bool use_orig_params = false;
+  // The handles' streams on the device's ops (created by the caller, with
+  // the same ids on every rank).
+  HandleStreams streams;
 };
 std::string LoopName(const LoopOptions& o);
 
@@ -80,14 +83,14 @@ inline constexpr int kLoraLayers = 4;
 // the unit whose backward runs, the one BACKWARD_PRE prefetched), where
 // keeping the mixed units gathered until the backward's end would take
 // root + kLoraLayers x block. `*peak` and `*bound` get the figures.
-absl::Status LoraLoop(Communicator& world, DeviceOps& device,
+absl::Status LoraLoop(Communicator& world, TorchDevice& device,
                       const LoopOptions& options, int steps, int64_t* peak,
                       int64_t* bound);
 
 // A weight reached twice in one backward: each block also reads the tied
 // embedding (owned by the root unit), and block h.0 is applied twice; the
 // blocks are recomputed per options.recompute, in the reference too.
-absl::Status SharedWeightLoop(Communicator& world, DeviceOps& device,
+absl::Status SharedWeightLoop(Communicator& world, TorchDevice& device,
                               const LoopOptions& options, int steps);
 
 // torch::autograd::grad() over the module's parameters between steps: it
@@ -95,38 +98,38 @@ absl::Status SharedWeightLoop(Communicator& world, DeviceOps& device,
 // were (None) and reduces nothing; gradients of gradients
 // (create_graph) are refused with an error that says so, and the module
 // trains on afterwards, bitwise the loop without them.
-absl::Status AutogradGradLoop(Communicator& world, DeviceOps& device,
+absl::Status AutogradGradLoop(Communicator& world, TorchDevice& device,
                               const LoopOptions& options);
 
 // requires_grad changed on module parameters between steps (a block's
 // fc1 frozen after step 1 and unfrozen after step 3, with use_orig_params;
 // a whole block without it): bitwise the reference making the same
 // changes.
-absl::Status RequiresGradChangeLoop(Communicator& world, DeviceOps& device,
+absl::Status RequiresGradChangeLoop(Communicator& world, TorchDevice& device,
                                     const LoopOptions& options);
 
 // The optimizer's own set-to-None zero_grad (each parameter's grad()
 // reset) instead of FsdpModule::ZeroGrad: bitwise the reference.
-absl::Status SetToNoneLoop(Communicator& world, DeviceOps& device,
+absl::Status SetToNoneLoop(Communicator& world, TorchDevice& device,
                            const LoopOptions& options);
 
 // Train, evaluate under torch::NoGradGuard (and with gradients on, a loss
 // never back-propagated), save a checkpoint, load it into a fresh wrap,
 // train on: bitwise the loop without evaluation.
-absl::Status EvaluateThenSaveLoop(Communicator& world, DeviceOps& device,
+absl::Status EvaluateThenSaveLoop(Communicator& world, TorchDevice& device,
                                   const LoopOptions& options,
                                   const std::string& dir);
 
 // Train two steps, SaveDcpCheckpoint into `dir` (new), load it with
 // LoadDcpCheckpoint into a fresh wrap and optimizer, train two more:
 // bitwise the four-step reference.
-absl::Status DcpResumeLoop(Communicator& world, DeviceOps& device,
+absl::Status DcpResumeLoop(Communicator& world, TorchDevice& device,
                            const LoopOptions& options, const std::string& dir);
 
 // With `again` empty: trains two steps and saves a DCP directory to `dir`.
 // Otherwise: loads `dir` (saved at any world size) into a fresh wrap and
 // optimizer and saves them to `again` at this world size.
-absl::Status DcpSaveOrReshardLoop(Communicator& world, DeviceOps& device,
+absl::Status DcpSaveOrReshardLoop(Communicator& world, TorchDevice& device,
                                   const LoopOptions& options,
                                   const std::string& dir,
                                   const std::string& again);
@@ -134,13 +137,13 @@ absl::Status DcpSaveOrReshardLoop(Communicator& world, DeviceOps& device,
 // Inside each step, between the forward and the backward: ZeroGrad (the
 // loop that zeroes after the forward) and an evaluation forward under
 // torch::NoGradGuard; the step still trains bitwise as the reference.
-absl::Status InsideAStepLoop(Communicator& world, DeviceOps& device,
+absl::Status InsideAStepLoop(Communicator& world, TorchDevice& device,
                              const LoopOptions& options);
 
 // Each block returns two tensors (its output and an auxiliary loss from
 // its own parameters) and the loss adds the auxiliary ones: bitwise the
 // reference.
-absl::Status SeveralOutputsLoop(Communicator& world, DeviceOps& device,
+absl::Status SeveralOutputsLoop(Communicator& world, TorchDevice& device,
                                 const LoopOptions& options);
 
 // AdamW with PyTorch's usual two parameter groups, built by name with
@@ -148,7 +151,7 @@ absl::Status SeveralOutputsLoop(Communicator& world, DeviceOps& device,
 // and the embedding, and micro-batches under FsdpModule::NoSync(); saved
 // and loaded (the checkpoint keeps the groups' names) halfway: bitwise the
 // reference with the same groups.
-absl::Status ParamGroupsLoop(Communicator& world, DeviceOps& device,
+absl::Status ParamGroupsLoop(Communicator& world, TorchDevice& device,
                              const LoopOptions& options,
                              const std::string& dir);
 
@@ -195,7 +198,7 @@ absl::Status ExpectSameDict(
 // loaded into a fresh wrap with LoadCheckpoint and trained 2 more: this
 // rank's StateDict (its parameters and its own running statistics) is
 // bitwise that of 4 steps straight.
-absl::Status BatchNormCheckpointLoop(Communicator& world, DeviceOps& device,
+absl::Status BatchNormCheckpointLoop(Communicator& world, TorchDevice& device,
                                      const std::string& dir);
 
 }  // namespace testing

@@ -176,6 +176,13 @@ absl::StatusOr<torch::Tensor> ForwardNet(
 
 absl::StatusOr<FsdpResult> TrainFsdpOnRank(Communicator& world,
                                            DeviceOps& device, const Case& c) {
+  HostTorchDevice host(&device);
+  return TrainFsdpOnRank(world, host, c);
+}
+
+absl::StatusOr<FsdpResult> TrainFsdpOnRank(Communicator& world,
+                                           TorchDevice& device, const Case& c,
+                                           const HandleStreams& streams) {
   if (world.size() != c.world) {
     return absl::InvalidArgumentError(
         absl::StrFormat("case %s needs %d ranks, the communicator has %d",
@@ -187,6 +194,7 @@ absl::StatusOr<FsdpResult> TrainFsdpOnRank(Communicator& world,
   options.strategy = c.strategy;
   options.shard_group_size = c.shard_group_size;
   options.handle.cpu_offload = c.cpu_offload;
+  options.handle.streams = streams;
   FLATPARAM_ASSIGN_OR_RETURN(
       std::unique_ptr<FsdpModule> fsdp,
       FsdpModule::Wrap(net.ptr(), &world, &device, options));

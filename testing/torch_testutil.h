@@ -117,6 +117,10 @@ struct FsdpResult {
 // c.world ranks): collective.
 absl::StatusOr<FsdpResult> TrainFsdpOnRank(Communicator& world,
                                            DeviceOps& device, const Case& c);
+// The same on `device`, with the handles' work on `streams` of its ops.
+absl::StatusOr<FsdpResult> TrainFsdpOnRank(Communicator& world,
+                                           TorchDevice& device, const Case& c,
+                                           const HandleStreams& streams = {});
 
 // The whole forward of `net` under `fsdp`, one unit per block, each
 // recomputed in the backward at `recompute`; `check` runs inside each

@@ -100,8 +100,8 @@ c10::ScalarType ToTorch(DType dtype) {
   return c10::ScalarType::Float;
 }
 
-torch::TensorOptions Options(DType dtype) {
-  return torch::TensorOptions().dtype(ToTorch(dtype)).device(torch::kCPU);
+torch::TensorOptions OptionsOn(DType dtype, c10::Device device) {
+  return torch::TensorOptions().dtype(ToTorch(dtype)).device(device);
 }
 
 std::string Quoted(const std::vector<std::string>& names) {
@@ -112,20 +112,28 @@ std::string Quoted(const std::vector<std::string>& names) {
   return absl::StrJoin(quoted, ", ");
 }
 
-torch::Tensor Over(const BufferRef& buffer) {
-  return torch::from_blob(buffer.data, {buffer.count}, Options(buffer.dtype));
+torch::Tensor OverOn(const BufferRef& buffer, c10::Device device) {
+  return torch::from_blob(buffer.data, {buffer.count},
+                          OptionsOn(buffer.dtype, device));
 }
 
-void SwappableViews::Make(DType new_dtype, const FlatParamLayout& layout) {
+torch::Tensor CpuCopy(const torch::Tensor& t) {
+  return t.to(c10::Device(c10::kCPU), t.scalar_type(), /*non_blocking=*/false,
+              /*copy=*/true);
+}
+
+void SwappableViews::Make(DType new_dtype, const FlatParamLayout& layout,
+                          c10::Device on) {
   torch::NoGradGuard no_grad;
   dtype = new_dtype;
+  device = on;
   int64_t numel = 0;
   for (const ParamInfo& p : layout.params()) {
     numel = std::max(numel, p.offset + p.numel);
   }
   const int64_t bytes = numel * DTypeSize(dtype);
   storage = c10::Storage(c10::Storage::use_byte_size_t(), bytes,
-                         at::DataPtr(nullptr, at::Device(at::kCPU)),
+                         at::DataPtr(nullptr, device),
                          /*allocator=*/nullptr, /*resizable=*/false);
   views.clear();
   for (const ParamInfo& p : layout.params()) {
@@ -133,7 +141,7 @@ void SwappableViews::Make(DType new_dtype, const FlatParamLayout& layout) {
     for (int d = static_cast<int>(p.shape.size()) - 2; d >= 0; --d) {
       strides[d] = strides[d + 1] * p.shape[d + 1];
     }
-    torch::Tensor view = torch::empty({0}, Options(dtype));
+    torch::Tensor view = torch::empty({0}, OptionsOn(dtype, device));
     view.set_(storage, p.offset, p.shape, strides);
     views.push_back(view);
   }
@@ -143,7 +151,7 @@ void SwappableViews::Make(DType new_dtype, const FlatParamLayout& layout) {
 void SwappableViews::Point(const std::optional<BufferRef>& buffer) {
   void* data = buffer ? buffer->data : nullptr;
   if (data == bound) return;
-  storage.set_data_ptr_noswap(at::DataPtr(data, at::Device(at::kCPU)));
+  storage.set_data_ptr_noswap(at::DataPtr(data, device));
   storage.set_nbytes(buffer ? buffer->bytes() : 0);
   bound = data;
 }
@@ -151,17 +159,18 @@ void SwappableViews::Point(const std::optional<BufferRef>& buffer) {
 }  // namespace internal_fsdp_module
 
 using internal_fsdp_module::FromTorch;
-using internal_fsdp_module::Options;
-using internal_fsdp_module::Over;
+using internal_fsdp_module::OptionsOn;
+using internal_fsdp_module::OverOn;
 using internal_fsdp_module::Quoted;
 
 namespace {
 
-// PyTorch's sync_module_states for one tensor: rank 0's bytes on every
-// rank. Collectives move floating elements, so other dtypes' bytes travel
-// as float32 words (a broadcast copies them unchanged) and come back.
+// PyTorch's sync_module_states for one tensor, whose memory is on
+// `device` (flatparam's name for it): rank 0's bytes on every rank.
+// Collectives move floating elements, so other dtypes' bytes travel as
+// float32 words (a broadcast copies them unchanged) and come back.
 absl::Status BroadcastFromRank0(Communicator& world, torch::Tensor& t,
-                                const std::string& what) {
+                                Device device, const std::string& what) {
   if (t.numel() == 0) return absl::OkStatus();
   BroadcastOptions from_rank0;
   from_rank0.root = 0;
@@ -169,21 +178,23 @@ absl::Status BroadcastFromRank0(Communicator& world, torch::Tensor& t,
   absl::StatusOr<DType> dtype = FromTorch(t.scalar_type());
   if (dtype.ok()) {
     status = world
-                 .Broadcast(
-                     BufferRef{t.data_ptr(), t.numel(), *dtype, Device::Host()},
-                     from_rank0)
+                 .Broadcast(BufferRef{t.data_ptr(), t.numel(), *dtype, device},
+                            from_rank0)
                  ->Wait();
   } else {
+    torch::NoGradGuard no_grad;
     const int64_t nbytes = static_cast<int64_t>(t.nbytes());
-    std::vector<float> words((nbytes + 3) / 4, 0.0f);
-    std::memcpy(words.data(), t.data_ptr(), nbytes);
+    const torch::Tensor bytes = t.view({-1}).view(torch::kUInt8);
+    torch::Tensor words =
+        torch::zeros({(nbytes + 3) / 4}, t.options().dtype(torch::kFloat32));
+    torch::Tensor word_bytes = words.view(torch::kUInt8).narrow(0, 0, nbytes);
+    word_bytes.copy_(bytes);
     status = world
-                 .Broadcast(
-                     BufferRef{words.data(), static_cast<int64_t>(words.size()),
-                               DType::kFloat32, Device::Host()},
-                     from_rank0)
+                 .Broadcast(BufferRef{words.data_ptr(), words.numel(),
+                                      DType::kFloat32, device},
+                            from_rank0)
                  ->Wait();
-    std::memcpy(t.data_ptr(), words.data(), nbytes);
+    bytes.copy_(word_bytes);
   }
   if (status.ok()) return status;
   return absl::Status(status.code(), absl::StrCat("sync_module_states, ", what,
@@ -223,16 +234,38 @@ FsdpModule::~FsdpModule() {
 absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
     std::shared_ptr<torch::nn::Module> module, Communicator* world,
     DeviceOps* device, const FsdpOptions& options) {
-  if (module == nullptr || world == nullptr || device == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "FsdpModule::Wrap needs a module, a communicator and a DeviceOps (",
-        module == nullptr ? "module" : "", world == nullptr ? " world" : "",
-        device == nullptr ? " device" : "", " missing)"));
-  }
-  if (device->device() != Device::Host()) {
+  if (device != nullptr && device->device() != Device::Host()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "FsdpModule::Wrap: DeviceOps on ", DeviceName(device->device()),
-        "; LibTorch modules are supported with host DeviceOps (CPU tensors)"));
+        "; LibTorch tensors on a device need the TorchDevice that orders "
+        "LibTorch's kernels with it (TorchCudaDeviceOps for CUDA, "
+        "flatparam/torch/torch_cuda.h)"));
+  }
+  std::unique_ptr<TorchDevice> host =
+      device == nullptr ? nullptr : std::make_unique<HostTorchDevice>(device);
+  FLATPARAM_ASSIGN_OR_RETURN(
+      std::unique_ptr<FsdpModule> fsdp,
+      Wrap(std::move(module), world, host.get(), options));
+  fsdp->owned_device_ = std::move(host);
+  return fsdp;
+}
+
+absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
+    std::shared_ptr<torch::nn::Module> module, Communicator* world,
+    TorchDevice* torch_device, const FsdpOptions& options) {
+  if (module == nullptr || world == nullptr || torch_device == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "FsdpModule::Wrap needs a module, a communicator and a device (",
+        module == nullptr ? "module" : "", world == nullptr ? " world" : "",
+        torch_device == nullptr ? " device" : "", " missing)"));
+  }
+  DeviceOps* const device = &torch_device->ops();
+  if (options.handle.streams.compute != Stream{0}) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "FsdpModule::Wrap: HandleOptions::streams.compute is stream ",
+        options.handle.streams.compute.id,
+        "; LibTorch's kernels run in order with the DeviceOps' stream 0 "
+        "(torch_device.h), so the compute stream must be stream 0"));
   }
   const bool hybrid = IsHybridStrategy(options.strategy);
   int64_t shard_size = world->size();
@@ -255,6 +288,7 @@ absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
 
   auto fsdp =
       absl::WrapUnique(new FsdpModule(module, world, options.use_orig_params));
+  fsdp->device_ = torch_device;
   fsdp->cast_root_forward_inputs_ = options.cast_root_forward_inputs;
   fsdp->cast_forward_inputs_ = options.cast_forward_inputs;
   ModelSpec spec;
@@ -319,11 +353,8 @@ absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
           "FsdpOptions::param_init_fn, which Wrap calls unit by unit, "
           "freeing each unit's full values once sharded"));
     }
-    if (!t.device().is_cpu()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("parameter \"", name, "\" is on ", t.device().str(),
-                       "; only CPU tensors are supported"));
-    }
+    FLATPARAM_RETURN_IF_ERROR(
+        fsdp->CheckOnDevice(t, absl::StrCat("parameter \"", name, "\"")));
     absl::StatusOr<DType> dtype = FromTorch(t.scalar_type());
     if (!dtype.ok()) {
       return absl::InvalidArgumentError(
@@ -454,7 +485,8 @@ absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
                   initialise(*owner.at(t.unsafeGetTensorImpl())));
               const std::vector<int64_t> shape(t.sizes().begin(),
                                                t.sizes().end());
-              if (!t.device().is_cpu() || shape != info.shape ||
+              if (t.device() != torch_device->torch_device() ||
+                  shape != info.shape ||
                   FromTorch(t.scalar_type()).value_or(DType::kInt64) !=
                       unit_dtype ||
                   !t.is_contiguous()) {
@@ -463,15 +495,18 @@ absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
                     " ", c10::toString(t.scalar_type()), " ",
                     c10::str(t.sizes()),
                     t.is_contiguous() ? "" : " (not contiguous)",
-                    " in param_init_fn; it must stay a contiguous CPU tensor "
-                    "of its shape and dtype"));
+                    " in param_init_fn; it must stay a contiguous tensor on ",
+                    torch_device->torch_device().str(),
+                    " of its shape and dtype"));
               }
               if (sync) {
+                FLATPARAM_RETURN_IF_ERROR(fsdp->WaitForTorch());
                 FLATPARAM_RETURN_IF_ERROR(BroadcastFromRank0(
-                    *world, t, absl::StrCat("parameter \"", info.fqn, "\"")));
+                    *world, t, fsdp->FlatDeviceOf(t),
+                    absl::StrCat("parameter \"", info.fqn, "\"")));
               }
               refs.push_back(ConstBufferRef{t.data_ptr(), t.numel(), unit_dtype,
-                                            Device::Host()});
+                                            fsdp->FlatDeviceOf(t)});
             }
             return refs;
           },
@@ -496,15 +531,19 @@ absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
   for (const auto& item : module->named_buffers(/*recurse=*/true)) {
     torch::Tensor b = item.value();
     if (!b.defined()) continue;
-    if (!b.device().is_cpu() || !b.is_contiguous()) {
+    FLATPARAM_RETURN_IF_ERROR(
+        fsdp->CheckOnDevice(b, absl::StrCat("buffer \"", item.key(), "\"")));
+    if (!b.is_contiguous()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "buffer \"", item.key(), "\" is ",
-          b.device().is_cpu() ? "not contiguous" : b.device().str(),
-          "; FsdpModule keeps buffers as contiguous CPU tensors"));
+          "buffer \"", item.key(),
+          "\" is not contiguous; FsdpModule keeps buffers as contiguous "
+          "tensors"));
     }
     if (sync) {
-      FLATPARAM_RETURN_IF_ERROR(BroadcastFromRank0(
-          *world, b, absl::StrCat("buffer \"", item.key(), "\"")));
+      FLATPARAM_RETURN_IF_ERROR(fsdp->WaitForTorch());
+      FLATPARAM_RETURN_IF_ERROR(
+          BroadcastFromRank0(*world, b, fsdp->FlatDeviceOf(b),
+                             absl::StrCat("buffer \"", item.key(), "\"")));
     }
     fsdp->buffers_.emplace_back(item.key(), b);
     fsdp->buffer_dtypes_.push_back(b.scalar_type());
@@ -542,14 +581,14 @@ absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
     state->expected_graphs.resize(fp.params().size());
     state->arrived.assign(fp.params().size(), 0);
     const DType dtype = options.handle.param_dtype.value_or(fp.dtype());
-    state->param_views.Make(dtype, fp);
-    state->grad_views.Make(dtype, fp);
-    torch::Tensor empty = torch::empty({0}, Options(dtype));
+    state->param_views.Make(dtype, fp, torch_device->torch_device());
+    state->grad_views.Make(dtype, fp, torch_device->torch_device());
+    torch::Tensor empty = torch::empty({0}, fsdp->Options(dtype));
     for (torch::Tensor& t : state->params) t.set_data(empty);
     fsdp->units_.push_back(std::move(state));
     if (!options.use_orig_params) {
       fsdp->optimizer_tensors_.push_back(
-          Over(handle.sharded_param()).set_requires_grad(true));
+          fsdp->Over(handle.sharded_param()).set_requires_grad(true));
     }
   }
   if (options.use_orig_params) {
@@ -570,7 +609,69 @@ absl::StatusOr<std::unique_ptr<FsdpModule>> FsdpModule::Wrap(
         fsdp->runtime_->handle(u).SetTraining(fsdp->training_));
   }
   fsdp->BindShardedGrads();
+  // The optimizer's first step reads the shards the runtime wrote.
+  FLATPARAM_RETURN_IF_ERROR(fsdp->HandToTorch());
   return fsdp;
+}
+
+// ---------------------------------------------------------------------------
+// Devices
+
+torch::TensorOptions FsdpModule::Options(DType dtype) const {
+  return OptionsOn(dtype, device_->torch_device());
+}
+
+c10::Device FsdpModule::TorchDeviceOf(Device device) const {
+  return device == Device::Host() ? c10::Device(c10::kCPU)
+                                  : device_->torch_device();
+}
+
+torch::Tensor FsdpModule::Over(const BufferRef& buffer) const {
+  return OverOn(buffer, TorchDeviceOf(buffer.device));
+}
+
+torch::Tensor FsdpModule::Over(const BufferRef& buffer,
+                               c10::IntArrayRef shape) const {
+  return torch::from_blob(
+      buffer.data, shape,
+      OptionsOn(buffer.dtype, TorchDeviceOf(buffer.device)));
+}
+
+Device FsdpModule::FlatDeviceOf(const torch::Tensor& t) const {
+  // A CPU tensor's memory is the host's even where the DeviceOps' device
+  // memory is host memory too (a simulated device under CPU tensors).
+  if (t.device().is_cpu()) return Device::Host();
+  return device_->ops().device();
+}
+
+absl::Status FsdpModule::CheckOnDevice(const torch::Tensor& t,
+                                       absl::string_view what) const {
+  if (t.device() == device_->torch_device()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      what, " is on ", t.device().str(), "; FsdpModule's device is ",
+      device_->torch_device().str(), " (", DeviceName(device_->ops().device()),
+      " of DeviceOps \"", device_->ops().name(), "\")"));
+}
+
+absl::Status FsdpModule::WaitForTorch() {
+  // LibTorch's kernels run in order with stream 0 (torch_device.h).
+  return device_->ops().Synchronize();
+}
+
+absl::Status FsdpModule::HandToTorch() { return device_->HandToTorch(); }
+
+void FsdpModule::HandToTorchInHook() {
+  absl::Status status = device_->HandToTorch();
+  if (status.ok()) return;
+  Fail(status);
+  TORCH_CHECK(false, status.ToString());
+}
+
+void FsdpModule::CheckStreamInHook() {
+  absl::Status status = device_->CheckCurrentStream();
+  if (status.ok()) return;
+  Fail(status);
+  TORCH_CHECK(false, status.ToString());
 }
 
 nlohmann::json FsdpModule::ModelFile() const {

@@ -156,10 +156,25 @@
 // inside the backward's hooks (the backward is abandoned with a
 // c10::Error and Backward() returns the failure).
 //
-// Devices and dtypes: CPU tensors (LibTorch's) with flatparam's host
-// DeviceOps; float32, float64, float16 and bfloat16 parameters, one dtype
-// per unit (flatparam's rule). Other devices, the meta device included,
-// are refused (FsdpOptions::param_init_fn defers initialisation instead).
+// Devices and dtypes: the module's parameters and buffers are on the
+// TorchDevice's LibTorch device (flatparam/torch/torch_device.h): CPU
+// tensors with a host DeviceOps (Wrap(module, world, &host_ops)), CUDA
+// tensors with TorchCudaDeviceOps (flatparam/torch/torch_cuda.h: LibTorch's
+// current stream and caching allocator). The flat parameters live in the
+// DeviceOps' memory; the module's parameters and gradients are views of
+// it on that device; the optimizer's tensors (ShardedParameters()) are on
+// it too, or on the CPU under CPU offload (PyTorch's optimizer then steps
+// on the CPU, as with PyTorch's CPUOffload). LibTorch's kernels run on
+// stream 0 of the DeviceOps, the compute stream; the unshard and
+// post-backward streams (HandleOptions::streams) are ordered with it by
+// events, and FsdpModule checks at every forward, unit and backward hook
+// that LibTorch's current stream is still that stream (a
+// CUDAStreamGuard around a step is refused, naming both streams). State
+// dicts and checkpoints are copied to the host with LibTorch's copies.
+// float32, float64, float16 and bfloat16 parameters, one dtype per unit
+// (flatparam's rule). Parameters on another device, the meta device
+// included, are refused (FsdpOptions::param_init_fn defers initialisation
+// instead).
 //
 // Memory: the FsdpModule keeps the module (shared_ptr) and owns the
 // runtime; after Wrap the module's parameters hold no memory of their own
@@ -170,7 +185,9 @@
 // it; they do nothing once it is destroyed.
 //
 // Thread-safety: one thread at a time, the rank's (which runs the forward
-// and the backward: LibTorch runs a CPU backward on the calling thread).
+// and the backward: LibTorch runs a CPU backward on the calling thread, a
+// CUDA backward on its device thread while the calling thread waits in
+// Backward(), and the hooks then run there).
 #ifndef FLATPARAM_TORCH_FSDP_MODULE_H_
 #define FLATPARAM_TORCH_FSDP_MODULE_H_
 
@@ -205,6 +222,7 @@
 #include "flatparam/optim/optim_state.h"
 #include "flatparam/runtime.h"
 #include "flatparam/torch/recompute.h"
+#include "flatparam/torch/torch_device.h"
 
 namespace flatparam {
 namespace libtorch {
@@ -281,9 +299,9 @@ struct StateDictOptions {
   // non-hybrid world but rank 0 gets an empty dict); the others still take
   // part in the all-gathers.
   bool rank0_only = false;
-  // PyTorch's offload_to_cpu. The tensors are CPU tensors whatever it says
-  // (LibTorch modules run on the CPU under FsdpModule today); accepted so
-  // that code written for a device keeps compiling.
+  // PyTorch's offload_to_cpu: the tensors are copied to the CPU; false
+  // leaves them on the module's device (PyTorch's default is false; on the
+  // CPU the two are the same).
   bool offload_to_cpu = true;
 };
 
@@ -323,10 +341,17 @@ class FsdpModule {
   // rank's must be equal (as for FsdpRuntime::Create), or
   // sync_module_states makes them rank 0's. InvalidArgument, naming
   // the values, for: a null module, world or device; a parameter that is
-  // undefined, not on the CPU, not contiguous, or not of a supported
-  // floating dtype; two parameters viewing one storage; a shard group size
-  // that does not divide the world; every error of ModelLayout::Create and
-  // FsdpRuntime::Create.
+  // undefined, not on the device's LibTorch device, not contiguous, or not
+  // of a supported floating dtype; two parameters viewing one storage; a
+  // shard group size that does not divide the world; a compute stream
+  // other than stream 0 (torch_device.h); every error of
+  // ModelLayout::Create and FsdpRuntime::Create.
+  static absl::StatusOr<std::unique_ptr<FsdpModule>> Wrap(
+      std::shared_ptr<torch::nn::Module> module, Communicator* world,
+      TorchDevice* device, const FsdpOptions& options = {});
+  // The same on the CPU, with a host DeviceOps (HostTorchDevice over it);
+  // InvalidArgument for a DeviceOps of another device (a GPU's needs the
+  // TorchDevice that orders it with LibTorch: TorchCudaDeviceOps).
   static absl::StatusOr<std::unique_ptr<FsdpModule>> Wrap(
       std::shared_ptr<torch::nn::Module> module, Communicator* world,
       DeviceOps* device, const FsdpOptions& options = {});
@@ -553,8 +578,8 @@ class FsdpModule {
   // ---- State dicts (PyTorch's FSDP state_dict_type) ----
   // The full, unsharded parameters by name (every non-tied parameter, in
   // the parameters' dtype and shape): collective (it all-gathers every
-  // unit). Between iterations. Kept for its callers; StateDict() is
-  // PyTorch's FULL_STATE_DICT.
+  // unit), CPU tensors. Between iterations. Kept for its callers;
+  // StateDict() is PyTorch's FULL_STATE_DICT.
   absl::StatusOr<std::map<std::string, torch::Tensor>> FullStateDict();
   // PyTorch's FULL_STATE_DICT, what Python's `module.state_dict()` holds:
   // every parameter and buffer, in state_dict order (each module's own
@@ -748,8 +773,37 @@ class FsdpModule {
   void CheckHookIteration(int64_t iteration) const;
   void Fail(const absl::Status& status);
 
+  // ---- Devices (fsdp_module.cc) ----
+  // The LibTorch device of memory on `device`: the CPU for the host's, the
+  // compute device for the DeviceOps'.
+  c10::Device TorchDeviceOf(Device device) const;
+  // Tensors of `dtype` on the compute device.
+  torch::TensorOptions Options(DType dtype) const;
+  // A tensor over `buffer` (not owned) on its LibTorch device: the compute
+  // device for device memory, the CPU for host memory.
+  torch::Tensor Over(const BufferRef& buffer) const;
+  // The same, of `shape` (buffer.count elements).
+  torch::Tensor Over(const BufferRef& buffer, c10::IntArrayRef shape) const;
+  // flatparam's name for the memory of `t`: the host for a CPU tensor,
+  // the DeviceOps' device for one on the compute device.
+  Device FlatDeviceOf(const torch::Tensor& t) const;
+  // InvalidArgument, naming `what`, unless `t` is on the compute device.
+  absl::Status CheckOnDevice(const torch::Tensor& t,
+                             absl::string_view what) const;
+  // The host waits for LibTorch's kernels issued so far (before a
+  // collective reads or writes memory they wrote).
+  absl::Status WaitForTorch();
+  // The TorchDevice's hand-over and stream check (torch_device.h); in a
+  // hook, a failure is thrown (a c10::Error) after Fail.
+  absl::Status HandToTorch();
+  void HandToTorchInHook();
+  void CheckStreamInHook();
+
   std::shared_ptr<torch::nn::Module> module_;
   Communicator* const world_;
+  TorchDevice* device_ = nullptr;
+  // HostTorchDevice made by Wrap(DeviceOps*).
+  std::unique_ptr<TorchDevice> owned_device_;
   const bool use_orig_params_;
   // The module's buffers (named_buffers()), with their dtypes at Wrap.
   std::vector<std::pair<std::string, torch::Tensor>> buffers_;

@@ -26,8 +26,6 @@ namespace flatparam {
 namespace libtorch {
 
 using internal_fsdp_module::FromTorch;
-using internal_fsdp_module::Options;
-using internal_fsdp_module::Over;
 using internal_fsdp_module::Quoted;
 using torch::autograd::Node;
 
@@ -41,8 +39,9 @@ absl::Status FsdpModule::Bind(int unit) {
   torch::NoGradGuard no_grad;
   std::optional<BufferRef> flat = handle.unsharded_flat_param();
   if (flat.has_value()) {
-    if (flat->dtype != u.param_views.dtype) {
-      u.param_views.Make(flat->dtype, fp);
+    if (flat->dtype != u.param_views.dtype ||
+        TorchDeviceOf(flat->device) != u.param_views.device) {
+      u.param_views.Make(flat->dtype, fp, TorchDeviceOf(flat->device));
       u.exposed = false;
     }
     u.param_views.Point(flat);
@@ -76,7 +75,10 @@ absl::Status FsdpModule::Bind(int unit) {
   const bool in_backward =
       handle.training_state() == HandleTrainingState::kBackwardPre;
   if (grad.has_value() && in_backward) {
-    if (grad->dtype != u.grad_views.dtype) u.grad_views.Make(grad->dtype, fp);
+    if (grad->dtype != u.grad_views.dtype ||
+        TorchDeviceOf(grad->device) != u.grad_views.device) {
+      u.grad_views.Make(grad->dtype, fp, TorchDeviceOf(grad->device));
+    }
     u.grad_views.Point(grad);
     for (size_t i = 0; i < u.params.size(); ++i) {
       if (u.trainable[i]) u.params[i].mutable_grad() = u.grad_views.views[i];
@@ -89,7 +91,9 @@ absl::Status FsdpModule::Bind(int unit) {
     }
     u.grad_views.Point(std::nullopt);
   }
-  return absl::OkStatus();
+  // LibTorch's kernels use the views next (the unit's forward or
+  // backward).
+  return HandToTorch();
 }
 
 absl::Status FsdpModule::BindAll() {
@@ -101,9 +105,9 @@ absl::Status FsdpModule::BindAll() {
 
 void FsdpModule::BindShardedGrads() {
   torch::NoGradGuard no_grad;
-  auto bind = [](torch::Tensor& t, const BufferRef& memory,
-                 const std::optional<BufferRef>& grad, torch::Tensor& bound,
-                 bool requires_grad) {
+  auto bind = [this](torch::Tensor& t, const BufferRef& memory,
+                     const std::optional<BufferRef>& grad, torch::Tensor& bound,
+                     bool requires_grad) {
     if (!t.defined() || (memory.count > 0 && t.data_ptr() != memory.data) ||
         t.numel() != memory.count) {
       torch::Tensor over = Over(memory);

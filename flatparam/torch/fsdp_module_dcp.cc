@@ -31,7 +31,7 @@ namespace {
 using checkpoint::JoinPath;
 using internal_fsdp_module::AnyDTypeFromTorch;
 using internal_fsdp_module::ChunkRows;
-using internal_fsdp_module::Options;
+using internal_fsdp_module::OptionsOn;
 using internal_torch::DcpItem;
 
 // One piece of the checkpoint a rank writes: chunk `chunk` of item `item`
@@ -335,7 +335,8 @@ absl::Status FsdpModule::LoadDcpCheckpoint(checkpoint::FileSystem& fs,
       }
       FLATPARAM_ASSIGN_OR_RETURN(HostTensor h,
                                  dcp.ReadBox(key, offsets, sizes));
-      torch::Tensor t = torch::empty(sizes, Options(h.dtype()));
+      torch::Tensor t =
+          torch::empty(sizes, OptionsOn(h.dtype(), c10::Device(c10::kCPU)));
       // (An empty tensor's data may be null: a rank past the last chunk.)
       if (h.nbytes() > 0) std::memcpy(t.data_ptr(), h.data(), h.nbytes());
       rows.insert(e.name, std::move(t));

@@ -37,7 +37,6 @@
 namespace flatparam {
 namespace libtorch {
 
-using internal_fsdp_module::Options;
 using internal_fsdp_module::Quoted;
 using torch::autograd::Node;
 
@@ -131,6 +130,7 @@ void FsdpModule::CheckHookIteration(int64_t iteration) const {
 
 absl::StatusOr<FsdpModule::Outputs> FsdpModule::RunUnit(
     int unit, const std::function<absl::StatusOr<Outputs>()>& forward) {
+  FLATPARAM_RETURN_IF_ERROR(device_->CheckCurrentStream());
   FLATPARAM_RETURN_IF_ERROR(runtime_->PreForward(unit));
   FLATPARAM_RETURN_IF_ERROR(Bind(unit));
   const uint64_t first = at::sequence_number::peek();
@@ -208,6 +208,7 @@ absl::StatusOr<FsdpModule::Outputs> FsdpModule::RunForward(
         "first)");
   }
   FLATPARAM_RETURN_IF_ERROR(CheckModuleUnchanged());
+  FLATPARAM_RETURN_IF_ERROR(device_->CheckCurrentStream());
   // A forward whose loss was never back-propagated, then an optimizer step:
   // the root's gathered parameters are stale; that iteration is over.
   if (runtime_->in_iteration() && !backward_began_ && OptimizerStepped()) {
@@ -221,6 +222,9 @@ absl::StatusOr<FsdpModule::Outputs> FsdpModule::RunForward(
     for (auto& u : units_) u->nodes.clear();
     FLATPARAM_RETURN_IF_ERROR(SyncFromModule());
   }
+  // The forward may read what the iteration's start wrote (gradients set
+  // to None, a frozen unit's), even with no root unit to bind.
+  FLATPARAM_RETURN_IF_ERROR(HandToTorch());
   struct InForward {
     bool* flag;
     explicit InForward(bool* f) : flag(f) { *flag = true; }
@@ -270,6 +274,7 @@ absl::StatusOr<FsdpModule::Outputs> FsdpModule::RunForward(
   // forward and its backward, leaves the step's iteration open.)
   if (!hooked && !graph_pending_) {
     absl::Status ended = EndForwardOnlyIteration();
+    if (ended.ok()) ended = HandToTorch();
     if (out.ok() && !ended.ok()) return ended;
   }
   return out;
@@ -533,6 +538,8 @@ void FsdpModule::MaybeFinishUnit(int unit) {
 
 void FsdpModule::OnPreBackward(int unit) {
   if (!hook_error_.ok()) TORCH_CHECK(false, hook_error_.ToString());
+  // Autograd runs a node on the stream its forward ran on.
+  CheckStreamInHook();
   BeginBackward();
   ScanGraph(unit);
   UnitState& u = *units_[unit];
@@ -561,6 +568,7 @@ void FsdpModule::OnNodeDone(int unit, size_t node) {
 
 void FsdpModule::OnGradAccumulated(int unit, int index) {
   if (!in_backward_) return;
+  CheckStreamInHook();
   UnitState& u = *units_[unit];
   if (u.post_backward_ran) {
     // Never drop a gradient: this one came after the unit's reduction (a
@@ -607,6 +615,9 @@ void FsdpModule::OnBackwardEnd() {
   absl::Status bind = BindAll();
   if (status.ok()) status = bind;
   BindShardedGrads();
+  // The optimizer reads the sharded gradients.
+  absl::Status handed = HandToTorch();
+  if (status.ok()) status = handed;
   in_backward_ = false;
   ++stats_.backwards;
   Fail(status);
@@ -630,6 +641,7 @@ absl::Status FsdpModule::Backward(const torch::Tensor& loss,
     return absl::FailedPreconditionError(
         absl::StrCat("a previous backward failed: ", hook_error_.ToString()));
   }
+  FLATPARAM_RETURN_IF_ERROR(device_->CheckCurrentStream());
   try {
     loss.backward({}, retain_graph);
   } catch (const c10::Error& e) {
@@ -677,13 +689,16 @@ absl::Status FsdpModule::ZeroGrad(bool set_to_none) {
   }
   FLATPARAM_RETURN_IF_ERROR(runtime_->ZeroGrad(set_to_none));
   BindShardedGrads();
-  return absl::OkStatus();
+  return HandToTorch();
 }
 
 absl::StatusOr<double> FsdpModule::ClipGradNorm(double max_norm,
                                                 double norm_type) {
   FLATPARAM_RETURN_IF_ERROR(BetweenIterations("ClipGradNorm"));
-  return runtime_->ClipGradNorm(max_norm, norm_type);
+  FLATPARAM_ASSIGN_OR_RETURN(double norm,
+                             runtime_->ClipGradNorm(max_norm, norm_type));
+  FLATPARAM_RETURN_IF_ERROR(HandToTorch());
+  return norm;
 }
 
 }  // namespace libtorch

@@ -41,6 +41,8 @@
 #include "flatparam/torch/recompute.h"
 #include "refmodel/torch_gpt.h"
 #include "sim/sim.h"
+#include "sim/sim_device.h"
+#include "testing/sim_torch_device.h"
 #include "testing/torch_loops_testutil.h"
 #include "testing/torch_testutil.h"
 
@@ -51,17 +53,52 @@ namespace {
 using ::flatparam::IsOk;
 using namespace ::flatparam::libtorch::testing;  // NOLINT
 
+// The simulated device's streams (OnSimDevice).
+constexpr Stream kSimUnshard{1};
+constexpr Stream kSimPostBackward{2};
+
 // `loop` on every rank of a `world`-rank simulated world.
 absl::Status OnSim(
     int world,
-    const std::function<absl::Status(Communicator&, DeviceOps&)>& loop) {
+    const std::function<absl::Status(Communicator&, TorchDevice&)>& loop) {
   SimOptions sim;
   sim.world_size = world;
   FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<SimWorld> w,
                              SimWorld::Create(sim));
   return w->Run([&](SimCommunicator& comm) -> absl::Status {
-    HostDeviceOps device;
+    HostDeviceOps ops;
+    HostTorchDevice device(&ops);
     return loop(comm, device);
+  });
+}
+
+// The same with the flat parameters in simulated device memory under CPU
+// tensors (testing/sim_torch_device.h): each rank's SimDeviceOps runs its
+// streams late and reordered (seeded by the rank), the handles use
+// streams 1 (unshard) and 2 (post-backward) and collectives are
+// stream-ordered; an error if the race detector reported anything.
+absl::Status OnSimDevice(
+    int world,
+    const std::function<absl::Status(Communicator&, TorchDevice&)>& loop) {
+  SimOptions sim;
+  sim.world_size = world;
+  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<SimWorld> w,
+                             SimWorld::Create(sim));
+  return w->Run([&](SimCommunicator& comm) -> absl::Status {
+    SimDeviceOptions options;
+    options.seed = 7 + comm.rank();
+    SimDeviceOps ops(options);
+    StreamCheckedCommunicator checked(&comm, &ops, /*stream_ordered=*/true);
+    FLATPARAM_ASSIGN_OR_RETURN(Stream unshard, ops.NewStream());
+    FLATPARAM_ASSIGN_OR_RETURN(Stream post_backward, ops.NewStream());
+    if (unshard != kSimUnshard || post_backward != kSimPostBackward) {
+      return absl::InternalError("unexpected stream ids");
+    }
+    SimTorchDevice device(&ops);
+    absl::Status ran = loop(checked, device);
+    FLATPARAM_RETURN_IF_ERROR(ops.Synchronize());
+    FLATPARAM_RETURN_IF_ERROR(ops.CheckNoRaces());
+    return ran;
   });
 }
 
@@ -72,9 +109,15 @@ std::string TmpDir(const std::string& name) {
 struct LoopCase {
   int world = 2;
   LoopOptions options;
+  // On OnSimDevice instead of OnSim.
+  bool sim_device = false;
 };
-std::string CaseName(const ::testing::TestParamInfo<LoopCase>& info) {
-  return absl::StrCat(LoopName(info.param.options), "_w", info.param.world);
+std::string CaseName(const LoopCase& c) {
+  return absl::StrCat(LoopName(c.options), "_w", c.world,
+                      c.sim_device ? "_simdevice" : "");
+}
+std::string ParamName(const ::testing::TestParamInfo<LoopCase>& info) {
+  return CaseName(info.param);
 }
 
 std::vector<LoopCase> Cases() {
@@ -84,30 +127,51 @@ std::vector<LoopCase> Cases() {
       {4, {ShardingStrategy::kShardGradOp}},
       {4, {ShardingStrategy::kHybridShard, 2, Recomputation::kNone, true}},
       {2, {ShardingStrategy::kNoShard}},
+      // FsdpModule's device path: the same loops with the flat parameters
+      // in simulated device memory.
+      {2, {ShardingStrategy::kFullShard}, true},
+      {2, {ShardingStrategy::kFullShard, 0, Recomputation::kNone, true}, true},
+      {4,
+       {ShardingStrategy::kHybridShard, 2, Recomputation::kNone, true},
+       true},
   };
 }
 
 class LoopsTest : public ::testing::TestWithParam<LoopCase> {
  protected:
+  // `f` on every rank of the case's world, on its device.
+  absl::Status OnCase(
+      const std::function<absl::Status(Communicator&, TorchDevice&)>& f) {
+    return GetParam().sim_device ? OnSimDevice(GetParam().world, f)
+                                 : OnSim(GetParam().world, f);
+  }
+  // The case's loop options, with the simulated device's streams.
+  LoopOptions Opts() const {
+    LoopOptions o = GetParam().options;
+    if (GetParam().sim_device) {
+      o.streams.unshard = kSimUnshard;
+      o.streams.post_backward = kSimPostBackward;
+    }
+    return o;
+  }
   // `loop` on every rank of the case's simulated world.
-  using Loop = absl::Status (*)(Communicator&, DeviceOps&, const LoopOptions&);
+  using Loop = absl::Status (*)(Communicator&, TorchDevice&,
+                                const LoopOptions&);
   absl::Status Run(Loop loop) {
-    return OnSim(GetParam().world, [&](Communicator& comm, DeviceOps& device) {
-      return loop(comm, device, GetParam().options);
+    return OnCase([&](Communicator& comm, TorchDevice& device) {
+      return loop(comm, device, Opts());
     });
   }
 };
 
 TEST_P(LoopsTest, LoraFrozenBaseTrainableAdapters) {
   int64_t peak = 0, bound = 0;
-  EXPECT_THAT(OnSim(GetParam().world,
-                    [&](Communicator& comm, DeviceOps& device) {
-                      int64_t p = 0, b = 0;
-                      absl::Status s = LoraLoop(comm, device,
-                                                GetParam().options, 20, &p, &b);
-                      if (comm.rank() == 0) peak = p, bound = b;
-                      return s;
-                    }),
+  EXPECT_THAT(OnCase([&](Communicator& comm, TorchDevice& device) {
+                int64_t p = 0, b = 0;
+                absl::Status s = LoraLoop(comm, device, Opts(), 20, &p, &b);
+                if (comm.rank() == 0) peak = p, bound = b;
+                return s;
+              }),
               IsOk());
   RecordProperty("peak_unsharded_param_bytes", peak);
   RecordProperty("bound_bytes", bound);
@@ -127,13 +191,10 @@ TEST_P(LoopsTest, OptimizerSetsGradientsToNone) {
 
 // Saved as a DCP directory and resumed from it, bitwise.
 TEST_P(LoopsTest, ResumesThroughDistributedCheckpoint) {
-  const std::string dir = TmpDir(absl::StrCat(
-      "dcp_", LoopName(GetParam().options), "_w", GetParam().world));
-  EXPECT_THAT(OnSim(GetParam().world,
-                    [&](Communicator& comm, DeviceOps& device) {
-                      return DcpResumeLoop(comm, device, GetParam().options,
-                                           dir);
-                    }),
+  const std::string dir = TmpDir(absl::StrCat("dcp_", CaseName(GetParam())));
+  EXPECT_THAT(OnCase([&](Communicator& comm, TorchDevice& device) {
+                return DcpResumeLoop(comm, device, Opts(), dir);
+              }),
               IsOk());
 }
 
@@ -149,13 +210,13 @@ TEST(FsdpModuleDcpTest, LoadsAtAnotherWorldSizeAndSavesTheSame) {
     const std::string dir = TmpDir(absl::StrCat("dcp_w2_", orig));
     const std::string again = TmpDir(absl::StrCat("dcp_w3_", orig));
     ASSERT_THAT(OnSim(2,
-                      [&](Communicator& comm, DeviceOps& device) {
+                      [&](Communicator& comm, TorchDevice& device) {
                         return DcpSaveOrReshardLoop(comm, device, options, dir,
                                                     "");
                       }),
                 IsOk());
     ASSERT_THAT(OnSim(3,
-                      [&](Communicator& comm, DeviceOps& device) {
+                      [&](Communicator& comm, TorchDevice& device) {
                         return DcpSaveOrReshardLoop(comm, device, options, dir,
                                                     again);
                       }),
@@ -191,7 +252,7 @@ TEST(FsdpModuleDcpTest, LoadsAtAnotherWorldSizeAndSavesTheSame) {
     EXPECT_TRUE(a->metadata().entries.count("optim.param_groups"));
     // Not into a directory that holds files.
     EXPECT_THAT(OnSim(2,
-                      [&](Communicator& comm, DeviceOps& device) {
+                      [&](Communicator& comm, TorchDevice& device) {
                         return DcpSaveOrReshardLoop(comm, device, options,
                                                     again, "");
                       }),
@@ -221,7 +282,7 @@ TEST(FsdpModuleDcpTest, ARankThatCannotWriteFailsEveryRankAndLeavesNoFiles) {
   FailRankFile fs(checkpoint::PosixFileSystem());
   EXPECT_THAT(
       OnSim(2,
-            [&](Communicator& comm, DeviceOps& device) -> absl::Status {
+            [&](Communicator& comm, TorchDevice& device) -> absl::Status {
               torch::manual_seed(5);
               torch::nn::Linear linear(4, 3);
               FLATPARAM_ASSIGN_OR_RETURN(
@@ -243,13 +304,10 @@ TEST(FsdpModuleDcpTest, ARankThatCannotWriteFailsEveryRankAndLeavesNoFiles) {
 }
 
 TEST_P(LoopsTest, EvaluateThenSaveThenResume) {
-  const std::string dir = TmpDir(absl::StrCat(
-      "eval_", LoopName(GetParam().options), "_w", GetParam().world));
-  EXPECT_THAT(OnSim(GetParam().world,
-                    [&](Communicator& comm, DeviceOps& device) {
-                      return EvaluateThenSaveLoop(comm, device,
-                                                  GetParam().options, dir);
-                    }),
+  const std::string dir = TmpDir(absl::StrCat("eval_", CaseName(GetParam())));
+  EXPECT_THAT(OnCase([&](Communicator& comm, TorchDevice& device) {
+                return EvaluateThenSaveLoop(comm, device, Opts(), dir);
+              }),
               IsOk());
 }
 
@@ -262,29 +320,24 @@ TEST_P(LoopsTest, SeveralOutputsPerUnit) {
 }
 
 TEST_P(LoopsTest, ParameterGroupsByNameWithNoSync) {
-  const std::string dir = TmpDir(absl::StrCat(
-      "groups_", LoopName(GetParam().options), "_w", GetParam().world));
-  EXPECT_THAT(OnSim(GetParam().world,
-                    [&](Communicator& comm, DeviceOps& device) {
-                      return ParamGroupsLoop(comm, device, GetParam().options,
-                                             dir);
-                    }),
+  const std::string dir = TmpDir(absl::StrCat("groups_", CaseName(GetParam())));
+  EXPECT_THAT(OnCase([&](Communicator& comm, TorchDevice& device) {
+                return ParamGroupsLoop(comm, device, Opts(), dir);
+              }),
               IsOk());
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, LoopsTest, ::testing::ValuesIn(Cases()),
-                         CaseName);
+                         ParamName);
 
 // A weight reached twice in one backward (the tied embedding inside every
 // block, block h.0 applied twice), with and without recomputation.
-class SharedWeightTest : public ::testing::TestWithParam<LoopCase> {};
+class SharedWeightTest : public LoopsTest {};
 
 TEST_P(SharedWeightTest, EveryGradientReachesTheReduction) {
-  EXPECT_THAT(OnSim(GetParam().world,
-                    [&](Communicator& comm, DeviceOps& device) {
-                      return SharedWeightLoop(comm, device, GetParam().options,
-                                              3);
-                    }),
+  EXPECT_THAT(OnCase([&](Communicator& comm, TorchDevice& device) {
+                return SharedWeightLoop(comm, device, Opts(), 3);
+              }),
               IsOk());
 }
 
@@ -300,16 +353,22 @@ INSTANTIATE_TEST_SUITE_P(
                  {ShardingStrategy::kShardGradOp, 0, Recomputation::kInsideUnit,
                   true}},
         LoopCase{
-            4,
-            {ShardingStrategy::kHybridShard, 2, Recomputation::kAroundUnit}}),
-    CaseName);
+            4, {ShardingStrategy::kHybridShard, 2, Recomputation::kAroundUnit}},
+        // On the simulated device.
+        LoopCase{2,
+                 {ShardingStrategy::kFullShard, 0, Recomputation::kInsideUnit},
+                 true},
+        LoopCase{2,
+                 {ShardingStrategy::kFullShard, 0, Recomputation::kAroundUnit},
+                 true}),
+    ParamName);
 
 // The LoRA loop's peak memory is a FULL_SHARD one: root + 2 blocks, where
 // keeping the mixed units gathered to the backward's end would be root + 4.
 TEST(FsdpModuleLoraTest, PeakMemoryIsFullShards) {
   int64_t peak = 0, bound = 0;
   ASSERT_THAT(OnSim(2,
-                    [&](Communicator& comm, DeviceOps& device) {
+                    [&](Communicator& comm, TorchDevice& device) {
                       int64_t p = 0, b = 0;
                       absl::Status s = LoraLoop(comm, device, {}, 2, &p, &b);
                       if (comm.rank() == 0) peak = p, bound = b;
@@ -323,15 +382,15 @@ TEST(FsdpModuleLoraTest, PeakMemoryIsFullShards) {
 // `net` wrapped with one unit per block.
 absl::StatusOr<std::unique_ptr<FsdpModule>> WrapBlocks(Net& net,
                                                        Communicator& comm,
-                                                       DeviceOps& device) {
+                                                       TorchDevice& device) {
   FsdpOptions options;
   options.wrap = {"h.*"};
   return FsdpModule::Wrap(net.ptr(), &comm, &device, options);
 }
 
-void OnOneRank(const std::function<void(Communicator&, DeviceOps&)>& body) {
+void OnOneRank(const std::function<void(Communicator&, TorchDevice&)>& body) {
   ASSERT_THAT(OnSim(1,
-                    [&](Communicator& comm, DeviceOps& device) {
+                    [&](Communicator& comm, TorchDevice& device) {
                       body(comm, device);
                       return absl::OkStatus();
                     }),
@@ -342,7 +401,7 @@ void OnOneRank(const std::function<void(Communicator&, DeviceOps&)>& body) {
 // that mixes frozen and trainable parameters is refused, saying what to
 // do; so is a requires_grad change that would mix them.
 TEST(FsdpModuleFrozenTest, FlatPathRefusesMixedUnits) {
-  OnOneRank([](Communicator& comm, DeviceOps& device) {
+  OnOneRank([](Communicator& comm, TorchDevice& device) {
     LoraNet lora(kVocab, 8, 2, 2);
     for (auto& p : lora->named_parameters()) {
       p.value().set_requires_grad(absl::StrContains(p.key(), "lora_"));
@@ -377,7 +436,7 @@ TEST(FsdpModuleFrozenTest, FlatPathRefusesMixedUnits) {
 TEST(FsdpModuleFrozenTest, OrigParamsAreNamedPiecesOfTheShard) {
   EXPECT_THAT(
       OnSim(2,
-            [](Communicator& comm, DeviceOps& device) -> absl::Status {
+            [](Communicator& comm, TorchDevice& device) -> absl::Status {
               Net net = MakeNet();
               FsdpOptions options;
               options.wrap = {"h.*"};
@@ -433,7 +492,7 @@ TEST(FsdpModuleRecomputeTest, RecomputeRefusesPartialBackwards) {
 // Evaluation follows module->eval(): with use_full_prec_in_eval a
 // bfloat16-trained model evaluates on its float32 parameters.
 TEST(FsdpModuleEvalTest, FollowsTheModulesTrainingFlag) {
-  OnOneRank([](Communicator& comm, DeviceOps& device) {
+  OnOneRank([](Communicator& comm, TorchDevice& device) {
     Net net = MakeNet();
     FsdpOptions options;
     options.wrap = {"h.*"};
@@ -459,7 +518,7 @@ TEST(FsdpModuleEvalTest, FollowsTheModulesTrainingFlag) {
 // Units by module type, as PyTorch's ModuleWrapPolicy({Block}); the model
 // file the import tools take, from the module.
 TEST(FsdpModuleWrapTest, UnitsByModuleTypeAndTheModelFile) {
-  OnOneRank([](Communicator& comm, DeviceOps& device) {
+  OnOneRank([](Communicator& comm, TorchDevice& device) {
     FsdpOptions options;
     options.wrap_module_types = {"BlockImpl"};
     Net net = MakeNet();
@@ -488,7 +547,7 @@ TEST(FsdpModuleWrapTest, UnitsByModuleTypeAndTheModelFile) {
 // activation into a bfloat16 unit works, and its gradient comes back in
 // fp32; without the cast LibTorch refuses the dtypes.
 TEST(FsdpModuleMixedPrecisionTest, ForwardInputsAreCast) {
-  OnOneRank([](Communicator& comm, DeviceOps& device) {
+  OnOneRank([](Communicator& comm, TorchDevice& device) {
     Net net = MakeNet();
     FsdpOptions options;
     options.wrap = {"h.*"};
@@ -533,7 +592,7 @@ TEST(FsdpModuleMixedPrecisionTest, ForwardInputsAreCast) {
 TEST(FsdpModuleStateDictTest, BatchNormResumesBitwise) {
   EXPECT_THAT(
       OnSim(2,
-            [](Communicator& comm, DeviceOps& device) -> absl::Status {
+            [](Communicator& comm, TorchDevice& device) -> absl::Status {
               FsdpOptions options;
               options.wrap = {"h.*"};
               auto train =
@@ -596,7 +655,7 @@ TEST(FsdpModuleCheckpointTest, BatchNormResumesBitwiseThroughCheckpoints) {
                  std::optional<DType> buffer_dtype, std::vector<Dict>* out) {
     out->assign(world, Dict());
     return OnSim(
-        world, [&](Communicator& comm, DeviceOps& device) -> absl::Status {
+        world, [&](Communicator& comm, TorchDevice& device) -> absl::Status {
           BnNet net = MakeBnNet();
           FsdpOptions options;
           options.wrap = {"h.*"};
@@ -638,7 +697,7 @@ TEST(FsdpModuleCheckpointTest, BatchNormResumesBitwiseThroughCheckpoints) {
   }
   // The same as the MPI tests run it.
   EXPECT_THAT(OnSim(2,
-                    [&](Communicator& comm, DeviceOps& device) {
+                    [&](Communicator& comm, TorchDevice& device) {
                       return BatchNormCheckpointLoop(comm, device,
                                                      TmpDir("bn_loop"));
                     }),
@@ -694,47 +753,48 @@ TEST(FsdpModuleCheckpointTest, PeriodicAsyncSavesResumeFromTheLatest) {
                  std::vector<int64_t>* resumed_at) {
     out->assign(2, Dict());
     resumed_at->assign(2, -1);
-    return OnSim(2, [&](Communicator& comm, DeviceOps& device) -> absl::Status {
-      checkpoint::FileSystem& fs = checkpoint::PosixFileSystem();
-      BnNet net = MakeBnNet();
-      FsdpOptions options;
-      options.wrap = {"h.*"};
-      FLATPARAM_ASSIGN_OR_RETURN(
-          std::unique_ptr<FsdpModule> fsdp,
-          FsdpModule::Wrap(net.ptr(), &comm, &device, options));
-      torch::optim::AdamW adamw(fsdp->ShardedParameters(),
-                                torch::optim::AdamWOptions(0.01));
-      int64_t first = 0;
-      if (resume) {
-        FLATPARAM_ASSIGN_OR_RETURN(
-            checkpoint::LatestCheckpoint latest,
-            checkpoint::FindLatestCheckpoint(fs, pattern));
-        nlohmann::json extra;
-        FLATPARAM_RETURN_IF_ERROR(
-            fsdp->LoadCheckpoint(fs, latest.dir, &adamw, &extra));
-        first = extra.at("step").get<int64_t>();
-        (*resumed_at)[comm.rank()] = first;
-      }
-      {
-        checkpoint::StepSaveOptions every2;
-        every2.dir = pattern;
-        every2.every = 2;
-        every2.async = true;
-        checkpoint::StepCheckpointSaver saver(fs, comm, every2);
-        for (int64_t step = first; step < 5; ++step) {
-          FLATPARAM_RETURN_IF_ERROR(
-              BnStep(net, *fsdp, adamw, static_cast<int>(step), comm.rank()));
-          if (!save) continue;
-          FLATPARAM_RETURN_IF_ERROR(
-              saver.AfterStep(fsdp->layout(), step + 1, /*last=*/false, [&] {
-                return fsdp->CheckpointState(&adamw, {{"step", step + 1}});
-              }));
-        }
-        // The crash: no Finish, so step 4's save is never published.
-      }
-      FLATPARAM_ASSIGN_OR_RETURN((*out)[comm.rank()], fsdp->StateDict());
-      return absl::OkStatus();
-    });
+    return OnSim(
+        2, [&](Communicator& comm, TorchDevice& device) -> absl::Status {
+          checkpoint::FileSystem& fs = checkpoint::PosixFileSystem();
+          BnNet net = MakeBnNet();
+          FsdpOptions options;
+          options.wrap = {"h.*"};
+          FLATPARAM_ASSIGN_OR_RETURN(
+              std::unique_ptr<FsdpModule> fsdp,
+              FsdpModule::Wrap(net.ptr(), &comm, &device, options));
+          torch::optim::AdamW adamw(fsdp->ShardedParameters(),
+                                    torch::optim::AdamWOptions(0.01));
+          int64_t first = 0;
+          if (resume) {
+            FLATPARAM_ASSIGN_OR_RETURN(
+                checkpoint::LatestCheckpoint latest,
+                checkpoint::FindLatestCheckpoint(fs, pattern));
+            nlohmann::json extra;
+            FLATPARAM_RETURN_IF_ERROR(
+                fsdp->LoadCheckpoint(fs, latest.dir, &adamw, &extra));
+            first = extra.at("step").get<int64_t>();
+            (*resumed_at)[comm.rank()] = first;
+          }
+          {
+            checkpoint::StepSaveOptions every2;
+            every2.dir = pattern;
+            every2.every = 2;
+            every2.async = true;
+            checkpoint::StepCheckpointSaver saver(fs, comm, every2);
+            for (int64_t step = first; step < 5; ++step) {
+              FLATPARAM_RETURN_IF_ERROR(BnStep(
+                  net, *fsdp, adamw, static_cast<int>(step), comm.rank()));
+              if (!save) continue;
+              FLATPARAM_RETURN_IF_ERROR(saver.AfterStep(
+                  fsdp->layout(), step + 1, /*last=*/false, [&] {
+                    return fsdp->CheckpointState(&adamw, {{"step", step + 1}});
+                  }));
+            }
+            // The crash: no Finish, so step 4's save is never published.
+          }
+          FLATPARAM_ASSIGN_OR_RETURN((*out)[comm.rank()], fsdp->StateDict());
+          return absl::OkStatus();
+        });
   };
   std::vector<Dict> straight, crashed, resumed;
   std::vector<int64_t> at;
@@ -756,7 +816,7 @@ TEST(FsdpModuleStateDictTest, BuffersAreSyncedAndCast) {
   EXPECT_THAT(
       OnSim(
           2,
-          [](Communicator& comm, DeviceOps& device) -> absl::Status {
+          [](Communicator& comm, TorchDevice& device) -> absl::Status {
             BnNet net = MakeBnNet();
             net->h[0]->as<BnBlockImpl>()->bn->running_mean.fill_(1.0 +
                                                                  comm.rank());
@@ -790,7 +850,7 @@ TEST(FsdpModuleStateDictTest, KeysOrderStrictnessAndShardedForm) {
   EXPECT_THAT(
       OnSim(
           2,
-          [](Communicator& comm, DeviceOps& device) -> absl::Status {
+          [](Communicator& comm, TorchDevice& device) -> absl::Status {
             Net net = MakeNet();
             std::vector<std::string> python_order;
             // Python's state_dict() order for this module.
@@ -866,7 +926,7 @@ TEST(FsdpModuleStateDictTest, KeysOrderStrictnessAndShardedForm) {
 TEST(FsdpModuleStateDictTest, SummonFullParamsScope) {
   EXPECT_THAT(
       OnSim(2,
-            [](Communicator& comm, DeviceOps& device) -> absl::Status {
+            [](Communicator& comm, TorchDevice& device) -> absl::Status {
               Net net = MakeNet();
               FsdpOptions options;
               options.wrap = {"h.*"};
@@ -923,7 +983,7 @@ TEST(FsdpModuleOptimizerTest, RestoresSavedHyperparameters) {
     auto run = [&](int first, int last, bool save, bool load, bool restore,
                    std::map<std::string, torch::Tensor>* out) {
       return OnSim(
-          2, [&](Communicator& comm, DeviceOps& device) -> absl::Status {
+          2, [&](Communicator& comm, TorchDevice& device) -> absl::Status {
             Net net = MakeNet();
             FsdpOptions options;
             options.wrap = {"h.*"};
@@ -987,7 +1047,7 @@ TEST(FsdpModuleDeferredInitTest, UnitByUnitInitialisation) {
     EXPECT_THAT(
         OnSim(
             2,
-            [&](Communicator& comm, DeviceOps& device) -> absl::Status {
+            [&](Communicator& comm, TorchDevice& device) -> absl::Status {
               Net net = MakeNet();
               if (!rank0_init || comm.rank() != 0) {
                 torch::NoGradGuard no_grad;
@@ -1076,7 +1136,7 @@ TEST(FsdpModuleDeferredInitTest, UnitByUnitInitialisation) {
 // place), saying what to do; so is an initialisation that changes a
 // parameter's dtype.
 TEST(FsdpModuleDeferredInitTest, WhatCannotBeInitialisedIsRefused) {
-  OnOneRank([](Communicator& comm, DeviceOps& device) {
+  OnOneRank([](Communicator& comm, TorchDevice& device) {
     auto meta = std::make_shared<torch::nn::Module>();
     meta->register_parameter("w", torch::empty({3}, torch::kMeta));
     absl::Status status = FsdpModule::Wrap(meta, &comm, &device).status();
@@ -1103,7 +1163,7 @@ TEST(FsdpModuleDeferredInitTest, WhatCannotBeInitialisedIsRefused) {
 // works on; a tensor that leaves a unit without being returned fails the
 // backward with a message that names the unit and what to do.
 TEST(FsdpModuleMisuseTest, ExceptionsAndUnreturnedTensors) {
-  OnOneRank([](Communicator& comm, DeviceOps& device) {
+  OnOneRank([](Communicator& comm, TorchDevice& device) {
     Net net = MakeNet();
     absl::StatusOr<std::unique_ptr<FsdpModule>> fsdp =
         WrapBlocks(net, comm, device);
@@ -1149,7 +1209,7 @@ TEST(FsdpModuleMisuseTest, ExceptionsAndUnreturnedTensors) {
 // Hooks outlive the module that made them: they do nothing once it is
 // gone (a retained graph back-propagated after the FsdpModule died).
 TEST(FsdpModuleMisuseTest, HooksAreInertAfterTheModuleIsDestroyed) {
-  OnOneRank([](Communicator& comm, DeviceOps& device) {
+  OnOneRank([](Communicator& comm, TorchDevice& device) {
     Net net = MakeNet();
     absl::StatusOr<std::unique_ptr<FsdpModule>> fsdp =
         WrapBlocks(net, comm, device);

@@ -88,7 +88,8 @@ TEST(FsdpModuleMultiprocessTest, UserLoopsBitwiseEqualToSingleProcess) {
   ASSERT_NE(g_world, nullptr);
   for (const LoopOptions& o : LoopCases(g_world->size())) {
     SCOPED_TRACE(LoopName(o));
-    HostDeviceOps device;
+    HostDeviceOps host_ops;
+    HostTorchDevice device(&host_ops);
     auto expect_ok = [](const char* loop, const absl::Status& status) {
       EXPECT_TRUE(status.ok()) << loop << ": " << status;
     };

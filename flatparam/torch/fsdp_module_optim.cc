@@ -40,12 +40,12 @@ namespace flatparam {
 namespace libtorch {
 
 using internal_fsdp_module::FromTorch;
-using internal_fsdp_module::Options;
+using internal_fsdp_module::OptionsOn;
 
 namespace {
 
 optim::OptimStateValue ToHost(const torch::Tensor& t) {
-  torch::Tensor c = t.contiguous();
+  const torch::Tensor c = t.detach().to(torch::kCPU).contiguous();
   DType dtype = FromTorch(c.scalar_type()).value_or(DType::kFloat32);
   HostTensor out(dtype,
                  std::vector<int64_t>(c.sizes().begin(), c.sizes().end()));
@@ -151,7 +151,7 @@ absl::StatusOr<checkpoint::RankState> FsdpModule::CopyCheckpointState(
   // the spec lists them.
   for (size_t b = 0; b < buffers_.size(); ++b) {
     const torch::Tensor c =
-        buffers_[b].second.to(buffer_dtypes_[b]).contiguous();
+        buffers_[b].second.to(buffer_dtypes_[b]).to(torch::kCPU).contiguous();
     const BufferSpec& spec = model.spec().buffers[b];
     HostTensor t = HostTensor::Uninitialized(spec.dtype, spec.shape);
     std::memcpy(t.data(), c.data_ptr(), t.nbytes());
@@ -160,7 +160,9 @@ absl::StatusOr<checkpoint::RankState> FsdpModule::CopyCheckpointState(
   for (int u = 0; u < runtime_->num_units(); ++u) {
     BufferRef shard = runtime_->handle(u).sharded_param();
     HostTensor t = HostTensor::Uninitialized(shard.dtype, {shard.count});
-    std::memcpy(t.data(), shard.data, t.nbytes());
+    // LibTorch's copy, in order with the optimizer's kernels that wrote it.
+    const torch::Tensor c = Over(shard).to(torch::kCPU);
+    std::memcpy(t.data(), c.data_ptr(), t.nbytes());
     mine.flat_params.push_back(std::move(t));
   }
   if (optimizer != nullptr) {
@@ -251,8 +253,11 @@ absl::Status FsdpModule::LoadCheckpoint(checkpoint::FileSystem& fs,
   }
   for (int u = 0; u < runtime_->num_units(); ++u) {
     BufferRef shard = runtime_->handle(u).sharded_param();
-    std::memcpy(shard.data, state->flat_params[u].data(),
-                state->flat_params[u].nbytes());
+    const HostTensor& saved = state->flat_params[u];
+    torch::NoGradGuard no_grad;
+    Over(shard).copy_(
+        torch::from_blob(const_cast<void*>(saved.data()), {saved.numel()},
+                         OptionsOn(saved.dtype(), c10::Device(c10::kCPU))));
   }
   {
     torch::NoGradGuard no_grad;
@@ -358,10 +363,11 @@ absl::StatusOr<FsdpModule::OptimizerStates> FsdpModule::ParseOptimState(
                          : absl::StrCat("a floating tensor of ", numel,
                                         " elements (this rank's shard)")));
     }
-    torch::Tensor out = torch::from_blob(const_cast<void*>(t->data()),
-                                         {t->numel()}, Options(t->dtype()))
-                            .clone()
-                            .to(optimizer_tensors_[k].scalar_type());
+    torch::Tensor out =
+        torch::from_blob(const_cast<void*>(t->data()), {t->numel()},
+                         OptionsOn(t->dtype(), c10::Device(c10::kCPU)))
+            .to(optimizer_tensors_[k].options(), /*non_blocking=*/false,
+                /*copy=*/true);
     return out;
   };
   OptimizerStates loaded;

@@ -35,8 +35,9 @@
 namespace flatparam {
 namespace libtorch {
 
+using internal_fsdp_module::CpuCopy;
 using internal_fsdp_module::FromTorch;
-using internal_fsdp_module::Options;
+using internal_fsdp_module::OptionsOn;
 
 std::vector<FsdpModule::StateEntry> FsdpModule::StateEntries() const {
   std::map<const c10::TensorImpl*, std::pair<int, int>> param_at;
@@ -86,17 +87,19 @@ FsdpModule::StateDict(const StateDictOptions& options) {
     SummonOptions summon;
     summon.rank0_only = options.rank0_only;
     FLATPARAM_RETURN_IF_ERROR(handle.BeginSummonFullParams(summon));
-    absl::Status status;
-    for (int i = 0; mine && i < static_cast<int>(units_[u]->params.size());
+    // LibTorch reads (or writes) the gathered values.
+    absl::Status status = HandToTorch();
+    for (int i = 0;
+         status.ok() && mine && i < static_cast<int>(units_[u]->params.size());
          ++i) {
       absl::StatusOr<OrigParamView> view = handle.Param(i);
       if (!view.ok()) {
         status = view.status();
         break;
       }
-      params[{u, i}] = torch::from_blob(view->data.data, view->shape,
-                                        Options(view->data.dtype))
-                           .clone();
+      params[{u, i}] = options.offload_to_cpu
+                           ? CpuCopy(Over(view->data, view->shape))
+                           : Over(view->data, view->shape).clone();
     }
     absl::Status end = handle.EndSummonFullParams();
     FLATPARAM_RETURN_IF_ERROR(status);
@@ -105,8 +108,12 @@ FsdpModule::StateDict(const StateDictOptions& options) {
   torch::OrderedDict<std::string, torch::Tensor> out;
   if (!mine) return out;
   for (const StateEntry& e : entries) {
-    out.insert(e.name, e.buffer >= 0 ? BufferValue(e.buffer)
-                                     : params.at({e.unit, e.index}));
+    if (e.buffer < 0) {
+      out.insert(e.name, params.at({e.unit, e.index}));
+    } else {
+      torch::Tensor b = BufferValue(e.buffer);
+      out.insert(e.name, options.offload_to_cpu ? b.to(torch::kCPU) : b);
+    }
   }
   return out;
 }
@@ -169,16 +176,17 @@ absl::Status FsdpModule::LoadStateDict(
     if (!any) continue;
     FlatParamHandle& handle = runtime_->handle(u);
     FLATPARAM_RETURN_IF_ERROR(handle.BeginSummonFullParams(/*writeback=*/true));
-    absl::Status status;
+    // LibTorch reads (or writes) the gathered values.
+    absl::Status status = HandToTorch();
     for (const auto& [key, value] : params) {
+      if (!status.ok()) break;
       if (key.first != u) continue;
       absl::StatusOr<OrigParamView> view = handle.Param(key.second);
       if (!view.ok()) {
         status = view.status();
         break;
       }
-      torch::from_blob(view->data.data, view->shape, Options(view->data.dtype))
-          .copy_(*value);
+      Over(view->data, view->shape).copy_(*value);
     }
     absl::Status end = handle.EndSummonFullParams();
     FLATPARAM_RETURN_IF_ERROR(status);
@@ -188,7 +196,8 @@ absl::Status FsdpModule::LoadStateDict(
     const torch::Tensor* t = state.find(e.name);
     if (t != nullptr && e.buffer >= 0) buffers_[e.buffer].second.copy_(*t);
   }
-  return absl::OkStatus();
+  // The optimizer reads the shards the write-back wrote.
+  return HandToTorch();
 }
 
 namespace internal_fsdp_module {
@@ -264,16 +273,21 @@ absl::Status FsdpModule::LoadShardedStateDict(
     const int64_t chunk = (shape[0] + world_->size() - 1) / world_->size();
     absl::StatusOr<DType> dtype = FromTorch(t.scalar_type());
     if (!dtype.ok()) return dtype.status();
-    torch::Tensor padded = torch::zeros({chunk * row_numel}, t.options());
+    // On the compute device, where the communicator moves data (NCCL
+    // takes no host memory), whatever device the caller's chunk is on.
+    const torch::TensorOptions on_device =
+        t.options().device(device_->torch_device());
+    torch::Tensor padded = torch::zeros({chunk * row_numel}, on_device);
     padded.narrow(0, 0, t.numel()).copy_(t.reshape({-1}));
     torch::Tensor gathered =
-        torch::empty({chunk * row_numel * world_->size()}, t.options());
+        torch::empty({chunk * row_numel * world_->size()}, on_device);
+    FLATPARAM_RETURN_IF_ERROR(WaitForTorch());
     FLATPARAM_RETURN_IF_ERROR(
         world_
             ->AllGather(ConstBufferRef{padded.data_ptr(), padded.numel(),
-                                       *dtype, Device::Host()},
+                                       *dtype, FlatDeviceOf(padded)},
                         BufferRef{gathered.data_ptr(), gathered.numel(), *dtype,
-                                  Device::Host()},
+                                  FlatDeviceOf(gathered)},
                         runtime_->options().collective_options)
             ->Wait());
     full.insert(e.name,
@@ -313,6 +327,8 @@ FsdpModule::SummonFullParams(const SummonOptions& options) {
   }
   summoned_ = true;
   summon_options_ = options;
+  // The caller's code reads (and may write) the gathered values.
+  FLATPARAM_RETURN_IF_ERROR(HandToTorch());
   // The module's parameters (and gradients) are the full views now.
   torch::NoGradGuard no_grad;
   for (int u = 0; u < runtime_->num_units(); ++u) {
@@ -324,15 +340,15 @@ FsdpModule::SummonFullParams(const SummonOptions& options) {
       const bool full =
           view->shape == layout().flat_params()[u].params()[i].shape;
       unit.params[i].set_data(
-          full ? torch::from_blob(view->data.data, view->shape,
-                                  Options(view->data.dtype))
-               : torch::empty({0}, Options(view->data.dtype)));
+          full
+              ? Over(view->data, view->shape)
+              : torch::empty({0}, OptionsOn(view->data.dtype,
+                                            TorchDeviceOf(view->data.device))));
       if (options.with_grads && unit.trainable[i]) {
         absl::StatusOr<std::optional<BufferRef>> grad =
             handle.UnshardedGradView(static_cast<int>(i));
         if (grad.ok() && grad->has_value()) {
-          unit.params[i].mutable_grad() = torch::from_blob(
-              (*grad)->data, view->shape, Options((*grad)->dtype));
+          unit.params[i].mutable_grad() = Over(**grad, view->shape);
         }
       }
     }
@@ -372,16 +388,16 @@ FsdpModule::FullStateDict() {
     const FlatParamLayout& fp = layout().flat_params()[u];
     FLATPARAM_RETURN_IF_ERROR(
         handle.BeginSummonFullParams(/*writeback=*/false));
-    absl::Status status;
-    for (int i = 0; i < static_cast<int>(fp.params().size()); ++i) {
+    // LibTorch reads (or writes) the gathered values.
+    absl::Status status = HandToTorch();
+    for (int i = 0; status.ok() && i < static_cast<int>(fp.params().size());
+         ++i) {
       absl::StatusOr<OrigParamView> view = handle.Param(i);
       if (!view.ok()) {
         status = view.status();
         break;
       }
-      torch::Tensor t = torch::from_blob(view->data.data, view->shape,
-                                         Options(view->data.dtype))
-                            .clone();
+      torch::Tensor t = CpuCopy(Over(view->data, view->shape));
       out[fp.params()[i].fqn] = t;
     }
     absl::Status end = handle.EndSummonFullParams();

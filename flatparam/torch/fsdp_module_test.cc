@@ -11,6 +11,7 @@
 
 #include <cstdlib>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -29,6 +30,8 @@
 #include "flatparam/optim/fsdp_optim.h"
 #include "flatparam/optim/optim_state.h"
 #include "sim/sim.h"
+#include "sim/sim_device.h"
+#include "testing/sim_torch_device.h"
 #include "testing/torch_testutil.h"
 
 namespace flatparam {
@@ -51,6 +54,45 @@ absl::StatusOr<FsdpResult> TrainFsdp(const Case& c) {
         FLATPARAM_ASSIGN_OR_RETURN(FsdpResult mine,
                                    TrainFsdpOnRank(comm, device, c));
         if (comm.rank() == 0) result = std::move(mine);
+        return absl::OkStatus();
+      }));
+  return result;
+}
+
+// TrainFsdpOnRank with the flat parameters in simulated device memory
+// under CPU tensors (testing/sim_torch_device.h): every rank's SimDeviceOps
+// (seeded by `seed` and the rank) runs its streams late and reordered,
+// with separate unshard and post-backward streams and stream-ordered
+// collectives, as on a GPU with NCCL. Rank 0's result; an error if the
+// race detector reported anything on any rank. `hand_offs`: rank 0's
+// HandToTorch calls.
+absl::StatusOr<FsdpResult> TrainFsdpOnSimDevice(const Case& c, uint64_t seed,
+                                                int64_t* hand_offs) {
+  SimOptions sim;
+  sim.world_size = c.world;
+  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<SimWorld> world,
+                             SimWorld::Create(sim));
+  FsdpResult result;
+  FLATPARAM_RETURN_IF_ERROR(
+      world->Run([&](SimCommunicator& comm) -> absl::Status {
+        SimDeviceOptions options;
+        options.seed = seed * 16 + comm.rank();
+        SimDeviceOps ops(options);
+        StreamCheckedCommunicator checked(&comm, &ops,
+                                          /*stream_ordered=*/true);
+        SimTorchDevice device(&ops);
+        HandleStreams streams;
+        FLATPARAM_ASSIGN_OR_RETURN(streams.unshard, ops.NewStream());
+        FLATPARAM_ASSIGN_OR_RETURN(streams.post_backward, ops.NewStream());
+        absl::StatusOr<FsdpResult> mine =
+            TrainFsdpOnRank(checked, device, c, streams);
+        FLATPARAM_RETURN_IF_ERROR(ops.Synchronize());
+        FLATPARAM_RETURN_IF_ERROR(ops.CheckNoRaces());
+        FLATPARAM_RETURN_IF_ERROR(mine.status());
+        if (comm.rank() == 0) {
+          result = *std::move(mine);
+          *hand_offs = device.hand_offs();
+        }
         return absl::OkStatus();
       }));
   return result;
@@ -123,6 +165,51 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<Case>& info) {
       return Name(info.param);
     });
+class FsdpModuleSimDeviceTest : public ::testing::TestWithParam<Case> {};
+
+// FsdpModule's device path, with LibTorch on the CPU: the module's
+// parameters are views of simulated device memory whose streams run late,
+// so LibTorch reads the right bytes only where FsdpModule hands over
+// (HandToTorch) and the runtime's events order the streams. Bitwise the
+// single-process result for every seed, with no race reported.
+TEST_P(FsdpModuleSimDeviceTest, BitwiseEqualToSingleProcessTraining) {
+  const Case& c = GetParam();
+  std::map<std::string, torch::Tensor> expected = TrainReference(c);
+  for (uint64_t seed : {1, 2}) {
+    SCOPED_TRACE(absl::StrCat("device seed ", seed));
+    int64_t hand_offs = 0;
+    absl::StatusOr<FsdpResult> got = TrainFsdpOnSimDevice(c, seed, &hand_offs);
+    ASSERT_THAT(got.status(), IsOk());
+    EXPECT_EQ(got->state.size(), expected.size() - 1);
+    for (const auto& [name, tensor] : got->state) {
+      ASSERT_TRUE(expected.count(name)) << name;
+      EXPECT_TRUE(torch::equal(tensor, expected.at(name)))
+          << name << ": max difference "
+          << (tensor - expected.at(name)).abs().max().item<float>();
+    }
+    EXPECT_GT(hand_offs, 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Strategies, FsdpModuleSimDeviceTest,
+    ::testing::Values(
+        Case{2, ShardingStrategy::kFullShard, 0, Optim::kAdamW},
+        Case{4, ShardingStrategy::kShardGradOp, 0, Optim::kSgd},
+        Case{2, ShardingStrategy::kNoShard, 0, Optim::kAdamW},
+        Case{4, ShardingStrategy::kHybridShard, 2, Optim::kAdamW},
+        Case{2, ShardingStrategy::kFullShard, 0, Optim::kAdamW, 3, 4, "h.0."},
+        Case{2, ShardingStrategy::kFullShard, 0, Optim::kAdamW, 2, 4, "", 3},
+        Case{2, ShardingStrategy::kFullShard, 0, Optim::kAdamW, 3, 4, "", 1,
+             true},
+        Case{2, ShardingStrategy::kFullShard, 0, Optim::kAdamW, 3, 4, "", 1,
+             false, Recomputation::kInsideUnit},
+        Case{4, ShardingStrategy::kHybridShardZero2, 2, Optim::kSgd, 2, 4, "",
+             1, false, Recomputation::kAroundUnit}),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      return Name(info.param);
+    });
+
 // Several backwards per forward (retain_graph): the sharded gradients sum
 // both, bitwise as two iterations without ZeroGrad between them do.
 TEST(FsdpModuleTest, SeveralBackwardsPerForward) {
@@ -598,6 +685,100 @@ TEST(FsdpModuleErrorsTest, WrapRefusesWhatItCannotShard) {
     status =
         FsdpModule::Wrap(MakeNet().ptr(), &comm, &device, options).status();
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  });
+}
+
+// A TorchDevice over host memory whose LibTorch device and stream check
+// the test chooses.
+class ScriptedTorchDevice final : public TorchDevice {
+ public:
+  DeviceOps& ops() override { return ops_; }
+  c10::Device torch_device() const override { return torch_device_; }
+  absl::Status CheckCurrentStream() const override {
+    ++checks_;
+    if (checks_ <= stream_ok_for_) return absl::OkStatus();
+    return absl::FailedPreconditionError("the stream changed (scripted)");
+  }
+  absl::Status HandToTorch() override { return absl::OkStatus(); }
+
+  c10::Device torch_device_ = c10::Device(c10::kCPU);
+  // Checks that pass before every later one fails.
+  int64_t stream_ok_for_ = std::numeric_limits<int64_t>::max();
+  mutable int64_t checks_ = 0;
+
+ private:
+  HostDeviceOps ops_;
+};
+
+// What the device contract refuses (torch_device.h): a device DeviceOps
+// without its TorchDevice, a compute stream other than stream 0,
+// parameters on another LibTorch device; and LibTorch's current stream
+// changing, found at the forward, at a unit and in the backward's hooks.
+TEST(FsdpModuleErrorsTest, TheDeviceContractIsChecked) {
+  OnOneRank([](SimCommunicator& comm, DeviceOps&) {
+    SimDeviceOps sim_ops;
+    absl::Status status =
+        FsdpModule::Wrap(MakeNet().ptr(), &comm, &sim_ops).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(status.message().find("TorchCudaDeviceOps"), std::string::npos)
+        << status;
+
+    SimTorchDevice sim_device(&sim_ops);
+    FsdpOptions options;
+    options.handle.streams.compute = *sim_ops.NewStream();
+    status =
+        FsdpModule::Wrap(MakeNet().ptr(), &comm, &sim_device, options).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(status.message().find("compute stream must be stream 0"),
+              std::string::npos)
+        << status;
+
+    ScriptedTorchDevice meta;
+    meta.torch_device_ = c10::Device(c10::kMeta);
+    status = FsdpModule::Wrap(MakeNet().ptr(), &comm, &meta).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(status.message().find("\"wte.weight\" is on cpu; FsdpModule's "
+                                    "device is meta"),
+              std::string::npos)
+        << status;
+
+    // The stream check: every Forward, Unit, Backward and hook asks; the
+    // first refusal ends the call with it.
+    FsdpOptions blocks;
+    blocks.wrap = {"h.*"};
+    auto checks_per_step = [&]() -> int64_t {
+      ScriptedTorchDevice counting;
+      Net net = MakeNet();
+      auto fsdp = FsdpModule::Wrap(net.ptr(), &comm, &counting, blocks);
+      EXPECT_THAT(fsdp.status(), IsOk());
+      torch::Tensor tokens = Tokens(0, 0, 2);
+      absl::StatusOr<torch::Tensor> logits = ForwardNet(net, **fsdp, tokens);
+      EXPECT_THAT(logits.status(), IsOk());
+      const int64_t forward = counting.checks_;
+      EXPECT_THAT((*fsdp)->Backward(Loss(*logits, tokens)), IsOk());
+      // The root and three blocks in the forward; the backward and its
+      // hooks.
+      EXPECT_EQ(forward, 1 + kLayers + 1);
+      EXPECT_GT(counting.checks_, forward + 1);
+      return counting.checks_;
+    };
+    const int64_t checks = checks_per_step();
+    for (int64_t ok_for : {int64_t{0}, int64_t{2}, checks - 1}) {
+      SCOPED_TRACE(absl::StrCat("stream right for ", ok_for, " checks"));
+      ScriptedTorchDevice scripted;
+      Net net = MakeNet();
+      auto fsdp = FsdpModule::Wrap(net.ptr(), &comm, &scripted, blocks);
+      ASSERT_THAT(fsdp.status(), IsOk());
+      scripted.stream_ok_for_ = ok_for;
+      torch::Tensor tokens = Tokens(0, 0, 2);
+      absl::StatusOr<torch::Tensor> logits = ForwardNet(net, **fsdp, tokens);
+      absl::Status step = logits.status();
+      if (step.ok()) step = (*fsdp)->Backward(Loss(*logits, tokens));
+      EXPECT_EQ(step.code(), absl::StatusCode::kFailedPrecondition) << step;
+      EXPECT_NE(step.message().find("the stream changed (scripted)"),
+                std::string::npos)
+          << step;
+    }
   });
 }
 

@@ -1,14 +1,16 @@
 #include "flatparam/torch/recompute.h"
 
+#include <ATen/Context.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/types.h>
 #include <torch/utils.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <mutex>
-#include <optional>
 #include <utility>
+#include <vector>
 
 namespace flatparam {
 namespace libtorch {
@@ -26,20 +28,52 @@ using torch::autograd::variable_list;
 // context as a capsule (the context stores IValues only).
 struct RecomputeState : torch::CustomClassHolder {
   TensorsFunction f;
-  // The default CPU generator's state when the forward ran.
-  std::optional<at::Tensor> rng_state;
+  // The default generators' states when the forward ran: the CPU's first,
+  // then each device's that an input is on (PyTorch's checkpoint saves the
+  // CUDA generators of its inputs' devices, get_device_states).
+  std::vector<std::pair<c10::Device, at::Tensor>> rng_states;
 };
 
-at::Tensor GeneratorState() {
-  at::Generator generator = at::detail::getDefaultCPUGenerator();
+at::Generator DefaultGenerator(c10::Device device) {
+  return device.is_cpu() ? at::detail::getDefaultCPUGenerator()
+                         : at::globalContext().defaultGenerator(device);
+}
+
+at::Tensor GeneratorState(c10::Device device) {
+  at::Generator generator = DefaultGenerator(device);
   std::lock_guard<std::mutex> lock(generator.mutex());
   return generator.get_state();
 }
 
-void SetGeneratorState(const at::Tensor& state) {
-  at::Generator generator = at::detail::getDefaultCPUGenerator();
+void SetGeneratorState(c10::Device device, const at::Tensor& state) {
+  at::Generator generator = DefaultGenerator(device);
   std::lock_guard<std::mutex> lock(generator.mutex());
   generator.set_state(state);
+}
+
+// The CPU and the devices of `inputs`, each once, in order of appearance.
+std::vector<c10::Device> RngDevices(const variable_list& inputs) {
+  std::vector<c10::Device> devices = {c10::Device(c10::kCPU)};
+  for (const at::Tensor& t : inputs) {
+    if (!t.defined()) continue;
+    const c10::Device d = t.device();
+    if (std::find(devices.begin(), devices.end(), d) == devices.end()) {
+      devices.push_back(d);
+    }
+  }
+  return devices;
+}
+
+std::vector<std::pair<c10::Device, at::Tensor>> SaveGenerators(
+    const std::vector<c10::Device>& devices) {
+  std::vector<std::pair<c10::Device, at::Tensor>> states;
+  for (c10::Device d : devices) states.emplace_back(d, GeneratorState(d));
+  return states;
+}
+
+void RestoreGenerators(
+    const std::vector<std::pair<c10::Device, at::Tensor>>& states) {
+  for (const auto& [device, state] : states) SetGeneratorState(device, state);
 }
 
 // The autograd function. Its inputs are the caller's tensors followed by an
@@ -87,17 +121,15 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
     {
       // The recompute draws what the forward drew; the generator is left
       // where the rest of the backward expects it.
-      std::optional<at::Tensor> now;
-      if (state->rng_state.has_value()) {
-        now = GeneratorState();
-        SetGeneratorState(*state->rng_state);
+      std::vector<c10::Device> devices;
+      for (const auto& saved_state : state->rng_states) {
+        devices.push_back(saved_state.first);
       }
       struct Restore {
-        std::optional<at::Tensor>* now;
-        ~Restore() {
-          if (now->has_value()) SetGeneratorState(**now);
-        }
-      } restore{&now};
+        std::vector<std::pair<c10::Device, at::Tensor>> now;
+        ~Restore() { RestoreGenerators(now); }
+      } restore{SaveGenerators(devices)};
+      RestoreGenerators(state->rng_states);
       torch::AutoGradMode grad_on(true);
       outputs = state->f(detached);
     }
@@ -149,9 +181,22 @@ variable_list Recompute(const TensorsFunction& f, const variable_list& inputs,
   if (!torch::GradMode::is_enabled()) return f(inputs);
   auto state = c10::make_intrusive<RecomputeState>();
   state->f = f;
-  if (options.preserve_rng_state) state->rng_state = GeneratorState();
+  if (options.preserve_rng_state) {
+    state->rng_states = SaveGenerators(RngDevices(inputs));
+  }
+  // The anchor is on the inputs' device, so that the backward does not
+  // cross to the CPU's autograd queue for it.
+  c10::Device anchor_device(c10::kCPU);
+  for (const at::Tensor& t : inputs) {
+    if (t.defined()) {
+      anchor_device = t.device();
+      break;
+    }
+  }
   variable_list inputs_and_anchor = inputs;
-  inputs_and_anchor.push_back(torch::empty({0}).requires_grad_(true));
+  inputs_and_anchor.push_back(
+      torch::empty({0}, torch::TensorOptions().device(anchor_device))
+          .requires_grad_(true));
   return RecomputeFunction::apply(std::move(state),
                                   at::TensorList(inputs_and_anchor));
 }

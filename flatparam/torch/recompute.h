@@ -43,13 +43,15 @@
 // reentrant checkpoint refuses it: the recompute's own backward would
 // accumulate into every parameter `f` reads.
 //
-// Random numbers: only LibTorch's default CPU generator is saved and
-// restored, and it is process-wide (another thread drawing from it between
-// the forward and the recompute does not change what the recompute draws,
-// but the recompute moves it for nobody else either). On CUDA the device
-// generators and the autocast state must be saved and restored too
-// (PyTorch's checkpoint does); flatparam's LibTorch integration runs on
-// the CPU today, and that is to be added with its CUDA path.
+// Random numbers (preserve_rng_state): the default generators of the CPU
+// and of every device an input is on (a CUDA device's, as PyTorch's
+// checkpoint saves with get_device_states) are saved at the forward, set
+// to those states for the recompute and put back afterwards. They are
+// process-wide (another thread drawing from one between the forward and
+// the recompute does not change what the recompute draws, but the
+// recompute moves it for nobody else either). A generator of a device no
+// input is on is not saved (PyTorch's rule too). The autocast state is not
+// saved: LibTorch's autocast is off unless the caller turns it on.
 //
 // Thread-safety: as `f`; the generator's state is read and set under its
 // mutex.

@@ -36,9 +36,13 @@ absl::StatusOr<DType> FromTorch(c10::ScalarType type);
 absl::StatusOr<DType> AnyDTypeFromTorch(c10::ScalarType type);
 // Every DType.
 c10::ScalarType ToTorch(DType dtype);
-torch::TensorOptions Options(DType dtype);
-// A CPU tensor over `buffer`'s memory (not owned).
-torch::Tensor Over(const BufferRef& buffer);
+// Options of `dtype` on `device`.
+torch::TensorOptions OptionsOn(DType dtype, c10::Device device);
+// A tensor on `device` over `buffer`'s memory (not owned), 1-d.
+torch::Tensor OverOn(const BufferRef& buffer, c10::Device device);
+// A copy of `t` on the CPU, never `t` itself (Tensor::to returns a CPU
+// tensor unchanged, which may be a view of flatparam's memory).
+torch::Tensor CpuCopy(const torch::Tensor& t);
 // "a", "b", ... for messages.
 std::string Quoted(const std::vector<std::string>& names);
 // torch.chunk's rows of rank `rank` of `world` ranks of a tensor of `rows`
@@ -50,12 +54,15 @@ std::pair<int64_t, int64_t> ChunkRows(int64_t rows, int world, int rank);
 // comment of fsdp_module.h): one view per parameter.
 struct SwappableViews {
   DType dtype = DType::kFloat32;
+  // The LibTorch device of the memory the storage points at.
+  c10::Device device = c10::Device(c10::kCPU);
   c10::Storage storage;
   std::vector<torch::Tensor> views;
   void* bound = nullptr;
 
-  // (Re)makes the views for `dtype`; `layout` gives offsets and shapes.
-  void Make(DType new_dtype, const FlatParamLayout& layout);
+  // (Re)makes the views for `dtype` on `on`; `layout` gives offsets and
+  // shapes.
+  void Make(DType new_dtype, const FlatParamLayout& layout, c10::Device on);
   // Points the storage at `buffer` (or at nothing).
   void Point(const std::optional<BufferRef>& buffer);
 };
