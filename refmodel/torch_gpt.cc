@@ -59,7 +59,9 @@ torch::Tensor GptAttentionImpl::forward(const torch::Tensor& x) {
   torch::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
   torch::Tensor scores =
       torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(d));
-  torch::Tensor causal = torch::ones({s, s}, torch::kBool).triu(/*diagonal=*/1);
+  torch::Tensor causal =
+      torch::ones({s, s}, torch::dtype(torch::kBool).device(x.device()))
+          .triu(/*diagonal=*/1);
   scores = scores.masked_fill(causal, -std::numeric_limits<float>::infinity());
   torch::Tensor y = torch::matmul(torch::softmax(scores, -1), v);
   return c_proj(y.transpose(1, 2).contiguous().view({b, s, e}));
@@ -119,7 +121,8 @@ GptImpl::GptImpl(const GptConfig& config) : config(config) {
 }
 
 torch::Tensor GptImpl::Embed(const torch::Tensor& tokens) {
-  torch::Tensor positions = torch::arange(tokens.size(1), torch::kLong);
+  torch::Tensor positions = torch::arange(
+      tokens.size(1), torch::dtype(torch::kLong).device(tokens.device()));
   return transformer->wte(tokens) + transformer->wpe(positions);
 }
 
@@ -271,10 +274,24 @@ absl::StatusOr<GptFsdpRun> TrainGptUnderFsdp(
     const std::function<absl::Status(
         libtorch::FsdpModule& fsdp, torch::optim::Optimizer& optimizer)>& after,
     const GptFsdpOptions& gpt_options) {
+  HostTorchDevice host(&device);
+  return TrainGptUnderFsdp(model, comm, host, text, steps, local_batch, adamw,
+                           on_step, after, gpt_options);
+}
+
+absl::StatusOr<GptFsdpRun> TrainGptUnderFsdp(
+    Gpt& model, Communicator& comm, TorchDevice& device,
+    const TextBatches& text, int steps, int64_t local_batch,
+    const torch::optim::AdamWOptions& adamw,
+    const std::function<void(int step, float loss)>& on_step,
+    const std::function<absl::Status(
+        libtorch::FsdpModule& fsdp, torch::optim::Optimizer& optimizer)>& after,
+    const GptFsdpOptions& gpt_options) {
   libtorch::FsdpOptions options;
   options.wrap = {"transformer.h.*"};
   options.strategy = gpt_options.strategy;
   options.shard_group_size = gpt_options.shard_group_size;
+  options.handle.streams = gpt_options.streams;
   FLATPARAM_ASSIGN_OR_RETURN(
       std::unique_ptr<libtorch::FsdpModule> fsdp,
       libtorch::FsdpModule::Wrap(model.ptr(), &comm, &device, options));
@@ -286,7 +303,8 @@ absl::StatusOr<GptFsdpRun> TrainGptUnderFsdp(
   for (int step = gpt_options.first_step; step < gpt_options.first_step + steps;
        ++step) {
     torch::Tensor batch =
-        text.Batch(step, comm.rank() * local_batch, local_batch);
+        text.Batch(step, comm.rank() * local_batch, local_batch)
+            .to(device.torch_device());
     FLATPARAM_ASSIGN_OR_RETURN(
         torch::Tensor logits,
         GptForward(model, *fsdp, batch.narrow(1, 0, text.seq()),

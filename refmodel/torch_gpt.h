@@ -179,6 +179,8 @@ struct GptFsdpOptions {
   // Hybrid strategies: ranks per shard group (0: the world).
   int shard_group_size = 0;
   libtorch::Recomputation recompute = libtorch::Recomputation::kNone;
+  // The handles' streams on the device's ops (HandleOptions::streams).
+  HandleStreams streams;
   // Resuming: the data step of the first step, and what runs once the
   // model is wrapped and its optimizer made, before the first step (a
   // checkpoint load, say).
@@ -199,6 +201,18 @@ struct GptFsdpRun {
   std::vector<float> losses;                        // this rank's, per step
   std::map<std::string, torch::Tensor> full_state;  // FullStateDict()
 };
+// `device` is the FsdpModule's (flatparam/torch/torch_device.h): the model
+// must be on its LibTorch device; batches are moved there.
+absl::StatusOr<GptFsdpRun> TrainGptUnderFsdp(
+    Gpt& model, Communicator& comm, TorchDevice& device,
+    const TextBatches& text, int steps, int64_t local_batch,
+    const torch::optim::AdamWOptions& adamw,
+    const std::function<void(int step, float loss)>& on_step = nullptr,
+    const std::function<absl::Status(libtorch::FsdpModule& fsdp,
+                                     torch::optim::Optimizer& optimizer)>&
+        after = nullptr,
+    const GptFsdpOptions& options = {});
+// The same on the CPU with a host DeviceOps.
 absl::StatusOr<GptFsdpRun> TrainGptUnderFsdp(
     Gpt& model, Communicator& comm, DeviceOps& device, const TextBatches& text,
     int steps, int64_t local_batch, const torch::optim::AdamWOptions& adamw,

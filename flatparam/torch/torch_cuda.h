@@ -4,6 +4,11 @@
 //
 //   FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<TorchCudaDeviceOps> cuda,
 //                              TorchCudaDeviceOps::Create(/*device_index=*/0));
+//   // FSDP of a module on cuda:0 (flatparam/torch/fsdp_module.h):
+//   model->to(torch::Device(torch::kCUDA, 0));
+//   FLATPARAM_ASSIGN_OR_RETURN(auto fsdp,
+//                              FsdpModule::Wrap(model, &nccl, cuda.get()));
+//   // Or flatparam's operations directly:
 //   DeviceOps& ops = cuda->ops();
 //   FLATPARAM_ASSIGN_OR_RETURN(DeviceBuffer flat,
 //                              ops.Allocate(ops.device(), 1 << 20));
@@ -40,6 +45,7 @@
 #ifndef FLATPARAM_TORCH_TORCH_CUDA_H_
 #define FLATPARAM_TORCH_TORCH_CUDA_H_
 
+#include <c10/core/Device.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -48,6 +54,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "flatparam/device/cuda/cuda_device_ops.h"
+#include "flatparam/torch/torch_device.h"
 
 namespace flatparam {
 
@@ -61,7 +68,7 @@ class TorchCachingAllocator final : public CudaAllocator {
   void Free(void* p, cudaStream_t stream) override;
 };
 
-class TorchCudaDeviceOps {
+class TorchCudaDeviceOps final : public TorchDevice {
  public:
   // CudaDeviceOps on CUDA device `device_index`, on LibTorch's current
   // stream there, allocating through LibTorch's caching allocator.
@@ -70,7 +77,15 @@ class TorchCudaDeviceOps {
   static absl::StatusOr<std::unique_ptr<TorchCudaDeviceOps>> Create(
       int device_index);
 
-  CudaDeviceOps& ops() { return *ops_; }
+  // TorchDevice (torch_device.h): FsdpModule::Wrap(module, world, this).
+  CudaDeviceOps& ops() override { return *ops_; }
+  c10::Device torch_device() const override {
+    return c10::Device(c10::kCUDA,
+                       static_cast<c10::DeviceIndex>(device_index_));
+  }
+  // LibTorch's kernels are queued on stream 0 behind flatparam's work.
+  absl::Status HandToTorch() override { return absl::OkStatus(); }
+
   int device_index() const { return device_index_; }
   // Stream 0 of ops(): LibTorch's current stream when Create ran.
   cudaStream_t stream() const { return stream_; }
@@ -78,7 +93,7 @@ class TorchCudaDeviceOps {
   // FailedPrecondition, naming both streams, when LibTorch's current stream
   // on the device is no longer stream(): its kernels would not be ordered
   // with the ops' work.
-  absl::Status CheckCurrentStream() const;
+  absl::Status CheckCurrentStream() const override;
 
  private:
   TorchCudaDeviceOps(int device_index, cudaStream_t stream)

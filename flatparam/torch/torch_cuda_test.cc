@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "flatparam/base/buffer.h"
 #include "flatparam/base/dtype.h"
+#include "flatparam/base/gpu_testutil.h"
 #include "flatparam/base/status_matchers.h"
 #include "flatparam/device/device.h"
 
@@ -40,7 +41,9 @@ int64_t TorchAllocatedBytes(int device) {
 class TorchCudaTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!torch::cuda::is_available()) GTEST_SKIP() << "no usable GPU";
+    if (!torch::cuda::is_available()) {
+      FLATPARAM_SKIP_WITHOUT_GPU("no usable GPU: LibTorch sees no CUDA device");
+    }
   }
 };
 
