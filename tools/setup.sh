@@ -9,7 +9,9 @@
 #   Debian: Bazel 4 (bazel-bootstrap), Abseil, GoogleTest/GoogleMock, Google
 #           Benchmark, RapidCheck, nlohmann-json, xxHash, OpenMPI, pkg-config,
 #           clang-format, libtorch-dev (LibTorch 1.13 for //flatparam/torch,
-#           CPU), libgloo-dev (the headers of c10d's gloo process group,
+#           CPU), cmake and ninja-build (the GPU kit's CMake build of
+#           flatparam/torch, checked against that LibTorch by
+#           tools/gpu/bundle_test.sh), libgloo-dev (the headers of c10d's gloo process group,
 #           for //comm/c10d) and python3-torch (the independent reader and writer of
 #           torch.save files in its tests), python3-numpy (the independent safetensors
 #           reader of //tools:hf_cli_test), and iproute2 and nftables (the
@@ -36,6 +38,8 @@ APT_PACKAGES=(
   clang-format
   python3-numpy
   libtorch-dev
+  cmake
+  ninja-build
   libgloo-dev
   python3-torch
   iproute2

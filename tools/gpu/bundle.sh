@@ -19,6 +19,9 @@
 #                   driver's libcuda and NCCL (libnccl), which the GPU
 #                   machine's come from (run.sh checks that its driver
 #                   supports the bundled runtime).
+#   DIR/torch_kit/  flatparam/torch and the GPT as sources with a CMake
+#                   build (build.sh) against the GPU machine's own PyTorch,
+#                   linked with lib/ (see "torch_kit/" below)
 #   DIR/MANIFEST    the commit, the build command and the file list
 #
 # DIR must not exist or be empty; the script fails if the result exceeds
@@ -52,6 +55,7 @@ targets=(
   training_nccl_test=//verify:training_nccl_test
   gpu_bench=//benchmarks:gpu_bench
   gpu_versions=//tools/gpu:gpu_versions
+  torch_kit_deps=//tools/gpu:torch_kit_deps
 )
 
 # Libraries the GPU machine provides: the C/C++ runtime, the driver's libcuda
@@ -114,6 +118,58 @@ for t in "${targets[@]}"; do
 done
 cp "$root/tools/gpu/run.sh" "$dir/run.sh"
 chmod a+rx "$dir/run.sh"
+
+# torch_kit/: flatparam/torch, the GPT and their tests as sources, for a
+# CMake build against the GPU machine's own LibTorch (torch_kit/build.sh;
+# run.sh's torch_build step), linked with lib/ (torch_kit_deps' libraries).
+# The sources are those CMakeLists.txt names, with every header of the
+# packages they include; the system headers they need (Abseil, nlohmann
+# JSON, GoogleTest, NCCL) and GoogleTest's static libraries come from this
+# machine, as the kit's libraries were built with them.
+kit=$dir/torch_kit
+mkdir -p "$kit/src" "$kit/include" "$kit/lib"
+cp "$root/tools/gpu/torch_kit/CMakeLists.txt" "$root/tools/gpu/torch_kit/build.sh" "$kit/"
+chmod a+rx "$kit/build.sh"
+# shellcheck disable=SC2016  # ${SRC} is CMake's, matched literally
+kit_sources=$(grep -o '\${SRC}/[^"]*\.cc' "$root/tools/gpu/torch_kit/CMakeLists.txt" | sed 's|^\${SRC}/||' | sort -u)
+[ -n "$kit_sources" ] || die "tools/gpu/torch_kit/CMakeLists.txt names no \${SRC}/... sources"
+(
+  cd "$root"
+  for f in $kit_sources $(find flatparam comm sim refmodel testing -name '*.h' | sort); do
+    [ -f "$f" ] || die "torch_kit: $f is missing"
+    mkdir -p "$kit/src/$(dirname "$f")"
+    cp "$f" "$kit/src/$f"
+  done
+)
+nccl_header=""
+for h in "${CUDA_PATH:-/usr/local/cuda}/include/nccl.h" /usr/include/nccl.h; do
+  if [ -f "$h" ]; then
+    nccl_header=$h
+    break
+  fi
+done
+[ -n "$nccl_header" ] || die "torch_kit: no nccl.h (CUDA_PATH/include, /usr/include)"
+cp "$nccl_header" "$kit/include/nccl.h"
+for d in absl nlohmann gtest gmock; do
+  [ -d "/usr/include/$d" ] || die "torch_kit: /usr/include/$d is missing (tools/setup.sh installs it)"
+  cp -r "/usr/include/$d" "$kit/include/$d"
+done
+# The libraries the CMake build links: torch_kit_deps' (lib/ also holds
+# other binaries' libraries, some of which need what only those binaries
+# link, RapidCheck say).
+ldd "$bin_root/tools/gpu/torch_kit_deps" | awk '$2 == "=>" {print $1}' |
+  while read -r soname; do
+    if [ -e "$dir/lib/$soname" ]; then echo "$soname"; fi
+  done >"$kit/kit_libraries.txt"
+[ -s "$kit/kit_libraries.txt" ] || die "torch_kit: torch_kit_deps needs no library of lib/"
+kernels=$bin_root/flatparam/device/cuda/libcuda_kernels_nvcc.a
+[ -f "$kernels" ] || die "torch_kit: $kernels was not built"
+cp "$kernels" "$kit/lib/"
+for a in libgtest.a libgmock.a libgtest_main.a; do
+  [ -f "/usr/lib/x86_64-linux-gnu/$a" ] || die "torch_kit: /usr/lib/x86_64-linux-gnu/$a is missing"
+  cp "/usr/lib/x86_64-linux-gnu/$a" "$kit/lib/$a"
+done
+chmod -R u+w,a+rX "$kit"
 
 {
   echo "commit: $(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)$(git -C "$root" diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)')"

@@ -18,7 +18,12 @@
 #      sanitizers are skipped as out of time; NCCL is found in an
 #      nvidia-nccl wheel of python3's path and the wheel named; and a run
 #      stopped by SIGTERM in the middle of a step still reports the steps
-#      before it and where it was cut off.
+#      before it and where it was cut off;
+#   5. in that run, the kit's CMake build of flatparam/torch (torch_build)
+#      against this machine's LibTorch (Debian's 1.13, CPU only) passes, and
+#      so do the CPU tests it built (torch_cpu: Recompute, and FsdpModule
+#      bitwise against single-process LibTorch), while the GPU tests are
+#      reported as not built.
 #
 #   tools/gpu/bundle_test.sh
 #
@@ -145,8 +150,15 @@ if [ ! -e /usr/local/cuda/lib64/libnccl.so.2 ]; then
   echo "bundle_test: no /usr/local/cuda/lib64/libnccl.so.2: not running run.sh past its GPU check"
 else
   rc=0
+  # This machine's LibTorch (Debian's 1.13, CPU only) for the kit's CMake
+  # build, where it has its CMake files.
+  torch_cmake=""
+  if [ -f /usr/lib/x86_64-linux-gnu/cmake/Torch/TorchConfig.cmake ]; then
+    torch_cmake=/usr/lib/x86_64-linux-gnu/cmake
+  fi
   env -i PATH="$fake:/usr/bin:/bin" FLATPARAM_REQUIRE_GPU=1 \
-    FLATPARAM_NCCL_LIB=/usr/local/cuda/lib64 "$kit/run.sh" --budget-s=150 \
+    FLATPARAM_NCCL_LIB=/usr/local/cuda/lib64 FLATPARAM_TORCH_CMAKE="$torch_cmake" \
+    FLATPARAM_TORCH_PYTHON=/nonexistent "$kit/run.sh" --budget-s=600 \
     --out="$tmp/out_fake" >"$tmp/fake.log" 2>&1 || rc=$?
   summary=$tmp/out_fake/summary.txt
   [ $rc -eq 1 ] || fail "run.sh with a stand-in GPU and no device exited $rc, not 1"
@@ -168,6 +180,20 @@ else
   fi
   grep -qE '^cuda +FAIL .*reports no CUDA version' "$summary" ||
     fail "the driver check did not fail without a driver"
+  # The kit's CMake build of flatparam/torch against this machine's
+  # LibTorch, and its CPU tests; the GPU tests are not built (no CUDA).
+  if [ -n "$torch_cmake" ]; then
+    grep -qE '^torch: from FLATPARAM_TORCH_CMAKE' "$summary" || fail "the summary does not say which LibTorch"
+    grep -qE '^torch_build +PASS' "$summary" ||
+      fail "the kit's CMake build against $torch_cmake failed: $(grep -E 'error|Error' "$tmp/out_fake/torch_build.log" | head -n 5)"
+    grep -qE '^torch_cpu +PASS' "$summary" ||
+      fail "the kit-built recompute_test and fsdp_module_test did not pass: $(grep -E '^torch_cpu' "$summary")"
+    grep -qE '^torch_gpu +FAIL .*not built: fsdp_module_cuda_test' "$summary" ||
+      fail "torch_gpu did not say that this LibTorch built no GPU test: $(grep -E '^torch_gpu' "$summary")"
+  else
+    grep -qE '^torch_build +FAIL .*no Python here imports torch' "$summary" ||
+      fail "without a LibTorch, torch_build did not say so: $(grep -E '^torch_build' "$summary")"
+  fi
   n=$(find "$tmp/out_fake" -type f | wc -l)
   [ "$n" -le 8 ] || fail "run.sh wrote $n files, more than 8"
   if [ $failures -gt 0 ]; then cat "$summary"; fi

@@ -21,6 +21,20 @@
 #   smoke, device_ops, nccl_unit, nccl_gpu, training
 #              the GPU tests, with FLATPARAM_REQUIRE_GPU=1 (a missing GPU
 #              fails instead of skipping)
+#   torch_build  flatparam/torch, the GPT and their tests built with CMake
+#              and Ninja (torch_kit/build.sh, into torch_kit/build, so a
+#              second run is incremental) against this machine's PyTorch:
+#              the first Python that imports torch ($FLATPARAM_TORCH_PYTHON,
+#              python3 on PATH, /opt/*/.venv, /opt/*/venv, /usr/local/bin),
+#              or $FLATPARAM_TORCH_CMAKE (Torch's cmake folder); its version
+#              goes to the summary
+#   torch_cuda, torch_gpu
+#              that build's GPU tests: TorchCudaDeviceOps on LibTorch's
+#              stream and allocator; the GPT trained 50 steps under
+#              FsdpModule against plain LibTorch on the same GPU
+#   torch_cpu  its CPU tests against this LibTorch: Recompute, and
+#              FsdpModule bitwise against single-process LibTorch on
+#              simulated ranks
 #   bench      bin/gpu_bench (Google Benchmark JSON); more flags for it in
 #              $FLATPARAM_BENCH_ARGS (e.g. --max_bytes=16777216). Before
 #              the sanitizers, which are the slowest and the most likely to
@@ -61,6 +75,7 @@
 #   sanitizer.log   compute-sanitizer's output
 #   gpu_bench.json  Google Benchmark's JSON
 #   gpu_bench.log   the benchmark's console output
+#   torch_build.log CMake's and Ninja's output
 #
 # Exit status: 0 when no step failed, 1 otherwise, 2 for bad arguments.
 set -euo pipefail
@@ -407,6 +422,74 @@ test_step device_ops 120 cuda_device_test
 test_step nccl_unit 60 nccl_communicator_test
 test_step nccl_gpu 150 nccl_gpu_test
 test_step training 150 training_nccl_test
+
+# --- torch_build: flatparam/torch, the GPT and their tests, built with
+# CMake against this machine's own LibTorch (torch_kit/build.sh), linked
+# with lib/; then its tests: on the GPU (torch_cuda, torch_gpu) and on the
+# CPU against this LibTorch (torch_cpu: bitwise against single-process
+# LibTorch on simulated ranks).
+torch_build_dir=$here/torch_kit/build
+torch_built=0
+if have_budget torch_build; then
+  step=torch_build
+  t0=$SECONDS
+  torch_cmake=""
+  torch_info=""
+  if [ -n "${FLATPARAM_TORCH_CMAKE:-}" ]; then
+    torch_cmake=$FLATPARAM_TORCH_CMAKE
+    torch_info="from FLATPARAM_TORCH_CMAKE=$torch_cmake"
+  else
+    # The first Python that imports torch: $FLATPARAM_TORCH_PYTHON, python3
+    # on PATH, then the usual virtual environments.
+    for py in "${FLATPARAM_TORCH_PYTHON:-}" "$(command -v python3 || true)" \
+      /opt/*/.venv/bin/python3 /opt/*/venv/bin/python3 /opt/*/bin/python3 \
+      /usr/local/bin/python3 /usr/bin/python3; do
+      if [ -z "$py" ] || [ ! -x "$py" ]; then continue; fi
+      if info=$(timeout 120 "$py" -c 'import torch, torch.utils; print(torch.utils.cmake_prefix_path); print(torch.__version__); print(torch.version.cuda or "none")' 2>>"$env_log"); then
+        torch_cmake=$(sed -n 1p <<<"$info")
+        torch_info="PyTorch $(sed -n 2p <<<"$info") (CUDA $(sed -n 3p <<<"$info")) from $py"
+        break
+      fi
+    done
+  fi
+  echo "torch: ${torch_info:-<none>}" >>"$env_log"
+  if [ -z "$torch_cmake" ]; then
+    record torch_build FAIL $((SECONDS - t0)) "no Python here imports torch (python3 on PATH, /opt/*/.venv, /opt/*/venv, /usr/local/bin; or set FLATPARAM_TORCH_PYTHON, or FLATPARAM_TORCH_CMAKE to Torch's cmake folder)"
+  elif [ -z "$nccl_lib" ]; then
+    record torch_build FAIL $((SECONDS - t0)) "no libnccl.so.2 to link (see the nccl step)"
+  else
+    fact torch "$torch_info"
+    if [ -d /usr/local/cuda/bin ]; then export PATH="$PATH:/usr/local/cuda/bin"; fi
+    if run_timed torch_build 240 "$out/torch_build.log" "$here/torch_kit/build.sh" \
+      --torch-cmake="$torch_cmake" --kit-lib="$here/lib" --nccl-lib="$nccl_lib" \
+      --build="$torch_build_dir"; then
+      record_run
+      if [ "$run_rc" -eq 0 ]; then torch_built=1; fi
+    fi
+  fi
+fi
+torch_test_step() {  # $1: step, $2: cap, $3...: test binaries of the build
+  local name=$1 cap=$2 missing="" t
+  shift 2
+  have_budget "$name" || return 0
+  if [ $torch_built -eq 0 ]; then
+    record "$name" SKIP 0 "torch_build did not pass"
+    return 0
+  fi
+  for t in "$@"; do
+    [ -x "$torch_build_dir/$t" ] || missing="$missing $t"
+  done
+  if [ -n "$missing" ]; then
+    record "$name" FAIL 0 "not built:$missing (this LibTorch has no CUDA? see torch_build.log)"
+    return 0
+  fi
+  local cmd=""
+  for t in "$@"; do cmd="$cmd \"$torch_build_dir/$t\" --gtest_brief=0 &&"; done
+  run_step "$name" "$cap" "$tests_log" bash -c "${cmd% &&}"
+}
+torch_test_step torch_cuda 60 torch_cuda_test
+torch_test_step torch_gpu 150 fsdp_module_cuda_test
+torch_test_step torch_cpu 120 recompute_test fsdp_module_test
 
 # --- the benchmark.
 if ! have_budget bench; then
