@@ -206,6 +206,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -666,8 +667,13 @@ class FsdpModule {
     int unit = 0;
     int index = 0;
   };
+  // How an optimizer keys its state: LibTorch 1.13 by the parameter's
+  // TensorImpl address printed as a string, 2.x by the address itself.
+  using OptimizerStateKey = typename std::remove_reference_t<
+      decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type;
   using OptimizerStates =
-      std::map<std::string, std::unique_ptr<torch::optim::OptimizerParamState>>;
+      std::map<OptimizerStateKey,
+               std::unique_ptr<torch::optim::OptimizerParamState>>;
   using Outputs = torch::autograd::variable_list;
   FsdpModule(std::shared_ptr<torch::nn::Module> module, Communicator* world,
              bool use_orig_params);

@@ -17,8 +17,10 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <sstream>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -131,8 +133,17 @@ void ReadAdamState(const State& state, optim::ParamState& out) {
   }
 }
 
-std::string StateKey(const torch::Tensor& t) {
-  return c10::guts::to_string(t.unsafeGetTensorImpl());
+// `t`'s key in an optimizer's state(): its TensorImpl's address, printed
+// (LibTorch 1.13, as c10::guts::to_string prints it) or not (2.x).
+template <typename Key>
+Key StateKeyOf(const torch::Tensor& t) {
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream address;
+    address << t.unsafeGetTensorImpl();
+    return address.str();
+  } else {
+    return static_cast<Key>(t.unsafeGetTensorImpl());
+  }
 }
 
 }  // namespace
@@ -305,7 +316,7 @@ absl::StatusOr<optim::OptimStateDict> FsdpModule::ShardedOptimState(
           use_orig_params_ ? optim::ParamKey(orig_params_[k].fqn)
                            : optim::ParamKey(static_cast<int64_t>(k));
       out.params.push_back(key);
-      auto state = optimizer.state().find(StateKey(p));
+      auto state = optimizer.state().find(StateKeyOf<OptimizerStateKey>(p));
       if (state == optimizer.state().end()) continue;
       optim::ParamState& mine = dict.state[key];
       if (kind.kind == OptimizerKind::kSgd) {
@@ -408,7 +419,8 @@ absl::StatusOr<FsdpModule::OptimizerStates> FsdpModule::ParseOptimState(
             kind.name, " keeps (", absl::StrJoin(allowed, ", "), ")"));
       }
     }
-    const std::string key_string = StateKey(optimizer_tensors_[k]);
+    const OptimizerStateKey key_string =
+        StateKeyOf<OptimizerStateKey>(optimizer_tensors_[k]);
     if (kind.kind == OptimizerKind::kSgd) {
       FLATPARAM_ASSIGN_OR_RETURN(torch::Tensor buffer,
                                  tensor(k, state, "momentum_buffer", true));
@@ -439,7 +451,7 @@ absl::StatusOr<FsdpModule::OptimizerStates> FsdpModule::ParseOptimState(
 void FsdpModule::InstallOptimState(OptimizerStates states,
                                    torch::optim::Optimizer& optimizer) const {
   for (const torch::Tensor& p : optimizer_tensors_) {
-    optimizer.state().erase(StateKey(p));
+    optimizer.state().erase(StateKeyOf<OptimizerStateKey>(p));
   }
   for (auto& [key, state] : states) {
     optimizer.state()[key] = std::move(state);

@@ -30,12 +30,11 @@ namespace {
 using ::testing::HasSubstr;
 
 int64_t TorchAllocatedBytes(int device) {
-  const c10::cuda::CUDACachingAllocator::DeviceStats stats =
-      c10::cuda::CUDACachingAllocator::getDeviceStats(device);
-  return stats
-      .allocated_bytes[static_cast<size_t>(
-          c10::cuda::CUDACachingAllocator::StatType::AGGREGATE)]
-      .current;
+  // allocated_bytes[0] is StatType::AGGREGATE, whose namespace 2.x moved
+  // (c10::CachingAllocator); the stats' type moved too, hence auto.
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(
+      static_cast<c10::DeviceIndex>(device));
+  return stats.allocated_bytes[0].current;
 }
 
 class TorchCudaTest : public ::testing::Test {
