@@ -57,15 +57,21 @@ using namespace ::flatparam::libtorch::testing;  // NOLINT
 constexpr Stream kSimUnshard{1};
 constexpr Stream kSimPostBackward{2};
 
-// `loop` on every rank of a `world`-rank simulated world.
-absl::Status OnSim(
-    int world,
-    const std::function<absl::Status(Communicator&, TorchDevice&)>& loop) {
+// `rank` on every rank of a `world`-rank simulated world.
+absl::Status OnRanks(
+    int world, const std::function<absl::Status(SimCommunicator&)>& rank) {
   SimOptions sim;
   sim.world_size = world;
   FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<SimWorld> w,
                              SimWorld::Create(sim));
-  return w->Run([&](SimCommunicator& comm) -> absl::Status {
+  return w->Run(rank);
+}
+
+// `loop` on every rank of a `world`-rank simulated world.
+absl::Status OnSim(
+    int world,
+    const std::function<absl::Status(Communicator&, TorchDevice&)>& loop) {
+  return OnRanks(world, [&](SimCommunicator& comm) {
     HostDeviceOps ops;
     HostTorchDevice device(&ops);
     return loop(comm, device);
@@ -80,11 +86,7 @@ absl::Status OnSim(
 absl::Status OnSimDevice(
     int world,
     const std::function<absl::Status(Communicator&, TorchDevice&)>& loop) {
-  SimOptions sim;
-  sim.world_size = world;
-  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<SimWorld> w,
-                             SimWorld::Create(sim));
-  return w->Run([&](SimCommunicator& comm) -> absl::Status {
+  return OnRanks(world, [&](SimCommunicator& comm) -> absl::Status {
     SimDeviceOptions options;
     options.seed = 7 + comm.rank();
     SimDeviceOps ops(options);

@@ -41,22 +41,29 @@ namespace {
 using ::flatparam::IsOk;
 using namespace ::flatparam::libtorch::testing;  // NOLINT
 
-// TrainFsdpOnRank on c.world simulated ranks; rank 0's result.
-absl::StatusOr<FsdpResult> TrainFsdp(const Case& c) {
+// `train` on every rank of a `world`-rank simulated world; rank 0's result.
+absl::StatusOr<FsdpResult> OnSimRanks(
+    int world,
+    const std::function<absl::StatusOr<FsdpResult>(SimCommunicator&)>& train) {
   SimOptions sim;
-  sim.world_size = c.world;
-  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<SimWorld> world,
+  sim.world_size = world;
+  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<SimWorld> w,
                              SimWorld::Create(sim));
   FsdpResult result;
-  FLATPARAM_RETURN_IF_ERROR(
-      world->Run([&](SimCommunicator& comm) -> absl::Status {
-        HostDeviceOps device;
-        FLATPARAM_ASSIGN_OR_RETURN(FsdpResult mine,
-                                   TrainFsdpOnRank(comm, device, c));
-        if (comm.rank() == 0) result = std::move(mine);
-        return absl::OkStatus();
-      }));
+  FLATPARAM_RETURN_IF_ERROR(w->Run([&](SimCommunicator& comm) -> absl::Status {
+    FLATPARAM_ASSIGN_OR_RETURN(FsdpResult mine, train(comm));
+    if (comm.rank() == 0) result = std::move(mine);
+    return absl::OkStatus();
+  }));
   return result;
+}
+
+// TrainFsdpOnRank on c.world simulated ranks; rank 0's result.
+absl::StatusOr<FsdpResult> TrainFsdp(const Case& c) {
+  return OnSimRanks(c.world, [&](SimCommunicator& comm) {
+    HostDeviceOps device;
+    return TrainFsdpOnRank(comm, device, c);
+  });
 }
 
 // TrainFsdpOnRank with the flat parameters in simulated device memory
@@ -68,13 +75,8 @@ absl::StatusOr<FsdpResult> TrainFsdp(const Case& c) {
 // HandToTorch calls.
 absl::StatusOr<FsdpResult> TrainFsdpOnSimDevice(const Case& c, uint64_t seed,
                                                 int64_t* hand_offs) {
-  SimOptions sim;
-  sim.world_size = c.world;
-  FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<SimWorld> world,
-                             SimWorld::Create(sim));
-  FsdpResult result;
-  FLATPARAM_RETURN_IF_ERROR(
-      world->Run([&](SimCommunicator& comm) -> absl::Status {
+  return OnSimRanks(
+      c.world, [&](SimCommunicator& comm) -> absl::StatusOr<FsdpResult> {
         SimDeviceOptions options;
         options.seed = seed * 16 + comm.rank();
         SimDeviceOps ops(options);
@@ -88,14 +90,9 @@ absl::StatusOr<FsdpResult> TrainFsdpOnSimDevice(const Case& c, uint64_t seed,
             TrainFsdpOnRank(checked, device, c, streams);
         FLATPARAM_RETURN_IF_ERROR(ops.Synchronize());
         FLATPARAM_RETURN_IF_ERROR(ops.CheckNoRaces());
-        FLATPARAM_RETURN_IF_ERROR(mine.status());
-        if (comm.rank() == 0) {
-          result = *std::move(mine);
-          *hand_offs = device.hand_offs();
-        }
-        return absl::OkStatus();
-      }));
-  return result;
+        if (comm.rank() == 0) *hand_offs = device.hand_offs();
+        return mine;
+      });
 }
 
 class FsdpModuleTrainingTest : public ::testing::TestWithParam<Case> {};
