@@ -128,8 +128,9 @@ chmod a+rx "$dir/run.sh"
 # machine, as the kit's libraries were built with them.
 kit=$dir/torch_kit
 mkdir -p "$kit/src" "$kit/include" "$kit/lib"
-cp "$root/tools/gpu/torch_kit/CMakeLists.txt" "$root/tools/gpu/torch_kit/build.sh" "$kit/"
-chmod a+rx "$kit/build.sh"
+cp "$root/tools/gpu/torch_kit/CMakeLists.txt" "$root/tools/gpu/torch_kit/build.sh" \
+  "$root/tools/gpu/torch_kit/pytorch_fsdp_step.py" "$kit/"
+chmod a+rx "$kit/build.sh" "$kit/pytorch_fsdp_step.py"
 # shellcheck disable=SC2016  # ${SRC} is CMake's, matched literally
 kit_sources=$(grep -o '\${SRC}/[^"]*\.cc' "$root/tools/gpu/torch_kit/CMakeLists.txt" | sed 's|^\${SRC}/||' | sort -u)
 [ -n "$kit_sources" ] || die "tools/gpu/torch_kit/CMakeLists.txt names no \${SRC}/... sources"

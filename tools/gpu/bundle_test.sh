@@ -23,7 +23,8 @@
 #      against this machine's LibTorch (Debian's 1.13, CPU only) passes, and
 #      so do the CPU tests it built (torch_cpu: Recompute, and FsdpModule
 #      bitwise against single-process LibTorch), while the GPU tests are
-#      reported as not built.
+#      reported as not built; torch_bench times torch_step_compare on the
+#      CPU; pytorch_fsdp_step.py (PyTorch's FSDP, GPU only) parses.
 #
 #   tools/gpu/bundle_test.sh
 #
@@ -134,6 +135,14 @@ else
     fail "run.sh under FLATPARAM_REQUIRE_GPU=1 did not report a failure: $(cat "$tmp/out_req/summary.txt")"
 fi
 
+# The PyTorch FSDP side of torch_bench runs only on a GPU machine: here it
+# must at least parse.
+if command -v python3 >/dev/null; then
+  python3 -c 'import ast, sys; ast.parse(open(sys.argv[1]).read(), sys.argv[1])' \
+    "$kit/torch_kit/pytorch_fsdp_step.py" ||
+    fail "torch_kit/pytorch_fsdp_step.py does not parse"
+fi
+
 # --- 4. Past the GPU check, with a stand-in nvidia-smi.
 fake=$tmp/fake_bin
 mkdir -p "$fake"
@@ -158,7 +167,8 @@ else
   fi
   env -i PATH="$fake:/usr/bin:/bin" FLATPARAM_REQUIRE_GPU=1 \
     FLATPARAM_NCCL_LIB=/usr/local/cuda/lib64 FLATPARAM_TORCH_CMAKE="$torch_cmake" \
-    FLATPARAM_TORCH_PYTHON=/nonexistent "$kit/run.sh" --budget-s=600 \
+    FLATPARAM_TORCH_PYTHON=/nonexistent FLATPARAM_TORCH_BENCH_DEVICE=cpu \
+    FLATPARAM_TORCH_BENCH_ARGS="--steps=2 --warmup=1" "$kit/run.sh" --budget-s=600 \
     --out="$tmp/out_fake" >"$tmp/fake.log" 2>&1 || rc=$?
   summary=$tmp/out_fake/summary.txt
   [ $rc -eq 1 ] || fail "run.sh with a stand-in GPU and no device exited $rc, not 1"
@@ -190,6 +200,9 @@ else
       fail "the kit-built recompute_test and fsdp_module_test did not pass: $(grep -E '^torch_cpu' "$summary")"
     grep -qE '^torch_gpu +FAIL .*not built: fsdp_module_cuda_test' "$summary" ||
       fail "torch_gpu did not say that this LibTorch built no GPU test: $(grep -E '^torch_gpu' "$summary")"
+    grep -qE '^torch_bench +PASS .*FsdpModule [0-9.]+ ms, plain LibTorch [0-9.]+ ms \(x[0-9.]+\); PyTorch FSDP not run' "$summary" ||
+      fail "torch_bench on the CPU did not report FsdpModule against plain LibTorch: $(grep -E '^torch_bench' "$summary")"
+    grep -q '"fsdp_vs_plain"' "$tmp/out_fake/torch_bench.log" || fail "torch_bench.log has no fsdp_vs_plain"
   else
     grep -qE '^torch_build +FAIL .*no Python here imports torch' "$summary" ||
       fail "without a LibTorch, torch_build did not say so: $(grep -E '^torch_build' "$summary")"

@@ -35,6 +35,14 @@
 #   torch_cpu  its CPU tests against this LibTorch: Recompute, and
 #              FsdpModule bitwise against single-process LibTorch on
 #              simulated ranks
+#   torch_bench  the GPT's step (FULL_SHARD, one rank, the real NCCL) under
+#              FsdpModule against plain LibTorch (torch_step_compare) and
+#              against PyTorch's own FSDP on the same model and batch
+#              (torch_kit/pytorch_fsdp_step.py, with the Python found
+#              above); medians and ratios in the summary, the JSON in
+#              torch_bench.log. The model: $FLATPARAM_TORCH_BENCH_ARGS
+#              (default GPT-2 small's shape, 12 x 768, 512 tokens x 8);
+#              $FLATPARAM_TORCH_BENCH_DEVICE=cpu times it on the CPU
 #   bench      bin/gpu_bench (Google Benchmark JSON); more flags for it in
 #              $FLATPARAM_BENCH_ARGS (e.g. --max_bytes=16777216). Before
 #              the sanitizers, which are the slowest and the most likely to
@@ -76,6 +84,7 @@
 #   gpu_bench.json  Google Benchmark's JSON
 #   gpu_bench.log   the benchmark's console output
 #   torch_build.log CMake's and Ninja's output
+#   torch_bench.log torch_bench's output: a JSON line each, ours then PyTorch FSDP's
 #
 # Exit status: 0 when no step failed, 1 otherwise, 2 for bad arguments.
 set -euo pipefail
@@ -430,6 +439,7 @@ test_step training 150 training_nccl_test
 # LibTorch on simulated ranks).
 torch_build_dir=$here/torch_kit/build
 torch_built=0
+torch_python=""  # the Python whose torch was built against
 if have_budget torch_build; then
   step=torch_build
   t0=$SECONDS
@@ -448,6 +458,7 @@ if have_budget torch_build; then
       if info=$(timeout 120 "$py" -c 'import torch, torch.utils; print(torch.utils.cmake_prefix_path); print(torch.__version__); print(torch.version.cuda or "none")' 2>>"$env_log"); then
         torch_cmake=$(sed -n 1p <<<"$info")
         torch_info="PyTorch $(sed -n 2p <<<"$info") (CUDA $(sed -n 3p <<<"$info")) from $py"
+        torch_python=$py
         break
       fi
     done
@@ -490,6 +501,47 @@ torch_test_step() {  # $1: step, $2: cap, $3...: test binaries of the build
 torch_test_step torch_cuda 60 torch_cuda_test
 torch_test_step torch_gpu 150 fsdp_module_cuda_test
 torch_test_step torch_cpu 120 recompute_test fsdp_module_test
+
+# --- torch_bench: the GPT's step under flatparam's FsdpModule against plain
+# LibTorch (torch_step_compare) and against PyTorch's own FSDP in Python
+# (torch_kit/pytorch_fsdp_step.py, with the Python that had torch), on the
+# same model and batch; the ratios go to the summary.
+torch_bench_args=${FLATPARAM_TORCH_BENCH_ARGS:---layers=12 --width=768 --heads=12 --seq=512 --batch=8 --steps=20 --warmup=5}
+torch_bench_device=${FLATPARAM_TORCH_BENCH_DEVICE:-cuda}
+torch_bench_json=$out/torch_bench.log
+if have_budget torch_bench; then
+  if [ $torch_built -eq 0 ] || [ ! -x "$torch_build_dir/torch_step_compare" ]; then
+    record torch_bench SKIP 0 "torch_build did not pass"
+  else
+    : >"$torch_bench_json"
+    # shellcheck disable=SC2086  # the arguments are a list of flags
+    if run_timed torch_bench 240 "$torch_bench_json" \
+      "$torch_build_dir/torch_step_compare" --device="$torch_bench_device" $torch_bench_args; then
+      ours=$(grep -o '"fsdp_ms_median": [0-9.e+-]*' "$torch_bench_json" | tail -n 1 | sed 's/.*: //')
+      plain=$(grep -o '"plain_ms_median": [0-9.e+-]*' "$torch_bench_json" | tail -n 1 | sed 's/.*: //')
+      vs_plain=$(grep -o '"fsdp_vs_plain": [0-9.e+-]*' "$torch_bench_json" | tail -n 1 | sed 's/.*: //')
+      if [ "$run_rc" -ne 0 ] || [ -z "$ours" ]; then
+        record_run
+      elif [ -z "$torch_python" ]; then
+        record torch_bench PASS "$run_s" "FsdpModule ${ours} ms, plain LibTorch ${plain} ms (x${vs_plain}); PyTorch FSDP not run: no Python with torch"
+      else
+        py_s=$SECONDS
+        # shellcheck disable=SC2086
+        py_limit=$(left)
+        if [ "$py_limit" -gt 240 ]; then py_limit=240; fi
+        if [ "$py_limit" -lt 10 ]; then py_limit=10; fi
+        if timeout "$py_limit" "$torch_python" \
+          "$here/torch_kit/pytorch_fsdp_step.py" $torch_bench_args >>"$torch_bench_json" 2>>"$tests_log"; then
+          theirs=$(grep -o '"pytorch_fsdp_ms_median": [0-9.e+-]*' "$torch_bench_json" | tail -n 1 | sed 's/.*: //')
+          ratio=$(awk -v a="$ours" -v b="$theirs" 'BEGIN { if (b > 0) printf "%.3f", a / b }')
+          record torch_bench PASS $((run_s + SECONDS - py_s)) "FsdpModule ${ours} ms, plain LibTorch ${plain} ms (x${vs_plain}), PyTorch FSDP ${theirs} ms (FsdpModule / PyTorch FSDP = ${ratio})"
+        else
+          record torch_bench FAIL $((run_s + SECONDS - py_s)) "FsdpModule ${ours} ms, plain LibTorch ${plain} ms (x${vs_plain}); pytorch_fsdp_step.py failed (see tests.log)"
+        fi
+      fi
+    fi
+  fi
+fi
 
 # --- the benchmark.
 if ! have_budget bench; then
