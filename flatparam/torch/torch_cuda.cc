@@ -25,12 +25,24 @@ namespace {
 // LibTorch's message without its C++ backtrace (what_without_backtrace).
 std::string Message(const c10::Error& e) { return e.what_without_backtrace(); }
 
-// LibTorch's current stream on CUDA device `device_index`.
+// LibTorch names CUDA's legacy default stream, every thread's current
+// stream until a guard changes it, by the null handle; to CudaDeviceOps a
+// null stream means "create one". flatparam names it cudaStreamLegacy,
+// which is the same stream to CUDA, and gives LibTorch back its own name.
+cudaStream_t ForCuda(cudaStream_t torch_stream) {
+  return torch_stream == nullptr ? cudaStreamLegacy : torch_stream;
+}
+cudaStream_t ForTorch(cudaStream_t cuda_stream) {
+  return cuda_stream == cudaStreamLegacy ? nullptr : cuda_stream;
+}
+
+// LibTorch's current stream on CUDA device `device_index`, as CUDA names
+// it (ForCuda).
 absl::StatusOr<cudaStream_t> CurrentStream(int device_index) {
   try {
-    return c10::cuda::getCurrentCUDAStream(
-               static_cast<c10::DeviceIndex>(device_index))
-        .stream();
+    return ForCuda(c10::cuda::getCurrentCUDAStream(
+                       static_cast<c10::DeviceIndex>(device_index))
+                       .stream());
   } catch (const c10::Error& e) {
     return absl::UnavailableError(
         absl::StrCat("TorchCudaDeviceOps: LibTorch's CUDA: ", Message(e)));
@@ -43,8 +55,9 @@ absl::StatusOr<void*> TorchCachingAllocator::Allocate(int64_t bytes,
                                                       cudaStream_t stream) {
   if (bytes == 0) return nullptr;
   try {
+    // The stream LibTorch's own allocations on it are pooled under.
     return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(
-        static_cast<size_t>(bytes), stream);
+        static_cast<size_t>(bytes), ForTorch(stream));
   } catch (const c10::Error& e) {
     // LibTorch 1.13's CUDAOutOfMemoryError and 2.x's OutOfMemoryError both
     // derive from c10::Error and say "out of memory".

@@ -30,7 +30,10 @@
 // for every stream recorded with RecordStream, so the allocator never needs
 // LibTorch's recordStream.
 //
-// Stream 0 is LibTorch's current stream when Create ran. LibTorch kernels
+// Stream 0 is LibTorch's current stream when Create ran. LibTorch's
+// default, CUDA's legacy default stream, which LibTorch names by the null
+// handle, is cudaStreamLegacy here (a null stream would ask CudaDeviceOps
+// for a stream of its own, unordered with LibTorch's kernels). LibTorch kernels
 // issued on another stream (inside a c10::cuda::CUDAStreamGuard) would be
 // unordered with flatparam's work: CheckCurrentStream() says so.
 //
@@ -87,7 +90,8 @@ class TorchCudaDeviceOps final : public TorchDevice {
   absl::Status HandToTorch() override { return absl::OkStatus(); }
 
   int device_index() const { return device_index_; }
-  // Stream 0 of ops(): LibTorch's current stream when Create ran.
+  // Stream 0 of ops(): LibTorch's current stream when Create ran, as CUDA
+  // names it (cudaStreamLegacy for LibTorch's default stream).
   cudaStream_t stream() const { return stream_; }
 
   // FailedPrecondition, naming both streams, when LibTorch's current stream

@@ -49,8 +49,12 @@ class TorchCudaTest : public ::testing::Test {
 TEST_F(TorchCudaTest, StreamZeroIsLibTorchsCurrentStream) {
   FLATPARAM_ASSERT_OK_AND_ASSIGN(std::unique_ptr<TorchCudaDeviceOps> cuda,
                                  TorchCudaDeviceOps::Create(0));
-  EXPECT_EQ(cuda->stream(), c10::cuda::getCurrentCUDAStream(0).stream());
-  EXPECT_EQ(cuda->ops().cuda_stream(Stream{0}), cuda->stream());
+  // LibTorch's default stream is CUDA's legacy default stream, which
+  // LibTorch names by the null handle and flatparam by cudaStreamLegacy (a
+  // null stream would have made CudaDeviceOps create a stream of its own).
+  ASSERT_EQ(c10::cuda::getCurrentCUDAStream(0).stream(), nullptr);
+  EXPECT_EQ(cuda->stream(), cudaStreamLegacy);
+  EXPECT_EQ(cuda->ops().cuda_stream(Stream{0}), cudaStreamLegacy);
   EXPECT_THAT(cuda->CheckCurrentStream(), IsOk());
 }
 
@@ -61,6 +65,23 @@ TEST_F(TorchCudaTest, AnotherCurrentStreamIsRefused) {
   EXPECT_THAT(cuda->CheckCurrentStream(),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("CUDAStreamGuard")));
+}
+
+// Made under a guard, the ops use the guard's stream as it is, and refuse
+// LibTorch's default stream once the guard is gone.
+TEST_F(TorchCudaTest, AGuardedStreamIsStreamZero) {
+  const c10::cuda::CUDAStream pool = c10::cuda::getStreamFromPool(false, 0);
+  ASSERT_NE(pool.stream(), nullptr);
+  std::unique_ptr<TorchCudaDeviceOps> cuda;
+  {
+    c10::cuda::CUDAStreamGuard guard(pool);
+    FLATPARAM_ASSERT_OK_AND_ASSIGN(cuda, TorchCudaDeviceOps::Create(0));
+    EXPECT_EQ(cuda->stream(), pool.stream());
+    EXPECT_EQ(cuda->ops().cuda_stream(Stream{0}), pool.stream());
+    EXPECT_THAT(cuda->CheckCurrentStream(), IsOk());
+  }
+  EXPECT_THAT(cuda->CheckCurrentStream(),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
 }
 
 TEST_F(TorchCudaTest, DeviceMemoryComesFromTheCachingAllocator) {

@@ -207,6 +207,32 @@ TEST_F(CudaDeviceOpsTest, StreamsAndEventsOrderWork) {
   ASSERT_THAT(ops_->Synchronize(), IsOk());
 }
 
+// LibTorch's default stream is CUDA's legacy default stream, which
+// LibTorch names by the null handle and TorchCudaDeviceOps passes as
+// cudaStreamLegacy (flatparam/torch/torch_cuda.h): ops made on it use it
+// as their stream 0, so another library's work on the null handle is in
+// order with theirs. (A null stream would make the ops create a stream of
+// their own, unordered with it.)
+TEST_F(CudaDeviceOpsTest, TheLegacyDefaultStreamCanBeStreamZero) {
+  if (rt_ == nullptr) GTEST_SKIP() << "no CUDA runtime to make ops with";
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<CudaDeviceOps> legacy,
+      CudaDeviceOps::Create(0, cudaStreamLegacy, nullptr, rt_));
+  EXPECT_EQ(legacy->cuda_stream(Stream{0}), cudaStreamLegacy);
+  const int64_t n = int64_t{1} << 20;
+  FLATPARAM_ASSERT_OK_AND_ASSIGN(DeviceBuffer buf,
+                                 legacy->Allocate(legacy->device(), n * 4));
+  ASSERT_THAT(legacy->Fill(buf.As(DType::kFloat32), 0.5), IsOk());
+  std::vector<float> host(n, 0.0f);
+  ASSERT_EQ(rt_->MemcpyAsync(host.data(), buf.data(), n * 4, cudaMemcpyDefault,
+                             nullptr),
+            cudaSuccess);
+  ASSERT_EQ(rt_->StreamSynchronize(nullptr), cudaSuccess);
+  for (int64_t i = 0; i < n; i += 4093) ASSERT_EQ(host[i], 0.5f) << i;
+  buf.Reset();
+  ASSERT_THAT(legacy->Synchronize(), IsOk());
+}
+
 // After a warm-up round, freeing and reallocating the same sizes never
 // reaches the driver: the pool keeps the memory.
 TEST_F(CudaDeviceOpsTest, WarmAllocationsStayInThePool) {

@@ -38,8 +38,9 @@ FakeCudaRuntime::StreamState* FakeCudaRuntime::NewStream(int device) {
 }
 
 FakeCudaRuntime::StreamState* FakeCudaRuntime::FindStream(cudaStream_t stream) {
-  if (stream == nullptr) {
-    // The legacy default stream of the current device, made on first use.
+  if (stream == nullptr || stream == cudaStreamLegacy) {
+    // The legacy default stream of the current device (the null handle, or
+    // cudaStreamLegacy naming it explicitly), made on first use.
     const int device = CurrentDevice();
     StreamState*& s = default_streams_[device];
     if (s == nullptr) s = NewStream(device);
