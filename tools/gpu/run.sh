@@ -91,6 +91,16 @@ set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 budget_s=360
+# The environment this script started with, for the programs that are the
+# machine's own (Python and PyTorch, CMake) and for the kit's CMake-built
+# binaries (whose RUNPATH names lib/ and LibTorch's folder): lib/, on
+# LD_LIBRARY_PATH for bin/, holds the build machine's libcrypto, Abseil,
+# ..., which must not shadow the libraries those were built against.
+if [ -n "${LD_LIBRARY_PATH:-}" ]; then
+  original_env=(env "LD_LIBRARY_PATH=$LD_LIBRARY_PATH")
+else
+  original_env=(env -u LD_LIBRARY_PATH)
+fi
 out=${OUT:-$here/out}
 
 for arg in "$@"; do
@@ -455,7 +465,7 @@ if have_budget torch_build; then
       /opt/*/.venv/bin/python3 /opt/*/venv/bin/python3 /opt/*/bin/python3 \
       /usr/local/bin/python3 /usr/bin/python3; do
       if [ -z "$py" ] || [ ! -x "$py" ]; then continue; fi
-      if info=$(timeout 120 "$py" -c 'import torch, torch.utils; print(torch.utils.cmake_prefix_path); print(torch.__version__); print(torch.version.cuda or "none")' 2>>"$env_log"); then
+      if info=$(timeout 120 "${original_env[@]}" "$py" -c 'import torch, torch.utils; print(torch.utils.cmake_prefix_path); print(torch.__version__); print(torch.version.cuda or "none")' 2>>"$env_log"); then
         torch_cmake=$(sed -n 1p <<<"$info")
         torch_info="PyTorch $(sed -n 2p <<<"$info") (CUDA $(sed -n 3p <<<"$info")) from $py"
         torch_python=$py
@@ -471,7 +481,7 @@ if have_budget torch_build; then
   else
     fact torch "$torch_info"
     if [ -d /usr/local/cuda/bin ]; then export PATH="$PATH:/usr/local/cuda/bin"; fi
-    if run_timed torch_build 240 "$out/torch_build.log" "$here/torch_kit/build.sh" \
+    if run_timed torch_build 240 "$out/torch_build.log" "${original_env[@]}" "$here/torch_kit/build.sh" \
       --torch-cmake="$torch_cmake" --kit-lib="$here/lib" --nccl-lib="$nccl_lib" \
       --build="$torch_build_dir"; then
       record_run
@@ -496,7 +506,7 @@ torch_test_step() {  # $1: step, $2: cap, $3...: test binaries of the build
   fi
   local cmd=""
   for t in "$@"; do cmd="$cmd \"$torch_build_dir/$t\" --gtest_brief=0 &&"; done
-  run_step "$name" "$cap" "$tests_log" bash -c "${cmd% &&}"
+  run_step "$name" "$cap" "$tests_log" "${original_env[@]}" bash -c "${cmd% &&}"
 }
 torch_test_step torch_cuda 60 torch_cuda_test
 torch_test_step torch_gpu 150 fsdp_module_cuda_test
@@ -515,7 +525,7 @@ if have_budget torch_bench; then
   else
     : >"$torch_bench_json"
     # shellcheck disable=SC2086  # the arguments are a list of flags
-    if run_timed torch_bench 240 "$torch_bench_json" \
+    if run_timed torch_bench 240 "$torch_bench_json" "${original_env[@]}" \
       "$torch_build_dir/torch_step_compare" --device="$torch_bench_device" $torch_bench_args; then
       ours=$(grep -o '"fsdp_ms_median": [0-9.e+-]*' "$torch_bench_json" | tail -n 1 | sed 's/.*: //')
       plain=$(grep -o '"plain_ms_median": [0-9.e+-]*' "$torch_bench_json" | tail -n 1 | sed 's/.*: //')
@@ -530,7 +540,7 @@ if have_budget torch_bench; then
         py_limit=$(left)
         if [ "$py_limit" -gt 240 ]; then py_limit=240; fi
         if [ "$py_limit" -lt 10 ]; then py_limit=10; fi
-        if timeout "$py_limit" "$torch_python" \
+        if timeout "$py_limit" "${original_env[@]}" "$torch_python" \
           "$here/torch_kit/pytorch_fsdp_step.py" $torch_bench_args >>"$torch_bench_json" 2>>"$tests_log"; then
           theirs=$(grep -o '"pytorch_fsdp_ms_median": [0-9.e+-]*' "$torch_bench_json" | tail -n 1 | sed 's/.*: //')
           ratio=$(awk -v a="$ours" -v b="$theirs" 'BEGIN { if (b > 0) printf "%.3f", a / b }')
