@@ -95,6 +95,19 @@ absl::StatusOr<FsdpResult> TrainFsdpOnSimDevice(const Case& c, uint64_t seed,
       });
 }
 
+// `state` holds each of `expected`'s tensors bitwise, but the tied head,
+// which FsdpModule stores once, under the embedding's name.
+void ExpectBitwiseEqual(const std::map<std::string, torch::Tensor>& state,
+                        const std::map<std::string, torch::Tensor>& expected) {
+  EXPECT_EQ(state.size(), expected.size() - 1);
+  for (const auto& [name, tensor] : state) {
+    ASSERT_TRUE(expected.count(name)) << name;
+    EXPECT_TRUE(torch::equal(tensor, expected.at(name)))
+        << name << ": max difference "
+        << (tensor - expected.at(name)).abs().max().item<float>();
+  }
+}
+
 class FsdpModuleTrainingTest : public ::testing::TestWithParam<Case> {};
 
 // Every parameter after training is bitwise the single-process result.
@@ -103,13 +116,8 @@ TEST_P(FsdpModuleTrainingTest, BitwiseEqualToSingleProcessTraining) {
   std::map<std::string, torch::Tensor> expected = TrainReference(c);
   absl::StatusOr<FsdpResult> got = TrainFsdp(c);
   ASSERT_THAT(got.status(), IsOk());
-  // The tied head is stored once, under the embedding's name.
-  EXPECT_EQ(got->state.size(), expected.size() - 1);
+  ExpectBitwiseEqual(got->state, expected);
   for (const auto& [name, tensor] : got->state) {
-    ASSERT_TRUE(expected.count(name)) << name;
-    EXPECT_TRUE(torch::equal(tensor, expected.at(name)))
-        << name << ": max difference "
-        << (tensor - expected.at(name)).abs().max().item<float>();
     // Training moved it, unless it is frozen.
     const bool frozen = !c.frozen.empty() && name.rfind(c.frozen, 0) == 0;
     EXPECT_EQ(torch::equal(tensor, InitialParams().at(name)), frozen) << name;
@@ -177,13 +185,7 @@ TEST_P(FsdpModuleSimDeviceTest, BitwiseEqualToSingleProcessTraining) {
     int64_t hand_offs = 0;
     absl::StatusOr<FsdpResult> got = TrainFsdpOnSimDevice(c, seed, &hand_offs);
     ASSERT_THAT(got.status(), IsOk());
-    EXPECT_EQ(got->state.size(), expected.size() - 1);
-    for (const auto& [name, tensor] : got->state) {
-      ASSERT_TRUE(expected.count(name)) << name;
-      EXPECT_TRUE(torch::equal(tensor, expected.at(name)))
-          << name << ": max difference "
-          << (tensor - expected.at(name)).abs().max().item<float>();
-    }
+    ExpectBitwiseEqual(got->state, expected);
     EXPECT_GT(hand_offs, 0);
   }
 }
