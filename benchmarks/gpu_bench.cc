@@ -13,9 +13,18 @@
 //   h2d/memcpy_pinned, d2h/memcpy_pinned
 //                                cudaMemcpyAsync between pinned host memory
 //                                and the device (baselines)
-//   h2d/device_ops, d2h/device_ops
+//   h2d/device_ops:1, d2h/device_ops:1
 //                                DeviceOps::Copy between pinned host memory
-//                                and the device (CPU offload's copies);
+//                                and the device (CPU offload's copies), the
+//                                copy on the GPU: events around the
+//                                cudaMemcpyAsync that CudaDeviceOps issues
+//                                (TimedCudaRuntime), its host waits before
+//                                and after outside them; baseline: the
+//                                pinned cudaMemcpy.
+//   h2d/device_ops:2, d2h/device_ops:2
+//                                the same Copy as its caller waits for it:
+//                                events around the whole synchronous call,
+//                                its host waits and their polling included;
 //                                baseline: the pinned cudaMemcpy.
 //   nccl/all_gather, nccl/reduce_scatter
 //                                NcclCommunicator at world size 1 (the
@@ -57,12 +66,14 @@
 // Timing. Copies and collectives: UseManualTime with CUDA events on the
 // stream the work runs on, recorded immediately around it (for collectives
 // around the NCCL call itself, TimedNcclApi, as nccl-tests does); the
-// DeviceOps rows include DeviceOps' own host-side enqueue, which is the
-// library's cost. Host<->device DeviceOps copies are synchronous by
-// contract: their time includes the host's wait for the copy, whose
-// polling (flatparam/base/backoff.h) sleeps at most 1/16 of the time
-// waited so far, so it finds the copy done at most about 6% (or 10 us)
-// late; that lateness is the library's cost to a caller too. Handle rows:
+// copy_d2d DeviceOps rows include DeviceOps' own host-side enqueue, which
+// is the library's cost. Host<->device DeviceOps copies are synchronous by
+// contract, so they have two rows: device_ops:1 times the copy on the GPU
+// alone (as the baseline is timed), device_ops:2 the whole call, whose
+// host wait polls (flatparam/base/backoff.h) with sleeps of at most 1/16
+// of the time waited so far, so it finds the copy done at most about 6%
+// (or 10 us) late; that lateness is the library's cost to a caller. Handle
+// rows:
 // wall time of the round trip including its device synchronization (the
 // handle issues work on several streams), and so is their baseline, whose
 // Wait polls the same way. Sizes 1 MiB to 256 MiB (--max_bytes caps them; x4
@@ -100,6 +111,7 @@
 #include "absl/time/time.h"
 #include "benchmarks/bench_flags.h"
 #include "benchmarks/spin_kernel.h"
+#include "benchmarks/timed_cuda_runtime.h"
 #include "benchmarks/timed_nccl_api.h"
 #include "comm/communicator.h"
 #include "comm/conformance/bandwidth.h"
@@ -152,6 +164,8 @@ TimedNcclApi& BenchNcclApi() {
 // NCCL communicator on their device, and two timing events. Never
 // destroyed (the process ends after the benchmarks).
 struct Gpu {
+  // The runtime under `ops`: the real one, with copies that can be timed.
+  std::unique_ptr<TimedCudaRuntime> cuda;
   std::unique_ptr<CudaDeviceOps> ops;
   std::unique_ptr<NcclCommunicator> comm;
   cudaStream_t stream = nullptr;  // ops' stream 0
@@ -165,7 +179,10 @@ absl::StatusOr<Gpu*> MakeGpu() {
       Cuda(cudaGetDeviceCount(&count), "no usable GPU: cudaGetDeviceCount"));
   if (count == 0) return absl::FailedPreconditionError("no usable GPU: none");
   auto gpu = std::make_unique<Gpu>();
-  FLATPARAM_ASSIGN_OR_RETURN(gpu->ops, CudaDeviceOps::Create(kDevice));
+  gpu->cuda = std::make_unique<TimedCudaRuntime>(RealCudaRuntime());
+  FLATPARAM_ASSIGN_OR_RETURN(
+      gpu->ops,
+      CudaDeviceOps::Create(kDevice, nullptr, nullptr, gpu->cuda.get()));
   gpu->stream = gpu->ops->stream();
   FLATPARAM_RETURN_IF_ERROR(Cuda(cudaSetDevice(kDevice), "cudaSetDevice"));
   FLATPARAM_RETURN_IF_ERROR(Cuda(cudaEventCreate(&gpu->start), "event"));
@@ -219,6 +236,15 @@ absl::StatusOr<double> EventTime(Gpu& gpu, cudaStream_t stream,
   FLATPARAM_RETURN_IF_ERROR(Cuda(cudaEventElapsedTime(&ms, gpu.start, gpu.stop),
                                  "cudaEventElapsedTime"));
   return ms * 1e-3;
+}
+
+// Seconds of the one cudaMemcpyAsync that `copy` issues through gpu.cuda
+// (CudaDeviceOps' own), between events around it; waits for it.
+absl::StatusOr<double> DeviceCopyTime(
+    Gpu& gpu, const std::function<absl::Status()>& copy) {
+  FLATPARAM_RETURN_IF_ERROR(gpu.cuda->Arm(kDevice));
+  FLATPARAM_RETURN_IF_ERROR(copy());
+  return gpu.cuda->ElapsedSeconds();
 }
 
 // Seconds of one NCCL collective that `issue` starts on gpu.comm, between
@@ -369,11 +395,12 @@ void BM_CopyD2D(benchmark::State& state) {
 }
 
 // h2d/... and d2h/...; range(0): bytes, range(1): 1 for host-to-device,
-// range(2): 1 for DeviceOps::Copy, 0 for cudaMemcpyAsync.
+// range(2): 0 for cudaMemcpyAsync, 1 for DeviceOps::Copy's copy on the
+// GPU, 2 for the whole synchronous DeviceOps::Copy.
 void BM_Offload(benchmark::State& state) {
   const int64_t bytes = state.range(0);
   const bool h2d = state.range(1) == 1;
-  const bool ops = state.range(2) == 1;
+  const int64_t ops = state.range(2);
   Gpu* gpu = GpuOrSkip(state);
   if (gpu == nullptr) return;
   const Device dev = gpu->ops->device();
@@ -383,15 +410,16 @@ void BM_Offload(benchmark::State& state) {
   const auto memcpy_time =
       MemcpyTime(*gpu, buf->b.data(), buf->a.data(), bytes,
                  h2d ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost);
-  if (!ops) return Loop(state, bytes, memcpy_time, memcpy_time);
+  if (ops == 0) return Loop(state, bytes, memcpy_time, memcpy_time);
   const BufferRef src = buf->a_ref();
   const BufferRef dst = buf->b_ref();
+  const auto copy = [&] { return gpu->ops->Copy(dst, src); };
+  if (ops == 1) {
+    return Loop(
+        state, bytes, [&] { return DeviceCopyTime(*gpu, copy); }, memcpy_time);
+  }
   Loop(
-      state, bytes,
-      [&] {
-        return EventTime(*gpu, gpu->stream,
-                         [&] { return gpu->ops->Copy(dst, src); });
-      },
+      state, bytes, [&] { return EventTime(*gpu, gpu->stream, copy); },
       memcpy_time);
 }
 
@@ -607,7 +635,7 @@ void Register(int64_t max_bytes) {
   for (int h2d : {1, 0}) {
     auto* b = benchmark::RegisterBenchmark(h2d ? "h2d" : "d2h", BM_Offload);
     b->ArgNames({"bytes", "h2d", "device_ops"});
-    for (int ops : {0, 1}) {
+    for (int ops : {0, 1, 2}) {
       for (int64_t bytes = kMinBytes; bytes <= max_bytes; bytes *= 4) {
         b->Args({bytes, h2d, ops});
       }

@@ -36,6 +36,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "benchmarks/internal/event_bracket.h"
 #include "comm/nccl/nccl_api.h"
 #include "flatparam/device/cuda/cuda_runtime.h"
 
@@ -45,8 +46,7 @@ namespace bench {
 class TimedNcclApi final : public NcclApi {
  public:
   TimedNcclApi(NcclApi& inner, CudaRuntime& cuda)
-      : inner_(inner), cuda_(cuda) {}
-  ~TimedNcclApi() override;
+      : inner_(inner), bracket_(cuda, "TimedNcclApi", "collective") {}
 
   TimedNcclApi(const TimedNcclApi&) = delete;
   TimedNcclApi& operator=(const TimedNcclApi&) = delete;
@@ -54,12 +54,12 @@ class TimedNcclApi final : public NcclApi {
   // Brackets the next collective call with the events. `device`: the CUDA
   // device of the communicator that will issue it (the events are created
   // there once). FailedPrecondition if a collective is still armed.
-  absl::Status Arm(int device);
+  absl::Status Arm(int device) { return bracket_.Arm(device); }
 
   // Seconds between the two events of the last armed collective, waiting for
   // the second one (cudaEventSynchronize). FailedPrecondition if no armed
   // collective was issued since Arm(); the CUDA error if recording failed.
-  absl::StatusOr<double> ElapsedSeconds();
+  absl::StatusOr<double> ElapsedSeconds() { return bracket_.ElapsedSeconds(); }
 
   ncclResult_t GetVersion(int* version) override {
     return inner_.GetVersion(version);
@@ -156,13 +156,7 @@ class TimedNcclApi final : public NcclApi {
                      absl::FunctionRef<ncclResult_t()> call);
 
   NcclApi& inner_;
-  CudaRuntime& cuda_;
-  int device_ = -1;
-  cudaEvent_t start_ = nullptr;
-  cudaEvent_t stop_ = nullptr;
-  bool armed_ = false;
-  bool recorded_ = false;
-  absl::Status record_status_;
+  EventBracket bracket_;
 };
 
 }  // namespace bench
