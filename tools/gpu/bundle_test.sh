@@ -251,14 +251,26 @@ else
       fail "run.sh did not find NCCL in the wheel on PYTHONPATH: $(grep '^nccl' "$tmp/out_wheel/summary.txt")"
   fi
 
-  # Cut off mid-way: a kit whose smoke test hangs, stopped by SIGTERM.
+  # Cut off mid-way: a kit whose smoke test hangs, stopped by SIGTERM once
+  # the smoke test has started (it leaves a file saying so), as a call's
+  # time limit would stop it.
   slow=$tmp/slow
   cp -r "$kit" "$slow"
-  printf '#!/bin/sh\nsleep 60\n' >"$slow/bin/cuda_smoke_test"
+  printf '#!/bin/sh\ntouch "%s"\nsleep 60\n' "$tmp/smoke_started" >"$slow/bin/cuda_smoke_test"
   rc=0
   env -i PATH="$fake:/usr/bin:/bin" FLATPARAM_NCCL_LIB=/usr/local/cuda/lib64 \
-    timeout -s TERM 15 "$slow/run.sh" --budget-s=150 --out="$tmp/out_cut" \
-    >"$tmp/cut.log" 2>&1 || rc=$?
+    timeout -s KILL 120 "$slow/run.sh" --budget-s=150 --out="$tmp/out_cut" \
+    >"$tmp/cut.log" 2>&1 &
+  cut_pid=$!
+  for _ in $(seq 1 600); do
+    [ -e "$tmp/smoke_started" ] && break
+    kill -0 "$cut_pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  [ -e "$tmp/smoke_started" ] || fail "run.sh never reached the smoke test: $(tail -n 5 "$tmp/cut.log")"
+  # timeout passes SIGTERM on to run.sh.
+  kill -TERM "$cut_pid" 2>/dev/null
+  wait "$cut_pid" || rc=$?
   [ $rc -ne 0 ] || fail "run.sh cut off by SIGTERM exited 0"
   grep -qE '^gpu +PASS' "$tmp/out_cut/summary.txt" ||
     fail "run.sh cut off mid-way lost the steps before it: $(cat "$tmp/out_cut/summary.txt")"
