@@ -72,16 +72,16 @@
 // alone (as the baseline is timed), device_ops:2 the whole call, whose
 // host wait polls (flatparam/base/backoff.h) with sleeps of at most 1/16
 // of the time waited so far, so it finds the copy done at most about 6%
-// (or 10 us) late; that lateness is the library's cost to a caller. Handle
-// rows:
-// wall time of the round trip including its device synchronization (the
-// handle issues work on several streams), and so is their baseline, whose
-// Wait polls the same way. Sizes 1 MiB to 256 MiB (--max_bytes caps them; x4
-// steps). Counters: bytes_per_second (SetBytesProcessed), algbw and busbw for
-// the collectives (nccl-tests' factors: at n = 1 busbw is 0), median_us and
-// vs_baseline: the median iteration over the median baseline, the same
-// statistic on both sides. Before the first row, 200 ms of device work
-// warms the GPU up. Every host wait is bounded (kHostWaitLimit).
+// (or 10 us) late; that lateness is the library's cost to a caller.
+// Handle rows: wall time of the round trip including its device
+// synchronization (the handle issues work on several streams), and so is
+// their baseline, whose Wait polls the same way. Sizes 1 MiB to 256 MiB
+// (--max_bytes caps them; x4 steps). Counters: bytes_per_second
+// (SetBytesProcessed), algbw and busbw for the collectives (nccl-tests'
+// factors: at n = 1 busbw is 0), median_us and vs_baseline: the median
+// iteration over the median baseline, the same statistic on both sides. Before
+// the first row, 200 ms of device work warms the GPU up. Every host wait is
+// bounded (kHostWaitLimit).
 //
 //   bazel build -c opt //benchmarks:gpu_bench
 //   bazel-bin/benchmarks/gpu_bench --benchmark_min_time=0.1
