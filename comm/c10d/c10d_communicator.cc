@@ -515,7 +515,7 @@ std::unique_ptr<Work> C10dCommunicator::ReduceScatter(
         c10d::AllToAllOptions o;
         o.timeout = Millis(left);
         std::vector<int64_t> none;
-        return group->alltoall_base(*recv, *send, none, none, o);
+        return AllToAllSingle(*group, *recv, *send, none, none, o, 0);
       }};
   const int n = size_;
   void* dst = output.data;
@@ -583,8 +583,8 @@ std::unique_ptr<Work> C10dCommunicator::AllReduce(
       [group, send, recv, splits](absl::Duration left) {
         c10d::AllToAllOptions o;
         o.timeout = Millis(left);
-        return group->alltoall_base(*recv, *send, splits->first, splits->second,
-                                    o);
+        return AllToAllSingle(*group, *recv, *send, splits->first,
+                              splits->second, o, 0);
       },
       [group, mine, all](absl::Duration left) {
         c10d::AllgatherOptions o;
@@ -749,7 +749,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> C10dCommunicator::Split(
     gloo_options->devices = {shared_->device};
     gloo_options->threads = 2;
     auto sub_store = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
-    auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(
+    c10::intrusive_ptr<c10d::ProcessGroup> group = MakeGlooGroup(
         sub_store, new_rank, static_cast<int>(members.size()), gloo_options);
     // The subgroup records into this rank's recorder (set below), not a
     // recorder of its own.

@@ -1,6 +1,10 @@
 // A Communicator over PyTorch's c10d: a process group a LibTorch team
 // already has (ProcessGroupGloo on CPUs), or one made from torchrun's
 // environment, so that flatparam runs on the engine and launcher they use.
+// In LibTorch 2.x ProcessGroupGloo is a c10d::Backend, not a ProcessGroup:
+// wrap the ProcessGroup that holds it (ProcessGroup(store, rank, size),
+// then setBackend(c10::DeviceType::CPU, BackendType::GLOO, gloo) and
+// setDefaultBackend(BackendType::GLOO), as FromEnvironment does).
 //
 //   // Under `torchrun --nproc_per_node=4 --no-python ./trainer`:
 //   FLATPARAM_ASSIGN_OR_RETURN(std::unique_ptr<C10dCommunicator> world,

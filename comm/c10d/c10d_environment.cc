@@ -44,6 +44,18 @@ absl::StatusOr<int64_t> EnvInt(const char* name, int64_t low, int64_t high) {
   return value;
 }
 
+// TCPStoreOptions::useLibUV, where the LibTorch has it (2.x, default on):
+// set as torch.distributed's rendezvous sets it, from USE_LIBUV ("0" turns
+// it off; a LibTorch built without libuv, as Debian's, needs that).
+template <typename StoreOptions>
+auto SetUseLibUv(StoreOptions& o, int) -> decltype(o.useLibUV = true, void()) {
+  const char* value = std::getenv("USE_LIBUV");
+  o.useLibUV = value == nullptr || std::string(value) != "0";
+}
+// 1.13: no libuv backend, nothing to set.
+template <typename StoreOptions>
+void SetUseLibUv(StoreOptions&, long) {}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<C10dCommunicator>>
@@ -81,6 +93,7 @@ C10dCommunicator::FromEnvironment(const C10dOptions& options) {
       if (wait_workers) o.numWorkers = static_cast<size_t>(*world_size);
       o.waitWorkers = wait_workers;
       o.multiTenant = !agent_store;
+      SetUseLibUv(o, 0);
       c10::intrusive_ptr<c10d::Store> store =
           c10::make_intrusive<c10d::TCPStore>(*addr, o);
       if (agent_store) {
@@ -105,7 +118,7 @@ C10dCommunicator::FromEnvironment(const C10dOptions& options) {
         c10d::ProcessGroupGloo::Options::create(Millis(options.start_timeout));
     gloo_options->devices = {device};
     gloo_options->threads = 2;
-    auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(
+    c10::intrusive_ptr<c10d::ProcessGroup> group = MakeGlooGroup(
         c10::make_intrusive<c10d::PrefixStore>("flatparam/world", store),
         static_cast<int>(*rank), static_cast<int>(*world_size), gloo_options);
     auto comm = absl::WrapUnique(

@@ -26,8 +26,8 @@ namespace flatparam {
 namespace libtorch {
 
 using internal_fsdp_module::FromTorch;
+using internal_fsdp_module::NodePtr;
 using internal_fsdp_module::Quoted;
-using torch::autograd::Node;
 
 // ---------------------------------------------------------------------------
 // Binding the module's tensors to flatparam's memory
@@ -55,8 +55,7 @@ absl::Status FsdpModule::Bind(int unit) {
     // accumulator: hook the one autograd will use from now on.
     for (size_t i = 0; i < u.params.size(); ++i) {
       if (!u.trainable[i]) continue;
-      std::shared_ptr<Node> acc =
-          torch::autograd::impl::grad_accumulator(u.params[i]);
+      NodePtr acc = torch::autograd::impl::grad_accumulator(u.params[i]);
       if (acc == nullptr || acc == u.accumulators[i]) continue;
       acc->add_post_hook(
           std::make_unique<AccumulateHook>(hooks_, unit, static_cast<int>(i)));

@@ -37,7 +37,9 @@
 namespace flatparam {
 namespace libtorch {
 
+using internal_fsdp_module::NodePtr;
 using internal_fsdp_module::Quoted;
+using internal_fsdp_module::WeakNodePtr;
 using torch::autograd::Node;
 
 namespace {
@@ -161,8 +163,8 @@ void FsdpModule::TrackNodes(int unit, const Outputs& outputs, uint64_t first,
   if (first == end) return;
   UnitState& u = *units_[unit];
   std::unordered_set<Node*> seen;
-  std::vector<std::shared_ptr<Node>> stack;
-  auto consider = [&](const std::shared_ptr<Node>& node) {
+  std::vector<NodePtr> stack;
+  auto consider = [&](const NodePtr& node) {
     if (node == nullptr) return;
     const uint64_t seq = node->sequence_nr();
     if (seq < first || seq >= end || !seen.insert(node.get()).second) return;
@@ -172,10 +174,10 @@ void FsdpModule::TrackNodes(int unit, const Outputs& outputs, uint64_t first,
     if (t.defined()) consider(t.grad_fn());
   }
   while (!stack.empty()) {
-    std::shared_ptr<Node> node = std::move(stack.back());
+    NodePtr node = std::move(stack.back());
     stack.pop_back();
     const size_t index = u.nodes.size();
-    u.nodes.push_back({node, false, false});
+    u.nodes.push_back({WeakNodePtr(node), false, false});
     if (gather) {
       node->add_pre_hook(
           std::make_unique<NodePreHook>(hooks_, iteration_, unit));
@@ -499,7 +501,7 @@ void FsdpModule::ScanGraph(int unit) {
   u.scanned.push_back(graph);
   for (UnitState::TrackedNode& tracked : u.nodes) {
     if (tracked.counted) continue;
-    std::shared_ptr<Node> node = tracked.node.lock();
+    NodePtr node = tracked.node.lock();
     if (node == nullptr || !WillRun(node.get())) continue;
     tracked.counted = true;
     ++u.nodes_left;

@@ -128,7 +128,9 @@ chmod a+rx "$dir/run.sh"
 # machine, as the kit's libraries were built with them.
 kit=$dir/torch_kit
 mkdir -p "$kit/src" "$kit/include" "$kit/lib"
-cp "$root/tools/gpu/torch_kit/CMakeLists.txt" "$root/tools/gpu/torch_kit/build.sh" \
+cp "$root/tools/gpu/torch_kit/CMakeLists.txt" \
+  "$root/tools/gpu/torch_kit/cxx_standard.cmake" \
+  "$root/tools/gpu/torch_kit/build.sh" \
   "$root/tools/gpu/torch_kit/pytorch_fsdp_step.py" "$kit/"
 chmod a+rx "$kit/build.sh" "$kit/pytorch_fsdp_step.py"
 # shellcheck disable=SC2016  # ${SRC} is CMake's, matched literally

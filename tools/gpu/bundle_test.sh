@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Checks the GPU kit on a machine without a GPU (CI runs it right after the
 # optimized build, whose outputs bundle.sh reuses):
+#   0. the kit's CMake build picks the C++ standard LibTorch's headers need
+#      (torch_kit/cxx_standard_test.cmake);
 #   1. tools/gpu/bundle.sh builds a kit into a temporary folder, under 64 MiB;
 #   2. every binary and library in it resolves each library it needs from
 #      the kit's lib/ (the CUDA runtime included), except the C/C++ runtime,
@@ -20,7 +22,9 @@
 #      stopped by SIGTERM in the middle of a step still reports the steps
 #      before it and where it was cut off;
 #   5. in that run, the kit's CMake build of flatparam/torch (torch_build)
-#      against this machine's LibTorch (Debian's 1.13, CPU only) passes, and
+#      against this machine's LibTorch (Debian's 1.13, CPU only), as C++20
+#      (FLATPARAM_KIT_CXX_STANDARD=20: what the newest LibTorch's headers
+#      require; Bazel compiles the same sources as C++17) passes, and
 #      so do the CPU tests it built (torch_cpu: Recompute, and FsdpModule
 #      bitwise against single-process LibTorch), while the GPU tests are
 #      reported as not built; torch_bench times torch_step_compare on the
@@ -42,6 +46,10 @@ fail() {
   echo "bundle_test: FAIL: $*"
   failures=$((failures + 1))
 }
+
+# 0. The kit's choice of C++ standard (torch_kit/cxx_standard.cmake).
+cmake -P "$root/tools/gpu/torch_kit/cxx_standard_test.cmake" >"$tmp/cxx_standard.log" 2>&1 ||
+  fail "torch_kit/cxx_standard_test.cmake: $(cat "$tmp/cxx_standard.log")"
 
 # Libraries the GPU machine provides (as in bundle.sh).
 provided_re='^(linux-vdso|libc|libm|libstdc\+\+|libgcc_s|ld-linux-x86-64|ld-linux|libpthread|libdl|librt|libnccl|libcuda)\.so'
@@ -167,6 +175,7 @@ else
   fi
   env -i PATH="$fake:/usr/bin:/bin" FLATPARAM_REQUIRE_GPU=1 \
     FLATPARAM_NCCL_LIB=/usr/local/cuda/lib64 FLATPARAM_TORCH_CMAKE="$torch_cmake" \
+    FLATPARAM_KIT_CXX_STANDARD=20 \
     FLATPARAM_TORCH_PYTHON=/nonexistent FLATPARAM_TORCH_BENCH_DEVICE=cpu \
     FLATPARAM_TORCH_BENCH_ARGS="--steps=2 --warmup=1" "$kit/run.sh" --budget-s=600 \
     --out="$tmp/out_fake" >"$tmp/fake.log" 2>&1 || rc=$?
@@ -194,6 +203,8 @@ else
   # LibTorch, and its CPU tests; the GPU tests are not built (no CUDA).
   if [ -n "$torch_cmake" ]; then
     grep -qE '^torch: from FLATPARAM_TORCH_CMAKE' "$summary" || fail "the summary does not say which LibTorch"
+    grep -qE 'flatparam kit: LibTorch .*, C\+\+20$' "$tmp/out_fake/torch_build.log" ||
+      fail "the kit's CMake build was not C++20 (FLATPARAM_KIT_CXX_STANDARD=20)"
     grep -qE '^torch_build +PASS' "$summary" ||
       fail "the kit's CMake build against $torch_cmake failed: $(grep -E 'error|Error' "$tmp/out_fake/torch_build.log" | head -n 5)"
     grep -qE '^torch_cpu +PASS' "$summary" ||

@@ -3,6 +3,8 @@
 #ifndef FLATPARAM_COMM_C10D_INTERNAL_SHARED_H_
 #define FLATPARAM_COMM_C10D_INTERNAL_SHARED_H_
 
+#include <torch/version.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -11,7 +13,9 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -41,6 +45,50 @@ inline std::string ExceptionMessage(const std::exception_ptr& e) {
     return "an exception that is not a std::exception";
   }
 }
+
+// A gloo process group of `size` ranks over `store`. In LibTorch 1.13
+// ProcessGroupGloo is a ProcessGroup; from 2.0 it is a c10d::Backend, and
+// the ProcessGroup that holds it dispatches the collectives of CPU tensors
+// to it (as torch.distributed.new_group(backend="gloo") builds it).
+inline c10::intrusive_ptr<c10d::ProcessGroup> MakeGlooGroup(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> options) {
+  auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size,
+                                                          std::move(options));
+#if TORCH_VERSION_MAJOR >= 2
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
+  group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO,
+                    gloo);
+  group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+  return group;
+#else
+  return gloo;
+#endif
+}
+
+// The group's all-to-all of one tensor (c10d's alltoall_base_ op):
+// all_to_all_single where the LibTorch has it (2.14 deprecates
+// alltoall_base for it), alltoall_base where not (1.13 to 2.6 at least).
+template <typename Group>
+auto AllToAllSingle(Group& group, at::Tensor& out, at::Tensor& in,
+                    std::vector<int64_t>& out_splits,
+                    std::vector<int64_t>& in_splits,
+                    const c10d::AllToAllOptions& options, int)
+    -> decltype(group.all_to_all_single(out, in, out_splits, in_splits,
+                                        options)) {
+  return group.all_to_all_single(out, in, out_splits, in_splits, options);
+}
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+template <typename Group>
+auto AllToAllSingle(Group& group, at::Tensor& out, at::Tensor& in,
+                    std::vector<int64_t>& out_splits,
+                    std::vector<int64_t>& in_splits,
+                    const c10d::AllToAllOptions& options, long)
+    -> decltype(group.alltoall_base(out, in, out_splits, in_splits, options)) {
+  return group.alltoall_base(out, in, out_splits, in_splits, options);
+}
+#pragma GCC diagnostic pop
 
 // What the communicator and its work objects share: the group, its
 // store, and whether it was aborted. Guarded by `mu` where noted.

@@ -28,6 +28,24 @@ namespace flatparam {
 namespace libtorch {
 namespace internal_fsdp_module {
 
+// LibTorch's owning pointer to an autograd Node, as Edge::function holds
+// it: std::shared_ptr up to the 2.1x releases that moved autograd to
+// c10::intrusive_ptr (pytorch/pytorch#181782; 2.14 has it), and the weak
+// pointer that goes with it. Named from Edge so that one source compiles
+// against either.
+using NodePtr = decltype(torch::autograd::Edge::function);
+template <typename Ptr>
+struct WeakPtrOf;
+template <typename T>
+struct WeakPtrOf<std::shared_ptr<T>> {
+  using type = std::weak_ptr<T>;
+};
+template <typename T, typename NullType>
+struct WeakPtrOf<c10::intrusive_ptr<T, NullType>> {
+  using type = c10::weak_intrusive_ptr<T, NullType>;
+};
+using WeakNodePtr = typename WeakPtrOf<NodePtr>::type;
+
 // flatparam's dtype of a LibTorch floating dtype; InvalidArgument for
 // another.
 absl::StatusOr<DType> FromTorch(c10::ScalarType type);
@@ -78,7 +96,7 @@ struct FsdpModule::UnitState {
   std::vector<std::string> fqns;
   std::vector<char> trainable;
   // The gradient accumulator each trainable parameter's hook is on.
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  std::vector<internal_fsdp_module::NodePtr> accumulators;
   int num_trainable = 0;
   internal_fsdp_module::SwappableViews param_views;
   internal_fsdp_module::SwappableViews grad_views;
@@ -91,7 +109,7 @@ struct FsdpModule::UnitState {
   // by TrackNodes), and per backward whether each is counted (in the graph
   // the engine runs) and has run.
   struct TrackedNode {
-    std::weak_ptr<torch::autograd::Node> node;
+    internal_fsdp_module::WeakNodePtr node;
     bool counted = false;
     bool done = false;
   };

@@ -13,6 +13,10 @@
 #   --build        the build folder (made; must not hold another build)
 #   --jobs         parallel compiles (default: the number of CPUs)
 #
+# The C++ standard is the one LibTorch's headers need, at least C++17
+# (cxx_standard.cmake); FLATPARAM_KIT_CXX_STANDARD in the environment
+# (17, 20 or 23) overrides it.
+#
 # Prints the LibTorch version and whether it has CUDA; the test binaries
 # are in the build folder (recompute_test, fsdp_module_test, and with CUDA
 # torch_cuda_test, fsdp_module_cuda_test). Exit status: cmake's or ninja's.
@@ -49,5 +53,6 @@ for tool in cmake ninja; do
 done
 cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$torch_cmake" -DFLATPARAM_KIT_LIB="$kit_lib" \
-  -DFLATPARAM_NCCL_LIB="$nccl_lib"
+  -DFLATPARAM_NCCL_LIB="$nccl_lib" \
+  -DFLATPARAM_KIT_CXX_STANDARD="${FLATPARAM_KIT_CXX_STANDARD:-}"
 cmake --build "$build" -j "$jobs"
