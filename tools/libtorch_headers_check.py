@@ -22,12 +22,17 @@ left out) or --files=all; --std=17|20 (default: 20 where the headers
 require it, else 17); --jobs=N. A file whose source and every header it
 read last time are unchanged is not compiled again (the result is kept
 under ~/.cache/flatparam/libtorch-headers-check; --no-cache ignores it).
+The flags are those the build compiles LibTorch code with (read from
+tools/bazel/defs.bzl and .bazelrc), always with -Werror.
+FLATPARAM_DEBIAN_MIRROR names a Debian mirror other than deb.debian.org
+(its URL, ending in /debian/).
 
 Prints one line per compiled file and a summary; exits 0 when every file
 compiles, 1 otherwise, 2 for bad arguments or a failed download.
 """
 
 import argparse
+import ast
 import concurrent.futures
 import hashlib
 import os
@@ -51,15 +56,13 @@ DEBIAN = {
         "pool/main/p/pytorch/libtorch-dev_2.14.1+dfsg-1_amd64.deb",
         "d941cb918c760250305f2fd3c4fa63f1b86069fe6996e8c439b48af79ed27636"),
 }
-DEBIAN_MIRROR = "http://deb.debian.org/debian/"
+# FLATPARAM_DEBIAN_MIRROR names another (a local mirror, a file:// folder).
+DEBIAN_MIRROR = os.environ.get("FLATPARAM_DEBIAN_MIRROR",
+                               "http://deb.debian.org/debian/")
 
-# As //tools/bazel:defs.bzl's FLATPARAM_COPTS and LIBTORCH_COPTS, with the
-# defines Bazel gives these targets.
-WARNINGS = [
-    "-Wall", "-Wextra", "-Wno-array-bounds", "-Wno-stringop-overflow",
-    "-Wno-stringop-overread", "-Wno-sign-compare", "-Wno-unused-parameter",
-    "-Wno-missing-field-initializers", "-Wno-maybe-uninitialized", "-Werror"
-]
+# The defines Bazel gives these targets (third_party/: nlohmann_json's,
+# c10d's gloo, libstdc++'s string ABI); the warning flags are read from the
+# build's own files (bazel_copts).
 DEFINES = ["-DJSON_DIAGNOSTICS=1", "-DUSE_C10D_GLOO", "-D_GLIBCXX_USE_CXX11_ABI=1"]
 
 TORCH_INCLUDE = re.compile(r'^\s*#\s*include\s*[<"](torch|ATen|c10)/', re.M)
@@ -74,6 +77,36 @@ LIBTORCH_DIRS = ("torch", "ATen", "c10", "caffe2")
 def fail(message, code=2):
   print(f"libtorch_headers_check: {message}", file=sys.stderr)
   sys.exit(code)
+
+
+def bazel_copts(root=ROOT):
+  """The flags Bazel compiles flatparam's LibTorch code with, read from the
+  build's files so that this check cannot drift from them: FLATPARAM_COPTS
+  and LIBTORCH_COPTS of tools/bazel/defs.bzl, then the --copt's of
+  .bazelrc's plain `build` lines (a `build:CONFIG` line belongs to a
+  config the check does not compile with), and -Werror."""
+  defs = os.path.join(root, "tools", "bazel", "defs.bzl")
+  with open(defs) as f:
+    text = f.read()
+  copts = []
+  for name in ("FLATPARAM_COPTS", "LIBTORCH_COPTS"):
+    m = re.search(rf"^{name}\s*=\s*(\[.*?\])", text, re.M | re.S)
+    try:
+      # A Starlark list of strings is a Python literal once its comments
+      # are gone (no flag holds a '#').
+      value = ast.literal_eval(re.sub(r"#[^\n]*", "", m.group(1))) if m else None
+    except (SyntaxError, ValueError):
+      value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+      fail(f"{defs}: no list of strings named {name}")
+    copts += value
+  with open(os.path.join(root, ".bazelrc")) as f:
+    for line in f:
+      words = line.split("#", 1)[0].split()
+      if words[:1] == ["build"]:
+        copts += [w[len("--copt="):] for w in words[1:] if w.startswith("--copt=")]
+  # Warnings fail this check whatever the workspace does with them.
+  return copts if "-Werror" in copts else copts + ["-Werror"]
 
 
 def fetch_debian(version):
@@ -180,7 +213,7 @@ def include_flags(include, std):
       flags += ["-isystem", d]
   except (OSError, subprocess.CalledProcessError):
     pass
-  return flags + DEFINES + WARNINGS
+  return flags + DEFINES + bazel_copts()
 
 
 def digest_of(paths):
