@@ -21,9 +21,10 @@
 #      with g++ against that LibTorch and the kit's libraries, at 1 and 3
 #      ranks on 127.0.0.1 (USE_LIBUV=0: Debian builds LibTorch without
 #      libuv).
-# The kit's OpenSSL (bookworm's 3.0, which its libzip needs) is left out
-# of the chroot's link: sid's LibTorch links sid's libssl, which needs
-# sid's libcrypto. Prints each step's result; exits 0 when all pass.
+# The kit's OpenSSL (bookworm's 3.0, in its lib/fallback/) stays out of
+# the chroot's link, as run.sh keeps it out on a machine with its own: sid's
+# LibTorch links sid's libssl, which needs sid's libcrypto. Prints each
+# step's result; exits 0 when all pass.
 set -euo pipefail
 
 if [ $# -ne 1 ]; then
@@ -91,9 +92,7 @@ rm -rf "$dir/kit" "$dir/src"
   echo "libtorch_sid_check: bundle.sh failed: see $dir/root/bundle.log" >&2
   exit 1
 }
-mkdir -p "$dir/kit/system" "$dir/opt/nccl"
-mv "$dir/kit/lib/libcrypto.so.3" "$dir/kit/system/"
-sed -i '/^libcrypto\.so\.3$/d' "$dir/kit/torch_kit/kit_libraries.txt"
+mkdir -p "$dir/opt/nccl"
 nccl=${FLATPARAM_NCCL_LIB:-/usr/local/cuda/lib64}
 cp -L "$nccl/libnccl.so.2" "$dir/opt/nccl/"
 

@@ -19,6 +19,11 @@
 #                   driver's libcuda and NCCL (libnccl), which the GPU
 #                   machine's come from (run.sh checks that its driver
 #                   supports the bundled runtime).
+#   DIR/lib/fallback/  OpenSSL 3's libcrypto.so.3 and libssl.so.3 where a
+#                   binary needs them: run.sh uses them only on a machine
+#                   that lacks its own (a bundled copy on LD_LIBRARY_PATH
+#                   would shadow the machine's, which its LibTorch may need
+#                   a newer version of)
 #   DIR/torch_kit/  flatparam/torch and the GPT as sources with a CMake
 #                   build (build.sh) against the GPU machine's own PyTorch,
 #                   linked with lib/ (see "torch_kit/" below)
@@ -61,6 +66,11 @@ targets=(
 # Libraries the GPU machine provides: the C/C++ runtime, the driver's libcuda
 # and NCCL.
 provided_re='^(linux-vdso|libc|libm|libstdc\+\+|libgcc_s|ld-linux-x86-64|ld-linux|libpthread|libdl|librt|libnccl|libcuda)\.so'
+# Libraries a Linux machine normally has itself, whose symbol versions only
+# grow (OpenSSL 3): bundled in lib/fallback/, which run.sh uses only for
+# those the machine lacks, so that the machine's own (which its LibTorch
+# may need a newer version of) is never shadowed.
+fallback_re='^lib(crypto|ssl)\.so\.3$'
 
 if [ -e "$dir" ] && [ -n "$(ls -A "$dir")" ]; then
   die "$dir exists and is not empty: give a new or empty folder"
@@ -110,8 +120,11 @@ for t in "${targets[@]}"; do
       die "$label links OpenMPI ($soname), which the GPU machine does not have"
     fi
     if [ -z "${bundled[$soname]:-}" ]; then
-      cp -L "$path" "$dir/lib/$soname"
-      chmod u+w,a+r "$dir/lib/$soname"
+      dest=$dir/lib
+      [[ $soname =~ $fallback_re ]] && dest=$dir/lib/fallback
+      mkdir -p "$dest"
+      cp -L "$path" "$dest/$soname"
+      chmod u+w,a+r "$dest/$soname"
       bundled[$soname]=$path
     fi
   done <<<"$ldd_out"
@@ -181,7 +194,7 @@ chmod -R u+w,a+rX "$kit"
   if command -v objdump >/dev/null; then
     # The newest symbol versions the kit needs of the machine's runtime.
     for v in GLIBC GLIBCXX; do
-      echo "needs: $v >= $(cd "$dir" && for f in bin/* lib/*; do objdump -T "$f"; done |
+      echo "needs: $v >= $(cd "$dir" && find bin lib -maxdepth 2 -type f ! -name '*.a' -print0 | xargs -0 objdump -T 2>/dev/null |
         grep -oE "\b${v}_[0-9.]+" | sed "s/^${v}_//" | sort -V | tail -n 1)"
     done
   fi

@@ -8,7 +8,8 @@
 #      the kit's lib/ (the CUDA runtime included), except the C/C++ runtime,
 #      the driver's libcuda and NCCL, with no LD_LIBRARY_PATH of this
 #      machine (and nothing links OpenMPI); a copy of the kit with one
-#      library removed must fail that check;
+#      library removed must fail that check; OpenSSL (libcrypto.so.3) is
+#      in lib/fallback/, not lib/, and the CMake build does not name it;
 #   3. run.sh under `env -i PATH=/usr/bin:/bin` reaches its GPU check and
 #      reports "no GPU" as a SKIP (exit 0), and with FLATPARAM_REQUIRE_GPU=1
 #      as a FAIL (exit 1);
@@ -18,7 +19,10 @@
 #      message, the driver check fails for want of a driver, at most 8
 #      output files; with --budget-s=0 the tests, the benchmark and then the
 #      sanitizers are skipped as out of time; NCCL is found in an
-#      nvidia-nccl wheel of python3's path and the wheel named; and a run
+#      nvidia-nccl wheel of python3's path and the wheel named; run.sh
+#      keeps this machine's libcrypto.so.3, and on a machine without one
+#      (stand-in ldconfig, FLATPARAM_SYSTEM_LIB_DIRS) links lib/fallback/'s
+#      from a folder it removes on exit; and a run
 #      stopped by SIGTERM in the middle of a step still reports the steps
 #      before it and where it was cut off;
 #   5. in that run, the kit's CMake build of flatparam/torch (torch_build)
@@ -54,12 +58,15 @@ cmake -P "$root/tools/gpu/torch_kit/cxx_standard_test.cmake" >"$tmp/cxx_standard
 # Libraries the GPU machine provides (as in bundle.sh).
 provided_re='^(linux-vdso|libc|libm|libstdc\+\+|libgcc_s|ld-linux-x86-64|ld-linux|libpthread|libdl|librt|libnccl|libcuda)\.so'
 
-# check_libs KIT: every ELF file of KIT/bin and KIT/lib resolves what it
-# needs from KIT/lib, or is a provided library; prints what does not.
+# check_libs KIT: every ELF file of KIT/bin, KIT/lib and KIT/lib/fallback
+# resolves what it needs from KIT/lib or KIT/lib/fallback (which comes last,
+# as run.sh puts it on a machine that lacks those), or is a provided
+# library; prints what does not.
 check_libs() {
   local kit=$1 bad=0 f out soname arrow path
-  for f in "$kit"/bin/* "$kit"/lib/*; do
-    out=$(env -i PATH=/usr/bin:/bin LD_LIBRARY_PATH="$kit/lib" ldd "$f" 2>&1) || {
+  for f in "$kit"/bin/* "$kit"/lib/* "$kit"/lib/fallback/*; do
+    [ -f "$f" ] || continue
+    out=$(env -i PATH=/usr/bin:/bin LD_LIBRARY_PATH="$kit/lib:$kit/lib/fallback" ldd "$f" 2>&1) || {
       echo "  ldd $f failed: $out"
       bad=1
       continue
@@ -124,6 +131,19 @@ if check_libs "$broken" >"$tmp/broken_libs.log"; then
   fail "the library check passed on a kit without lib/$victim"
 elif ! grep -q "$victim" "$tmp/broken_libs.log"; then
   fail "the library check on a kit without lib/$victim did not name it"
+fi
+
+# OpenSSL, which this machine has, is in lib/fallback/, not lib/ (where it
+# would shadow the machine's), nor linked by name by the CMake build.
+if ldd "$kit/bin/torch_kit_deps" | grep -q "libcrypto\.so\.3 =>"; then
+  [ -f "$kit/lib/fallback/libcrypto.so.3" ] ||
+    fail "the kit does not bundle libcrypto.so.3 in lib/fallback/"
+  [ ! -e "$kit/lib/libcrypto.so.3" ] ||
+    fail "lib/libcrypto.so.3 would shadow the machine's OpenSSL"
+  ! grep -q "^libcrypto" "$kit/torch_kit/kit_libraries.txt" ||
+    fail "torch_kit/kit_libraries.txt names libcrypto"
+else
+  fail "torch_kit_deps no longer needs libcrypto.so.3: the lib/fallback/ checks below check nothing"
 fi
 
 # --- 3. run.sh without a GPU and without this machine's environment.
@@ -217,6 +237,12 @@ else
     grep -qE '^torch_build +FAIL .*no Python here imports torch' "$summary" ||
       fail "without a LibTorch, torch_build did not say so: $(grep -E '^torch_build' "$summary")"
   fi
+  # This machine has OpenSSL 3: its own is used, not lib/fallback/'s.
+  grep -q '^libcrypto.so.3: the machine.s own' "$tmp/out_fake/env.txt" ||
+    fail "run.sh did not take this machine's libcrypto.so.3: $(grep libcrypto "$tmp/out_fake/env.txt" | head -n 3)"
+  if grep -E 'libcrypto\.so\.3 => ' "$tmp/out_fake/env.txt" | grep -q "$kit/"; then
+    fail "a binary took libcrypto.so.3 from the kit on a machine that has its own"
+  fi
   n=$(find "$tmp/out_fake" -type f | wc -l)
   [ "$n" -le 8 ] || fail "run.sh wrote $n files, more than 8"
   if [ $failures -gt 0 ]; then cat "$summary"; fi
@@ -247,6 +273,26 @@ else
   order=$(grep -oE '^(bench|memcheck|initcheck|racecheck|synccheck) ' "$tmp/out_budget/summary.txt" | tr -d ' ' | tr '\n' ' ')
   [ "$order" = "bench memcheck initcheck " ] ||
     fail "run.sh's last steps are '$order', not 'bench memcheck initcheck '"
+
+  # A machine without OpenSSL 3 (no such file in its library folders, none
+  # in ldconfig's cache): lib/fallback/'s copy is linked from a folder of
+  # run.sh's own, which is gone when it exits.
+  no_ssl=$tmp/no_ssl_bin
+  mkdir -p "$no_ssl" "$tmp/no_ssl_tmp"
+  printf '#!/bin/sh\necho "0 libs found in cache"\n' >"$no_ssl/ldconfig"
+  chmod +x "$no_ssl/ldconfig"
+  rc=0
+  env -i PATH="$no_ssl:$fake:/usr/bin:/bin" TMPDIR="$tmp/no_ssl_tmp" \
+    FLATPARAM_SYSTEM_LIB_DIRS=/nonexistent FLATPARAM_NCCL_LIB=/usr/local/cuda/lib64 \
+    "$kit/run.sh" --budget-s=0 --out="$tmp/out_no_ssl" >/dev/null 2>&1 || rc=$?
+  grep -q '^libcrypto.so.3: the kit.s (lib/fallback/)' "$tmp/out_no_ssl/env.txt" ||
+    fail "run.sh on a machine without OpenSSL did not take lib/fallback/'s: $(grep libcrypto "$tmp/out_no_ssl/env.txt" | head -n 3)"
+  grep -qE "libcrypto\.so\.3 => $tmp/no_ssl_tmp/flatparam-kit-lib\.[^/]+/libcrypto\.so\.3" \
+    "$tmp/out_no_ssl/env.txt" ||
+    fail "on a machine without OpenSSL, the binaries did not resolve libcrypto.so.3 from lib/fallback/: $(grep -m 3 'libcrypto.so.3 =>' "$tmp/out_no_ssl/env.txt")"
+  grep -qE '^bundle +PASS' "$tmp/out_no_ssl/summary.txt" ||
+    fail "run.sh's library check failed on a machine without OpenSSL"
+  [ -z "$(ls -A "$tmp/no_ssl_tmp")" ] || fail "run.sh left $(ls "$tmp/no_ssl_tmp") behind"
 
   # NCCL from an nvidia-nccl wheel on python3's path, named in the summary.
   if command -v python3 >/dev/null; then

@@ -17,7 +17,10 @@
 #              summary's ranks_per_gpu line says which)
 #   cuda       the driver supports the CUDA runtime bundled in lib/
 #              (cudaDriverGetVersion against cudaRuntimeGetVersion)
-#   bundle     every binary resolves all its libraries (ldd)
+#   bundle     every binary resolves all its libraries (ldd); the machine's
+#              own OpenSSL 3 is used, lib/fallback/'s copy only where the
+#              machine has none (its library folders, or
+#              $FLATPARAM_SYSTEM_LIB_DIRS, and `ldconfig -p`)
 #   smoke, device_ops, nccl_unit, nccl_gpu, training
 #              the GPU tests, with FLATPARAM_REQUIRE_GPU=1 (a missing GPU
 #              fails instead of skipping)
@@ -337,8 +340,46 @@ if [ -z "$nccl_lib" ] && command -v ldconfig >/dev/null 2>&1; then
   fi
 fi
 echo "libnccl.so.2 directory: ${nccl_lib:-<not found>} (from ${nccl_from:-nowhere}; wheel: ${nccl_wheel:-none})" >>"$env_log"
+# lib/fallback/ holds what a Linux machine normally has itself, behind
+# stable symbol versions (OpenSSL 3's libcrypto.so.3, which the bundled
+# libzip needs). A copy on LD_LIBRARY_PATH would take the place of the
+# machine's own in every process, LibTorch's included, and a LibTorch that
+# links a newer OpenSSL would then fail to link (undefined OPENSSL_3.2.0
+# symbols). So the machine's is used wherever it has one; only the ones it
+# lacks are linked from a folder of links made here, last on the path.
+machine_has_library() {
+  local soname=$1 d ldconfig_cmd
+  for d in ${FLATPARAM_SYSTEM_LIB_DIRS:-/lib/x86_64-linux-gnu /usr/lib/x86_64-linux-gnu /lib64 /usr/lib64 /usr/lib /lib}; do
+    [ -e "$d/$soname" ] && return 0
+  done
+  ldconfig_cmd=$(command -v ldconfig || echo /sbin/ldconfig)
+  [ -x "$ldconfig_cmd" ] &&
+    "$ldconfig_cmd" -p 2>/dev/null | grep -qE "^[[:space:]]*${soname//./\\.} \(libc6,x86-64"
+}
+fallback_dir=""
+for f in "$here"/lib/fallback/*; do
+  [ -e "$f" ] || continue
+  soname=${f##*/}
+  if machine_has_library "$soname"; then
+    echo "$soname: the machine's own (lib/fallback/ not used)" >>"$env_log"
+    continue
+  fi
+  if [ -z "$fallback_dir" ]; then
+    fallback_dir=$(mktemp -d "${TMPDIR:-/tmp}/flatparam-kit-lib.XXXXXX")
+    trap 'rm -rf "$fallback_dir"' EXIT
+  fi
+  ln -s "$f" "$fallback_dir/$soname"
+  echo "$soname: the kit's (lib/fallback/), which the machine lacks" >>"$env_log"
+done
+if [ -n "$fallback_dir" ]; then
+  if [ -n "${LD_LIBRARY_PATH:-}" ]; then
+    original_env=(env "LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$fallback_dir")
+  else
+    original_env=(env "LD_LIBRARY_PATH=$fallback_dir")
+  fi
+fi
 cuda_lib=/usr/local/cuda/lib64
-export LD_LIBRARY_PATH="$here/lib${nccl_lib:+:$nccl_lib}:$cuda_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH="$here/lib${nccl_lib:+:$nccl_lib}:$cuda_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}${fallback_dir:+:$fallback_dir}"
 echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH" >>"$env_log"
 runtime_version=""
 driver_version=""
@@ -393,7 +434,8 @@ fi
 
 # --- bundle: every binary's libraries resolve, from lib/ unless the machine
 # provides them (the C/C++ runtime, the driver's libcuda and NCCL; the CUDA
-# runtime comes from lib/, the one the binaries were built against).
+# runtime comes from lib/, the one the binaries were built against; those of
+# lib/fallback/ from the machine, or from lib/fallback/ where it lacks them).
 step=bundle
 t0=$SECONDS
 provided_re='^(linux-vdso|libc|libm|libstdc\+\+|libgcc_s|ld-linux-x86-64|ld-linux|libpthread|libdl|librt|libnccl|libcuda)\.so'
@@ -413,7 +455,8 @@ for b in "$here"/bin/*; do
     [ "$arrow" = "=>" ] || continue
     if [ "$path" = "not" ]; then
       missing="$missing $(basename "$b"):$soname(not found)"
-    elif ! [[ $soname =~ $provided_re ]] && [[ $path != "$here/lib/"* ]]; then
+    elif ! [[ $soname =~ $provided_re ]] && [[ $path != "$here/lib/"* ]] &&
+      ! [ -e "$here/lib/fallback/$soname" ]; then
       missing="$missing $(basename "$b"):$soname(from $path, not lib/)"
     fi
   done <<<"$ldd_out"
