@@ -86,25 +86,30 @@ def bazel_copts(root=ROOT):
   .bazelrc's plain `build` lines (a `build:CONFIG` line belongs to a
   config the check does not compile with), and -Werror."""
   defs = os.path.join(root, "tools", "bazel", "defs.bzl")
-  with open(defs) as f:
-    text = f.read()
+  bazelrc = os.path.join(root, ".bazelrc")
+  try:
+    with open(defs) as f:
+      # Comments go first: a Starlark list of strings is then a Python
+      # literal (no flag holds a '#').
+      text = re.sub(r"#[^\n]*", "", f.read())
+    with open(bazelrc) as f:
+      rc_lines = f.readlines()
+  except OSError as e:
+    fail(f"cannot read the build's flags: {e}")
   copts = []
   for name in ("FLATPARAM_COPTS", "LIBTORCH_COPTS"):
     m = re.search(rf"^{name}\s*=\s*(\[.*?\])", text, re.M | re.S)
     try:
-      # A Starlark list of strings is a Python literal once its comments
-      # are gone (no flag holds a '#').
-      value = ast.literal_eval(re.sub(r"#[^\n]*", "", m.group(1))) if m else None
+      value = ast.literal_eval(m.group(1)) if m else None
     except (SyntaxError, ValueError):
       value = None
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
       fail(f"{defs}: no list of strings named {name}")
     copts += value
-  with open(os.path.join(root, ".bazelrc")) as f:
-    for line in f:
-      words = line.split("#", 1)[0].split()
-      if words[:1] == ["build"]:
-        copts += [w[len("--copt="):] for w in words[1:] if w.startswith("--copt=")]
+  for line in rc_lines:
+    words = line.split("#", 1)[0].split()
+    if words[:1] == ["build"]:
+      copts += [w[len("--copt="):] for w in words[1:] if w.startswith("--copt=")]
   # Warnings fail this check whatever the workspace does with them.
   return copts if "-Werror" in copts else copts + ["-Werror"]
 

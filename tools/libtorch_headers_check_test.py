@@ -109,8 +109,8 @@ class BazelCoptsTest(unittest.TestCase):
     write(os.path.join(self.root, "tools", "bazel", "defs.bzl"), """
 FLATPARAM_COPTS = [
     "-Wall",
-    # why this one is off
-    "-Wno-sign-compare",  # trailing comment
+    # why this one is off [see .bazelrc]
+    "-Wno-sign-compare",  # trailing comment ]
 ]
 
 LIBTORCH_COPTS = ["-Wno-maybe-uninitialized"]
@@ -136,6 +136,11 @@ build --copt=-Werror  # warnings are errors
           'FLATPARAM_COPTS = ["-Wall"]\nLIBTORCH_COPTS = []\n')
     write(os.path.join(self.root, ".bazelrc"), "build --copt=-g\n")
     self.assertEqual(check.bazel_copts(self.root), ["-Wall", "-g", "-Werror"])
+
+  def test_missing_files_are_an_error(self):
+    code, err = exit_code_and_stderr(lambda: check.bazel_copts(self.root))
+    self.assertEqual(code, 2)
+    self.assertIn("cannot read the build's flags", err)
 
   def test_a_missing_or_computed_list_is_an_error(self):
     write(os.path.join(self.root, ".bazelrc"), "")
