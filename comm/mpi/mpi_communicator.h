@@ -221,7 +221,8 @@ struct MpiWorldOptions {
   // file system), while a collective's peers are already running.
   absl::Duration start_timeout = kDefaultMpiStartTimeout;
   // Bounds every wait of the job's end that involves the other processes:
-  // the exit handshake and MPI_Finalize.
+  // the exit handshake (twice this on a rank whose fn failed) and
+  // MPI_Finalize.
   absl::Duration timeout = kDefaultCollectiveTimeout;
   // Prefixes what RunOnMpiWorld prints: "<program>: <message>".
   std::string program = "flatparam";
@@ -250,13 +251,16 @@ struct MpiWorldOptions {
 //    waits in MPI_Finalize for a peer that may never arrive.
 //  - Otherwise (success, or an error every rank can report on its own, such
 //    as InvalidArgument) the ranks meet in an exit handshake, an all-gather
-//    on a communicator of its own bounded by options.timeout, and finalise
-//    MPI under a watchdog with the same bound. A rank that does not arrive
-//    (it failed elsewhere, or it hangs) is named in the error, and the job
-//    is aborted as above.
+//    on a communicator of its own bounded by options.timeout (twice that
+//    on a rank whose fn failed, so that peers still waiting for it in a
+//    collective time out first and name it), and finalise MPI under a
+//    watchdog with options.timeout. A rank that does not arrive (it failed
+//    elsewhere, or it hangs) is named in the error, and the job is aborted
+//    as above.
 //
 // So after a fault every process exits within about options.timeout of the
-// collective that waited for the faulty peer (plus the MPI_Abort's spread).
+// collective that waited for the faulty peer (plus the MPI_Abort's spread),
+// and a rank whose fn failed within twice options.timeout of its error.
 // Returns fn's error, else the handshake's or finalisation's; on the abort
 // paths it does not return. Call it once per process, from main's thread.
 absl::Status RunOnMpiWorld(

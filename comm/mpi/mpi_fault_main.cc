@@ -3,7 +3,7 @@
 // all-gathers in a loop, and one rank injects a fault.
 //
 //   mpi_fault_main --fault=F [--fault_rank=R] [--timeout=4s]
-//                  [--start_timeout=60s] [--ops=N]
+//                  [--start_timeout=60s] [--ops=N] [--others_late=D]
 //
 // Faults, on rank R (every rank for all-error):
 //   none               no fault: the job finalises cleanly, every rank OK.
@@ -17,6 +17,8 @@
 //   all-error          the same error on every rank: a clean end, exit 1.
 //   stop-at-end        SIGSTOP after the last op (the others wait in the
 //                      exit handshake).
+// --others_late=D makes the other ranks sleep D before op N/2, as on a
+// loaded machine where they reach it after R's fault.
 // The faulting rank prints "mpi_fault: rank R: fault F at T" (T: Unix time
 // in milliseconds) to stderr, flushed, just before the fault, so the test
 // can measure the time from the fault to the job's end.
@@ -49,6 +51,8 @@ ABSL_FLAG(absl::Duration, timeout, absl::Seconds(4),
 ABSL_FLAG(absl::Duration, start_timeout, absl::Seconds(60),
           "RunOnMpiWorld's bound on MPI's start.");
 ABSL_FLAG(int, ops, 20, "All-gathers per rank.");
+ABSL_FLAG(absl::Duration, others_late, absl::ZeroDuration(),
+          "How long the ranks other than --fault_rank sleep before op N/2.");
 
 namespace flatparam {
 namespace {
@@ -68,13 +72,15 @@ void Announce(int rank, const std::string& fault) {
 }
 
 absl::Status Run(MpiCommunicator& world, const std::string& fault,
-                 int fault_rank, absl::Duration timeout, int ops) {
+                 int fault_rank, absl::Duration timeout, int ops,
+                 absl::Duration others_late) {
   const bool faulty = world.rank() == fault_rank;
   std::vector<float> input(1024, static_cast<float>(world.rank()));
   std::vector<float> output(input.size() * world.size());
   CollectiveOptions options;
   options.timeout = timeout;
   for (int op = 0; op < ops; ++op) {
+    if (op == ops / 2 && !faulty) absl::SleepFor(others_late);
     if (op == ops / 2 && (faulty || fault == "all-error")) {
       if (fault == "stop-mid") {
         Announce(world.rank(), fault);
@@ -129,7 +135,8 @@ int Main(int argc, char** argv) {
   const absl::Status status = RunOnMpiWorld(
       [&](MpiCommunicator& world) {
         rank = world.rank();
-        return Run(world, fault, fault_rank, timeout, ops);
+        return Run(world, fault, fault_rank, timeout, ops,
+                   absl::GetFlag(FLAGS_others_late));
       },
       options);
   if (!status.ok()) {

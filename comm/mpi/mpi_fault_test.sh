@@ -51,6 +51,7 @@ run() {
   left=$(pgrep -f -- "$binary --fault=$fault" || true)
   if [ -n "$left" ]; then
     fail "$fault: processes left behind: $left"
+    # shellcheck disable=SC2086  # one word per process
     kill -KILL $left 2>/dev/null
   fi
 }
@@ -101,6 +102,15 @@ expect_ended local-error
 expect_err local-error '^mpi_fault: rank 2: injected error before op 10$' \
   "the failing rank's own error"
 expect_err local-error 'no data arrived from rank 2' "the missing rank named"
+
+# The same with the others reaching that all-gather 2 s after the error (a
+# loaded machine): they still time out first and name rank 2. (When the
+# failing rank's exit handshake waited no longer than their all-gather, it
+# ended the job first, naming them as the missing ones.)
+run local-error --others_late=2s
+expect_ended local-error
+expect_err local-error 'rank [013]: all_gather #10 .*timed out after 4s.*no data arrived from rank 2' \
+  "the others' timeout naming rank 2, late as they were"
 
 # The same error on every rank: each prints it once, and the job ends
 # cleanly (finalised, no abort).

@@ -215,10 +215,14 @@ absl::Status RunOnMpiWorld(
     }
   }
   // Every rank says how it ended; a rank that does not arrive is named.
+  // A rank that failed on its own waits twice as long: the peers it left
+  // waiting in a collective then time out first and name it. Waiting no
+  // longer than they do, it raced them (CI, a loaded machine: it aborted the
+  // job first, naming as missing the peers that were waiting for it).
   double code = static_cast<double>(status.code());
   std::vector<double> codes(exit_comm->size());
   CollectiveOptions handshake;
-  handshake.timeout = options.timeout;
+  handshake.timeout = status.ok() ? options.timeout : 2 * options.timeout;
   const absl::Status met =
       exit_comm
           ->AllGather(
